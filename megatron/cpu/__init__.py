@@ -1,0 +1,50 @@
+"""Everything that lets megatron-core run on a host without a GPU.
+
+``activate()`` is the single entry point. On a CUDA host it does nothing; otherwise it installs
+the device redirections (``device_compat``) and, when flash-linear-attention cannot be imported,
+binds the torch GatedDeltaNet kernels (``gdn_kernels``) where megatron-core looks them up.
+The SDPA core attention (``sdpa_attention``) is chosen by the model's spec function, not here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_active = False
+
+
+def fla_available() -> bool:
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except Exception:  # ImportError, or Triton failing to find a GPU at import
+        return False
+    return True
+
+
+def register_torch_gdn_kernels() -> None:
+    """Bind the torch kernels to the names megatron-core's GatedDeltaNet imports from FLA.
+    ``gdn.py`` copies the names at import time, so both modules are patched."""
+    from megatron.core.ssm.gated_delta_net import common, gdn
+
+    from . import gdn_kernels
+
+    for module in (common, gdn):
+        module.causal_conv1d = gdn_kernels.causal_conv1d
+        module.chunk_gated_delta_rule = gdn_kernels.chunk_gated_delta_rule
+        module.l2norm = gdn_kernels.l2norm
+    common.HAVE_FLA = True
+
+
+def activate() -> bool:
+    """Make megatron-core usable on this host. Returns True when running on CPU."""
+    global _active
+    if torch.cuda.is_available():
+        return False
+    if not _active:
+        from . import device_compat
+
+        device_compat.install()
+        if not fla_available():
+            register_torch_gdn_kernels()
+        _active = True
+    return True

@@ -1,0 +1,58 @@
+"""Redirect the few CUDA-only calls megatron-core makes so its layers run on a CPU host.
+
+Installed only when ``torch.cuda.is_available()`` is false (see ``megatron.cpu.activate``); on a
+GPU host nothing here runs. Each redirection names the megatron-core call site it serves.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+_CPU = torch.device("cpu")
+_installed = False
+
+
+def _cpu_rng_state(*_args, **_kwargs) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state, *_args, **_kwargs) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _seed_cpu_generator(seed) -> None:
+    torch.default_generator.manual_seed(int(seed))
+
+
+def install() -> None:
+    """Idempotent. Afterwards ``torch.cuda.current_device()`` is the CPU device and the
+    "CUDA" RNG tracker of megatron-core forks the CPU generator instead."""
+    global _installed
+    if _installed:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("megatron.cpu.device_compat must not be installed on a CUDA host")
+
+    # Parameters are created with device=torch.cuda.current_device() throughout megatron-core
+    # (GatedDeltaNet conv1d / A_log / dt_bias, rotary inv_freq, linear layers).
+    torch.cuda.current_device = lambda: _CPU
+
+    # megatron.core.tensor_parallel.random: CudaRNGStatesTracker.add/fork and
+    # model_parallel_cuda_manual_seed read/seed/set the CUDA generator. Point them at the CPU
+    # generator so dropout / init forks keep their determinism contract on CPU.
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random._get_cuda_rng_state = _cpu_rng_state
+    mcore_random._set_cuda_rng_state = _set_cpu_rng_state
+    torch.cuda.get_rng_state = _cpu_rng_state
+    torch.cuda.set_rng_state = _set_cpu_rng_state
+    # Seed the CPU generator directly: torch.manual_seed itself calls torch.cuda.manual_seed_all.
+    torch.cuda.manual_seed = _seed_cpu_generator
+    torch.cuda.manual_seed_all = _seed_cpu_generator
+    # The tracker's fork warns when the CPU generator moved inside a "GPU" fork. Here the
+    # forked generator *is* the CPU generator, so every random draw in a fork would warn.
+    logging.getLogger(mcore_random.__name__).addFilter(
+        lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage())
+    _installed = True

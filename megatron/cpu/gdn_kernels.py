@@ -1,0 +1,196 @@
+"""Torch reference kernels for GatedDeltaNet with the signatures of flash-linear-attention (FLA).
+
+megatron-core's ``GatedDeltaNet`` imports ``chunk_gated_delta_rule``, ``causal_conv1d`` and
+``l2norm`` from FLA, whose Triton kernels need a GPU. These functions take the same arguments
+and return the same tuples, so the megatron-core layer runs unchanged on a CPU host; they are
+also the numerical reference the tests compare against.
+
+Layouts (FLA's): ``x_BTD`` is [batch, tokens, channels]; q/k are [B, T, H, K], v is
+[B, T, H, V] (megatron-core has already repeated q/k heads up to the value heads), g and beta
+are [B, T, H]. With ``cu_seqlens`` the batch is a single packed row (B == 1) holding
+``len(cu_seqlens) - 1`` independent sequences: no state crosses a boundary.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["chunk_gated_delta_rule", "causal_conv1d", "l2norm"]
+
+
+def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6, output_dtype=None) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) along ``dim``, computed in fp32 (FLA's definition)."""
+    y = x.float() * torch.rsqrt(x.float().pow(2).sum(dim=dim, keepdim=True) + eps)
+    return y.to(output_dtype or x.dtype)
+
+
+def _segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Index of the packed sequence each token belongs to, [T] (long)."""
+    bounds = cu_seqlens[1:].to(torch.long)
+    return torch.bucketize(torch.arange(total, device=cu_seqlens.device), bounds, right=True)
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    **unused,
+) -> tuple[torch.Tensor, None]:
+    """Depthwise causal conv1d over x [B, T, D] with weight [D, W]; the window never reaches
+    across a ``cu_seqlens`` boundary (each packed sequence starts from a zero state)."""
+    if initial_state is not None or output_final_state:
+        raise NotImplementedError(
+            "the CPU causal_conv1d has no conv-state carry (initial_state / output_final_state); "
+            "it serves training forward/backward, where megatron-core passes neither"
+        )
+    batch, total, _ = x.shape
+    width = weight.shape[-1]
+    x_f = x.float()
+    w_f = weight.float()
+    if cu_seqlens is not None:
+        if batch != 1:
+            raise ValueError(f"cu_seqlens requires a single packed row, got batch={batch}")
+        seg = _segment_ids(cu_seqlens, total)
+        pos_in_seq = torch.arange(total, device=x.device) - cu_seqlens.to(torch.long)[seg]
+    else:
+        pos_in_seq = torch.arange(total, device=x.device)
+    out = torch.zeros_like(x_f)
+    # Tap ``lag`` reads x[t - lag]; it is valid only while t - lag stays in the same sequence.
+    for lag in range(width):
+        shifted = F.pad(x_f, (0, 0, lag, 0))[:, :total]
+        valid = (pos_in_seq >= lag).to(x_f.dtype)[None, :, None]
+        out = out + shifted * valid * w_f[:, width - 1 - lag]
+    if bias is not None:
+        out = out + bias.float()
+    if activation in ("silu", "swish"):
+        out = F.silu(out)
+    elif activation is not None:
+        raise ValueError(f"unsupported activation {activation!r} (expected 'silu' or None)")
+    return out.to(x.dtype), None
+
+
+def _pack_to_padded_batch(tensors, cu_seqlens: torch.Tensor, chunk: int):
+    """[1, T, ...] packed tensors -> [N, L, ...] with each sequence zero-padded to L (a multiple
+    of ``chunk``), plus the (seq, pos) index to scatter results back."""
+    total = tensors[0].shape[1]
+    cu = cu_seqlens.to(torch.long)
+    lengths = cu[1:] - cu[:-1]
+    longest = int(lengths.max().item()) if lengths.numel() else 0
+    padded_len = max(chunk, -(-longest // chunk) * chunk)
+    seg = _segment_ids(cu_seqlens, total)
+    pos = torch.arange(total, device=cu.device) - cu[seg]
+    out = []
+    for t in tensors:
+        buf = t.new_zeros((lengths.numel(), padded_len) + tuple(t.shape[2:]))
+        buf[seg, pos] = t[0]
+        out.append(buf)
+    return out, (seg, pos)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    **unused,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated delta rule, chunked. Recurrence per head, with state S [K, V]:
+
+        S_t = exp(g_t) S_{t-1};  S_t += k_t (beta_t (v_t - S_t^T k_t))^T;  o_t = scale S_t^T q_t
+
+    Returns (o [B, T, H, V] in q's dtype, final state [N, H, K, V] fp32 or None).
+    """
+    out_dtype = q.dtype
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    scatter = None
+    if cu_seqlens is not None:
+        if q.shape[0] != 1:
+            raise ValueError(f"cu_seqlens requires a single packed row, got batch={q.shape[0]}")
+        (q, k, v, g, beta), scatter = _pack_to_padded_batch((q, k, v, g, beta), cu_seqlens, chunk_size)
+    o, state = _chunked_scan(q, k, v, g, beta, scale, initial_state, chunk_size)
+    if scatter is not None:
+        seg, pos = scatter
+        o = o[seg, pos].unsqueeze(0)
+    return o.to(out_dtype), (state if output_final_state else None)
+
+
+def _chunked_scan(q, k, v, g, beta, scale, initial_state, chunk):
+    """Dense [N, L, H, *] fp32 inputs; L is padded here to a multiple of ``chunk``. Zero padding
+    is inert: k = 0 and beta = 0 leave the state unchanged and g = 0 does not decay it."""
+    n, length, heads, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-length) % chunk
+    if pad:
+        q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
+        g, beta = (F.pad(t, (0, 0, 0, pad)) for t in (g, beta))
+    n_chunks = (length + pad) // chunk
+
+    # -> [N, H, n_chunks, C, *]
+    def to_chunks(t):
+        t = t.transpose(1, 2)
+        return t.reshape(t.shape[0], t.shape[1], n_chunks, chunk, *t.shape[3:])
+
+    q, k, v = to_chunks(q) * scale, to_chunks(k), to_chunks(v)
+    g, beta = to_chunks(g), to_chunks(beta)
+    gamma = g.cumsum(-1)  # log of the decay accumulated from the chunk start, inclusive
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    # decay_ij = exp(gamma_i - gamma_j) for j <= i, else 0 (masked before exp: no overflow)
+    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+
+    # WY form: (I + A) u = beta v and (I + A) w = beta exp(gamma) k, A strictly lower.
+    k_beta = k * beta[..., None]
+    a_strict = (k_beta @ k.transpose(-1, -2)) * decay
+    a_strict = a_strict.masked_fill(~causal.tril(-1), 0.0)
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    system = eye + a_strict
+    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * gamma.exp()[..., None], upper=False, unitriangular=True)
+    qk_intra = (q @ k.transpose(-1, -2)) * decay
+    q_decayed = q * gamma.exp()[..., None]
+    k_to_end = k * (gamma[..., -1:] - gamma).exp()[..., None]
+    chunk_decay = gamma[..., -1].exp()[..., None, None]
+
+    if initial_state is None:
+        state = q.new_zeros(n, heads, dk, dv)
+    else:
+        state = initial_state.float().clone()
+    outs = []
+    for c in range(n_chunks):
+        v_new = u[:, :, c] - w[:, :, c] @ state
+        outs.append(q_decayed[:, :, c] @ state + qk_intra[:, :, c] @ v_new)
+        state = state * chunk_decay[:, :, c] + k_to_end[:, :, c].transpose(-1, -2) @ v_new
+    o = torch.stack(outs, dim=2).reshape(n, heads, n_chunks * chunk, dv)[:, :, :length]
+    return o.transpose(1, 2), state
+
+
+def recurrent_gated_delta_rule_reference(q, k, v, g, beta, scale=None):
+    """Token-by-token recurrence on dense [B, T, H, *] inputs: the definition the chunked kernel
+    must reproduce. Slow; used by tests only."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    b, t_len, h, dk = k.shape
+    state = q.new_zeros(b, h, dk, v.shape[-1])
+    outs = []
+    for t in range(t_len):
+        state = state * g[:, t].exp()[..., None, None]
+        pred = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
+        delta = (v[:, t] - pred) * beta[:, t][..., None]
+        state = state + k[:, t][..., :, None] * delta[..., None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t] * scale))
+    return torch.stack(outs, dim=1)
