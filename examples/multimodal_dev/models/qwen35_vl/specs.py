@@ -1,0 +1,128 @@
+"""Module specs of the Qwen3.5-VL towers, for both backends, chosen in one place.
+
+``backend="te"``: Transformer Engine linears with fused input norms, TE attention, TE norms
+(zero-centred gamma supported natively). ``backend="local"``: megatron-core's tensor-parallel
+linears, the torch SDPA core attention from ``megatron.cpu`` and the project's ``TorchNorm``
+(zero-centred, sequence-parallel aware); this is the CPU path.
+
+Decoder layer i is a Gated DeltaNet layer or a gated full-attention layer according to
+``layer_types[i]``; each has a dense SwiGLU MLP or an MoE with a gated shared expert.
+"""
+
+from __future__ import annotations
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from ..common.norms import TorchNorm
+from .configuration import FULL, LINEAR
+
+BACKENDS = ("local", "te")
+
+
+class _Modules:
+    """The building blocks of one backend."""
+
+    def __init__(self, backend: str):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown --transformer-impl backend {backend!r}; valid: {', '.join(BACKENDS)}")
+        self.fused_norm = backend == "te"
+        if backend == "te":
+            from megatron.core.extensions.transformer_engine import (
+                TEColumnParallelLinear,
+                TEDotProductAttention,
+                TELayerNormColumnParallelLinear,
+                TENorm,
+                TERowParallelLinear,
+            )
+            from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+            self.provider = TESpecProvider()
+            self.norm, self.attention = TENorm, TEDotProductAttention
+            self.column, self.row = TEColumnParallelLinear, TERowParallelLinear
+            self.norm_column = TELayerNormColumnParallelLinear
+        else:
+            from megatron.cpu.sdpa_attention import SDPACoreAttention
+
+            self.provider = LocalSpecProvider()
+            self.norm, self.attention = TorchNorm, SDPACoreAttention
+            self.column, self.row = ColumnParallelLinear, RowParallelLinear
+            self.norm_column = ColumnParallelLinear
+
+    def input_norm_and_linear(self):
+        """(input_layernorm, first linear): fused into one TE module, separate locally."""
+        if self.fused_norm:
+            return IdentityOp, self.norm_column
+        return self.norm, self.column
+
+
+def _mixer_spec(m: _Modules, layer_type: str):
+    input_norm, first_linear = m.input_norm_and_linear()
+    if layer_type == LINEAR:
+        mixer = ModuleSpec(
+            module=GatedDeltaNet,
+            submodules=GatedDeltaNetSubmodules(in_proj=first_linear, out_norm=m.norm, out_proj=m.row),
+        )
+    elif layer_type == FULL:
+        mixer = ModuleSpec(
+            module=SelfAttention,
+            params={"attn_mask_type": AttnMaskType.causal},
+            submodules=SelfAttentionSubmodules(
+                linear_qkv=first_linear, core_attention=m.attention, linear_proj=m.row,
+                q_layernorm=m.norm, k_layernorm=m.norm,
+            ),
+        )
+    else:
+        raise ValueError(f"unknown layer type {layer_type!r}; expected {LINEAR!r} or {FULL!r}")
+    return input_norm, mixer
+
+
+def decoder_block_spec(config, layer_types, backend: str) -> TransformerBlockSubmodules:
+    m = _Modules(backend)
+    num_experts = config.num_moe_experts
+    mlp = get_mlp_module_spec_for_backend(backend=m.provider, num_experts=num_experts, moe_grouped_gemm=False)
+    # TE fuses the pre-MLP norm into a dense fc1; the MoE router needs the normed input itself.
+    pre_mlp_norm = IdentityOp if (m.fused_norm and num_experts is None) else m.norm
+    layers = []
+    for layer_type in layer_types:
+        input_norm, mixer = _mixer_spec(m, layer_type)
+        layers.append(ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+            input_layernorm=input_norm, self_attention=mixer, self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=pre_mlp_norm, mlp=mlp, mlp_bda=get_bias_dropout_add,
+        )))
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=m.norm)
+
+
+def vision_block_spec(config, backend: str) -> TransformerBlockSubmodules:
+    """ViT blocks: bidirectional attention within each image frame (THD segments)."""
+    m = _Modules(backend)
+    input_norm, first_linear = m.input_norm_and_linear()
+    mlp = get_mlp_module_spec_for_backend(backend=m.provider, num_experts=None)
+    layer = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=input_norm,
+        self_attention=ModuleSpec(
+            module=SelfAttention,
+            params={"attn_mask_type": AttnMaskType.no_mask},
+            submodules=SelfAttentionSubmodules(linear_qkv=first_linear, core_attention=m.attention,
+                                               linear_proj=m.row),
+        ),
+        self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=IdentityOp if m.fused_norm else m.norm,
+        mlp=mlp, mlp_bda=get_bias_dropout_add,
+    ))
+    return TransformerBlockSubmodules(layer_specs=[layer] * config.num_layers, layer_norm=None)
+
+
+def linear_classes(backend: str):
+    """(column-parallel, row-parallel, norm) classes for modules built outside a block."""
+    m = _Modules(backend)
+    return m.column, m.row, m.norm

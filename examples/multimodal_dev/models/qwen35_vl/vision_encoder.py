@@ -1,0 +1,119 @@
+"""Qwen3.5 vision tower on megatron-core modules.
+
+Legend: P = patches of all images/frames in the micro-batch (processor order: spatial-merge
+blocks of m x m patches, row-major over blocks, repeated per temporal frame); N = P / m^2
+merged tokens handed to the language model.
+
+    pixel_values [P, C*tp*p*p] -> Conv3d patch embed [P, D]
+      + learned position table (sqrt(n) x sqrt(n)), bilinearly resampled to each (h, w) grid
+      -> ViT blocks, 2-D rotary (h, w), attention within each frame (one THD segment per frame)
+      -> merger: LayerNorm -> view [N, D*m^2] -> fc1 -> exact GELU -> fc2 -> [N, out_hidden]
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_block import TransformerBlock
+from torch import nn
+
+from .configuration import VisionShape
+from .specs import linear_classes, vision_block_spec
+
+
+def merge_block_coords(grid_thw: torch.Tensor, merge: int):
+    """(row, col, frame height, frame width) of every patch, in processor (merge-block) order."""
+    rows, cols, heights, widths = [], [], [], []
+    for t, h, w in grid_thw.tolist():  # one iteration per image, not per patch
+        r = torch.arange(h).view(h // merge, merge, 1, 1).expand(-1, -1, w // merge, merge)
+        c = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, -1, -1)
+        # (block_row, in_row, block_col, in_col) -> (block_row, block_col, in_row, in_col)
+        rows.append(r.permute(0, 2, 1, 3).reshape(-1).repeat(t))
+        cols.append(c.permute(0, 2, 1, 3).reshape(-1).repeat(t))
+        heights.append(torch.full((t * h * w,), h))
+        widths.append(torch.full((t * h * w,), w))
+    return torch.cat(rows), torch.cat(cols), torch.cat(heights), torch.cat(widths)
+
+
+def bilinear_taps(coord: torch.Tensor, size: torch.Tensor, side: int):
+    """align_corners=True resampling of a ``side``-long axis to ``size`` points: two taps each."""
+    src = coord.float() * (side - 1) / (size - 1).clamp(min=1).float()
+    lo = src.floor()
+    frac = src - lo
+    lo = lo.long().clamp(0, side - 1)
+    hi = (lo + 1).clamp(max=side - 1)
+    return (lo, hi), (1.0 - frac, frac)
+
+
+class PatchMerger(MegatronModule):
+    def __init__(self, config, shape: VisionShape, backend: str):
+        super().__init__(config=config)
+        column, row, _ = linear_classes(backend)
+        self.merged_dim = shape.hidden_size * shape.spatial_merge_size ** 2
+        self.patch_norm = nn.LayerNorm(shape.hidden_size, eps=1e-6, dtype=config.params_dtype)
+        self.linear_fc1 = column(self.merged_dim, self.merged_dim, config=config, init_method=config.init_method,
+                                 bias=True, gather_output=False, skip_bias_add=False)
+        self.linear_fc2 = row(self.merged_dim, shape.out_hidden_size, config=config,
+                              init_method=config.output_layer_init_method, bias=True, input_is_parallel=True,
+                              skip_bias_add=False)
+
+    def forward(self, x_PD: torch.Tensor) -> torch.Tensor:
+        x = self.patch_norm(x_PD).view(-1, self.merged_dim)
+        x, _ = self.linear_fc1(x)
+        x, _ = self.linear_fc2(F.gelu(x))  # exact (erf) GELU, unlike the tanh GELU of the blocks
+        return x
+
+
+class Qwen35VisionModel(MegatronModule):
+    def __init__(self, config, shape: VisionShape, backend: str = "local"):
+        super().__init__(config=config)
+        self.shape = shape
+        kernel = (shape.temporal_patch_size, shape.patch_size, shape.patch_size)
+        self.patch_embed = nn.Module()
+        self.patch_embed.proj = nn.Conv3d(shape.in_channels, shape.hidden_size, kernel_size=kernel, stride=kernel,
+                                          bias=True, dtype=config.params_dtype)
+        self.pos_embed = nn.Embedding(shape.num_position_embeddings, shape.hidden_size, dtype=config.params_dtype)
+        self.grid_side = int(shape.num_position_embeddings ** 0.5)
+        head_dim = shape.hidden_size // shape.num_heads
+        quarter = torch.arange(0, head_dim // 2, 2, dtype=torch.float32) / (head_dim // 2)
+        self.register_buffer("rope_inv_freq", 1.0 / (shape.rope_theta ** quarter), persistent=False)
+        self.decoder = TransformerBlock(config=config, spec=vision_block_spec(config, backend),
+                                        pre_process=True, post_process=False, post_layer_norm=False)
+        self.merger = PatchMerger(config, shape, backend)
+
+    def position_embeddings(self, rows, cols, heights, widths) -> torch.Tensor:
+        (h0, h1), (wh0, wh1) = bilinear_taps(rows, heights, self.grid_side)
+        (c0, c1), (wc0, wc1) = bilinear_taps(cols, widths, self.grid_side)
+        table, side = self.pos_embed.weight, self.grid_side
+        out = 0
+        for hi, wh in ((h0, wh0), (h1, wh1)):
+            for ci, wc in ((c0, wc0), (c1, wc1)):
+                out = out + table[hi * side + ci] * (wh * wc).to(table.dtype)[:, None]
+        return out
+
+    def rotary_angles(self, rows, cols) -> torch.Tensor:
+        """[P, 1, 1, head_dim]: h angles then w angles, duplicated for rotate-half."""
+        inv = self.rope_inv_freq.to(rows.device)
+        angles = torch.cat([rows.float()[:, None] * inv, cols.float()[:, None] * inv], dim=-1)
+        return torch.cat([angles, angles], dim=-1)[:, None, None, :]
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        s = self.shape
+        if pixel_values.shape[0] != int(grid_thw.prod(-1).sum()):
+            raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches but image_grid_thw "
+                             f"{grid_thw.tolist()} describes {int(grid_thw.prod(-1).sum())}")
+        dtype = self.patch_embed.proj.weight.dtype
+        patches = pixel_values.to(dtype).view(-1, s.in_channels, s.temporal_patch_size, s.patch_size, s.patch_size)
+        x = self.patch_embed.proj(patches).view(-1, s.hidden_size)
+        rows, cols, heights, widths = (t.to(x.device) for t in merge_block_coords(grid_thw.cpu(), s.spatial_merge_size))
+        x = x + self.position_embeddings(rows, cols, heights, widths)
+        frame_lengths = torch.repeat_interleave(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0])
+        cu = F.pad(frame_lengths.cumsum(0), (1, 0)).to(device=x.device, dtype=torch.int32)
+        max_len = int(frame_lengths.max())
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                 max_seqlen_q=max_len, max_seqlen_kv=max_len)
+        hidden = self.decoder(hidden_states=x.unsqueeze(1), attention_mask=None,
+                              rotary_pos_emb=self.rotary_angles(rows, cols), packed_seq_params=packed)
+        return self.merger(hidden.squeeze(1))
