@@ -68,6 +68,8 @@ class TextShape:
     def __post_init__(self):
         if not self.layer_types:
             object.__setattr__(self, "layer_types", hybrid_pattern(self.num_layers, 4))
+        if self.is_moe:  # no dense MLP anywhere: keep one canonical value so shapes compare equal
+            object.__setattr__(self, "ffn_hidden_size", 0)
 
     @property
     def is_moe(self) -> bool:
@@ -120,16 +122,16 @@ VARIANTS: dict[str, Qwen35VLShape] = {
     "122b_a10b": _variant(_moe(3072, 48, 32, 2, 64, 256, 8, 1024)),
     "397b_a17b": _variant(_moe(4096, 60, 32, 2, 64, 512, 10, 1024)),
     # 4 layers (3 GDN + 1 attention) of the 397B shape with few experts: GPU smoke runs.
-    "proxy": _variant(replace(_moe(4096, 4, 32, 2, 64, 8, 2, 1024), layer_types=())),
+    "proxy": _variant(_moe(4096, 4, 32, 2, 64, 8, 2, 1024)),
     # A few million parameters, every structural feature present; trains on CPU.
     "tiny": Qwen35VLShape(
-        text=TextShape(hidden_size=64, num_layers=4, num_attention_heads=4, num_kv_heads=2, head_dim=32,
-                       ffn_hidden_size=128, vocab_size=4096, linear_num_key_heads=2,
-                       linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        text=TextShape(hidden_size=128, num_layers=4, num_attention_heads=4, num_kv_heads=2, head_dim=32,
+                       ffn_hidden_size=256, vocab_size=8192, linear_num_key_heads=2,
+                       linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
                        mrope_section=(2, 1, 1), partial_rotary_factor=0.25),
-        vision=VisionShape(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
-                           num_position_embeddings=64, out_hidden_size=64),
-        image_token_id=4000, video_token_id=4001, vision_start_token_id=4002, vision_end_token_id=4003,
+        vision=VisionShape(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
+                           num_position_embeddings=64, out_hidden_size=128),
+        image_token_id=8000, video_token_id=8001, vision_start_token_id=8002, vision_end_token_id=8003,
     ),
 }
 

@@ -1,0 +1,61 @@
+"""Variant table, HF config import/export, registry and mapping round trip."""
+
+import pytest
+import torch
+from hf_reference import build_hf_model
+
+from models import MODEL_REGISTRY, get_model_entry
+from models.qwen35_vl.configuration import FULL, LINEAR, VARIANTS, from_hf_config, get_variant, to_hf_config_dict
+from models.qwen35_vl.factory import validate_parallel
+from models.qwen35_vl.hf_mapping import hf_to_megatron, megatron_to_hf
+
+
+def test_variants_are_consistent():
+    for name, shape in VARIANTS.items():
+        t = shape.text
+        assert len(t.layer_types) == t.num_layers, name
+        assert set(t.layer_types) <= {LINEAR, FULL} and FULL in t.layer_types, name
+        assert sum(t.mrope_section) * 2 == int(t.head_dim * t.partial_rotary_factor), name
+        assert shape.vision.out_hidden_size == t.hidden_size, name
+    assert VARIANTS["397b_a17b"].text.num_experts == 512 and VARIANTS["27b"].text.ffn_hidden_size == 17408
+    assert VARIANTS["proxy"].text.num_layers == 4 and VARIANTS["proxy"].text.layer_types[3] == FULL
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_hf_config_round_trip(moe):
+    shape = get_variant("tiny", moe=moe, mtp=True)
+    assert from_hf_config(to_hf_config_dict(shape)) == shape
+
+
+def test_hf_config_errors(tmp_path):
+    with pytest.raises(ValueError, match="model_type"):
+        from_hf_config({"model_type": "llama"})
+    with pytest.raises(FileNotFoundError):
+        from_hf_config(tmp_path / "missing")
+
+
+def test_registry():
+    assert "qwen35_vl" in MODEL_REGISTRY
+    assert get_model_entry("qwen35_vl").load("shape_fn")("tiny") == VARIANTS["tiny"]
+    with pytest.raises(KeyError, match="valid: qwen35_vl"):
+        get_model_entry("llava")
+    with pytest.raises(KeyError, match="valid:"):
+        get_variant("1t")
+
+
+def test_parallel_validation_names_flag_and_value():
+    with pytest.raises(ValueError, match="--tensor-model-parallel-size 3"):
+        validate_parallel(VARIANTS["tiny"], tp=3)
+    with pytest.raises(ValueError, match="--expert-model-parallel-size 2 needs an MoE"):
+        validate_parallel(get_variant("tiny", moe=False), ep=2)
+    validate_parallel(VARIANTS["397b_a17b"], tp=2, cp=2, ep=8)
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_mapping_round_trip_is_bitwise(moe):
+    shape = get_variant("tiny", moe=moe, mtp=False)
+    hf_state = build_hf_model(shape).state_dict()
+    back = megatron_to_hf(hf_to_megatron(hf_state, shape), shape)
+    assert set(back) == set(hf_state) - ({"lm_head.weight"} if shape.text.tie_word_embeddings else set())
+    for name, tensor in back.items():
+        assert tensor.dtype == hf_state[name].dtype and torch.equal(tensor, hf_state[name]), name
