@@ -98,6 +98,8 @@ class SDPACoreAttention(MegatronModule):
         if cu_kv is not None and not torch.equal(cu.cpu(), cu_kv.cpu()):
             raise NotImplementedError("SDPACoreAttention THD needs identical q and kv segments")
         bounds = cu.tolist()
+        if bounds[-1] != query.shape[0]:
+            raise ValueError(f"THD: cu_seqlens ends at {bounds[-1]} but the packed row has {query.shape[0]} tokens")
         outs = []
         # One SDPA call per packed sample: cost is sum(L_i^2), not T^2.
         for start, end in zip(bounds[:-1], bounds[1:]):

@@ -9,7 +9,6 @@ checkpoint is at hand.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from dataclasses import dataclass, field, replace
@@ -283,7 +282,3 @@ def vision_transformer_config(vision: VisionShape, params_dtype=torch.float32, *
         gradient_accumulation_fusion=False, params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
         pipeline_dtype=params_dtype, **parallel,
     )
-
-
-def shape_to_dict(shape: Qwen35VLShape) -> dict:
-    return dataclasses.asdict(shape)

@@ -137,8 +137,7 @@ def _language_layer_rules(shape: Qwen35VLShape, i: int) -> list[Rule]:
         raise ValueError(f"layer {i}: unknown layer type {t.layer_types[i]!r}")
     m, hm = mg + "mlp.", hf + "mlp."
     if t.is_moe:
-        experts = range(t.num_experts)
-        ffn, shared = t.moe_ffn_hidden_size, t.shared_expert_ffn_hidden_size
+        experts, shared = range(t.num_experts), t.shared_expert_ffn_hidden_size
         rules += [
             _copy(m + "router.weight", hm + "gate.weight"),
             Rule(tuple(f"{m}experts.local_experts.{e}.linear_fc1.weight" for e in experts),
@@ -150,7 +149,6 @@ def _language_layer_rules(shape: Qwen35VLShape, i: int) -> list[Rule]:
             _copy(m + "shared_experts.linear_fc2.weight", hm + "shared_expert.down_proj.weight"),
             _copy(m + "shared_experts.gate_weight", hm + "shared_expert_gate.weight"),
         ]
-        del ffn
     else:
         ffn = t.ffn_hidden_size
         rules += [
