@@ -82,27 +82,15 @@ def padded_batch_position_ids(tokens_BS, attention_mask_BS, image_grid_thw, vide
     for b in range(tokens_BS.shape[0]):
         keep = attention_mask_BS[b].bool() if attention_mask_BS is not None else torch.ones_like(tokens_BS[b], dtype=torch.bool)
         row = tokens_BS[b][keep]
-        n_img = _count_runs(row, image_token_id)
-        n_vid = _count_runs(row, video_token_id)
-        grids = _interleave_grids(row, image_token_id, video_token_id,
-                                  image_grids[next_img:next_img + n_img], video_grids[next_vid:next_vid + n_vid])
+        # One scan gives every vision run in reading order; its first token says image or video.
+        starts, _ = _vision_runs(row, torch.tensor([image_token_id, video_token_id], device=row.device))
+        is_image = row[starts] == image_token_id
+        n_img, n_vid = int(is_image.sum()), int((~is_image).sum())
+        grids = torch.zeros(len(starts), 3, dtype=torch.long, device=row.device)
+        grids[is_image] = image_grids[next_img:next_img + n_img].to(row.device, torch.long)
+        grids[~is_image] = video_grids[next_vid:next_vid + n_vid].to(row.device, torch.long)
         next_img, next_vid = next_img + n_img, next_vid + n_vid
         out[:, b, keep] = sample_position_ids(row, grids, (image_token_id, video_token_id), spatial_merge)
-    return out
-
-
-def _count_runs(row, token_id):
-    starts, _ = _vision_runs(row, torch.tensor([token_id], device=row.device))
-    return int(starts.numel())
-
-
-def _interleave_grids(row, image_token_id, video_token_id, image_grids, video_grids):
-    """Grids in order of appearance in the row (images and video frames may alternate)."""
-    starts, _ = _vision_runs(row, torch.tensor([image_token_id, video_token_id], device=row.device))
-    kinds = row[starts]
-    out = torch.zeros(len(starts), 3, dtype=torch.long, device=row.device)
-    out[kinds == image_token_id] = image_grids.to(row.device, torch.long)
-    out[kinds == video_token_id] = video_grids.to(row.device, torch.long)
     return out
 
 
