@@ -57,3 +57,17 @@ def hf_forward(model, shape: Qwen35VLShape, input_ids, attention_mask, pixel_val
 def megatron_position_ids(shape, input_ids, attention_mask, image_grid_thw):
     return padded_batch_position_ids(input_ids, attention_mask, image_grid_thw, None, shape.image_token_id,
                                      shape.video_token_id, shape.vision.spatial_merge_size)
+
+
+def hf_rope_index(shape: Qwen35VLShape, input_ids, attention_mask, image_grid_thw):
+    """transformers' ``get_rope_index`` (needs only the config, so no weights are built)."""
+    import transformers
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model
+
+    cfg = {k: v for k, v in to_hf_config_dict(shape).items() if k != "model_type"}
+    model = Qwen3_5Model.__new__(Qwen3_5Model)
+    torch.nn.Module.__init__(model)
+    model.config = transformers.Qwen3_5Config(**cfg)
+    types = (input_ids == shape.image_token_id).long()
+    return model.get_rope_index(input_ids, mm_token_type_ids=types, image_grid_thw=image_grid_thw,
+                                attention_mask=attention_mask)[0]

@@ -61,6 +61,21 @@ def sample_position_ids(tokens_1d: torch.Tensor, grids_thw: torch.Tensor, vision
     return out
 
 
+def packed_position_ids(tokens_T: torch.Tensor, grids_thw: torch.Tensor, vision_ids, spatial_merge: int,
+                        cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """MRoPE positions [3, T] of a packed row, restarting at 0 at every ``cu_seqlens`` boundary.
+
+    One scan over the whole row: positions are affine in the running shift, so treating the row
+    as one sample and subtracting each sample's value at its first token (equal on all three
+    axes, text or vision) gives every sample's own positions. ``grids_thw`` lists all images /
+    frames of the row in order; padding between samples must not be a vision token."""
+    out = sample_position_ids(tokens_T, grids_thw, vision_ids, spatial_merge)
+    bounds = cu_seqlens.to(device=tokens_T.device, dtype=torch.long)
+    starts, lengths = bounds[:-1], torch.diff(bounds)
+    offset = torch.repeat_interleave(out[0, starts], lengths)
+    return out - offset.unsqueeze(0)
+
+
 def split_video_frames(video_grid_thw: torch.Tensor | None) -> torch.Tensor | None:
     """Qwen3.5 puts a timestamp between frames: each frame is its own (1, h, w) grid."""
     if video_grid_thw is None or video_grid_thw.numel() == 0:

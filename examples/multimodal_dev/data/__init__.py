@@ -1,0 +1,19 @@
+"""Dataset providers and the collate. ``DATASET_PROVIDERS`` maps ``--dataset-provider`` to a
+``build_datasets(tokens, vocab_size, patch_dim, seq_length, num_samples, **options)`` that
+returns (train, valid, test) map-style datasets of contract samples (see ``sample.py``)."""
+
+from __future__ import annotations
+
+import importlib
+
+DATASET_PROVIDERS = {
+    "mock": ".mock.build_datasets",
+    "cord_v2": ".cord_v2.build_datasets",
+}
+
+
+def get_dataset_provider(name: str):
+    if name not in DATASET_PROVIDERS:
+        raise KeyError(f"unknown --dataset-provider {name!r}; valid: {', '.join(sorted(DATASET_PROVIDERS))}")
+    module_name, _, fn = DATASET_PROVIDERS[name].rpartition(".")
+    return getattr(importlib.import_module(module_name, __name__), fn)

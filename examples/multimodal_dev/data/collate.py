@@ -1,0 +1,127 @@
+"""Collate: contract samples -> one micro-batch, THD-packed (default) or BSHD-padded.
+
+Legend: T packed tokens (sum of padded sample lengths), B samples, S padded row length.
+
+THD (``pack_thd``): every sample is right-padded to a multiple of ``pad_multiple`` and laid
+end to end in one row:
+    tokens_1T, labels_1T, loss_mask_1T     pad: input 0, label IGNORE_INDEX, loss mask 0
+    position_ids_31T                       MRoPE, restarting at 0 for every sample
+    cu_seqlens       [B+1] int32           real-token boundaries
+    cu_seqlens_padded[B+1] int32           padded boundaries (what the kernels index by)
+    max_seqlen       int                   longest padded sample
+    pixel_values, image_grid_thw           all images, concatenated in packing order
+BSHD (``pad_bshd``): rows [B, S] padded on the right to the longest sample (rounded up to
+``pad_multiple``); ``cu_seqlens*`` are None. Right padding never influences real tokens
+under causal attention and the causal Gated DeltaNet, so no attention mask is needed.
+
+Both add ``stats``: samples, real tokens, padded tokens and the padding fraction.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.qwen35_vl.mrope import packed_position_ids
+
+from .sample import IGNORE_INDEX, VisionTokens
+
+
+def pad_multiple_for(cp: int = 1, tp: int = 1, sequence_parallel: bool = False) -> int:
+    """Per-sample length multiple: 2*cp so zigzag context parallelism splits every sample into
+    2*cp equal chunks, times tp under sequence parallelism so every chunk splits across TP."""
+    multiple = 2 * cp if cp > 1 else 1
+    return multiple * tp if sequence_parallel else multiple
+
+
+def _round_up(n: torch.Tensor, multiple: int) -> torch.Tensor:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def _vision_inputs(samples):
+    grids = torch.cat([s["image_grid_thw"] for s in samples]).reshape(-1, 3)
+    if grids.shape[0] == 0:
+        return None, None, grids
+    return torch.cat([s["pixel_values"] for s in samples]), grids, grids
+
+
+def _stats(lengths: torch.Tensor, total: int) -> dict:
+    real = int(lengths.sum())
+    return {"samples": int(lengths.numel()), "real_tokens": real, "padded_tokens": total,
+            "pad_fraction": 1.0 - real / max(total, 1)}
+
+
+def pack_thd(samples: list[dict], tokens: VisionTokens, pad_multiple: int = 1) -> dict:
+    lengths = torch.tensor([s["input_ids"].numel() for s in samples], dtype=torch.long)
+    padded = _round_up(lengths, pad_multiple)
+    cu_padded = torch.nn.functional.pad(torch.cumsum(padded, 0), (1, 0))
+    total = int(cu_padded[-1])
+    # Destination of every real token: its sample's padded start + its index inside the sample.
+    real_starts = torch.repeat_interleave(cu_padded[:-1], lengths)
+    local = torch.arange(int(lengths.sum())) - torch.repeat_interleave(
+        torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0))[:-1], lengths)
+    dest = real_starts + local
+
+    def scatter(field, fill, dtype):
+        out = torch.full((total,), fill, dtype=dtype)
+        out[dest] = torch.cat([s[field] for s in samples]).to(dtype)
+        return out.unsqueeze(0)
+
+    tokens_1T = scatter("input_ids", 0, torch.long)
+    pixel_values, image_grid_thw, grids = _vision_inputs(samples)
+    position_ids_3T = packed_position_ids(tokens_1T[0], grids, tokens.vision_ids, tokens.spatial_merge, cu_padded)
+    cu_seqlens = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0))
+    # PackedSeqParams takes both: cu_seqlens counts real tokens only; sample b's real tokens
+    # sit at cu_seqlens_padded[b] .. cu_seqlens_padded[b] + lengths[b] in the row.
+    return {
+        "tokens": tokens_1T,
+        "labels": scatter("labels", IGNORE_INDEX, torch.long),
+        "loss_mask": scatter("loss_mask", 0.0, torch.float32),
+        "position_ids": position_ids_3T.unsqueeze(1),
+        "cu_seqlens": cu_seqlens.to(torch.int32),
+        "cu_seqlens_padded": cu_padded.to(torch.int32),
+        "max_seqlen": int(padded.max()),
+        "pixel_values": pixel_values,
+        "image_grid_thw": image_grid_thw,
+        "stats": _stats(lengths, total),
+    }
+
+
+def pad_bshd(samples: list[dict], tokens: VisionTokens, pad_multiple: int = 1, seq_length: int | None = None) -> dict:
+    lengths = torch.tensor([s["input_ids"].numel() for s in samples], dtype=torch.long)
+    width = int(_round_up(lengths.max(), pad_multiple)) if seq_length is None else seq_length
+    if int(lengths.max()) > width:
+        raise ValueError(f"a sample has {int(lengths.max())} tokens, more than the padded length {width}")
+    packed = pack_thd(samples, tokens, 1)  # positions computed once for all rows, then laid out
+    rows = torch.arange(len(samples)).repeat_interleave(lengths)
+    cols = torch.cat([torch.arange(int(n)) for n in lengths])
+
+    def lay_out(flat, fill):
+        out = torch.full((len(samples), width) + flat.shape[1:], fill, dtype=flat.dtype)
+        out[rows, cols] = flat
+        return out
+
+    position_ids = lay_out(packed["position_ids"][:, 0].transpose(0, 1), 0).permute(2, 0, 1).contiguous()
+    return {
+        "tokens": lay_out(packed["tokens"][0], 0),
+        "labels": lay_out(packed["labels"][0], IGNORE_INDEX),
+        "loss_mask": lay_out(packed["loss_mask"][0], 0.0),
+        "position_ids": position_ids,
+        "cu_seqlens": None,
+        "cu_seqlens_padded": None,
+        "max_seqlen": width,
+        "pixel_values": packed["pixel_values"],
+        "image_grid_thw": packed["image_grid_thw"],
+        "stats": _stats(lengths, len(samples) * width),
+    }
+
+
+class Collator:
+    """The ``collate_fn`` a DataLoader gets: THD when ``packed`` (the default), else BSHD."""
+
+    def __init__(self, tokens: VisionTokens, packed: bool = True, pad_multiple: int = 1, seq_length: int | None = None):
+        self.tokens, self.packed, self.pad_multiple, self.seq_length = tokens, packed, pad_multiple, seq_length
+
+    def __call__(self, samples: list[dict]) -> dict:
+        if self.packed:
+            return pack_thd(samples, self.tokens, self.pad_multiple)
+        return pad_bshd(samples, self.tokens, self.pad_multiple, self.seq_length)

@@ -1,0 +1,125 @@
+"""CORD-V2 receipts as image -> JSON SFT conversations.
+
+Source (``--data-path``): a directory written by ``datasets.save_to_disk``, a directory or
+glob of parquet files (the hub layout ``data/{split}-*.parquet``), or the hub name
+``naver-clova-ix/cord-v2`` where a cache or network exists. Columns: ``image`` and
+``ground_truth`` (a JSON string whose ``gt_parse`` is the answer).
+
+Each sample: user turn = image + instruction, assistant turn = ``json.dumps(gt_parse)``. The
+prompt goes through the processor's chat template (with the generation prompt) and image
+expansion; the answer and its end-of-turn token are tokenized separately and appended, so
+the trained span is exactly the answer, whatever the template puts around it.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import os
+
+import torch
+
+from .processor import load_processor
+from .sample import BadSample, build_sft_sample
+from .skipping import SkippingDataset
+
+INSTRUCTION = "Extract the receipt's contents as JSON."
+SPLITS = ("train", "validation", "test")
+
+
+def load_split(data_path: str, split: str):
+    """The ``split`` of CORD-V2 as a ``datasets.Dataset`` with undecoded images."""
+    import datasets
+
+    if os.path.isdir(data_path) and os.path.exists(os.path.join(data_path, "dataset_dict.json")):
+        ds = datasets.load_from_disk(data_path)[split]
+    elif os.path.isdir(data_path) and os.path.exists(os.path.join(data_path, "dataset_info.json")):
+        ds = datasets.load_from_disk(data_path)  # one saved split: use it for every split
+    elif os.path.isdir(data_path) or "*" in data_path or data_path.endswith(".parquet"):
+        pattern = os.path.join(data_path, "**", "*.parquet") if os.path.isdir(data_path) else data_path
+        files = sorted(glob.glob(pattern, recursive=True))
+        split_files = [f for f in files if os.path.basename(f).startswith(split)] or files
+        if not split_files:
+            raise ValueError(f"--data-path {data_path!r}: no parquet files found")
+        ds = datasets.load_dataset("parquet", data_files=split_files, split="train")
+    elif os.path.exists(data_path):
+        raise ValueError(f"--data-path {data_path!r} is neither a saved dataset directory nor parquet files")
+    else:
+        ds = datasets.load_dataset(data_path, split=split)
+    missing = {"image", "ground_truth"} - set(ds.column_names)
+    if missing:
+        raise ValueError(f"--data-path {data_path!r} ({split}): missing column(s) {sorted(missing)}; "
+                         f"found {ds.column_names}")
+    # Decode images ourselves so one corrupt file is a skipped sample, not a crashed run.
+    return ds.cast_column("image", datasets.Image(decode=False))
+
+
+def _open_image(cell):
+    from PIL import Image
+
+    try:
+        if cell.get("bytes"):
+            image = Image.open(io.BytesIO(cell["bytes"]))
+        elif cell.get("path"):
+            image = Image.open(cell["path"])
+        else:
+            raise BadSample("bad_image", "the image cell is empty")
+        return image.convert("RGB")
+    except BadSample:
+        raise
+    except Exception as err:  # PIL raises many types for truncated / unreadable files
+        raise BadSample("bad_image", f"{type(err).__name__}: {err}") from err
+
+
+def _answer_text(ground_truth) -> str:
+    try:
+        parse = json.loads(ground_truth).get("gt_parse") if isinstance(ground_truth, str) else None
+    except (json.JSONDecodeError, AttributeError) as err:
+        raise BadSample("bad_ground_truth", str(err)) from err
+    if not parse:
+        raise BadSample("empty_answer", "gt_parse is missing or empty")
+    return json.dumps(parse, ensure_ascii=False)
+
+
+class CordV2Conversations:
+    def __init__(self, ds, processor, info, min_pixels=None, max_pixels=None):
+        self.ds, self.processor, self.info = ds, processor, info
+        self.pixel_budget = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v}
+
+    def __call__(self, index: int) -> dict:
+        from qwen_vl_utils import process_vision_info
+
+        row = self.ds[index]
+        answer = _answer_text(row["ground_truth"])
+        image = _open_image(row["image"])
+        messages = [{"role": "user", "content": [{"type": "image", "image": image, **self.pixel_budget},
+                                                 {"type": "text", "text": INSTRUCTION}]}]
+        prompt = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        images, _ = process_vision_info(messages, image_patch_size=self.info.patch_size)
+        enc = self.processor(text=[prompt], images=images, return_tensors="pt")
+        answer_ids = self.processor.tokenizer(answer, add_special_tokens=False, return_tensors="pt").input_ids[0]
+        answer_ids = torch.cat([answer_ids, torch.tensor([self.info.end_of_turn_id])])
+        return build_sft_sample(enc["input_ids"][0], answer_ids, enc["pixel_values"], enc["image_grid_thw"])
+
+
+def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path: str | None = None,
+                   hf_processor_path: str | None = None, min_pixels: int | None = None,
+                   max_pixels: int | None = None, **_unused):
+    """(train, valid, test) over the CORD-V2 splits, each repeated to the requested size."""
+    if not data_path:
+        raise ValueError("--data-path is required for --dataset-provider cord_v2 (saved dataset, parquet files "
+                         "or the hub name naver-clova-ix/cord-v2)")
+    processor, info = load_processor(hf_processor_path, min_pixels, max_pixels)
+    out = []
+    for split, n in zip(SPLITS, num_samples):
+        ds = load_split(data_path, split) if n > 0 else None
+        produce = CordV2Conversations(ds, processor, info, min_pixels, max_pixels) if ds is not None else None
+        out.append(SkippingDataset(produce, len(ds), n, info.tokens, seq_length, info.patch_dim,
+                                   name=f"cord_v2[{split}]") if ds is not None else None)
+    return tuple(out)
+
+
+def processor_info(hf_processor_path: str):
+    """Token ids the model must be built with for this processor."""
+    return load_processor(hf_processor_path)[1]

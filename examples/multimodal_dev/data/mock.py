@@ -1,0 +1,66 @@
+"""Mock conversations: the default dataset. No files, no network, deterministic by (seed, index).
+
+Each sample is shaped like a chat SFT example so loss masks mean something:
+
+    <im_start> user \n [<vision_start> <image>*n <vision_end>]*k  prompt text  <im_end> \n
+    <im_start> assistant \n  answer text  <im_end>
+
+k in {0, 1, 2} images of varying non-square sizes; prompt and answer lengths vary. The answer
+continues a counting pattern seeded by the prompt's first token, so a model can learn it and
+the training loss visibly falls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sample import VisionTokens, build_sft_sample
+from .skipping import SkippingDataset
+
+# Template token ids of the mock vocabulary (below every text token).
+PAD, IM_END, IM_START, USER, ASSISTANT, NEWLINE = 0, 1, 2, 3, 4, 5
+FIRST_TEXT_ID = 16
+GRID_SIDES = (4, 6, 8, 10, 12)  # patches per side before merging; even so 2x2 merging is exact
+
+
+class MockConversations:
+    def __init__(self, tokens: VisionTokens, vocab_size: int, patch_dim: int, seed: int = 1234,
+                 mean_text_tokens: int = 96, text_vocab: int = 512, max_images: int = 2):
+        top = min(vocab_size, *tokens.vision_ids, tokens.vision_start, tokens.vision_end)
+        if top - FIRST_TEXT_ID < 8:
+            raise ValueError(f"mock dataset: vocab {vocab_size} leaves no room for text tokens below the vision ids")
+        self.tokens, self.patch_dim, self.seed = tokens, patch_dim, seed
+        self.text_vocab = min(text_vocab, top - FIRST_TEXT_ID)
+        self.mean_text_tokens, self.max_images = mean_text_tokens, max_images
+
+    def _image(self, gen: torch.Generator):
+        h, w = (GRID_SIDES[int(i)] for i in torch.randint(len(GRID_SIDES), (2,), generator=gen))
+        n_tokens = h * w // self.tokens.spatial_merge ** 2
+        ids = [self.tokens.vision_start] + [self.tokens.image] * n_tokens + [self.tokens.vision_end]
+        return ids, torch.randn(h * w, self.patch_dim, generator=gen), (1, h, w)
+
+    def __call__(self, index: int) -> dict:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        n_images = int(torch.randint(self.max_images + 1, (1,), generator=gen))
+        images = [self._image(gen) for _ in range(n_images)]
+        n_prompt = int(torch.randint(4, self.mean_text_tokens + 1, (1,), generator=gen))
+        n_answer = int(torch.randint(2, self.mean_text_tokens + 1, (1,), generator=gen))
+        prompt_text = torch.randint(self.text_vocab, (n_prompt,), generator=gen)
+        answer_text = (prompt_text[0] + 1 + torch.arange(n_answer)) % self.text_vocab
+        prompt = [IM_START, USER, NEWLINE] + [t for ids, _, _ in images for t in ids]
+        prompt += (prompt_text + FIRST_TEXT_ID).tolist() + [IM_END, NEWLINE, IM_START, ASSISTANT, NEWLINE]
+        answer = (answer_text + FIRST_TEXT_ID).tolist() + [IM_END]
+        pixels = torch.cat([p for _, p, _ in images]) if images else torch.zeros(0, self.patch_dim)
+        grids = torch.tensor([g for _, _, g in images], dtype=torch.long).reshape(-1, 3)
+        return build_sft_sample(torch.tensor(prompt), torch.tensor(answer), pixels, grids)
+
+
+def build_datasets(tokens: VisionTokens, vocab_size: int, patch_dim: int, seq_length: int,
+                   num_samples: tuple[int, int, int], seed: int = 1234, **_unused):
+    """(train, valid, test) of the requested sizes; the splits use disjoint seeds."""
+    splits = []
+    for split, n in enumerate(num_samples):
+        produce = MockConversations(tokens, vocab_size, patch_dim, seed=seed + 7919 * split)
+        splits.append(SkippingDataset(produce, num_source=max(n, 1), length=n, tokens=tokens, max_length=seq_length,
+                                      patch_dim=patch_dim, name=f"mock[{('train', 'valid', 'test')[split]}]"))
+    return tuple(splits)

@@ -1,0 +1,130 @@
+"""The dataset sample contract: one conversation, unpadded, ready for the collate.
+
+    field            shape                 dtype     meaning
+    input_ids        [L]                   int64     prompt (with expanded image placeholders) + answer
+    labels           [L]                   int64     next-token target at i (= input_ids[i+1]) where it
+                                                     is trained, IGNORE_INDEX elsewhere
+    loss_mask        [L]                   float32   1.0 exactly where labels is trained
+    pixel_values     [P, C*t*p*p]          float32   flattened vision patches of all images, in order
+    image_grid_thw   [n_images, 3]         int64     (t, h, w) patch grid of each image
+
+Invariants checked by ``validate_sample`` when a provider produces a sample:
+    number of image placeholder tokens == sum(t*h*w) / merge**2, P == sum(t*h*w),
+    and every vision run is wrapped in vision_start / vision_end.
+
+``build_sft_sample`` is the one place labels and the loss mask are derived, so no provider
+can shift them differently: the model at position i predicts token i+1, so position i is
+trained when token i+1 belongs to the answer (answer text and its end-of-turn token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+IGNORE_INDEX = -100
+FIELDS = ("input_ids", "labels", "loss_mask", "pixel_values", "image_grid_thw")
+
+
+class BadSample(Exception):
+    """A sample that must be skipped (corrupt image, empty answer, over budget, ...).
+    ``reason`` is a short key used for the running skip counts."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class VisionTokens:
+    """Token ids the collate and the model agree on (taken from the processor or the shape)."""
+
+    image: int
+    video: int
+    vision_start: int
+    vision_end: int
+    spatial_merge: int
+
+    @property
+    def vision_ids(self) -> tuple[int, int]:
+        return (self.image, self.video)
+
+
+def build_sft_sample(prompt_ids: torch.Tensor, answer_ids: torch.Tensor, pixel_values: torch.Tensor,
+                     image_grid_thw: torch.Tensor) -> dict:
+    """Concatenate prompt and answer; train on the answer tokens only (shifted by one)."""
+    prompt_ids = prompt_ids.reshape(-1).long()
+    answer_ids = answer_ids.reshape(-1).long()
+    if answer_ids.numel() == 0:
+        raise BadSample("empty_answer", "the assistant answer has no tokens")
+    input_ids = torch.cat([prompt_ids, answer_ids])
+    is_answer = torch.zeros_like(input_ids, dtype=torch.bool)
+    is_answer[prompt_ids.numel():] = True
+    trained = torch.zeros_like(is_answer)
+    trained[:-1] = is_answer[1:]  # position i is trained when its target i+1 is an answer token
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    labels[:-1] = torch.where(trained[:-1], input_ids[1:], IGNORE_INDEX)
+    return {
+        "input_ids": input_ids,
+        "labels": labels,
+        "loss_mask": trained.float(),
+        "pixel_values": pixel_values.float(),
+        "image_grid_thw": image_grid_thw.reshape(-1, 3).long(),
+    }
+
+
+def validate_sample(sample: dict, tokens: VisionTokens, patch_dim: int | None = None) -> dict:
+    """Check a sample against the contract; raise ``ValueError`` naming the offending field."""
+    missing = [f for f in FIELDS if f not in sample]
+    if missing:
+        raise ValueError(f"sample is missing field(s) {missing}; the contract is {FIELDS}")
+    ids, labels, mask = sample["input_ids"], sample["labels"], sample["loss_mask"]
+    pixels, grids = sample["pixel_values"], sample["image_grid_thw"]
+    for name, t, dtype, dim in (("input_ids", ids, torch.int64, 1), ("labels", labels, torch.int64, 1),
+                                ("loss_mask", mask, torch.float32, 1), ("pixel_values", pixels, torch.float32, 2),
+                                ("image_grid_thw", grids, torch.int64, 2)):
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != dim:
+            got = f"{t.dtype} with {t.dim()} dims" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"sample field {name!r} must be a {dim}-D {dtype} tensor, got {got}")
+    if not (ids.shape == labels.shape == mask.shape):
+        raise ValueError(f"sample fields input_ids {tuple(ids.shape)}, labels {tuple(labels.shape)} and "
+                         f"loss_mask {tuple(mask.shape)} must have the same length")
+    if bool(((labels != IGNORE_INDEX) != (mask > 0)).any()):
+        raise ValueError("sample fields labels and loss_mask disagree on which positions are trained")
+    if grids.shape[-1] != 3:
+        raise ValueError(f"sample field 'image_grid_thw' must be [n_images, 3], got {tuple(grids.shape)}")
+    n_patches = int(grids.prod(-1).sum())
+    if pixels.shape[0] != n_patches:
+        raise ValueError(f"sample field 'pixel_values' has {pixels.shape[0]} patches but image_grid_thw "
+                         f"{grids.tolist()} needs {n_patches}")
+    if patch_dim is not None and pixels.shape[0] and pixels.shape[1] != patch_dim:
+        raise ValueError(f"sample field 'pixel_values' rows have {pixels.shape[1]} values; the vision tower "
+                         f"expects {patch_dim}")
+    n_tokens = int((ids == tokens.image).sum())
+    expected = n_patches // tokens.spatial_merge ** 2
+    if n_tokens != expected:
+        raise ValueError(f"sample field 'input_ids' has {n_tokens} image tokens but image_grid_thw "
+                         f"{grids.tolist()} gives {expected} after {tokens.spatial_merge}x{tokens.spatial_merge} merging")
+    if int((ids == tokens.vision_start).sum()) != grids.shape[0]:
+        raise ValueError(f"sample field 'input_ids' has {int((ids == tokens.vision_start).sum())} vision_start "
+                         f"tokens for {grids.shape[0]} images")
+    if not bool(mask.any()):
+        raise BadSample("no_trained_tokens", "loss_mask is all zero")
+    return sample
+
+
+def fit_to_budget(sample: dict, tokens: VisionTokens, max_length: int) -> dict:
+    """Truncate a sample to ``max_length`` tokens if the cut lands after the last image and
+    keeps at least one trained token; otherwise it cannot be used (never cut an image)."""
+    length = sample["input_ids"].numel()
+    if length <= max_length:
+        return sample
+    vision = torch.isin(sample["input_ids"], torch.tensor([tokens.image, tokens.vision_end]))
+    last_vision = int(torch.nonzero(vision).max()) if bool(vision.any()) else -1
+    if last_vision >= max_length:
+        raise BadSample("over_budget", f"{length} tokens > --seq-length {max_length} and the cut would split an image")
+    cut = {k: sample[k][:max_length] for k in ("input_ids", "labels", "loss_mask")}
+    if not bool(cut["loss_mask"].any()):
+        raise BadSample("over_budget", f"{length} tokens > --seq-length {max_length} and no answer token fits")
+    return {**sample, **cut}

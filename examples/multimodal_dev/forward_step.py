@@ -1,0 +1,61 @@
+"""Collated batch -> PackedSeqParams -> model -> per-token loss, in megatron.training's form.
+
+``forward_step(data_iterator, model)`` returns ``(output_tensor, loss_func)``; ``loss_func``
+returns ``(loss_sum, num_tokens, {"lm loss": [loss_sum, num_tokens]})`` so the schedule sums
+token losses and token counts over micro-batches and data-parallel ranks before dividing
+(``--calculate-per-token-loss``). The reported loss therefore does not depend on how tokens
+were packed or split. The same function serves megatron.training (GPU) and the CPU loop.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+TENSOR_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "pixel_values", "image_grid_thw",
+               "cu_seqlens", "cu_seqlens_padded")
+
+
+def batch_to_device(batch: dict, device) -> dict:
+    return {k: (v.to(device, non_blocking=True) if k in TENSOR_KEYS and v is not None else v)
+            for k, v in batch.items()}
+
+
+def packed_seq_params(batch: dict) -> PackedSeqParams | None:
+    """THD batches (``cu_seqlens`` present) -> PackedSeqParams; BSHD -> None."""
+    if batch.get("cu_seqlens") is None:
+        return None
+    max_seqlen = torch.tensor(batch["max_seqlen"], dtype=torch.int32)  # mcore reads it with .item()
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=batch["cu_seqlens"], cu_seqlens_kv=batch["cu_seqlens"],
+        cu_seqlens_q_padded=batch["cu_seqlens_padded"], cu_seqlens_kv_padded=batch["cu_seqlens_padded"],
+        max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
+    )
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Per-token losses [B, S] -> (sum over trained tokens, their count, report)."""
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = torch.sum(output_tensor.reshape(-1).float() * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach().clone(), num_tokens.float()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def run_model(model, batch: dict):
+    """Per-token losses [B, S] of one collated batch (already on the model's device)."""
+    return model(
+        input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
+        labels=batch["labels"], loss_mask=batch["loss_mask"],
+        pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
+        packed_seq_params=packed_seq_params(batch),
+    )
+
+
+def forward_step(data_iterator, model, *_args, **_kwargs):
+    device = next(model.parameters()).device
+    batch = batch_to_device(next(data_iterator), device)
+    return run_model(model, batch), partial(loss_func, batch["loss_mask"])

@@ -1,0 +1,93 @@
+"""CORD-V2 provider on an in-process dataset (PIL images, saved with ``datasets``) and a tiny
+Qwen-style processor: answer-only loss masks (decoded), image token counts, skipping of
+corrupt images / empty answers / over-budget samples, and start-up processor checks."""
+
+import json
+
+import pytest
+import torch
+from tiny_processor import SPECIALS, build_cord_dataset, build_processor, png_bytes, receipt
+
+from data.cord_v2 import build_datasets, load_split
+from data.processor import load_processor
+
+ROWS = [
+    (png_bytes((96, 64), (200, 10, 10)), receipt([("Coffee", "3.50"), ("Bagel", "2.25")], "5.75")),
+    (b"\x89PNG\r\n\x1a\n this is not an image", receipt([("Tea", "2.00")], "2.00")),
+    (png_bytes((64, 96), (10, 200, 10)), receipt([], "")),
+    (png_bytes((250, 250), (10, 10, 200)), receipt([("Soup of the day", "7.00")] * 6, "42.00")),
+    (png_bytes((128, 64), (90, 90, 10)), receipt([("Water", "1.00")], "1.00")),
+]
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cord")
+    return str(build_processor(str(root / "processor"))), build_cord_dataset(str(root / "cord"), ROWS)
+
+
+def _datasets(paths, seq_length=400, n=5):
+    processor_path, data_path = paths
+    return build_datasets(seq_length=seq_length, num_samples=(n, 2, 0), data_path=data_path,
+                          hf_processor_path=processor_path, min_pixels=32 * 32, max_pixels=128 * 128)
+
+
+def test_answer_only_loss_mask_and_image_tokens(paths):
+    processor, info = load_processor(paths[0])
+    train, valid, test = _datasets(paths)
+    assert test is None and len(valid) == 2
+    sample = train[0]
+    trained = sample["labels"][sample["loss_mask"] > 0]
+    expected = json.dumps(json.loads(ROWS[0][1])["gt_parse"]) + "<|im_end|>"
+    assert processor.tokenizer.decode(trained) == expected
+    prompt = processor.tokenizer.decode(sample["input_ids"][: int(torch.nonzero(sample["loss_mask"])[0]) + 1])
+    assert prompt.endswith("<|im_start|>assistant\n") and "Extract" in prompt
+    n_image_tokens = int((sample["input_ids"] == info.tokens.image).sum())
+    assert n_image_tokens * 4 == int(sample["image_grid_thw"].prod(-1).sum()) == sample["pixel_values"].shape[0]
+
+
+def test_bad_rows_are_skipped_and_counted(paths):
+    processor, _ = load_processor(paths[0])
+    train, _, _ = _datasets(paths, seq_length=150)
+    got = [train[i] for i in range(5)]
+    assert train.skip_counts["bad_image"] >= 1 and train.skip_counts["empty_answer"] >= 1
+    # Index 1 (corrupt) is replaced by the next usable row, deterministically.
+    assert torch.equal(got[1]["input_ids"], train[1]["input_ids"])
+    # Row 3's long answer is cut after its image: the image survives, the answer is a prefix.
+    long_row = got[3]
+    answer = json.dumps(json.loads(ROWS[3][1])["gt_parse"])
+    trained = processor.tokenizer.decode(long_row["labels"][long_row["loss_mask"] > 0])
+    assert long_row["input_ids"].numel() == 150 and answer.startswith(trained) and len(trained) > 10
+    assert int((long_row["input_ids"] == processor.image_token_id).sum()) * 4 == long_row["pixel_values"].shape[0]
+
+
+def test_budget_that_would_cut_images_skips_everything_with_a_clear_error(paths):
+    train, _, _ = _datasets(paths, seq_length=12)
+    with pytest.raises(RuntimeError, match="consecutive samples"):
+        train[0]
+    assert train.skip_counts["over_budget"] > 0
+
+
+def test_max_pixels_bounds_the_grid(paths):
+    small, _, _ = _datasets(paths)
+    processor_path, data_path = paths
+    big, _, _ = build_datasets(seq_length=2000, num_samples=(5, 0, 0), data_path=data_path,
+                               hf_processor_path=processor_path, min_pixels=32 * 32, max_pixels=256 * 256)
+    patches = lambda ds: int(ds.produce(3)["image_grid_thw"].prod())  # the 250x250 receipt
+    assert patches(small) * 16 ** 2 <= 128 * 128 < patches(big) * 16 ** 2
+
+
+def test_parquet_files_load(paths, tmp_path):
+    ds = load_split(paths[1], "train")
+    ds.to_parquet(str(tmp_path / "train-00000-of-00001.parquet"))
+    again = load_split(str(tmp_path), "train")
+    assert again.num_rows == len(ROWS) and again[0]["ground_truth"] == ROWS[0][1]
+
+
+def test_unusable_processor_fails_at_startup(tmp_path):
+    no_image = [t for t in SPECIALS if t != "<|image_pad|>"]
+    path = build_processor(str(tmp_path / "p"), specials=no_image)
+    with pytest.raises(ValueError, match="no image token"):
+        load_processor(path)
+    with pytest.raises(ValueError, match="--hf-processor-path is required"):
+        load_processor(None)

@@ -1,0 +1,77 @@
+"""Mock provider (deterministic, varied, conversation-shaped), the sample contract's errors, and
+the budget rule: truncate only after the last image, otherwise skip with a count."""
+
+import pytest
+import torch
+
+from data.mock import ASSISTANT, IM_END, MockConversations, build_datasets
+from data.sample import IGNORE_INDEX, BadSample, VisionTokens, fit_to_budget, validate_sample
+
+TOKENS = VisionTokens(8000, 8001, 8002, 8003, 2)
+PATCH_DIM = 1536
+
+
+def _mock(seed=5):
+    return MockConversations(TOKENS, 8192, PATCH_DIM, seed=seed)
+
+
+def test_mock_is_deterministic_and_varied():
+    a, b = _mock(), _mock()
+    for i in (0, 7, 123):
+        x, y = a(i), b(i)
+        assert all(torch.equal(x[k], y[k]) for k in x)
+    assert not torch.equal(_mock(seed=6)(0)["input_ids"], a(0)["input_ids"])
+    samples = [a(i) for i in range(48)]
+    n_images = {s["image_grid_thw"].shape[0] for s in samples}
+    assert n_images == {0, 1, 2}
+    assert len({s["input_ids"].numel() for s in samples}) > 30
+    grids = torch.cat([s["image_grid_thw"] for s in samples])
+    assert bool((grids[:, 1] != grids[:, 2]).any()), "want non-square images"
+    for s in samples:
+        validate_sample(s, TOKENS, PATCH_DIM)
+
+
+def test_mock_loss_mask_is_the_answer():
+    s = _mock()(3)
+    ids, labels, mask = s["input_ids"], s["labels"], s["loss_mask"]
+    answer_start = int(torch.nonzero(ids == ASSISTANT).max()) + 2  # after "assistant \n"
+    trained = torch.nonzero(mask).flatten()
+    assert trained[0] == answer_start - 1 and trained[-1] == ids.numel() - 2
+    assert torch.equal(labels[trained], ids[answer_start:])
+    assert labels[trained][-1] == IM_END and bool((labels[mask == 0] == IGNORE_INDEX).all())
+
+
+@pytest.mark.parametrize("field,change,message", [
+    ("input_ids", lambda s: s["input_ids"].int(), "'input_ids' must be a 1-D torch.int64"),
+    ("pixel_values", lambda s: s["pixel_values"][1:], "'pixel_values' has"),
+    ("labels", lambda s: s["labels"][:-1], "same length"),
+    ("input_ids", lambda s: torch.where(s["input_ids"] == 8000, 20, s["input_ids"]), "image tokens"),
+])
+def test_contract_errors_name_the_field(field, change, message):
+    sample = next(s for s in (_mock()(i) for i in range(20)) if s["image_grid_thw"].shape[0])
+    sample[field] = change(sample)
+    with pytest.raises(ValueError, match=message):
+        validate_sample(sample, TOKENS, PATCH_DIM)
+
+
+def test_budget_truncates_after_images_and_skips_otherwise():
+    sample = next(s for s in (_mock()(i) for i in range(40)) if s["image_grid_thw"].shape[0])
+    last_vision = int(torch.nonzero(sample["input_ids"] == TOKENS.vision_end).max())
+    length = sample["input_ids"].numel()
+    cut = fit_to_budget(sample, TOKENS, length - 1)
+    assert cut["input_ids"].numel() == length - 1 and torch.equal(cut["pixel_values"], sample["pixel_values"])
+    with pytest.raises(BadSample) as err:
+        fit_to_budget(sample, TOKENS, last_vision)
+    assert err.value.reason == "over_budget"
+    assert fit_to_budget(sample, TOKENS, length) is sample
+
+
+def test_skipping_dataset_counts_and_replaces(caplog):
+    train, _, _ = build_datasets(TOKENS, 8192, PATCH_DIM, seq_length=120, num_samples=(16, 0, 0), seed=2)
+    lengths = [train.produce(i)["input_ids"].numel() for i in range(16)]
+    with caplog.at_level("WARNING"):
+        got = [train[i] for i in range(16)]
+    assert all(s["input_ids"].numel() <= 120 for s in got)
+    over = sum(n > 120 for n in lengths)
+    assert over > 0 and sum(train.skip_counts.values()) >= 1
+    assert "skipped so far" in caplog.text
