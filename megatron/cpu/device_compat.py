@@ -26,6 +26,22 @@ def _seed_cpu_generator(seed) -> None:
     torch.default_generator.manual_seed(int(seed))
 
 
+class _HostStream:
+    """Stands in for a CUDA stream: on CPU every op is synchronous, so waits are no-ops."""
+
+    def wait_event(self, _event) -> None:
+        pass
+
+    def wait_stream(self, _stream) -> None:
+        pass
+
+    def synchronize(self, *_args, **_kwargs) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
+
+
 def install() -> None:
     """Idempotent. Afterwards ``torch.cuda.current_device()`` is the CPU device and the
     "CUDA" RNG tracker of megatron-core forks the CPU generator instead."""
@@ -38,6 +54,12 @@ def install() -> None:
     # Parameters are created with device=torch.cuda.current_device() throughout megatron-core
     # (GatedDeltaNet conv1d / A_log / dt_bias, rotary inv_freq, linear layers).
     torch.cuda.current_device = lambda: _CPU
+    # megatron.core.distributed.param_and_grad_buffer: start_grad_sync orders the gradient
+    # all-reduce after pending work on torch.cuda.current_stream().
+    torch.cuda.current_stream = lambda *_args, **_kwargs: _HOST_STREAM
+    # megatron.core.dist_checkpointing (filesystem_async.preload_tensors) synchronises before
+    # copying shards to host memory; CPU tensors are already there.
+    torch.cuda.synchronize = _HOST_STREAM.synchronize
 
     # megatron.core.tensor_parallel.random: CudaRNGStatesTracker.add/fork and
     # model_parallel_cuda_manual_seed read/seed/set the CUDA generator. Point them at the CPU

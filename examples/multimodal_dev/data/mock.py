@@ -56,11 +56,12 @@ class MockConversations:
 
 
 def build_datasets(tokens: VisionTokens, vocab_size: int, patch_dim: int, seq_length: int,
-                   num_samples: tuple[int, int, int], seed: int = 1234, **_unused):
+                   num_samples: tuple[int, int, int], seed: int = 1234, mean_text_tokens: int = 96, **_unused):
     """(train, valid, test) of the requested sizes; the splits use disjoint seeds."""
     splits = []
     for split, n in enumerate(num_samples):
-        produce = MockConversations(tokens, vocab_size, patch_dim, seed=seed + 7919 * split)
+        produce = MockConversations(tokens, vocab_size, patch_dim, seed=seed + 7919 * split,
+                                    mean_text_tokens=mean_text_tokens)
         splits.append(SkippingDataset(produce, num_source=max(n, 1), length=n, tokens=tokens, max_length=seq_length,
                                       patch_dim=patch_dim, name=f"mock[{('train', 'valid', 'test')[split]}]"))
     return tuple(splits)

@@ -1,0 +1,92 @@
+"""The playground's command-line flags, added to megatron.training's parser, and the checks
+that tie megatron's model flags to the chosen variant.
+
+The model shape comes from ``--model-variant`` (or ``--hf-config-path``); megatron's own
+model flags (``--num-layers``, ``--hidden-size``, ...) are still required by its argument
+validation and must agree with that shape. A disagreement is an error naming both values,
+never a silently different model.
+"""
+
+from __future__ import annotations
+
+
+def add_multimodal_args(parser):
+    group = parser.add_argument_group("multimodal playground")
+    group.add_argument("--model-arch", default="qwen35_vl", help="MODEL_REGISTRY key")
+    group.add_argument("--model-variant", default="tiny", help="named shape (tiny, proxy, 0.8b, ..., 397b_a17b)")
+    group.add_argument("--variant-moe", choices=("auto", "on", "off"), default="auto",
+                       help="force MoE on/off for variants that allow it (tiny); auto keeps the variant's")
+    group.add_argument("--hf-config-path", default=None,
+                       help="take the model shape from a Hugging Face config.json (file or directory) instead")
+    group.add_argument("--model-backend", choices=("auto", "local", "te"), default="auto",
+                       help="module backend: te (Transformer Engine) on GPUs, local (megatron-core torch) anywhere")
+    group.add_argument("--dataset-provider", default="mock", help="mock (default, no files) or cord_v2")
+    group.add_argument("--hf-processor-path", default=None,
+                       help="processor (tokenizer, chat template, image processor) for real datasets")
+    group.add_argument("--min-pixels", type=int, default=None, help="smallest image area after resizing")
+    group.add_argument("--max-pixels", type=int, default=None, help="largest image area after resizing")
+    group.add_argument("--use-packed-sequence", dest="use_packed_sequence", action="store_true", default=True,
+                       help="THD packing: the micro-batch's samples in one row with cu_seqlens (default)")
+    group.add_argument("--no-packed-sequence", dest="use_packed_sequence", action="store_false",
+                       help="BSHD: pad every sample of the micro-batch to the longest")
+    group.add_argument("--mock-text-tokens", type=int, default=96,
+                       help="mock dataset: upper bound of prompt and answer text lengths")
+    group.add_argument("--freeze-vision", action="store_true", help="do not train the vision tower")
+    group.add_argument("--freeze-language", action="store_true", help="do not train the language model")
+    return parser
+
+
+# megatron flag -> how to read the same number from a Qwen35VLShape
+_SHAPE_FLAGS = {
+    "num_layers": lambda s: s.text.num_layers,
+    "hidden_size": lambda s: s.text.hidden_size,
+    "num_attention_heads": lambda s: s.text.num_attention_heads,
+    "num_query_groups": lambda s: s.text.num_kv_heads,
+    "kv_channels": lambda s: s.text.head_dim,
+    "num_experts": lambda s: s.text.num_experts,
+    "moe_router_topk": lambda s: s.text.moe_top_k if s.text.is_moe else None,
+    "moe_ffn_hidden_size": lambda s: s.text.moe_ffn_hidden_size if s.text.is_moe else None,
+}
+
+
+def check_model_flags(args, shape, source: str) -> None:
+    """Every megatron model flag the user set must equal the shape's value."""
+    wrong = []
+    for flag, value_of in _SHAPE_FLAGS.items():
+        given, expected = getattr(args, flag, None), value_of(shape)
+        if flag == "moe_router_topk" and not shape.text.is_moe:
+            continue  # megatron defaults it to 2 even for dense models
+        if given is not None and given != expected:
+            wrong.append(f"--{flag.replace('_', '-')} {given} (the {source} has {expected})")
+    if getattr(args, "ffn_hidden_size", None) and not shape.text.is_moe \
+            and args.ffn_hidden_size != shape.text.ffn_hidden_size:
+        wrong.append(f"--ffn-hidden-size {args.ffn_hidden_size} (the {source} has {shape.text.ffn_hidden_size})")
+    if getattr(args, "vocab_size", None) and args.vocab_size != shape.text.vocab_size:
+        wrong.append(f"--vocab-size {args.vocab_size} (the {source} has {shape.text.vocab_size})")
+    if wrong:
+        raise ValueError("model flags disagree with " + source + ": " + "; ".join(wrong))
+
+
+def resolve_shape(args):
+    """The model shape for these args, with the token ids of the processor when one is given."""
+    from dataclasses import replace
+
+    from models import get_model_entry
+
+    entry = get_model_entry(args.model_arch)
+    if args.hf_config_path:
+        shape, source = entry.load("shape_from_hf")(args.hf_config_path), f"--hf-config-path {args.hf_config_path}"
+    else:
+        moe = {"auto": None, "on": True, "off": False}[args.variant_moe]
+        shape, source = entry.load("shape_fn")(args.model_variant, moe=moe, mtp=False), f"variant {args.model_variant!r}"
+    check_model_flags(args, shape, source)
+    if args.hf_processor_path:
+        from data.processor import load_processor
+
+        tokens = load_processor(args.hf_processor_path)[1].tokens
+        if max(tokens.vision_ids + (tokens.vision_start, tokens.vision_end)) >= shape.text.vocab_size:
+            raise ValueError(f"--hf-processor-path {args.hf_processor_path}: its vision token ids do not fit "
+                             f"the vocabulary of {shape.text.vocab_size}")
+        shape = replace(shape, image_token_id=tokens.image, video_token_id=tokens.video,
+                        vision_start_token_id=tokens.vision_start, vision_end_token_id=tokens.vision_end)
+    return shape

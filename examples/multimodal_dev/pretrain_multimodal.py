@@ -1,0 +1,124 @@
+"""Train a vision-language model of MODEL_REGISTRY with Megatron-Core.
+
+    torchrun --nproc-per-node N examples/multimodal_dev/pretrain_multimodal.py <megatron flags> \
+        --model-arch qwen35_vl --model-variant tiny --dataset-provider mock ...
+
+With CUDA this is ``megatron.training.pretrain`` (distributed optimizer, its checkpoints and
+logging); without, the CPU loop of ``megatron.cpu`` runs the same providers and forward step
+on gloo. ``run_qwen35_vl.sh`` at the repository root builds the full command line.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _path in (_HERE, os.path.dirname(os.path.dirname(_HERE))):  # this folder; the repository root (megatron.cpu)
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+import torch  # noqa: E402
+from megatron.training import get_args  # noqa: E402
+
+from arguments import add_multimodal_args, resolve_shape  # noqa: E402
+from data import get_dataset_provider  # noqa: E402
+from data.collate import Collator, pad_multiple_for  # noqa: E402
+from data.loader import build_iterator  # noqa: E402
+from data.sample import VisionTokens  # noqa: E402
+from forward_step import forward_step  # noqa: E402
+from models import get_model_entry  # noqa: E402
+
+
+@functools.lru_cache(maxsize=None)
+def model_shape():
+    return resolve_shape(get_args())
+
+
+def model_backend(args) -> str:
+    if args.model_backend != "auto":
+        return args.model_backend
+    if not torch.cuda.is_available():
+        return "local"
+    try:
+        import transformer_engine  # noqa: F401
+        return "te"
+    except ImportError:
+        return "local"
+
+
+def parallel_kwargs(args) -> dict:
+    return dict(tensor_model_parallel_size=args.tensor_model_parallel_size,
+                context_parallel_size=args.context_parallel_size,
+                expert_model_parallel_size=args.expert_model_parallel_size,
+                sequence_parallel=args.sequence_parallel,
+                calculate_per_token_loss=args.calculate_per_token_loss)
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+    args = get_args()
+    if not (pre_process and post_process):
+        raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: the vision-language "
+                         "model is not split into pipeline stages yet")
+    entry = get_model_entry(args.model_arch)
+    model = entry.load("build_fn")(model_shape(), backend=model_backend(args), params_dtype=args.params_dtype,
+                                   max_sequence_length=args.seq_length, **parallel_kwargs(args))
+    for flag, part in (("freeze_vision", model.vision_model), ("freeze_language", model.language_model)):
+        if getattr(args, flag):
+            for p in part.parameters():
+                p.requires_grad_(False)
+    return model
+
+
+def vision_tokens(shape) -> VisionTokens:
+    return VisionTokens(shape.image_token_id, shape.video_token_id, shape.vision_start_token_id,
+                        shape.vision_end_token_id, shape.vision.spatial_merge_size)
+
+
+def datasets_provider(train_val_test_num_samples):
+    """(train, valid, test) iterators of collated micro-batches for this data-parallel rank."""
+    from megatron.core import parallel_state
+
+    args = get_args()
+    shape = model_shape()
+    tokens = vision_tokens(shape)
+    v = shape.vision
+    build = get_dataset_provider(args.dataset_provider)
+    datasets = build(tokens=tokens, vocab_size=shape.text.vocab_size,
+                     patch_dim=v.in_channels * v.temporal_patch_size * v.patch_size ** 2,
+                     seq_length=args.seq_length, num_samples=tuple(int(n) for n in train_val_test_num_samples),
+                     seed=args.seed, data_path=args.data_path[0] if args.data_path else None,
+                     hf_processor_path=args.hf_processor_path, min_pixels=args.min_pixels,
+                     max_pixels=args.max_pixels, mean_text_tokens=args.mock_text_tokens)
+    collate = Collator(tokens, packed=args.use_packed_sequence,
+                       pad_multiple=pad_multiple_for(args.context_parallel_size, args.tensor_model_parallel_size,
+                                                     args.sequence_parallel))
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    common = dict(micro_batch_size=args.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size, collate_fn=collate,
+                  num_workers=args.num_workers)
+    return (build_iterator(datasets[0], args.consumed_train_samples, **common),
+            build_iterator(datasets[1], args.consumed_valid_samples, cyclic=True, **common),
+            build_iterator(datasets[2], 0, **common))
+
+
+datasets_provider.is_distributed = True  # every rank builds its own iterators (no TP broadcast)
+
+
+def main():
+    if torch.cuda.is_available():
+        from megatron.core.enums import ModelType
+        from megatron.training import pretrain
+
+        pretrain(datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
+                 extra_args_provider=add_multimodal_args, args_defaults={"dataloader_type": "external"})
+    else:
+        import megatron.cpu
+        from megatron.cpu.training import pretrain_cpu
+
+        megatron.cpu.activate()
+        pretrain_cpu(datasets_provider, model_provider, forward_step, extra_args_provider=add_multimodal_args)
+
+
+if __name__ == "__main__":
+    main()

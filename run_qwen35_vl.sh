@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Train Qwen3.5-VL with Megatron-Core: bash run_qwen35_vl.sh [extra megatron flags]
+#
+# Environment (defaults in brackets):
+#   MODEL_VARIANT   tiny | proxy | 0.8b | 2b | 4b | 9b | 27b | 35b_a3b | 122b_a10b | 397b_a17b
+#                   [tiny without a GPU, proxy with one]
+#   TP CP EP PP     tensor / context / expert / pipeline parallel sizes [1 1 1 1]
+#   NPROC           processes on this node [TP*CP*PP]
+#   DATASET         mock | cord_v2 [mock];  DATA_PATH, HF_PROCESSOR_PATH for cord_v2
+#   TRAIN_ITERS MBS GBS SEQ_LEN LR    [30 2 4 1024 2e-3 on CPU; 20 1 8 4096 1e-4 on GPU]
+#   CKPT_LOAD       checkpoint to start from (with --finetune semantics: weights only)
+#   CKPT_SAVE       where to save (at the end, and every SAVE_INTERVAL iterations)
+#   CKPT_RESUME     one directory to resume from and keep saving to (exact resume)
+#   PACKED          1 = THD packing (default), 0 = padded BSHD
+#   MOE=1           tiny only: 4 experts (top-2), so EP can be exercised on CPU
+#   DRY_RUN=1       print the command and exit
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+
+fail() { echo "run_qwen35_vl.sh: $*" >&2; exit 2; }
+
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then HAS_GPU=1; else HAS_GPU=0; fi
+if [[ -z "${MODEL_VARIANT:-}" ]]; then
+  MODEL_VARIANT=$([[ $HAS_GPU == 1 ]] && echo proxy || echo tiny)
+  echo "run_qwen35_vl.sh: MODEL_VARIANT not set; using '$MODEL_VARIANT' ($([[ $HAS_GPU == 1 ]] && echo GPU found || echo no GPU))"
+fi
+
+# Per-variant model flags, from the Hugging Face config.json files.
+#        layers hidden heads kv head_dim ffn   vocab  experts topk moe_ffn gdn_k gdn_v
+case "$MODEL_VARIANT" in
+  tiny)      M=(4  128  4  2 32  256   8192   0   0 0    2  4);;
+  0.8b)      M=(24 1024 8  2 256 3584  248320 0   0 0    16 16);;
+  2b)        M=(24 2048 8  2 256 6144  248320 0   0 0    16 16);;
+  4b)        M=(32 2560 16 4 256 9216  248320 0   0 0    16 32);;
+  9b)        M=(32 4096 16 4 256 12288 248320 0   0 0    16 32);;
+  27b)       M=(64 5120 24 4 256 17408 248320 0   0 0    16 48);;
+  35b_a3b)   M=(40 2048 16 2 256 0     248320 256 8 512  16 32);;
+  122b_a10b) M=(48 3072 32 2 256 0     248320 256 8 1024 16 64);;
+  397b_a17b) M=(60 4096 32 2 256 0     248320 512 10 1024 16 64);;
+  proxy)     M=(4  4096 32 2 256 0     248320 8   2 1024 16 64);;
+  *) fail "MODEL_VARIANT=$MODEL_VARIANT is not a variant (tiny proxy 0.8b 2b 4b 9b 27b 35b_a3b 122b_a10b 397b_a17b)";;
+esac
+read -r LAYERS HIDDEN HEADS KV HEAD_DIM FFN VOCAB EXPERTS TOPK MOE_FFN GDN_K GDN_V <<<"${M[*]}"
+VARIANT_FLAGS=()
+if [[ "${MOE:-0}" == 1 ]]; then  # tiny with 4 experts (top-2), for expert-parallel runs on CPU
+  [[ $MODEL_VARIANT == tiny ]] || fail "MOE=1 applies to MODEL_VARIANT=tiny only ($MODEL_VARIANT is fixed)"
+  EXPERTS=4; TOPK=2; MOE_FFN=128; VARIANT_FLAGS=(--variant-moe on)
+fi
+
+TP=${TP:-1}; CP=${CP:-1}; EP=${EP:-1}; PP=${PP:-1}
+NPROC=${NPROC:-$((TP * CP * PP))}
+DATASET=${DATASET:-mock}
+PACKED=${PACKED:-1}
+if [[ $HAS_GPU == 1 ]]; then
+  TRAIN_ITERS=${TRAIN_ITERS:-20}; MBS=${MBS:-1}; GBS=${GBS:-8}; SEQ_LEN=${SEQ_LEN:-4096}; LR=${LR:-1e-4}
+else
+  TRAIN_ITERS=${TRAIN_ITERS:-30}; MBS=${MBS:-2}; GBS=${GBS:-4}; SEQ_LEN=${SEQ_LEN:-1024}; LR=${LR:-2e-3}
+fi
+for var in TP CP EP PP NPROC TRAIN_ITERS MBS GBS SEQ_LEN; do
+  [[ "${!var}" =~ ^[1-9][0-9]*$ ]] || fail "$var=${!var} must be a positive integer"
+done
+(( EP == 1 || EXPERTS > 0 )) || fail "EP=$EP needs an MoE variant; MODEL_VARIANT=$MODEL_VARIANT is dense"
+(( EXPERTS == 0 || EXPERTS % EP == 0 )) || fail "EP=$EP does not divide the $EXPERTS experts of $MODEL_VARIANT"
+(( NPROC % (TP * CP * PP) == 0 )) || fail "NPROC=$NPROC is not divisible by TP*CP*PP=$((TP * CP * PP))"
+(( (NPROC / PP) % (EP * TP) == 0 )) || fail "EP=$EP: NPROC/PP=$((NPROC / PP)) is not divisible by EP*TP=$((EP * TP))"
+(( HEADS % TP == 0 )) || fail "TP=$TP does not divide the $HEADS attention heads of $MODEL_VARIANT"
+(( GDN_K % (TP * CP) == 0 && GDN_V % (TP * CP) == 0 )) \
+  || fail "TP*CP=$((TP * CP)) does not divide the Gated DeltaNet heads ($GDN_K key, $GDN_V value) of $MODEL_VARIANT"
+(( GBS % (MBS * NPROC / (TP * CP * PP)) == 0 )) \
+  || fail "GBS=$GBS is not a multiple of MBS*DP=$((MBS * NPROC / (TP * CP * PP)))"
+[[ "$DATASET" == mock || "$DATASET" == cord_v2 ]] || fail "DATASET=$DATASET must be mock or cord_v2"
+[[ "$DATASET" == mock || -n "${DATA_PATH:-}" ]] || fail "DATASET=cord_v2 needs DATA_PATH"
+[[ "$DATASET" == mock || -n "${HF_PROCESSOR_PATH:-}" ]] || fail "DATASET=cord_v2 needs HF_PROCESSOR_PATH"
+
+ARGS=(
+  --model-arch qwen35_vl --model-variant "$MODEL_VARIANT"
+  --num-layers "$LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS"
+  --group-query-attention --num-query-groups "$KV" --kv-channels "$HEAD_DIM"
+  --seq-length "$SEQ_LEN" --max-position-embeddings "$SEQ_LEN"
+  --tokenizer-type NullTokenizer --vocab-size "$VOCAB"
+  --tensor-model-parallel-size "$TP" --context-parallel-size "$CP"
+  --expert-model-parallel-size "$EP" --pipeline-model-parallel-size "$PP"
+  --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$TRAIN_ITERS"
+  --lr "$LR" --min-lr "$(awk -v lr="$LR" 'BEGIN { print lr / 10 }')" --lr-decay-style cosine
+  --lr-warmup-iters $(( TRAIN_ITERS / 10 )) --weight-decay 0.01 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
+  --calculate-per-token-loss --log-interval 1 --eval-interval "$TRAIN_ITERS" --eval-iters 2
+  --dataset-provider "$DATASET" --seed 1234 "${VARIANT_FLAGS[@]}"
+)
+if (( EXPERTS > 0 )); then
+  ARGS+=(--num-experts "$EXPERTS" --moe-router-topk "$TOPK" --moe-ffn-hidden-size "$MOE_FFN" --ffn-hidden-size "$MOE_FFN")
+else
+  ARGS+=(--ffn-hidden-size "$FFN")
+fi
+[[ $PACKED == 1 ]] || ARGS+=(--no-packed-sequence)
+[[ -n "${DATA_PATH:-}" ]] && ARGS+=(--data-path "$DATA_PATH")
+[[ -n "${HF_PROCESSOR_PATH:-}" ]] && ARGS+=(--hf-processor-path "$HF_PROCESSOR_PATH")
+[[ $HAS_GPU == 1 ]] && ARGS+=(--bf16 --transformer-impl transformer_engine)
+if [[ -n "${CKPT_RESUME:-}" ]]; then
+  ARGS+=(--load "$CKPT_RESUME" --save "$CKPT_RESUME" --save-interval "${SAVE_INTERVAL:-$TRAIN_ITERS}")
+else
+  [[ -n "${CKPT_LOAD:-}" ]] && ARGS+=(--load "$CKPT_LOAD" --finetune)
+  [[ -n "${CKPT_SAVE:-}" ]] && ARGS+=(--save "$CKPT_SAVE" --save-interval "${SAVE_INTERVAL:-$TRAIN_ITERS}")
+fi
+
+LAUNCH=(torchrun --nproc-per-node "$NPROC" --master-port "${MASTER_PORT:-29517}"
+        "$ROOT/examples/multimodal_dev/pretrain_multimodal.py")
+if [[ "${DRY_RUN:-0}" == 1 ]]; then
+  printf '%q ' "${LAUNCH[@]}" "${ARGS[@]}" "$@"; echo
+  exit 0
+fi
+
+# shellcheck source=tools/bootstrap_env.sh
+source "$ROOT/tools/bootstrap_env.sh"
+echo "run_qwen35_vl.sh: $MODEL_VARIANT, TP=$TP CP=$CP EP=$EP PP=$PP NPROC=$NPROC, dataset $DATASET, $TRAIN_ITERS iterations"
+exec "$PY" -m torch.distributed.run "${LAUNCH[@]:1}" "${ARGS[@]}" "$@"
