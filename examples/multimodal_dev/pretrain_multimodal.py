@@ -53,7 +53,10 @@ def parallel_kwargs(args) -> dict:
                 context_parallel_size=args.context_parallel_size,
                 expert_model_parallel_size=args.expert_model_parallel_size,
                 sequence_parallel=args.sequence_parallel,
-                calculate_per_token_loss=args.calculate_per_token_loss)
+                calculate_per_token_loss=args.calculate_per_token_loss,
+                # Full weights drawn on the host, then split: every TP/EP layout starts from the
+                # same model as the single-process run.
+                use_cpu_initialization=args.use_cpu_initialization)
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):

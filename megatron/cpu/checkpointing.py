@@ -104,9 +104,10 @@ def load_checkpoint(args, model, optimizer, scheduler) -> int:
 
     iteration = latest_iteration(args.load)
     if iteration is None:
-        if not os.path.isdir(args.load):
+        resuming_in_place = args.save and os.path.abspath(args.save) == os.path.abspath(args.load)
+        if not os.path.isdir(args.load) and not resuming_in_place:
             raise FileNotFoundError(f"--load {args.load}: no such directory")
-        print(f"WARNING: --load {args.load} has no {TRACKER}; training from scratch", flush=True)
+        print(f"--load {args.load} has no {TRACKER} yet; training from scratch", flush=True)
         return 0
     directory = iteration_dir(args.load, iteration)
     if not os.path.isdir(directory) and iteration == 0:

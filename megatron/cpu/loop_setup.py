@@ -33,8 +33,8 @@ UNSUPPORTED = [
     (lambda a: a.recompute_granularity is not None, "--recompute-granularity", "activation recomputation is not wired"),
     (lambda a: getattr(a, "use_torch_fsdp2", False) or getattr(a, "use_megatron_fsdp", False),
      "--use-torch-fsdp2/--use-megatron-fsdp", "FSDP is not supported on the CPU path"),
-    (lambda a: a.exit_interval is not None or a.exit_duration_in_mins is not None,
-     "--exit-interval/--exit-duration-in-mins", "use --train-iters"),
+    (lambda a: a.exit_duration_in_mins is not None, "--exit-duration-in-mins",
+     "use --exit-interval or --train-iters"),
     (lambda a: a.dataloader_type not in (None, "single", "external"), "--dataloader-type",
      "the playground's iterators follow megatron's 'single' sampler"),
 ]
@@ -44,6 +44,20 @@ def refuse_unsupported(args) -> None:
     refused = [f"{flag} ({reason})" for pred, flag, reason in UNSUPPORTED if pred(args)]
     if refused:
         raise SystemExit("the CPU training loop does not support: " + "; ".join(refused))
+
+
+def validate_args_on_host(args) -> None:
+    """megatron.training's validate_args. With TP or CP > 1 it asks for the CUDA device's
+    architecture (for the CUDA_DEVICE_MAX_CONNECTIONS rule, meaningless on CPU); answer as a
+    device that has no such rule."""
+    from megatron.training import arguments
+
+    original = arguments.get_device_arch_version
+    arguments.get_device_arch_version = lambda: 10
+    try:
+        arguments.validate_args(args, {})
+    finally:
+        arguments.get_device_arch_version = original
 
 
 def init_distributed(args) -> None:

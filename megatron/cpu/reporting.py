@@ -12,6 +12,7 @@ class Reporter:
         self.args, self.active = args, is_logging_rank
         self.window = {"loss_sum": 0.0, "tokens": 0.0, "real_tokens": 0, "padded_tokens": 0, "iters": 0, "grad_norm": 0.0}
         self.window_start = time.perf_counter()
+        self.excluded = 0.0  # seconds of evaluation / checkpointing inside the window
         self.writer = None
         if self.active and args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
@@ -44,7 +45,7 @@ class Reporter:
 
     def _print_window(self, iteration: int, lr: float) -> None:
         w, args = self.window, self.args
-        elapsed = time.perf_counter() - self.window_start
+        elapsed = time.perf_counter() - self.window_start - self.excluded
         line = (f" iteration {iteration:8d}/{args.train_iters:8d} | consumed samples: {args.consumed_train_samples:12d}"
                 f" | elapsed time per iteration (ms): {1000 * elapsed / max(w['iters'], 1):.1f}"
                 f" | learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d}"
@@ -56,6 +57,11 @@ class Reporter:
         self._emit(line)
         self.window = {k: 0 for k in w}
         self.window_start = time.perf_counter()
+        self.excluded = 0.0
+
+    def exclude(self, seconds: float) -> None:
+        """Keep evaluation and checkpoint time out of the per-iteration time and tokens/s."""
+        self.excluded += seconds
 
     def validation(self, iteration: int, loss: float) -> None:
         ppl = math.exp(min(20.0, loss))

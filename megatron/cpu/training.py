@@ -11,11 +11,13 @@ megatron-core LR scheduler advanced by GBS samples.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
 from .checkpointing import load_checkpoint, save_checkpoint
-from .loop_setup import build_optimizer, build_scheduler, init_distributed, refuse_unsupported, set_seeds
+from .loop_setup import (build_optimizer, build_scheduler, init_distributed, refuse_unsupported, set_seeds,
+                         validate_args_on_host)
 from .reporting import Reporter
 
 
@@ -132,7 +134,7 @@ def evaluate(args, model, forward_step_func, valid_iterator, num_micro: int) -> 
 
 def pretrain_cpu(datasets_provider, model_provider, forward_step_func, extra_args_provider=None, args_defaults=None):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.arguments import parse_args
     from megatron.training.global_vars import set_args
 
     args = parse_args(extra_args_provider)
@@ -140,7 +142,7 @@ def pretrain_cpu(datasets_provider, model_provider, forward_step_func, extra_arg
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     refuse_unsupported(args)
-    validate_args(args, {})
+    validate_args_on_host(args)
     args.calculate_per_token_loss = True  # loss = sum / tokens over the global batch, as documented
     set_args(args)
     init_distributed(args)
@@ -171,6 +173,7 @@ def pretrain_cpu(datasets_provider, model_provider, forward_step_func, extra_arg
               f"{torch.distributed.get_world_size()}, {num_micro} micro-batch(es) per step, iterations "
               f"{iteration} -> {args.train_iters}", flush=True)
     model.train()
+    saved = False
     try:
         while iteration < args.train_iters:
             loss_sum, tokens = train_step(model, optimizer, forward_step_func, train_iterator, num_micro, iteration)
@@ -180,11 +183,16 @@ def pretrain_cpu(datasets_provider, model_provider, forward_step_func, extra_arg
             args.consumed_train_samples += args.global_batch_size
             real, padded = _all_reduce_dp(list(train_iterator.take()))
             reporter.train_step(iteration, loss_sum, tokens, norm, optimizer.param_groups[0]["lr"], int(real), int(padded))
+            side_work = time.perf_counter()
             if args.eval_interval and valid_iterator is not None and iteration % args.eval_interval == 0:
                 reporter.validation(iteration, evaluate(args, model, forward_step_func, valid_iterator, num_micro))
-            if args.save and args.save_interval and iteration % args.save_interval == 0:
+            saved = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
+            if saved:
                 save_checkpoint(args, iteration, module, optimizer, scheduler)
-        if args.save and (not args.save_interval or iteration % args.save_interval):
+            reporter.exclude(time.perf_counter() - side_work)
+            if args.exit_interval and iteration % args.exit_interval == 0:
+                break  # megatron.training semantics: stop here (saving first), resume later
+        if args.save and not saved:
             save_checkpoint(args, iteration, module, optimizer, scheduler)
     finally:
         reporter.close()

@@ -1,0 +1,31 @@
+"""Run ``run_qwen35_vl.sh`` (or torchrun scripts) from tests and read back what they logged."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \| grad norm: ([0-9.]+)")
+VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
+
+
+class Run:
+    def __init__(self, proc: subprocess.CompletedProcess):
+        self.returncode, self.output = proc.returncode, proc.stdout + proc.stderr
+        self.losses = {int(i): float(v) for i, v, _ in LOSS.findall(self.output)}
+        self.grad_norms = {int(i): float(g) for i, _, g in LOSS.findall(self.output)}
+        self.validation = {int(i): float(v) for i, v in VALID.findall(self.output)}
+
+    def check(self) -> "Run":
+        assert self.returncode == 0, f"run failed ({self.returncode}):\n{self.output[-4000:]}"
+        return self
+
+
+def run_script(extra_args=(), timeout: int = 600, **env) -> Run:
+    full_env = {**os.environ, **{k: str(v) for k, v in env.items()}}
+    full_env.setdefault("MASTER_PORT", str(29600 + os.getpid() % 300))
+    proc = subprocess.run(["bash", os.path.join(ROOT, "run_qwen35_vl.sh"), *extra_args], env=full_env,
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return Run(proc)

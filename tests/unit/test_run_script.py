@@ -1,0 +1,84 @@
+"""``run_qwen35_vl.sh``: DRY_RUN prints, for every variant, model flags equal to the variant table
+(and ``check_model_flags`` accepts them); impossible settings fail naming the variable."""
+
+import os
+import shlex
+import subprocess
+
+import pytest
+
+from arguments import check_model_flags
+from models.qwen35_vl.configuration import VARIANTS, get_variant
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _script(**env):
+    proc = subprocess.run(["bash", os.path.join(ROOT, "run_qwen35_vl.sh")], capture_output=True, text=True,
+                          env={**os.environ, "DRY_RUN": "1", **{k: str(v) for k, v in env.items()}})
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def _flags(command: str) -> dict:
+    words = shlex.split(command.strip().splitlines()[-1])
+    out, i = {}, 0
+    while i < len(words):
+        if words[i].startswith("--"):
+            has_value = i + 1 < len(words) and not words[i + 1].startswith("--")
+            out[words[i][2:].replace("-", "_")] = words[i + 1] if has_value else True
+            i += 2 if has_value else 1
+        else:
+            i += 1
+    return out
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_dry_run_flags_match_variant(variant):
+    rc, out, err = _script(MODEL_VARIANT=variant)
+    assert rc == 0, err
+    flags = _flags(out)
+    text = get_variant(variant).text
+    assert flags["model_variant"] == variant
+    assert int(flags["num_layers"]) == text.num_layers and int(flags["hidden_size"]) == text.hidden_size
+    assert int(flags["num_attention_heads"]) == text.num_attention_heads
+    assert int(flags["num_query_groups"]) == text.num_kv_heads and int(flags["kv_channels"]) == text.head_dim
+    assert int(flags["vocab_size"]) == text.vocab_size
+    if text.is_moe:
+        assert int(flags["num_experts"]) == text.num_experts and int(flags["moe_router_topk"]) == text.moe_top_k
+        assert int(flags["moe_ffn_hidden_size"]) == text.moe_ffn_hidden_size
+    else:
+        assert "num_experts" not in flags and int(flags["ffn_hidden_size"]) == text.ffn_hidden_size
+
+    class Args:  # what megatron would parse from these flags
+        pass
+
+    args = Args()
+    for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+                "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "ffn_hidden_size", "vocab_size"):
+        setattr(args, key, int(flags[key]) if key in flags else None)
+    check_model_flags(args, get_variant(variant), f"variant {variant}")
+
+
+def test_model_flag_mismatch_is_named():
+    class Args:
+        num_layers, hidden_size, num_attention_heads = 5, 128, 4
+
+    with pytest.raises(ValueError, match=r"--num-layers 5 \(the variant 'tiny' has 4\)"):
+        check_model_flags(Args(), get_variant("tiny"), "variant 'tiny'")
+
+
+@pytest.mark.parametrize("env,message", [
+    (dict(EP=2), "EP=2 needs an MoE variant"),
+    (dict(MODEL_VARIANT="35b_a3b", EP=3, NPROC=3), "EP=3 does not divide the 256 experts"),
+    (dict(TP=3), "TP=3 does not divide the 4 attention heads"),
+    (dict(TP=2, CP=2, MODEL_VARIANT="tiny"), "TP\\*CP=4 does not divide the Gated DeltaNet heads"),
+    (dict(TP=2, NPROC=3), "NPROC=3 is not divisible by TP\\*CP\\*PP=2"),
+    (dict(MODEL_VARIANT="nope"), "MODEL_VARIANT=nope is not a variant"),
+    (dict(DATASET="cord_v2"), "DATASET=cord_v2 needs DATA_PATH"),
+    (dict(MBS=0), "MBS=0 must be a positive integer"),
+])
+def test_impossible_settings_fail_with_the_variable(env, message):
+    import re
+
+    rc, _, err = _script(MODEL_VARIANT=env.pop("MODEL_VARIANT", "tiny"), **env)
+    assert rc != 0 and re.search(message, err), err
