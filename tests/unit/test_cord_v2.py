@@ -91,3 +91,30 @@ def test_unusable_processor_fails_at_startup(tmp_path):
         load_processor(path)
     with pytest.raises(ValueError, match="--hf-processor-path is required"):
         load_processor(None)
+
+
+def test_cord_batch_feeds_the_model_packed_equals_padded(paths, mcore):
+    """The processor's token ids drive the model shape (as ``resolve_shape`` does); a packed
+    CORD-V2 micro-batch gives the padded batch's per-token loss."""
+    from dataclasses import replace
+
+    from data.collate import Collator
+    from forward_step import loss_func, run_model
+    from models.qwen35_vl.configuration import get_variant
+    from models.qwen35_vl.factory import build_model
+
+    _, info = load_processor(paths[0])
+    t = info.tokens
+    shape = replace(get_variant("tiny", moe=False, mtp=False), image_token_id=t.image, video_token_id=t.video,
+                    vision_start_token_id=t.vision_start, vision_end_token_id=t.vision_end)
+    torch.manual_seed(0)
+    model = build_model(shape).eval()
+    train, _, _ = _datasets(paths)
+    samples = [train[0], train[4]]
+    losses = []
+    with torch.no_grad():
+        for collate in (Collator(t, packed=True, pad_multiple=4), Collator(t, packed=False)):
+            batch = collate(samples)
+            loss_sum, n_tokens, _ = loss_func(batch["loss_mask"], run_model(model, batch))
+            losses.append((loss_sum / n_tokens).item())
+    assert abs(losses[0] - losses[1]) < 1e-5 and 5.0 < losses[0] < 12.0
