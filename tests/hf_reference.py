@@ -40,8 +40,7 @@ def image_tokens(shape: Qwen35VLShape, h: int, w: int) -> list[int]:
 def pixel_values_for(shape: Qwen35VLShape, grids, generator=None) -> torch.Tensor:
     v = shape.vision
     n_patches = sum(t * h * w for t, h, w in grids)
-    dim = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
-    return torch.randn(n_patches, dim, generator=generator)
+    return torch.randn(n_patches, v.patch_dim, generator=generator)
 
 
 def hf_forward(model, shape: Qwen35VLShape, input_ids, attention_mask, pixel_values=None, image_grid_thw=None):
@@ -60,14 +59,7 @@ def megatron_position_ids(shape, input_ids, attention_mask, image_grid_thw):
 
 
 def hf_rope_index(shape: Qwen35VLShape, input_ids, attention_mask, image_grid_thw):
-    """transformers' ``get_rope_index`` (needs only the config, so no weights are built)."""
-    import transformers
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model
+    """transformers' ``get_rope_index`` for ``shape`` (the benchmark's reference, reused)."""
+    from tools.bench_collate import hf_rope_index_fn
 
-    cfg = {k: v for k, v in to_hf_config_dict(shape).items() if k != "model_type"}
-    model = Qwen3_5Model.__new__(Qwen3_5Model)
-    torch.nn.Module.__init__(model)
-    model.config = transformers.Qwen3_5Config(**cfg)
-    types = (input_ids == shape.image_token_id).long()
-    return model.get_rope_index(input_ids, mm_token_type_ids=types, image_grid_thw=image_grid_thw,
-                                attention_mask=attention_mask)[0]
+    return hf_rope_index_fn(shape)(input_ids, attention_mask, image_grid_thw)

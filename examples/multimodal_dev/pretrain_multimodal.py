@@ -74,22 +74,16 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     return model
 
 
-def vision_tokens(shape) -> VisionTokens:
-    return VisionTokens(shape.image_token_id, shape.video_token_id, shape.vision_start_token_id,
-                        shape.vision_end_token_id, shape.vision.spatial_merge_size)
-
-
 def datasets_provider(train_val_test_num_samples):
     """(train, valid, test) iterators of collated micro-batches for this data-parallel rank."""
     from megatron.core import parallel_state
 
     args = get_args()
     shape = model_shape()
-    tokens = vision_tokens(shape)
-    v = shape.vision
+    tokens = VisionTokens.from_shape(shape)
     build = get_dataset_provider(args.dataset_provider)
     datasets = build(tokens=tokens, vocab_size=shape.text.vocab_size,
-                     patch_dim=v.in_channels * v.temporal_patch_size * v.patch_size ** 2,
+                     patch_dim=shape.vision.patch_dim,
                      seq_length=args.seq_length, num_samples=tuple(int(n) for n in train_val_test_num_samples),
                      seed=args.seed, data_path=args.data_path[0] if args.data_path else None,
                      hf_processor_path=args.hf_processor_path, min_pixels=args.min_pixels,

@@ -12,9 +12,8 @@ from forward_step import loss_func, run_model
 from models.qwen35_vl.configuration import get_variant
 
 SHAPE = get_variant("tiny", moe=False, mtp=False)
-TOKENS = VisionTokens(SHAPE.image_token_id, SHAPE.video_token_id, SHAPE.vision_start_token_id,
-                      SHAPE.vision_end_token_id, SHAPE.vision.spatial_merge_size)
-PATCH_DIM = 3 * 2 * 16 * 16
+TOKENS = VisionTokens.from_shape(SHAPE)
+PATCH_DIM = SHAPE.vision.patch_dim
 
 
 def _samples(n, seed=3):
@@ -92,6 +91,7 @@ def test_bench_collate_runs(capsys):
     import importlib
 
     bench = importlib.import_module("tools.bench_collate")
-    bench.main(["--samples", "16", "--micro-batch", "4", "--repeats", "1"])
+    figures = bench.main(["--samples", "16", "--micro-batch", "4", "--repeats", "1"])  # raises on a mismatch
     out = capsys.readouterr().out
-    assert "samples/s" in out and "ratio (ours / transformers)" in out
+    assert figures["samples"] == 16 and figures["ours_per_s"] > 0 and figures["hf_per_s"] > 0
+    assert "ratio (ours / transformers)" in out

@@ -113,13 +113,11 @@ def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path
     processor, info = load_processor(hf_processor_path, min_pixels, max_pixels)
     out = []
     for split, n in zip(SPLITS, num_samples):
-        ds = load_split(data_path, split) if n > 0 else None
-        produce = CordV2Conversations(ds, processor, info, min_pixels, max_pixels) if ds is not None else None
+        if n == 0:
+            out.append(None)
+            continue
+        ds = load_split(data_path, split)
+        produce = CordV2Conversations(ds, processor, info, min_pixels, max_pixels)
         out.append(SkippingDataset(produce, len(ds), n, info.tokens, seq_length, info.patch_dim,
-                                   name=f"cord_v2[{split}]") if ds is not None else None)
+                                   name=f"cord_v2[{split}]"))
     return tuple(out)
-
-
-def processor_info(hf_processor_path: str):
-    """Token ids the model must be built with for this processor."""
-    return load_processor(hf_processor_path)[1]

@@ -50,6 +50,12 @@ class VisionTokens:
     def vision_ids(self) -> tuple[int, int]:
         return (self.image, self.video)
 
+    @classmethod
+    def from_shape(cls, shape) -> "VisionTokens":
+        """From a model shape carrying the four token ids and ``vision.spatial_merge_size``."""
+        return cls(shape.image_token_id, shape.video_token_id, shape.vision_start_token_id,
+                   shape.vision_end_token_id, shape.vision.spatial_merge_size)
+
 
 def build_sft_sample(prompt_ids: torch.Tensor, answer_ids: torch.Tensor, pixel_values: torch.Tensor,
                      image_grid_thw: torch.Tensor) -> dict:

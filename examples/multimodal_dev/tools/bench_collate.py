@@ -26,6 +26,8 @@ from models.qwen35_vl.configuration import get_variant, to_hf_config_dict  # noq
 
 
 def hf_rope_index_fn(shape):
+    """``positions(input_ids [B, S], attention_mask [B, S], image_grid_thw) -> [3, B, S]`` from
+    transformers' ``get_rope_index`` for this shape's config (no weights are built)."""
     import transformers
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model
 
@@ -33,11 +35,10 @@ def hf_rope_index_fn(shape):
     torch.nn.Module.__init__(model)
     model.config = transformers.Qwen3_5Config(**{k: v for k, v in to_hf_config_dict(shape).items() if k != "model_type"})
 
-    def positions(sample):
-        ids = sample["input_ids"].unsqueeze(0)
-        types = (ids == shape.image_token_id).long()
-        return model.get_rope_index(ids, mm_token_type_ids=types, image_grid_thw=sample["image_grid_thw"],
-                                    attention_mask=torch.ones_like(ids))[0]
+    def positions(input_ids, attention_mask, image_grid_thw):
+        types = (input_ids == shape.image_token_id).long()
+        return model.get_rope_index(input_ids, mm_token_type_ids=types, image_grid_thw=image_grid_thw,
+                                    attention_mask=attention_mask)[0]
     return positions
 
 
@@ -60,7 +61,7 @@ def main(argv=None):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # collates run in data-loader workers, one thread each
     try:
-        run(args)
+        return run(args)
     finally:
         torch.set_num_threads(threads)
 
@@ -68,9 +69,8 @@ def main(argv=None):
 def run(args):
 
     shape = get_variant("tiny")
-    tokens = VisionTokens(shape.image_token_id, shape.video_token_id, shape.vision_start_token_id,
-                          shape.vision_end_token_id, shape.vision.spatial_merge_size)
-    mock = MockConversations(tokens, shape.text.vocab_size, 3 * 2 * 16 * 16, seed=0)
+    tokens = VisionTokens.from_shape(shape)
+    mock = MockConversations(tokens, shape.text.vocab_size, shape.vision.patch_dim, seed=0)
     samples, index = [], 0
     while len(samples) < args.samples:
         sample = mock(index)
@@ -78,7 +78,19 @@ def run(args):
         if sample["image_grid_thw"].shape[0]:
             samples.append(sample)
     batches = [samples[i:i + args.micro_batch] for i in range(0, len(samples), args.micro_batch)]
-    reference = hf_rope_index_fn(shape)
+    hf_positions = hf_rope_index_fn(shape)
+
+    def reference(sample):
+        ids = sample["input_ids"].unsqueeze(0)
+        return hf_positions(ids, torch.ones_like(ids), sample["image_grid_thw"])
+
+    # Both sides must compute the same positions, or the timing compares different work.
+    for batch in batches:
+        packed = pack_thd(batch, tokens, args.pad_multiple)
+        for sample, start in zip(batch, packed["cu_seqlens_padded"][:-1].tolist()):
+            ours = packed["position_ids"][:, 0, start:start + sample["input_ids"].numel()]
+            if not torch.equal(ours, reference(sample)[:, 0]):
+                raise RuntimeError("pack_thd positions differ from transformers' get_rope_index")
 
     ours_s = timed(lambda: [pack_thd(b, tokens, args.pad_multiple) for b in batches], args.repeats)
     ref_s = timed(lambda: [reference(s) for s in samples], args.repeats)
@@ -89,6 +101,7 @@ def run(args):
     print(f"  pack_thd (THD + MRoPE positions):          {len(samples) / ours_s:10.1f} samples/s")
     print(f"  transformers get_rope_index (per sample):  {len(samples) / ref_s:10.1f} samples/s")
     print(f"  ratio (ours / transformers): {ref_s / ours_s:.2f}x")
+    return {"samples": len(samples), "ours_per_s": len(samples) / ours_s, "hf_per_s": len(samples) / ref_s}
 
 
 if __name__ == "__main__":

@@ -33,6 +33,11 @@ class VisionShape:
     out_hidden_size: int = 4096  # = text hidden size
     rope_theta: float = 10000.0
 
+    @property
+    def patch_dim(self) -> int:
+        """Values per flattened patch row of ``pixel_values`` (C * t * p * p)."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
 
 @dataclass(frozen=True)
 class TextShape:
