@@ -13,6 +13,7 @@
 #   CKPT_RESUME     one directory to resume from and keep saving to (exact resume)
 #   PACKED          1 = THD packing (default), 0 = padded BSHD
 #   MOE=1           tiny only: 4 experts (top-2), so EP can be exercised on CPU
+#   MTP=1           also train the multi-token-prediction head (--mtp-num-layers 1) [0]
 #   DRY_RUN=1       print the command and exit
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -92,6 +93,13 @@ else
   ARGS+=(--ffn-hidden-size "$FFN")
 fi
 [[ $PACKED == 1 ]] || ARGS+=(--no-packed-sequence)
+case "${MTP:-0}" in
+  0) ;;
+  # megatron's argument check admits MTP only with rotary positions; the model's interleaved
+  # MRoPE is built from the variant, so this flag only satisfies that check.
+  1) ARGS+=(--mtp-num-layers 1 --position-embedding-type rope);;
+  *) fail "MTP=$MTP: expected 0 or 1 (Qwen3.5 has one MTP layer)";;
+esac
 [[ -n "${DATA_PATH:-}" ]] && ARGS+=(--data-path "$DATA_PATH")
 [[ -n "${HF_PROCESSOR_PATH:-}" ]] && ARGS+=(--hf-processor-path "$HF_PROCESSOR_PATH")
 [[ $HAS_GPU == 1 ]] && ARGS+=(--bf16 --transformer-impl transformer_engine)

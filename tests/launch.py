@@ -7,15 +7,18 @@ import re
 import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \| grad norm: ([0-9.]+)")
+LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|(?: mtp_1 loss: ([0-9.E+-]+) \|)?"
+                  r" grad norm: ([0-9.]+)")
 VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
 
 
 class Run:
     def __init__(self, proc: subprocess.CompletedProcess):
         self.returncode, self.output = proc.returncode, proc.stdout + proc.stderr
-        self.losses = {int(i): float(v) for i, v, _ in LOSS.findall(self.output)}
-        self.grad_norms = {int(i): float(g) for i, _, g in LOSS.findall(self.output)}
+        logged = LOSS.findall(self.output)
+        self.losses = {int(i): float(v) for i, v, _, _ in logged}
+        self.mtp_losses = {int(i): float(m) for i, _, m, _ in logged if m}
+        self.grad_norms = {int(i): float(g) for i, _, _, g in logged}
         self.validation = {int(i): float(v) for i, v in VALID.findall(self.output)}
 
     def check(self) -> "Run":

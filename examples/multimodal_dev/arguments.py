@@ -9,6 +9,8 @@ never a silently different model.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 
 def add_multimodal_args(parser):
     group = parser.add_argument_group("multimodal playground")
@@ -69,8 +71,6 @@ def check_model_flags(args, shape, source: str) -> None:
 
 def resolve_shape(args):
     """The model shape for these args, with the token ids of the processor when one is given."""
-    from dataclasses import replace
-
     from models import get_model_entry
 
     entry = get_model_entry(args.model_arch)
@@ -78,7 +78,10 @@ def resolve_shape(args):
         shape, source = entry.load("shape_from_hf")(args.hf_config_path), f"--hf-config-path {args.hf_config_path}"
     else:
         moe = {"auto": None, "on": True, "off": False}[args.variant_moe]
-        shape, source = entry.load("shape_fn")(args.model_variant, moe=moe, mtp=False), f"variant {args.model_variant!r}"
+        shape, source = entry.load("shape_fn")(args.model_variant, moe=moe), f"variant {args.model_variant!r}"
+    # The MTP head is trained only when asked for (megatron's --mtp-num-layers), whatever the
+    # checkpoint or variant carries; a converted checkpoint's mtp.* tensors are then left unused.
+    shape = replace(shape, text=replace(shape.text, mtp_num_layers=args.mtp_num_layers or 0))
     check_model_flags(args, shape, source)
     if args.hf_processor_path:
         from data.processor import load_processor

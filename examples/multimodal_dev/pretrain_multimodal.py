@@ -48,7 +48,8 @@ def model_backend(args) -> str:
         return "local"
 
 
-def parallel_kwargs(args) -> dict:
+def config_kwargs(args) -> dict:
+    """TransformerConfig fields that come from megatron's flags rather than from the shape."""
     return dict(tensor_model_parallel_size=args.tensor_model_parallel_size,
                 context_parallel_size=args.context_parallel_size,
                 expert_model_parallel_size=args.expert_model_parallel_size,
@@ -56,7 +57,8 @@ def parallel_kwargs(args) -> dict:
                 calculate_per_token_loss=args.calculate_per_token_loss,
                 # Full weights drawn on the host, then split: every TP/EP layout starts from the
                 # same model as the single-process run.
-                use_cpu_initialization=args.use_cpu_initialization)
+                use_cpu_initialization=args.use_cpu_initialization,
+                mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
@@ -66,7 +68,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
                          "model is not split into pipeline stages yet")
     entry = get_model_entry(args.model_arch)
     model = entry.load("build_fn")(model_shape(), backend=model_backend(args), params_dtype=args.params_dtype,
-                                   max_sequence_length=args.seq_length, **parallel_kwargs(args))
+                                   max_sequence_length=args.seq_length, **config_kwargs(args))
     for flag, part in (("freeze_vision", model.vision_model), ("freeze_language", model.language_model)):
         if getattr(args, flag):
             for p in part.parameters():

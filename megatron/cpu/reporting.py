@@ -11,6 +11,7 @@ class Reporter:
     def __init__(self, args, start_iteration: int, is_logging_rank: bool):
         self.args, self.active = args, is_logging_rank
         self.window = {"loss_sum": 0.0, "tokens": 0.0, "real_tokens": 0, "padded_tokens": 0, "iters": 0, "grad_norm": 0.0}
+        self.extra_window: dict[str, list[float]] = {}  # auxiliary losses (MTP), averaged per window
         self.window_start = time.perf_counter()
         self.excluded = 0.0  # seconds of evaluation / checkpointing inside the window
         self.writer = None
@@ -25,8 +26,12 @@ class Reporter:
             self.bar = tqdm(total=args.train_iters, initial=start_iteration, unit="it", dynamic_ncols=True)
 
     def train_step(self, iteration: int, loss_sum: float, tokens: float, grad_norm: float, lr: float,
-                   real_tokens: int, padded_tokens: int) -> None:
+                   real_tokens: int, padded_tokens: int, extra: dict[str, float] | None = None) -> None:
         w = self.window
+        for name, value in (extra or {}).items():
+            self.extra_window.setdefault(name, []).append(value)
+            if self.writer is not None:
+                self.writer.add_scalar(name, value, iteration)
         w["loss_sum"] += loss_sum
         w["tokens"] += tokens
         w["grad_norm"] = grad_norm
@@ -49,13 +54,16 @@ class Reporter:
         line = (f" iteration {iteration:8d}/{args.train_iters:8d} | consumed samples: {args.consumed_train_samples:12d}"
                 f" | elapsed time per iteration (ms): {1000 * elapsed / max(w['iters'], 1):.1f}"
                 f" | learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d}"
-                f" | lm loss: {w['loss_sum'] / max(w['tokens'], 1):.6E} | grad norm: {w['grad_norm']:.3f}"
+                f" | lm loss: {w['loss_sum'] / max(w['tokens'], 1):.6E}"
+                + "".join(f" | {name}: {sum(v) / len(v):.6E}" for name, v in self.extra_window.items())
+                + f" | grad norm: {w['grad_norm']:.3f}"
                 f" | tokens/s: {w['real_tokens'] / max(elapsed, 1e-9):.0f}"
                 f" | padding: {100 * (1 - w['real_tokens'] / max(w['padded_tokens'], 1)):.1f}% |")
         if self.writer is not None:
             self.writer.add_scalar("tokens-per-second", w["real_tokens"] / max(elapsed, 1e-9), iteration)
         self._emit(line)
         self.window = {k: 0 for k in w}
+        self.extra_window = {}
         self.window_start = time.perf_counter()
         self.excluded = 0.0
 

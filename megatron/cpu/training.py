@@ -70,6 +70,24 @@ def _all_reduce_dp(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def take_mtp_losses(num_micro: int) -> dict[str, float]:
+    """Per-layer MTP losses of the last step (mean over micro-batches and data-parallel ranks),
+    read from megatron-core's tracker, which is then cleared. The tracker's own reduction
+    averages with ReduceOp.AVG, which gloo does not have."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker = MTPLossLoggingHelper.tracker
+    if "loss_values" not in tracker:
+        return {}
+    values = tracker["loss_values"].double() / num_micro
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    torch.distributed.all_reduce(values, group=group)
+    values /= torch.distributed.get_world_size(group)
+    MTPLossLoggingHelper.clean_metrics_in_tracker()
+    return {f"mtp_{i + 1} loss": v for i, v in enumerate(values.tolist())}
+
+
 def _micro_batches(args) -> int:
     from megatron.core import parallel_state
 
@@ -182,7 +200,8 @@ def pretrain_cpu(datasets_provider, model_provider, forward_step_func, extra_arg
             args.iteration = iteration
             args.consumed_train_samples += args.global_batch_size
             real, padded = _all_reduce_dp(list(train_iterator.take()))
-            reporter.train_step(iteration, loss_sum, tokens, norm, optimizer.param_groups[0]["lr"], int(real), int(padded))
+            reporter.train_step(iteration, loss_sum, tokens, norm, optimizer.param_groups[0]["lr"], int(real), int(padded),
+                                extra=take_mtp_losses(num_micro))
             side_work = time.perf_counter()
             if args.eval_interval and valid_iterator is not None and iteration % args.eval_interval == 0:
                 reporter.validation(iteration, evaluate(args, model, forward_step_func, valid_iterator, num_micro))

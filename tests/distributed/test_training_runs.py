@@ -5,7 +5,9 @@
 - exact resume: 8 iterations straight == 4, stop (--exit-interval), resume, 4 more: the same
   logged loss at every iteration (7 significant digits) and the same validation loss and weights;
 - a save that dies midway leaves the previous checkpoint loadable and training continues;
-- TP=2 on the same weights reports the first-iteration loss of the single process (1e-4 rel).
+- TP=2 on the same weights (with the MTP head) reports the first-iteration loss, MTP loss and
+  grad norm of the single process (1e-4 rel);
+- with MTP=1 the MTP loss is logged and falls.
 """
 
 import os
@@ -69,12 +71,22 @@ def test_killed_save_keeps_previous_checkpoint(tmp_path):
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPU cores for two ranks")
 def test_tensor_parallel_matches_single_process(tmp_path):
-    start = tmp_path / "start"
-    run_script(TRAIN_ITERS=1, SEQ_LEN=512, CKPT_SAVE=start).check()
-    single = run_script(TRAIN_ITERS=1, SEQ_LEN=512, CKPT_LOAD=start).check()
-    tp2 = run_script(TRAIN_ITERS=1, SEQ_LEN=512, CKPT_LOAD=start, TP=2).check()
+    start, common = tmp_path / "start", dict(TRAIN_ITERS=1, SEQ_LEN=512, MTP=1)
+    run_script(CKPT_SAVE=start, **common).check()
+    single = run_script(CKPT_LOAD=start, **common).check()
+    tp2 = run_script(CKPT_LOAD=start, TP=2, **common).check()
     rel = abs(tp2.losses[1] - single.losses[1]) / single.losses[1]
+    rel_mtp = abs(tp2.mtp_losses[1] - single.mtp_losses[1]) / single.mtp_losses[1]
     rel_norm = abs(tp2.grad_norms[1] - single.grad_norms[1]) / single.grad_norms[1]
     print(f"first-iteration loss: single {single.losses[1]:.6f} TP=2 {tp2.losses[1]:.6f} (rel {rel:.1e}); "
+          f"MTP loss {single.mtp_losses[1]:.6f} vs {tp2.mtp_losses[1]:.6f}; "
           f"grad norm {single.grad_norms[1]} vs {tp2.grad_norms[1]}")
-    assert rel < 1e-4 and rel_norm < 1e-3
+    assert rel < 1e-4 and rel_mtp < 1e-4 and rel_norm < 1e-3
+
+
+def test_mtp_head_trains():
+    run = run_script(TRAIN_ITERS=16, SEQ_LEN=512, MTP=1).check()
+    mtp = [run.mtp_losses[i] for i in range(1, 17)]
+    first, last = sum(mtp[:4]) / 4, sum(mtp[-4:]) / 4
+    print(f"MTP loss: first-4 mean {first:.3f}, last-4 mean {last:.3f}")
+    assert len(run.mtp_losses) == 16 and last < first - 0.5

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hf_reference import build_hf_model
+from hf_reference import HFMtpHead, build_hf_model
 
 from models import MODEL_REGISTRY, get_model_entry
 from models.qwen35_vl.configuration import FULL, LINEAR, VARIANTS, from_hf_config, get_variant, to_hf_config_dict
@@ -53,8 +53,10 @@ def test_parallel_validation_names_flag_and_value():
 
 @pytest.mark.parametrize("moe", [False, True])
 def test_mapping_round_trip_is_bitwise(moe):
-    shape = get_variant("tiny", moe=moe, mtp=False)
-    hf_state = build_hf_model(shape).state_dict()
+    shape = get_variant("tiny", moe=moe, mtp=True)
+    hf = build_hf_model(shape)
+    hf_state = {**hf.state_dict(), **HFMtpHead(hf).checkpoint_state()}
+    assert any(k.startswith("mtp.layers.0.") for k in hf_state)
     back = megatron_to_hf(hf_to_megatron(hf_state, shape), shape)
     assert set(back) == set(hf_state) - ({"lm_head.weight"} if shape.text.tie_word_embeddings else set())
     for name, tensor in back.items():

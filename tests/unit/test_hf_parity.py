@@ -7,24 +7,24 @@ segment), so bitwise equality is not expected; measured ~1.3e-6 abs at logit sca
 
 import pytest
 import torch
-from hf_reference import build_hf_model, hf_forward, image_tokens, megatron_position_ids, pixel_values_for
-from megatron.core.packed_seq_params import PackedSeqParams
+from hf_reference import (HFMtpHead, build_hf_model, hf_forward, image_tokens, megatron_position_ids, packed_row,
+                          pixel_values_for)
 
 from models.qwen35_vl.configuration import get_variant
 from models.qwen35_vl.factory import build_model
 from models.qwen35_vl.hf_mapping import MappingError, load_hf_into_model
-from models.qwen35_vl.mrope import sample_position_ids
 
 REL_TOL = 2e-5
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
 def pair(request, mcore):
-    shape = get_variant("tiny", moe=request.param == "moe", mtp=False)
+    shape = get_variant("tiny", moe=request.param == "moe", mtp=True)
     hf = build_hf_model(shape)
+    mtp = HFMtpHead(hf)
     mg = build_model(shape).eval()
-    load_hf_into_model(mg, hf.state_dict(), shape)
-    return request.param, shape, hf, mg
+    load_hf_into_model(mg, {**hf.state_dict(), **mtp.checkpoint_state()}, shape)  # strict: every tensor lands
+    return request.param, shape, hf, mg, mtp
 
 
 def _assert_close(name, ours, ref):
@@ -45,7 +45,7 @@ def _batch(rows):
 
 
 def test_text_only_batch(pair):
-    kind, shape, hf, mg = pair
+    kind, shape, hf, mg, _ = pair
     ids, mask = _batch([[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22, 23, 24]])
     ref = hf_forward(hf, shape, ids, mask)
     with torch.no_grad():
@@ -54,7 +54,7 @@ def test_text_only_batch(pair):
 
 
 def test_two_nonsquare_images_batch_of_two(pair):
-    kind, shape, hf, mg = pair
+    kind, shape, hf, mg, _ = pair
     grids = [(1, 4, 6), (1, 6, 4), (1, 2, 8)]
     ids, mask = _batch([
         [5, 6] + image_tokens(shape, 4, 6) + [7, 8, 9] + image_tokens(shape, 6, 4) + [10, 11],
@@ -72,7 +72,7 @@ def test_two_nonsquare_images_batch_of_two(pair):
 def test_thd_packed_equals_each_sample_alone(pair):
     """Three samples of different lengths (two with images) in one [1, T] row, each padded to
     a multiple of 4 as the collate does for CP=2, against HF run on each sample alone."""
-    kind, shape, hf, mg = pair
+    kind, shape, hf, mg, _ = pair
     samples = [
         ([5, 6] + image_tokens(shape, 4, 6) + [7, 8, 9], [(1, 4, 6)]),
         ([10, 11, 12, 13, 14, 15, 16], []),
@@ -80,30 +80,12 @@ def test_thd_packed_equals_each_sample_alone(pair):
     ]
     gen = torch.Generator().manual_seed(2)
     pixels = [pixel_values_for(shape, g, gen) if g else None for _, g in samples]
-    vision_ids = (shape.image_token_id, shape.video_token_id)
-    tokens, positions, real, cu, cu_padded = [], [], [], [0], [0]
-    for (row, grids), _ in zip(samples, pixels):
-        ids = torch.tensor(row)
-        pos = sample_position_ids(ids, torch.tensor(grids, dtype=torch.long).reshape(-1, 3), vision_ids,
-                                  shape.vision.spatial_merge_size)
-        pad = (-len(row)) % 4
-        tokens.append(torch.cat([ids, torch.zeros(pad, dtype=torch.long)]))
-        positions.append(torch.cat([pos, torch.zeros(3, pad, dtype=torch.long)], dim=1))
-        real.append(torch.cat([torch.ones(len(row)), torch.zeros(pad)]).bool())
-        cu.append(cu[-1] + len(row))
-        cu_padded.append(cu_padded[-1] + len(row) + pad)
-    tokens_1T = torch.cat(tokens)[None]
-    position_ids_31T = torch.cat(positions, dim=1)[:, None]
-    cu_t, cu_padded_t = torch.tensor(cu, dtype=torch.int32), torch.tensor(cu_padded, dtype=torch.int32)
-    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t,
-                             cu_seqlens_q_padded=cu_padded_t, cu_seqlens_kv_padded=cu_padded_t,
-                             max_seqlen_q=int((cu_padded_t[1:] - cu_padded_t[:-1]).max()),
-                             max_seqlen_kv=int((cu_padded_t[1:] - cu_padded_t[:-1]).max()))
+    tokens_1T, position_ids_31T, packed, real = packed_row(shape, samples)
     all_grids = torch.tensor([g for _, gs in samples for g in gs])
     with torch.no_grad():
         ours = mg(tokens_1T, position_ids_31T, None, pixel_values=torch.cat([p for p in pixels if p is not None]),
                   image_grid_thw=all_grids, packed_seq_params=packed)[0]
-    ours_real = ours[torch.cat(real)]
+    ours_real = ours[real]
     offset = 0
     for (row, grids), pix in zip(samples, pixels):
         ids = torch.tensor([row])
@@ -113,7 +95,7 @@ def test_thd_packed_equals_each_sample_alone(pair):
 
 
 def test_vision_tower_equals_hf(pair):
-    kind, shape, hf, mg = pair
+    kind, shape, hf, mg, _ = pair
     grids = torch.tensor([[1, 4, 6], [2, 6, 4]])  # an image and a two-frame video clip
     pixels = pixel_values_for(shape, grids.tolist(), torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -123,7 +105,7 @@ def test_vision_tower_equals_hf(pair):
 
 
 def test_placeholder_count_mismatch_is_a_clear_error(pair):
-    _, shape, _, mg = pair
+    _, shape, _, mg, _ = pair
     ids, mask = _batch([[5] + image_tokens(shape, 4, 6)[:-3] + [6]])
     grids = torch.tensor([[1, 4, 6]])
     pixels = pixel_values_for(shape, grids.tolist())
@@ -131,13 +113,41 @@ def test_placeholder_count_mismatch_is_a_clear_error(pair):
         mg.embed(ids, pixels, grids)
 
 
-def test_mtp_tensors_are_reported_not_dropped(mcore):
-    """Checkpoints carry mtp.* tensors; until the MTP head exists they are named, not lost."""
+def test_mtp_head_equals_reference_per_packed_sample(pair):
+    """The MTP head's logits on a THD row of three samples (two with images) equal the reference
+    head run on each sample alone: the next-token roll restarts at every sample boundary."""
+    kind, shape, hf, mg, mtp = pair
+    samples = [
+        ([5, 6] + image_tokens(shape, 4, 6) + [7, 8, 9], [(1, 4, 6)]),
+        ([10, 11, 12, 13, 14, 15, 16], []),
+        ([17] + image_tokens(shape, 2, 4) + [18, 19, 20, 21], [(1, 2, 4)]),
+    ]
+    gen = torch.Generator().manual_seed(4)
+    pixels = [pixel_values_for(shape, g, gen) if g else None for _, g in samples]
+    tokens_1T, position_ids_31T, packed, real = packed_row(shape, samples)
+    captured = []
+    hook = mg.language_model.mtp.register_forward_hook(lambda mod, args, out: captured.append(out))
+    try:
+        with torch.no_grad():
+            mg(tokens_1T, position_ids_31T, None, pixel_values=torch.cat([p for p in pixels if p is not None]),
+               image_grid_thw=torch.tensor([g for _, gs in samples for g in gs]), packed_seq_params=packed)
+    finally:
+        hook.remove()
+    main_and_mtp = torch.chunk(captured[0], 1 + shape.text.mtp_num_layers, dim=0)
+    with torch.no_grad():
+        ours = mg.language_model.output_layer(main_and_mtp[1])[0][:, 0][real]  # [T_real, V]
+    offset = 0
+    for (row, grids), pix in zip(samples, pixels):
+        ref = mtp.logits(hf, shape, torch.tensor([row]), pix, torch.tensor(grids) if grids else None)[0]
+        _assert_close(f"{kind} MTP sample of {len(row)} tokens", ours[offset: offset + len(row)], ref)
+        offset += len(row)
+
+
+def test_checkpoint_mtp_tensors_are_named_when_the_model_has_no_mtp_head(mcore):
+    """A model built without MTP refuses a checkpoint carrying mtp.* unless told to skip them."""
     shape = get_variant("tiny", moe=True, mtp=False)
     hf = build_hf_model(shape)
-    state = dict(hf.state_dict())
-    state["mtp.fc.weight"] = torch.zeros(4, 4)
-    state["mtp.layers.0.mlp.gate.weight"] = torch.zeros(4, 4)
+    state = {**hf.state_dict(), **HFMtpHead(hf).checkpoint_state()}
     mg = build_model(shape)
     with pytest.raises(MappingError, match=r"mtp\.fc\.weight"):
         load_hf_into_model(mg, state, shape)

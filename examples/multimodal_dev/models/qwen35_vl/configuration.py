@@ -238,7 +238,8 @@ def _gelu_tanh(x):
 
 
 def language_transformer_config(text: TextShape, params_dtype=torch.float32, **parallel):
-    """TransformerConfig of the decoder. ``parallel`` carries TP/CP/EP/SP sizes and flags."""
+    """TransformerConfig of the decoder. ``parallel`` carries TP/CP/EP/SP sizes and flags and
+    other settings from the command line (per-token loss, MTP loss scale)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     moe = {}
@@ -267,6 +268,7 @@ def language_transformer_config(text: TextShape, params_dtype=torch.float32, **p
         linear_conv_kernel_dim=text.linear_conv_kernel_dim, linear_key_head_dim=text.linear_key_head_dim,
         linear_value_head_dim=text.linear_value_head_dim, linear_num_key_heads=text.linear_num_key_heads,
         linear_num_value_heads=text.linear_num_value_heads, mrope_section=list(text.mrope_section),
+        mtp_num_layers=text.mtp_num_layers or None,
         params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
         pipeline_dtype=params_dtype, **moe, **parallel,
     )
@@ -276,7 +278,8 @@ def vision_transformer_config(vision: VisionShape, params_dtype=torch.float32, *
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     # The vision tower never uses context or expert parallelism: it sees whole images.
-    parallel = {k: v for k, v in parallel.items() if k not in ("context_parallel_size", "expert_model_parallel_size")}
+    parallel = {k: v for k, v in parallel.items()
+                if k not in ("context_parallel_size", "expert_model_parallel_size", "mtp_loss_scaling_factor")}
     return TransformerConfig(
         num_layers=vision.depth, hidden_size=vision.hidden_size, num_attention_heads=vision.num_heads,
         num_query_groups=vision.num_heads, kv_channels=vision.hidden_size // vision.num_heads,

@@ -14,8 +14,12 @@ of HF tensors with a named transform in each direction. Layouts (TP = 1, i.e. fu
   vision qkv       Megatron rows per head [q_h; k_h; v_h]  <-  HF qkv [Q; K; V]
   SwiGLU fc1       Megatron [gate; up]  <-  HF gate_proj, up_proj (experts: gate_up_proj[e])
   experts          Megatron one tensor per expert  <-  HF one packed [E, ...] tensor
-Everything else is copied as is. ``mtp.*`` tensors of a checkpoint have no Megatron
-counterpart until the MTP head is built; ``hf_to_megatron`` reports them as not consumed.
+  MTP head         HF mtp.fc / pre_fc_norm_embedding / pre_fc_norm_hidden / norm  <->  Megatron
+                   mtp.layers.0.eh_proj / enorm / hnorm / final_layernorm (eh_proj input is
+                   [embedding; hidden] in both); HF mtp.layers.0.* (a full-attention decoder
+                   layer) <-> mtp.layers.0.mtp_model_layer.*, with the decoder-layer rules above
+Everything else is copied as is. A shape without MTP maps no ``mtp.*`` tensor, so a checkpoint
+that has them is reported as not fully consumed unless ``strict=False``.
 """
 
 from __future__ import annotations
@@ -105,12 +109,11 @@ def _fuse(mg: str, hf: tuple[str, ...], sizes) -> Rule:
     return Rule((mg,), hf, _concat, _splitter(sizes))
 
 
-def _language_layer_rules(shape: Qwen35VLShape, i: int) -> list[Rule]:
-    t = shape.text
-    mg, hf = f"{MG_LM}decoder.layers.{i}.", f"{HF_LM}layers.{i}."
+def _decoder_layer_rules(t, layer_type: str, mg: str, hf: str) -> list[Rule]:
+    """One decoder layer: Megatron names under ``mg``, HF names under ``hf`` (both end in '.')."""
     rules = [_copy(mg + "input_layernorm.weight", hf + "input_layernorm.weight"),
              _copy(mg + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight")]
-    if t.layer_types[i] == LINEAR:
+    if layer_type == LINEAR:
         a, la = mg + "self_attention.", hf + "linear_attn."
         qk, v = t.linear_num_key_heads * t.linear_key_head_dim, t.linear_num_value_heads * t.linear_value_head_dim
         nv = t.linear_num_value_heads
@@ -123,7 +126,7 @@ def _language_layer_rules(shape: Qwen35VLShape, i: int) -> list[Rule]:
             Rule((a + "out_norm.weight",), (la + "norm.weight",), _shift(-1.0), _shift(1.0)),
             _copy(a + "out_proj.weight", la + "out_proj.weight"),
         ]
-    elif t.layer_types[i] == FULL:
+    elif layer_type == FULL:
         a, sa = mg + "self_attention.", hf + "self_attn."
         dims = (t.num_attention_heads, t.num_kv_heads, t.head_dim)
         rules += [
@@ -134,7 +137,7 @@ def _language_layer_rules(shape: Qwen35VLShape, i: int) -> list[Rule]:
             _copy(a + "linear_proj.weight", sa + "o_proj.weight"),
         ]
     else:
-        raise ValueError(f"layer {i}: unknown layer type {t.layer_types[i]!r}")
+        raise ValueError(f"{hf}: unknown layer type {layer_type!r}")
     m, hm = mg + "mlp.", hf + "mlp."
     if t.is_moe:
         experts, shared = range(t.num_experts), t.shared_expert_ffn_hidden_size
@@ -156,6 +159,20 @@ def _language_layer_rules(shape: Qwen35VLShape, i: int) -> list[Rule]:
             _copy(m + "linear_fc2.weight", hm + "down_proj.weight"),
         ]
     return rules
+
+
+def _mtp_rules(t) -> list[Rule]:
+    if t.mtp_num_layers > 1:
+        raise ValueError(f"mtp_num_layers {t.mtp_num_layers}: the Hugging Face Qwen3.5 layout has one MTP "
+                         "layer (one mtp.fc); use --mtp-num-layers 1")
+    if not t.mtp_num_layers:
+        return []
+    mg = MG_LM + "mtp.layers.0."
+    return [_copy(mg + "eh_proj.weight", "mtp.fc.weight"),
+            _copy(mg + "enorm.weight", "mtp.pre_fc_norm_embedding.weight"),
+            _copy(mg + "hnorm.weight", "mtp.pre_fc_norm_hidden.weight"),
+            _copy(mg + "final_layernorm.weight", "mtp.norm.weight"),
+            *_decoder_layer_rules(t, FULL, mg + "mtp_model_layer.", "mtp.layers.0.")]
 
 
 def _vision_rules(shape: Qwen35VLShape) -> list[Rule]:
@@ -188,8 +205,8 @@ def mapping_rules(shape: Qwen35VLShape) -> list[Rule]:
     if not t.tie_word_embeddings:
         rules.append(_copy(MG_LM + "output_layer.weight", "lm_head.weight"))
     for i in range(t.num_layers):
-        rules += _language_layer_rules(shape, i)
-    return rules + _vision_rules(shape)
+        rules += _decoder_layer_rules(t, t.layer_types[i], f"{MG_LM}decoder.layers.{i}.", f"{HF_LM}layers.{i}.")
+    return rules + _mtp_rules(t) + _vision_rules(shape)
 
 
 # Transformer Engine fuses these norms into the following linear layer.
@@ -205,7 +222,7 @@ class MappingError(KeyError):
 
 def hf_to_megatron(hf_state: dict, shape: Qwen35VLShape, strict: bool = True) -> dict:
     """Full (TP=1) Megatron state dict from HF tensors. With ``strict``, every HF tensor must be
-    consumed (``mtp.*`` included: there is no MTP head to receive it yet)."""
+    consumed (``mtp.*`` included, so a shape without MTP refuses a checkpoint that has it)."""
     out, consumed, missing = {}, set(), []
     for rule in mapping_rules(shape):
         absent = [n for n in rule.hf if n not in hf_state]

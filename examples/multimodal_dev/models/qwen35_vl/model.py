@@ -1,23 +1,49 @@
 """Qwen3.5-VL on megatron-core: the vision tower of ``vision_encoder`` and a ``GPTModel``
 decoder built from ``specs`` (hybrid Gated DeltaNet / gated attention, dense or MoE), whose
-rotary module is the interleaved MRoPE of ``mrope``."""
+rotary module is the interleaved MRoPE of ``mrope``.
+
+With an MTP head (``shape.text.mtp_num_layers``), megatron-core's GPTModel runs it after the
+decoder when labels are given: the head embeds the next tokens with the word embeddings (so an
+image placeholder is its token embedding; every such position is prompt and carries no loss),
+rolls ids, positions and labels per packed sample, and adds the scaled MTP loss to the graph."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from megatron.core.models.gpt import GPTModel
 
 from ..base import VisionLanguageModel
 from .configuration import Qwen35VLShape
 from .mrope import InterleavedMRoPE
-from .specs import decoder_block_spec
+from .specs import decoder_block_spec, mtp_block_spec
 from .vision_encoder import Qwen35VisionModel
+
+
+class _LanguageModel(GPTModel):
+    """GPTModel whose MTP head is told the packed row's padded sample boundaries.
+
+    megatron-core's MTP rolls ids, labels and masks per sample using ``cu_seqlens_q`` as offsets
+    into the row, i.e. it assumes the row has no per-sample padding. Our collate pads every
+    sample (to a multiple of 2*CP) and records that in ``cu_seqlens_q_padded``, so the roll must
+    use those offsets. Rolling over a sample's padded tail is exact for its real tokens: the
+    token after the last real one becomes a pad (id 0, loss mask 0), just what the unpadded roll
+    fills in. The MTP layer's attention over the padded segment is causal, so real tokens never
+    see the tail."""
+
+    def _postprocess(self, *args, packed_seq_params=None, **kwargs):
+        if packed_seq_params is not None and packed_seq_params.cu_seqlens_q_padded is not None:
+            packed_seq_params = dataclasses.replace(
+                packed_seq_params, cu_seqlens_q=packed_seq_params.cu_seqlens_q_padded,
+                cu_seqlens_kv=packed_seq_params.cu_seqlens_kv_padded)
+        return super()._postprocess(*args, packed_seq_params=packed_seq_params, **kwargs)
 
 
 class Qwen35VLModel(VisionLanguageModel):
     def __init__(self, shape: Qwen35VLShape, language_config, vision_config, backend: str = "local",
                  max_sequence_length: int = 4096):
         text = shape.text
-        language_model = GPTModel(
+        language_model = _LanguageModel(
             config=language_config,
             transformer_layer_spec=decoder_block_spec(language_config, text.layer_types, backend),
             vocab_size=text.vocab_size,
@@ -26,6 +52,7 @@ class Qwen35VLModel(VisionLanguageModel):
             rotary_percent=text.partial_rotary_factor,
             rotary_base=int(text.rope_theta),
             share_embeddings_and_output_weights=text.tie_word_embeddings,
+            mtp_block_spec=mtp_block_spec(language_config, backend),
         )
         # megatron-core's MultimodalRotaryEmbedding concatenates the t/h/w sections; Qwen3.5
         # interleaves them channel by channel. Same call signature, so it drops in.

@@ -7,6 +7,8 @@ linears, the torch SDPA core attention from ``megatron.cpu`` and the project's `
 
 Decoder layer i is a Gated DeltaNet layer or a gated full-attention layer according to
 ``layer_types[i]``; each has a dense SwiGLU MLP or an MoE with a gated shared expert.
+The optional MTP head is megatron-core's MultiTokenPredictionLayer around one gated
+full-attention layer of the same kind (Qwen3.5's ``mtp.layers.0`` is a full-attention layer).
 """
 
 from __future__ import annotations
@@ -19,6 +21,11 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlockSubmodules,
+    MultiTokenPredictionLayer,
+    MultiTokenPredictionLayerSubmodules,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
@@ -86,20 +93,37 @@ def _mixer_spec(m: _Modules, layer_type: str):
     return input_norm, mixer
 
 
+def _decoder_layer_spec(m: _Modules, layer_type: str, config) -> ModuleSpec:
+    is_moe = config.num_moe_experts is not None
+    mlp = get_mlp_module_spec_for_backend(backend=m.provider, num_experts=config.num_moe_experts,
+                                          moe_grouped_gemm=False)
+    # TE fuses the pre-MLP norm into a dense fc1; the MoE router needs the normed input itself.
+    pre_mlp_norm = IdentityOp if (m.fused_norm and not is_moe) else m.norm
+    input_norm, mixer = _mixer_spec(m, layer_type)
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=input_norm, self_attention=mixer, self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=pre_mlp_norm, mlp=mlp, mlp_bda=get_bias_dropout_add,
+    ))
+
+
 def decoder_block_spec(config, layer_types, backend: str) -> TransformerBlockSubmodules:
     m = _Modules(backend)
-    num_experts = config.num_moe_experts
-    mlp = get_mlp_module_spec_for_backend(backend=m.provider, num_experts=num_experts, moe_grouped_gemm=False)
-    # TE fuses the pre-MLP norm into a dense fc1; the MoE router needs the normed input itself.
-    pre_mlp_norm = IdentityOp if (m.fused_norm and num_experts is None) else m.norm
-    layers = []
-    for layer_type in layer_types:
-        input_norm, mixer = _mixer_spec(m, layer_type)
-        layers.append(ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-            input_layernorm=input_norm, self_attention=mixer, self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=pre_mlp_norm, mlp=mlp, mlp_bda=get_bias_dropout_add,
-        )))
-    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=m.norm)
+    return TransformerBlockSubmodules(layer_specs=[_decoder_layer_spec(m, lt, config) for lt in layer_types],
+                                      layer_norm=m.norm)
+
+
+def mtp_block_spec(config, backend: str) -> MultiTokenPredictionBlockSubmodules | None:
+    """``config.mtp_num_layers`` MTP layers (None when the model has no MTP head): norms of the
+    token embedding and of the decoder output, their concatenation projected back to hidden
+    size (``eh_proj``), one gated full-attention layer, a final norm; the output layer is shared."""
+    if not config.mtp_num_layers:
+        return None
+    m = _Modules(backend)
+    layer = ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
+        enorm=m.norm, hnorm=m.norm, layer_norm=m.norm, eh_proj=m.column,
+        mtp_model_layer=_decoder_layer_spec(m, FULL, config),
+    ))
+    return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * config.mtp_num_layers)
 
 
 def vision_block_spec(config, backend: str) -> TransformerBlockSubmodules:
