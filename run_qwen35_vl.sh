@@ -4,6 +4,8 @@
 # Environment (defaults in brackets):
 #   MODEL_VARIANT   tiny | proxy | 0.8b | 2b | 4b | 9b | 27b | 35b_a3b | 122b_a10b | 397b_a17b
 #                   [tiny without a GPU, proxy with one]
+#   HF_CONFIG       take the shape from a Hugging Face config.json instead of a variant
+#                   [CKPT_LOAD/hf_config.json when CKPT_LOAD is an import from Hugging Face]
 #   TP CP EP PP     tensor / context / expert / pipeline parallel sizes [1 1 1 1]
 #   NPROC           processes on this node [TP*CP*PP]
 #   DATASET         mock | cord_v2 [mock];  DATA_PATH, HF_PROCESSOR_PATH for cord_v2
@@ -21,7 +23,15 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 fail() { echo "run_qwen35_vl.sh: $*" >&2; exit 2; }
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then HAS_GPU=1; else HAS_GPU=0; fi
-if [[ -z "${MODEL_VARIANT:-}" ]]; then
+HF_CONFIG=${HF_CONFIG:-}
+if [[ -z "$HF_CONFIG" && -n "${CKPT_LOAD:-}" && -f "${CKPT_LOAD}/hf_config.json" ]]; then
+  HF_CONFIG="$CKPT_LOAD/hf_config.json"
+  echo "run_qwen35_vl.sh: model shape from $HF_CONFIG (written by convert_checkpoint.py import)"
+fi
+if [[ -n "$HF_CONFIG" ]]; then
+  [[ -f "$HF_CONFIG" ]] || fail "HF_CONFIG=$HF_CONFIG: no such file"
+  MODEL_VARIANT=hf_config
+elif [[ -z "${MODEL_VARIANT:-}" ]]; then
   MODEL_VARIANT=$([[ $HAS_GPU == 1 ]] && echo proxy || echo tiny)
   echo "run_qwen35_vl.sh: MODEL_VARIANT not set; using '$MODEL_VARIANT' ($([[ $HAS_GPU == 1 ]] && echo GPU found || echo no GPU))"
 fi
@@ -29,6 +39,11 @@ fi
 # Per-variant model flags, from the Hugging Face config.json files.
 #        layers hidden heads kv head_dim ffn   vocab  experts topk moe_ffn gdn_k gdn_v
 case "$MODEL_VARIANT" in
+  hf_config)
+    # shellcheck source=tools/bootstrap_env.sh
+    source "$ROOT/tools/bootstrap_env.sh"
+    ROW=$("$PY" "$ROOT/examples/multimodal_dev/arguments.py" shape-row "$HF_CONFIG") || fail "HF_CONFIG=$HF_CONFIG: unreadable"
+    read -r -a M <<<"$ROW";;
   tiny)      M=(4  128  4  2 32  256   8192   0   0 0    2  4);;
   0.8b)      M=(24 1024 8  2 256 3584  248320 0   0 0    16 16);;
   2b)        M=(24 2048 8  2 256 6144  248320 0   0 0    16 16);;
@@ -43,9 +58,10 @@ case "$MODEL_VARIANT" in
 esac
 read -r LAYERS HIDDEN HEADS KV HEAD_DIM FFN VOCAB EXPERTS TOPK MOE_FFN GDN_K GDN_V <<<"${M[*]}"
 VARIANT_FLAGS=()
+[[ -n "$HF_CONFIG" ]] && VARIANT_FLAGS=(--hf-config-path "$HF_CONFIG")
 if [[ "${MOE:-0}" == 1 ]]; then  # tiny with 4 experts (top-2), for expert-parallel runs on CPU
   [[ $MODEL_VARIANT == tiny ]] || fail "MOE=1 applies to MODEL_VARIANT=tiny only ($MODEL_VARIANT is fixed)"
-  EXPERTS=4; TOPK=2; MOE_FFN=128; VARIANT_FLAGS=(--variant-moe on)
+  EXPERTS=4; TOPK=2; MOE_FFN=128; VARIANT_FLAGS+=(--variant-moe on)
 fi
 
 TP=${TP:-1}; CP=${CP:-1}; EP=${EP:-1}; PP=${PP:-1}

@@ -12,6 +12,6 @@ import pytest
 @pytest.fixture(scope="session")
 def mcore():
     """megatron-core initialised for a single CPU process (gloo, world size 1)."""
-    from mcore_env import init_single_process
+    from megatron.cpu.single_process import init_single_process
 
     init_single_process()

@@ -93,3 +93,23 @@ def resolve_shape(args):
         shape = replace(shape, image_token_id=tokens.image, video_token_id=tokens.video,
                         vision_start_token_id=tokens.vision_start, vision_end_token_id=tokens.vision_end)
     return shape
+
+
+def shape_row(hf_config_path: str) -> str:
+    """The run script's per-variant model numbers for a Hugging Face config.json (same columns
+    as its table: layers hidden heads kv head_dim ffn vocab experts topk moe_ffn gdn_k gdn_v)."""
+    from models.qwen35_vl.configuration import from_hf_config
+
+    t = from_hf_config(hf_config_path).text
+    moe = (t.num_experts, t.moe_top_k, t.moe_ffn_hidden_size) if t.is_moe else (0, 0, 0)
+    return " ".join(str(v) for v in (t.num_layers, t.hidden_size, t.num_attention_heads, t.num_kv_heads, t.head_dim,
+                                     t.ffn_hidden_size, t.vocab_size, *moe, t.linear_num_key_heads,
+                                     t.linear_num_value_heads))
+
+
+if __name__ == "__main__":  # used by run_qwen35_vl.sh: arguments.py shape-row CONFIG
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] != "shape-row":
+        raise SystemExit("usage: arguments.py shape-row CONFIG_JSON")
+    print(shape_row(sys.argv[2]))

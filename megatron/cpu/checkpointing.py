@@ -8,7 +8,9 @@
 A save first writes ``iter_XXXXXXX.partial/`` and renames it when every rank has finished, then
 replaces the pointer; a save that dies midway leaves the previous checkpoint and pointer intact.
 The model part loads at any TP/EP (dist_checkpointing reshards); the optimizer part only at
-the layout it was saved with (else ``--no-load-optim``).
+the layout it was saved with (else ``--no-load-optim``). A checkpoint written without an
+optimizer (an import from Hugging Face, at iteration 0) has no per-rank files: load it with
+``--finetune``.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def _barrier():
         torch.distributed.barrier()
 
 
-def save_checkpoint(args, iteration: int, model, optimizer, scheduler) -> str:
+def save_checkpoint(args, iteration: int, model, optimizer=None, scheduler=None) -> str:
+    """Model (and, when given, optimizer, scheduler and RNG) state of ``iteration`` under ``args.save``."""
     from megatron.core import dist_checkpointing
 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -68,12 +71,14 @@ def save_checkpoint(args, iteration: int, model, optimizer, scheduler) -> str:
     state = {
         "model": model.sharded_state_dict(),
         "args": args, "checkpoint_version": 3.0, "iteration": iteration,
-        "opt_param_scheduler": scheduler.state_dict(),
         "consumed_train_samples": args.consumed_train_samples, "consumed_valid_samples": args.consumed_valid_samples,
     }
+    if scheduler is not None:
+        state["opt_param_scheduler"] = scheduler.state_dict()
     dist_checkpointing.save(state, partial)
-    torch.save({"optimizer": optimizer.state_dict(), "rng": _rng_state(), "layout": _layout(args)},
-               os.path.join(partial, f"cpu_rank_{rank:05d}.pt"))
+    if optimizer is not None:
+        torch.save({"optimizer": optimizer.state_dict(), "rng": _rng_state(), "layout": _layout(args)},
+                   os.path.join(partial, f"cpu_rank_{rank:05d}.pt"))
     if os.environ.get(FAIL_SAVE_ENV) == str(iteration):
         raise RuntimeError(f"{FAIL_SAVE_ENV}={iteration}: failing this save on purpose (test hook)")
     _barrier()
@@ -98,6 +103,25 @@ def latest_iteration(root: str) -> int | None:
     return 0 if text == "release" else int(text)
 
 
+def checkpoint_directory(root: str) -> str:
+    """The directory of the latest iteration under ``root`` (a --save/--load directory)."""
+    iteration = latest_iteration(root)
+    if iteration is None:
+        raise FileNotFoundError(f"{root}: no {TRACKER}; not a checkpoint directory")
+    directory = iteration_dir(root, iteration)
+    if not os.path.isdir(directory) and iteration == 0:
+        directory = os.path.join(root, "release")
+    return directory
+
+
+def load_model_weights(model, directory: str) -> None:
+    """Model weights from one iteration directory, resharded to this model's TP/EP layout."""
+    from megatron.core import dist_checkpointing
+
+    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)
+    model.load_state_dict(state["model"])
+
+
 def load_checkpoint(args, model, optimizer, scheduler) -> int:
     """Restore from ``--load``; returns the iteration to continue from (0 with ``--finetune``)."""
     from megatron.core import dist_checkpointing
@@ -109,15 +133,13 @@ def load_checkpoint(args, model, optimizer, scheduler) -> int:
             raise FileNotFoundError(f"--load {args.load}: no such directory")
         print(f"--load {args.load} has no {TRACKER} yet; training from scratch", flush=True)
         return 0
-    directory = iteration_dir(args.load, iteration)
-    if not os.path.isdir(directory) and iteration == 0:
-        directory = os.path.join(args.load, "release")
-    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)
-    model.load_state_dict(state["model"])
+    directory = checkpoint_directory(args.load)
+    load_model_weights(model, directory)
     print(f"loaded model weights from {directory} (iteration {iteration})", flush=True)
     if args.finetune:
         args.consumed_train_samples = args.consumed_valid_samples = 0
         return 0
+    state = dist_checkpointing.load_common_state_dict(directory)
     args.consumed_train_samples = state.get("consumed_train_samples", 0)
     args.consumed_valid_samples = state.get("consumed_valid_samples", 0)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

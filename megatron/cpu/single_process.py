@@ -1,4 +1,5 @@
-"""Single-process megatron-core environment for unit tests (gloo, world size 1)."""
+"""megatron-core in one process (gloo, world size 1): for tools and tests that build a model
+outside torchrun, such as checkpoint conversion."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ import torch
 
 
 def init_single_process(seed: int = 1234, **parallel_kwargs) -> None:
+    """Initialise torch.distributed and megatron-core's parallel state once (idempotent)."""
     import megatron.cpu
-
-    megatron.cpu.activate()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    megatron.cpu.activate()
     if not torch.distributed.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))

@@ -1,0 +1,290 @@
+"""Hugging Face <-> Megatron checkpoints for Qwen3.5-VL, with a logit check.
+
+    python examples/multimodal_dev/tools/convert_checkpoint.py import --hf-path HF --megatron-path CKPT
+    python examples/multimodal_dev/tools/convert_checkpoint.py verify --hf-path HF --megatron-path CKPT
+    python examples/multimodal_dev/tools/convert_checkpoint.py export --megatron-path CKPT --hf-path OUT \
+        [--hf-processor-path HF]
+
+import   reads config.json and the safetensors (one file or shards with an index; per-expert or
+         packed MoE experts), maps every tensor through ``hf_mapping`` and writes iteration 0 in
+         the training checkpoint layout (torch_dist, ``latest_checkpointed_iteration.txt``), plus
+         ``hf_config.json`` so training and export know the shape. Tensors keep their dtype (a
+         bf16 checkpoint's fp32 ``A_log`` stays fp32). Streaming: the model is allocated once in
+         the checkpoint's dtype and each HF tensor replaces its random initial value as it is read.
+         The checkpoint is written unsharded; torch_dist reshards it to the TP/EP of the run that
+         loads it, and ``--tp``/``--ep`` check up front that the model splits that way.
+export   loads a checkpoint saved at any TP/EP (an import or a training run), writes config.json,
+         sharded safetensors with an index, each tensor in the dtype the checkpoint stored it in
+         (or ``--dtype``), and copies tokenizer/processor files. Written to ``OUT.partial`` and
+         renamed at the end, so a failure never leaves a half-written OUT.
+verify   runs the HF model and the Megatron model (CPU, fp32) on the same deterministic text-only
+         and image+text batches (or ``--prompt``/``--image``) and exits 1 above ``--atol``.
+
+Conversion runs on the CPU (it hides GPUs from itself): it needs host memory for one copy of
+the model, not a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch is imported: conversion is a CPU job
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _path in (os.path.dirname(_HERE), os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+import torch  # noqa: E402
+
+from models.qwen35_vl.configuration import from_hf_config, to_hf_config_dict  # noqa: E402
+from models.qwen35_vl.hf_mapping import mapping_rules, model_state  # noqa: E402
+from tools.hf_safetensors import INDEX, HFTensorSource, ShardedWriter  # noqa: E402
+
+HF_CONFIG = "hf_config.json"  # the source config.json, kept next to the converted checkpoint
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ARCHITECTURES = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
+# Weights and what describes them; everything else in a processor directory is copied on export.
+_NOT_PROCESSOR_FILES = (".safetensors", ".bin", ".pt", ".pth", INDEX, "config.json", "generation_config.json")
+
+
+def _progress(iterable, total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, unit="tensor", disable=None, file=sys.stderr)
+
+
+def conversion_model(shape, params_dtype=torch.float32):
+    """The model on the host at TP = 1, with megatron-core initialised for one process."""
+    import megatron.cpu
+    from megatron.cpu.single_process import init_single_process
+
+    from models.qwen35_vl.factory import build_model
+
+    init_single_process()
+    megatron.cpu.register_torch_gdn_kernels()  # GPUs are hidden; FLA's Triton kernels cannot run
+    return build_model(shape, params_dtype=params_dtype, use_cpu_initialization=True)
+
+
+def _checkpoint_dtype(config: dict) -> torch.dtype:
+    name = config.get("dtype") or config.get("torch_dtype") or config.get("text_config", {}).get("dtype") or "float32"
+    if name not in _DTYPES:
+        raise ValueError(f"config.json dtype {name!r} is not one of {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+# ---------------------------------------------------------------------------------------- import
+
+def import_hf(hf_path: str, megatron_path: str, tp: int = 1, ep: int = 1, overwrite: bool = False) -> dict:
+    from argparse import Namespace
+
+    from megatron.cpu.checkpointing import TRACKER, save_checkpoint
+
+    from models.qwen35_vl.factory import validate_parallel
+
+    source = HFTensorSource(hf_path)
+    config = source.config()
+    shape = from_hf_config(config)
+    validate_parallel(shape, tp=tp, ep=ep)
+    if os.path.exists(os.path.join(megatron_path, TRACKER)) and not overwrite:
+        raise FileExistsError(f"--megatron-path {megatron_path} already holds a checkpoint; pass --overwrite "
+                              "to replace it")
+    model = conversion_model(shape, _checkpoint_dtype(config))
+    params = dict(model.named_parameters())
+    rules = mapping_rules(shape)
+    filled, missing_hf, bad_shape = set(), [], []
+    for rule in _progress(rules, len(rules), "import"):
+        absent = [n for n in rule.hf if n not in source]
+        if absent:
+            missing_hf += absent
+            continue
+        converted = rule.to_megatron([source.get(n) for n in rule.hf])
+        for name, tensor in zip(rule.megatron, converted):
+            if name not in params:
+                bad_shape.append(f"{name}: not a parameter of the model")
+            elif tensor.shape != params[name].shape:
+                bad_shape.append(f"{name}: HF gives {tuple(tensor.shape)}, the model has {tuple(params[name].shape)}")
+            else:
+                params[name].data = tensor.contiguous()  # the HF dtype, not the model's default
+                filled.add(name)
+    if shape.text.tie_word_embeddings and "lm_head.weight" in source:
+        source.get("lm_head.weight")  # the tied head is the embedding itself
+    problems = []
+    for title, names in (("HF tensors expected by the mapping but absent", missing_hf),
+                         ("HF tensors not consumed", source.unconsumed()),
+                         ("Megatron tensors not filled", sorted(set(params) - filled)),
+                         ("shape mismatches", bad_shape)):
+        if names:
+            problems.append(f"{title} ({len(names)}):\n    " + "\n    ".join(names))
+    if problems:
+        raise ValueError(f"import {hf_path}: nothing written.\n  " + "\n  ".join(problems))
+
+    os.makedirs(megatron_path, exist_ok=True)
+    with open(os.path.join(megatron_path, HF_CONFIG), "w") as f:
+        json.dump(config, f, indent=2)
+    t = shape.text
+    args = Namespace(  # megatron.training's names, so --use-checkpoint-args can read the shape back
+        save=megatron_path, consumed_train_samples=0, consumed_valid_samples=0, model_arch="qwen35_vl",
+        hf_config_path=os.path.abspath(os.path.join(megatron_path, HF_CONFIG)),
+        num_layers=t.num_layers, hidden_size=t.hidden_size, num_attention_heads=t.num_attention_heads,
+        num_query_groups=t.num_kv_heads, group_query_attention=True, kv_channels=t.head_dim,
+        ffn_hidden_size=t.ffn_hidden_size or t.moe_ffn_hidden_size, vocab_size=t.vocab_size,
+        num_experts=t.num_experts, moe_router_topk=t.moe_top_k if t.is_moe else None,
+        moe_ffn_hidden_size=t.moe_ffn_hidden_size if t.is_moe else None,
+        untie_embeddings_and_output_weights=not t.tie_word_embeddings, normalization="RMSNorm", swiglu=True,
+        position_embedding_type="rope", rotary_percent=t.partial_rotary_factor, rotary_base=int(t.rope_theta),
+        mtp_num_layers=t.mtp_num_layers or None, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+        context_parallel_size=1, expert_model_parallel_size=1, world_size=1,
+    )
+    save_checkpoint(args, 0, model)
+    dtypes = {}
+    for p in params.values():
+        dtypes[str(p.dtype)] = dtypes.get(str(p.dtype), 0) + p.numel()
+    return {"tensors": len(filled), "parameters": sum(dtypes.values()), "dtypes": dtypes}
+
+
+# ---------------------------------------------------------------------------------------- export
+
+def checkpoint_shape(megatron_path: str, hf_config_path: str | None = None):
+    """(shape, original HF config or None) of a checkpoint: from ``hf_config_path``, else the
+    ``hf_config.json`` an import left, else the arguments the training run saved."""
+    from megatron.core import dist_checkpointing
+    from megatron.cpu.checkpointing import checkpoint_directory
+
+    from arguments import resolve_shape
+
+    for path in (hf_config_path, os.path.join(megatron_path, HF_CONFIG)):
+        if path and os.path.exists(path):
+            with open(path) as f:
+                config = json.load(f)
+            return from_hf_config(config), config
+    saved = dist_checkpointing.load_common_state_dict(checkpoint_directory(megatron_path)).get("args")
+    if saved is None or not hasattr(saved, "model_variant"):
+        raise ValueError(f"{megatron_path}: no {HF_CONFIG} and no playground arguments in the checkpoint; "
+                         "pass --hf-config-path")
+    if saved.hf_config_path and not os.path.exists(saved.hf_config_path):
+        raise FileNotFoundError(f"{megatron_path} was trained with --hf-config-path {saved.hf_config_path}, "
+                                "which no longer exists; pass --hf-config-path")
+    shape = resolve_shape(saved)
+    config = None
+    if saved.hf_config_path:
+        with open(saved.hf_config_path) as f:
+            config = json.load(f)
+    return shape, config
+
+
+def load_megatron(megatron_path: str, hf_config_path: str | None = None):
+    """(model at TP = 1 in fp32 with the checkpoint's weights, shape, HF config, stored dtypes)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron.cpu.checkpointing import checkpoint_directory, load_model_weights
+
+    if not os.path.isdir(megatron_path):
+        raise FileNotFoundError(f"--megatron-path {megatron_path}: no such directory")
+    shape, config = checkpoint_shape(megatron_path, hf_config_path)
+    directory = checkpoint_directory(megatron_path)
+    model = conversion_model(shape).eval()
+    load_model_weights(model, directory)
+    stored = FileSystemReader(directory).read_metadata().state_dict_metadata
+    by_key = {k: m.properties.dtype for k, m in stored.items() if hasattr(m, "properties")}
+    common = max(set(by_key.values()), key=list(by_key.values()).count)
+    dtypes = {name: by_key.get(getattr(sh, "key", None), common) for name, sh in model.sharded_state_dict().items()}
+    return model, shape, config, dtypes
+
+
+def _processor_files(processor_dir: str) -> list[str]:
+    if not os.path.isdir(processor_dir):
+        raise FileNotFoundError(f"--hf-processor-path {processor_dir}: no such directory")
+    files = sorted(n for n in os.listdir(processor_dir) if os.path.isfile(os.path.join(processor_dir, n))
+                   and not n.endswith(_NOT_PROCESSOR_FILES))
+    if not any(n.startswith("tokenizer") for n in files):
+        raise FileNotFoundError(f"--hf-processor-path {processor_dir}: no tokenizer files")
+    return files
+
+
+def export_hf(megatron_path: str, hf_path: str, hf_processor_path: str | None = None,
+              hf_config_path: str | None = None, dtype: str | None = None, max_shard_bytes: int = 2 * 1024 ** 3,
+              overwrite: bool = False) -> dict:
+    if os.path.exists(hf_path) and os.listdir(hf_path) and not overwrite:
+        raise FileExistsError(f"--hf-path {hf_path} exists and is not empty; pass --overwrite to replace it")
+    processor_files = _processor_files(hf_processor_path) if hf_processor_path else []  # checked before any write
+    model, shape, config, stored = load_megatron(megatron_path, hf_config_path)
+    state = model_state(model)
+    partial = hf_path.rstrip("/") + ".partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    writer = ShardedWriter(partial, max_shard_bytes)
+    rules = mapping_rules(shape)
+    for rule in _progress(rules, len(rules), "export"):
+        out_dtype = _DTYPES[dtype] if dtype else stored[rule.megatron[0]]
+        for name, tensor in zip(rule.hf, rule.to_hf([state[n] for n in rule.megatron])):
+            writer.add(name, tensor.to(out_dtype))
+    shards = writer.close()
+    if config is None:
+        config = to_hf_config_dict(shape)
+    config = {**config, "architectures": [_ARCHITECTURES[config["model_type"]]]}
+    with open(os.path.join(partial, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    for name in processor_files:
+        shutil.copy2(os.path.join(hf_processor_path, name), os.path.join(partial, name))
+    if os.path.exists(hf_path):
+        shutil.rmtree(hf_path)
+    os.replace(partial, hf_path)
+    return {"shards": len(shards), "bytes": writer.total_bytes, "processor_files": len(processor_files)}
+
+
+# ------------------------------------------------------------------------------------------- CLI
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="Hugging Face directory -> Megatron checkpoint (iteration 0)")
+    imp.add_argument("--hf-path", required=True)
+    imp.add_argument("--megatron-path", required=True)
+    imp.add_argument("--tp", type=int, default=1, help="tensor-parallel size you will train with (checked)")
+    imp.add_argument("--ep", type=int, default=1, help="expert-parallel size you will train with (checked)")
+    imp.add_argument("--overwrite", action="store_true")
+    exp = sub.add_parser("export", help="Megatron checkpoint (any TP/EP) -> Hugging Face directory")
+    exp.add_argument("--megatron-path", required=True)
+    exp.add_argument("--hf-path", required=True)
+    exp.add_argument("--hf-processor-path", default=None, help="copy tokenizer/processor files from here")
+    exp.add_argument("--hf-config-path", default=None, help="config.json to describe the model (else inferred)")
+    exp.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast every tensor (default: as stored)")
+    exp.add_argument("--max-shard-size-gb", type=float, default=2.0)
+    exp.add_argument("--overwrite", action="store_true")
+    ver = sub.add_parser("verify", help="logits of the Megatron checkpoint against the Hugging Face model")
+    ver.add_argument("--hf-path", required=True)
+    ver.add_argument("--megatron-path", required=True)
+    ver.add_argument("--atol", type=float, default=1e-3, help="largest allowed |logit difference| (fp32)")
+    ver.add_argument("--prompt", default=None, help="text to run instead of the built-in batches")
+    ver.add_argument("--image", default=None, help="an image file to go with --prompt")
+    ver.add_argument("--hf-processor-path", default=None, help="processor for --prompt (default: --hf-path)")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "import":
+            info = import_hf(args.hf_path, args.megatron_path, args.tp, args.ep, args.overwrite)
+            print(f"import: {info['tensors']} Megatron tensors, {info['parameters'] / 1e6:.1f} M parameters "
+                  f"{info['dtypes']} -> {args.megatron_path} (iteration 0)")
+        elif args.command == "export":
+            info = export_hf(args.megatron_path, args.hf_path, args.hf_processor_path, args.hf_config_path,
+                             args.dtype, int(args.max_shard_size_gb * 1024 ** 3), args.overwrite)
+            print(f"export: {info['bytes'] / 1e6:.1f} MB in {info['shards']} shard(s), "
+                  f"{info['processor_files']} processor file(s) -> {args.hf_path}")
+        else:
+            from tools.verify_checkpoint import verify
+
+            return 0 if verify(args) else 1
+    except (FileNotFoundError, FileExistsError, ValueError, KeyError) as err:
+        print(f"convert_checkpoint {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
