@@ -15,7 +15,8 @@
 #   CKPT_RESUME     one directory to resume from and keep saving to (exact resume)
 #   PACKED          1 = THD packing (default), 0 = padded BSHD
 #   MOE=1           tiny only: 4 experts (top-2), so EP can be exercised on CPU
-#   MTP=1           also train the multi-token-prediction head (--mtp-num-layers 1) [0]
+#   MTP=1           also train the multi-token-prediction head (--mtp-num-layers 1)
+#                   [1 when HF_CONFIG has one, so an import's MTP weights are trained and kept; else 0]
 #   DRY_RUN=1       print the command and exit
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -43,7 +44,8 @@ case "$MODEL_VARIANT" in
     # shellcheck source=tools/bootstrap_env.sh
     source "$ROOT/tools/bootstrap_env.sh"
     ROW=$("$PY" "$ROOT/examples/multimodal_dev/arguments.py" shape-row "$HF_CONFIG") || fail "HF_CONFIG=$HF_CONFIG: unreadable"
-    read -r -a M <<<"$ROW";;
+    read -r -a M <<<"$ROW"
+    HF_MTP=${M[12]}; unset 'M[12]';;
   tiny)      M=(4  128  4  2 32  256   8192   0   0 0    2  4);;
   0.8b)      M=(24 1024 8  2 256 3584  248320 0   0 0    16 16);;
   2b)        M=(24 2048 8  2 256 6144  248320 0   0 0    16 16);;
@@ -109,7 +111,8 @@ else
   ARGS+=(--ffn-hidden-size "$FFN")
 fi
 [[ $PACKED == 1 ]] || ARGS+=(--no-packed-sequence)
-case "${MTP:-0}" in
+MTP=${MTP:-$(( ${HF_MTP:-0} > 0 ? 1 : 0 ))}
+case "$MTP" in
   0) ;;
   # megatron's argument check admits MTP only with rotary positions; the model's interleaved
   # MRoPE is built from the variant, so this flag only satisfies that check.

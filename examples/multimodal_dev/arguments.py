@@ -97,14 +97,15 @@ def resolve_shape(args):
 
 def shape_row(hf_config_path: str) -> str:
     """The run script's per-variant model numbers for a Hugging Face config.json (same columns
-    as its table: layers hidden heads kv head_dim ffn vocab experts topk moe_ffn gdn_k gdn_v)."""
+    as its table: layers hidden heads kv head_dim ffn vocab experts topk moe_ffn gdn_k gdn_v),
+    then the number of MTP layers the checkpoint carries."""
     from models.qwen35_vl.configuration import from_hf_config
 
     t = from_hf_config(hf_config_path).text
     moe = (t.num_experts, t.moe_top_k, t.moe_ffn_hidden_size) if t.is_moe else (0, 0, 0)
     return " ".join(str(v) for v in (t.num_layers, t.hidden_size, t.num_attention_heads, t.num_kv_heads, t.head_dim,
                                      t.ffn_hidden_size, t.vocab_size, *moe, t.linear_num_key_heads,
-                                     t.linear_num_value_heads))
+                                     t.linear_num_value_heads, t.mtp_num_layers))
 
 
 if __name__ == "__main__":  # used by run_qwen35_vl.sh: arguments.py shape-row CONFIG

@@ -3,7 +3,7 @@ outside torchrun, such as checkpoint conversion."""
 
 from __future__ import annotations
 
-import os
+import tempfile
 
 import torch
 
@@ -16,9 +16,10 @@ def init_single_process(seed: int = 1234, **parallel_kwargs) -> None:
 
     megatron.cpu.activate()
     if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+        # A file store, not a TCP port: torchrun jobs this process launches (tests, tools) can
+        # never collide with it, and nothing leaks into their environment.
+        store = tempfile.NamedTemporaryFile(prefix="megatron_cpu_store_", delete=False).name
+        torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(**parallel_kwargs)
     model_parallel_cuda_manual_seed(seed)

@@ -224,7 +224,9 @@ def export_hf(megatron_path: str, hf_path: str, hf_processor_path: str | None = 
     shards = writer.close()
     if config is None:
         config = to_hf_config_dict(shape)
-    config = {**config, "architectures": [_ARCHITECTURES[config["model_type"]]]}
+    # A run without the MTP head has none to export; say so in the config too.
+    text_config = {**config["text_config"], "mtp_num_hidden_layers": shape.text.mtp_num_layers}
+    config = {**config, "text_config": text_config, "architectures": [_ARCHITECTURES[config["model_type"]]]}
     with open(os.path.join(partial, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     for name in processor_files:

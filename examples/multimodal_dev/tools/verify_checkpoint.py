@@ -74,7 +74,7 @@ def _logits_pair(hf, mg, shape, case: dict):
 
 def _stats(ours: torch.Tensor, ref: torch.Tensor) -> dict:
     diff = (ours - ref).abs()
-    cosine = torch.nn.functional.cosine_similarity(ours.flatten(), ref.flatten(), dim=0).item()
+    cosine = torch.nn.functional.cosine_similarity(ours.double().flatten(), ref.double().flatten(), dim=0).item()
     return {"max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item(), "cosine": cosine,
             "tokens": ours.shape[0]}
 
