@@ -27,6 +27,7 @@ from data import get_dataset_provider  # noqa: E402
 from data.collate import Collator, pad_multiple_for  # noqa: E402
 from data.loader import build_iterator  # noqa: E402
 from data.sample import VisionTokens  # noqa: E402
+from flops import batch_flops  # noqa: E402
 from forward_step import forward_step  # noqa: E402
 from models import get_model_entry  # noqa: E402
 
@@ -94,11 +95,19 @@ def datasets_provider(train_val_test_num_samples):
                        pad_multiple=pad_multiple_for(args.context_parallel_size, args.tensor_model_parallel_size,
                                                      args.sequence_parallel))
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    common = dict(micro_batch_size=args.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size, collate_fn=collate,
+    common = dict(micro_batch_size=args.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                  collate_fn=functools.partial(_collate_with_flops, collate, shape),
                   num_workers=args.num_workers)
     return (build_iterator(datasets[0], args.consumed_train_samples, **common),
             build_iterator(datasets[1], args.consumed_valid_samples, cyclic=True, **common),
             build_iterator(datasets[2], 0, **common))
+
+
+def _collate_with_flops(collate, shape, samples):
+    """The collate, plus the micro-batch's training FLOPs on its real tokens (for the log)."""
+    batch = collate(samples)
+    batch["stats"]["model_flops"] = batch_flops(shape, batch).training
+    return batch
 
 
 datasets_provider.is_distributed = True  # every rank builds its own iterators (no TP broadcast)

@@ -10,7 +10,8 @@ import time
 class Reporter:
     def __init__(self, args, start_iteration: int, is_logging_rank: bool):
         self.args, self.active = args, is_logging_rank
-        self.window = {"loss_sum": 0.0, "tokens": 0.0, "real_tokens": 0, "padded_tokens": 0, "iters": 0, "grad_norm": 0.0}
+        self.window = {"loss_sum": 0.0, "tokens": 0.0, "real_tokens": 0, "padded_tokens": 0, "iters": 0, "grad_norm": 0.0,
+                       "flops": 0.0}
         self.extra_window: dict[str, list[float]] = {}  # auxiliary losses (MTP), averaged per window
         self.window_start = time.perf_counter()
         self.excluded = 0.0  # seconds of evaluation / checkpointing inside the window
@@ -26,8 +27,12 @@ class Reporter:
             self.bar = tqdm(total=args.train_iters, initial=start_iteration, unit="it", dynamic_ncols=True)
 
     def train_step(self, iteration: int, loss_sum: float, tokens: float, grad_norm: float, lr: float,
-                   real_tokens: int, padded_tokens: int, extra: dict[str, float] | None = None) -> None:
+                   real_tokens: int, padded_tokens: int, extra: dict[str, float] | None = None,
+                   flops_per_device: float = 0.0) -> None:
+        """``flops_per_device``: model FLOPs (forward + backward) of this step per device, from the
+        collate's accounting of real tokens and images (``flops.py``); 0 when not reported."""
         w = self.window
+        w["flops"] += flops_per_device
         for name, value in (extra or {}).items():
             self.extra_window.setdefault(name, []).append(value)
             if self.writer is not None:
@@ -58,7 +63,8 @@ class Reporter:
                 + "".join(f" | {name}: {sum(v) / len(v):.6E}" for name, v in self.extra_window.items())
                 + f" | grad norm: {w['grad_norm']:.3f}"
                 f" | tokens/s: {w['real_tokens'] / max(elapsed, 1e-9):.0f}"
-                f" | padding: {100 * (1 - w['real_tokens'] / max(w['padded_tokens'], 1)):.1f}% |")
+                + (f" | model TFLOP/s per device: {w['flops'] / max(elapsed, 1e-9) / 1e12:.4f}" if w["flops"] else "")
+                + f" | padding: {100 * (1 - w['real_tokens'] / max(w['padded_tokens'], 1)):.1f}% |")
         if self.writer is not None:
             self.writer.add_scalar("tokens-per-second", w["real_tokens"] / max(elapsed, 1e-9), iteration)
         self._emit(line)

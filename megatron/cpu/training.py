@@ -25,7 +25,7 @@ class _StatsTap:
     """Passes batches through, remembering the packing statistics the collate attached."""
 
     def __init__(self, iterator):
-        self.iterator, self.real, self.padded = iterator, 0, 0
+        self.iterator, self.real, self.padded, self.flops = iterator, 0, 0, 0.0
 
     def __iter__(self):
         return self
@@ -35,10 +35,11 @@ class _StatsTap:
         stats = batch.get("stats", {})
         self.real += stats.get("real_tokens", 0)
         self.padded += stats.get("padded_tokens", 0)
+        self.flops += stats.get("model_flops", 0.0)
         return batch
 
     def take(self):
-        out, self.real, self.padded = (self.real, self.padded), 0, 0
+        out, self.real, self.padded, self.flops = (self.real, self.padded, self.flops), 0, 0, 0.0
         return out
 
 
@@ -199,9 +200,11 @@ def pretrain_cpu(datasets_provider, model_provider, forward_step_func, extra_arg
             iteration += 1
             args.iteration = iteration
             args.consumed_train_samples += args.global_batch_size
-            real, padded = _all_reduce_dp(list(train_iterator.take()))
+            real, padded, flops = _all_reduce_dp(list(train_iterator.take()))
             reporter.train_step(iteration, loss_sum, tokens, norm, optimizer.param_groups[0]["lr"], int(real), int(padded),
-                                extra=take_mtp_losses(num_micro))
+                                extra=take_mtp_losses(num_micro),
+                                # summed over DP ranks = the global batch's model FLOPs, shared by all devices
+                                flops_per_device=flops / torch.distributed.get_world_size())
             side_work = time.perf_counter()
             if args.eval_interval and valid_iterator is not None and iteration % args.eval_interval == 0:
                 reporter.validation(iteration, evaluate(args, model, forward_step_func, valid_iterator, num_micro))

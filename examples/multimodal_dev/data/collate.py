@@ -14,7 +14,8 @@ BSHD (``pad_bshd``): rows [B, S] padded on the right to the longest sample (roun
 ``pad_multiple``); ``cu_seqlens*`` are None. Right padding never influences real tokens
 under causal attention and the causal Gated DeltaNet, so no attention mask is needed.
 
-Both add ``stats``: samples, real tokens, padded tokens and the padding fraction.
+Both add ``stats``: samples, real tokens, padded tokens, the padding fraction and the real
+per-sample lengths (for FLOPs accounting).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _vision_inputs(samples):
 def _stats(lengths: torch.Tensor, total: int) -> dict:
     real = int(lengths.sum())
     return {"samples": int(lengths.numel()), "real_tokens": real, "padded_tokens": total,
-            "pad_fraction": 1.0 - real / max(total, 1)}
+            "pad_fraction": 1.0 - real / max(total, 1), "lengths": lengths.tolist()}
 
 
 def pack_thd(samples: list[dict], tokens: VisionTokens, pad_multiple: int = 1) -> dict:
