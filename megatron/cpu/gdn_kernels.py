@@ -74,22 +74,25 @@ def causal_conv1d(
     return out.to(x.dtype), None
 
 
-def _pack_to_padded_batch(tensors, cu_seqlens: torch.Tensor, chunk: int):
-    """[1, T, ...] packed tensors -> [N, L, ...] with each sequence zero-padded to L (a multiple
-    of ``chunk``), plus the (seq, pos) index to scatter results back."""
+def _pack_chunk_aligned(tensors, cu_seqlens: torch.Tensor, chunk: int):
+    """[1, T, ...] packed tensors -> [1, T', ...] with every sequence zero-padded to a multiple
+    of ``chunk`` (at least one chunk), so no chunk holds two sequences. Returns the row, the
+    destination of each original token, and the sequence index of every chunk."""
     total = tensors[0].shape[1]
     cu = cu_seqlens.to(torch.long)
     lengths = cu[1:] - cu[:-1]
-    longest = int(lengths.max().item()) if lengths.numel() else 0
-    padded_len = max(chunk, -(-longest // chunk) * chunk)
+    chunks_per_seq = ((lengths + chunk - 1) // chunk).clamp(min=1)
+    starts = (chunks_per_seq.cumsum(0) - chunks_per_seq) * chunk
     seg = _segment_ids(cu_seqlens, total)
-    pos = torch.arange(total, device=cu.device) - cu[seg]
+    dest = starts[seg] + torch.arange(total, device=cu.device) - cu[seg]
+    width = int(chunks_per_seq.sum()) * chunk
     out = []
     for t in tensors:
-        buf = t.new_zeros((lengths.numel(), padded_len) + tuple(t.shape[2:]))
-        buf[seg, pos] = t[0]
+        buf = t.new_zeros((1, width) + tuple(t.shape[2:]))
+        buf[0, dest] = t[0]
         out.append(buf)
-    return out, (seg, pos)
+    chunk_seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), chunks_per_seq)
+    return out, dest, chunk_seq.tolist()
 
 
 def chunk_gated_delta_rule(
@@ -118,21 +121,25 @@ def chunk_gated_delta_rule(
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
-    scatter = None
+    dest = chunk_seq = None
     if cu_seqlens is not None:
         if q.shape[0] != 1:
             raise ValueError(f"cu_seqlens requires a single packed row, got batch={q.shape[0]}")
-        (q, k, v, g, beta), scatter = _pack_to_padded_batch((q, k, v, g, beta), cu_seqlens, chunk_size)
-    o, state = _chunked_scan(q, k, v, g, beta, scale, initial_state, chunk_size)
-    if scatter is not None:
-        seg, pos = scatter
-        o = o[seg, pos].unsqueeze(0)
+        (q, k, v, g, beta), dest, chunk_seq = _pack_chunk_aligned((q, k, v, g, beta), cu_seqlens, chunk_size)
+    o, state = _chunked_scan(q, k, v, g, beta, scale, initial_state, chunk_size, chunk_seq)
+    if dest is not None:
+        o = o[0, dest].unsqueeze(0)
     return o.to(out_dtype), (state if output_final_state else None)
 
 
-def _chunked_scan(q, k, v, g, beta, scale, initial_state, chunk):
+def _chunked_scan(q, k, v, g, beta, scale, initial_state, chunk, chunk_seq=None):
     """Dense [N, L, H, *] fp32 inputs; L is padded here to a multiple of ``chunk``. Zero padding
-    is inert: k = 0 and beta = 0 leave the state unchanged and g = 0 does not decay it."""
+    is inert: k = 0 and beta = 0 leave the state unchanged and g = 0 does not decay it.
+
+    ``chunk_seq`` (with N = 1): the packed sequence of every chunk; the state restarts (from
+    zero or that sequence's initial state) where the sequence changes, and the final state of
+    each sequence is returned [num_sequences, H, K, V]. Everything but the walk over chunks is
+    batched over all chunks of all sequences, so packing costs no padding to the longest."""
     n, length, heads, dk = k.shape
     dv = v.shape[-1]
     pad = (-length) % chunk
@@ -159,23 +166,33 @@ def _chunked_scan(q, k, v, g, beta, scale, initial_state, chunk):
     a_strict = a_strict.masked_fill(~causal.tril(-1), 0.0)
     eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
     system = eye + a_strict
-    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * gamma.exp()[..., None], upper=False, unitriangular=True)
+    # One triangular solve for both right-hand sides (they share the system matrix).
+    uw = torch.linalg.solve_triangular(system, torch.cat([v * beta[..., None], k_beta * gamma.exp()[..., None]], -1),
+                                       upper=False, unitriangular=True)
+    u, w = uw[..., :dv], uw[..., dv:]
     qk_intra = (q @ k.transpose(-1, -2)) * decay
     q_decayed = q * gamma.exp()[..., None]
     k_to_end = k * (gamma[..., -1:] - gamma).exp()[..., None]
     chunk_decay = gamma[..., -1].exp()[..., None, None]
 
-    if initial_state is None:
-        state = q.new_zeros(n, heads, dk, dv)
-    else:
-        state = initial_state.float().clone()
+    def start_state(seq):
+        if initial_state is None:
+            return q.new_zeros(1 if seq is not None else n, heads, dk, dv)
+        return initial_state.float()[seq:seq + 1].clone() if seq is not None else initial_state.float().clone()
+
+    state = start_state(chunk_seq[0] if chunk_seq else None)
+    finals = []
     outs = []
     for c in range(n_chunks):
+        if chunk_seq and c and chunk_seq[c] != chunk_seq[c - 1]:
+            finals.append(state)
+            state = start_state(chunk_seq[c])
         v_new = u[:, :, c] - w[:, :, c] @ state
         outs.append(q_decayed[:, :, c] @ state + qk_intra[:, :, c] @ v_new)
         state = state * chunk_decay[:, :, c] + k_to_end[:, :, c].transpose(-1, -2) @ v_new
     o = torch.stack(outs, dim=2).reshape(n, heads, n_chunks * chunk, dv)[:, :, :length]
+    if chunk_seq:
+        state = torch.cat(finals + [state], dim=0)
     return o.transpose(1, 2), state
 
 
