@@ -183,13 +183,16 @@ def _chunked_scan(q, k, v, g, beta, scale, initial_state, chunk, chunk_seq=None)
     state = start_state(chunk_seq[0] if chunk_seq else None)
     finals = []
     outs = []
-    for c in range(n_chunks):
+    # Split into per-chunk views once: indexing chunk c inside the loop would make autograd
+    # write a full-size zero gradient for every chunk (quadratic in the number of chunks).
+    per_chunk = zip(*(t.unbind(2) for t in (u, w, q_decayed, qk_intra, k_to_end, chunk_decay)))
+    for c, (u_c, w_c, q_c, qk_c, k_end_c, decay_c) in enumerate(per_chunk):
         if chunk_seq and c and chunk_seq[c] != chunk_seq[c - 1]:
             finals.append(state)
             state = start_state(chunk_seq[c])
-        v_new = u[:, :, c] - w[:, :, c] @ state
-        outs.append(q_decayed[:, :, c] @ state + qk_intra[:, :, c] @ v_new)
-        state = state * chunk_decay[:, :, c] + k_to_end[:, :, c].transpose(-1, -2) @ v_new
+        v_new = u_c - w_c @ state
+        outs.append(q_c @ state + qk_c @ v_new)
+        state = state * decay_c + k_end_c.transpose(-1, -2) @ v_new
     o = torch.stack(outs, dim=2).reshape(n, heads, n_chunks * chunk, dv)[:, :, :length]
     if chunk_seq:
         state = torch.cat(finals + [state], dim=0)

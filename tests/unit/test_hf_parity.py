@@ -69,18 +69,25 @@ def test_two_nonsquare_images_batch_of_two(pair):
     _assert_close(f"{kind} image+text", ours[mask.bool()], ref[mask.bool()])
 
 
+def _three_samples(shape, second_image_hw, seed):
+    """Samples of 13, 7 and 5 + image tokens (the first and last with an image), their pixels
+    and the packed row (each sample padded to a multiple of 4, as the collate does for CP=2)."""
+    h, w = second_image_hw
+    samples = [
+        ([5, 6] + image_tokens(shape, 4, 6) + [7, 8, 9], [(1, 4, 6)]),
+        ([10, 11, 12, 13, 14, 15, 16], []),
+        ([17] + image_tokens(shape, h, w) + [18, 19, 20, 21], [(1, h, w)]),
+    ]
+    gen = torch.Generator().manual_seed(seed)
+    pixels = [pixel_values_for(shape, g, gen) if g else None for _, g in samples]
+    return samples, pixels, packed_row(shape, samples)
+
+
 def test_thd_packed_equals_each_sample_alone(pair):
     """Three samples of different lengths (two with images) in one [1, T] row, each padded to
     a multiple of 4 as the collate does for CP=2, against HF run on each sample alone."""
     kind, shape, hf, mg, _ = pair
-    samples = [
-        ([5, 6] + image_tokens(shape, 4, 6) + [7, 8, 9], [(1, 4, 6)]),
-        ([10, 11, 12, 13, 14, 15, 16], []),
-        ([17] + image_tokens(shape, 6, 4) + [18, 19, 20, 21], [(1, 6, 4)]),
-    ]
-    gen = torch.Generator().manual_seed(2)
-    pixels = [pixel_values_for(shape, g, gen) if g else None for _, g in samples]
-    tokens_1T, position_ids_31T, packed, real = packed_row(shape, samples)
+    samples, pixels, (tokens_1T, position_ids_31T, packed, real) = _three_samples(shape, (6, 4), seed=2)
     all_grids = torch.tensor([g for _, gs in samples for g in gs])
     with torch.no_grad():
         ours = mg(tokens_1T, position_ids_31T, None, pixel_values=torch.cat([p for p in pixels if p is not None]),
@@ -117,14 +124,7 @@ def test_mtp_head_equals_reference_per_packed_sample(pair):
     """The MTP head's logits on a THD row of three samples (two with images) equal the reference
     head run on each sample alone: the next-token roll restarts at every sample boundary."""
     kind, shape, hf, mg, mtp = pair
-    samples = [
-        ([5, 6] + image_tokens(shape, 4, 6) + [7, 8, 9], [(1, 4, 6)]),
-        ([10, 11, 12, 13, 14, 15, 16], []),
-        ([17] + image_tokens(shape, 2, 4) + [18, 19, 20, 21], [(1, 2, 4)]),
-    ]
-    gen = torch.Generator().manual_seed(4)
-    pixels = [pixel_values_for(shape, g, gen) if g else None for _, g in samples]
-    tokens_1T, position_ids_31T, packed, real = packed_row(shape, samples)
+    samples, pixels, (tokens_1T, position_ids_31T, packed, real) = _three_samples(shape, (2, 4), seed=4)
     captured = []
     hook = mg.language_model.mtp.register_forward_hook(lambda mod, args, out: captured.append(out))
     try:
