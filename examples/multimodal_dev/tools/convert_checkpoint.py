@@ -111,7 +111,7 @@ def import_hf(hf_path: str, megatron_path: str, tp: int = 1, ep: int = 1, overwr
                 params[name].data = tensor.contiguous()  # the HF dtype, not the model's default
                 filled.add(name)
     if shape.text.tie_word_embeddings and "lm_head.weight" in source:
-        source.get("lm_head.weight")  # the tied head is the embedding itself
+        source.consumed.add("lm_head.weight")  # the tied head is the embedding itself; no need to read it
     problems = []
     for title, names in (("HF tensors expected by the mapping but absent", missing_hf),
                          ("HF tensors not consumed", source.unconsumed()),

@@ -103,17 +103,12 @@ class HFTensorSource:
     def __contains__(self, name: str) -> bool:
         return name in self._where or name in self._packed
 
-    def dtype(self, name: str) -> torch.dtype:
-        return self.get(name, record=False).dtype
-
-    def get(self, name: str, record: bool = True) -> torch.Tensor:
+    def get(self, name: str) -> torch.Tensor:
         if name in self._where:
-            if record:
-                self.consumed.add(name)
+            self.consumed.add(name)
             return self._where[name].get_tensor(name)
         parts = self._packed[name]
-        if record:
-            self.consumed.update(parts)
+        self.consumed.update(parts)
         tensors = [self._where[p].get_tensor(p) for p in parts]
         if name.endswith("gate_up_proj"):  # per expert: [gate; up] rows
             return torch.stack([torch.cat(tensors[i:i + 2], dim=0) for i in range(0, len(tensors), 2)])
