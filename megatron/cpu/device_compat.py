@@ -60,6 +60,11 @@ def install() -> None:
     # megatron.core.dist_checkpointing (filesystem_async.preload_tensors) synchronises before
     # copying shards to host memory; CPU tensors are already there.
     torch.cuda.synchronize = _HOST_STREAM.synchronize
+    # megatron-core wraps small fused element-wise functions (GDN's gated norm, MoE helpers) in
+    # torch.compile. On CPU that builds C++ kernels with inductor on the first call of every
+    # input shape: ~2 s per process per shape for a tiny model, more with ranks sharing cores,
+    # and packed rows change shape every batch. Eager gives the same numbers.
+    torch._dynamo.config.disable = True
 
     # megatron.core.tensor_parallel.random: CudaRNGStatesTracker.add/fork and
     # model_parallel_cuda_manual_seed read/seed/set the CUDA generator. Point them at the CPU
