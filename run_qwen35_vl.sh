@@ -7,6 +7,7 @@
 #   HF_CONFIG       take the shape from a Hugging Face config.json instead of a variant
 #                   [CKPT_LOAD/hf_config.json when CKPT_LOAD is an import from Hugging Face]
 #   TP CP EP PP     tensor / context / expert / pipeline parallel sizes [1 1 1 1]
+#   SP              1 = sequence parallelism (needs TP>1) [1 for MoE with TP>1, which megatron requires; else 0]
 #   NPROC           processes on this node [TP*CP*PP]
 #   DATASET         mock | cord_v2 [mock];  DATA_PATH, HF_PROCESSOR_PATH for cord_v2
 #   TRAIN_ITERS MBS GBS SEQ_LEN LR    [30 2 4 1024 2e-3 on CPU; 20 1 8 4096 1e-4 on GPU]
@@ -46,7 +47,7 @@ case "$MODEL_VARIANT" in
     ROW=$("$PY" "$ROOT/examples/multimodal_dev/arguments.py" shape-row "$HF_CONFIG") || fail "HF_CONFIG=$HF_CONFIG: unreadable"
     read -r -a M <<<"$ROW"
     HF_MTP=${M[12]}; unset 'M[12]';;
-  tiny)      M=(4  128  4  2 32  256   8192   0   0 0    2  4);;
+  tiny)      M=(4  128  4  2 32  256   8192   0   0 0    4  8);;
   0.8b)      M=(24 1024 8  2 256 3584  248320 0   0 0    16 16);;
   2b)        M=(24 2048 8  2 256 6144  248320 0   0 0    16 16);;
   4b)        M=(32 2560 16 4 256 9216  248320 0   0 0    16 32);;
@@ -67,6 +68,7 @@ if [[ "${MOE:-0}" == 1 ]]; then  # tiny with 4 experts (top-2), for expert-paral
 fi
 
 TP=${TP:-1}; CP=${CP:-1}; EP=${EP:-1}; PP=${PP:-1}
+SP=${SP:-$(( TP > 1 && EXPERTS > 0 ? 1 : 0 ))}
 NPROC=${NPROC:-$((TP * CP * PP))}
 DATASET=${DATASET:-mock}
 PACKED=${PACKED:-1}
@@ -78,6 +80,9 @@ fi
 for var in TP CP EP PP NPROC TRAIN_ITERS MBS GBS SEQ_LEN; do
   [[ "${!var}" =~ ^[1-9][0-9]*$ ]] || fail "$var=${!var} must be a positive integer"
 done
+[[ "$SP" == 0 || "$SP" == 1 ]] || fail "SP=$SP: expected 0 or 1"
+(( SP == 0 || TP > 1 )) || fail "SP=1 needs TP>1 (sequence parallelism splits the sequence over TP ranks)"
+(( SP == 1 || TP == 1 || EXPERTS == 0 )) || fail "SP=0 with TP=$TP: megatron-core requires sequence parallelism for MoE with TP>1"
 (( EP == 1 || EXPERTS > 0 )) || fail "EP=$EP needs an MoE variant; MODEL_VARIANT=$MODEL_VARIANT is dense"
 (( EXPERTS == 0 || EXPERTS % EP == 0 )) || fail "EP=$EP does not divide the $EXPERTS experts of $MODEL_VARIANT"
 (( NPROC % (TP * CP * PP) == 0 )) || fail "NPROC=$NPROC is not divisible by TP*CP*PP=$((TP * CP * PP))"
@@ -111,6 +116,9 @@ else
   ARGS+=(--ffn-hidden-size "$FFN")
 fi
 [[ $PACKED == 1 ]] || ARGS+=(--no-packed-sequence)
+(( SP == 1 )) && ARGS+=(--sequence-parallel)
+# gloo runs the allgather token dispatcher; GPUs use alltoall (uneven per-rank token counts, less traffic)
+(( EXPERTS > 0 && HAS_GPU == 1 )) && ARGS+=(--moe-token-dispatcher-type alltoall)
 MTP=${MTP:-$(( ${HF_MTP:-0} > 0 ? 1 : 0 ))}
 case "$MTP" in
   0) ;;
@@ -138,5 +146,5 @@ fi
 
 # shellcheck source=tools/bootstrap_env.sh
 source "$ROOT/tools/bootstrap_env.sh"
-echo "run_qwen35_vl.sh: $MODEL_VARIANT, TP=$TP CP=$CP EP=$EP PP=$PP NPROC=$NPROC, dataset $DATASET, $TRAIN_ITERS iterations"
+echo "run_qwen35_vl.sh: $MODEL_VARIANT, TP=$TP CP=$CP EP=$EP PP=$PP SP=$SP NPROC=$NPROC, dataset $DATASET, $TRAIN_ITERS iterations"
 exec "$PY" -m torch.distributed.run "${LAUNCH[@]:1}" "${ARGS[@]}" "$@"

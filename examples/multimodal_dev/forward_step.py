@@ -5,6 +5,9 @@ returns ``(loss_sum, num_tokens, {"lm loss": [loss_sum, num_tokens]})`` so the s
 token losses and token counts over micro-batches and data-parallel ranks before dividing
 (``--calculate-per-token-loss``). The reported loss therefore does not depend on how tokens
 were packed or split. The same function serves megatron.training (GPU) and the CPU loop.
+
+Under context parallelism the model returns the losses of this rank's tokens together with their
+loss mask (the model splits every per-token tensor once); the loss function uses that mask.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from functools import partial
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
+
+from data.collate import pad_row_to
 
 TENSOR_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "pixel_values", "image_grid_thw",
                "cu_seqlens", "cu_seqlens_padded")
@@ -46,16 +51,43 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 def run_model(model, batch: dict):
-    """Per-token losses [B, S] of one collated batch (already on the model's device)."""
+    """(per-token losses [B, S_local], their loss mask [B, S_local]) of one collated batch
+    (already on the model's device); S_local = S without context parallelism."""
     return model(
         input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
         labels=batch["labels"], loss_mask=batch["loss_mask"],
         pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
-        packed_seq_params=packed_seq_params(batch),
+        packed_seq_params=packed_seq_params(batch), return_loss_mask=True,
     )
+
+
+def batch_loss(model, batch: dict):
+    """``loss_func`` of one batch: (sum of trained-token losses, their count, report)."""
+    output, loss_mask = run_model(model, batch)
+    return loss_func(loss_mask, output)
 
 
 def forward_step(data_iterator, model, *_args, **_kwargs):
     device = next(model.parameters()).device
     batch = batch_to_device(next(data_iterator), device)
-    return run_model(model, batch), partial(loss_func, batch["loss_mask"])
+    batch = equalise_for_expert_dispatch(batch, model)
+    output, loss_mask = run_model(model, batch)
+    return output, partial(loss_func, loss_mask)
+
+
+def equalise_for_expert_dispatch(batch: dict, model) -> dict:
+    """MoE's allgather token dispatcher gathers equal-sized token buffers over the TP x EP group,
+    but data-parallel ranks of that group carry different rows (packed rows of different lengths).
+    Every row is padded with trained-on-nothing tokens to the longest in the group; that padding
+    is a multiple of the collate's pad multiple, so the context-parallel split stays exact."""
+    from megatron.core import parallel_state
+
+    config = getattr(model, "module", model).language_model.config
+    if not config.num_moe_experts or config.moe_token_dispatcher_type != "allgather":
+        return batch
+    group = parallel_state.get_expert_tensor_and_model_parallel_group()
+    if group is None or group.size() == 1:
+        return batch
+    length = torch.tensor([batch["tokens"].shape[1]], dtype=torch.long, device=batch["tokens"].device)
+    torch.distributed.all_reduce(length, op=torch.distributed.ReduceOp.MAX, group=group)
+    return pad_row_to(batch, int(length))

@@ -59,7 +59,8 @@ def config_kwargs(args) -> dict:
                 # Full weights drawn on the host, then split: every TP/EP layout starts from the
                 # same model as the single-process run.
                 use_cpu_initialization=args.use_cpu_initialization,
-                mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)
+                mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
+                moe_token_dispatcher_type=args.moe_token_dispatcher_type)
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):

@@ -17,9 +17,8 @@ import torch
 UNSUPPORTED = [
     (lambda a: a.pipeline_model_parallel_size > 1, "--pipeline-model-parallel-size",
      "megatron-core's pipeline schedules allocate on CUDA"),
-    (lambda a: a.context_parallel_size > 1, "--context-parallel-size",
-     "the CPU attention does not split sequences across ranks yet"),
-    (lambda a: a.sequence_parallel, "--sequence-parallel", "not validated on the CPU path yet"),
+    (lambda a: a.num_experts and a.moe_token_dispatcher_type != "allgather", "--moe-token-dispatcher-type",
+     "only the allgather dispatcher is validated on gloo (the alltoall one needs CUDA streams)"),
     (lambda a: a.use_distributed_optimizer, "--use-distributed-optimizer",
      "megatron-core's distributed optimizer needs CUDA; the CPU loop uses torch AdamW"),
     (lambda a: a.fp16 or a.bf16, "--fp16/--bf16", "the CPU loop trains in fp32"),

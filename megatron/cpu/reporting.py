@@ -61,7 +61,7 @@ class Reporter:
                 f" | learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d}"
                 f" | lm loss: {w['loss_sum'] / max(w['tokens'], 1):.6E}"
                 + "".join(f" | {name}: {sum(v) / len(v):.6E}" for name, v in self.extra_window.items())
-                + f" | grad norm: {w['grad_norm']:.3f}"
+                + f" | grad norm: {w['grad_norm']:.6f}"
                 f" | tokens/s: {w['real_tokens'] / max(elapsed, 1e-9):.0f}"
                 + (f" | model TFLOP/s per device: {w['flops'] / max(elapsed, 1e-9) / 1e12:.4f}" if w["flops"] else "")
                 + f" | padding: {100 * (1 - w['real_tokens'] / max(w['padded_tokens'], 1)):.1f}% |")

@@ -8,8 +8,14 @@ A drop-in for megatron-core's ``core_attention`` submodule (same constructor and
 
 Segments come from ``cu_seqlens_q_padded`` when present (the packed tensor is laid out on the
 padded boundaries; the tail padding of a sample sits after its real tokens, so causal attention
-of real tokens never sees it). Context parallelism is part of the interface (``pg_collection``)
-but is refused until the CP implementation lands, rather than silently attending locally.
+of real tokens never sees it).
+
+Context parallelism (``pg_collection.cp`` of size cp > 1): the sequence arrives split in
+megatron-core's load-balanced layout (per packed sample for THD, per row for BSHD: rank r holds
+chunks r and 2cp-1-r). Keys and values are all-gathered over the CP group (gradients
+reduce-scattered back), put into global order with megatron-core's own layout helpers, and each
+local query attends to the global keys of its sample with the causal mask taken from global
+positions. Simple and exact; memory is O(local queries x sample length) per sample.
 """
 
 from __future__ import annotations
@@ -43,12 +49,11 @@ class SDPACoreAttention(MegatronModule):
         head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
-        cp_size = self.cp_group.size() if self.cp_group is not None else config.context_parallel_size
-        if cp_size > 1:
-            raise NotImplementedError(
-                f"SDPACoreAttention: context parallelism (context_parallel_size={cp_size}) is not "
-                "implemented for the CPU attention yet"
-            )
+        if self.cp_group is None and config.context_parallel_size > 1:
+            from megatron.core import parallel_state
+
+            self.cp_group = parallel_state.get_context_parallel_group()
+        self.cp_size = self.cp_group.size() if self.cp_group is not None else 1
 
     def _attend(self, q, k, v, causal: bool, mask=None):
         """q [b, np, s, hn], k/v [b, ng, s, hn]; grouped-query heads are shared in blocks."""
@@ -76,6 +81,10 @@ class SDPACoreAttention(MegatronModule):
             raise NotImplementedError("SDPACoreAttention does not take an attention_bias")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         causal = mask_type in _CAUSAL
+        if self.cp_size > 1:
+            if attention_mask is not None:
+                raise NotImplementedError("SDPACoreAttention: an explicit attention_mask under context parallelism")
+            return self._forward_cp(query, key, value, packed_seq_params, causal)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return self._forward_thd(query, key, value, packed_seq_params, causal)
         # BSHD: [s, b, h, d] -> [b, h, s, d]
@@ -92,12 +101,16 @@ class SDPACoreAttention(MegatronModule):
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
-    def _forward_thd(self, query, key, value, params, causal: bool):
+    @staticmethod
+    def _segments(params) -> torch.Tensor:
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
         if cu_kv is not None and not torch.equal(cu.cpu(), cu_kv.cpu()):
             raise NotImplementedError("SDPACoreAttention THD needs identical q and kv segments")
-        bounds = cu.tolist()
+        return cu
+
+    def _forward_thd(self, query, key, value, params, causal: bool):
+        bounds = self._segments(params).tolist()
         if bounds[-1] != query.shape[0]:
             raise ValueError(f"THD: cu_seqlens ends at {bounds[-1]} but the packed row has {query.shape[0]} tokens")
         outs = []
@@ -109,3 +122,49 @@ class SDPACoreAttention(MegatronModule):
             outs.append(self._attend(q, k, v, causal)[0].transpose(0, 1))
         out = torch.cat(outs, dim=0)
         return out.reshape(out.shape[0], -1)
+
+    def _forward_cp(self, query, key, value, params, causal: bool):
+        """Local queries against all-gathered keys/values; see the module docstring."""
+        from megatron.core.ssm.gated_delta_net.common import _build_thd_cp_a2a_perm
+        from megatron.core.ssm.mamba_context_parallel import _undo_attention_load_balancing
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        cp, rank = self.cp_size, self.cp_group.rank()
+        local = query.shape[0]
+        # [cp * local, ...] in rank-major order; backward reduce-scatters the key/value grads.
+        k_all, v_all = (gather_from_sequence_parallel_region(t, tensor_parallel_output_grad=True, group=self.cp_group)
+                        for t in (key, value))
+        total = cp * local
+        if params is not None and params.qkv_format == "thd":
+            cu = self._segments(params).to("cpu", torch.long)
+            if int(cu[-1]) != total:
+                raise ValueError(f"THD under CP: cu_seqlens ends at {int(cu[-1])} but cp x local tokens is {total}")
+            to_global, to_gathered = _build_thd_cp_a2a_perm(cu, cp, total)
+            k_glob, v_glob = (t.index_select(0, to_global.to(t.device)) for t in (k_all, v_all))
+            q_pos = to_gathered[rank * local:(rank + 1) * local]  # global position of every local query
+            outs = []
+            for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+                lo, hi = start // cp, end // cp  # this sample's local query rows
+                if hi == lo:
+                    continue
+                q = query[lo:hi].transpose(0, 1).unsqueeze(0)
+                k, v = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (k_glob, v_glob))
+                mask = self._cp_mask(q_pos[lo:hi] - start, end - start, causal, query.device)
+                outs.append(self._attend(q, k, v, False, mask)[0].transpose(0, 1))
+            out = torch.cat(outs, dim=0)
+            return out.reshape(out.shape[0], -1)
+        # BSHD [s, b, h, d]: one sample per row, every row split the same way
+        k_glob, v_glob = (_undo_attention_load_balancing(t, cp) for t in (k_all, v_all))
+        chunk = local // 2
+        q_pos = torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                           torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, k_glob, v_glob))
+        out = self._attend(q, k, v, False, self._cp_mask(q_pos, total, causal, query.device))
+        return out.permute(2, 0, 1, 3).reshape(local, query.shape[1], -1)
+
+    @staticmethod
+    def _cp_mask(q_pos: torch.Tensor, n_keys: int, causal: bool, device):
+        """[q, k] True where query (at global position q_pos within its sample) may attend key k."""
+        if not causal:
+            return None
+        return torch.arange(n_keys, device=device).unsqueeze(0) <= q_pos.to(device).unsqueeze(1)

@@ -8,7 +8,7 @@ from hf_reference import hf_rope_index
 from data.collate import Collator, pack_thd, pad_bshd, pad_multiple_for
 from data.mock import MockConversations
 from data.sample import IGNORE_INDEX, VisionTokens
-from forward_step import loss_func, run_model
+from forward_step import batch_loss
 from models.qwen35_vl.configuration import get_variant
 
 SHAPE = get_variant("tiny", moe=False, mtp=False)
@@ -80,7 +80,7 @@ def test_packed_loss_equals_padded_loss(mcore):
         for name, collate in (("thd", Collator(TOKENS, packed=True, pad_multiple=4)),
                               ("bshd", Collator(TOKENS, packed=False))):
             batch = collate(samples)
-            loss_sum, n_tokens, _ = loss_func(batch["loss_mask"], run_model(model, batch))
+            loss_sum, n_tokens, _ = batch_loss(model, batch)
             results[name] = (loss_sum / n_tokens).item()
             assert int(n_tokens) == int(sum(s["loss_mask"].sum() for s in samples))
     print(f"per-token loss: packed {results['thd']:.7f} padded {results['bshd']:.7f}")

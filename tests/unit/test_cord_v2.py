@@ -99,7 +99,7 @@ def test_cord_batch_feeds_the_model_packed_equals_padded(paths, mcore):
     from dataclasses import replace
 
     from data.collate import Collator
-    from forward_step import loss_func, run_model
+    from forward_step import batch_loss
     from models.qwen35_vl.configuration import get_variant
     from models.qwen35_vl.factory import build_model
 
@@ -115,6 +115,6 @@ def test_cord_batch_feeds_the_model_packed_equals_padded(paths, mcore):
     with torch.no_grad():
         for collate in (Collator(t, packed=True, pad_multiple=4), Collator(t, packed=False)):
             batch = collate(samples)
-            loss_sum, n_tokens, _ = loss_func(batch["loss_mask"], run_model(model, batch))
+            loss_sum, n_tokens, _ = batch_loss(model, batch)
             losses.append((loss_sum / n_tokens).item())
     assert abs(losses[0] - losses[1]) < 1e-5 and 5.0 < losses[0] < 12.0

@@ -116,6 +116,33 @@ def pad_bshd(samples: list[dict], tokens: VisionTokens, pad_multiple: int = 1, s
     }
 
 
+def pad_row_to(batch: dict, length: int) -> dict:
+    """The batch with every row right-padded to ``length`` tokens (input 0, label IGNORE_INDEX,
+    loss mask 0, position 0). A THD row gains one extra segment with no real tokens, so every
+    sample keeps its boundaries. Used to give ranks that must exchange equal-sized token buffers
+    equal rows; the padding never reaches the loss."""
+    width = batch["tokens"].shape[1]
+    extra = length - width
+    if extra < 0:
+        raise ValueError(f"cannot pad a row of {width} tokens to {length}")
+    if extra == 0:
+        return batch
+
+    def pad(t, value):
+        return torch.nn.functional.pad(t, (0, extra), value=value)
+
+    out = dict(batch, tokens=pad(batch["tokens"], 0), labels=pad(batch["labels"], IGNORE_INDEX),
+               loss_mask=pad(batch["loss_mask"], 0.0), position_ids=pad(batch["position_ids"], 0))
+    if batch.get("cu_seqlens") is not None:
+        cu, cu_padded = batch["cu_seqlens"], batch["cu_seqlens_padded"]
+        out["cu_seqlens"] = torch.cat([cu, cu[-1:]])
+        out["cu_seqlens_padded"] = torch.cat([cu_padded, cu_padded[-1:] + extra])
+        out["max_seqlen"] = max(batch["max_seqlen"], extra)
+    else:
+        out["max_seqlen"] = length
+    return out
+
+
 class Collator:
     """The ``collate_fn`` a DataLoader gets: THD when ``packed`` (the default), else BSHD."""
 

@@ -8,14 +8,24 @@ Legend: B batch, S sequence (BSHD); packed THD batches are B = 1, S = T with
     merge: rows of the image placeholder tokens, in reading order, take the vision features
     -> [S, B, H] decoder input -> language model (rotary from position_ids [3, B, S]) -> logits / loss
 
-The merge happens before anything partitions the sequence (context parallelism, sequence
-parallelism), so every vision feature lands exactly once.
+The merge happens before anything partitions the sequence, so every vision feature lands
+exactly once. Then, in this order:
+    context parallelism: one ``ContextParallelSplit`` index (per-sample zigzag for THD, row zigzag
+        for BSHD) is applied to the decoder input and to every per-token tensor the language model
+        reads: input_ids (MTP), labels, loss_mask, position_ids. Nothing else slices them.
+    sequence parallelism: the decoder input is scattered over TP ranks, as GPTModel's own
+        embedding would have done (a decoder_input handed to GPTModel is used as is).
+The per-token loss that comes back covers this rank's tokens only; ``return_loss_mask`` hands
+back the matching loss mask so the caller never slices one itself.
 """
 
 from __future__ import annotations
 
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
+
+from .common.context_parallel import ContextParallelSplit
 
 
 class VisionLanguageModel(MegatronModule):
@@ -42,10 +52,23 @@ class VisionLanguageModel(MegatronModule):
         embeds_BSH[mask] = features.to(embeds_BSH.dtype)
         return embeds_BSH
 
+    def _word_embeddings(self, input_ids_BS) -> torch.Tensor:
+        """[B, S, H] for the whole row. Under sequence parallelism megatron-core's embedding
+        reduce-scatters over TP (the MTP head relies on that, so it stays on); the merge needs every
+        position, so the shards are gathered back here (together: the all-reduce of plain TP).
+        Downstream, every TP rank holds the same gradient for the whole row, so the gather's
+        backward keeps this rank's shard instead of summing over ranks."""
+        embedding = self.language_model.embedding.word_embeddings
+        out = embedding(input_ids_BS)
+        if getattr(embedding, "reduce_scatter_embeddings", False):
+            out = tensor_parallel.gather_from_sequence_parallel_region(
+                out, tensor_parallel_output_grad=False, group=self.language_model.pg_collection.tp).transpose(0, 1)
+        return out
+
     def embed(self, input_ids_BS, pixel_values=None, image_grid_thw=None,
               pixel_values_videos=None, video_grid_thw=None) -> torch.Tensor:
         """Decoder input [S, B, H] with vision features merged at placeholder tokens."""
-        embeds_BSH = self.language_model.embedding.word_embeddings(input_ids_BS)
+        embeds_BSH = self._word_embeddings(input_ids_BS)
         if pixel_values is not None:
             feats = self.vision_model(pixel_values, image_grid_thw)
             embeds_BSH = self._scatter_features(embeds_BSH, input_ids_BS, self.image_token_id, feats, "images")
@@ -56,13 +79,32 @@ class VisionLanguageModel(MegatronModule):
             embeds_BSH = self._scatter_features(embeds_BSH, input_ids_BS, self.video_token_id, feats, "videos")
         return embeds_BSH.transpose(0, 1).contiguous()
 
+    def context_parallel_split(self, seq_len: int, packed_seq_params=None) -> ContextParallelSplit | None:
+        """This rank's share of a row of ``seq_len`` tokens, or None without context parallelism."""
+        cp_group = self.language_model.pg_collection.cp
+        if cp_group is None or cp_group.size() == 1:
+            return None
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        return ContextParallelSplit(seq_len, cp_group.size(), cp_group.rank(),
+                                    packed_seq_params.cu_seqlens_q_padded if thd else None)
+
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None, loss_mask=None,
                 pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
-                packed_seq_params=None):
-        """Logits [B, S, V] when ``labels`` is None, else per-token loss [B, S]."""
+                packed_seq_params=None, return_loss_mask: bool = False):
+        """Logits [B, S_local, V] when ``labels`` is None, else per-token loss [B, S_local]
+        (S_local = S / cp), plus the loss mask of those tokens when ``return_loss_mask``."""
         decoder_input = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
-        return self.language_model(
+        split = self.context_parallel_split(input_ids.shape[1], packed_seq_params)
+        if split is not None:
+            decoder_input = split.take(decoder_input, 0)
+            input_ids, labels, loss_mask = (split.take(t, 1) for t in (input_ids, labels, loss_mask))
+            position_ids = split.take(position_ids, -1)
+        if self.config.sequence_parallel:
+            decoder_input = tensor_parallel.scatter_to_sequence_parallel_region(
+                decoder_input, group=self.language_model.pg_collection.tp)
+        output = self.language_model(
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
             decoder_input=decoder_input, labels=labels, loss_mask=loss_mask,
             packed_seq_params=packed_seq_params,
         )
+        return (output, loss_mask) if return_loss_mask else output

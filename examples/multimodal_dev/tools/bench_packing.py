@@ -56,7 +56,7 @@ def main() -> None:
     from data.collate import pack_thd, pad_bshd
     from data.sample import VisionTokens
     from flops import micro_batch_flops
-    from forward_step import loss_func, run_model
+    from forward_step import batch_loss
     from models.qwen35_vl.configuration import get_variant
     from models.qwen35_vl.factory import build_model
 
@@ -70,7 +70,7 @@ def main() -> None:
 
     def step(batch):
         model.zero_grad(set_to_none=True)
-        loss, n, _ = loss_func(batch["loss_mask"], run_model(model, batch))
+        loss, n, _ = batch_loss(model, batch)
         (loss / n).backward()
 
     times = {name: [] for name in batches}

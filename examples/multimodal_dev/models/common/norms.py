@@ -29,10 +29,35 @@ class TorchNorm(nn.Module):
             p.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = self.weight.float() + 1.0 if self.zero_centered else self.weight.float()
+        return self._normalise(x, self.weight)
+
+    def _normalise(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        scale = weight.float() + 1.0 if self.zero_centered else weight.float()
         xf = x.float()
         if self.rms:
             y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * scale
         else:
             y = F.layer_norm(xf, xf.shape[-1:], scale, self.bias.float(), self.eps)
         return y.to(x.dtype)
+
+
+class HeadSharedNorm(TorchNorm):
+    """A norm over the head dimension whose weight every head shares (Gated DeltaNet's
+    ``out_norm``). Under TP each rank holds some of the heads, so its weight gradient is a
+    partial sum; megatron-core only all-reduces norm gradients over TP for sequence-parallel
+    norms and q/k layernorms, so this one sums its own in backward (identity forward). It works
+    on the full sequence, never a sequence shard, so it is not marked sequence-parallel."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-6, **unused):
+        super().__init__(config, hidden_size, eps)
+        for p in self.parameters():
+            p.sequence_parallel = False
+        self.tp_size = config.tensor_model_parallel_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return super().forward(x)
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+        scale = copy_to_tensor_model_parallel_region(self.weight)
+        return self._normalise(x, scale)

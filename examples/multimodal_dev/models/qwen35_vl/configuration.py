@@ -130,8 +130,9 @@ VARIANTS: dict[str, Qwen35VLShape] = {
     # A few million parameters, every structural feature present; trains on CPU.
     "tiny": Qwen35VLShape(
         text=TextShape(hidden_size=128, num_layers=4, num_attention_heads=4, num_kv_heads=2, head_dim=32,
-                       ffn_hidden_size=256, vocab_size=8192, linear_num_key_heads=2,
-                       linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                       # 4 key / 8 value GDN heads so TP x CP up to 4 splits them whole
+                       ffn_hidden_size=256, vocab_size=8192, linear_num_key_heads=4,
+                       linear_num_value_heads=8, linear_key_head_dim=16, linear_value_head_dim=16,
                        mrope_section=(2, 1, 1), partial_rotary_factor=0.25),
         vision=VisionShape(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
                            num_position_embeddings=64, out_hidden_size=128),
@@ -277,9 +278,11 @@ def language_transformer_config(text: TextShape, params_dtype=torch.float32, **p
 def vision_transformer_config(vision: VisionShape, params_dtype=torch.float32, **parallel):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    # The vision tower never uses context or expert parallelism: it sees whole images.
+    # The vision tower sees whole images on every rank: no context, sequence or expert parallelism
+    # (its TP linears take the full patch sequence, replicated over TP ranks).
     parallel = {k: v for k, v in parallel.items()
-                if k not in ("context_parallel_size", "expert_model_parallel_size", "mtp_loss_scaling_factor")}
+                if k not in ("context_parallel_size", "expert_model_parallel_size", "sequence_parallel",
+                             "mtp_loss_scaling_factor")}
     return TransformerConfig(
         num_layers=vision.depth, hidden_size=vision.hidden_size, num_attention_heads=vision.num_heads,
         num_query_groups=vision.num_heads, kv_channels=vision.hidden_size // vision.num_heads,

@@ -14,6 +14,7 @@ import dataclasses
 from megatron.core.models.gpt import GPTModel
 
 from ..base import VisionLanguageModel
+from ..common.context_parallel import ContextParallelSplit
 from .configuration import Qwen35VLShape
 from .mrope import InterleavedMRoPE
 from .specs import decoder_block_spec, mtp_block_spec
@@ -30,6 +31,19 @@ class _LanguageModel(GPTModel):
     token after the last real one becomes a pad (id 0, loss mask 0), just what the unpadded roll
     fills in. The MTP layer's attention over the padded segment is causal, so real tokens never
     see the tail."""
+
+    def _preprocess(self, *args, position_ids=None, packed_seq_params=None, **kwargs):
+        """Under context parallelism a THD row's ``position_ids`` arrive already split (every
+        per-token tensor is split once, by the VLM). megatron-core's THD rotary, however, slices
+        the rotary table itself and so expects it for the global row; the local positions are put
+        back at their global places (zeros elsewhere, never read) for that slice to find them."""
+        cp_group = self.pg_collection.cp
+        if (cp_group is not None and cp_group.size() > 1 and packed_seq_params is not None
+                and packed_seq_params.qkv_format == "thd" and position_ids is not None):
+            total = int(packed_seq_params.cu_seqlens_q_padded[-1])
+            split = ContextParallelSplit(total, cp_group.size(), cp_group.rank(), packed_seq_params.cu_seqlens_q_padded)
+            position_ids = split.place(position_ids, -1)
+        return super()._preprocess(*args, position_ids=position_ids, packed_seq_params=packed_seq_params, **kwargs)
 
     def _postprocess(self, *args, packed_seq_params=None, **kwargs):
         if packed_seq_params is not None and packed_seq_params.cu_seqlens_q_padded is not None:

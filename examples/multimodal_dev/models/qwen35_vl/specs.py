@@ -30,7 +30,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from ..common.norms import TorchNorm
+from ..common.norms import HeadSharedNorm, TorchNorm
 from .configuration import FULL, LINEAR
 
 BACKENDS = ("local", "te")
@@ -77,7 +77,8 @@ def _mixer_spec(m: _Modules, layer_type: str):
     if layer_type == LINEAR:
         mixer = ModuleSpec(
             module=GatedDeltaNet,
-            submodules=GatedDeltaNetSubmodules(in_proj=first_linear, out_norm=m.norm, out_proj=m.row),
+            # out_norm: the project's head-shared norm on both backends (TP-correct weight grads)
+            submodules=GatedDeltaNetSubmodules(in_proj=first_linear, out_norm=HeadSharedNorm, out_proj=m.row),
         )
     elif layer_type == FULL:
         mixer = ModuleSpec(

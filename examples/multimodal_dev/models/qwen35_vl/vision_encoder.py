@@ -19,6 +19,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from torch import nn
 
+from ..common.context_parallel import process_groups_without_context_parallel
 from .configuration import VisionShape
 from .specs import linear_classes, vision_block_spec
 
@@ -79,8 +80,11 @@ class Qwen35VisionModel(MegatronModule):
         head_dim = shape.hidden_size // shape.num_heads
         quarter = torch.arange(0, head_dim // 2, 2, dtype=torch.float32) / (head_dim // 2)
         self.register_buffer("rope_inv_freq", 1.0 / (shape.rope_theta ** quarter), persistent=False)
+        # Every CP rank runs the whole tower on all images (the split comes after the merge), so
+        # its attention and rotary must not see the language model's CP group.
         self.decoder = TransformerBlock(config=config, spec=vision_block_spec(config, backend),
-                                        pre_process=True, post_process=False, post_layer_norm=False)
+                                        pre_process=True, post_process=False, post_layer_norm=False,
+                                        pg_collection=process_groups_without_context_parallel())
         self.merger = PatchMerger(config, shape, backend)
 
     def position_embeddings(self, rows, cols, heights, widths) -> torch.Tensor:
