@@ -19,7 +19,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from data.collate import pad_row_to
 
-TENSOR_KEYS = ("tokens", "labels", "loss_mask", "position_ids", "pixel_values", "image_grid_thw",
+TENSOR_KEYS = ("tokens", "labels", "loss_mask", "padding_mask", "position_ids", "pixel_values", "image_grid_thw",
                "cu_seqlens", "cu_seqlens_padded")
 
 
@@ -55,7 +55,7 @@ def run_model(model, batch: dict):
     (already on the model's device); S_local = S without context parallelism."""
     return model(
         input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
-        labels=batch["labels"], loss_mask=batch["loss_mask"],
+        labels=batch["labels"], loss_mask=batch["loss_mask"], padding_mask=batch.get("padding_mask"),
         pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
         packed_seq_params=packed_seq_params(batch), return_loss_mask=True,
     )

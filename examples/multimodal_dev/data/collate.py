@@ -6,12 +6,13 @@ THD (``pack_thd``): every sample is right-padded to a multiple of ``pad_multiple
 end to end in one row:
     tokens_1T, labels_1T, loss_mask_1T     pad: input 0, label IGNORE_INDEX, loss mask 0
     position_ids_31T                       MRoPE, restarting at 0 for every sample
+    padding_mask_1T  bool                  True at padding (MoE routing statistics skip it)
     cu_seqlens       [B+1] int32           real-token boundaries
     cu_seqlens_padded[B+1] int32           padded boundaries (what the kernels index by)
     max_seqlen       int                   longest padded sample
     pixel_values, image_grid_thw           all images, concatenated in packing order
 BSHD (``pad_bshd``): rows [B, S] padded on the right to the longest sample (rounded up to
-``pad_multiple``); ``cu_seqlens*`` are None. Right padding never influences real tokens
+``pad_multiple``); ``cu_seqlens*`` are None; ``padding_mask`` [B, S] as above. Right padding never influences real tokens
 under causal attention and the causal Gated DeltaNet, so no attention mask is needed.
 
 Both add ``stats``: samples, real tokens, padded tokens, the padding fraction and the real
@@ -51,6 +52,12 @@ def _stats(lengths: torch.Tensor, total: int) -> dict:
             "pad_fraction": 1.0 - real / max(total, 1), "lengths": lengths.tolist()}
 
 
+def _padding_mask(total: int, real_positions: torch.Tensor) -> torch.Tensor:
+    mask = torch.ones(total, dtype=torch.bool)
+    mask[real_positions] = False
+    return mask.unsqueeze(0)
+
+
 def pack_thd(samples: list[dict], tokens: VisionTokens, pad_multiple: int = 1) -> dict:
     lengths = torch.tensor([s["input_ids"].numel() for s in samples], dtype=torch.long)
     padded = _round_up(lengths, pad_multiple)
@@ -77,6 +84,7 @@ def pack_thd(samples: list[dict], tokens: VisionTokens, pad_multiple: int = 1) -
         "tokens": tokens_1T,
         "labels": scatter("labels", IGNORE_INDEX, torch.long),
         "loss_mask": scatter("loss_mask", 0.0, torch.float32),
+        "padding_mask": _padding_mask(total, dest),
         "position_ids": position_ids_3T.unsqueeze(1),
         "cu_seqlens": cu_seqlens.to(torch.int32),
         "cu_seqlens_padded": cu_padded.to(torch.int32),
@@ -106,6 +114,7 @@ def pad_bshd(samples: list[dict], tokens: VisionTokens, pad_multiple: int = 1, s
         "tokens": lay_out(packed["tokens"][0], 0),
         "labels": lay_out(packed["labels"][0], IGNORE_INDEX),
         "loss_mask": lay_out(packed["loss_mask"][0], 0.0),
+        "padding_mask": lay_out(packed["padding_mask"][0], True),
         "position_ids": position_ids,
         "cu_seqlens": None,
         "cu_seqlens_padded": None,
@@ -132,7 +141,8 @@ def pad_row_to(batch: dict, length: int) -> dict:
         return torch.nn.functional.pad(t, (0, extra), value=value)
 
     out = dict(batch, tokens=pad(batch["tokens"], 0), labels=pad(batch["labels"], IGNORE_INDEX),
-               loss_mask=pad(batch["loss_mask"], 0.0), position_ids=pad(batch["position_ids"], 0))
+               loss_mask=pad(batch["loss_mask"], 0.0), position_ids=pad(batch["position_ids"], 0),
+               padding_mask=pad(batch["padding_mask"], True))
     if batch.get("cu_seqlens") is not None:
         cu, cu_padded = batch["cu_seqlens"], batch["cu_seqlens_padded"]
         out["cu_seqlens"] = torch.cat([cu, cu[-1:]])

@@ -90,21 +90,28 @@ class VisionLanguageModel(MegatronModule):
 
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None, loss_mask=None,
                 pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
-                packed_seq_params=None, return_loss_mask: bool = False):
+                packed_seq_params=None, padding_mask=None, return_loss_mask: bool = False):
         """Logits [B, S_local, V] when ``labels`` is None, else per-token loss [B, S_local]
-        (S_local = S / cp), plus the loss mask of those tokens when ``return_loss_mask``."""
+        (S_local = S / cp), plus the loss mask of those tokens when ``return_loss_mask``.
+
+        ``padding_mask`` [B, S] (True at padding) keeps padding out of the MoE router's
+        load-balancing statistics, whose amount of padding would otherwise depend on CP/SP/EP.
+        Under sequence parallelism it is dropped: megatron-core's MTP head rolls it with the
+        row's global sample offsets, which do not fit an SP-scattered mask."""
         decoder_input = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
         split = self.context_parallel_split(input_ids.shape[1], packed_seq_params)
         if split is not None:
             decoder_input = split.take(decoder_input, 0)
-            input_ids, labels, loss_mask = (split.take(t, 1) for t in (input_ids, labels, loss_mask))
+            input_ids, labels, loss_mask, padding_mask = (
+                split.take(t, 1) for t in (input_ids, labels, loss_mask, padding_mask))
             position_ids = split.take(position_ids, -1)
         if self.config.sequence_parallel:
             decoder_input = tensor_parallel.scatter_to_sequence_parallel_region(
                 decoder_input, group=self.language_model.pg_collection.tp)
+            padding_mask = None
         output = self.language_model(
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
             decoder_input=decoder_input, labels=labels, loss_mask=loss_mask,
-            packed_seq_params=packed_seq_params,
+            packed_seq_params=packed_seq_params, padding_mask=padding_mask,
         )
         return (output, loss_mask) if return_loss_mask else output

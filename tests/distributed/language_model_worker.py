@@ -1,0 +1,85 @@
+"""torchrun worker: the language model alone on a text-only packed batch, at any TP (+SP).
+
+    torchrun --nproc-per-node N language_model_worker.py CHECKPOINT_DIR TP SP
+
+Loads the tiny MoE+MTP checkpoint into the model at this layout, then on three text-only mock
+samples (THD) runs
+  - ``model.language_model`` standalone (GPTModel embeds, and under SP must scatter, by itself);
+  - the full VLM forward (no vision inputs) with backward, DDP grad reduction and the grad norm.
+The last rank prints one ``RESULT {json}`` line.
+"""
+
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "examples", "multimodal_dev")]
+
+import torch  # noqa: E402
+
+
+def text_only_batch(shape, pad_multiple: int) -> dict:
+    from data.collate import pack_thd
+    from data.mock import MockConversations
+    from data.sample import VisionTokens
+
+    tokens = VisionTokens.from_shape(shape)
+    mock = MockConversations(tokens, shape.text.vocab_size, shape.vision.patch_dim, seed=7, max_images=0)
+    return pack_thd([mock(i) for i in range(3)], tokens, pad_multiple)
+
+
+def main():
+    checkpoint, tp, sp = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+    import megatron.cpu
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    megatron.cpu.activate()
+    torch.distributed.init_process_group("gloo")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    torch.manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234)
+
+    from data.collate import pad_multiple_for
+    from forward_step import loss_func, packed_seq_params, run_model
+    from megatron.cpu.checkpointing import load_model_weights
+    from megatron.cpu.training import grad_norm
+    from models.qwen35_vl.configuration import get_variant
+    from models.qwen35_vl.factory import build_model
+
+    shape = get_variant("tiny", moe=True, mtp=True)
+    module = build_model(shape, tensor_model_parallel_size=tp, sequence_parallel=sp, calculate_per_token_loss=True,
+                         use_cpu_initialization=True)
+    load_model_weights(module, checkpoint)
+    model = DistributedDataParallel(config=module.config, module=module, ddp_config=DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False))
+    batch = text_only_batch(shape, pad_multiple_for(1, tp, sp))
+
+    with torch.no_grad():
+        lm_losses = module.language_model(
+            input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
+            labels=batch["labels"], loss_mask=batch["loss_mask"], packed_seq_params=packed_seq_params(batch))
+    mask = batch["loss_mask"]
+    lm_loss = float((lm_losses * mask).sum() / mask.sum())
+
+    model.zero_grad_buffer()
+    output, loss_mask = run_model(model, batch)
+    loss_sum, n_tokens, _ = loss_func(loss_mask, output)
+    loss_sum.backward()
+    finalize_model_grads([model], num_tokens=n_tokens.clone())
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = p.main_grad  # DDP accumulates into main_grad; grad_norm reads .grad, as the CPU loop
+    norm = grad_norm(params)
+    if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
+        print("RESULT " + json.dumps({
+            "row_tokens": batch["tokens"].shape[1], "lm_loss_shape": list(lm_losses.shape), "lm_loss": lm_loss,
+            "vlm_loss": float(loss_sum / n_tokens), "grad_norm": norm}), flush=True)
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
