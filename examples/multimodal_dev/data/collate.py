@@ -12,8 +12,9 @@ end to end in one row:
     max_seqlen       int                   longest padded sample
     pixel_values, image_grid_thw           all images, concatenated in packing order
 BSHD (``pad_bshd``): rows [B, S] padded on the right to the longest sample (rounded up to
-``pad_multiple``); ``cu_seqlens*`` are None; ``padding_mask`` [B, S] as above. Right padding never influences real tokens
-under causal attention and the causal Gated DeltaNet, so no attention mask is needed.
+``pad_multiple``); ``cu_seqlens*`` are None; ``padding_mask`` [B, S] as above. Right padding
+never influences real tokens under causal attention and the causal Gated DeltaNet, so no
+attention mask is needed.
 
 Both add ``stats``: samples, real tokens, padded tokens, the padding fraction and the real
 per-sample lengths (for FLOPs accounting).
@@ -127,7 +128,7 @@ def pad_bshd(samples: list[dict], tokens: VisionTokens, pad_multiple: int = 1, s
 
 def pad_row_to(batch: dict, length: int) -> dict:
     """The batch with every row right-padded to ``length`` tokens (input 0, label IGNORE_INDEX,
-    loss mask 0, position 0). A THD row gains one extra segment with no real tokens, so every
+    loss mask 0, position 0, padding mask True). A THD row gains one extra segment with no real tokens, so every
     sample keeps its boundaries. Used to give ranks that must exchange equal-sized token buffers
     equal rows; the padding never reaches the loss."""
     width = batch["tokens"].shape[1]

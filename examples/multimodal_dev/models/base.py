@@ -79,15 +79,6 @@ class VisionLanguageModel(MegatronModule):
             embeds_BSH = self._scatter_features(embeds_BSH, input_ids_BS, self.video_token_id, feats, "videos")
         return embeds_BSH.transpose(0, 1).contiguous()
 
-    def context_parallel_split(self, seq_len: int, packed_seq_params=None) -> ContextParallelSplit | None:
-        """This rank's share of a row of ``seq_len`` tokens, or None without context parallelism."""
-        cp_group = self.language_model.pg_collection.cp
-        if cp_group is None or cp_group.size() == 1:
-            return None
-        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
-        return ContextParallelSplit(seq_len, cp_group.size(), cp_group.rank(),
-                                    packed_seq_params.cu_seqlens_q_padded if thd else None)
-
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None, loss_mask=None,
                 pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
                 packed_seq_params=None, padding_mask=None, return_loss_mask: bool = False):
@@ -99,7 +90,8 @@ class VisionLanguageModel(MegatronModule):
         Under sequence parallelism it is dropped: megatron-core's MTP head rolls it with the
         row's global sample offsets, which do not fit an SP-scattered mask."""
         decoder_input = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
-        split = self.context_parallel_split(input_ids.shape[1], packed_seq_params)
+        split = ContextParallelSplit.for_row(input_ids.shape[1], self.language_model.pg_collection.cp,
+                                             packed_seq_params)
         if split is not None:
             decoder_input = split.take(decoder_input, 0)
             input_ids, labels, loss_mask, padding_mask = (

@@ -56,6 +56,15 @@ class ContextParallelSplit:
         else:
             self.positions = bshd_positions(seq_len, cp, rank)
 
+    @classmethod
+    def for_row(cls, seq_len: int, cp_group, packed_seq_params=None) -> "ContextParallelSplit | None":
+        """This rank's share of a row of ``seq_len`` tokens (THD when ``packed_seq_params`` says
+        so, else BSHD), or None without context parallelism."""
+        if cp_group is None or cp_group.size() == 1:
+            return None
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        return cls(seq_len, cp_group.size(), cp_group.rank(), packed_seq_params.cu_seqlens_q_padded if thd else None)
+
     def take(self, tensor: torch.Tensor | None, dim: int) -> torch.Tensor | None:
         if tensor is None:
             return None

@@ -37,12 +37,12 @@ class _LanguageModel(GPTModel):
         per-token tensor is split once, by the VLM). megatron-core's THD rotary, however, slices
         the rotary table itself and so expects it for the global row; the local positions are put
         back at their global places (zeros elsewhere, never read) for that slice to find them."""
-        cp_group = self.pg_collection.cp
-        if (cp_group is not None and cp_group.size() > 1 and packed_seq_params is not None
-                and packed_seq_params.qkv_format == "thd" and position_ids is not None):
+        if (packed_seq_params is not None and packed_seq_params.qkv_format == "thd" and position_ids is not None
+                and packed_seq_params.cu_seqlens_q_padded is not None):
             total = int(packed_seq_params.cu_seqlens_q_padded[-1])
-            split = ContextParallelSplit(total, cp_group.size(), cp_group.rank(), packed_seq_params.cu_seqlens_q_padded)
-            position_ids = split.place(position_ids, -1)
+            split = ContextParallelSplit.for_row(total, self.pg_collection.cp, packed_seq_params)
+            if split is not None:
+                position_ids = split.place(position_ids, -1)
         return super()._preprocess(*args, position_ids=position_ids, packed_seq_params=packed_seq_params, **kwargs)
 
     def _postprocess(self, *args, packed_seq_params=None, **kwargs):
