@@ -84,6 +84,21 @@ def test_causal_conv1d_resets_at_boundaries():
     assert diff < TOL
 
 
+def test_causal_conv1d_is_its_definition():
+    """out[b, t, d] = bias[d] + sum_i x[b, t - (W - 1) + i, d] * w[d, i], with x = 0 before the row."""
+    g = torch.Generator().manual_seed(1)
+    x, w, bias = torch.randn(2, 9, 5, generator=g), torch.randn(5, 4, generator=g), torch.randn(5, generator=g)
+    out, _ = causal_conv1d(x, w, bias)
+    ref = torch.zeros_like(x) + bias
+    for t in range(9):
+        for i in range(4):
+            if t - 3 + i >= 0:
+                ref[:, t] += x[:, t - 3 + i] * w[:, i]
+    diff = (out - ref).abs().max().item()
+    print(f"causal conv1d vs its definition: max abs diff {diff:.2e}")
+    assert diff < TOL
+
+
 def test_conv_state_carry_is_refused():
     x, w = torch.randn(1, 8, 2), torch.randn(2, 4)
     with pytest.raises(NotImplementedError, match="initial_state"):
