@@ -4,24 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from models.qwen35_vl.configuration import Qwen35VLShape, to_hf_config_dict
+from models.qwen35_vl.configuration import Qwen35VLShape
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from models.qwen35_vl.mrope import padded_batch_position_ids, sample_position_ids
+from tools.hf_models import hf_model_for_shape
 
 
 def build_hf_model(shape: Qwen35VLShape, seed: int = 0):
     """HF model with every weight random (norm weights too, so zero-centring is exercised)."""
-    import transformers
-
-    cfg_dict = to_hf_config_dict(shape)
-    is_moe = cfg_dict["model_type"] == "qwen3_5_moe"
-    config_cls = transformers.Qwen3_5MoeConfig if is_moe else transformers.Qwen3_5Config
-    model_cls = transformers.Qwen3_5MoeForConditionalGeneration if is_moe else transformers.Qwen3_5ForConditionalGeneration
-    config = config_cls(**{k: v for k, v in cfg_dict.items() if k != "model_type"})
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    model = model_cls(config).float().eval()
+    model = hf_model_for_shape(shape, seed=seed).eval()
     _randomize(model)
     return model
 

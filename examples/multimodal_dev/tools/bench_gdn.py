@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _path in (os.path.dirname(_HERE), os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 
 def _inputs(batch: int, length: int, heads: int, dk: int, dv: int, seed: int = 0):
@@ -33,29 +34,21 @@ def _inputs(batch: int, length: int, heads: int, dk: int, dv: int, seed: int = 0
     return q, k, v, decay, beta
 
 
-def paired_medians(ours, ref, reps: int):
-    """Median seconds of each, timed alternately (ours, ref, ours, ...) so that a slow spell of
-    a shared machine hits both; plus each one's output from the warm-up call."""
-    out_ours, out_ref = ours(), ref()
-    times = ([], [])
-    for _ in range(reps):
-        for fn, bucket in ((ours, times[0]), (ref, times[1])):
-            start = time.perf_counter()
-            fn()
-            bucket.append(time.perf_counter() - start)
-    return statistics.median(times[0]), statistics.median(times[1]), out_ours, out_ref
-
-
 def run(heads: int = 16, dk: int = 128, dv: int = 128, reps: int = 9) -> list[dict]:
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
     from megatron.cpu.gdn_kernels import chunk_gated_delta_rule
+    from tools.timing import alternating_medians
+
+    def paired(ours, ref):
+        times, out = alternating_medians({"ours": ours, "ref": ref}, reps)
+        return times["ours"], times["ref"], out["ours"], out["ref"]
 
     rows = []
     with torch.no_grad():
         q, k, v, g, beta = _inputs(2, 1024, heads, dk, dv)
-        t_ours, t_ref, ours, ref = paired_medians(lambda: chunk_gated_delta_rule(q, k, v, g, beta)[0],
-                                                  lambda: torch_chunk_gated_delta_rule(q, k, v, g, beta)[0], reps)
+        t_ours, t_ref, ours, ref = paired(lambda: chunk_gated_delta_rule(q, k, v, g, beta)[0],
+                                          lambda: torch_chunk_gated_delta_rule(q, k, v, g, beta)[0])
         rows.append({"input": "unpacked 2 x 1024", "ours_s": t_ours, "ref_s": t_ref,
                      "max_diff": (ours - ref).abs().max().item()})
 
@@ -67,8 +60,7 @@ def run(heads: int = 16, dk: int = 128, dv: int = 128, reps: int = 9) -> list[di
             return torch.cat([torch_chunk_gated_delta_rule(*(x[:, a:b] for x in (q, k, v, g, beta)))[0]
                               for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], dim=1)
 
-        t_ours, t_ref, ours, ref = paired_medians(
-            lambda: chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu)[0], per_sample, reps)
+        t_ours, t_ref, ours, ref = paired(lambda: chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu)[0], per_sample)
         rows.append({"input": f"packed THD {len(lengths)} samples, {sum(lengths)} tokens", "ours_s": t_ours,
                      "ref_s": t_ref, "max_diff": (ours - ref).abs().max().item()})
     return rows

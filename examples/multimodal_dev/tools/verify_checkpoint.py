@@ -16,11 +16,13 @@ from models.qwen35_vl.mrope import padded_batch_position_ids
 def _hf_model(hf_path: str):
     import transformers
 
+    from tools.hf_models import hf_classes
+
     config = transformers.AutoConfig.from_pretrained(hf_path)
-    model_cls = {"qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
-                 "qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration}.get(config.model_type)
-    if model_cls is None:
-        raise ValueError(f"--hf-path {hf_path}: model_type {config.model_type!r} is not Qwen3.5")
+    try:
+        _, model_cls = hf_classes(config.model_type)
+    except ValueError as err:
+        raise ValueError(f"--hf-path {hf_path}: {err}") from None
     return model_cls.from_pretrained(hf_path, dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
