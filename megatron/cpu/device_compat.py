@@ -6,6 +6,8 @@ GPU host nothing here runs. Each redirection names the megatron-core call site i
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 
 import torch
@@ -41,6 +43,26 @@ class _HostStream:
 
 _HOST_STREAM = _HostStream()
 
+# glibc mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_KEEP_BYTES = 1 << 30
+
+
+def keep_freed_host_memory() -> bool:
+    """Let glibc's malloc keep freed blocks of up to 1 GiB for reuse instead of returning them
+    to the kernel. Activations of a training step are tens of MB each: by default every one is
+    a fresh mmap whose pages the kernel faults in and zeroes on first touch, step after step
+    (measured: a packed gated-delta-rule forward 0.136 s -> 0.103 s, fp32, 2 cores). Freed
+    memory then stays with the process, so its RSS holds at the peak of a step. Returns False
+    where the C library is not glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES))
+
 
 def install() -> None:
     """Idempotent. Afterwards ``torch.cuda.current_device()`` is the CPU device and the
@@ -65,6 +87,12 @@ def install() -> None:
     # input shape: ~2 s per process per shape for a tiny model, more with ranks sharing cores,
     # and packed rows change shape every batch. Eager gives the same numbers.
     torch._dynamo.config.disable = True
+    keep_freed_host_memory()
+    # Gated DeltaNet's decays exp(gamma_i - gamma_j) underflow into subnormal floats, which x86
+    # cores handle in microcode at a fraction of the normal rate: flushing them to zero made a
+    # packed training step of the tiny model 20% faster (2.58 s -> 2.08 s). Values below 1.2e-38
+    # become 0, as in GPU kernels built with fast math.
+    torch.set_flush_denormal(True)
 
     # megatron.core.tensor_parallel.random: CudaRNGStatesTracker.add/fork and
     # model_parallel_cuda_manual_seed read/seed/set the CUDA generator. Point them at the CPU

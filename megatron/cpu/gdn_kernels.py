@@ -75,25 +75,43 @@ def causal_conv1d(
     return out.to(x.dtype), None
 
 
-def _pack_chunk_aligned(tensors, cu_seqlens: torch.Tensor, chunk: int):
-    """[1, T, ...] packed tensors -> [1, T', ...] with every sequence zero-padded to a multiple
-    of ``chunk`` (at least one chunk), so no chunk holds two sequences. Returns the row, the
-    destination of each original token, and the sequence index of every chunk."""
-    total = tensors[0].shape[1]
-    cu = cu_seqlens.to(torch.long)
-    lengths = cu[1:] - cu[:-1]
-    chunks_per_seq = ((lengths + chunk - 1) // chunk).clamp(min=1)
-    starts = (chunks_per_seq.cumsum(0) - chunks_per_seq) * chunk
-    seg = _segment_ids(cu_seqlens, total)
-    dest = starts[seg] + torch.arange(total, device=cu.device) - cu[seg]
-    width = int(chunks_per_seq.sum()) * chunk
-    out = []
-    for t in tensors:
-        buf = t.new_zeros((1, width) + tuple(t.shape[2:]))
-        buf[0, dest] = t[0]
-        out.append(buf)
-    chunk_seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu.device), chunks_per_seq)
-    return out, dest, chunk_seq.tolist()
+class _StepMajorChunks:
+    """Where every token of a packed row goes in the chunked scan's layout.
+
+    The scan walks each sequence's chunks in order, but sequences are independent, so step j
+    advances chunk j of every sequence still running in one batched matmul: a packed row takes
+    as many steps as its longest sequence has chunks. Chunks are stored step-major, [M, H, C, *]:
+    step 0's chunks, then step 1's, ...; within a step, sequences longest first, so the ones
+    still running are always a prefix of the state batch. Every sequence is zero-padded to whole
+    chunks (at least one), so no chunk holds two sequences.
+    """
+
+    def __init__(self, cu_seqlens: torch.Tensor, total: int, chunk: int):
+        cu = cu_seqlens.to(torch.long)
+        lengths = cu[1:] - cu[:-1]
+        per_seq = ((lengths + chunk - 1) // chunk).clamp(min=1)
+        self.order = torch.argsort(per_seq, descending=True, stable=True)  # sequence of each state row
+        rank = torch.empty_like(self.order)
+        rank[self.order] = torch.arange(self.order.numel(), device=cu.device)
+        steps = int(per_seq.max())
+        active = (per_seq[None, :] > torch.arange(steps, device=cu.device)[:, None]).sum(1)  # per step
+        self.active = active.tolist()
+        step_start = active.cumsum(0) - active
+        seg = _segment_ids(cu_seqlens, total)
+        pos = torch.arange(total, device=cu.device) - cu[seg]
+        self.chunk_of = step_start[pos // chunk] + rank[seg]  # [T]: the chunk each token lands in
+        self.pos_in_chunk = pos % chunk
+        self.num_chunks, self.chunk = int(active.sum()), chunk
+
+    def scatter(self, t: torch.Tensor) -> torch.Tensor:
+        """[1, T, H, *] -> [M, H, C, *] (zeros where no token lands)."""
+        out = t.new_zeros((self.num_chunks, t.shape[2], self.chunk) + tuple(t.shape[3:]))
+        out[self.chunk_of, :, self.pos_in_chunk] = t[0]
+        return out
+
+    def gather(self, chunks: torch.Tensor) -> torch.Tensor:
+        """[M, H, C, *] -> [1, T, H, *]."""
+        return chunks[self.chunk_of, :, self.pos_in_chunk].unsqueeze(0)
 
 
 def chunk_gated_delta_rule(
@@ -114,7 +132,8 @@ def chunk_gated_delta_rule(
 
         S_t = exp(g_t) S_{t-1};  S_t += k_t (beta_t (v_t - S_t^T k_t))^T;  o_t = scale S_t^T q_t
 
-    Returns (o [B, T, H, V] in q's dtype, final state [N, H, K, V] fp32 or None).
+    Returns (o [B, T, H, V] in q's dtype, final state [N, H, K, V] fp32 or None), N = B or the
+    number of packed sequences.
     """
     out_dtype = q.dtype
     if scale is None:
@@ -122,40 +141,27 @@ def chunk_gated_delta_rule(
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
-    dest = chunk_seq = None
-    if cu_seqlens is not None:
-        if q.shape[0] != 1:
-            raise ValueError(f"cu_seqlens requires a single packed row, got batch={q.shape[0]}")
-        (q, k, v, g, beta), dest, chunk_seq = _pack_chunk_aligned((q, k, v, g, beta), cu_seqlens, chunk_size)
-    o, state = _chunked_scan(q, k, v, g, beta, scale, initial_state, chunk_size, chunk_seq)
-    if dest is not None:
-        o = o[0, dest].unsqueeze(0)
+    batch, length = q.shape[:2]
+    if cu_seqlens is None:  # B rows of equal length are B packed sequences of one row
+        cu_seqlens = torch.arange(batch + 1, device=q.device) * length
+        q, k, v, g, beta = (t.reshape(1, batch * length, *t.shape[2:]) for t in (q, k, v, g, beta))
+    elif batch != 1:
+        raise ValueError(f"cu_seqlens requires a single packed row, got batch={batch}")
+    layout = _StepMajorChunks(cu_seqlens, q.shape[1], chunk_size)
+    start = None if initial_state is None else initial_state.float()[layout.order]
+    o, final = _chunked_scan(*(layout.scatter(t) for t in (q, k, v, g, beta)), scale, start, layout.active)
+    o = layout.gather(o).reshape(batch, length, *o.shape[1:2], o.shape[-1])
+    state = torch.empty_like(final)
+    state[layout.order] = final
     return o.to(out_dtype), (state if output_final_state else None)
 
 
-def _chunked_scan(q, k, v, g, beta, scale, initial_state, chunk, chunk_seq=None):
-    """Dense [N, L, H, *] fp32 inputs; L is padded here to a multiple of ``chunk``. Zero padding
-    is inert: k = 0 and beta = 0 leave the state unchanged and g = 0 does not decay it.
-
-    ``chunk_seq`` (with N = 1): the packed sequence of every chunk; the state restarts (from
-    zero or that sequence's initial state) where the sequence changes, and the final state of
-    each sequence is returned [num_sequences, H, K, V]. Everything but the walk over chunks is
-    batched over all chunks of all sequences, so packing costs no padding to the longest."""
-    n, length, heads, dk = k.shape
-    dv = v.shape[-1]
-    pad = (-length) % chunk
-    if pad:
-        q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
-        g, beta = (F.pad(t, (0, 0, 0, pad)) for t in (g, beta))
-    n_chunks = (length + pad) // chunk
-
-    # -> [N, H, n_chunks, C, *]
-    def to_chunks(t):
-        t = t.transpose(1, 2)
-        return t.reshape(t.shape[0], t.shape[1], n_chunks, chunk, *t.shape[3:])
-
-    q, k, v = to_chunks(q) * scale, to_chunks(k), to_chunks(v)
-    g, beta = to_chunks(g), to_chunks(beta)
+def _chunked_scan(q, k, v, g, beta, scale, start_state, active):
+    """Step-major chunks [M, H, C, *] (fp32) -> (o [M, H, C, V], final states [S, H, K, V] of the
+    sequences longest first). ``active[j]``: sequences running at step j (non-increasing). Zero
+    padding is inert: k = 0 and beta = 0 leave the state unchanged and g = 0 does not decay it."""
+    chunk, dk, dv = q.shape[2], k.shape[-1], v.shape[-1]
+    q = q * scale
     gamma = g.cumsum(-1)  # log of the decay accumulated from the chunk start, inclusive
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     # decay_ij = exp(gamma_i - gamma_j) for j <= i, else 0 (masked before exp: no overflow)
@@ -166,38 +172,36 @@ def _chunked_scan(q, k, v, g, beta, scale, initial_state, chunk, chunk_seq=None)
     a_strict = (k_beta @ k.transpose(-1, -2)) * decay
     a_strict = a_strict.masked_fill(~causal.tril(-1), 0.0)
     eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
-    system = eye + a_strict
-    # One triangular solve for both right-hand sides (they share the system matrix).
-    uw = torch.linalg.solve_triangular(system, torch.cat([v * beta[..., None], k_beta * gamma.exp()[..., None]], -1),
-                                       upper=False, unitriangular=True)
-    u, w = uw[..., :dv], uw[..., dv:]
-    qk_intra = (q @ k.transpose(-1, -2)) * decay
-    q_decayed = q * gamma.exp()[..., None]
-    k_to_end = k * (gamma[..., -1:] - gamma).exp()[..., None]
+    system, rhs = eye + a_strict, (v * beta[..., None], k_beta * gamma.exp()[..., None])
+    # The triangular solve (and its backward) costs in proportion to the right-hand side's
+    # width: solve for both right-hand sides at once (V + K wide) or for the inverse (C wide),
+    # whichever is narrower, then apply the inverse with batched matmuls.
+    if dv + dk <= chunk:
+        uw = torch.linalg.solve_triangular(system, torch.cat(rhs, -1), upper=False, unitriangular=True)
+        u, w = uw[..., :dv], uw[..., dv:]
+    else:
+        inverse = torch.linalg.solve_triangular(system, eye.expand_as(system), upper=False, unitriangular=True)
+        u, w = inverse @ rhs[0], inverse @ rhs[1]
+    k_to_end = (k * (gamma[..., -1:] - gamma).exp()[..., None]).transpose(-1, -2)
     chunk_decay = gamma[..., -1].exp()[..., None, None]
+    q_decayed = q * gamma.exp()[..., None]
+    qk_intra = (q @ k.transpose(-1, -2)) * decay
 
-    def start_state(seq):
-        if initial_state is None:
-            return q.new_zeros(1 if seq is not None else n, heads, dk, dv)
-        return initial_state.float()[seq:seq + 1].clone() if seq is not None else initial_state.float().clone()
-
-    state = start_state(chunk_seq[0] if chunk_seq else None)
-    finals = []
-    outs = []
-    # Split into per-chunk views once: indexing chunk c inside the loop would make autograd
-    # write a full-size zero gradient for every chunk (quadratic in the number of chunks).
-    per_chunk = zip(*(t.unbind(2) for t in (u, w, q_decayed, qk_intra, k_to_end, chunk_decay)))
-    for c, (u_c, w_c, q_c, qk_c, k_end_c, decay_c) in enumerate(per_chunk):
-        if chunk_seq and c and chunk_seq[c] != chunk_seq[c - 1]:
-            finals.append(state)
-            state = start_state(chunk_seq[c])
+    state = start_state if start_state is not None else q.new_zeros(active[0], q.shape[1], dk, dv)
+    finals, outs = [], []
+    # Split per step once (contiguous views, as the chunks are step-major): indexing a step inside
+    # the loop would make autograd write a full-size zero gradient per step.
+    per_step = (t.split(active) for t in (u, w, q_decayed, qk_intra, k_to_end, chunk_decay))
+    for a, u_c, w_c, q_c, qk_c, k_end_c, decay_c in zip(active, *per_step):
+        if a < state.shape[0]:  # the shortest sequences have ended: their states are final
+            finals.append(state[a:])
+            state = state[:a]
         v_new = u_c - w_c @ state
         outs.append(q_c @ state + qk_c @ v_new)
-        state = state * decay_c + k_end_c.transpose(-1, -2) @ v_new
-    o = torch.stack(outs, dim=2).reshape(n, heads, n_chunks * chunk, dv)[:, :, :length]
-    if chunk_seq:
-        state = torch.cat(finals + [state], dim=0)
-    return o.transpose(1, 2), state
+        state = state * decay_c + k_end_c @ v_new
+    finals.append(state)
+    o = torch.cat(outs)
+    return o, torch.cat(finals[::-1])
 
 
 def recurrent_gated_delta_rule_reference(q, k, v, g, beta, scale=None):

@@ -6,6 +6,8 @@ implementation, on the same inputs (fp32, CPU): time (median of repetitions) and
 Two inputs, both Qwen3.5 head sizes: "unpacked", a batch of equal-length rows; "packed", one
 THD row of several samples of different lengths with ``cu_seqlens`` (transformers' kernel has
 no ``cu_seqlens``, so it runs each sample separately, which is what it would have to do).
+Both run in one process after ``megatron.cpu.activate()``, the host set-up training runs under
+(which includes keeping freed memory in the allocator, see ``device_compat``).
 """
 
 from __future__ import annotations
@@ -37,8 +39,11 @@ def _inputs(batch: int, length: int, heads: int, dk: int, dv: int, seed: int = 0
 def run(heads: int = 16, dk: int = 128, dv: int = 128, reps: int = 9) -> list[dict]:
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
+    import megatron.cpu
     from megatron.cpu.gdn_kernels import chunk_gated_delta_rule
     from tools.timing import alternating_medians
+
+    megatron.cpu.activate()  # the host set-up training runs under (allocator included), for both
 
     def paired(ours, ref):
         times, out = alternating_medians({"ours": ours, "ref": ref}, reps)
