@@ -3,7 +3,8 @@ implementation, on the same inputs (fp32, CPU): time (median of repetitions) and
 
     python examples/multimodal_dev/tools/bench_gdn.py [--heads 16 --dk 128 --dv 128 --reps 9]
 
-Two inputs, both Qwen3.5 head sizes: "unpacked", a batch of equal-length rows; "packed", one
+Forward alone, and forward + backward (max difference over the output and the gradients of all
+five inputs). Two inputs, both Qwen3.5 head sizes: "unpacked", a batch of equal-length rows; "packed", one
 THD row of several samples of different lengths with ``cu_seqlens`` (transformers' kernel has
 no ``cu_seqlens``, so it runs each sample separately, which is what it would have to do).
 Both run in one process after ``megatron.cpu.activate()``, the host set-up training runs under
@@ -36,7 +37,20 @@ def _inputs(batch: int, length: int, heads: int, dk: int, dv: int, seed: int = 0
     return q, k, v, decay, beta
 
 
+def _with_backward(fn, inputs):
+    """fn's output after a backward pass of sum(o^2), and the input gradients it produced."""
+    def step():
+        for t in inputs:
+            t.grad = None
+        out = fn()
+        out.square().sum().backward()
+        return torch.cat([out.detach().flatten()] + [t.grad.flatten() for t in inputs])
+    return step
+
+
 def run(heads: int = 16, dk: int = 128, dv: int = 128, reps: int = 9) -> list[dict]:
+    """Rows of (input, pass, seconds of each, max abs difference of outputs and, for the backward
+    rows, of the gradients of q, k, v, g and beta)."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
     import megatron.cpu
@@ -45,29 +59,39 @@ def run(heads: int = 16, dk: int = 128, dv: int = 128, reps: int = 9) -> list[di
 
     megatron.cpu.activate()  # the host set-up training runs under (allocator included), for both
 
-    def paired(ours, ref):
-        times, out = alternating_medians({"ours": ours, "ref": ref}, reps)
-        return times["ours"], times["ref"], out["ours"], out["ref"]
-
+    lengths = [700, 64, 333, 1200, 45, 250]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    cases = [("unpacked 2 x 1024", _inputs(2, 1024, heads, dk, dv), None),
+             (f"packed THD {len(lengths)} samples, {sum(lengths)} tokens",
+              _inputs(1, sum(lengths), heads, dk, dv, seed=1), cu)]
     rows = []
-    with torch.no_grad():
-        q, k, v, g, beta = _inputs(2, 1024, heads, dk, dv)
-        t_ours, t_ref, ours, ref = paired(lambda: chunk_gated_delta_rule(q, k, v, g, beta)[0],
-                                          lambda: torch_chunk_gated_delta_rule(q, k, v, g, beta)[0])
-        rows.append({"input": "unpacked 2 x 1024", "ours_s": t_ours, "ref_s": t_ref,
-                     "max_diff": (ours - ref).abs().max().item()})
+    for name, inputs, cu_seqlens in cases:
+        if cu_seqlens is None:
+            def ours(x=inputs):
+                return chunk_gated_delta_rule(*x)[0]
 
-        lengths = [700, 64, 333, 1200, 45, 250]
-        q, k, v, g, beta = _inputs(1, sum(lengths), heads, dk, dv, seed=1)
-        cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+            def ref(x=inputs):
+                return torch_chunk_gated_delta_rule(*x)[0]
+        else:
+            def ours(x=inputs, cu=cu_seqlens):
+                return chunk_gated_delta_rule(*x, cu_seqlens=cu)[0]
 
-        def per_sample():
-            return torch.cat([torch_chunk_gated_delta_rule(*(x[:, a:b] for x in (q, k, v, g, beta)))[0]
-                              for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())], dim=1)
-
-        t_ours, t_ref, ours, ref = paired(lambda: chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu)[0], per_sample)
-        rows.append({"input": f"packed THD {len(lengths)} samples, {sum(lengths)} tokens", "ours_s": t_ours,
-                     "ref_s": t_ref, "max_diff": (ours - ref).abs().max().item()})
+            def ref(x=inputs, cu=cu_seqlens):  # no cu_seqlens in transformers: sample by sample
+                bounds = cu.tolist()
+                return torch.cat([torch_chunk_gated_delta_rule(*(t[:, a:b] for t in x))[0]
+                                  for a, b in zip(bounds[:-1], bounds[1:])], dim=1)
+        with torch.no_grad():
+            times, out = alternating_medians({"ours": ours, "ref": ref}, reps)
+        rows.append({"input": name, "pass": "forward", "ours_s": times["ours"], "ref_s": times["ref"],
+                     "max_diff": (out["ours"] - out["ref"]).abs().max().item()})
+        for t in inputs:
+            t.requires_grad_(True)
+        times, out = alternating_medians({"ours": _with_backward(ours, inputs), "ref": _with_backward(ref, inputs)},
+                                         reps)
+        for t in inputs:
+            t.requires_grad_(False)
+        rows.append({"input": name, "pass": "forward + backward", "ours_s": times["ours"], "ref_s": times["ref"],
+                     "max_diff": (out["ours"] - out["ref"]).abs().max().item()})
     return rows
 
 
@@ -81,10 +105,10 @@ def main() -> None:
     rows = run(args.heads, args.dk, args.dv, args.reps)
     print(f"gated delta rule, fp32 CPU, {torch.get_num_threads()} threads, {args.heads} heads, dk {args.dk}, "
           f"dv {args.dv}, median of {args.reps}")
-    print("| input | megatron.cpu (s) | transformers (s) | speed ratio (ours faster when > 1) | max abs diff |")
-    print("|---|---|---|---|---|")
+    print("| input | pass | megatron.cpu (s) | transformers (s) | speed ratio (ours faster when > 1) | max abs diff |")
+    print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['input']} | {r['ours_s']:.3f} | {r['ref_s']:.3f} | {r['ref_s'] / r['ours_s']:.2f}x "
+        print(f"| {r['input']} | {r['pass']} | {r['ours_s']:.3f} | {r['ref_s']:.3f} | {r['ref_s'] / r['ours_s']:.2f}x "
               f"| {r['max_diff']:.2e} |")
 
 

@@ -6,16 +6,14 @@ fraction of the FLOPs spent that are useful (real tokens), on a realistic length
 Samples are text conversations with lengths drawn uniformly from 200..2000 tokens, and every
 eighth one a long outlier of 3000..4000 (as in a real SFT mix). Each step is a forward and
 backward pass of the model on one micro-batch, fp32 on the host; packed and padded steps run
-alternately and the median of each is reported.
+alternately and the median of each is reported. Both must give the same loss (checked).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
@@ -44,13 +42,9 @@ def text_samples(lengths, vocab: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variant", default="tiny")
-    parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--reps", type=int, default=5)
-    args = parser.parse_args()
-
+def run(variant: str, lengths: list[int], reps: int) -> dict:
+    """Packed and padded training steps of text samples of these lengths: median seconds, loss
+    (which must agree: the same samples), tokens processed and FLOPs (useful and spent)."""
     from megatron.cpu.single_process import init_single_process
 
     from data.collate import pack_thd, pad_bshd
@@ -59,12 +53,12 @@ def main() -> None:
     from forward_step import batch_loss
     from models.qwen35_vl.configuration import get_variant
     from models.qwen35_vl.factory import build_model
+    from tools.timing import alternating_medians
 
     init_single_process()
-    shape = get_variant(args.variant, mtp=False)
+    shape = get_variant(variant, mtp=False)
     model = build_model(shape)
     tokens = VisionTokens.from_shape(shape)
-    lengths = sample_lengths(args.micro_batch)
     samples = text_samples(lengths, min(shape.text.vocab_size, 4000))
     batches = {"packed (THD)": pack_thd(samples, tokens), "padded (BSHD)": pad_bshd(samples, tokens)}
 
@@ -72,28 +66,39 @@ def main() -> None:
         model.zero_grad(set_to_none=True)
         loss, n, _ = batch_loss(model, batch)
         (loss / n).backward()
+        return loss.item() / int(n)
 
-    times = {name: [] for name in batches}
-    for name, batch in batches.items():
-        step(batch)  # warm-up
-    for _ in range(args.reps):
-        for name, batch in batches.items():
-            start = time.perf_counter()
-            step(batch)
-            times[name].append(time.perf_counter() - start)
-
+    times, losses = alternating_medians({name: (lambda b=batch: step(b)) for name, batch in batches.items()}, reps)
     useful = micro_batch_flops(shape, lengths).training
-    padded_len = max(lengths)
-    spent = {"packed (THD)": useful,  # the packed row holds only real tokens
-             "padded (BSHD)": micro_batch_flops(shape, [padded_len] * len(lengths)).training}
+    return {"times": times, "losses": losses, "tokens": {name: b["tokens"].numel() for name, b in batches.items()},
+            "useful_flops": useful,
+            # the packed row holds only real tokens; the padded rows are all as long as the longest
+            "spent_flops": {"packed (THD)": useful,
+                            "padded (BSHD)": micro_batch_flops(shape, [max(lengths)] * len(lengths)).training}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variant", default="tiny")
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--reps", type=int, default=5)
+    args = parser.parse_args()
+    if args.micro_batch < 1:
+        parser.error(f"--micro-batch {args.micro_batch}: need at least one sample")
+    lengths = sample_lengths(args.micro_batch)
+    result = run(args.variant, lengths, args.reps)
+    packed, padded = result["losses"]["packed (THD)"], result["losses"]["padded (BSHD)"]
+    if abs(packed - padded) > 1e-4 * abs(padded):
+        raise SystemExit(f"packed loss {packed:.6f} differs from padded {padded:.6f}: not the same step")
+    useful = result["useful_flops"]
     print(f"{args.variant}, micro-batch of {len(lengths)} samples, lengths {lengths} ({sum(lengths)} tokens), "
-          f"fp32 CPU, {torch.get_num_threads()} threads, median of {args.reps}")
+          f"fp32 CPU, {torch.get_num_threads()} threads, median of {args.reps}; loss {packed:.6f} both")
     print("| layout | tokens processed | step time (s) | useful FLOPs fraction | useful TFLOP/s |")
     print("|---|---|---|---|---|")
-    for name, batch in batches.items():
-        t = statistics.median(times[name])
-        print(f"| {name} | {batch['tokens'].numel()} | {t:.3f} | {useful / spent[name]:.2f} | {useful / t / 1e12:.4f} |")
-    ratio = statistics.median(times["padded (BSHD)"]) / statistics.median(times["packed (THD)"])
+    for name, t in result["times"].items():
+        print(f"| {name} | {result['tokens'][name]} | {t:.3f} | {useful / result['spent_flops'][name]:.2f} "
+              f"| {useful / t / 1e12:.4f} |")
+    ratio = result["times"]["padded (BSHD)"] / result["times"]["packed (THD)"]
     print(f"packed is {ratio:.2f}x faster than padded")
 
 

@@ -1,0 +1,49 @@
+"""The benchmark tools at toy sizes: every contender must compute the same thing before its time
+means anything (same outputs, gradients and losses), and each tool must run end to end."""
+
+import torch
+
+from tools import bench_gdn, bench_packing, bench_step
+
+
+def test_bench_gdn_kernels_agree_forward_and_backward():
+    rows = bench_gdn.run(heads=2, dk=16, dv=8, reps=1)
+    assert [(r["input"].split()[0], r["pass"]) for r in rows] == [
+        ("unpacked", "forward"), ("unpacked", "forward + backward"),
+        ("packed", "forward"), ("packed", "forward + backward")]
+    for r in rows:
+        print(r)
+        assert r["max_diff"] < 1e-5 and r["ours_s"] > 0 and r["ref_s"] > 0
+
+
+def test_bench_packing_packed_and_padded_give_the_same_loss(mcore):
+    result = bench_packing.run("tiny", [40, 90, 21], reps=1)
+    losses = result["losses"]
+    print(losses)
+    assert abs(losses["packed (THD)"] - losses["padded (BSHD)"]) < 1e-5 * abs(losses["padded (BSHD)"])
+    assert result["tokens"] == {"packed (THD)": 151, "padded (BSHD)": 270}
+    assert result["spent_flops"]["packed (THD)"] == result["useful_flops"] < result["spent_flops"]["padded (BSHD)"]
+
+
+def test_bench_step_contenders_compute_the_same_training_loss(mcore):
+    shape = bench_step.bench_shape("tiny", num_layers=4, vocab_size=None, vision_depth=1, moe=True)
+    samples = bench_step.mock_samples(shape, 3, mean_text_tokens=24)
+    assert sum(len(s["image_grid_thw"]) for s in samples) > 0, "the batch must exercise the vision tower"
+    device = torch.device("cpu")
+    ours, hf = bench_step.build_pair(shape, device, torch.float32, "sdpa")
+    losses = {name: run() for name, run in bench_step.contenders(ours, hf, shape, samples, device, torch.float32).items()}
+    print(losses)
+    reference = losses["transformers, padded batch"]
+    for name, loss in losses.items():
+        assert abs(loss - reference) < 1e-5 * abs(reference), name
+    # the step really trained something: every contender left gradients on its model
+    assert all(p.grad is not None for p in ours.language_model.parameters() if p.requires_grad)
+    assert hf.lm_head.weight.grad is not None
+
+
+def test_bench_step_shape_overrides():
+    shape = bench_step.bench_shape("0.8b", num_layers=5, vocab_size=32768, vision_depth=2)
+    assert shape.text.num_layers == 5 and shape.text.layer_types.count("full_attention") == 1
+    assert shape.text.vocab_size == 32768 and shape.vision.depth == 2 and shape.text.mtp_num_layers == 0
+    assert max(shape.image_token_id, shape.video_token_id, shape.vision_start_token_id,
+               shape.vision_end_token_id) < 32768
