@@ -129,7 +129,8 @@ case "$MTP" in
 esac
 [[ -n "${DATA_PATH:-}" ]] && ARGS+=(--data-path "$DATA_PATH")
 [[ -n "${HF_PROCESSOR_PATH:-}" ]] && ARGS+=(--hf-processor-path "$HF_PROCESSOR_PATH")
-[[ $HAS_GPU == 1 ]] && ARGS+=(--bf16 --transformer-impl transformer_engine)
+# --log-throughput: model TFLOP/s from flops.py (pretrain_multimodal.py replaces megatron's GPT formula)
+[[ $HAS_GPU == 1 ]] && ARGS+=(--bf16 --transformer-impl transformer_engine --log-throughput)
 if [[ -n "${CKPT_RESUME:-}" ]]; then
   ARGS+=(--load "$CKPT_RESUME" --save "$CKPT_RESUME" --save-interval "${SAVE_INTERVAL:-$TRAIN_ITERS}")
 else

@@ -12,6 +12,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 
+def _non_negative(text: str) -> float:
+    import argparse
+
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative (0 turns MFU off)")
+    return value
+
+
 def add_multimodal_args(parser):
     group = parser.add_argument_group("multimodal playground")
     group.add_argument("--model-arch", default="qwen35_vl", help="MODEL_REGISTRY key")
@@ -35,6 +44,9 @@ def add_multimodal_args(parser):
                        help="mock dataset: upper bound of prompt and answer text lengths")
     group.add_argument("--freeze-vision", action="store_true", help="do not train the vision tower")
     group.add_argument("--freeze-language", action="store_true", help="do not train the language model")
+    group.add_argument("--peak-tflops", type=_non_negative, default=None,
+                       help="GPU peak TFLOP/s to quote MFU against (default: the device's dense bf16 peak from "
+                            "throughput.py's table; 0: no MFU)")
     return parser
 
 

@@ -114,12 +114,27 @@ def _collate_with_flops(collate, shape, samples):
 datasets_provider.is_distributed = True  # every rank builds its own iterators (no TP broadcast)
 
 
+def metered(provider, meter):
+    """``provider`` whose training iterator reports each micro-batch's model FLOPs to ``meter``."""
+
+    def datasets(train_val_test_num_samples):
+        train, valid, test = provider(train_val_test_num_samples)
+        return meter.tap(train), valid, test
+
+    datasets.is_distributed = provider.is_distributed
+    return datasets
+
+
 def main():
     if torch.cuda.is_available():
         from megatron.core.enums import ModelType
         from megatron.training import pretrain
 
-        pretrain(datasets_provider, model_provider, ModelType.encoder_or_decoder, forward_step,
+        from throughput import StepFlops, install_megatron_training_hooks
+
+        meter = StepFlops()
+        install_megatron_training_hooks(meter)
+        pretrain(metered(datasets_provider, meter), model_provider, ModelType.encoder_or_decoder, forward_step,
                  extra_args_provider=add_multimodal_args, args_defaults={"dataloader_type": "external"})
     else:
         import megatron.cpu

@@ -64,6 +64,8 @@ class Reporter:
                 + f" | grad norm: {w['grad_norm']:.6f}"
                 f" | tokens/s: {w['real_tokens'] / max(elapsed, 1e-9):.0f}"
                 + (f" | model TFLOP/s per device: {w['flops'] / max(elapsed, 1e-9) / 1e12:.4f}" if w["flops"] else "")
+                + (f" | MFU: {100 * w['flops'] / max(elapsed, 1e-9) / 1e12 / peak:.2f}% of {peak:g} TFLOP/s"
+                   if w["flops"] and (peak := getattr(args, "peak_tflops", None)) else "")
                 + f" | padding: {100 * (1 - w['real_tokens'] / max(w['padded_tokens'], 1)):.1f}% |")
         if self.writer is not None:
             self.writer.add_scalar("tokens-per-second", w["real_tokens"] / max(elapsed, 1e-9), iteration)

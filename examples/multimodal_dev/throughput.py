@@ -1,0 +1,146 @@
+"""Model TFLOP/s and MFU in megatron.training's log, from ``flops.py``'s count of the work done.
+
+megatron.training prices an iteration with a closed-form GPT formula: no vision tower, attention
+in every layer instead of Gated DeltaNet, ``seq_length`` tokens per sample for unpacked batches.
+On a GPU, ``pretrain_multimodal.py`` installs two hooks instead:
+
+- ``num_floating_point_operations`` returns the FLOPs the collate counted for the micro-batches
+  of the iteration (real tokens and images only, summed over data-parallel ranks), so
+  ``--log-throughput`` and the FLOPs total saved in checkpoints are this model's;
+- after every ``--log-interval`` line, one more line gives model TFLOP/s per GPU and the MFU
+  against the device's dense bf16 peak (``--peak-tflops`` overrides the table, 0 turns it off).
+
+Both read megatron.training's own interval timer, so eval and checkpoint time stay out.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+# Dense (no sparsity) bf16 tensor-core peak per GPU, TFLOP/s, from the vendors' data sheets.
+# First match wins, so the more specific names come first.
+PEAK_DENSE_BF16_TFLOPS = (
+    ("GB200", 2500.0), ("B200", 2250.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200", 989.0),
+    ("H100", 989.0), ("H800", 989.0), ("H20", 148.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0),
+    ("L4", 121.0), ("A10G", 70.0),
+)
+
+
+def device_peak_tflops(device_name: str, override: float | None = None) -> float | None:
+    """The peak to quote MFU against: ``override`` when given (0 means none), else the table's
+    entry for this device name, else None (unknown device: MFU is not printed)."""
+    if override is not None:
+        if override < 0:
+            raise ValueError(f"--peak-tflops {override}: must be >= 0 (0 turns MFU off)")
+        return override or None
+    for key, peak in PEAK_DENSE_BF16_TFLOPS:
+        if key.lower() in device_name.lower():
+            return peak
+    return None
+
+
+class StepFlops:
+    """Model FLOPs of the training micro-batches, read off the collate's stats as the training
+    loop draws them, summed per iteration and per log window."""
+
+    def __init__(self):
+        self.pending = 0.0  # this rank's micro-batches since the last iteration ended
+        self.pending_batches = 0
+        self.window_flops = 0.0  # global FLOPs of the iterations since the last log line
+        self.window_iters = 0
+
+    def tap(self, iterator):
+        for batch in iterator:
+            self.pending += batch.get("stats", {}).get("model_flops", 0.0)
+            self.pending_batches += 1
+            yield batch
+
+    def end_iteration(self) -> float:
+        """Global model FLOPs of the iteration that just ended: every rank's micro-batches summed
+        over the world, divided by the ranks that share a batch (TP x CP x PP)."""
+        from megatron.core import parallel_state as ps
+
+        total = torch.tensor([self.pending], dtype=torch.float64,
+                             device="cuda" if torch.cuda.is_available() else "cpu")
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(total)
+        shared = (ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size()
+                  * ps.get_pipeline_model_parallel_world_size())
+        flops = total.item() / shared
+        self.pending, self.pending_batches = 0.0, 0
+        self.window_flops += flops
+        self.window_iters += 1
+        return flops
+
+    def window_mean(self) -> float:
+        return self.window_flops / max(self.window_iters, 1)
+
+    def take_window(self) -> float:
+        flops = self.window_flops
+        self.window_flops, self.window_iters = 0.0, 0
+        return flops
+
+
+def flops_function(meter: StepFlops):
+    """Stand-in for ``megatron.training.training.num_floating_point_operations``. The training
+    loop calls it once per iteration (after drawing the iteration's micro-batches) and
+    ``training_log`` once more on a log iteration: the first call ends the iteration, the second
+    gets the window's mean FLOPs per iteration, which is what the log divides by the mean
+    iteration time. Every rank draws the same number of micro-batches, so every rank takes the
+    same branch (the first one is a collective)."""
+
+    def num_floating_point_operations(args, batch_size, *_args, **_kwargs):
+        return meter.end_iteration() if meter.pending_batches else meter.window_mean()
+
+    return num_floating_point_operations
+
+
+def mfu_line(window_flops: float, iterations: int, seconds: float, world_size: int, peak: float | None) -> str:
+    per_gpu = window_flops / max(seconds, 1e-9) / world_size / 1e12
+    line = f" model FLOPs (flops.py): {per_gpu:.1f} TFLOP/s per GPU over {iterations} iterations"
+    if peak:
+        line += f" | MFU: {100 * per_gpu / peak:.1f}% of {peak:.0f} TFLOP/s dense bf16"
+    return line + " |"
+
+
+def log_wrapper(original, meter: StepFlops, peak_of, get_args, get_timers, emit):
+    """``training_log`` that, on every ``--log-interval`` iteration, also emits ``mfu_line``
+    (``peak_of(args)``: the MFU peak, or None). The interval timer is read (not reset) before
+    megatron's own log resets it."""
+    iteration_index = list(inspect.signature(original).parameters).index("iteration")
+
+    def training_log(*args, **kwargs):
+        iteration = kwargs["iteration"] if "iteration" in kwargs else args[iteration_index]
+        margs = get_args()
+        at_log = iteration % margs.log_interval == 0
+        seconds = get_timers()("interval-time").elapsed(reset=False, barrier=True) if at_log else 0.0
+        result = original(*args, **kwargs)
+        if at_log:
+            iterations = meter.window_iters
+            emit(mfu_line(meter.take_window(), iterations, seconds, margs.world_size, peak_of(margs)))
+        return result
+
+    return training_log
+
+
+def peak_for_args(args) -> float | None:
+    """MFU peak of this process's GPU under ``--peak-tflops``."""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return device_peak_tflops(name, getattr(args, "peak_tflops", None))
+
+
+def install_megatron_training_hooks(meter: StepFlops) -> None:
+    """Route megatron.training's FLOPs count and its log through ``meter``."""
+    from megatron.training import get_args, get_timers
+    from megatron.training import training as mt
+    from megatron.training.utils import print_rank_last
+
+    for name, needed in (("num_floating_point_operations", ("args", "batch_size")), ("training_log", ("iteration",))):
+        params = inspect.signature(getattr(mt, name)).parameters
+        if not all(p in params for p in needed):
+            raise RuntimeError(f"megatron.training.training.{name} no longer takes {needed}; "
+                               "the throughput hooks need updating for this megatron-core")
+    mt.num_floating_point_operations = flops_function(meter)
+    mt.training_log = log_wrapper(mt.training_log, meter, peak_for_args, get_args, get_timers, print_rank_last)
