@@ -150,7 +150,7 @@ def chunk_gated_delta_rule(
     layout = _StepMajorChunks(cu_seqlens, q.shape[1], chunk_size)
     start = None if initial_state is None else initial_state.float()[layout.order]
     o, final = _chunked_scan(*(layout.scatter(t) for t in (q, k, v, g, beta)), scale, start, layout.active)
-    o = layout.gather(o).reshape(batch, length, *o.shape[1:2], o.shape[-1])
+    o = layout.gather(o).reshape(batch, length, o.shape[1], o.shape[-1])
     state = torch.empty_like(final)
     state[layout.order] = final
     return o.to(out_dtype), (state if output_final_state else None)
@@ -200,8 +200,7 @@ def _chunked_scan(q, k, v, g, beta, scale, start_state, active):
         outs.append(q_c @ state + qk_c @ v_new)
         state = state * decay_c + k_end_c @ v_new
     finals.append(state)
-    o = torch.cat(outs)
-    return o, torch.cat(finals[::-1])
+    return torch.cat(outs), torch.cat(finals[::-1])
 
 
 def recurrent_gated_delta_rule_reference(q, k, v, g, beta, scale=None):

@@ -127,3 +127,16 @@ def test_packed_initial_and_final_states_and_gradients_match_per_sequence():
     diffs += [(a - b).abs().max().item() for a, b in zip(grads, ref_grads)]
     print(f"packed vs alone: output, final state, grads q/v/g max abs diff {diffs}")
     assert max(diffs) < TOL
+
+
+def test_unpacked_rows_carry_state_across_a_split():
+    """Rows of a batch: running the first 70 tokens, then the rest from the returned final states,
+    equals running all 150 at once (outputs and final states)."""
+    q, k, v, g, beta = _inputs(2, 150, seed=4)
+    whole, final = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+    first, mid = chunk_gated_delta_rule(*(t[:, :70] for t in (q, k, v, g, beta)), output_final_state=True)
+    rest, final_split = chunk_gated_delta_rule(*(t[:, 70:] for t in (q, k, v, g, beta)), initial_state=mid,
+                                               output_final_state=True)
+    diffs = [(torch.cat([first, rest], 1) - whole).abs().max().item(), (final_split - final).abs().max().item()]
+    print(f"split vs whole: output, final state max abs diff {diffs}")
+    assert max(diffs) < TOL
