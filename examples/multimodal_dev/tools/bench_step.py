@@ -18,7 +18,9 @@ Contenders, timed in turns (median of ``--reps``):
     transformers, per sample      one unpadded sample at a time (no padding work at all)
 The headline ratio is this model as it trains (THD) against the faster transformers contender.
 The loss of each contender is printed: same weights and batch must give the same loss, which is
-checked before anything is timed.
+checked before the times are reported. With an MoE shape this model also back-propagates the
+router's load-balancing loss (megatron-core adds it in backward; transformers computes it only
+with ``output_router_logits``), a small extra cost on this model's side.
 
 The default configuration is the 0.8b variant's layer dimensions (hidden 1024, 16 GDN value heads
 of 128, 8 attention heads of 256, MLP 3584, vision width 768) with fewer layers, a smaller
