@@ -45,12 +45,12 @@ def test_round_trip_is_bitwise_with_dtypes(hf_checkpoint, tmp_path):
 
 
 def test_export_loads_in_transformers_without_missing_or_unexpected_keys(hf_checkpoint, tmp_path):
-    import transformers
+    from tools.hf_models import hf_classes
 
     kind, hf_path, _ = hf_checkpoint
     import_hf(hf_path, str(tmp_path / "mg"))
     export_hf(str(tmp_path / "mg"), str(tmp_path / "out"))
-    cls = transformers.Qwen3_5MoeForConditionalGeneration if kind == "moe" else transformers.Qwen3_5ForConditionalGeneration
+    _, cls = hf_classes("qwen3_5_moe" if kind == "moe" else "qwen3_5")
     _, info = cls.from_pretrained(tmp_path / "out", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
 

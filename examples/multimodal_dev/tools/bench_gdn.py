@@ -66,20 +66,16 @@ def run(heads: int = 16, dk: int = 128, dv: int = 128, reps: int = 9) -> list[di
               _inputs(1, sum(lengths), heads, dk, dv, seed=1), cu)]
     rows = []
     for name, inputs, cu_seqlens in cases:
-        if cu_seqlens is None:
-            def ours(x=inputs):
-                return chunk_gated_delta_rule(*x)[0]
+        def ours(x=inputs, cu=cu_seqlens):
+            return chunk_gated_delta_rule(*x, cu_seqlens=cu)[0]
 
-            def ref(x=inputs):
+        def ref(x=inputs, cu=cu_seqlens):  # no cu_seqlens in transformers: packed runs sample by sample
+            if cu is None:
                 return torch_chunk_gated_delta_rule(*x)[0]
-        else:
-            def ours(x=inputs, cu=cu_seqlens):
-                return chunk_gated_delta_rule(*x, cu_seqlens=cu)[0]
+            bounds = cu.tolist()
+            return torch.cat([torch_chunk_gated_delta_rule(*(t[:, a:b] for t in x))[0]
+                              for a, b in zip(bounds[:-1], bounds[1:])], dim=1)
 
-            def ref(x=inputs, cu=cu_seqlens):  # no cu_seqlens in transformers: sample by sample
-                bounds = cu.tolist()
-                return torch.cat([torch_chunk_gated_delta_rule(*(t[:, a:b] for t in x))[0]
-                                  for a, b in zip(bounds[:-1], bounds[1:])], dim=1)
         with torch.no_grad():
             times, out = alternating_medians({"ours": ours, "ref": ref}, reps)
         rows.append({"input": name, "pass": "forward", "ours_s": times["ours"], "ref_s": times["ref"],

@@ -83,23 +83,14 @@ def mock_samples(shape, count: int, mean_text_tokens: int, seed: int = 0) -> lis
     return [produce(i) for i in range(count)]
 
 
-def hf_inputs(shape, samples: list[dict]) -> dict:
-    """``samples`` as transformers takes them: right-padded rows, attention_mask, labels that the
-    model shifts itself (so position i trains on the same target as our label at i - 1)."""
-    lengths = [s["input_ids"].numel() for s in samples]
-    width = max(lengths)
-    ids = torch.zeros(len(samples), width, dtype=torch.long)
-    labels = torch.full_like(ids, IGNORE_INDEX)
-    mask = torch.zeros_like(ids)
-    for row, (s, n) in enumerate(zip(samples, lengths)):
-        ids[row, :n] = s["input_ids"]
-        labels[row, 1:n] = s["labels"][:-1]
-        mask[row, :n] = 1
-    grids = torch.cat([s["image_grid_thw"] for s in samples])
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels,
-            "mm_token_type_ids": (ids == shape.image_token_id).long(),
-            "pixel_values": torch.cat([s["pixel_values"] for s in samples]) if len(grids) else None,
-            "image_grid_thw": grids if len(grids) else None}
+def hf_inputs(padded: dict, image_token_id: int) -> dict:
+    """A padded (BSHD) collated batch as transformers takes it: attention_mask from the padding
+    mask, and labels that the model shifts itself (position i carries our label of i - 1)."""
+    ids = padded["tokens"]
+    return {"input_ids": ids, "attention_mask": (~padded["padding_mask"]).long(),
+            "labels": torch.nn.functional.pad(padded["labels"][:, :-1], (1, 0), value=IGNORE_INDEX),
+            "mm_token_type_ids": (ids == image_token_id).long(),
+            "pixel_values": padded["pixel_values"], "image_grid_thw": padded["image_grid_thw"]}
 
 
 def _to(inputs: dict, device, dtype) -> dict:
@@ -115,13 +106,14 @@ def contenders(ours, hf, shape, samples, device, dtype) -> dict:
     from forward_step import batch_loss, batch_to_device
 
     tokens = VisionTokens.from_shape(shape)
+    bshd_host = pad_bshd(samples, tokens)
     thd = batch_to_device(pack_thd(samples, tokens), device)
-    bshd = batch_to_device(pad_bshd(samples, tokens), device)
+    bshd = batch_to_device(bshd_host, device)
     for batch in (thd, bshd):
         if batch.get("pixel_values") is not None:
             batch["pixel_values"] = batch["pixel_values"].to(dtype)
-    padded = _to(hf_inputs(shape, samples), device, dtype)
-    singles = [_to(hf_inputs(shape, [s]), device, dtype) for s in samples]
+    padded = _to(hf_inputs(bshd_host, shape.image_token_id), device, dtype)
+    singles = [_to(hf_inputs(pad_bshd([s], tokens), shape.image_token_id), device, dtype) for s in samples]
     trained = sum(int(s["loss_mask"].sum()) for s in samples)
 
     def ours_step(batch):

@@ -42,11 +42,11 @@ import torch  # noqa: E402
 
 from models.qwen35_vl.configuration import from_hf_config, to_hf_config_dict  # noqa: E402
 from models.qwen35_vl.hf_mapping import mapping_rules, model_state  # noqa: E402
+from tools.hf_models import hf_classes  # noqa: E402
 from tools.hf_safetensors import INDEX, HFTensorSource, ShardedWriter  # noqa: E402
 
 HF_CONFIG = "hf_config.json"  # the source config.json, kept next to the converted checkpoint
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_ARCHITECTURES = {"qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 # Weights and what describes them; everything else in a processor directory is copied on export.
 _NOT_PROCESSOR_FILES = (".safetensors", ".bin", ".pt", ".pth", INDEX, "config.json", "generation_config.json")
 
@@ -226,7 +226,7 @@ def export_hf(megatron_path: str, hf_path: str, hf_processor_path: str | None = 
         config = to_hf_config_dict(shape)
     # A run without the MTP head has none to export; say so in the config too.
     text_config = {**config["text_config"], "mtp_num_hidden_layers": shape.text.mtp_num_layers}
-    config = {**config, "text_config": text_config, "architectures": [_ARCHITECTURES[config["model_type"]]]}
+    config = {**config, "text_config": text_config, "architectures": [hf_classes(config["model_type"])[1].__name__]}
     with open(os.path.join(partial, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     for name in processor_files:
