@@ -64,10 +64,12 @@ def grad_norm(params) -> float:
 
 
 def _all_reduce_dp(values: list[float]) -> list[float]:
+    """Sum of per-rank batch statistics over data-parallel ranks. Not over CP: the ranks of a
+    CP group draw the same micro-batches, so counting each would multiply tokens and FLOPs by cp."""
     from megatron.core import parallel_state
 
     t = torch.tensor(values, dtype=torch.float64)
-    torch.distributed.all_reduce(t, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    torch.distributed.all_reduce(t, group=parallel_state.get_data_parallel_group())
     return t.tolist()
 
 
