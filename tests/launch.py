@@ -9,6 +9,8 @@ import subprocess
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|(?: mtp_1 loss: ([0-9.E+-]+) \|)?"
                   r" grad norm: ([0-9.]+)")
+# real tokens of an iteration = tokens/s x seconds per iteration (log interval 1)
+THROUGHPUT = re.compile(r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([0-9.]+) \|.*?tokens/s: (\d+) \|")
 VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
 
 
@@ -19,6 +21,7 @@ class Run:
         self.losses = {int(i): float(v) for i, v, _, _ in logged}
         self.mtp_losses = {int(i): float(m) for i, _, m, _ in logged if m}
         self.grad_norms = {int(i): float(g) for i, _, _, g in logged}
+        self.tokens = {int(i): float(ms) / 1000 * int(rate) for i, ms, rate in THROUGHPUT.findall(self.output)}
         self.validation = {int(i): float(v) for i, v in VALID.findall(self.output)}
 
     def check(self) -> "Run":

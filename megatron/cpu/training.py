@@ -63,13 +63,14 @@ def grad_norm(params) -> float:
     return math.sqrt(sums[0].item() / dense_replicas + sums[1].item() / expert_replicas)
 
 
-def _all_reduce_dp(values: list[float]) -> list[float]:
-    """Sum of per-rank batch statistics over data-parallel ranks. Not over CP: the ranks of a
-    CP group draw the same micro-batches, so counting each would multiply tokens and FLOPs by cp."""
+def _all_reduce_dp(values: list[float], with_context_parallel: bool = True) -> list[float]:
+    """Sum over data-parallel ranks, and over CP ranks unless ``with_context_parallel`` is False:
+    losses are per CP rank (each holds part of every sample), while the collate's batch
+    statistics are the same on every rank of a CP group (they draw the same micro-batches)."""
     from megatron.core import parallel_state
 
     t = torch.tensor(values, dtype=torch.float64)
-    torch.distributed.all_reduce(t, group=parallel_state.get_data_parallel_group())
+    torch.distributed.all_reduce(t, group=parallel_state.get_data_parallel_group(with_context_parallel))
     return t.tolist()
 
 
@@ -202,7 +203,7 @@ def pretrain_cpu(datasets_provider, model_provider, forward_step_func, extra_arg
             iteration += 1
             args.iteration = iteration
             args.consumed_train_samples += args.global_batch_size
-            real, padded, flops = _all_reduce_dp(list(train_iterator.take()))
+            real, padded, flops = _all_reduce_dp(list(train_iterator.take()), with_context_parallel=False)
             reporter.train_step(iteration, loss_sum, tokens, norm, optimizer.param_groups[0]["lr"], int(real), int(padded),
                                 extra=take_mtp_losses(num_micro),
                                 # summed over DP ranks = the global batch's model FLOPs, shared by all devices
