@@ -6,6 +6,7 @@
 #   (unset)                 create .venv/ at the repository root from Python 3.12 found on
 #                           PATH or under pyenv, and install requirements.txt into it.
 #   INSTALL_GPU_EXTRAS=1    also install requirements-gpu.txt (CUDA hosts only).
+#   BOOTSTRAP_MIN_FREE_GIB  free disk required before installing (default 8; 0 skips the check).
 #
 # Exports PY (the interpreter to use) and PYTHONPATH (repository root first, so that the
 # namespace package megatron.cpu sits beside megatron.core).
@@ -32,10 +33,27 @@ _requirements_hash() {
   cat "${files[@]}" | sha256sum | cut -d' ' -f1
 }
 
+# The PyPI torch wheel pulls the CUDA libraries even on CPU hosts (there is no CPU-only build
+# there for Python 3.12): a fresh .venv/ is about 6 GiB, and pip needs room to unpack on top.
+# Checking first turns a full disk into one clear line instead of a pip OSError mid-install.
+MIN_FREE_GIB="${BOOTSTRAP_MIN_FREE_GIB:-8}"
+
+_check_free_space() {
+  local dir="$1" free_kib
+  free_kib="$(df -Pk "$dir" | awk 'NR == 2 {print $4}')"
+  if [ -n "$free_kib" ] && [ "$free_kib" -lt $((MIN_FREE_GIB * 1024 * 1024)) ]; then
+    echo "[bootstrap] only $((free_kib / 1024)) MiB free under $dir; installing requirements needs" \
+      "about ${MIN_FREE_GIB} GiB (torch with its CUDA libraries). Free some space, or set" \
+      "BOOTSTRAP_MIN_FREE_GIB=0 to try anyway." >&2
+    exit 1
+  fi
+}
+
 _install_requirements() {
   local py="$1" stamp="$2"
   local want; want="$(_requirements_hash)"
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then return 0; fi
+  _check_free_space "$(dirname "$stamp")"
   echo "[bootstrap] installing requirements with $py (first run takes a few minutes)" >&2
   "$py" -m pip install --disable-pip-version-check -q -r "$REPO_ROOT/requirements.txt"
   if [ "${INSTALL_GPU_EXTRAS:-0}" = "1" ]; then
