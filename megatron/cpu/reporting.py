@@ -55,20 +55,24 @@ class Reporter:
 
     def _print_window(self, iteration: int, lr: float) -> None:
         w, args = self.window, self.args
-        elapsed = time.perf_counter() - self.window_start - self.excluded
+        elapsed = max(time.perf_counter() - self.window_start - self.excluded, 1e-9)
+        throughput = ""
+        if w["flops"]:
+            tflops = w["flops"] / elapsed / 1e12
+            throughput = f" | model TFLOP/s per device: {tflops:.4f}"
+            if peak := getattr(args, "peak_tflops", None):
+                throughput += f" | MFU: {100 * tflops / peak:.2f}% of {peak:g} TFLOP/s"
         line = (f" iteration {iteration:8d}/{args.train_iters:8d} | consumed samples: {args.consumed_train_samples:12d}"
                 f" | elapsed time per iteration (ms): {1000 * elapsed / max(w['iters'], 1):.1f}"
                 f" | learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d}"
                 f" | lm loss: {w['loss_sum'] / max(w['tokens'], 1):.6E}"
                 + "".join(f" | {name}: {sum(v) / len(v):.6E}" for name, v in self.extra_window.items())
                 + f" | grad norm: {w['grad_norm']:.6f}"
-                f" | tokens/s: {w['real_tokens'] / max(elapsed, 1e-9):.0f}"
-                + (f" | model TFLOP/s per device: {w['flops'] / max(elapsed, 1e-9) / 1e12:.4f}" if w["flops"] else "")
-                + (f" | MFU: {100 * w['flops'] / max(elapsed, 1e-9) / 1e12 / peak:.2f}% of {peak:g} TFLOP/s"
-                   if w["flops"] and (peak := getattr(args, "peak_tflops", None)) else "")
+                f" | tokens/s: {w['real_tokens'] / elapsed:.0f}"
+                + throughput
                 + f" | padding: {100 * (1 - w['real_tokens'] / max(w['padded_tokens'], 1)):.1f}% |")
         if self.writer is not None:
-            self.writer.add_scalar("tokens-per-second", w["real_tokens"] / max(elapsed, 1e-9), iteration)
+            self.writer.add_scalar("tokens-per-second", w["real_tokens"] / elapsed, iteration)
         self._emit(line)
         self.window = {k: 0 for k in w}
         self.extra_window = {}
