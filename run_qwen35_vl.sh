@@ -18,6 +18,8 @@
 #   MOE=1           tiny only: 4 experts (top-2), so EP can be exercised on CPU
 #   MTP=1           also train the multi-token-prediction head (--mtp-num-layers 1)
 #                   [1 when HF_CONFIG has one, so an import's MTP weights are trained and kept; else 0]
+#   TRANSFORMER_IMPL  transformer_engine | local  [transformer_engine on a GPU host where it imports, else local]
+#   MASTER_PORT     rendezvous port [a free one, chosen by torchrun --standalone]
 #   DRY_RUN=1       print the command and exit
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -129,8 +131,30 @@ case "$MTP" in
 esac
 [[ -n "${DATA_PATH:-}" ]] && ARGS+=(--data-path "$DATA_PATH")
 [[ -n "${HF_PROCESSOR_PATH:-}" ]] && ARGS+=(--hf-processor-path "$HF_PROCESSOR_PATH")
+# Backend: Transformer Engine where a GPU has it, else megatron-core's local modules (the same
+# checkpoint keys either way). The host decides precision and the collective backend.
+if [[ -z "${TRANSFORMER_IMPL:-}" ]]; then
+  TRANSFORMER_IMPL=local
+  if [[ $HAS_GPU == 1 ]]; then
+    # shellcheck source=tools/bootstrap_env.sh
+    source "$ROOT/tools/bootstrap_env.sh"
+    "$PY" -c 'import transformer_engine.pytorch' >/dev/null 2>&1 && TRANSFORMER_IMPL=transformer_engine
+  fi
+  echo "run_qwen35_vl.sh: backend $TRANSFORMER_IMPL ($([[ $HAS_GPU == 1 ]] && echo GPU || echo CPU) host; TRANSFORMER_IMPL overrides)"
+fi
+case "$TRANSFORMER_IMPL" in
+  local) ;;
+  transformer_engine)
+    [[ $HAS_GPU == 1 ]] || fail "TRANSFORMER_IMPL=transformer_engine needs a GPU; this host has none (use local)"
+    source "$ROOT/tools/bootstrap_env.sh"
+    "$PY" -c 'import transformer_engine.pytorch' >/dev/null 2>&1 \
+      || fail "TRANSFORMER_IMPL=transformer_engine: transformer_engine does not import with $PY (use local, or INSTALL_GPU_EXTRAS=1)";;
+  *) fail "TRANSFORMER_IMPL=$TRANSFORMER_IMPL: expected transformer_engine or local";;
+esac
+ARGS+=(--transformer-impl "$TRANSFORMER_IMPL")
 # --log-throughput: model TFLOP/s from flops.py (pretrain_multimodal.py replaces megatron's GPT formula)
-[[ $HAS_GPU == 1 ]] && ARGS+=(--bf16 --transformer-impl transformer_engine --log-throughput)
+ARGS+=(--log-throughput)
+if [[ $HAS_GPU == 1 ]]; then ARGS+=(--bf16); else ARGS+=(--distributed-backend gloo); fi
 if [[ -n "${CKPT_RESUME:-}" ]]; then
   ARGS+=(--load "$CKPT_RESUME" --save "$CKPT_RESUME" --save-interval "${SAVE_INTERVAL:-$TRAIN_ITERS}")
 else
@@ -138,8 +162,9 @@ else
   [[ -n "${CKPT_SAVE:-}" ]] && ARGS+=(--save "$CKPT_SAVE" --save-interval "${SAVE_INTERVAL:-$TRAIN_ITERS}")
 fi
 
-LAUNCH=(torchrun --nproc-per-node "$NPROC" --master-port "${MASTER_PORT:-29517}"
-        "$ROOT/examples/multimodal_dev/pretrain_multimodal.py")
+# Several runs may share a host: without MASTER_PORT, torchrun --standalone picks a free port.
+if [[ -n "${MASTER_PORT:-}" ]]; then RDZV=(--master-port "$MASTER_PORT"); else RDZV=(--standalone); fi
+LAUNCH=(torchrun --nproc-per-node "$NPROC" "${RDZV[@]}" "$ROOT/examples/multimodal_dev/pretrain_multimodal.py")
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
   printf '%q ' "${LAUNCH[@]}" "${ARGS[@]}" "$@"; echo
   exit 0

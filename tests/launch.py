@@ -1,37 +1,51 @@
-"""Run ``run_qwen35_vl.sh`` (or torchrun scripts) from tests and read back what they logged."""
+"""Run ``run_qwen35_vl.sh`` (torchrun, megatron.training) from tests and read back what it recorded.
+
+Figures come from the run's metrics file (``--metrics-file``: one JSON line per iteration, full
+precision), not from the log's 6-digit loss and 3-decimal grad norm.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+) \|(?: mtp_1 loss: ([0-9.E+-]+) \|)?"
-                  r" grad norm: ([0-9.]+)")
-# real tokens of an iteration = tokens/s x seconds per iteration (log interval 1)
-THROUGHPUT = re.compile(r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([0-9.]+) \|.*?tokens/s: (\d+) \|")
 VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
 
 
 class Run:
-    def __init__(self, proc: subprocess.CompletedProcess):
+    def __init__(self, proc: subprocess.CompletedProcess, records: list[dict]):
         self.returncode, self.output = proc.returncode, proc.stdout + proc.stderr
-        logged = LOSS.findall(self.output)
-        self.losses = {int(i): float(v) for i, v, _, _ in logged}
-        self.mtp_losses = {int(i): float(m) for i, _, m, _ in logged if m}
-        self.grad_norms = {int(i): float(g) for i, _, _, g in logged}
-        self.tokens = {int(i): float(ms) / 1000 * int(rate) for i, ms, rate in THROUGHPUT.findall(self.output)}
+        self.records = {r["iteration"]: r for r in records}
+        self.losses = {i: r["lm loss"] for i, r in self.records.items() if "lm loss" in r}
+        self.mtp_losses = {i: r["mtp_1 loss"] for i, r in self.records.items() if "mtp_1 loss" in r}
+        self.grad_norms = {i: r["grad norm"] for i, r in self.records.items() if r.get("grad norm") is not None}
+        self.tokens = {i: r["real_tokens"] for i, r in self.records.items()}
         self.validation = {int(i): float(v) for i, v in VALID.findall(self.output)}
 
     def check(self) -> "Run":
-        assert self.returncode == 0, f"run failed ({self.returncode}):\n{self.output[-4000:]}"
+        assert self.returncode == 0, f"run failed ({self.returncode}):\n{self.output[-6000:]}"
         return self
 
 
+HOOKS = os.path.join(ROOT, "tests", "hooks")
+
+
 def run_script(extra_args=(), timeout: int = 600, **env) -> Run:
+    """``bash run_qwen35_vl.sh extra_args`` with ``env``; a fault-injection variable of
+    ``tests/hooks/sitecustomize.py`` puts that folder on PYTHONPATH."""
     full_env = {**os.environ, **{k: str(v) for k, v in env.items()}}
-    full_env.setdefault("MASTER_PORT", str(29600 + os.getpid() % 300))
-    proc = subprocess.run(["bash", os.path.join(ROOT, "run_qwen35_vl.sh"), *extra_args], env=full_env,
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    return Run(proc)
+    if "KILL_DURING_SAVE_AT" in env:
+        full_env["PYTHONPATH"] = HOOKS + os.pathsep + full_env.get("PYTHONPATH", "")
+    with tempfile.TemporaryDirectory(prefix="run_metrics_") as tmp:
+        metrics = os.path.join(tmp, "metrics.jsonl")
+        proc = subprocess.run(["bash", os.path.join(ROOT, "run_qwen35_vl.sh"), *extra_args, "--metrics-file", metrics],
+                              env=full_env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        records = []
+        if os.path.exists(metrics):
+            with open(metrics) as f:
+                records = [json.loads(line) for line in f if line.strip()]
+    return Run(proc, records)

@@ -29,8 +29,6 @@ def add_multimodal_args(parser):
                        help="force MoE on/off for variants that allow it (tiny); auto keeps the variant's")
     group.add_argument("--hf-config-path", default=None,
                        help="take the model shape from a Hugging Face config.json (file or directory) instead")
-    group.add_argument("--model-backend", choices=("auto", "local", "te"), default="auto",
-                       help="module backend: te (Transformer Engine) on GPUs, local (megatron-core torch) anywhere")
     group.add_argument("--dataset-provider", default="mock", help="mock (default, no files) or cord_v2")
     group.add_argument("--hf-processor-path", default=None,
                        help="processor (tokenizer, chat template, image processor) for real datasets")
@@ -47,6 +45,11 @@ def add_multimodal_args(parser):
     group.add_argument("--peak-tflops", type=_non_negative, default=None,
                        help="GPU peak TFLOP/s to quote MFU against (default: the device's dense bf16 peak from "
                             "throughput.py's table; 0: no MFU)")
+    group.add_argument("--metrics-file", default=None,
+                       help="append one JSON line per iteration (loss, grad norm, lr, tokens, FLOPs; full precision)")
+    # No default here: backend.engine_defaults() picks transformer_engine or local by what the
+    # host has, and an explicit --transformer-impl always wins.
+    parser.set_defaults(transformer_impl=None)
     return parser
 
 

@@ -23,6 +23,7 @@ import torch  # noqa: E402
 from megatron.training import get_args  # noqa: E402
 
 from arguments import add_multimodal_args, resolve_shape  # noqa: E402
+from backend import backend_of, check_backend, engine_defaults, use_prebuilt_dataset_helpers  # noqa: E402
 from data import get_dataset_provider  # noqa: E402
 from data.collate import Collator, pad_multiple_for  # noqa: E402
 from data.loader import build_iterator  # noqa: E402
@@ -30,6 +31,7 @@ from data.sample import VisionTokens  # noqa: E402
 from flops import batch_flops  # noqa: E402
 from forward_step import forward_step  # noqa: E402
 from models import get_model_entry  # noqa: E402
+from models.common.config_from_args import given_flags, megatron_parser  # noqa: E402
 
 
 @functools.lru_cache(maxsize=None)
@@ -37,30 +39,12 @@ def model_shape():
     return resolve_shape(get_args())
 
 
-def model_backend(args) -> str:
-    if args.model_backend != "auto":
-        return args.model_backend
-    if not torch.cuda.is_available():
-        return "local"
-    try:
-        import transformer_engine  # noqa: F401
-        return "te"
-    except ImportError:
-        return "local"
-
-
-def config_kwargs(args) -> dict:
-    """TransformerConfig fields that come from megatron's flags rather than from the shape."""
-    return dict(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                context_parallel_size=args.context_parallel_size,
-                expert_model_parallel_size=args.expert_model_parallel_size,
-                sequence_parallel=args.sequence_parallel,
-                calculate_per_token_loss=args.calculate_per_token_loss,
-                # Full weights drawn on the host, then split: every TP/EP layout starts from the
-                # same model as the single-process run.
-                use_cpu_initialization=args.use_cpu_initialization,
-                mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
-                moe_token_dispatcher_type=args.moe_token_dispatcher_type)
+@functools.lru_cache(maxsize=None)
+def model_configs():
+    """(decoder, vision) TransformerConfigs: megatron's args with the shape laid over them."""
+    args = get_args()
+    configs_fn = get_model_entry(args.model_arch).load("configs_fn")
+    return configs_fn(args, model_shape(), backend_of(args), given_flags(megatron_parser(add_multimodal_args)))
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
@@ -69,8 +53,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: the vision-language "
                          "model is not split into pipeline stages yet")
     entry = get_model_entry(args.model_arch)
-    model = entry.load("build_fn")(model_shape(), backend=model_backend(args), params_dtype=args.params_dtype,
-                                   max_sequence_length=args.seq_length, **config_kwargs(args))
+    shape, backend = model_shape(), backend_of(args)
+    model = entry.load("build_fn")(shape, backend=backend, max_sequence_length=args.seq_length, configs=model_configs())
     for flag, part in (("freeze_vision", model.vision_model), ("freeze_language", model.language_model)):
         if getattr(args, flag):
             for p in part.parameters():
@@ -126,22 +110,30 @@ def metered(provider, meter):
 
 
 def main():
-    if torch.cuda.is_available():
-        from megatron.core.enums import ModelType
-        from megatron.training import pretrain
+    import megatron.cpu
+    from megatron.cpu import distrib_optimizer_fixes
 
-        from throughput import StepFlops, install_megatron_training_hooks
+    if megatron.cpu.activate():
+        megatron.cpu.tune_host()
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
 
-        meter = StepFlops()
-        install_megatron_training_hooks(meter)
-        pretrain(metered(datasets_provider, meter), model_provider, ModelType.encoder_or_decoder, forward_step,
-                 extra_args_provider=add_multimodal_args, args_defaults={"dataloader_type": "external"})
-    else:
-        import megatron.cpu
-        from megatron.cpu.training import pretrain_cpu
+    from throughput import StepFlops, install_megatron_training_hooks
 
-        megatron.cpu.activate()
-        pretrain_cpu(datasets_provider, model_provider, forward_step, extra_args_provider=add_multimodal_args)
+    use_prebuilt_dataset_helpers()
+    distrib_optimizer_fixes.install()  # torch Adam under the distributed optimizer (no Apex / TE)
+    args = parse_and_validate_args(extra_args_provider=add_multimodal_args, args_defaults=engine_defaults())
+    try:  # the user's settings, checked before any process group exists: one line, no traceback
+        check_backend(args)
+        model_configs()
+    except (ValueError, KeyError, FileNotFoundError) as err:
+        raise SystemExit(f"pretrain_multimodal.py: {err.args[0] if err.args else err}")
+    meter = StepFlops()
+    install_megatron_training_hooks(meter)
+    pretrain(pretrain_cfg_container_from_args(args), metered(datasets_provider, meter), ModelType.encoder_or_decoder,
+             forward_step, model_provider=model_provider)
 
 
 if __name__ == "__main__":

@@ -42,18 +42,27 @@ def device_peak_tflops(device_name: str, override: float | None = None) -> float
 
 
 class StepFlops:
-    """Model FLOPs of the training micro-batches, read off the collate's stats as the training
-    loop draws them, summed per iteration and per log window."""
+    """Model FLOPs and real / padded tokens of the training micro-batches, read off the collate's
+    stats as the training loop draws them, summed per iteration and per log window."""
+
+    _KEYS = ("model_flops", "real_tokens", "padded_tokens")
 
     def __init__(self):
-        self.pending = 0.0  # this rank's micro-batches since the last iteration ended
+        self.pending = dict.fromkeys(self._KEYS, 0.0)  # this rank's micro-batches since the last iteration
         self.pending_batches = 0
-        self.window_flops = 0.0  # global FLOPs of the iterations since the last log line
+        self.window = dict.fromkeys(self._KEYS, 0.0)  # global sums over the iterations since the last log line
         self.window_iters = 0
+        self.last = dict.fromkeys(self._KEYS, 0.0)  # global sums of the last iteration
+
+    @property
+    def window_flops(self) -> float:
+        return self.window["model_flops"]
 
     def tap(self, iterator):
         for batch in iterator:
-            self.pending += batch.get("stats", {}).get("model_flops", 0.0)
+            stats = batch.get("stats", {})
+            for key in self._KEYS:
+                self.pending[key] += stats.get(key, 0.0)
             self.pending_batches += 1
             yield batch
 
@@ -62,25 +71,26 @@ class StepFlops:
         over the world, divided by the ranks that share a batch (TP x CP x PP)."""
         from megatron.core import parallel_state as ps
 
-        total = torch.tensor([self.pending], dtype=torch.float64,
-                             device="cuda" if torch.cuda.is_available() else "cpu")
+        totals = torch.tensor([self.pending[k] for k in self._KEYS], dtype=torch.float64,
+                              device="cuda" if torch.cuda.is_available() else "cpu")
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            torch.distributed.all_reduce(total)
+            torch.distributed.all_reduce(totals)
         shared = (ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size()
                   * ps.get_pipeline_model_parallel_world_size())
-        flops = total.item() / shared
-        self.pending, self.pending_batches = 0.0, 0
-        self.window_flops += flops
+        self.last = {k: v / shared for k, v in zip(self._KEYS, totals.tolist())}
+        self.pending, self.pending_batches = dict.fromkeys(self._KEYS, 0.0), 0
+        for key in self._KEYS:
+            self.window[key] += self.last[key]
         self.window_iters += 1
-        return flops
+        return self.last["model_flops"]
 
     def window_mean(self) -> float:
-        return self.window_flops / max(self.window_iters, 1)
+        return self.window["model_flops"] / max(self.window_iters, 1)
 
-    def take_window(self) -> float:
-        flops = self.window_flops
-        self.window_flops, self.window_iters = 0.0, 0
-        return flops
+    def take_window(self) -> dict:
+        window = self.window
+        self.window, self.window_iters = dict.fromkeys(self._KEYS, 0.0), 0
+        return window
 
 
 def flops_function(meter: StepFlops):
@@ -97,32 +107,82 @@ def flops_function(meter: StepFlops):
     return num_floating_point_operations
 
 
-def mfu_line(window_flops: float, iterations: int, seconds: float, world_size: int, peak: float | None) -> str:
-    per_gpu = window_flops / max(seconds, 1e-9) / world_size / 1e12
-    line = f" model FLOPs (flops.py): {per_gpu:.1f} TFLOP/s per GPU over {iterations} iterations"
+def throughput_line(window: dict, iterations: int, seconds: float, world_size: int, peak: float | None) -> str:
+    seconds = max(seconds, 1e-9)
+    per_gpu = window["model_flops"] / seconds / world_size / 1e12
+    padding = 100 * (1 - window["real_tokens"] / max(window["padded_tokens"], 1))
+    line = (f" model FLOPs (flops.py): {per_gpu:.4g} TFLOP/s per GPU over {iterations} iterations"
+            f" | tokens/s: {window['real_tokens'] / seconds:.0f} | padding: {padding:.1f}%")
     if peak:
         line += f" | MFU: {100 * per_gpu / peak:.1f}% of {peak:.0f} TFLOP/s dense bf16"
     return line + " |"
 
 
-def log_wrapper(original, meter: StepFlops, peak_of, get_args, get_timers, emit):
-    """``training_log`` that, on every ``--log-interval`` iteration, also emits ``mfu_line``
-    (``peak_of(args)``: the MFU peak, or None). The interval timer is read (not reset) before
-    megatron's own log resets it."""
-    iteration_index = list(inspect.signature(original).parameters).index("iteration")
+class MetricsFile:
+    """One JSON line per iteration, full precision (the log prints 6 digits and a 3-decimal grad
+    norm): what tests and tools compare runs with. Written by the last rank, as megatron logs."""
+
+    def __init__(self, path: str | None):
+        self.path = path
+
+    def write(self, record: dict) -> None:
+        if not self.path:
+            return
+        import json
+
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def _scalar(value):
+    return float(value.item() if hasattr(value, "item") else value) if value is not None else None
+
+
+def log_wrapper(original, meter: StepFlops, peak_of, get_args, get_timers, emit, metrics: MetricsFile | None = None,
+                side_losses: dict | None = None):
+    """``training_log`` that records every iteration in ``metrics`` and, on every
+    ``--log-interval`` iteration, also emits ``throughput_line`` (``peak_of(args)``: the MFU peak,
+    or None). The interval timer is read (not reset) before megatron's own log resets it.
+    ``side_losses``: per-iteration auxiliary losses (MTP) captured for the metrics file."""
+    names = list(inspect.signature(original).parameters)
 
     def training_log(*args, **kwargs):
-        iteration = kwargs["iteration"] if "iteration" in kwargs else args[iteration_index]
+        bound = dict(zip(names, args), **kwargs)
+        iteration = bound["iteration"]
         margs = get_args()
         at_log = iteration % margs.log_interval == 0
         seconds = get_timers()("interval-time").elapsed(reset=False, barrier=True) if at_log else 0.0
         result = original(*args, **kwargs)
+        if metrics is not None and metrics.path and torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
+            record = {"iteration": iteration, "learning rate": _scalar(bound.get("learning_rate")),
+                      "grad norm": _scalar(bound.get("grad_norm")), **meter.last}
+            record.update({k: _scalar(v) for k, v in (bound.get("loss_dict") or {}).items()})
+            record.update(side_losses or {})
+            metrics.write(record)
+        if side_losses is not None:
+            side_losses.clear()
         if at_log:
             iterations = meter.window_iters
-            emit(mfu_line(meter.take_window(), iterations, seconds, margs.world_size, peak_of(margs)))
+            emit(throughput_line(meter.take_window(), iterations, seconds, margs.world_size, peak_of(margs)))
         return result
 
     return training_log
+
+
+def capture_mtp_losses(original, side_losses: dict):
+    """``MTPLossLoggingHelper.track_mtp_metrics`` that also keeps this iteration's reduced MTP
+    losses (megatron adds them into the log's running sums, where one iteration is lost)."""
+
+    def track_mtp_metrics(loss_scale, iteration, writer, wandb_writer=None, total_loss_dict=None, *args, **kwargs):
+        fresh: dict = {}
+        original(loss_scale, iteration, writer, wandb_writer, fresh, *args, **kwargs)
+        side_losses.update({k: _scalar(v) for k, v in fresh.items()})
+        if total_loss_dict is not None:
+            for key, value in fresh.items():
+                total_loss_dict[key] = total_loss_dict.get(key, 0.0) + value
+        return None
+
+    return track_mtp_metrics
 
 
 def peak_for_args(args) -> float | None:
@@ -142,5 +202,11 @@ def install_megatron_training_hooks(meter: StepFlops) -> None:
         if not all(p in params for p in needed):
             raise RuntimeError(f"megatron.training.training.{name} no longer takes {needed}; "
                                "the throughput hooks need updating for this megatron-core")
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    side_losses: dict = {}
     mt.num_floating_point_operations = flops_function(meter)
-    mt.training_log = log_wrapper(mt.training_log, meter, peak_for_args, get_args, get_timers, print_rank_last)
+    mt.training_log = log_wrapper(mt.training_log, meter, peak_for_args, get_args, get_timers, print_rank_last,
+                                  MetricsFile(getattr(get_args(), "metrics_file", None)), side_losses)
+    MTPLossLoggingHelper.track_mtp_metrics = staticmethod(
+        capture_mtp_losses(MTPLossLoggingHelper.track_mtp_metrics, side_losses))

@@ -1,9 +1,11 @@
-"""Everything that lets megatron-core run on a host without a GPU.
+"""The device layer that lets megatron.training and megatron-core run on a host without a GPU.
 
-``activate()`` is the single entry point. On a CUDA host it does nothing; otherwise it installs
-the device redirections (``device_compat``) and, when flash-linear-attention cannot be imported,
-binds the torch GatedDeltaNet kernels (``gdn_kernels``) where megatron-core looks them up.
-The SDPA core attention (``sdpa_attention``) is chosen by the model's spec function, not here.
+``activate()`` makes megatron's CUDA assumptions hold on the CPU (``device_compat``), binds
+the torch GatedDeltaNet kernels (``gdn_kernels``) where megatron-core looks for FLA's when FLA
+cannot be imported, and fixes what megatron.training's distributed optimizer needs without
+Apex / Transformer Engine (``training_compat``). On a CUDA host it does nothing.
+``tune_host()`` is separate: process-wide allocator / floating-point settings the CPU entry
+path asks for explicitly (``host_tuning``).
 """
 
 from __future__ import annotations
@@ -36,15 +38,24 @@ def register_torch_gdn_kernels() -> None:
 
 
 def activate() -> bool:
-    """Make megatron-core usable on this host. Returns True when running on CPU."""
+    """Make megatron usable on this host. Returns True when running on CPU."""
     global _active
     if torch.cuda.is_available():
         return False
     if not _active:
-        from . import device_compat
+        from . import device_compat, training_compat
 
         device_compat.install()
+        training_compat.install()
         if not fla_available():
             register_torch_gdn_kernels()
         _active = True
     return True
+
+
+def tune_host() -> None:
+    """CPU speed settings for the whole process (see ``host_tuning``); no-op on a CUDA host."""
+    if not torch.cuda.is_available():
+        from .host_tuning import tune_cpu_host
+
+        tune_cpu_host()

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 class ModelEntry:
     shape_fn: str          # variant name -> shape
     shape_from_hf: str     # HF config -> shape
-    build_fn: str          # shape + parallel settings -> model
+    configs_fn: str        # (megatron args, shape, backend, flags given) -> (decoder, vision) configs
+    build_fn: str          # shape + configs -> model
     load_hf_state: str     # (model, HF state dict, shape) -> model filled in place
 
     def load(self, attr: str):
@@ -26,6 +27,7 @@ MODEL_REGISTRY: dict[str, ModelEntry] = {
     "qwen35_vl": ModelEntry(
         shape_fn=".qwen35_vl.configuration.get_variant",
         shape_from_hf=".qwen35_vl.configuration.from_hf_config",
+        configs_fn=".qwen35_vl.configuration.configs_from_args",
         build_fn=".qwen35_vl.factory.build_model",
         load_hf_state=".qwen35_vl.hf_mapping.load_hf_into_model",
     ),

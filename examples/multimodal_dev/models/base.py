@@ -36,6 +36,11 @@ class VisionLanguageModel(MegatronModule):
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id
 
+    @property
+    def pg_collection(self):
+        """The decoder's process groups: megatron.training reads them off the model it trains."""
+        return self.language_model.pg_collection
+
     def set_input_tensor(self, input_tensor):
         self.language_model.set_input_tensor(input_tensor)
 

@@ -32,7 +32,10 @@ import os
 import shutil
 import sys
 
-os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch is imported: conversion is a CPU job
+if __name__ == "__main__":
+    # Run as a command, conversion is a CPU job: hide GPUs before torch is imported. Imported as a
+    # module (tests, tools), it changes nothing in the importing process.
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 _HERE = os.path.dirname(os.path.abspath(__file__))
 for _path in (os.path.dirname(_HERE), os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))):
     if _path not in sys.path:
@@ -81,7 +84,7 @@ def _checkpoint_dtype(config: dict) -> torch.dtype:
 def import_hf(hf_path: str, megatron_path: str, tp: int = 1, ep: int = 1, overwrite: bool = False) -> dict:
     from argparse import Namespace
 
-    from megatron.cpu.checkpointing import TRACKER, save_checkpoint
+    from tools.checkpoint_files import TRACKER, save_model_checkpoint
 
     from models.qwen35_vl.factory import validate_parallel
 
@@ -139,7 +142,7 @@ def import_hf(hf_path: str, megatron_path: str, tp: int = 1, ep: int = 1, overwr
         mtp_num_layers=t.mtp_num_layers or None, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
         context_parallel_size=1, expert_model_parallel_size=1, world_size=1,
     )
-    save_checkpoint(args, 0, model)
+    save_model_checkpoint(args, 0, model)
     dtypes = {}
     for p in params.values():
         dtypes[str(p.dtype)] = dtypes.get(str(p.dtype), 0) + p.numel()
@@ -152,7 +155,7 @@ def checkpoint_shape(megatron_path: str, hf_config_path: str | None = None):
     """(shape, original HF config or None) of a checkpoint: from ``hf_config_path``, else the
     ``hf_config.json`` an import left, else the arguments the training run saved."""
     from megatron.core import dist_checkpointing
-    from megatron.cpu.checkpointing import checkpoint_directory
+    from tools.checkpoint_files import checkpoint_directory
 
     from arguments import resolve_shape
 
@@ -180,7 +183,7 @@ def load_megatron(megatron_path: str, hf_config_path: str | None = None):
     """(model at TP = 1 in fp32 with the checkpoint's weights, shape, HF config, stored dtypes)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from megatron.cpu.checkpointing import checkpoint_directory, load_model_weights
+    from tools.checkpoint_files import checkpoint_directory, load_model_weights
 
     if not os.path.isdir(megatron_path):
         raise FileNotFoundError(f"--megatron-path {megatron_path}: no such directory")

@@ -238,58 +238,92 @@ def _gelu_tanh(x):
     return F.gelu(x, approximate="tanh")
 
 
-def language_transformer_config(text: TextShape, params_dtype=torch.float32, **parallel):
-    """TransformerConfig of the decoder. ``parallel`` carries TP/CP/EP/SP sizes and flags and
-    other settings from the command line (per-token loss, MTP loss scale)."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    moe = {}
-    if text.is_moe:
-        moe = dict(
-            num_moe_experts=text.num_experts, moe_router_topk=text.moe_top_k,
-            moe_ffn_hidden_size=text.moe_ffn_hidden_size,
-            moe_shared_expert_intermediate_size=text.shared_expert_ffn_hidden_size,
-            moe_shared_expert_gate=True, moe_router_pre_softmax=False,  # softmax over the top-k
-            moe_router_score_function="softmax", moe_router_load_balancing_type="aux_loss",
-            moe_aux_loss_coeff=text.router_aux_loss_coef,
-            moe_token_dispatcher_type=parallel.pop("moe_token_dispatcher_type", "allgather"),
-            moe_grouped_gemm=False,
-        )
-    return TransformerConfig(
+def language_architecture(text: TextShape) -> dict:
+    """The decoder's ``TransformerConfig`` fields that the Qwen3.5 architecture fixes. A megatron
+    flag may not contradict them (``models/common/config_from_args.py`` refuses it)."""
+    arch = dict(
         num_layers=text.num_layers, hidden_size=text.hidden_size, num_attention_heads=text.num_attention_heads,
         num_query_groups=text.num_kv_heads, kv_channels=text.head_dim,
         ffn_hidden_size=text.ffn_hidden_size or text.moe_ffn_hidden_size,
         normalization="RMSNorm", layernorm_zero_centered_gamma=True, layernorm_epsilon=text.rms_norm_eps,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
-        qk_layernorm=True, attention_output_gate=True, hidden_dropout=0.0, attention_dropout=0.0,
-        bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
-        experimental_attention_variant="gated_delta_net",
+        qk_layernorm=True, attention_output_gate=True, experimental_attention_variant="gated_delta_net",
         linear_attention_freq=[1 if lt == LINEAR else 0 for lt in text.layer_types],
         linear_conv_kernel_dim=text.linear_conv_kernel_dim, linear_key_head_dim=text.linear_key_head_dim,
         linear_value_head_dim=text.linear_value_head_dim, linear_num_key_heads=text.linear_num_key_heads,
         linear_num_value_heads=text.linear_num_value_heads, mrope_section=list(text.mrope_section),
-        mtp_num_layers=text.mtp_num_layers or None,
-        params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
-        pipeline_dtype=params_dtype, **moe, **parallel,
+        mtp_num_layers=text.mtp_num_layers or None, num_moe_experts=text.num_experts,
     )
+    if text.is_moe:
+        arch.update(
+            moe_router_topk=text.moe_top_k, moe_ffn_hidden_size=text.moe_ffn_hidden_size,
+            moe_shared_expert_intermediate_size=text.shared_expert_ffn_hidden_size,
+            moe_shared_expert_gate=True, moe_router_pre_softmax=False,  # softmax over the top-k
+            moe_router_score_function="softmax",
+        )
+    return arch
 
 
-def vision_transformer_config(vision: VisionShape, params_dtype=torch.float32, **parallel):
-    from megatron.core.transformer.transformer_config import TransformerConfig
+def language_recipe(text: TextShape) -> dict:
+    """Training settings the released models use, taken unless a megatron flag says otherwise."""
+    recipe = dict(hidden_dropout=0.0, attention_dropout=0.0)
+    if text.is_moe:
+        recipe.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=text.router_aux_loss_coef)
+    return recipe
 
-    # The vision tower sees whole images on every rank: no context, sequence or expert parallelism
-    # (its TP linears take the full patch sequence, replicated over TP ranks).
-    parallel = {k: v for k, v in parallel.items()
-                if k not in ("context_parallel_size", "expert_model_parallel_size", "sequence_parallel",
-                             "mtp_loss_scaling_factor")}
-    return TransformerConfig(
+
+def vision_architecture(vision: VisionShape) -> dict:
+    """The vision tower's ``TransformerConfig`` fields. It sees whole images on every rank: no
+    context, sequence or expert parallelism (its TP linears take the full patch sequence,
+    replicated over TP ranks), no experts, no Gated DeltaNet, no MTP."""
+    return dict(
         num_layers=vision.depth, hidden_size=vision.hidden_size, num_attention_heads=vision.num_heads,
         num_query_groups=vision.num_heads, kv_channels=vision.hidden_size // vision.num_heads,
         ffn_hidden_size=vision.intermediate_size, normalization="LayerNorm", layernorm_epsilon=1e-6,
-        gated_linear_unit=False, activation_func=_gelu_tanh, add_bias_linear=True, add_qkv_bias=True,
-        hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
-        gradient_accumulation_fusion=False, params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16,
-        pipeline_dtype=params_dtype, **parallel,
+        layernorm_zero_centered_gamma=False, gated_linear_unit=False, activation_func=_gelu_tanh,
+        add_bias_linear=True, add_qkv_bias=True, qk_layernorm=False, attention_output_gate=False,
+        experimental_attention_variant=None, linear_attention_freq=None, mrope_section=None, mtp_num_layers=None,
+        num_moe_experts=None, context_parallel_size=1, expert_model_parallel_size=1, sequence_parallel=False,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        bias_activation_fusion=False,  # megatron-core fuses bias+GELU (erf) and SwiGLU, not tanh-GELU
     )
+
+
+# Settings of a model built outside megatron.training (tests, conversion, benchmarks): fp32-exact
+# torch paths, no fused kernels that need Transformer Engine or Apex.
+STANDALONE_SETTINGS = dict(
+    bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
+    persist_layer_norm=False, gradient_accumulation_fusion=False, moe_token_dispatcher_type="allgather",
+    moe_grouped_gemm=False,
+)
+
+
+def _standalone_config(fields: dict, params_dtype, settings: dict):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtypes = dict(params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, pipeline_dtype=params_dtype)
+    return TransformerConfig(**{**STANDALONE_SETTINGS, **dtypes, **settings, **fields})
+
+
+def language_transformer_config(text: TextShape, params_dtype=torch.float32, **settings):
+    """TransformerConfig of the decoder built outside megatron.training. ``settings``: TP/CP/EP/SP
+    sizes and other non-architecture fields (per-token loss, MTP loss scale, dispatcher)."""
+    return _standalone_config({**language_recipe(text), **language_architecture(text)}, params_dtype, settings)
+
+
+def vision_transformer_config(vision: VisionShape, params_dtype=torch.float32, **settings):
+    settings = {k: v for k, v in settings.items() if k.startswith("tensor_model_parallel") or k == "use_cpu_initialization"}
+    return _standalone_config(vision_architecture(vision), params_dtype, settings)
+
+
+def configs_from_args(args, shape: Qwen35VLShape, backend: str, given: dict[str, str]):
+    """(decoder, vision) TransformerConfigs for a megatron.training run: megatron's args with
+    this shape laid over them (``given``: the flags typed on the command line)."""
+    from ..common.config_from_args import transformer_configs
+    from .factory import validate_parallel
+
+    validate_parallel(shape, args.tensor_model_parallel_size, args.context_parallel_size,
+                      args.expert_model_parallel_size)
+    source = f"--hf-config-path {args.hf_config_path}" if args.hf_config_path else f"variant {args.model_variant!r}"
+    return transformer_configs(args, language_architecture(shape.text), language_recipe(shape.text),
+                               vision_architecture(shape.vision), source, backend, given)

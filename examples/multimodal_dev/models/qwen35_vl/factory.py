@@ -29,10 +29,14 @@ def validate_parallel(shape: Qwen35VLShape, tp: int = 1, cp: int = 1, ep: int = 
 
 
 def build_model(shape: Qwen35VLShape, backend: str = "local", params_dtype=torch.float32,
-                max_sequence_length: int = 4096, **parallel) -> Qwen35VLModel:
-    """``parallel``: TransformerConfig parallel fields (tensor_model_parallel_size, ...)."""
-    validate_parallel(shape, parallel.get("tensor_model_parallel_size", 1),
-                      parallel.get("context_parallel_size", 1), parallel.get("expert_model_parallel_size", 1))
-    language_config = language_transformer_config(shape.text, params_dtype, **parallel)
-    vision_config = vision_transformer_config(shape.vision, params_dtype, **parallel)
+                max_sequence_length: int = 4096, configs=None, **settings) -> Qwen35VLModel:
+    """``configs``: (decoder, vision) TransformerConfigs made from megatron's args (training);
+    without them, standalone configs from ``settings`` (TransformerConfig fields such as
+    tensor_model_parallel_size) for tests, conversion and benchmarks."""
+    if configs is None:
+        configs = (language_transformer_config(shape.text, params_dtype, **settings),
+                   vision_transformer_config(shape.vision, params_dtype, **settings))
+    language_config, vision_config = configs
+    validate_parallel(shape, language_config.tensor_model_parallel_size, language_config.context_parallel_size,
+                      language_config.expert_model_parallel_size)
     return Qwen35VLModel(shape, language_config, vision_config, backend, max_sequence_length)

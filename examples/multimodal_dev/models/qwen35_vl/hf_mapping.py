@@ -1,8 +1,10 @@
 """Hugging Face <-> Megatron parameter names and layouts for Qwen3.5-VL (dense and MoE).
 
 Megatron names follow Megatron-Bridge (``vision_model.*``, ``language_model.*``); this table
-uses the local-backend names (separate ``input_layernorm``); ``TE_FUSED_NORM_NAMES`` gives the
-Transformer Engine names of the fused norms. A rule ties a group of Megatron tensors to a group
+uses the local backend's parameter names (``named_parameters``: separate ``input_layernorm`` /
+``pre_mlp_layernorm``). Its checkpoints store those norms under the Transformer Engine keys
+(``...linear_qkv.layer_norm_weight`` etc.): ``specs.FUSED_NORM_KEYS``, applied by the layer's
+``sharded_state_dict``, is that correspondence. A rule ties a group of Megatron tensors to a group
 of HF tensors with a named transform in each direction. Layouts (TP = 1, i.e. full tensors):
 
   GDN in_proj      Megatron [q; k; v; z; b; a] rows  <-  HF in_proj_qkv [q; k; v], in_proj_z,
@@ -207,13 +209,6 @@ def mapping_rules(shape: Qwen35VLShape) -> list[Rule]:
     for i in range(t.num_layers):
         rules += _decoder_layer_rules(t, t.layer_types[i], f"{MG_LM}decoder.layers.{i}.", f"{HF_LM}layers.{i}.")
     return rules + _mtp_rules(t) + _vision_rules(shape)
-
-
-# Transformer Engine fuses these norms into the following linear layer.
-TE_FUSED_NORM_NAMES = {
-    "input_layernorm.weight": ("self_attention.linear_qkv.layer_norm_weight", "self_attention.in_proj.layer_norm_weight"),
-    "pre_mlp_layernorm.weight": ("mlp.linear_fc1.layer_norm_weight",),
-}
 
 
 class MappingError(KeyError):

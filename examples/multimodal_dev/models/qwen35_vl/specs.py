@@ -35,6 +35,16 @@ from .configuration import FULL, LINEAR
 
 BACKENDS = ("local", "te")
 
+# Checkpoint keys of the local backend's separate norms, as Transformer Engine names them where it
+# fuses the norm into the next linear (``layer_norm_weight`` / ``layer_norm_bias``). The local
+# TransformerLayer renames these key prefixes in its sharded_state_dict (module and parameter
+# names stay as they are), so one checkpoint loads into both backends and Megatron-Bridge.
+FUSED_NORM_KEYS = {
+    "input_layernorm.": {LINEAR: "self_attention.in_proj.layer_norm_",
+                         FULL: "self_attention.linear_qkv.layer_norm_"},
+    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",  # dense MLPs only: MoE keeps its own norm
+}
+
 
 class _Modules:
     """The building blocks of one backend."""
@@ -71,6 +81,16 @@ class _Modules:
             return IdentityOp, self.norm_column
         return self.norm, self.column
 
+    def norm_keys_map(self, mixer_type: str, dense_mlp: bool) -> dict:
+        """``sharded_state_dict_keys_map`` giving the separate local norms their TE keys
+        (empty on TE, whose fused modules already carry those names)."""
+        if self.fused_norm:
+            return {}
+        keys = {"input_layernorm.": FUSED_NORM_KEYS["input_layernorm."][mixer_type]}
+        if dense_mlp:
+            keys["pre_mlp_layernorm."] = FUSED_NORM_KEYS["pre_mlp_layernorm."]
+        return keys
+
 
 def _mixer_spec(m: _Modules, layer_type: str):
     input_norm, first_linear = m.input_norm_and_linear()
@@ -104,6 +124,7 @@ def _decoder_layer_spec(m: _Modules, layer_type: str, config) -> ModuleSpec:
     return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
         input_layernorm=input_norm, self_attention=mixer, self_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=pre_mlp_norm, mlp=mlp, mlp_bda=get_bias_dropout_add,
+        sharded_state_dict_keys_map=m.norm_keys_map(layer_type, dense_mlp=not is_moe),
     ))
 
 
@@ -143,6 +164,8 @@ def vision_block_spec(config, backend: str) -> TransformerBlockSubmodules:
         self_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=IdentityOp if m.fused_norm else m.norm,
         mlp=mlp, mlp_bda=get_bias_dropout_add,
+        # the ViT uses LayerNorm: the map renames its bias with its weight (layer_norm_bias)
+        sharded_state_dict_keys_map=m.norm_keys_map(FULL, dense_mlp=True),
     ))
     return TransformerBlockSubmodules(layer_specs=[layer] * config.num_layers, layer_norm=None)
 

@@ -1,0 +1,60 @@
+"""Which module backend a run trains with, and what megatron.training needs on every host.
+
+    --transformer-impl transformer_engine   Transformer Engine linears, norms and attention (GPU)
+    --transformer-impl local                megatron-core's torch linears, the project's norms and
+                                            SDPA attention (any host; GPUs without TE)
+
+Without the flag a run takes Transformer Engine where CUDA is present and TE imports, else local.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def te_importable() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # ImportError, or a TE build that does not match this torch / CUDA
+        return False
+    return True
+
+
+def default_transformer_impl() -> str:
+    return "transformer_engine" if torch.cuda.is_available() and te_importable() else "local"
+
+
+def engine_defaults() -> dict:
+    """``args_defaults`` of megatron's argument parsing: values used when the flag is not given.
+    The playground hands megatron.training ready-made iterators of collated micro-batches."""
+    return {"dataloader_type": "external", "transformer_impl": default_transformer_impl()}
+
+
+def backend_of(args) -> str:
+    """The spec backend ("te" or "local") of ``--transformer-impl``."""
+    return "te" if args.transformer_impl == "transformer_engine" else "local"
+
+
+def check_backend(args) -> None:
+    if args.transformer_impl not in ("transformer_engine", "local"):
+        raise ValueError(f"--transformer-impl {args.transformer_impl}: this model has transformer_engine and local "
+                         "backends")
+    if args.transformer_impl == "transformer_engine" and not (torch.cuda.is_available() and te_importable()):
+        why = "no CUDA device" if not torch.cuda.is_available() else "transformer_engine does not import"
+        raise ValueError(f"--transformer-impl transformer_engine: {why} here; use --transformer-impl local")
+
+
+def use_prebuilt_dataset_helpers() -> None:
+    """megatron.training's start-up compiles megatron-core's dataset index helpers with ``make``
+    in the installed package, which the wheel ships without a Makefile (``sys.exit(1)``) but with
+    ``helpers_cpp`` already built. Use the built one when it imports."""
+    from megatron.core.datasets import utils
+
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return  # a source checkout: let megatron build it
+    utils.compile_helpers = lambda: None

@@ -1,0 +1,107 @@
+"""megatron's parsed args -> the TransformerConfigs a model shape is built from.
+
+The decoder's config starts from megatron.training's ``core_transformer_config_from_args`` so
+every training flag (recompute, precision, fusions, dispatcher, parallel sizes, ...) takes
+effect; the shape's architecture is laid over it. Three kinds of field:
+
+    architecture   fixed by the shape (layers, widths, norms, Gated DeltaNet pattern, experts):
+                   a flag given on the command line that contradicts it is refused by name
+    recipe         the released models' training settings (dropout 0, router aux-loss coefficient):
+                   used unless the flag is given
+    backend        fused kernels that exist only with Transformer Engine / Apex: off by default on
+                   the local backend, refused there when asked for explicitly
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+# TransformerConfig field -> megatron flag dest, where they are not the same name
+_FLAG_OF_FIELD = {"num_moe_experts": "num_experts", "gated_linear_unit": "swiglu", "activation_func": "swiglu",
+                  "layernorm_zero_centered_gamma": "apply_layernorm_1p", "layernorm_epsilon": "norm_epsilon"}
+
+# fused kernel -> (flag, why the local backend cannot run it)
+_BACKEND_FUSIONS = {
+    "gradient_accumulation_fusion": ("--gradient-accumulation-fusion",
+                                     "needs Transformer Engine or Apex's fused weight-gradient kernel"),
+    "apply_rope_fusion": ("--apply-rope-fusion", "needs Transformer Engine's fused rotary kernel"),
+}
+
+
+def megatron_parser(extra_args_provider=None) -> argparse.ArgumentParser:
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    return extra_args_provider(parser) if extra_args_provider else parser
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> dict[str, str]:
+    """dest -> the option string the user typed, for every option on the command line."""
+    by_option = {opt: action.dest for action in parser._actions for opt in action.option_strings}
+    given = {}
+    for token in sys.argv[1:] if argv is None else argv:
+        option = token.split("=", 1)[0]
+        if option in by_option:
+            given[by_option[option]] = option
+    return given
+
+
+def _describe(value) -> str:
+    return getattr(value, "__name__", None) or repr(value)
+
+
+def _refuse_contradictions(base, architecture: dict, given: dict[str, str], source: str) -> None:
+    wrong = []
+    for field, value in architecture.items():
+        dest = _FLAG_OF_FIELD.get(field, field)
+        if dest in given and getattr(base, field) != value:
+            wrong.append(f"{given[dest]} gives {field}={_describe(getattr(base, field))} (the {source} has "
+                         f"{_describe(value)})")
+    if wrong:
+        raise ValueError("flags contradict the model shape: " + "; ".join(wrong))
+
+
+def _settled_args(args, architecture: dict, given: dict[str, str], fused_kernels_ok: bool):
+    """A copy of ``args`` whose unset architecture flags carry the shape's values and whose unset
+    fusion flags suit the backend, so that megatron's own config (and its validation of e.g.
+    fused SwiGLU or rotary fusion) sees the model that will be built."""
+    if not fused_kernels_ok:
+        refused = [f"{flag} ({why})" for field, (flag, why) in _BACKEND_FUSIONS.items()
+                   if field in given and getattr(args, field)]
+        if refused:
+            raise ValueError("--transformer-impl local cannot run: " + "; ".join(refused))
+    settled = argparse.Namespace(**vars(args))
+    for field, value in architecture.items():
+        dest = _FLAG_OF_FIELD.get(field, field)
+        if field != "activation_func" and dest not in given and hasattr(settled, dest):
+            setattr(settled, dest, value)
+    if not fused_kernels_ok:
+        for field in _BACKEND_FUSIONS:
+            setattr(settled, field, False)
+    return settled
+
+
+def transformer_configs(args, architecture: dict, recipe: dict, vision_architecture: dict, source: str,
+                        backend: str, given: dict[str, str]):
+    """(decoder config, vision config) for these args."""
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    base = core_transformer_config_from_args(_settled_args(args, architecture, given, backend == "te"))
+    _refuse_contradictions(base, architecture, given, source)
+    recipe = {k: v for k, v in recipe.items() if _FLAG_OF_FIELD.get(k, k) not in given}
+    language = dataclasses.replace(base, **recipe, **architecture)
+    # The vision tower shares precision, TP and recompute settings; its own shape replaces the rest.
+    vision = dataclasses.replace(base, **_vision_neutral(base), **vision_architecture)
+    return language, vision
+
+
+def _vision_neutral(base) -> dict:
+    """Decoder-only settings that would not validate for the vision tower's shape."""
+    neutral = {}
+    for field in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+                  "pipeline_model_parallel_layout"):
+        if getattr(base, field, None) is not None:
+            neutral[field] = None
+    return neutral

@@ -1,0 +1,85 @@
+"""Model-only checkpoints in megatron.training's torch_dist layout, for the converter and tests.
+
+    <root>/latest_checkpointed_iteration.txt      written last, atomically
+    <root>/iter_0000000/                          torch_dist: {"model": sharded model state} plus the
+                                                  common items megatron.training reads (args, iteration)
+
+megatron.training loads these with ``--finetune`` (weights only, iteration 0) at any TP/EP/PP:
+dist_checkpointing reshards. Training runs write their own checkpoints (megatron.training's
+``save_checkpoint``: weights, optimizer, scheduler, RNG), which the helpers below read too.
+A save first writes ``iter_XXXXXXX.partial/`` and renames it, then replaces the pointer: a save
+that dies midway leaves what was there before intact.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def _barrier():
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def save_model_checkpoint(args, iteration: int, model) -> str:
+    """The model's weights as iteration ``iteration`` under ``args.save``; ``args`` (megatron's
+    names) is stored for ``--use-checkpoint-args`` and megatron's checkpoint checks."""
+    from megatron.core import dist_checkpointing
+
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    final = iteration_dir(args.save, iteration)
+    partial = final + ".partial"
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    _barrier()
+    state = {"model": model.sharded_state_dict(), "args": args, "checkpoint_version": 3.0, "iteration": iteration}
+    dist_checkpointing.save(state, partial)
+    _barrier()
+    if rank == 0:
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.rename(partial, final)
+        tmp = os.path.join(args.save, TRACKER + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(str(iteration))
+        os.replace(tmp, os.path.join(args.save, TRACKER))
+    _barrier()
+    return final
+
+
+def latest_iteration(root: str) -> int | None:
+    path = os.path.join(root, TRACKER)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        text = f.read().strip()
+    return 0 if text == "release" else int(text)
+
+
+def checkpoint_directory(root: str) -> str:
+    """The directory of the latest iteration under ``root`` (a --save/--load directory)."""
+    iteration = latest_iteration(root)
+    if iteration is None:
+        raise FileNotFoundError(f"{root}: no {TRACKER}; not a checkpoint directory")
+    directory = iteration_dir(root, iteration)
+    if not os.path.isdir(directory) and iteration == 0:
+        directory = os.path.join(root, "release")
+    return directory
+
+
+def load_model_weights(model, directory: str) -> None:
+    """Model weights from one iteration directory, resharded to this model's TP/EP layout."""
+    from megatron.core import dist_checkpointing
+
+    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)
+    model.load_state_dict(state["model"])
