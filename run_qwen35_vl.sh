@@ -40,34 +40,31 @@ elif [[ -z "${MODEL_VARIANT:-}" ]]; then
   echo "run_qwen35_vl.sh: MODEL_VARIANT not set; using '$MODEL_VARIANT' ($([[ $HAS_GPU == 1 ]] && echo GPU found || echo no GPU))"
 fi
 
-# Per-variant model flags, from the Hugging Face config.json files.
-#        layers hidden heads kv head_dim ffn   vocab  experts topk moe_ffn gdn_k gdn_v
-case "$MODEL_VARIANT" in
-  hf_config)
-    # shellcheck source=tools/bootstrap_env.sh
-    source "$ROOT/tools/bootstrap_env.sh"
-    ROW=$("$PY" "$ROOT/examples/multimodal_dev/arguments.py" shape-row "$HF_CONFIG") || fail "HF_CONFIG=$HF_CONFIG: unreadable"
-    read -r -a M <<<"$ROW"
-    HF_MTP=${M[12]}; unset 'M[12]';;
-  tiny)      M=(4  128  4  2 32  256   8192   0   0 0    4  8);;
-  0.8b)      M=(24 1024 8  2 256 3584  248320 0   0 0    16 16);;
-  2b)        M=(24 2048 8  2 256 6144  248320 0   0 0    16 16);;
-  4b)        M=(32 2560 16 4 256 9216  248320 0   0 0    16 32);;
-  9b)        M=(32 4096 16 4 256 12288 248320 0   0 0    16 32);;
-  27b)       M=(64 5120 24 4 256 17408 248320 0   0 0    16 48);;
-  35b_a3b)   M=(40 2048 16 2 256 0     248320 256 8 512  16 32);;
-  122b_a10b) M=(48 3072 32 2 256 0     248320 256 8 1024 16 64);;
-  397b_a17b) M=(60 4096 32 2 256 0     248320 512 10 1024 16 64);;
-  proxy)     M=(4  4096 32 2 256 0     248320 8   2 1024 16 64);;
-  *) fail "MODEL_VARIANT=$MODEL_VARIANT is not a variant (tiny proxy 0.8b 2b 4b 9b 27b 35b_a3b 122b_a10b 397b_a17b)";;
-esac
-read -r LAYERS HIDDEN HEADS KV HEAD_DIM FFN VOCAB EXPERTS TOPK MOE_FFN GDN_K GDN_V <<<"${M[*]}"
+# The model's numbers come from the one variant table (models/qwen35_vl/configuration.py) or the
+# Hugging Face config, through arguments.py; megatron's model flags below repeat them for its own
+# argument checks, and the training script verifies they agree.
+# shellcheck source=tools/bootstrap_env.sh
+source "$ROOT/tools/bootstrap_env.sh"
+# ROW: the numbers on stdout; on failure ROW_ERROR is arguments.py's one-line reason.
+shape_row() {
+  local err; err="$(mktemp)"
+  if ROW=$("$PY" "$ROOT/examples/multimodal_dev/arguments.py" shape-row "$@" 2>"$err"); then rm -f "$err"; return 0; fi
+  ROW_ERROR="$(tail -n 1 "$err")"; ROW_ERROR="${ROW_ERROR#arguments.py: }"; rm -f "$err"; return 1
+}
 VARIANT_FLAGS=()
-[[ -n "$HF_CONFIG" ]] && VARIANT_FLAGS=(--hf-config-path "$HF_CONFIG")
-if [[ "${MOE:-0}" == 1 ]]; then  # tiny with 4 experts (top-2), for expert-parallel runs on CPU
+if [[ -n "$HF_CONFIG" ]]; then
+  shape_row --hf-config "$HF_CONFIG" || fail "HF_CONFIG=$HF_CONFIG: $ROW_ERROR"
+  VARIANT_FLAGS=(--hf-config-path "$HF_CONFIG")
+elif [[ "${MOE:-0}" == 1 ]]; then  # tiny with 4 experts (top-2), for expert-parallel runs on CPU
   [[ $MODEL_VARIANT == tiny ]] || fail "MOE=1 applies to MODEL_VARIANT=tiny only ($MODEL_VARIANT is fixed)"
-  EXPERTS=4; TOPK=2; MOE_FFN=128; VARIANT_FLAGS+=(--variant-moe on)
+  shape_row --variant tiny --moe || fail "MOE=1: $ROW_ERROR"
+  VARIANT_FLAGS=(--variant-moe on)
+else
+  shape_row --variant "$MODEL_VARIANT" || fail "MODEL_VARIANT=$MODEL_VARIANT: $ROW_ERROR"
 fi
+[[ "${MOE:-0}" == 0 || "${MOE:-0}" == 1 ]] || fail "MOE=$MOE: expected 0 or 1"
+read -r LAYERS HIDDEN HEADS KV HEAD_DIM FFN VOCAB EXPERTS TOPK MOE_FFN GDN_K GDN_V SHAPE_MTP <<<"$ROW"
+[[ -n "$HF_CONFIG" ]] && HF_MTP=$SHAPE_MTP
 
 TP=${TP:-1}; CP=${CP:-1}; EP=${EP:-1}; PP=${PP:-1}
 SP=${SP:-$(( TP > 1 && EXPERTS > 0 ? 1 : 0 ))}
@@ -83,6 +80,8 @@ for var in TP CP EP PP NPROC TRAIN_ITERS MBS GBS SEQ_LEN; do
   [[ "${!var}" =~ ^[1-9][0-9]*$ ]] || fail "$var=${!var} must be a positive integer"
 done
 [[ "$SP" == 0 || "$SP" == 1 ]] || fail "SP=$SP: expected 0 or 1"
+[[ "$PACKED" == 0 || "$PACKED" == 1 ]] || fail "PACKED=$PACKED: expected 0 (padded BSHD) or 1 (THD packing)"
+[[ "$LR" =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$ ]] || fail "LR=$LR: expected a number such as 1e-4"
 (( SP == 0 || TP > 1 )) || fail "SP=1 needs TP>1 (sequence parallelism splits the sequence over TP ranks)"
 (( SP == 1 || TP == 1 || EXPERTS == 0 )) || fail "SP=0 with TP=$TP: megatron-core requires sequence parallelism for MoE with TP>1"
 (( EP == 1 || EXPERTS > 0 )) || fail "EP=$EP needs an MoE variant; MODEL_VARIANT=$MODEL_VARIANT is dense"
@@ -136,8 +135,6 @@ esac
 if [[ -z "${TRANSFORMER_IMPL:-}" ]]; then
   TRANSFORMER_IMPL=local
   if [[ $HAS_GPU == 1 ]]; then
-    # shellcheck source=tools/bootstrap_env.sh
-    source "$ROOT/tools/bootstrap_env.sh"
     "$PY" -c 'import transformer_engine.pytorch' >/dev/null 2>&1 && TRANSFORMER_IMPL=transformer_engine
   fi
   echo "run_qwen35_vl.sh: backend $TRANSFORMER_IMPL ($([[ $HAS_GPU == 1 ]] && echo GPU || echo CPU) host; TRANSFORMER_IMPL overrides)"
@@ -146,7 +143,6 @@ case "$TRANSFORMER_IMPL" in
   local) ;;
   transformer_engine)
     [[ $HAS_GPU == 1 ]] || fail "TRANSFORMER_IMPL=transformer_engine needs a GPU; this host has none (use local)"
-    source "$ROOT/tools/bootstrap_env.sh"
     "$PY" -c 'import transformer_engine.pytorch' >/dev/null 2>&1 \
       || fail "TRANSFORMER_IMPL=transformer_engine: transformer_engine does not import with $PY (use local, or INSTALL_GPU_EXTRAS=1)";;
   *) fail "TRANSFORMER_IMPL=$TRANSFORMER_IMPL: expected transformer_engine or local";;
@@ -170,7 +166,5 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
   exit 0
 fi
 
-# shellcheck source=tools/bootstrap_env.sh
-source "$ROOT/tools/bootstrap_env.sh"
 echo "run_qwen35_vl.sh: $MODEL_VARIANT, TP=$TP CP=$CP EP=$EP PP=$PP SP=$SP NPROC=$NPROC, dataset $DATASET, $TRAIN_ITERS iterations"
 exec "$PY" -m torch.distributed.run "${LAUNCH[@]:1}" "${ARGS[@]}" "$@"

@@ -110,22 +110,60 @@ def resolve_shape(args):
     return shape
 
 
-def shape_row(hf_config_path: str) -> str:
-    """The run script's per-variant model numbers for a Hugging Face config.json (same columns
-    as its table: layers hidden heads kv head_dim ffn vocab experts topk moe_ffn gdn_k gdn_v),
-    then the number of MTP layers the checkpoint carries."""
-    from models.qwen35_vl.configuration import from_hf_config
+def checkpoint_args(shape, **extra):
+    """megatron.training's model args for ``shape`` (what a checkpoint stores as ``args``, so
+    ``--use-checkpoint-args`` and megatron's checkpoint checks read the shape back)."""
+    from argparse import Namespace
 
-    t = from_hf_config(hf_config_path).text
-    moe = (t.num_experts, t.moe_top_k, t.moe_ffn_hidden_size) if t.is_moe else (0, 0, 0)
-    return " ".join(str(v) for v in (t.num_layers, t.hidden_size, t.num_attention_heads, t.num_kv_heads, t.head_dim,
-                                     t.ffn_hidden_size, t.vocab_size, *moe, t.linear_num_key_heads,
-                                     t.linear_num_value_heads, t.mtp_num_layers))
+    t = shape.text
+    values = {flag: value_of(shape) for flag, value_of in _SHAPE_FLAGS.items()}
+    return Namespace(**values, group_query_attention=True, vocab_size=t.vocab_size,
+                     ffn_hidden_size=t.ffn_hidden_size or t.moe_ffn_hidden_size,
+                     untie_embeddings_and_output_weights=not t.tie_word_embeddings, normalization="RMSNorm",
+                     swiglu=True, position_embedding_type="rope", rotary_percent=t.partial_rotary_factor,
+                     rotary_base=int(t.rope_theta), mtp_num_layers=t.mtp_num_layers or None, **extra)
 
 
-if __name__ == "__main__":  # used by run_qwen35_vl.sh: arguments.py shape-row CONFIG
+# The run script's per-variant columns, in its order; the shape table in configuration.py is the
+# only copy of the numbers.
+SHAPE_ROW = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+             "ffn_hidden_size", "vocab_size", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+             "linear_num_key_heads", "linear_num_value_heads", "mtp_num_layers")
+
+
+def shape_row(shape) -> str:
+    """``SHAPE_ROW`` of a shape, space-separated, 0 for what the shape does not have."""
+    t = shape.text
+    args = vars(checkpoint_args(shape, linear_num_key_heads=t.linear_num_key_heads,
+                                linear_num_value_heads=t.linear_num_value_heads))
+    args["ffn_hidden_size"] = 0 if t.is_moe else t.ffn_hidden_size
+    args["mtp_num_layers"] = t.mtp_num_layers
+    return " ".join(str(args[k] or 0) for k in SHAPE_ROW)
+
+
+def _shape_row_command(argv: list[str]) -> str:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="arguments.py shape-row",
+                                     description="the run script's model numbers: " + " ".join(SHAPE_ROW))
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--variant")
+    source.add_argument("--hf-config")
+    parser.add_argument("--moe", action="store_true", help="tiny only: its 4-expert MoE form")
+    args = parser.parse_args(argv)
+    from models.qwen35_vl.configuration import from_hf_config, get_variant
+
+    if args.hf_config:
+        return shape_row(from_hf_config(args.hf_config))
+    return shape_row(get_variant(args.variant, moe=True if args.moe else None))
+
+
+if __name__ == "__main__":  # used by run_qwen35_vl.sh: arguments.py shape-row (--variant V [--moe] | --hf-config C)
     import sys
 
-    if len(sys.argv) != 3 or sys.argv[1] != "shape-row":
-        raise SystemExit("usage: arguments.py shape-row CONFIG_JSON")
-    print(shape_row(sys.argv[2]))
+    if len(sys.argv) < 2 or sys.argv[1] != "shape-row":
+        raise SystemExit("usage: arguments.py shape-row (--variant NAME [--moe] | --hf-config CONFIG_JSON)")
+    try:
+        print(_shape_row_command(sys.argv[2:]))
+    except (KeyError, ValueError, FileNotFoundError) as err:
+        raise SystemExit(f"arguments.py: {err.args[0] if err.args else err}")

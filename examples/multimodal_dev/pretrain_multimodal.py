@@ -3,9 +3,9 @@
     torchrun --nproc-per-node N examples/multimodal_dev/pretrain_multimodal.py <megatron flags> \
         --model-arch qwen35_vl --model-variant tiny --dataset-provider mock ...
 
-With CUDA this is ``megatron.training.pretrain`` (distributed optimizer, its checkpoints and
-logging); without, the CPU loop of ``megatron.cpu`` runs the same providers and forward step
-on gloo. ``run_qwen35_vl.sh`` at the repository root builds the full command line.
+Every host runs ``megatron.training.pretrain``; on a host without CUDA, ``megatron.cpu`` first
+makes megatron's CUDA assumptions hold there (gloo, CPU tensors, torch GatedDeltaNet kernels).
+``run_qwen35_vl.sh`` at the repository root builds the full command line.
 """
 
 from __future__ import annotations
@@ -115,6 +115,10 @@ def main():
 
     if megatron.cpu.activate():
         megatron.cpu.tune_host()
+    elif not megatron.cpu.fla_available():
+        print("pretrain_multimodal.py: flash-linear-attention does not import; Gated DeltaNet runs on the torch "
+              "kernels of megatron.cpu (correct, slower; INSTALL_GPU_EXTRAS=1 installs FLA)", flush=True)
+        megatron.cpu.register_torch_gdn_kernels()
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
@@ -127,6 +131,9 @@ def main():
     args = parse_and_validate_args(extra_args_provider=add_multimodal_args, args_defaults=engine_defaults())
     try:  # the user's settings, checked before any process group exists: one line, no traceback
         check_backend(args)
+        if args.pipeline_model_parallel_size > 1:
+            raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: the vision-language "
+                             "model is not split into pipeline stages yet")
         model_configs()
     except (ValueError, KeyError, FileNotFoundError) as err:
         raise SystemExit(f"pretrain_multimodal.py: {err.args[0] if err.args else err}")

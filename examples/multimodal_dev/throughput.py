@@ -107,12 +107,19 @@ def flops_function(meter: StepFlops):
     return num_floating_point_operations
 
 
-def throughput_line(window: dict, iterations: int, seconds: float, world_size: int, peak: float | None) -> str:
+def window_rates(window: dict, seconds: float, world_size: int) -> dict:
+    """Model TFLOP/s per GPU, real tokens per second and the padding percentage of a log window."""
     seconds = max(seconds, 1e-9)
-    per_gpu = window["model_flops"] / seconds / world_size / 1e12
-    padding = 100 * (1 - window["real_tokens"] / max(window["padded_tokens"], 1))
+    return {"model TFLOP/s per GPU": window["model_flops"] / seconds / world_size / 1e12,
+            "tokens per second": window["real_tokens"] / seconds,
+            "padding percent": 100 * (1 - window["real_tokens"] / max(window["padded_tokens"], 1))}
+
+
+def throughput_line(window: dict, iterations: int, seconds: float, world_size: int, peak: float | None) -> str:
+    rates = window_rates(window, seconds, world_size)
+    per_gpu = rates["model TFLOP/s per GPU"]
     line = (f" model FLOPs (flops.py): {per_gpu:.4g} TFLOP/s per GPU over {iterations} iterations"
-            f" | tokens/s: {window['real_tokens'] / seconds:.0f} | padding: {padding:.1f}%")
+            f" | tokens/s: {rates['tokens per second']:.0f} | padding: {rates['padding percent']:.1f}%")
     if peak:
         line += f" | MFU: {100 * per_gpu / peak:.1f}% of {peak:.0f} TFLOP/s dense bf16"
     return line + " |"
@@ -139,10 +146,11 @@ def _scalar(value):
 
 
 def log_wrapper(original, meter: StepFlops, peak_of, get_args, get_timers, emit, metrics: MetricsFile | None = None,
-                side_losses: dict | None = None):
+                side_losses: dict | None = None, get_writer=lambda: None):
     """``training_log`` that records every iteration in ``metrics`` and, on every
     ``--log-interval`` iteration, also emits ``throughput_line`` (``peak_of(args)``: the MFU peak,
-    or None). The interval timer is read (not reset) before megatron's own log resets it.
+    or None) and writes its rates to TensorBoard (``get_writer()``, None where megatron has no
+    writer). The interval timer is read (not reset) before megatron's own log resets it.
     ``side_losses``: per-iteration auxiliary losses (MTP) captured for the metrics file."""
     names = list(inspect.signature(original).parameters)
 
@@ -162,8 +170,12 @@ def log_wrapper(original, meter: StepFlops, peak_of, get_args, get_timers, emit,
         if side_losses is not None:
             side_losses.clear()
         if at_log:
-            iterations = meter.window_iters
-            emit(throughput_line(meter.take_window(), iterations, seconds, margs.world_size, peak_of(margs)))
+            iterations, window = meter.window_iters, meter.take_window()
+            emit(throughput_line(window, iterations, seconds, margs.world_size, peak_of(margs)))
+            writer = get_writer()
+            if writer is not None:
+                for name, value in window_rates(window, seconds, margs.world_size).items():
+                    writer.add_scalar(name, value, iteration)
         return result
 
     return training_log
@@ -193,7 +205,7 @@ def peak_for_args(args) -> float | None:
 
 def install_megatron_training_hooks(meter: StepFlops) -> None:
     """Route megatron.training's FLOPs count and its log through ``meter``."""
-    from megatron.training import get_args, get_timers
+    from megatron.training import get_args, get_tensorboard_writer, get_timers
     from megatron.training import training as mt
     from megatron.training.utils import print_rank_last
 
@@ -207,6 +219,7 @@ def install_megatron_training_hooks(meter: StepFlops) -> None:
     side_losses: dict = {}
     mt.num_floating_point_operations = flops_function(meter)
     mt.training_log = log_wrapper(mt.training_log, meter, peak_for_args, get_args, get_timers, print_rank_last,
-                                  MetricsFile(getattr(get_args(), "metrics_file", None)), side_losses)
+                                  MetricsFile(getattr(get_args(), "metrics_file", None)), side_losses,
+                                  get_tensorboard_writer)
     MTPLossLoggingHelper.track_mtp_metrics = staticmethod(
         capture_mtp_losses(MTPLossLoggingHelper.track_mtp_metrics, side_losses))

@@ -13,7 +13,7 @@ types. ``install()`` answers all of that with the CPU:
 - ``Tensor.type()`` answers ``torch.cuda.FloatTensor`` & co. (``clip_grads.py`` asserts it);
 - ``torch.accelerator.current_accelerator()`` answers None, so torch's optimizers do not ask
   a CUDA graph capture status;
-- ``all_reduce`` with ``ReduceOp.AVG``, which gloo lacks, sums and divides.
+- ``all_reduce`` with ``ReduceOp.AVG`` sums and divides (older gloo builds lack AVG).
 
 ``torch.cuda.is_available()`` stays False: that is how the project tells the hosts apart.
 Installed only there (``megatron.cpu.activate``); on a GPU host nothing here runs.
@@ -235,8 +235,8 @@ class _DoneWork:
 
 
 def _average_on_gloo(all_reduce):
-    """gloo has no ``ReduceOp.AVG`` (NCCL does; megatron-core's MTP and MoE loggers use it):
-    sum, then divide by the group's size."""
+    """megatron-core's MTP and MoE loggers all-reduce with ``ReduceOp.AVG``, which NCCL has and
+    gloo builds of older torch releases lack: sum, then divide by the group's size, on any build."""
 
     def average_capable_all_reduce(tensor, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
         if op != torch.distributed.ReduceOp.AVG:

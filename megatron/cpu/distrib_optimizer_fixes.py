@@ -6,7 +6,9 @@ Engine (every CPU host, and GPU hosts that train on the local backend). Two path
   checkpoint into a fresh optimizer (no state yet) asks for it before the state exists. The
   state is created first, with the placeholder values megatron itself loads into.
 - ``_set_main_param_and_optimizer_states`` copies loaded values in place into the fp32 main
-  parameter, a leaf that requires grad; torch refuses that outside ``no_grad``.
+  parameter, a leaf that requires grad; torch refuses that outside ``no_grad``. It also expects
+  every tensor of torch Adam's state in the checkpoint, and the fully reshardable format stores
+  no per-parameter ``step``: absent entries are left as they are.
 - ``load_state_dict`` puts the checkpoint's step into Adam's per-parameter state, and then the
   parameter-state load overwrites it with the placeholder's step (1): the next update after a
   resume used the wrong bias correction, silently (grad norm 3.9773 vs 3.9858 two steps after a
@@ -29,6 +31,13 @@ def _expect(fn, params: tuple[str, ...]) -> None:
     if have[:len(params)] != params:
         raise RuntimeError(f"megatron-core's {fn.__qualname__}{have} changed (expected {params}); "
                            "megatron.cpu.distrib_optimizer_fixes needs updating")
+
+
+class _AbsentIsNone(dict):
+    """Loaded tensors; a state the checkpoint does not carry reads as None (megatron skips those)."""
+
+    def __missing__(self, key):
+        return None
 
 
 def install() -> bool:
@@ -59,7 +68,7 @@ def install() -> bool:
         import torch
 
         with torch.no_grad():
-            return set_states(self, model_param, tensors)
+            return set_states(self, model_param, _AbsentIsNone(tensors))
 
     @functools.wraps(load_state_dict)
     def load_state_dict_keeping_step(self, checkpoint):

@@ -30,6 +30,19 @@ def text_only_batch(shape, pad_multiple: int) -> dict:
     return pack_thd([mock(i) for i in range(3)], tokens, pad_multiple)
 
 
+def grad_norm(params) -> float:
+    """L2 norm of the full gradient, each element counted once: a rank adds the squares of the
+    grads it owns (TP duplicates on TP rank 0 only), the world all-reduce sums them (no DP here)."""
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    total = torch.zeros(1, dtype=torch.float64)
+    for p in params:
+        if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
+            total += p.grad.double().pow(2).sum()
+    torch.distributed.all_reduce(total)
+    return float(total.sqrt())
+
+
 def main():
     checkpoint, tp, sp = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
     import megatron.cpu
@@ -45,8 +58,7 @@ def main():
 
     from data.collate import pad_multiple_for
     from forward_step import loss_func, packed_seq_params, run_model
-    from megatron.cpu.checkpointing import load_model_weights
-    from megatron.cpu.training import grad_norm
+    from tools.checkpoint_files import load_model_weights
     from models.qwen35_vl.configuration import get_variant
     from models.qwen35_vl.factory import build_model
 
@@ -72,7 +84,7 @@ def main():
     finalize_model_grads([model], num_tokens=n_tokens.clone())
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
-        p.grad = p.main_grad  # DDP accumulates into main_grad; grad_norm reads .grad, as the CPU loop
+        p.grad = p.main_grad  # DDP accumulates into main_grad
     norm = grad_norm(params)
     if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
         print("RESULT " + json.dumps({

@@ -75,7 +75,7 @@ def test_model_flag_mismatch_is_named():
     (dict(SP=1), "SP=1 needs TP>1"),
     (dict(TP=2, MOE=1, SP=0), "SP=0 with TP=2: megatron-core requires sequence parallelism for MoE"),
     (dict(TP=2, NPROC=3), "NPROC=3 is not divisible by TP\\*CP\\*PP=2"),
-    (dict(MODEL_VARIANT="nope"), "MODEL_VARIANT=nope is not a variant"),
+    (dict(MODEL_VARIANT="nope"), "MODEL_VARIANT=nope: unknown --model-variant .nope.; valid: 0.8b"),
     (dict(DATASET="cord_v2"), "DATASET=cord_v2 needs DATA_PATH"),
     (dict(MBS=0), "MBS=0 must be a positive integer"),
 ])
@@ -84,3 +84,24 @@ def test_impossible_settings_fail_with_the_variable(env, message):
 
     rc, _, err = _script(MODEL_VARIANT=env.pop("MODEL_VARIANT", "tiny"), **env)
     assert rc != 0 and re.search(message, err), err
+
+
+def test_cpu_dry_run_uses_the_engine_with_the_local_backend():
+    rc, out, err = _script(MODEL_VARIANT="tiny")
+    assert rc == 0, err
+    flags = _flags(out)
+    assert flags["transformer_impl"] == "local" and flags["distributed_backend"] == "gloo"
+    assert "bf16" not in flags and flags["log_throughput"] is True
+    assert "standalone" in flags and "master_port" not in flags  # a free port unless MASTER_PORT is given
+    assert "backend local (CPU host" in out
+    rc, out, _ = _script(MODEL_VARIANT="tiny", MASTER_PORT=29123)
+    assert _flags(out)["master_port"] == "29123"
+
+
+@pytest.mark.parametrize("impl,message", [
+    ("transformer_engine", "TRANSFORMER_IMPL=transformer_engine needs a GPU; this host has none"),
+    ("fast", "TRANSFORMER_IMPL=fast: expected transformer_engine or local"),
+])
+def test_backend_choice_is_validated(impl, message):
+    rc, _, err = _script(MODEL_VARIANT="tiny", TRANSFORMER_IMPL=impl)
+    assert rc != 0 and message in err and len(err.strip().splitlines()) == 1, err

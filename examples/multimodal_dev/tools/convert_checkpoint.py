@@ -82,8 +82,7 @@ def _checkpoint_dtype(config: dict) -> torch.dtype:
 # ---------------------------------------------------------------------------------------- import
 
 def import_hf(hf_path: str, megatron_path: str, tp: int = 1, ep: int = 1, overwrite: bool = False) -> dict:
-    from argparse import Namespace
-
+    from arguments import checkpoint_args
     from tools.checkpoint_files import TRACKER, save_model_checkpoint
 
     from models.qwen35_vl.factory import validate_parallel
@@ -128,20 +127,10 @@ def import_hf(hf_path: str, megatron_path: str, tp: int = 1, ep: int = 1, overwr
     os.makedirs(megatron_path, exist_ok=True)
     with open(os.path.join(megatron_path, HF_CONFIG), "w") as f:
         json.dump(config, f, indent=2)
-    t = shape.text
-    args = Namespace(  # megatron.training's names, so --use-checkpoint-args can read the shape back
-        save=megatron_path, consumed_train_samples=0, consumed_valid_samples=0, model_arch="qwen35_vl",
-        hf_config_path=os.path.abspath(os.path.join(megatron_path, HF_CONFIG)),
-        num_layers=t.num_layers, hidden_size=t.hidden_size, num_attention_heads=t.num_attention_heads,
-        num_query_groups=t.num_kv_heads, group_query_attention=True, kv_channels=t.head_dim,
-        ffn_hidden_size=t.ffn_hidden_size or t.moe_ffn_hidden_size, vocab_size=t.vocab_size,
-        num_experts=t.num_experts, moe_router_topk=t.moe_top_k if t.is_moe else None,
-        moe_ffn_hidden_size=t.moe_ffn_hidden_size if t.is_moe else None,
-        untie_embeddings_and_output_weights=not t.tie_word_embeddings, normalization="RMSNorm", swiglu=True,
-        position_embedding_type="rope", rotary_percent=t.partial_rotary_factor, rotary_base=int(t.rope_theta),
-        mtp_num_layers=t.mtp_num_layers or None, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-        context_parallel_size=1, expert_model_parallel_size=1, world_size=1,
-    )
+    args = checkpoint_args(shape, save=megatron_path, model_arch="qwen35_vl",
+                           hf_config_path=os.path.abspath(os.path.join(megatron_path, HF_CONFIG)),
+                           tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+                           expert_model_parallel_size=1, world_size=1)
     save_model_checkpoint(args, 0, model)
     dtypes = {}
     for p in params.values():

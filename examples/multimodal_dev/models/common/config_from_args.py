@@ -8,8 +8,8 @@ effect; the shape's architecture is laid over it. Three kinds of field:
                    a flag given on the command line that contradicts it is refused by name
     recipe         the released models' training settings (dropout 0, router aux-loss coefficient):
                    used unless the flag is given
-    backend        fused kernels that exist only with Transformer Engine / Apex: off by default on
-                   the local backend, refused there when asked for explicitly
+    backend        fused kernels that exist only with Transformer Engine / Apex: off on the local
+                   backend
 """
 
 from __future__ import annotations
@@ -19,15 +19,12 @@ import dataclasses
 import sys
 
 # TransformerConfig field -> megatron flag dest, where they are not the same name
-_FLAG_OF_FIELD = {"num_moe_experts": "num_experts", "gated_linear_unit": "swiglu", "activation_func": "swiglu",
-                  "layernorm_zero_centered_gamma": "apply_layernorm_1p", "layernorm_epsilon": "norm_epsilon"}
+_FLAG_OF_FIELD = {"num_moe_experts": "num_experts", "gated_linear_unit": "swiglu", "activation_func": "swiglu"}
 
-# fused kernel -> (flag, why the local backend cannot run it)
-_BACKEND_FUSIONS = {
-    "gradient_accumulation_fusion": ("--gradient-accumulation-fusion",
-                                     "needs Transformer Engine or Apex's fused weight-gradient kernel"),
-    "apply_rope_fusion": ("--apply-rope-fusion", "needs Transformer Engine's fused rotary kernel"),
-}
+# Fused kernels megatron turns on by default (``--no-...`` flags turn them off) that need
+# Transformer Engine or Apex: the weight-gradient accumulation GEMM and the rotary kernel. The
+# local backend runs without them.
+_BACKEND_FUSIONS = ("gradient_accumulation_fusion", "apply_rope_fusion")
 
 
 def megatron_parser(extra_args_provider=None) -> argparse.ArgumentParser:
@@ -67,11 +64,6 @@ def _settled_args(args, architecture: dict, given: dict[str, str], fused_kernels
     """A copy of ``args`` whose unset architecture flags carry the shape's values and whose unset
     fusion flags suit the backend, so that megatron's own config (and its validation of e.g.
     fused SwiGLU or rotary fusion) sees the model that will be built."""
-    if not fused_kernels_ok:
-        refused = [f"{flag} ({why})" for field, (flag, why) in _BACKEND_FUSIONS.items()
-                   if field in given and getattr(args, field)]
-        if refused:
-            raise ValueError("--transformer-impl local cannot run: " + "; ".join(refused))
     settled = argparse.Namespace(**vars(args))
     for field, value in architecture.items():
         dest = _FLAG_OF_FIELD.get(field, field)

@@ -283,7 +283,8 @@ def vision_architecture(vision: VisionShape) -> dict:
         layernorm_zero_centered_gamma=False, gated_linear_unit=False, activation_func=_gelu_tanh,
         add_bias_linear=True, add_qkv_bias=True, qk_layernorm=False, attention_output_gate=False,
         experimental_attention_variant=None, linear_attention_freq=None, mrope_section=None, mtp_num_layers=None,
-        num_moe_experts=None, context_parallel_size=1, expert_model_parallel_size=1, sequence_parallel=False,
+        num_moe_experts=None, moe_ffn_hidden_size=None, moe_router_topk=2, moe_shared_expert_intermediate_size=None,
+        moe_shared_expert_gate=False, context_parallel_size=1, expert_model_parallel_size=1, sequence_parallel=False,
         hidden_dropout=0.0, attention_dropout=0.0,
         bias_activation_fusion=False,  # megatron-core fuses bias+GELU (erf) and SwiGLU, not tanh-GELU
     )

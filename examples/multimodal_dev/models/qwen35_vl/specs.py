@@ -2,8 +2,8 @@
 
 ``backend="te"``: Transformer Engine linears with fused input norms, TE attention, TE norms
 (zero-centred gamma supported natively). ``backend="local"``: megatron-core's tensor-parallel
-linears, the torch SDPA core attention from ``megatron.cpu`` and the project's ``TorchNorm``
-(zero-centred, sequence-parallel aware); this is the CPU path.
+linears, the torch SDPA core attention of ``models/common/sdpa_attention.py`` and the project's
+``TorchNorm`` (zero-centred, sequence-parallel aware); the CPU path, and GPUs without TE.
 
 Decoder layer i is a Gated DeltaNet layer or a gated full-attention layer according to
 ``layer_types[i]``; each has a dense SwiGLU MLP or an MoE with a gated shared expert.
@@ -68,7 +68,7 @@ class _Modules:
             self.column, self.row = TEColumnParallelLinear, TERowParallelLinear
             self.norm_column = TELayerNormColumnParallelLinear
         else:
-            from megatron.cpu.sdpa_attention import SDPACoreAttention
+            from ..common.sdpa_attention import SDPACoreAttention
 
             self.provider = LocalSpecProvider()
             self.norm, self.attention = TorchNorm, SDPACoreAttention

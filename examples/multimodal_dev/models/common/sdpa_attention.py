@@ -1,4 +1,5 @@
-"""Core attention on torch SDPA for hosts without Transformer Engine / flash-attention.
+"""Core attention on torch SDPA: the local backend's attention on every host (CPU, and GPUs without
+Transformer Engine, where SDPA dispatches to its fused flash / memory-efficient kernels).
 
 A drop-in for megatron-core's ``core_attention`` submodule (same constructor and forward as
 ``DotProductAttention``) that also handles packed THD batches:
