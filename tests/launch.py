@@ -43,7 +43,8 @@ def run_script(extra_args=(), timeout: int = 600, **env) -> Run:
     with tempfile.TemporaryDirectory(prefix="run_metrics_") as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
         proc = subprocess.run(["bash", os.path.join(ROOT, "run_qwen35_vl.sh"), *extra_args, "--metrics-file", metrics],
-                              env=full_env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+                              env=full_env, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                              start_new_session=True)  # its own process group (see tests/hooks)
         records = []
         if os.path.exists(metrics):
             with open(metrics) as f:

@@ -4,7 +4,7 @@
 returns ``(loss_sum, num_tokens, {"lm loss": [loss_sum, num_tokens]})`` so the schedule sums
 token losses and token counts over micro-batches and data-parallel ranks before dividing
 (``--calculate-per-token-loss``). The reported loss therefore does not depend on how tokens
-were packed or split. The same function serves megatron.training (GPU) and the CPU loop.
+were packed or split. megatron.training calls it on every host.
 
 Under context parallelism the model returns the losses of this rank's tokens together with their
 loss mask (the model splits every per-token tensor once); the loss function uses that mask.

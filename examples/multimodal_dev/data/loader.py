@@ -3,7 +3,7 @@ continues at ``consumed_samples`` exactly) plus the THD/BSHD collate.
 
 megatron.training's default loader stacks samples with torch's default collate, which cannot
 hold variable-length conversations; the playground therefore hands megatron.training
-ready-made iterators (``--dataloader-type external``), and the CPU loop uses the same ones.
+ready-made iterators (``--dataloader-type external``) on every host.
 """
 
 from __future__ import annotations
