@@ -151,7 +151,10 @@ def build_pair(shape, device, dtype, hf_attention: str):
     from tools.hf_models import hf_model_for_shape
 
     hf = hf_model_for_shape(shape, attn_implementation=hf_attention)
-    ours = build_model(shape, backend="te" if device.type == "cuda" else "local", params_dtype=dtype)
+    from backend import te_importable
+
+    te = device.type == "cuda" and te_importable()  # GPUs without Transformer Engine train on the local backend
+    ours = build_model(shape, backend="te" if te else "local", params_dtype=dtype)
     load_hf_into_model(ours, hf.state_dict(), shape)
     return ours.to(device).train(), hf.to(device, dtype).train()
 

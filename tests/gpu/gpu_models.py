@@ -1,0 +1,134 @@
+"""Models and batches for the GPU model checks (test_model_parity.py, test_te_backend.py): the shapes,
+a Megatron model holding a transformers model's weights, collated mock batches on the GPU, and
+the error measures. Reuses the CPU parity helpers (tests/hf_reference.py, tools/bench_step.py).
+
+Legend: THD = one packed row [1, T] with cu_seqlens; BSHD = one padded row per sample [B, S].
+Logits are compared on real tokens only, in sample order (both layouts list them that way).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def shapes() -> dict:
+    """tiny (dense, MoE) and a reduced proxy of realistic width: 35b_a3b's layer dimensions (hidden
+    2048, 16 attention heads of 256, 32 GDN value heads of 128, experts of 512) in 4 layers
+    (3 GDN + 1 attention) with 8 experts (top-2), a 32k vocabulary and 2 vision blocks."""
+    from models.qwen35_vl.configuration import get_variant
+    from tools.bench_step import bench_shape
+
+    wide = bench_shape("35b_a3b", num_layers=4, vocab_size=32768, vision_depth=2)
+    wide = replace(wide, text=replace(wide.text, num_experts=8, moe_top_k=2))
+    return {"tiny-dense": get_variant("tiny", moe=False, mtp=False), "tiny-moe": get_variant("tiny", moe=True, mtp=False),
+            "wide-moe": wide}
+
+
+# (samples, mock text-length scale) per shape: a few hundred to ~2k tokens, some samples with images.
+BATCH = {"tiny-dense": (4, 40), "tiny-moe": (4, 40), "wide-moe": (4, 200)}
+
+
+def exact_fp32() -> None:
+    """No TF32 in cuBLAS matmuls or cuDNN convolutions (the vision patch embedding is a Conv3d)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
+def hf_reference(shape, seed: int = 0):
+    """transformers' model of ``shape`` in fp32 on the GPU, every weight random (tests/hf_reference.py)."""
+    from hf_reference import build_hf_model
+
+    return build_hf_model(shape, seed=seed).cuda().eval()
+
+
+def megatron_model(shape, dtype, backend: str, hf_state: dict):
+    from models.qwen35_vl.factory import build_model
+    from models.qwen35_vl.hf_mapping import load_hf_into_model
+
+    model = build_model(shape, backend=backend, params_dtype=dtype)
+    load_hf_into_model(model, hf_state, shape)  # strict: every tensor lands
+    return model.cuda().eval()
+
+
+def batches(shape, name: str, seed: int = 0) -> tuple[dict, dict]:
+    """(THD batch with every sample padded to a multiple of 4, as the collate does for CP=2; BSHD batch)
+    of the same mock samples, on the host."""
+    from data.collate import pack_thd, pad_bshd
+    from data.sample import VisionTokens
+    from tools.bench_step import mock_samples
+
+    count, text_tokens = BATCH[name]
+    samples = mock_samples(shape, count, text_tokens, seed=seed)
+    tokens = VisionTokens.from_shape(shape)
+    return pack_thd(samples, tokens, pad_multiple=4), pad_bshd(samples, tokens)
+
+
+def on_gpu(batch: dict, dtype) -> dict:
+    from forward_step import batch_to_device
+
+    out = batch_to_device(batch, torch.device("cuda"))
+    if out.get("pixel_values") is not None:
+        out["pixel_values"] = out["pixel_values"].to(dtype)
+    return out
+
+
+def real(logits: torch.Tensor, batch: dict) -> torch.Tensor:
+    """[N_real, V] logits of the real tokens, in sample order."""
+    return logits[~batch["padding_mask"].to(logits.device)]
+
+
+@torch.no_grad()
+def megatron_logits(model, batch: dict) -> torch.Tensor:
+    from forward_step import packed_seq_params
+
+    logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
+                   pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
+                   packed_seq_params=packed_seq_params(batch))
+    return real(logits, batch)
+
+
+@torch.no_grad()
+def hf_logits(hf, bshd_host: dict, shape, dtype) -> torch.Tensor:
+    from tools.bench_step import hf_inputs
+
+    inputs = hf_inputs(bshd_host, shape.image_token_id)
+    inputs.pop("labels")
+    inputs = {k: (v.to("cuda", dtype) if k == "pixel_values" else v.to("cuda")) if torch.is_tensor(v) else v
+              for k, v in inputs.items()}
+    return real(hf(**inputs).logits, bshd_host)
+
+
+def loss_of(model, batch: dict, backward: bool = False) -> float:
+    """Per-token mean loss of the batch (forward_step's loss); with ``backward``, gradients too."""
+    from forward_step import batch_loss
+
+    with torch.set_grad_enabled(backward):
+        loss_sum, count, _ = batch_loss(model, batch)
+        loss = loss_sum / count
+        if backward:
+            loss.backward()
+    return loss.item()
+
+
+def grad_norm(model) -> float:
+    return torch.sqrt(sum(p.grad.float().pow(2).sum() for p in model.parameters() if p.grad is not None)).item()
+
+
+def errors(ours: torch.Tensor, ref: torch.Tensor) -> dict:
+    """max |diff|, mean |diff|, the reference's max |value| and max |diff| / max(that, 1) (the CPU test's
+    measure: tests/unit/test_hf_parity.py)."""
+    diff = (ours.float() - ref.float()).abs()
+    scale = ref.float().abs().max().item()
+    return {"max": diff.max().item(), "mean": diff.mean().item(), "scale": scale,
+            "rel": diff.max().item() / max(scale, 1.0)}
+
+
+def gdn_kernel_source() -> str:
+    from megatron.core.ssm.gated_delta_net import gdn
+
+    fn = getattr(gdn, "chunk_gated_delta_rule", None)
+    return getattr(fn, "__module__", "none")

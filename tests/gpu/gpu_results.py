@@ -1,0 +1,245 @@
+"""Rows of the GPU checks and the table made from them (JSON + Markdown). No GPU needed.
+
+Every check appends its rows as it finishes one (a JSON line each, flushed), so whatever finished
+before a timeout or a crash is kept; ``collect`` turns the rows into ``results.json`` and
+``results.md`` and prints the table. A row:
+
+    {"check": "fla kernels", "case": "chunk_gated_delta_rule bf16", "status": "pass"|"fail"|"skip"|"info",
+     "metrics": {name: number or text}, "note": "why / what", "details": {title: [row dicts]}}
+
+Rows are written only where ``GPU_RESULTS`` names the rows file (tests/gpu/run.sh sets it), so the
+CPU suite, which collects tests/gpu and skips it, never writes anything.
+
+    python tests/gpu/gpu_results.py add --check C --case X --status S [--note N] [--metric k=v ...]
+    python tests/gpu/gpu_results.py env --out env.json       # versions and GPUs (+ an "env" row)
+    python tests/gpu/gpu_results.py collect --rows rows.jsonl --outdir DIR [--env env.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+
+STATUSES = ("pass", "fail", "skip", "info")
+
+
+def rows_path() -> str | None:
+    return os.environ.get("GPU_RESULTS") or None
+
+
+def deadline_left() -> float:
+    """Seconds left of tests/gpu/run.sh's budget (GPU_CHECKS_DEADLINE, epoch seconds); plenty if unset."""
+    deadline = os.environ.get("GPU_CHECKS_DEADLINE")
+    return float(deadline) - time.time() if deadline else 1e9
+
+
+def record(check: str, case: str, status: str, metrics: dict | None = None, note: str = "",
+           details: dict | None = None, path: str | None = None) -> dict:
+    """Append one row (and print it, so a pytest -s log shows the numbers too)."""
+    if status not in STATUSES:
+        raise ValueError(f"status {status!r}: expected one of {STATUSES}")
+    row = {"check": check, "case": case, "status": status, "metrics": _clean(metrics or {}), "note": note,
+           "time": datetime.datetime.now().isoformat(timespec="seconds")}
+    if details:
+        row["details"] = _clean(details)
+    print(f"[gpu-result] {check} | {case} | {status} | {format_metrics(row['metrics'])} | {note}", flush=True)
+    path = path or rows_path()
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+    return row
+
+
+def _clean(value):
+    """JSON-safe: NaN/inf become text, tensors and numpy scalars become floats."""
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def read_rows(path: str) -> list[dict]:
+    """Rows of a rows file; a line that does not parse (a write cut by a kill) becomes a fail row."""
+    rows = []
+    if not path or not os.path.exists(path):
+        return rows
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                rows.append({"check": "results", "case": f"{os.path.basename(path)} line {number}", "status": "fail",
+                             "metrics": {}, "note": f"unreadable row: {line.strip()[:120]}"})
+    return rows
+
+
+def _fmt(value) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int):
+        return str(value)
+    if value == 0:
+        return "0"
+    if abs(value) < 1e-3 or abs(value) >= 1e6:
+        return f"{value:.2e}"
+    return f"{value:.4g}"
+
+
+def format_metrics(metrics: dict) -> str:
+    return "; ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
+
+
+def _md_cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def summary(rows: list[dict]) -> dict:
+    counts = dict.fromkeys(STATUSES, 0)
+    for row in rows:
+        counts[row.get("status", "fail") if row.get("status") in STATUSES else "fail"] += 1
+    return counts
+
+
+def markdown(rows: list[dict], meta: dict | None = None) -> str:
+    meta = meta or {}
+    lines = ["# GPU checks", ""]
+    for key in ("device", "started", "elapsed_s", "budget_s", "steps"):
+        if key in meta:
+            lines.append(f"- {key}: {meta[key]}")
+    if meta.get("versions"):
+        lines.append("- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()))
+    counts = summary(rows)
+    lines += [f"- rows: {counts['pass']} pass, {counts['fail']} fail, {counts['skip']} skip, {counts['info']} info", "",
+              "| check | case | status | numbers | note |", "|---|---|---|---|---|"]
+    for row in rows:
+        lines.append("| " + " | ".join(_md_cell(x) for x in (
+            row.get("check", ""), row.get("case", ""), row.get("status", ""), format_metrics(row.get("metrics", {})),
+            row.get("note", ""))) + " |")
+    for row in rows:
+        for title, table in (row.get("details") or {}).items():
+            if not isinstance(table, list) or not table or not isinstance(table[0], dict):
+                continue
+            columns = list(table[0])
+            lines += ["", f"## {row.get('check')}: {row.get('case')}: {title}", "",
+                      "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            lines += ["| " + " | ".join(_md_cell(_fmt(item.get(c, ""))) for c in columns) + " |" for item in table]
+    return "\n".join(lines) + "\n"
+
+
+def collect(rows_file: str, outdir: str, env_file: str | None = None, extra_meta: dict | None = None) -> dict:
+    rows = read_rows(rows_file)
+    meta = {}
+    if env_file and os.path.exists(env_file):
+        with open(env_file) as f:
+            meta.update(json.load(f))
+    meta.update(extra_meta or {})
+    os.makedirs(outdir, exist_ok=True)
+    result = {"meta": meta, "summary": summary(rows), "rows": rows}
+    with open(os.path.join(outdir, "results.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    text = markdown(rows, meta)
+    with open(os.path.join(outdir, "results.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return result
+
+
+def environment() -> dict:
+    """Versions and GPUs, each probe guarded: a missing package is a fact to report, not an error."""
+    import importlib
+    import importlib.metadata as md
+    import platform
+
+    versions = {"python": platform.python_version()}
+    for dist in ("torch", "triton", "transformers", "megatron-core", "flash-linear-attention", "fla-core",
+                 "transformer-engine", "datasets", "qwen-vl-utils"):
+        try:
+            versions[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            versions[dist] = "absent"
+    info = {"versions": versions}
+    try:
+        import torch
+
+        versions["torch cuda"] = str(torch.version.cuda)
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(count)]
+        info["device"] = f"{count} x {info['gpus'][0]}" if count else "no CUDA device"
+        if count:
+            info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        info["device"] = f"torch failed: {e!r}"
+    for name, module in (("fla", "fla.ops.gated_delta_rule"), ("transformer_engine", "transformer_engine.pytorch"),
+                         ("megatron.core", "megatron.core")):
+        try:
+            importlib.import_module(module)
+            info[f"{name} importable"] = "yes"
+        except Exception as e:  # noqa: BLE001
+            info[f"{name} importable"] = f"no: {type(e).__name__}: {str(e)[:160]}"
+    try:
+        import triton
+
+        knobs = getattr(triton, "knobs", None)
+        info["triton fp32 dot default knob"] = ("TRITON_F32_DEFAULT supported" if knobs is not None and hasattr(
+            getattr(knobs, "language", None), "fp32_default") else "no knobs.language.fp32_default in this Triton")
+    except Exception as e:  # noqa: BLE001
+        info["triton fp32 dot default knob"] = f"triton failed: {e!r}"
+    return info
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    add = sub.add_parser("add")
+    add.add_argument("--check", required=True)
+    add.add_argument("--case", default="")
+    add.add_argument("--status", required=True, choices=STATUSES)
+    add.add_argument("--note", default="")
+    add.add_argument("--metric", action="append", default=[], help="name=value (a number where it parses)")
+    env = sub.add_parser("env")
+    env.add_argument("--out", required=True)
+    col = sub.add_parser("collect")
+    col.add_argument("--rows", required=True)
+    col.add_argument("--outdir", required=True)
+    col.add_argument("--env", default=None)
+    col.add_argument("--meta", action="append", default=[], help="name=value added to the table's header")
+    args = parser.parse_args(argv)
+
+    if args.cmd == "add":
+        metrics = {}
+        for item in args.metric:
+            key, _, value = item.partition("=")
+            try:
+                metrics[key] = float(value) if any(c in value for c in ".eE") else int(value)
+            except ValueError:
+                metrics[key] = value
+        record(args.check, args.case, args.status, metrics, args.note)
+    elif args.cmd == "env":
+        info = environment()
+        with open(args.out, "w") as f:
+            json.dump(info, f, indent=1)
+        flat = {k: v for k, v in info.items() if k not in ("versions", "gpus")}
+        shown = {k: info["versions"].get(k) for k in ("torch", "torch cuda", "triton", "flash-linear-attention")}
+        record("env", "host", "info", {**shown, **flat}, "all versions: the table's header")
+    else:
+        meta = dict(item.partition("=")[::2] for item in args.meta)
+        result = collect(args.rows, args.outdir, args.env, meta)
+        return 1 if result["summary"]["fail"] else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

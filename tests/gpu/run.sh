@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# All GPU checks in one command, for a CUDA host with no package index (one H100 is the target):
+#
+#   WHEELHOUSE=wheelhouse PYTHON=python3 bash tests/gpu/run.sh
+#
+# 1. Installs what PYTHON lacks, offline, from WHEELHOUSE (tools/bootstrap_env.sh), then
+#    flash-linear-attention from the same folder (not through INSTALL_GPU_EXTRAS: that also asks for
+#    Transformer Engine, which no wheelhouse can hold). If the bootstrap fails, it says why and installs
+#    megatron-core and FLA alone, so the in-process checks still run.
+# 2. Prints nvidia-smi -L and the versions; saves PYTHON's own pip freeze as target-freeze.txt (the
+#    --freeze of the next tools/make_wheelhouse.py).
+# 3. Runs pytest tests/gpu -m gpu -s, one pytest per group below, each under its own timeout and all
+#    within GPU_CHECKS_BUDGET_S (default 560 s), so everything ends inside a 10-minute slot. A group
+#    that fails, crashes or times out becomes rows of the table and the next group runs. Groups run
+#    fp32 kernels with TRITON_F32_DEFAULT=ieee (and a Triton cache of their own): Triton computes fp32
+#    tl.dot in TF32 otherwise, and fp32 parity is meant to be exact.
+# 4. Writes results.json and results.md (+ rows.jsonl, run.log, train_*.log, target-freeze.txt) to $OUT
+#    if set (the GPU machine returns that folder), else to tests/gpu/results/, and prints the table.
+#
+# The wheelhouse, built where the package index is (the freeze keeps torch and the image's other big
+# packages out; ~38 MiB, within what travels to the GPU machine):
+#   python tools/make_wheelhouse.py wheelhouse --freeze tests/gpu/target-freeze.txt --gpu-extras \
+#       --python-version 3.12 --platform manylinux_2_28_x86_64
+#
+# Environment: WHEELHOUSE [wheelhouse/ at the repository root, if present], PYTHON [python3],
+#   GPU_CHECKS     groups to run [fla parity train te parallel]; they always run in the order below
+#   GPU_CHECKS_BUDGET_S [560]; GPU_TRAIN_RUNS, GPU_TRAIN_ITERS, GPU_35B_LAYERS, ... (test_training.py)
+# Exit status 0 when no row failed.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$ROOT" || exit 2
+START=$(date +%s)
+BUDGET_S=${GPU_CHECKS_BUDGET_S:-560}
+DEADLINE=$((START + BUDGET_S))
+RESERVE_S=25  # kept for the table at the end
+OUTDIR=${OUT:-$ROOT/tests/gpu/results}
+mkdir -p "$OUTDIR"
+SCRATCH=${GPU_CHECKS_SCRATCH:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_checks.XXXXXX")}
+mkdir -p "$SCRATCH"
+export GPU_RESULTS="$OUTDIR/rows.jsonl" GPU_CHECKS_OUTDIR="$OUTDIR" GPU_CHECKS_SCRATCH="$SCRATCH" PYTHONUNBUFFERED=1
+export PYTHON=${PYTHON:-python3}
+if [[ -z "${WHEELHOUSE:-}" && -d "$ROOT/wheelhouse" ]]; then WHEELHOUSE="$ROOT/wheelhouse"; fi
+if [[ -n "${WHEELHOUSE:-}" ]]; then
+  [[ -d "$WHEELHOUSE" ]] && WHEELHOUSE="$(cd "$WHEELHOUSE" && pwd)"  # absolute: run_qwen35_vl.sh bootstraps again
+  export WHEELHOUSE
+fi
+GROUPS_WANTED=" ${GPU_CHECKS:-fla parity train te parallel} "
+STEPS=""  # "name: seconds, exit code" of every step, for the table's header
+
+add_row() {  # add_row CHECK CASE STATUS NOTE
+  "${PY:-$PYTHON}" tests/gpu/gpu_results.py add --check "$1" --case "$2" --status "$3" --note "$4" \
+    || echo "[gpu] could not record: $1 | $2 | $3 | $4"
+}
+
+rows() { [[ -f "$GPU_RESULTS" ]] && wc -l <"$GPU_RESULTS" || echo 0; }
+
+# step NAME CAP_S CMD...: CMD under timeout min(CAP_S, time left); the tests inside see their own
+# deadline (GPU_CHECKS_DEADLINE) 15 s before that, so they stop launching work and record what they have.
+step() {
+  local name=$1 cap=$2 left t t0 rc before
+  shift 2
+  left=$((DEADLINE - RESERVE_S - $(date +%s)))
+  t=$((cap < left ? cap : left))
+  if ((t < 20)); then
+    echo "== [gpu] $name: not run, ${left}s left of ${BUDGET_S}s =="
+    add_row "$name" "" skip "not run: the ${BUDGET_S}s budget was spent (GPU_CHECKS_BUDGET_S, GPU_CHECKS)"
+    return
+  fi
+  echo "== [gpu] $name (timeout ${t}s, $((DEADLINE - $(date +%s)))s of the budget left) =="
+  t0=$(date +%s)
+  before=$(rows)
+  GPU_CHECKS_DEADLINE=$(($(date +%s) + t - 15)) timeout -k 10 "$t" "$@"
+  rc=$?
+  STEPS+="$name: $(($(date +%s) - t0))s exit $rc; "
+  echo "== [gpu] $name: exit $rc after $(($(date +%s) - t0))s =="
+  if ((rc == 124 || rc == 137)); then
+    add_row "$name" "" fail "timed out after ${t}s: rows above are what finished (run.log has the rest)"
+  elif ((rc == 5)) && [[ "$(rows)" == "$before" ]]; then
+    add_row "$name" "" skip "no test ran (pytest exit 5: every module skipped, e.g. no CUDA device; run.log)"
+  elif ((rc != 0 && rc != 1)) && [[ "$(rows)" == "$before" ]]; then
+    add_row "$name" "" fail "pytest exit $rc with no row recorded (run.log)"
+  fi
+}
+
+checks() {  # checks GROUP NAME CAP_S [ENV=VALUE ...] -- PYTEST ARGS...
+  local group=$1 name=$2 cap=$3 envs=()
+  shift 3
+  [[ "$GROUPS_WANTED" == *" $group "* ]] || return 0
+  while [[ $# -gt 0 && "$1" != "--" ]]; do envs+=("$1"); shift; done
+  shift
+  step "$name" "$cap" env ${envs[@]+"${envs[@]}"} "$PY" -m pytest -m gpu -s -p no:cacheprovider "$@"
+}
+
+bootstrap() {
+  echo "== [gpu] bootstrap: PYTHON=$PYTHON WHEELHOUSE=${WHEELHOUSE:-(none: the package index)} =="
+  # Before anything is installed: the image's own packages, the --freeze of the next wheelhouse.
+  env -u PYTHONPATH "$PYTHON" -m pip list --format=freeze >"$OUTDIR/target-freeze.txt" 2>/dev/null \
+    || echo "[gpu] pip list failed with $PYTHON"
+  # A trial in a child shell first: bootstrap_env.sh exits on failure, and this script must go on.
+  timeout 300 bash -c 'source tools/bootstrap_env.sh'
+  local rc=$?
+  if ((rc == 0)); then
+    source tools/bootstrap_env.sh  # installs nothing now; sets PY, PYTHONPATH (and PYDEPS)
+    set +e
+    BOOT_NOTE="bootstrap_env.sh done with ${WHEELHOUSE:-the package index}"
+  else
+    PY="$PYTHON"
+    PYDEPS="${PYDEPS_DIR:-$ROOT/.pydeps}"
+    mkdir -p "$PYDEPS"
+    export PYTHONPATH="$ROOT:$PYDEPS${PYTHONPATH:+:$PYTHONPATH}"
+    BOOT_NOTE="bootstrap_env.sh failed (exit $rc, output above); went on with megatron-core and FLA alone, from WHEELHOUSE where it has them"
+    local w wheels=()
+    for w in "${WHEELHOUSE:-/nonexistent}"/megatron_core-*.whl; do [[ -f "$w" ]] && wheels+=("$w"); done
+    ((${#wheels[@]})) && "$PY" -m pip install -q --no-index --no-deps --target "$PYDEPS" "${wheels[@]}"
+  fi
+  install_fla
+  add_row bootstrap "$PY" "$([[ $rc == 0 ]] && echo info || echo fail)" "$BOOT_NOTE"
+}
+
+install_fla() {
+  "$PY" -c 'import fla' >/dev/null 2>&1 && return 0
+  local w wheels=() target=()
+  for w in "${WHEELHOUSE:-/nonexistent}"/flash_linear_attention-*.whl "${WHEELHOUSE:-/nonexistent}"/fla_core-*.whl; do
+    [[ -f "$w" ]] && wheels+=("$w")
+  done
+  if ((${#wheels[@]} == 0)); then
+    echo "[gpu] no flash-linear-attention wheel in WHEELHOUSE: GatedDeltaNet runs on the torch kernels"
+    return 0
+  fi
+  [[ -n "${PYDEPS:-}" ]] && target=(--target "$PYDEPS")
+  # --no-deps: FLA needs torch, triton, transformers and einops, which the image has.
+  "$PY" -m pip install -q --no-index --no-deps ${target[@]+"${target[@]}"} "${wheels[@]}" \
+    || echo "[gpu] installing FLA from $WHEELHOUSE failed"
+}
+
+main() {
+  : >"$GPU_RESULTS"
+  echo "== [gpu] $(date -Is) budget ${BUDGET_S}s, output in $OUTDIR, scratch in $SCRATCH =="
+  nvidia-smi -L || echo "[gpu] nvidia-smi -L failed: no GPU visible (every check will skip)"
+  bootstrap
+  "$PY" tests/gpu/gpu_results.py env --out "$SCRATCH/env.json" || add_row env "" fail "environment probe failed"
+  local ieee=(TRITON_F32_DEFAULT=ieee "TRITON_CACHE_DIR=$SCRATCH/triton_ieee")
+  # bf16 kernels first, in the default Triton cache: the 35b_a3b training run reuses what they compile.
+  # Caps (s) share out the budget; a group that ends early leaves its time to the next. The first run
+  # on a fresh machine pays for Triton compiling and autotuning FLA's kernels once per dtype and shape.
+  checks fla "fla kernels bf16" 120 -- tests/gpu/test_fla_kernels.py -k bf16
+  checks fla "fla kernels fp32" 90 "${ieee[@]}" -- tests/gpu/test_fla_kernels.py -k fp32
+  checks parity "model parity fp32" 120 "${ieee[@]}" -- tests/gpu/test_model_parity.py -k fp32
+  checks train "training" 300 -- tests/gpu/test_training.py
+  checks parity "model parity bf16" 90 -- tests/gpu/test_model_parity.py -k bf16
+  checks te "TE vs local" 90 -- tests/gpu/test_te_backend.py
+  checks parallel "TP / EP" 400 -- tests/gpu/test_parallel.py
+  echo "== [gpu] table =="
+  "$PY" tests/gpu/gpu_results.py collect --rows "$GPU_RESULTS" --outdir "$OUTDIR" --env "$SCRATCH/env.json" \
+    --meta "started=$(date -d "@$START" -Is)" --meta "elapsed_s=$(($(date +%s) - START))" \
+    --meta "budget_s=$BUDGET_S" --meta "steps=$STEPS"
+}
+
+main "$@" 2>&1 | tee "$OUTDIR/run.log"
+rc=${PIPESTATUS[0]}
+if [[ $(stat -c %s "$OUTDIR/run.log") -gt 15000000 ]]; then  # files come back from $OUT under 16 MiB
+  tail -c 15000000 "$OUTDIR/run.log" >"$OUTDIR/run.log.tail" && mv "$OUTDIR/run.log.tail" "$OUTDIR/run.log"
+fi
+exit "$rc"

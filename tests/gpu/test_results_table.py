@@ -1,0 +1,110 @@
+"""CPU checks of the GPU checks' plumbing (not marked gpu: they run in the normal suite, in well under
+a second): the rows file and the table written from it, the parsers of a training run's output and
+profiler trace, and the parameter count the 35b_a3b cut is sized with."""
+
+import gzip
+import json
+from dataclasses import replace
+
+import gpu_results
+import gpu_train as gt
+
+THROUGHPUT_LINE = (" model FLOPs (flops.py): 312.5 TFLOP/s per GPU over 1 iterations | tokens/s: 41234 |"
+                   " padding: 3.1% | MFU: 31.6% of 989 TFLOP/s dense bf16 |")
+
+
+def _iteration_line(i: int, ms: float) -> str:
+    return (f" [2026-11-20 10:00:00.000000] iteration {i:8d}/{20:8d} | consumed samples: {8 * i:12d} |"
+            f" elapsed time per iteration (ms): {ms:.1f} | learning rate: 1.0E-04 | lm loss: 1.0E+01 |")
+
+
+def test_rows_and_table(tmp_path, monkeypatch, capsys):
+    rows_file = tmp_path / "rows.jsonl"
+    monkeypatch.setenv("GPU_RESULTS", str(rows_file))
+    gpu_results.record("fla kernels", "chunk bf16", "pass", {"fwd max rel": 3.2e-3, "fla fwd ms": 1.234, "tokens": 2320})
+    gpu_results.record("training", "proxy", "fail", {"tokens/s": 41234.5, "loss": float("nan")}, "loss | did not fall",
+                       {"per iteration": [{"iteration": 1, "lm loss": 12.4}, {"iteration": 2, "lm loss": 11.9}]})
+    gpu_results.record("TE vs local", "test_te_equals_local", "skip", note="transformer_engine not importable")
+    with open(rows_file, "a") as f:
+        f.write('{"check": "cut by a kill\n')  # a half-written line must not lose the others
+    result = gpu_results.collect(str(rows_file), str(tmp_path / "out"), extra_meta={"budget_s": "560"})
+    assert result["summary"] == {"pass": 1, "fail": 2, "skip": 1, "info": 0}
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [r["case"] for r in saved["rows"]][:3] == ["chunk bf16", "proxy", "test_te_equals_local"]
+    assert saved["rows"][1]["metrics"]["loss"] == "nan"  # JSON has no NaN: written as text
+    md = (tmp_path / "out" / "results.md").read_text()
+    assert "| fla kernels | chunk bf16 | pass | fwd max rel=0.0032; fla fwd ms=1.234; tokens=2320 |  |" in md
+    assert "loss \\| did not fall" in md  # a '|' in a note does not break the table
+    assert "## training: proxy: per iteration" in md and "| 2 | 11.9 |" in md
+    assert "- rows: 1 pass, 2 fail, 1 skip, 0 info" in md and "- budget_s: 560" in md
+    assert "| check | case | status | numbers | note |" in capsys.readouterr().out
+
+
+def test_no_rows_file_outside_run_sh(tmp_path, monkeypatch):
+    """The CPU suite collects tests/gpu without GPU_RESULTS: recording writes nothing."""
+    monkeypatch.delenv("GPU_RESULTS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    gpu_results.record("x", "y", "info", {"a": 1})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_add_command_parses_numbers(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPU_RESULTS", str(tmp_path / "rows.jsonl"))
+    gpu_results.main(["add", "--check", "bootstrap", "--status", "fail", "--note", "exit 1",
+                      "--metric", "seconds=12", "--metric", "rel=1e-5", "--metric", "name=proxy"])
+    row = gpu_results.read_rows(str(tmp_path / "rows.jsonl"))[0]
+    assert row["metrics"] == {"seconds": 12, "rel": 1e-5, "name": "proxy"} and row["status"] == "fail"
+
+
+def test_log_parsing_and_steady_state(tmp_path):
+    lines = []
+    for i in range(1, 11):
+        lines.append(_iteration_line(i, 900.0 + i))
+        lines.append(THROUGHPUT_LINE.replace("312.5", str(300.0 + i)))
+        if i % 5 == 0:
+            lines.append(f"[Rank 0] (after {i} iterations) memory (MB) | allocated: 1000.00 | max allocated: "
+                         f"{60000.0 + i:.2f} | reserved: 2000.00 | max reserved: 70000.00")
+    throughput, iter_ms, memory = gt.parse_log("\n".join(lines))
+    assert sorted(throughput) == list(range(1, 11)) and throughput[3]["tflops"] == 303.0
+    assert throughput[3]["tokens_per_s"] == 41234 and throughput[3]["padding"] == 3.1 and iter_ms[4] == 904.0
+    assert memory == {"max allocated": 60010.0, "max reserved": 70000.0}
+    run = gt.TrainRun("r", 0, False, 1.0, str(tmp_path / "none.log"), throughput=throughput, iter_ms=iter_ms)
+    steady = gt.steady_state(run, 6, 9)
+    assert steady["iterations"] == "6..9" and steady["tflops"] == 307.5 and steady["iter_ms"] == 907.5
+    assert gt.steady_state(run, 50, 60)["iterations"] == "3..10"  # too few in the window: all after the 2nd
+
+
+def test_top_kernels_from_a_chrome_trace(tmp_path):
+    events = [{"ph": "X", "cat": "kernel", "name": "gemm", "dur": 300.0},
+              {"ph": "X", "cat": "kernel", "name": "gemm", "dur": 100.0},
+              {"ph": "X", "cat": "kernel", "name": "chunk_fwd_o", "dur": 100.0},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 5000.0}]
+    path = tmp_path / "rank-0.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    top = gt.top_kernels(str(path), steps=2)
+    assert top == [{"kernel": "gemm", "calls": 2, "ms/step": 0.2, "share %": 80.0},
+                   {"kernel": "chunk_fwd_o", "calls": 1, "ms/step": 0.05, "share %": 20.0}]
+
+
+def test_param_count_equals_the_built_models():
+    """Totals of build_model (megatron-core 0.19.2, local backend, TP=1, no MTP) for tiny, counted once
+    with sum(p.numel() for p in model.parameters())."""
+    from models.qwen35_vl.configuration import get_variant
+
+    assert gt.param_count(get_variant("tiny", moe=False, mtp=False)) == 3031264
+    assert gt.param_count(get_variant("tiny", moe=True, mtp=False)) == 3623648
+
+
+def test_35b_cut_sizing_and_config(tmp_path):
+    from models.qwen35_vl.configuration import from_hf_config
+
+    two, four = gt.cut_35b(2), gt.cut_35b(4)
+    per_layer = (gt.param_count(four) - gt.param_count(two)) / 2
+    assert 0.8e9 < per_layer < 0.9e9  # 256 experts of 3 x 2048 x 512 each, plus the mixer
+    assert gt.choose_35b_layers(81559 * 2**20) == 2  # an 80 GB H100
+    assert gt.choose_35b_layers(143771 * 2**20) == 4  # an H200
+    shape = from_hf_config(gt.write_hf_config(two, str(tmp_path / "config.json")))
+    assert shape.text.layer_types == ("linear_attention", "full_attention")
+    assert shape.text.num_experts == 256 and shape.text.mtp_num_layers == 0
+    assert shape == replace(two)

@@ -1,0 +1,146 @@
+"""Check 4: training through ``run_qwen35_vl.sh`` on one GPU in bf16 (megatron.training, the path users
+run), mock data: does the loss fall, and how fast and how big is it.
+
+Runs (GPU_TRAIN_RUNS, default both, in this order; each at most GPU_TRAIN_RUN_CAP_S, 200 s):
+- ``35b_a3b-cut``: 35b_a3b with fewer layers from an HF_CONFIG this test writes
+  (configuration.to_hf_config_dict), every layer type and all 256 experts kept, no MTP head. The
+  layer count is the largest of 8 / 4 / 3 / 2 whose estimate fits 95% of the GPU: 18 bytes per
+  parameter (bf16 weight, fp32 gradient accumulation, fp32 main weight, two fp32 Adam moments; DP=1
+  so nothing is sharded) plus 16 GB of activations (the 248k-vocabulary logits in fp32 dominate).
+  One layer of 256 experts is ~0.81 B parameters (14.6 GB with its optimizer), embeddings + vision
+  ~1.5 B: an 80 GB H100 takes 2 layers (GDN + attention, ~3.1 B, ~68 GiB estimated), a 141 GB
+  H200 takes 4 (~96 GiB) (the released 3 GDN + 1 attention pattern). GPU_35B_LAYERS overrides.
+- ``proxy``: MODEL_VARIANT=proxy (4 layers of the 397B shape, 8 experts; ~3.4 B parameters, ~72 GiB
+  estimated the same way).
+
+Settings: TRAIN_ITERS=20, MBS=4 samples packed (THD) per micro-batch, GBS=8, SEQ_LEN=4096, LR=2e-4,
+mock samples of up to ~2k tokens (--mock-text-tokens 1024; the default ~100-token samples would
+measure launch overhead, not the model): ~4k tokens per micro-batch, ~8k per iteration.
+Measured: loss of the first and last three iterations (metrics file, full precision; "falls" means
+the last three average at least 1% below the first three), and over the steady iterations
+6..(profile start - 1): tokens/s, model TFLOP/s per GPU (flops.py's count of the real work, from the
+run's log line) and MFU against the device's dense bf16 peak (throughput.py's table), iteration
+time; peak memory two ways: nvidia-smi polled every 0.5 s during the run (minus what was in use
+before it) and megatron's own "max allocated" (--log-memory-interval 5); the 10 kernels with the
+most GPU time over two steady iterations, from megatron's --profile --use-pytorch-profiler (a
+torch.profiler Chrome trace of exactly the training step, no extra code in the run).
+"""
+
+import os
+import subprocess
+import tempfile
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device: GPU checks run on a GPU host (bash tests/gpu/run.sh)", allow_module_level=True)
+
+import gpu_results
+import gpu_train as gt
+
+CHECK = "training"
+pytestmark = pytest.mark.gpu
+
+ITERS = int(os.environ.get("GPU_TRAIN_ITERS", 20))
+SETTINGS = dict(TRAIN_ITERS=ITERS, MBS=os.environ.get("GPU_TRAIN_MBS", 4), GBS=os.environ.get("GPU_TRAIN_GBS", 8),
+                SEQ_LEN=os.environ.get("GPU_TRAIN_SEQ_LEN", 4096), LR=os.environ.get("GPU_TRAIN_LR", "2e-4"))
+PROFILE_START, PROFILE_END = ITERS - 4, ITERS - 2  # two steady iterations, before the last one's evaluation
+RUN_CAP_S = float(os.environ.get("GPU_TRAIN_RUN_CAP_S", 200))
+# 35b_a3b first: its GDN kernels are the ones test_fla_kernels.py compiled and autotuned already.
+RUNS = [r for r in os.environ.get("GPU_TRAIN_RUNS", "35b_a3b-cut,proxy").split(",") if r]
+
+
+def _gpu(field: str) -> str:
+    """nvidia-smi's answer for GPU 0: this process never starts a CUDA context (it would hold ~0.5 GB
+    of the GPU the run needs)."""
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits", "-i", "0"],
+                             capture_output=True, text=True, timeout=20).stdout
+        return out.strip().splitlines()[0].strip()
+    except (OSError, subprocess.SubprocessError, IndexError):  # no nvidia-smi: ask torch after all
+        props = torch.cuda.get_device_properties(0)
+        return str(props.total_memory // 2**20) if field == "memory.total" else props.name
+
+
+def _dirs(run_name: str) -> tuple[str, str]:
+    scratch = os.environ.get("GPU_CHECKS_SCRATCH") or tempfile.mkdtemp(prefix="gpu_checks_")
+    workdir = os.path.join(scratch, run_name)
+    os.makedirs(workdir, exist_ok=True)
+    return workdir, os.path.join(os.environ.get("GPU_CHECKS_OUTDIR") or workdir, f"train_{run_name}.log")
+
+
+def _plan(run_name: str, workdir: str):
+    """(shape, environment for run_qwen35_vl.sh, what the case is)."""
+    from models.qwen35_vl.configuration import get_variant
+
+    if run_name == "proxy":
+        return get_variant("proxy", mtp=False), {"MODEL_VARIANT": "proxy"}, "proxy variant (MTP off: the default)"
+    if run_name == "35b_a3b-cut":
+        total = float(_gpu("memory.total")) * 2**20
+        layers = int(os.environ.get("GPU_35B_LAYERS") or gt.choose_35b_layers(total))
+        shape = gt.cut_35b(layers)
+        types = "+".join("GDN" if t == "linear_attention" else "attn" for t in shape.text.layer_types)
+        return shape, {"HF_CONFIG": gt.write_hf_config(shape, os.path.join(workdir, "hf_config.json"))}, (
+            f"{layers} layers ({types}), 256 experts top-8, no MTP; estimated "
+            f"{gt.estimated_bytes(shape) / 2**30:.0f} of {total / 2**30:.0f} GiB")
+    raise ValueError(f"GPU_TRAIN_RUNS: unknown run {run_name!r} (proxy, 35b_a3b-cut)")
+
+
+def _mean(values):
+    return sum(values) / len(values) if values else float("nan")
+
+
+@pytest.mark.parametrize("run_name", RUNS)
+def test_training_run(run_name, record):
+    left = gpu_results.deadline_left() - 25
+    if left < 90:
+        pytest.skip(f"{left:.0f} s left of tests/gpu/run.sh's budget: too little for a training run")
+    workdir, log_path = _dirs(run_name)
+    shape, env, what = _plan(run_name, workdir)
+    env.update(SETTINGS)
+    if os.environ.get("GPU_TRAIN_IMPL"):
+        env["TRANSFORMER_IMPL"] = os.environ["GPU_TRAIN_IMPL"]
+    args = ["--mock-text-tokens", "1024", "--log-memory-interval", "5", "--tensorboard-dir", os.path.join(workdir, "tb"),
+            "--profile", "--use-pytorch-profiler", "--profile-step-start", PROFILE_START,
+            "--profile-step-end", PROFILE_END]
+    run = gt.run_training(run_name, env, args, min(RUN_CAP_S, left), workdir, log_path)
+
+    from throughput import device_peak_tflops
+
+    losses = run.losses
+    values = list(losses.values())
+    first, last = _mean(values[:3]), _mean(values[-3:])
+    falls = len(values) >= ITERS and all(v == v for v in values) and last < 0.99 * first
+    steady = gt.steady_state(run, 6, PROFILE_START - 1)
+    peak = device_peak_tflops(_gpu("name"))
+    metrics = {"iterations": len(values), "loss first3": first, "loss last3": last,
+               "tokens/s": steady.get("tokens_per_s"), "TFLOP/s/GPU": steady.get("tflops"),
+               "MFU %": 100 * steady["tflops"] / peak if peak and "tflops" in steady else None,
+               "iter ms": steady.get("iter_ms"), "padding %": steady.get("padding"),
+               "peak GiB (nvidia-smi)": max(run.gpu_peak_mib.values()) / 1024 if run.gpu_peak_mib else None,
+               "max allocated GiB": run.memory_mib.get("max allocated", 0) / 1024 or None,
+               "max reserved GiB": run.memory_mib.get("max reserved", 0) / 1024 or None,
+               "params B": gt.param_count(shape) / 1e9, "wall s": run.seconds}
+    metrics = {k: v for k, v in metrics.items() if v is not None}
+    ok = run.returncode == 0 and not run.timed_out and falls
+    state = "timed out" if run.timed_out else f"exit {run.returncode}"
+    note = (f"{what}; {state}; MBS {SETTINGS['MBS']} GBS {SETTINGS['GBS']} seq {SETTINGS['SEQ_LEN']}; "
+            f"steady iterations {steady.get('iterations', 'none')}; MFU vs {peak} TFLOP/s dense bf16")
+    if not ok:
+        note += f"; {'loss did not fall; ' if run.returncode == 0 else ''}{run.error_line()}"
+        print(f"---- {run_name}: last lines of {log_path} ----\n{run.tail()}")
+    per_iteration = [{"iteration": i, "lm loss": r.get("lm loss"), "grad norm": r.get("grad norm"),
+                      "real tokens": r.get("real_tokens"), "ms": run.iter_ms.get(i)} for i, r in sorted(run.records.items())]
+    record(run_name, "pass" if ok else "fail", metrics, note, {"per iteration": per_iteration})
+    if run.trace_path:
+        try:
+            kernels = gt.top_kernels(run.trace_path, PROFILE_END - PROFILE_START)
+            record(f"{run_name} top kernels", "info", {"profiled iterations": PROFILE_END - PROFILE_START},
+                   "torch.profiler (megatron --profile --use-pytorch-profiler), GPU time per kernel name",
+                   {"top 10 kernels by GPU time": kernels})
+        except Exception as e:  # noqa: BLE001 - the run's result stands without the kernel table
+            record(f"{run_name} top kernels", "info", note=f"trace unreadable: {e!r}"[:300])
+    elif run.returncode == 0:
+        record(f"{run_name} top kernels", "info", note="no profiler trace written (torch_profile/rank-0.json.gz)")
+    assert ok, note
