@@ -13,8 +13,8 @@ import json
 import os
 from dataclasses import dataclass, field, replace
 
-import torch
-import torch.nn.functional as F
+# torch is imported where a config is built, not here: the run script reads this module's variant
+# table (arguments.py shape-row) on every launch and dry run, and importing torch costs ~2 s.
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -235,12 +235,16 @@ def to_hf_config_dict(shape: Qwen35VLShape) -> dict:
 
 
 def _gelu_tanh(x):
+    import torch.nn.functional as F
+
     return F.gelu(x, approximate="tanh")
 
 
 def language_architecture(text: TextShape) -> dict:
     """The decoder's ``TransformerConfig`` fields that the Qwen3.5 architecture fixes. A megatron
     flag may not contradict them (``models/common/config_from_args.py`` refuses it)."""
+    import torch.nn.functional as F
+
     arch = dict(
         num_layers=text.num_layers, hidden_size=text.hidden_size, num_attention_heads=text.num_attention_heads,
         num_query_groups=text.num_kv_heads, kv_channels=text.head_dim,
@@ -302,17 +306,21 @@ STANDALONE_SETTINGS = dict(
 def _standalone_config(fields: dict, params_dtype, settings: dict):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    import torch
+
+    params_dtype = params_dtype or torch.float32
     dtypes = dict(params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, pipeline_dtype=params_dtype)
     return TransformerConfig(**{**STANDALONE_SETTINGS, **dtypes, **settings, **fields})
 
 
-def language_transformer_config(text: TextShape, params_dtype=torch.float32, **settings):
-    """TransformerConfig of the decoder built outside megatron.training. ``settings``: TP/CP/EP/SP
+def language_transformer_config(text: TextShape, params_dtype=None, **settings):
+    """TransformerConfig of the decoder built outside megatron.training (``params_dtype``: fp32 when
+    None). ``settings``: TP/CP/EP/SP
     sizes and other non-architecture fields (per-token loss, MTP loss scale, dispatcher)."""
     return _standalone_config({**language_recipe(text), **language_architecture(text)}, params_dtype, settings)
 
 
-def vision_transformer_config(vision: VisionShape, params_dtype=torch.float32, **settings):
+def vision_transformer_config(vision: VisionShape, params_dtype=None, **settings):
     settings = {k: v for k, v in settings.items() if k.startswith("tensor_model_parallel") or k == "use_cpu_initialization"}
     return _standalone_config(vision_architecture(vision), params_dtype, settings)
 
