@@ -19,7 +19,6 @@ for _path in (_HERE, os.path.dirname(os.path.dirname(_HERE))):  # this folder; t
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-import torch  # noqa: E402
 from megatron.training import get_args  # noqa: E402
 
 from arguments import add_multimodal_args, resolve_shape  # noqa: E402

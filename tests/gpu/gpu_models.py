@@ -45,6 +45,20 @@ def hf_reference(shape, seed: int = 0):
     return build_hf_model(shape, seed=seed).cuda().eval()
 
 
+def case(shape_name: str, dtype_name: str):
+    """(dtype, shape, HF reference model) of one parity case, with fp32 kept exact; skips the
+    case when tests/gpu/run.sh's time budget is nearly spent."""
+    import gpu_results
+    import pytest
+
+    if gpu_results.deadline_left() < 40:
+        pytest.skip("out of tests/gpu/run.sh's time budget")
+    dtype, shape = DTYPES[dtype_name], shapes()[shape_name]
+    if dtype_name == "fp32":
+        exact_fp32()
+    return dtype, shape, hf_reference(shape)
+
+
 def megatron_model(shape, dtype, backend: str, hf_state: dict):
     from models.qwen35_vl.factory import build_model
     from models.qwen35_vl.hf_mapping import load_hf_into_model

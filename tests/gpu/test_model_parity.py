@@ -22,7 +22,6 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device: GPU checks run on a GPU host (bash tests/gpu/run.sh)", allow_module_level=True)
 
 import gpu_models as gm
-import gpu_results
 
 CHECK = "model vs transformers"
 pytestmark = pytest.mark.gpu
@@ -32,12 +31,7 @@ FP32_REL, FP32_LOSS_ABS, BF16_VS_HF, BF16_LOSS_REL = 2e-5, 1e-5, 2.0, 2e-2
 @pytest.mark.parametrize("dtype_name", list(gm.DTYPES))
 @pytest.mark.parametrize("shape_name", ["tiny-dense", "tiny-moe", "wide-moe"])
 def test_logits_match_transformers(shape_name, dtype_name, megatron_gpu, record):
-    if gpu_results.deadline_left() < 40:
-        pytest.skip("out of tests/gpu/run.sh's time budget")
-    dtype, shape = gm.DTYPES[dtype_name], gm.shapes()[shape_name]
-    if dtype_name == "fp32":
-        gm.exact_fp32()
-    hf = gm.hf_reference(shape)
+    dtype, shape, hf = gm.case(shape_name, dtype_name)
     ours = gm.megatron_model(shape, dtype, "local", hf.state_dict())
     thd_host, bshd_host = gm.batches(shape, shape_name)
     ref = gm.hf_logits(hf, bshd_host, shape, torch.float32)

@@ -15,7 +15,6 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device: GPU checks run on a GPU host (bash tests/gpu/run.sh)", allow_module_level=True)
 
 import gpu_models as gm
-import gpu_results
 
 CHECK = "TE vs local"
 pytestmark = pytest.mark.gpu
@@ -46,14 +45,9 @@ def _load_through_checkpoint(source, target, path) -> list:
 @pytest.mark.parametrize("dtype_name", list(gm.DTYPES))
 @pytest.mark.parametrize("shape_name", ["tiny-moe", "wide-moe"])
 def test_te_equals_local(shape_name, dtype_name, te, megatron_gpu, record, tmp_path):
-    if gpu_results.deadline_left() < 40:
-        pytest.skip("out of tests/gpu/run.sh's time budget")
     from models.qwen35_vl.factory import build_model
 
-    dtype, shape = gm.DTYPES[dtype_name], gm.shapes()[shape_name]
-    if dtype_name == "fp32":
-        gm.exact_fp32()
-    hf = gm.hf_reference(shape)
+    dtype, shape, hf = gm.case(shape_name, dtype_name)
     local = gm.megatron_model(shape, dtype, "local", hf.state_dict())
     del hf
     te_model = build_model(shape, backend="te", params_dtype=dtype).cuda().eval()
