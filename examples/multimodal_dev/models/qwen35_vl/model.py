@@ -14,6 +14,7 @@ import dataclasses
 from megatron.core.models.gpt import GPTModel
 
 from ..base import VisionLanguageModel
+from ..common import mtp_context_parallel
 from ..common.context_parallel import ContextParallelSplit
 from .configuration import Qwen35VLShape
 from .mrope import InterleavedMRoPE
@@ -57,6 +58,12 @@ class Qwen35VLModel(VisionLanguageModel):
     def __init__(self, shape: Qwen35VLShape, language_config, vision_config, backend: str = "local",
                  max_sequence_length: int = 4096):
         text = shape.text
+        if language_config.mtp_num_layers:
+            if language_config.mtp_num_layers > 1 and language_config.context_parallel_size > 1:
+                raise ValueError(f"--mtp-num-layers {language_config.mtp_num_layers} with --context-parallel-size "
+                                 f"{language_config.context_parallel_size}: the MTP loss is split-independent for "
+                                 "one MTP layer only (Qwen3.5 has one)")
+            mtp_context_parallel.install()
         language_model = _LanguageModel(
             config=language_config,
             transformer_layer_spec=decoder_block_spec(language_config, text.layer_types, backend),
