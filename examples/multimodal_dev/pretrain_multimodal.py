@@ -47,10 +47,7 @@ def model_configs():
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
-    args = get_args()
-    if not (pre_process and post_process):
-        raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: the vision-language "
-                         "model is not split into pipeline stages yet")
+    args = get_args()  # main() has refused pipeline parallelism: every stage is the whole model
     entry = get_model_entry(args.model_arch)
     shape, backend = model_shape(), backend_of(args)
     model = entry.load("build_fn")(shape, backend=backend, max_sequence_length=args.seq_length, configs=model_configs())

@@ -38,6 +38,10 @@ def _is_cuda(device) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)
 
 
+# Already host tensors: ``.cuda()`` and ``.pin_memory()`` return them as they are.
+_TO_SELF = (torch.Tensor.cuda, torch.Tensor.pin_memory)
+
+
 class CudaToHostMode(TorchFunctionMode):
     """Every CUDA device argument of a torch call becomes the CPU."""
 
@@ -54,9 +58,6 @@ class CudaToHostMode(TorchFunctionMode):
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], _CPU, *args[2:])
         return func(*args, **kwargs)
-
-
-_TO_SELF = (torch.Tensor.cuda, torch.Tensor.pin_memory)
 
 
 def _enter_mode_in_threads() -> None:

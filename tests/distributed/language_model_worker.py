@@ -31,16 +31,14 @@ def text_only_batch(shape, pad_multiple: int) -> dict:
 
 
 def grad_norm(params) -> float:
-    """L2 norm of the full gradient, each element counted once: a rank adds the squares of the
-    grads it owns (TP duplicates on TP rank 0 only), the world all-reduce sums them (no DP here)."""
+    """megatron-core's grad norm (what megatron.training logs): the grads each rank owns, TP
+    duplicates counted on one rank, reduced over the TP group (no DP here)."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-    total = torch.zeros(1, dtype=torch.float64)
-    for p in params:
-        if p.grad is not None and param_is_not_tensor_parallel_duplicate(p):
-            total += p.grad.double().pow(2).sum()
-    torch.distributed.all_reduce(total)
-    return float(total.sqrt())
+    grads = [p.grad for p in params if p.grad is not None and param_is_not_tensor_parallel_duplicate(p)]
+    return get_grad_norm_fp32(grads, grad_stats_parallel_group=parallel_state.get_tensor_model_parallel_group())
 
 
 def main():
