@@ -7,6 +7,9 @@
 #   HF_CONFIG       take the shape from a Hugging Face config.json instead of a variant
 #                   [CKPT_LOAD/hf_config.json when CKPT_LOAD is an import from Hugging Face]
 #   TP CP EP PP     tensor / context / expert / pipeline parallel sizes [1 1 1 1]
+#   ETP             expert tensor parallel size [TP]
+#   VP              virtual pipeline stages per pipeline rank: the interleaved schedule [1]
+#   PP_FIRST PP_LAST  decoder layers on the first / last pipeline stage (uneven split) [even]
 #   SP              1 = sequence parallelism (needs TP>1) [1 for MoE with TP>1, which megatron requires; else 0]
 #   NPROC           processes on this node [TP*CP*PP]
 #   DATASET         mock | cord_v2 [mock];  DATA_PATH, HF_PROCESSOR_PATH for cord_v2
@@ -20,7 +23,7 @@
 #                   [1 when HF_CONFIG has one, so an import's MTP weights are trained and kept; else 0]
 #   TRANSFORMER_IMPL  transformer_engine | local  [transformer_engine on a GPU host where it imports, else local]
 #   MASTER_PORT     rendezvous port [a free one, chosen by torchrun --standalone]
-#   DRY_RUN=1       print the command and exit
+#   DRY_RUN=1       print the command and exit (and, for 9b ... 397b_a17b, the recommended cluster layout)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
@@ -66,7 +69,8 @@ fi
 read -r LAYERS HIDDEN HEADS KV HEAD_DIM FFN VOCAB EXPERTS TOPK MOE_FFN GDN_K GDN_V SHAPE_MTP <<<"$ROW"
 [[ -n "$HF_CONFIG" ]] && HF_MTP=$SHAPE_MTP
 
-TP=${TP:-1}; CP=${CP:-1}; EP=${EP:-1}; PP=${PP:-1}
+TP=${TP:-1}; CP=${CP:-1}; EP=${EP:-1}; PP=${PP:-1}; ETP=${ETP:-$TP}; VP=${VP:-1}
+PP_FIRST=${PP_FIRST:-0}; PP_LAST=${PP_LAST:-0}
 SP=${SP:-$(( TP > 1 && EXPERTS > 0 ? 1 : 0 ))}
 NPROC=${NPROC:-$((TP * CP * PP))}
 DATASET=${DATASET:-mock}
@@ -76,9 +80,15 @@ if [[ $HAS_GPU == 1 ]]; then
 else
   TRAIN_ITERS=${TRAIN_ITERS:-30}; MBS=${MBS:-2}; GBS=${GBS:-4}; SEQ_LEN=${SEQ_LEN:-1024}; LR=${LR:-2e-3}
 fi
-for var in TP CP EP PP NPROC TRAIN_ITERS MBS GBS SEQ_LEN; do
+for var in TP CP EP PP ETP VP NPROC TRAIN_ITERS MBS GBS SEQ_LEN; do
   [[ "${!var}" =~ ^[1-9][0-9]*$ ]] || fail "$var=${!var} must be a positive integer"
 done
+for var in PP_FIRST PP_LAST; do
+  [[ "${!var}" =~ ^[0-9]+$ ]] || fail "$var=${!var} must be a number of decoder layers"
+done
+# the split of the decoder over pipeline stages (pipeline_layout.py: megatron-core's rule, checked by name)
+SPLIT_ERROR=$("$PY" "$ROOT/examples/multimodal_dev/pipeline_layout.py" check "$LAYERS" "$PP" "$VP" "$PP_FIRST" "$PP_LAST" 2>&1) \
+  || fail "${SPLIT_ERROR#pipeline_layout.py: }"
 [[ "$SP" == 0 || "$SP" == 1 ]] || fail "SP=$SP: expected 0 or 1"
 [[ "$PACKED" == 0 || "$PACKED" == 1 ]] || fail "PACKED=$PACKED: expected 0 (padded BSHD) or 1 (THD packing)"
 [[ "$LR" =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$ ]] || fail "LR=$LR: expected a number such as 1e-4"
@@ -87,7 +97,7 @@ done
 (( EP == 1 || EXPERTS > 0 )) || fail "EP=$EP needs an MoE variant; MODEL_VARIANT=$MODEL_VARIANT is dense"
 (( EXPERTS == 0 || EXPERTS % EP == 0 )) || fail "EP=$EP does not divide the $EXPERTS experts of $MODEL_VARIANT"
 (( NPROC % (TP * CP * PP) == 0 )) || fail "NPROC=$NPROC is not divisible by TP*CP*PP=$((TP * CP * PP))"
-(( (NPROC / PP) % (EP * TP) == 0 )) || fail "EP=$EP: NPROC/PP=$((NPROC / PP)) is not divisible by EP*TP=$((EP * TP))"
+(( (NPROC / PP) % (EP * ETP) == 0 )) || fail "EP=$EP: NPROC/PP=$((NPROC / PP)) is not divisible by EP*ETP=$((EP * ETP))"
 (( HEADS % TP == 0 )) || fail "TP=$TP does not divide the $HEADS attention heads of $MODEL_VARIANT"
 (( GDN_K % (TP * CP) == 0 && GDN_V % (TP * CP) == 0 )) \
   || fail "TP*CP=$((TP * CP)) does not divide the Gated DeltaNet heads ($GDN_K key, $GDN_V value) of $MODEL_VARIANT"
@@ -104,7 +114,7 @@ ARGS=(
   --seq-length "$SEQ_LEN" --max-position-embeddings "$SEQ_LEN"
   --tokenizer-type NullTokenizer --vocab-size "$VOCAB"
   --tensor-model-parallel-size "$TP" --context-parallel-size "$CP"
-  --expert-model-parallel-size "$EP" --pipeline-model-parallel-size "$PP"
+  --expert-model-parallel-size "$EP" --expert-tensor-parallel-size "$ETP" --pipeline-model-parallel-size "$PP"
   --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$TRAIN_ITERS"
   --lr "$LR" --min-lr "$(awk -v lr="$LR" 'BEGIN { print lr / 10 }')" --lr-decay-style cosine
   --lr-warmup-iters $(( TRAIN_ITERS / 10 )) --weight-decay 0.01 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
@@ -117,6 +127,9 @@ else
   ARGS+=(--ffn-hidden-size "$FFN")
 fi
 [[ $PACKED == 1 ]] || ARGS+=(--no-packed-sequence)
+(( VP > 1 )) && ARGS+=(--num-virtual-stages-per-pipeline-rank "$VP")
+(( PP_FIRST > 0 )) && ARGS+=(--decoder-first-pipeline-num-layers "$PP_FIRST")
+(( PP_LAST > 0 )) && ARGS+=(--decoder-last-pipeline-num-layers "$PP_LAST")
 (( SP == 1 )) && ARGS+=(--sequence-parallel)
 # gloo runs the allgather token dispatcher; GPUs use alltoall (uneven per-rank token counts, less traffic)
 (( EXPERTS > 0 && HAS_GPU == 1 )) && ARGS+=(--moe-token-dispatcher-type alltoall)
@@ -162,9 +175,13 @@ fi
 if [[ -n "${MASTER_PORT:-}" ]]; then RDZV=(--master-port "$MASTER_PORT"); else RDZV=(--standalone); fi
 LAUNCH=(torchrun --nproc-per-node "$NPROC" "${RDZV[@]}" "$ROOT/examples/multimodal_dev/pretrain_multimodal.py")
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
+  # the released variants' cluster layouts (README, "Pipeline parallelism"); the command stays the last line
+  if LAYOUT_LINE=$("$PY" "$ROOT/examples/multimodal_dev/pipeline_layout.py" recommend "$MODEL_VARIANT" 2>/dev/null); then
+    echo "# recommended cluster layout: $LAYOUT_LINE"
+  fi
   printf '%q ' "${LAUNCH[@]}" "${ARGS[@]}" "$@"; echo
   exit 0
 fi
 
-echo "run_qwen35_vl.sh: $MODEL_VARIANT, TP=$TP CP=$CP EP=$EP PP=$PP SP=$SP NPROC=$NPROC, dataset $DATASET, $TRAIN_ITERS iterations"
+echo "run_qwen35_vl.sh: $MODEL_VARIANT, TP=$TP CP=$CP EP=$EP PP=$PP VP=$VP SP=$SP NPROC=$NPROC, dataset $DATASET, $TRAIN_ITERS iterations"
 exec "$PY" -m torch.distributed.run "${LAUNCH[@]:1}" "${ARGS[@]}" "$@"

@@ -33,12 +33,17 @@ class Run:
 
 HOOKS = os.path.join(ROOT, "tests", "hooks")
 
+# The model every parallel-vs-single comparison trains: tiny MoE with the MTP head, fp32, THD;
+# those runs compare training steps only, so they skip the closing evaluation.
+PARALLEL_MODEL = dict(MOE=1, MTP=1, SEQ_LEN=512)
+NO_EVAL = ("--eval-iters", "0")
+
 
 def run_script(extra_args=(), timeout: int = 600, **env) -> Run:
     """``bash run_qwen35_vl.sh extra_args`` with ``env``; a fault-injection variable of
     ``tests/hooks/sitecustomize.py`` puts that folder on PYTHONPATH."""
     full_env = {**os.environ, **{k: str(v) for k, v in env.items()}}
-    if "KILL_DURING_SAVE_AT" in env:
+    if "KILL_DURING_SAVE_AT" in env or "RECORD_PIPELINE" in env:
         full_env["PYTHONPATH"] = HOOKS + os.pathsep + full_env.get("PYTHONPATH", "")
     with tempfile.TemporaryDirectory(prefix="run_metrics_") as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")

@@ -8,6 +8,11 @@ were packed or split. megatron.training calls it on every host.
 
 Under context parallelism the model returns the losses of this rank's tokens together with their
 loss mask (the model splits every per-token tensor once); the loss function uses that mask.
+
+Under pipeline parallelism every stage draws the same micro-batch and keeps only what it reads
+(``for_stage``): pixels and grids on the first stage, labels and loss mask on the last; positions,
+packed-sequence boundaries, the padding mask and the token ids (the row's length for MoE
+dispatch; the MTP head's input on the last stage) everywhere. Only decoder activations cross stages.
 """
 
 from __future__ import annotations
@@ -21,6 +26,16 @@ from data.collate import pad_row_to
 
 TENSOR_KEYS = ("tokens", "labels", "loss_mask", "padding_mask", "position_ids", "pixel_values", "image_grid_thw",
                "cu_seqlens", "cu_seqlens_padded")
+
+
+FIRST_STAGE_ONLY = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+LAST_STAGE_ONLY = ("labels", "loss_mask")
+
+
+def for_stage(batch: dict, pre_process: bool, post_process: bool) -> dict:
+    """The batch without the tensors this pipeline stage never reads (None in their place)."""
+    dropped = (() if pre_process else FIRST_STAGE_ONLY) + (() if post_process else LAST_STAGE_ONLY)
+    return {k: (None if k in dropped else v) for k, v in batch.items()}
 
 
 def batch_to_device(batch: dict, device) -> dict:
@@ -68,8 +83,11 @@ def batch_loss(model, batch: dict):
 
 
 def forward_step(data_iterator, model, *_args, **_kwargs):
+    from megatron.core.utils import get_attr_wrapped_model
+
+    stage = get_attr_wrapped_model(model, "pre_process", return_model_obj=True)
     device = next(model.parameters()).device
-    batch = batch_to_device(next(data_iterator), device)
+    batch = batch_to_device(for_stage(next(data_iterator), stage.pre_process, stage.post_process), device)
     batch = equalise_for_expert_dispatch(batch, model)
     output, loss_mask = run_model(model, batch)
     return output, partial(loss_func, loss_mask)

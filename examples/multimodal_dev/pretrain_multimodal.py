@@ -28,9 +28,10 @@ from data.collate import Collator, pad_multiple_for  # noqa: E402
 from data.loader import build_iterator  # noqa: E402
 from data.sample import VisionTokens  # noqa: E402
 from flops import batch_flops  # noqa: E402
-from forward_step import forward_step  # noqa: E402
+from forward_step import for_stage, forward_step  # noqa: E402
 from models import get_model_entry  # noqa: E402
 from models.common.config_from_args import given_flags, megatron_parser  # noqa: E402
+from pipeline_layout import stage_layers  # noqa: E402
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,19 +48,23 @@ def model_configs():
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
-    args = get_args()  # main() has refused pipeline parallelism: every stage is the whole model
+    """One pipeline stage (megatron.training's get_model calls it per virtual stage)."""
+    args = get_args()
     entry = get_model_entry(args.model_arch)
     shape, backend = model_shape(), backend_of(args)
-    model = entry.load("build_fn")(shape, backend=backend, max_sequence_length=args.seq_length, configs=model_configs())
+    model = entry.load("build_fn")(shape, backend=backend, max_sequence_length=args.seq_length, configs=model_configs(),
+                                   pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
     for flag, part in (("freeze_vision", model.vision_model), ("freeze_language", model.language_model)):
-        if getattr(args, flag):
+        if getattr(args, flag) and part is not None:
             for p in part.parameters():
                 p.requires_grad_(False)
     return model
 
 
-def datasets_provider(train_val_test_num_samples):
-    """(train, valid, test) iterators of collated micro-batches for this data-parallel rank."""
+def datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """(train, valid, test) iterators of collated micro-batches for this data-parallel rank; with
+    pipeline parallelism, for one (virtual) stage: every stage draws the same micro-batches and
+    keeps only what it reads (``forward_step.for_stage``: no pixels after the first stage)."""
     from megatron.core import parallel_state
 
     args = get_args()
@@ -75,34 +80,47 @@ def datasets_provider(train_val_test_num_samples):
     collate = Collator(tokens, packed=args.use_packed_sequence,
                        pad_multiple=pad_multiple_for(args.context_parallel_size, args.tensor_model_parallel_size,
                                                      args.sequence_parallel))
+    stage = (parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+             parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     common = dict(micro_batch_size=args.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
-                  collate_fn=functools.partial(_collate_with_flops, collate, shape),
+                  collate_fn=functools.partial(_collate_for_stage, collate, shape, stage),
                   num_workers=args.num_workers)
     return (build_iterator(datasets[0], args.consumed_train_samples, **common),
             build_iterator(datasets[1], args.consumed_valid_samples, cyclic=True, **common),
             build_iterator(datasets[2], 0, **common))
 
 
-def _collate_with_flops(collate, shape, samples):
-    """The collate, plus the micro-batch's training FLOPs on its real tokens (for the log)."""
+def _collate_for_stage(collate, shape, stage, samples):
+    """The collate, plus the micro-batch's training FLOPs on its real tokens (for the log),
+    without the tensors the (pre_process, post_process) ``stage`` never reads."""
     batch = collate(samples)
     batch["stats"]["model_flops"] = batch_flops(shape, batch).training
-    return batch
+    return for_stage(batch, *stage)
 
 
 datasets_provider.is_distributed = True  # every rank builds its own iterators (no TP broadcast)
 
 
 def metered(provider, meter):
-    """``provider`` whose training iterator reports each micro-batch's model FLOPs to ``meter``."""
+    """``provider`` whose training iterator reports each micro-batch's model FLOPs to ``meter``
+    (one iterator a rank: virtual pipeline stages draw the same micro-batches again)."""
 
-    def datasets(train_val_test_num_samples):
-        train, valid, test = provider(train_val_test_num_samples)
-        return meter.tap(train), valid, test
+    def datasets(train_val_test_num_samples, vp_stage=None):
+        train, valid, test = provider(train_val_test_num_samples, vp_stage=vp_stage)
+        return (meter.tap(train) if vp_stage in (None, 0) else train), valid, test
 
     datasets.is_distributed = provider.is_distributed
     return datasets
+
+
+def check_pipeline_split(args) -> None:
+    """Refuse a pipeline split of the decoder that megatron-core cannot build, by flag name
+    (``--num-layers`` is checked against the model shape later)."""
+    if args.num_layers is None or args.pipeline_model_parallel_size == 1 and not args.num_virtual_stages_per_pipeline_rank:
+        return
+    stage_layers(args.num_layers, args.pipeline_model_parallel_size, args.num_virtual_stages_per_pipeline_rank,
+                 args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
 
 
 def main():
@@ -118,18 +136,16 @@ def main():
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
-    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training.arguments import parse_and_validate_args, parse_args
 
     from throughput import StepFlops, install_megatron_training_hooks
 
     use_prebuilt_dataset_helpers()
     distrib_optimizer_fixes.install()  # torch Adam under the distributed optimizer (no Apex / TE)
-    args = parse_and_validate_args(extra_args_provider=add_multimodal_args, args_defaults=engine_defaults())
     try:  # the user's settings, checked before any process group exists: one line, no traceback
+        check_pipeline_split(parse_args(add_multimodal_args))  # before megatron asserts on it
+        args = parse_and_validate_args(extra_args_provider=add_multimodal_args, args_defaults=engine_defaults())
         check_backend(args)
-        if args.pipeline_model_parallel_size > 1:
-            raise ValueError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: the vision-language "
-                             "model is not split into pipeline stages yet")
         model_configs()
     except (ValueError, KeyError, FileNotFoundError) as err:
         raise SystemExit(f"pretrain_multimodal.py: {err.args[0] if err.args else err}")

@@ -3,8 +3,10 @@
 - import a tiny bf16 checkpoint, train from it (``CKPT_LOAD``, shape taken from the import's
   hf_config.json): the first-iteration loss equals the HF model's per-token loss on the same four
   mock samples (1e-5 relative; both fp32 on the CPU, the bf16 weights upcast exactly);
-- import an fp32 checkpoint with MTP, save it from a TP=2 run whose step leaves the weights
-  untouched (LR=0), export that sharded checkpoint: every tensor bitwise equal to the original.
+- import an fp32 checkpoint with MTP, save it from a TP=2 run (and from a PP=2 x VP=2 run: the
+  import trains directly at PP>1) whose step leaves the weights untouched (LR=0), export that
+  sharded checkpoint (the converter loads it at TP=PP=1): every tensor bitwise equal to the
+  original, which is what the import, saved at PP=1, exports.
 """
 
 import os
@@ -12,7 +14,7 @@ import os
 import pytest
 import torch
 from hf_checkpoints import write_hf_checkpoint
-from launch import run_script
+from launch import NO_EVAL, run_script
 
 from data import get_dataset_provider
 from data.sample import VisionTokens
@@ -57,11 +59,12 @@ def test_training_resumes_from_an_import_with_the_hf_loss(tmp_path, mcore):
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPU cores for two ranks")
-def test_export_of_a_tensor_parallel_checkpoint_is_bitwise(tmp_path, mcore):
+@pytest.mark.parametrize("layout", [dict(TP=2), dict(PP=2, VP=2)], ids=["TP=2", "PP=2 VP=2"])
+def test_export_of_a_sharded_checkpoint_is_bitwise(layout, tmp_path, mcore):
     hf_path, ckpt, tp_ckpt, out = (tmp_path / n for n in ("hf", "imported", "sharded", "out"))
     write_hf_checkpoint(hf_path, get_variant("tiny", moe=False, mtp=True), dtype=torch.float32)
     import_hf(str(hf_path), str(ckpt))
-    run_script(CKPT_LOAD=ckpt, CKPT_SAVE=tp_ckpt, MTP=1, TRAIN_ITERS=1, SEQ_LEN=512, LR=0, TP=2).check()
+    run_script(NO_EVAL, CKPT_LOAD=ckpt, CKPT_SAVE=tp_ckpt, MTP=1, TRAIN_ITERS=1, SEQ_LEN=512, LR=0, **layout).check()
     assert (tp_ckpt / "iter_0000001").is_dir()
     export_hf(str(tp_ckpt), str(out))
     original, back = HFTensorSource(str(hf_path)), HFTensorSource(str(out))
@@ -69,4 +72,4 @@ def test_export_of_a_tensor_parallel_checkpoint_is_bitwise(tmp_path, mcore):
     for name in sorted(original.names):
         a, b = original.get(name), back.get(name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
-    print(f"{len(original.names)} tensors bitwise equal after import -> TP=2 save -> export")
+    print(f"{len(original.names)} tensors bitwise equal after import -> {layout} save -> export")

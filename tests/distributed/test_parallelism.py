@@ -28,9 +28,9 @@ import subprocess
 import sys
 
 import pytest
-from launch import ROOT, run_script
+from launch import NO_EVAL, PARALLEL_MODEL, ROOT, run_script
 
-MODEL = dict(MOE=1, MTP=1, SEQ_LEN=512, MBS=4, GBS=8)
+MODEL = dict(PARALLEL_MODEL, MBS=4, GBS=8)
 REL = 1e-5
 REL_LATER_STEPS = 1e-4
 
@@ -51,24 +51,22 @@ def _rel(a: float, b: float) -> float:
 
 
 @pytest.fixture(scope="module")
-def start(tmp_path_factory):
-    path = tmp_path_factory.mktemp("parallel") / "start"
-    run_script(CKPT_SAVE=path, TRAIN_ITERS=1, **MODEL).check()
-    return path
+def start(parallel_start):
+    return parallel_start
 
 
 @pytest.fixture(scope="module")
 def single(start):
     """Single-process references: THD for 3 steps, BSHD for 1."""
-    return {"thd": run_script(CKPT_LOAD=start, TRAIN_ITERS=3, **MODEL).check(),
-            "bshd": run_script(CKPT_LOAD=start, TRAIN_ITERS=1, PACKED=0, **MODEL).check()}
+    return {"thd": run_script(NO_EVAL, CKPT_LOAD=start, TRAIN_ITERS=3, **MODEL).check(),
+            "bshd": run_script(NO_EVAL, CKPT_LOAD=start, TRAIN_ITERS=1, PACKED=0, **MODEL).check()}
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPU cores")
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_parallel_run_matches_single_process(name, start, single):
     env, iters, flags = SETTINGS[name]
-    run = run_script(flags, CKPT_LOAD=start, TRAIN_ITERS=iters, **MODEL, **env).check()
+    run = run_script((*flags, *NO_EVAL), CKPT_LOAD=start, TRAIN_ITERS=iters, **MODEL, **env).check()
     ref = single["bshd" if env.get("PACKED") == 0 else "thd"]
     loss_rel = [_rel(run.losses[i], ref.losses[i]) for i in range(1, iters + 1)]
     norm_rel = _rel(run.grad_norms[1], ref.grad_norms[1])

@@ -6,6 +6,9 @@ PYTHONPATH (``tests/launch.py`` puts it there only for a run that asks):
                             iteration N's checkpoint are written, before megatron records it as the
                             latest. Killing one rank alone would orphan megatron's checkpoint-writer
                             manager process, which keeps the job's output pipes open.
+    RECORD_PIPELINE=DIR     every rank writes DIR/rank<R>.json: its pipeline rank, the parameter
+                            names of each model chunk it built, and the shape and dtype of every
+                            tensor it sent to another pipeline stage.
 
 The training code itself carries no test hooks."""
 
@@ -27,3 +30,35 @@ if os.environ.get("KILL_DURING_SAVE_AT"):
         return result
 
     dist_checkpointing.save = _save_then_die
+
+if os.environ.get("RECORD_PIPELINE") and "RANK" in os.environ:  # training ranks only (torchrun sets RANK)
+    import atexit
+    import json
+
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import p2p_communication
+    from megatron.training import training
+
+    _record = {"chunks": [], "sent": []}
+    _communicate, _get_model = p2p_communication.P2PCommunicator._communicate, training.get_model
+
+    def _recording_communicate(self, *args, tensor_send_next=None, tensor_send_prev=None, **kwargs):
+        for tensor in (tensor_send_next, tensor_send_prev):
+            if tensor is not None:
+                _record["sent"].append([list(tensor.shape), str(tensor.dtype)])
+        return _communicate(self, *args, tensor_send_next=tensor_send_next, tensor_send_prev=tensor_send_prev,
+                            **kwargs)
+
+    def _recording_get_model(*args, **kwargs):
+        model = _get_model(*args, **kwargs)
+        _record["chunks"] = [[name for name, _ in chunk.named_parameters()] for chunk in model]
+        _record["pp_rank"] = parallel_state.get_pipeline_model_parallel_rank()
+        return model
+
+    def _write():
+        with open(os.path.join(os.environ["RECORD_PIPELINE"], f"rank{os.environ['RANK']}.json"), "w") as f:
+            json.dump(_record, f)
+
+    p2p_communication.P2PCommunicator._communicate = _recording_communicate
+    training.get_model = _recording_get_model
+    atexit.register(_write)

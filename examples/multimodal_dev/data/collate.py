@@ -138,8 +138,8 @@ def pad_row_to(batch: dict, length: int) -> dict:
     if extra == 0:
         return batch
 
-    def pad(t, value):
-        return torch.nn.functional.pad(t, (0, extra), value=value)
+    def pad(t, value):  # None: a tensor this pipeline stage does not read
+        return None if t is None else torch.nn.functional.pad(t, (0, extra), value=value)
 
     out = dict(batch, tokens=pad(batch["tokens"], 0), labels=pad(batch["labels"], IGNORE_INDEX),
                loss_mask=pad(batch["loss_mask"], 0.0), position_ids=pad(batch["position_ids"], 0),

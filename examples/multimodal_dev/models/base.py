@@ -17,6 +17,12 @@ exactly once. Then, in this order:
         embedding would have done (a decoder_input handed to GPTModel is used as is).
 The per-token loss that comes back covers this rank's tokens only; ``return_loss_mask`` hands
 back the matching loss mask so the caller never slices one itself.
+
+Pipeline parallelism: a stage is built with ``pre_process`` / ``post_process`` (megatron.training's
+get_model). Only the first stage holds the vision tower and does the merge; later stages take the
+decoder activations megatron's schedule hands to ``set_input_tensor`` ([T/cp(/tp), 1, H] THD,
+[S/cp(/tp), B, H] BSHD: already split) and read only positions, packed-sequence parameters,
+the padding mask and, on the last stage, labels, loss mask (and input_ids for the MTP head).
 """
 
 from __future__ import annotations
@@ -30,16 +36,25 @@ from .common.context_parallel import ContextParallelSplit
 
 class VisionLanguageModel(MegatronModule):
     def __init__(self, config, vision_model, language_model, image_token_id: int, video_token_id: int):
+        """``vision_model`` is None on pipeline stages other than the first."""
         super().__init__(config=config)
         self.vision_model = vision_model
         self.language_model = language_model
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id
+        # megatron's gradient finalisation finds the stage's model by ``pre_process`` and reduces
+        # the tied embedding / MTP-shared word embeddings through the two members below.
+        self.pre_process = language_model.pre_process
+        self.post_process = language_model.post_process
+        self.share_embeddings_and_output_weights = language_model.share_embeddings_and_output_weights
 
     @property
     def pg_collection(self):
         """The decoder's process groups: megatron.training reads them off the model it trains."""
         return self.language_model.pg_collection
+
+    def shared_embedding_or_output_weight(self):
+        return self.language_model.shared_embedding_or_output_weight()
 
     def set_input_tensor(self, input_tensor):
         self.language_model.set_input_tensor(input_tensor)
@@ -94,8 +109,12 @@ class VisionLanguageModel(MegatronModule):
         load-balancing statistics, whose amount of padding would otherwise depend on CP/SP/EP.
         Under sequence parallelism it is dropped: megatron-core's MTP head rolls it with the
         row's global sample offsets, which do not fit an SP-scattered mask."""
-        decoder_input = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
-        split = ContextParallelSplit.for_row(input_ids.shape[1], self.language_model.pg_collection.cp,
+        decoder_input = None  # later pipeline stages: the activations given to set_input_tensor
+        if self.pre_process:
+            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+        elif pixel_values is not None or pixel_values_videos is not None:
+            raise ValueError("pixel values handed to a pipeline stage without the vision tower")
+        split = ContextParallelSplit.for_row(position_ids.shape[-1], self.language_model.pg_collection.cp,
                                              packed_seq_params)
         if split is not None:
             decoder_input = split.take(decoder_input, 0)
@@ -103,8 +122,9 @@ class VisionLanguageModel(MegatronModule):
                 split.take(t, 1) for t in (input_ids, labels, loss_mask, padding_mask))
             position_ids = split.take(position_ids, -1)
         if self.config.sequence_parallel:
-            decoder_input = tensor_parallel.scatter_to_sequence_parallel_region(
-                decoder_input, group=self.language_model.pg_collection.tp)
+            if decoder_input is not None:
+                decoder_input = tensor_parallel.scatter_to_sequence_parallel_region(
+                    decoder_input, group=self.language_model.pg_collection.tp)
             padding_mask = None
         output = self.language_model(
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,

@@ -84,14 +84,21 @@ def transformer_configs(args, architecture: dict, recipe: dict, vision_architect
     _refuse_contradictions(base, architecture, given, source)
     recipe = {k: v for k, v in recipe.items() if _FLAG_OF_FIELD.get(k, k) not in given}
     language = dataclasses.replace(base, **recipe, **architecture)
+    # Packed (and padded-to-longest) rows change length from one micro-batch to the next, so
+    # pipeline stages exchange each activation's shape before it (one 3-integer message). Set
+    # after validation: megatron-core refuses it with the allgather MoE dispatcher (and even for
+    # dense models, whose dispatcher setting is unused) because that dispatcher gathers
+    # equal-sized buffers; forward_step pads the rows of a TP x EP group to one length first.
+    language.variable_seq_lengths = base.pipeline_model_parallel_size > 1
     # The vision tower shares precision, TP and recompute settings; its own shape replaces the rest.
     vision = dataclasses.replace(base, **_vision_neutral(base), **vision_architecture)
     return language, vision
 
 
 def _vision_neutral(base) -> dict:
-    """Decoder-only settings that would not validate for the vision tower's shape."""
-    neutral = {}
+    """Decoder-only settings that would not validate for the vision tower's shape. The tower is
+    whole on the first pipeline stage: no pipeline split of its own layers."""
+    neutral = {"pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None}
     for field in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
                   "pipeline_model_parallel_layout"):
         if getattr(base, field, None) is not None:

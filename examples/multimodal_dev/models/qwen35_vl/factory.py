@@ -29,14 +29,17 @@ def validate_parallel(shape: Qwen35VLShape, tp: int = 1, cp: int = 1, ep: int = 
 
 
 def build_model(shape: Qwen35VLShape, backend: str = "local", params_dtype=torch.float32,
-                max_sequence_length: int = 4096, configs=None, **settings) -> Qwen35VLModel:
+                max_sequence_length: int = 4096, configs=None, pre_process: bool = True, post_process: bool = True,
+                vp_stage: int | None = None, **settings) -> Qwen35VLModel:
     """``configs``: (decoder, vision) TransformerConfigs made from megatron's args (training);
     without them, standalone configs from ``settings`` (TransformerConfig fields such as
-    tensor_model_parallel_size) for tests, conversion and benchmarks."""
+    tensor_model_parallel_size) for tests, conversion and benchmarks. ``pre_process`` /
+    ``post_process`` / ``vp_stage``: the pipeline stage to build (megatron.training's get_model)."""
     if configs is None:
         configs = (language_transformer_config(shape.text, params_dtype, **settings),
                    vision_transformer_config(shape.vision, params_dtype, **settings))
     language_config, vision_config = configs
     validate_parallel(shape, language_config.tensor_model_parallel_size, language_config.context_parallel_size,
                       language_config.expert_model_parallel_size)
-    return Qwen35VLModel(shape, language_config, vision_config, backend, max_sequence_length)
+    return Qwen35VLModel(shape, language_config, vision_config, backend, max_sequence_length,
+                         pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)

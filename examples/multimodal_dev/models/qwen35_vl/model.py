@@ -56,7 +56,10 @@ class _LanguageModel(GPTModel):
 
 class Qwen35VLModel(VisionLanguageModel):
     def __init__(self, shape: Qwen35VLShape, language_config, vision_config, backend: str = "local",
-                 max_sequence_length: int = 4096):
+                 max_sequence_length: int = 4096, pre_process: bool = True, post_process: bool = True,
+                 vp_stage: int | None = None):
+        """One pipeline stage (the whole model by default): the vision tower only where
+        ``pre_process``; GPTModel places the output layer, loss and MTP head where ``post_process``."""
         text = shape.text
         if language_config.mtp_num_layers:
             if language_config.mtp_num_layers > 1 and language_config.context_parallel_size > 1:
@@ -66,7 +69,7 @@ class Qwen35VLModel(VisionLanguageModel):
             mtp_context_parallel.install()
         language_model = _LanguageModel(
             config=language_config,
-            transformer_layer_spec=decoder_block_spec(language_config, text.layer_types, backend),
+            transformer_layer_spec=decoder_block_spec(language_config, text.layer_types, backend, vp_stage),
             vocab_size=text.vocab_size,
             max_sequence_length=max_sequence_length,
             position_embedding_type="mrope",
@@ -74,11 +77,12 @@ class Qwen35VLModel(VisionLanguageModel):
             rotary_base=int(text.rope_theta),
             share_embeddings_and_output_weights=text.tie_word_embeddings,
             mtp_block_spec=mtp_block_spec(language_config, backend),
+            pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
         )
         # megatron-core's MultimodalRotaryEmbedding concatenates the t/h/w sections; Qwen3.5
         # interleaves them channel by channel. Same call signature, so it drops in.
         language_model.rotary_pos_emb = InterleavedMRoPE(
             text.head_dim, text.partial_rotary_factor, text.rope_theta, text.mrope_section)
-        vision_model = Qwen35VisionModel(vision_config, shape.vision, backend)
+        vision_model = Qwen35VisionModel(vision_config, shape.vision, backend) if pre_process else None
         super().__init__(language_config, vision_model, language_model, shape.image_token_id, shape.video_token_id)
         self.shape = shape

@@ -128,10 +128,25 @@ def _decoder_layer_spec(m: _Modules, layer_type: str, config) -> ModuleSpec:
     ))
 
 
-def decoder_block_spec(config, layer_types, backend: str) -> TransformerBlockSubmodules:
+def stage_layer_types(config, layer_types, vp_stage=None) -> list:
+    """The layer types of the decoder layers this pipeline stage builds, in order: megatron-core's
+    split (even, ``--decoder-first/last-pipeline-num-layers``, virtual stages) applied to the global
+    pattern, so a layer keeps its Gated DeltaNet / full-attention type wherever it lands."""
+    if config.pipeline_model_parallel_size == 1:
+        return list(layer_types)
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    offset = get_transformer_layer_offset(config, vp_stage)
+    return list(layer_types[offset:offset + get_num_layers_to_build(config, vp_stage)])
+
+
+def decoder_block_spec(config, layer_types, backend: str, vp_stage=None) -> TransformerBlockSubmodules:
+    """This stage's decoder layers (megatron's TransformerBlock builds a layer-spec list as given)."""
     m = _Modules(backend)
-    return TransformerBlockSubmodules(layer_specs=[_decoder_layer_spec(m, lt, config) for lt in layer_types],
-                                      layer_norm=m.norm)
+    return TransformerBlockSubmodules(
+        layer_specs=[_decoder_layer_spec(m, lt, config) for lt in stage_layer_types(config, layer_types, vp_stage)],
+        layer_norm=m.norm)
 
 
 def mtp_block_spec(config, backend: str) -> MultiTokenPredictionBlockSubmodules | None:

@@ -1,0 +1,126 @@
+"""Pipeline splits: which decoder layers each stage holds, refused by name when impossible, and
+the launch layouts recommended for the released variants.
+
+megatron-core's rule (``get_transformer_layer_offset`` / ``get_num_layers_to_build``): with
+``--decoder-first/last-pipeline-num-layers`` those stages hold that many layers and the middle
+stages share the rest evenly, otherwise all stages share evenly; with virtual stages every
+stage's layers are cut into ``vp`` equal chunks, and the model runs round by round: chunk v of
+every rank in rank order, then chunk v+1 (so a rank's chunks are not contiguous). megatron asserts these with a traceback, deep in argument validation or model
+building; ``stage_layers`` checks them first and says which setting is wrong.
+
+    python pipeline_layout.py check LAYERS PP VP FIRST LAST   (0 = unset; the run script's check)
+    python pipeline_layout.py recommend VARIANT               (the layout for a released variant)
+"""
+
+from __future__ import annotations
+
+# How the run script and megatron name each setting, for messages.
+FLAG_NAMES = {"pp": "--pipeline-model-parallel-size", "vp": "--num-virtual-stages-per-pipeline-rank",
+              "first": "--decoder-first-pipeline-num-layers", "last": "--decoder-last-pipeline-num-layers"}
+ENV_NAMES = {"pp": "PP=", "vp": "VP=", "first": "PP_FIRST=", "last": "PP_LAST="}
+
+
+def stage_layers(num_layers: int, pp: int, vp: int | None = None, first: int | None = None,
+                 last: int | None = None, names: dict = FLAG_NAMES) -> list[list[range]]:
+    """Global decoder layer indices of every (pipeline rank, virtual stage), or ValueError naming
+    the setting that cannot be split."""
+    def name(key, value):
+        sep = "" if names[key].endswith("=") else " "
+        return f"{names[key]}{sep}{value}"
+
+    vp = vp or 1
+    if pp < 1 or vp < 1:
+        raise ValueError(f"{name('pp', pp)} {name('vp', vp)}: sizes must be positive")
+    if pp == 1 and (vp > 1 or first or last):
+        given = [name(k, v) for k, v in (("vp", vp if vp > 1 else None), ("first", first), ("last", last)) if v]
+        raise ValueError(f"{', '.join(given)} needs pipeline parallelism ({name('pp', pp)})")
+    counts = [None] * pp
+    for key, value, index in (("first", first, 0), ("last", last, pp - 1)):
+        if value is not None:
+            if not 1 <= value < num_layers:
+                raise ValueError(f"{name(key, value)}: must be between 1 and {num_layers - 1} (the model has "
+                                 f"{num_layers} decoder layers)")
+            counts[index] = value
+    rest, open_stages = num_layers - sum(c for c in counts if c), counts.count(None)
+    if open_stages == 0 and rest != 0:
+        raise ValueError(f"{name('first', first)} + {name('last', last)} = {first + last} layers with "
+                         f"{name('pp', pp)}, but the model has {num_layers}")
+    if open_stages and (rest < open_stages or rest % open_stages):
+        what = "the remaining" if first or last else "the"
+        raise ValueError(f"{name('pp', pp)}: {what} {rest} decoder layers do not split evenly over {open_stages} "
+                         f"stages" + (f" (set {names['first'].rstrip('=')} / {names['last'].rstrip('=')})"
+                                      if not (first or last) else ""))
+    if vp > 1 and open_stages == 0:  # its layer offset divides by the number of middle stages
+        raise ValueError(f"{name('vp', vp)} with both {name('first', first)} and {name('last', last)} at "
+                         f"{name('pp', pp)}: megatron-core places uneven virtual stages only when some stage "
+                         f"takes the even share; give one of the two")
+    counts = [c if c is not None else rest // open_stages for c in counts]
+    bad = [(p, c) for p, c in enumerate(counts) if c % vp]
+    if bad:
+        p, c = bad[0]
+        raise ValueError(f"{name('vp', vp)}: pipeline stage {p} holds {c} layers, not a multiple of {vp} "
+                         f"(every virtual stage needs the same number of layers, at least one)")
+    chunk = [c // vp for c in counts]  # layers per virtual stage of each rank
+    # virtual round v runs chunk v of every rank in rank order: L/vp layers a round
+    return [[range(v * num_layers // vp + sum(chunk[:p]), v * num_layers // vp + sum(chunk[:p]) + chunk[p])
+             for v in range(vp)] for p in range(pp)]
+
+
+def describe(layers: list[list[range]], layer_types=None) -> str:
+    """One line per pipeline rank: its layers (and their types) per virtual stage."""
+    lines = []
+    for p, chunks in enumerate(layers):
+        parts = []
+        for chunk in chunks:
+            text = f"{chunk.start}-{chunk.stop - 1}" if len(chunk) > 1 else f"{chunk.start}"
+            if layer_types is not None:
+                text += " (" + "".join("A" if layer_types[i] == "full_attention" else "G" for i in chunk) + ")"
+            parts.append(text)
+        lines.append(f"  stage {p}: layers " + " | ".join(parts) + (" + vision tower" if p == 0 else ""))
+    return "\n".join(lines)
+
+
+# Recommended launch layouts on 8-GPU H100 (80 GB) nodes. Why each, in the README's "Pipeline
+# parallelism" section: dense models stay within a node (TP over NVLink, PP only when a replica
+# does not fit); MoE models follow Megatron-Bridge's recipes (EP over nodes, PP with virtual
+# stages to shrink the bubble); the first stage holds fewer layers because it also runs the
+# vision tower. ETP: expert tensor parallelism (1: whole experts per rank, as in Bridge's recipes).
+LAYOUTS = {
+    #             TP PP VP    CP EP  ETP FIRST LAST  GPUs
+    "9b":        (2, 1, None, 1, 1,  2,  None, None, 8),
+    "27b":       (4, 2, None, 1, 1,  4,  None, None, 16),
+    "35b_a3b":   (1, 2, None, 1, 8,  1,  17,   23,   16),
+    "122b_a10b": (2, 8, 2,    1, 16, 1,  None, None, 128),
+    "397b_a17b": (2, 8, 4,    1, 32, 1,  4,    8,    256),
+}
+
+
+def recommend(variant: str) -> str:
+    if variant not in LAYOUTS:
+        raise KeyError(f"MODEL_VARIANT={variant}: no recommended cluster layout (have {', '.join(LAYOUTS)})")
+    tp, pp, vp, cp, ep, etp, first, last, gpus = LAYOUTS[variant]
+    dp = gpus // (tp * pp * cp)
+    env = f"TP={tp} PP={pp} CP={cp}" + (f" EP={ep} ETP={etp}" if ep > 1 else "") + (f" VP={vp}" if vp else "") + \
+        (f" PP_FIRST={first} PP_LAST={last}" if first else "")
+    return f"{variant}: {env} (DP={dp}) on {gpus} GPUs = {gpus // 8} node(s) of 8"
+
+
+def _main(argv: list[str]) -> str:
+    if argv[:1] == ["check"] and len(argv) == 6:
+        layers, pp, vp, first, last = (int(a) for a in argv[1:])
+        stage_layers(layers, pp, vp or None, first or None, last or None, names=ENV_NAMES)
+        return ""
+    if argv[:1] == ["recommend"] and len(argv) == 2:
+        return recommend(argv[1])
+    raise SystemExit("usage: pipeline_layout.py check LAYERS PP VP FIRST LAST | recommend VARIANT")
+
+
+if __name__ == "__main__":
+    import sys
+
+    try:
+        out = _main(sys.argv[1:])
+    except (KeyError, ValueError) as err:
+        raise SystemExit(f"pipeline_layout.py: {err.args[0]}")
+    if out:
+        print(out)
