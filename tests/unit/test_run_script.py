@@ -78,12 +78,30 @@ def test_model_flag_mismatch_is_named():
     (dict(MODEL_VARIANT="nope"), "MODEL_VARIANT=nope: unknown --model-variant .nope.; valid: 0.8b"),
     (dict(DATASET="cord_v2"), "DATASET=cord_v2 needs DATA_PATH"),
     (dict(MBS=0), "MBS=0 must be a positive integer"),
+    (dict(PP=3), "PP=3: the 4 decoder layers do not split evenly over 3 stages"),
+    (dict(PP=2, VP=4), "VP=4: pipeline stage 0 holds 2 layers, not a multiple of 4"),
+    (dict(VP=2), "VP=2 needs pipeline parallelism"),
+    (dict(PP=2, PP_FIRST=4), "PP_FIRST=4: must be between 1 and 3"),
+    (dict(PP=2, PP_FIRST="x"), "PP_FIRST=x must be a number of decoder layers"),
+    (dict(MOE=1, EP=2, ETP=2, NPROC=2), "EP=2: NPROC/PP=2 is not divisible by EP\\*ETP=4"),
 ])
 def test_impossible_settings_fail_with_the_variable(env, message):
     import re
 
     rc, _, err = _script(MODEL_VARIANT=env.pop("MODEL_VARIANT", "tiny"), **env)
     assert rc != 0 and re.search(message, err), err
+
+
+def test_pipeline_settings_reach_megatron_and_layouts_are_printed():
+    rc, out, err = _script(MODEL_VARIANT="tiny", PP=2, VP=2)
+    assert rc == 0, err
+    flags = _flags(out)
+    assert flags["pipeline_model_parallel_size"] == "2" and flags["num_virtual_stages_per_pipeline_rank"] == "2"
+    assert flags["nproc_per_node"] == "2"
+    rc, out, err = _script(MODEL_VARIANT="tiny", PP=2, PP_FIRST=1)
+    assert _flags(out)["decoder_first_pipeline_num_layers"] == "1" and "decoder_last_pipeline_num_layers" not in _flags(out)
+    rc, out, err = _script(MODEL_VARIANT="122b_a10b")
+    assert rc == 0 and "# recommended cluster layout: 122b_a10b: TP=2 PP=8 CP=1 EP=16 ETP=1 VP=2 (DP=8) on 128 GPUs" in out
 
 
 def test_cpu_dry_run_uses_the_engine_with_the_local_backend():
