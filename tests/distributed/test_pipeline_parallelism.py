@@ -17,17 +17,26 @@ on stage 0 with the vision tower, 2-3 on stage 1 with the output layer and MTP h
 The interleaved run records (tests/hooks) every rank's parameters and every tensor it sends to
 another stage: vision parameters exist on the first stage's first chunk only, and only decoder
 activations [T, 1, H] cross stages.
+
+Tied embeddings (dense ``tiny`` with ``tie_word_embeddings``, no MTP): the word embedding lives on
+stage 0 and the output layer's copy on stage 1; their gradients must be summed across the two
+(megatron's finalize_model_grads) for PP=2 to train like one process. That run starts from a
+Hugging Face import: an import trains directly at PP>1.
 """
 
+import dataclasses
 import json
 import os
 
 import pytest
+import torch
+from hf_checkpoints import write_hf_checkpoint
 from launch import NO_EVAL, PARALLEL_MODEL, run_script
 
 from data import get_dataset_provider
 from data.sample import VisionTokens
 from models.qwen35_vl.configuration import get_variant
+from tools.convert_checkpoint import import_hf
 
 MODEL = dict(PARALLEL_MODEL, MBS=1, GBS=8)
 REL, REL_LATER_STEPS = 1e-5, 1e-4
@@ -100,3 +109,19 @@ def _check_stage_contents(record_dir, hidden: int):
             # THD activations (or their gradients): [tokens, 1, hidden]; pixels would be [patches, patch_dim]
             assert len(shape) == 3 and shape[1:] == [1, hidden] and dtype == "torch.float32", (shape, dtype)
     print("sent between stages:", sorted({tuple(s) for r in records for s, _ in r["sent"]})[:4], "...")
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPU cores")
+def test_tied_embeddings_train_across_stages(tmp_path, mcore):
+    shape = get_variant("tiny", moe=False)
+    shape = dataclasses.replace(shape, text=dataclasses.replace(shape.text, tie_word_embeddings=True))
+    write_hf_checkpoint(tmp_path / "hf", shape, dtype=torch.float32)
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "imported"))
+    common = dict(CKPT_LOAD=tmp_path / "imported", TRAIN_ITERS=ITERS, SEQ_LEN=512, MBS=2, GBS=8)
+    single = run_script(NO_EVAL, **common).check()
+    run = run_script(NO_EVAL, PP=2, **common).check()
+    loss_rel = [_rel(run.losses[i], single.losses[i]) for i in range(1, ITERS + 1)]
+    norm_rel = [_rel(run.grad_norms[i], single.grad_norms[i]) for i in range(1, ITERS + 1)]
+    print(f"tied embeddings PP=2: loss rel {[f'{r:.1e}' for r in loss_rel]}, grad norm rel "
+          f"{[f'{r:.1e}' for r in norm_rel]}")
+    assert loss_rel[0] < REL and norm_rel[0] < REL and max(loss_rel) < REL_LATER_STEPS
