@@ -16,7 +16,10 @@
 #   TRAIN_ITERS MBS GBS SEQ_LEN LR    [30 2 4 1024 2e-3 on CPU; 20 1 8 4096 1e-4 on GPU]
 #   CKPT_LOAD       checkpoint to start from (with --finetune semantics: weights only)
 #   CKPT_SAVE       where to save (at the end, and every SAVE_INTERVAL iterations)
-#   CKPT_RESUME     one directory to resume from and keep saving to (exact resume)
+#   CKPT_RESUME     one directory to resume from and keep saving to (exact resume); a resumed run
+#                   keeps the checkpoint's LR schedule, so TRAIN_ITERS may grow to extend a run
+#   LR_WARMUP_ITERS LR_DECAY_ITERS  the LR schedule [TRAIN_ITERS/10, TRAIN_ITERS]; when resuming,
+#                   setting either replaces the checkpoint's schedule
 #   PACKED          1 = THD packing (default), 0 = padded BSHD
 #   MOE=1           tiny only: 4 experts (top-2), so EP can be exercised on CPU
 #   MTP=1           also train the multi-token-prediction head (--mtp-num-layers 1)
@@ -86,6 +89,9 @@ done
 for var in PP_FIRST PP_LAST; do
   [[ "${!var}" =~ ^[0-9]+$ ]] || fail "$var=${!var} must be a number of decoder layers"
 done
+for var in LR_WARMUP_ITERS LR_DECAY_ITERS; do
+  [[ -z "${!var:-}" || "${!var}" =~ ^[0-9]+$ ]] || fail "$var=${!var} must be a number of iterations"
+done
 # the split of the decoder over pipeline stages (pipeline_layout.py: megatron-core's rule, checked by name)
 SPLIT_ERROR=$("$PY" "$ROOT/examples/multimodal_dev/pipeline_layout.py" check "$LAYERS" "$PP" "$VP" "$PP_FIRST" "$PP_LAST" 2>&1) \
   || fail "${SPLIT_ERROR#pipeline_layout.py: }"
@@ -117,7 +123,8 @@ ARGS=(
   --expert-model-parallel-size "$EP" --expert-tensor-parallel-size "$ETP" --pipeline-model-parallel-size "$PP"
   --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$TRAIN_ITERS"
   --lr "$LR" --min-lr "$(awk -v lr="$LR" 'BEGIN { print lr / 10 }')" --lr-decay-style cosine
-  --lr-warmup-iters $(( TRAIN_ITERS / 10 )) --weight-decay 0.01 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
+  --lr-warmup-iters "${LR_WARMUP_ITERS:-$(( TRAIN_ITERS / 10 ))}" --lr-decay-iters "${LR_DECAY_ITERS:-$TRAIN_ITERS}"
+  --weight-decay 0.01 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
   --calculate-per-token-loss --log-interval 1 --eval-interval "$TRAIN_ITERS" --eval-iters 2
   --dataset-provider "$DATASET" --seed 1234 "${VARIANT_FLAGS[@]}"
 )
@@ -166,6 +173,17 @@ ARGS+=(--log-throughput)
 if [[ $HAS_GPU == 1 ]]; then ARGS+=(--bf16); else ARGS+=(--distributed-backend gloo); fi
 if [[ -n "${CKPT_RESUME:-}" ]]; then
   ARGS+=(--load "$CKPT_RESUME" --save "$CKPT_RESUME" --save-interval "${SAVE_INTERVAL:-$TRAIN_ITERS}")
+  if [[ -f "$CKPT_RESUME/latest_checkpointed_iteration.txt" ]]; then
+    # megatron refuses a schedule that differs from the checkpoint's: keep the saved one (a longer
+    # TRAIN_ITERS then extends the run at its final LR) unless the user sets one explicitly
+    if [[ -n "${LR_WARMUP_ITERS:-}${LR_DECAY_ITERS:-}" ]]; then
+      ARGS+=(--override-opt_param-scheduler)
+      echo "run_qwen35_vl.sh: resuming with the LR schedule of LR_WARMUP_ITERS / LR_DECAY_ITERS"
+    else
+      ARGS+=(--use-checkpoint-opt_param-scheduler)
+      echo "run_qwen35_vl.sh: resuming with the checkpoint's LR schedule (LR_WARMUP_ITERS / LR_DECAY_ITERS replace it)"
+    fi
+  fi
 else
   [[ -n "${CKPT_LOAD:-}" ]] && ARGS+=(--load "$CKPT_LOAD" --finetune)
   [[ -n "${CKPT_SAVE:-}" ]] && ARGS+=(--save "$CKPT_SAVE" --save-interval "${SAVE_INTERVAL:-$TRAIN_ITERS}")

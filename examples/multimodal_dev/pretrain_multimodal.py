@@ -21,6 +21,7 @@ for _path in (_HERE, os.path.dirname(os.path.dirname(_HERE))):  # this folder; t
 
 from megatron.training import get_args  # noqa: E402
 
+import checkpoint_safety  # noqa: E402
 from arguments import add_multimodal_args, resolve_shape  # noqa: E402
 from backend import backend_of, check_backend, engine_defaults, use_prebuilt_dataset_helpers  # noqa: E402
 from data import get_dataset_provider  # noqa: E402
@@ -141,6 +142,7 @@ def main():
     from throughput import StepFlops, install_megatron_training_hooks
 
     use_prebuilt_dataset_helpers()
+    checkpoint_safety.install()  # a checkpoint directory is data: nothing in it may run code
     distrib_optimizer_fixes.install()  # torch Adam under the distributed optimizer (no Apex / TE)
     try:  # the user's settings, checked before any process group exists: one line, no traceback
         check_pipeline_split(parse_args(add_multimodal_args))  # before megatron asserts on it
@@ -151,8 +153,13 @@ def main():
         raise SystemExit(f"pretrain_multimodal.py: {err.args[0] if err.args else err}")
     meter = StepFlops()
     install_megatron_training_hooks(meter)
-    pretrain(pretrain_cfg_container_from_args(args), metered(datasets_provider, meter), ModelType.encoder_or_decoder,
-             forward_step, model_provider=model_provider)
+    try:
+        pretrain(pretrain_cfg_container_from_args(args), metered(datasets_provider, meter),
+                 ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+    except BaseException as err:  # DCP's CheckpointException is a BaseException
+        if checkpoint_safety.refusal(err) is None:
+            raise
+        raise SystemExit(f"pretrain_multimodal.py: {checkpoint_safety.refusal(err)}") from None
 
 
 if __name__ == "__main__":

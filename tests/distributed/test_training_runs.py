@@ -7,7 +7,9 @@
   full precision), the same validation loss, and a bitwise-equal final checkpoint (weights and
   optimizer state);
 - a process killed (SIGKILL) while writing a checkpoint leaves the previous one loadable, and
-  training resumes from it with the same losses;
+  training resumes from it with the same losses; a longer TRAIN_ITERS then extends the run (on
+  the checkpoint's LR schedule); a pickle planted in the checkpoint is refused in one line and
+  never runs;
 - a NaN stops the run before any checkpoint of the bad step is written;
 - TP=2 (no SP, dense) on the same weights (with the MTP head) reports the first-iteration loss,
   MTP loss and grad norm of the single process (1e-5 rel);
@@ -16,6 +18,7 @@
 
 import glob
 import os
+import pickle
 
 import pytest
 import torch
@@ -75,6 +78,25 @@ def test_killed_save_keeps_previous_checkpoint(tmp_path):
     assert sorted(again.losses) == [3, 4]
     assert again.losses == {i: killed.losses[i] for i in (3, 4)}
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    longer = run_script(**{**common, "TRAIN_ITERS": 5}).check()
+    assert sorted(longer.losses) == [5] and "resuming with the checkpoint's LR schedule" in longer.output
+    marker, metadata = tmp_path / "ran", ckpt / "iter_0000005" / ".metadata"
+    with open(metadata, "wb") as f:
+        pickle.dump(_Plant(marker), f)
+    refused = run_script(**{**common, "TRAIN_ITERS": 6})
+    assert refused.returncode != 0 and not marker.exists()
+    assert (f"pretrain_multimodal.py: checkpoint refused: {metadata}: it names 'posix.system', which is not "
+            "checkpoint data") in refused.output, refused.output[-3000:]
+
+
+class _Plant:
+    """Unpickling this would run ``os.system`` (creating ``path``)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
 
 
 def test_nan_stops_without_saving_the_bad_step(tmp_path):

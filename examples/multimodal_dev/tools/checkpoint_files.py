@@ -78,8 +78,12 @@ def checkpoint_directory(root: str) -> str:
 
 
 def load_model_weights(model, directory: str) -> None:
-    """Model weights from one iteration directory, resharded to this model's TP/EP layout."""
+    """Model weights from one iteration directory, resharded to this model's TP/EP layout.
+    Nothing in the directory is unpickled beyond checkpoint data (``checkpoint_safety``)."""
     from megatron.core import dist_checkpointing
 
+    from checkpoint_safety import install
+
+    install()
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)
     model.load_state_dict(state["model"])

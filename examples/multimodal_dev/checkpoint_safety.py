@@ -1,0 +1,117 @@
+"""Checkpoints are data, never code.
+
+A torch_dist checkpoint is read by ``torch.distributed.checkpoint`` (DCP), which unpickles two
+things: the ``.metadata`` index (plain ``pickle.load``) and every non-tensor entry (args, RNG
+states, optimizer hyper-parameters: ``torch.load(weights_only=False)``). A checkpoint directory
+from anywhere could therefore run arbitrary code on load. ``install()`` narrows both:
+
+- ``.metadata``: an unpickler that resolves only classes of DCP's own modules (plain dataclasses
+  and enums), ``torch.Size``, torch dtypes and layouts, and builtin containers; any other global
+  (``os.system``, ``builtins.eval``, ...) stops the load naming the file and the global;
+- non-tensor entries: ``torch.load(weights_only=True)`` with megatron-core's registered safe
+  classes (``megatron.core.safe_globals``: Namespace, numpy arrays, its enums).
+
+Installed by the training entry point and the checkpoint tools, on every host.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+import types
+
+_BUILTINS = {"dict", "list", "tuple", "set", "frozenset", "int", "float", "bool", "str", "bytes", "complex",
+             "slice", "range"}
+_TORCH_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+                  ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}  # DCP's checkpoint_id
+_DCP_MODULE = "torch.distributed.checkpoint."
+
+
+_REFUSED, _END = "checkpoint refused: ", " (a checkpoint must never run code)"
+
+
+class CheckpointCodeError(pickle.UnpicklingError):
+    """A checkpoint file names a global that is not checkpoint data."""
+
+    def __init__(self, where: str, what: str):
+        super().__init__(f"{_REFUSED}{where}: it names {what}, which is not checkpoint data{_END}")
+
+
+def refusal(err: BaseException) -> str | None:
+    """The refusal inside ``err``: DCP re-raises reader errors wrapped in its own exceptions
+    (their text carries ours), so the training entry point finds it by its text."""
+    text = str(err)
+    start = text.find(_REFUSED)
+    return text[start:text.find(_END, start) + len(_END)] if start >= 0 else None
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file, source: str):
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module: str, name: str):
+        import torch
+
+        allowed = ((module == "builtins" and name in _BUILTINS) or (module, name) in _TORCH_GLOBALS
+                   or (module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout))))
+        if not allowed and module.startswith(_DCP_MODULE):
+            allowed = isinstance(super().find_class(module, name), type)  # DCP's classes, not its functions
+        if not allowed:
+            raise CheckpointCodeError(self.source, f"'{module}.{name}'")
+        return super().find_class(module, name)
+
+
+def load_metadata(file, source: str = "checkpoint metadata"):
+    """``pickle.load`` restricted to what DCP's metadata index holds."""
+    return _MetadataUnpickler(file, source).load()
+
+
+def _safe_pickle_module(original):
+    """``filesystem.py``'s view of ``pickle``: the same, except ``load``."""
+
+    def load(file, *args, **kwargs):
+        return load_metadata(file, getattr(file, "name", "checkpoint metadata"))
+
+    names = {k: getattr(original, k) for k in dir(original) if not k.startswith("__")}
+    return types.SimpleNamespace(**{**names, "load": load})
+
+
+def load_bytes_weights_only(planner, read_item, value: io.BytesIO) -> None:
+    """``DefaultLoadPlanner.load_bytes`` with ``weights_only=True``."""
+    import torch
+
+    try:
+        obj = torch.load(value, weights_only=True)
+    except pickle.UnpicklingError as err:  # torch names the global on its "Unsupported global" line
+        found = re.search(r"GLOBAL ([\w.]+)", str(err))
+        raise CheckpointCodeError(f"checkpoint entry '{read_item.dest_index.fqn}'",
+                                  f"'{found.group(1)}'" if found else "a global outside the allowed set") from None
+    if planner.flatten_state_dict:
+        from torch.distributed.checkpoint.default_planner import set_element
+
+        set_element(planner.original_state_dict, planner.mappings[read_item.dest_index.fqn], obj)
+    else:
+        planner.state_dict[read_item.dest_index.fqn] = obj
+
+
+_INSTALLED = False
+
+
+def install() -> None:
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    import inspect
+
+    import megatron.core  # noqa: F401  (registers megatron's safe classes: Namespace, numpy RNG state, enums)
+    from torch.distributed.checkpoint import default_planner, filesystem
+
+    source = inspect.getsource(default_planner.DefaultLoadPlanner.load_bytes)
+    if "torch.load" not in source or "flatten_state_dict" not in source:
+        raise RuntimeError("torch.distributed.checkpoint's DefaultLoadPlanner.load_bytes changed; "
+                           "checkpoint_safety.py needs updating for this torch")
+    filesystem.pickle = _safe_pickle_module(pickle)
+    default_planner.DefaultLoadPlanner.load_bytes = load_bytes_weights_only
+    _INSTALLED = True

@@ -1,0 +1,66 @@
+"""A checkpoint directory cannot run code: torch.distributed.checkpoint's two unpickling sites
+(the ``.metadata`` index and non-tensor entries) refuse any global that is not checkpoint data,
+while real checkpoints (tensors, megatron's args Namespace, numpy RNG state) still load."""
+
+import os
+import pickle
+from argparse import Namespace
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import checkpoint_safety
+
+
+class _Plant:
+    """Unpickling this runs ``os.system`` (it would create ``path``)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+def _save(directory, state):
+    dcp.save(state, checkpoint_id=str(directory), no_dist=True)
+
+
+def _load(directory, state):
+    checkpoint_safety.install()
+    dcp.load(state, checkpoint_id=str(directory), no_dist=True)
+    return state
+
+
+def test_real_checkpoint_content_still_loads(tmp_path):
+    rng = np.random.RandomState(0).get_state()
+    _save(tmp_path, {"weight": torch.arange(6.0), "args": Namespace(num_layers=4, lr=1e-3), "rng": rng})
+    state = _load(tmp_path, {"weight": torch.zeros(6), "args": None, "rng": None})
+    assert torch.equal(state["weight"], torch.arange(6.0)) and state["args"].num_layers == 4
+    assert np.array_equal(state["rng"][1], rng[1])
+
+
+def test_planted_metadata_is_refused(tmp_path):
+    _save(tmp_path, {"weight": torch.ones(2)})
+    marker = tmp_path / "ran"
+    with open(tmp_path / ".metadata", "wb") as f:
+        pickle.dump(_Plant(marker), f)
+    with pytest.raises(BaseException) as err:  # DCP wraps reader errors in its CheckpointException (a BaseException)
+        _load(tmp_path, {"weight": torch.zeros(2)})
+    assert checkpoint_safety.refusal(err.value).startswith("checkpoint refused: ")
+    assert checkpoint_safety.refusal(err.value) == (
+        f"checkpoint refused: {tmp_path / '.metadata'}: it names 'posix.system', which is not checkpoint data "
+        "(a checkpoint must never run code)")
+    assert not marker.exists()
+
+
+def test_planted_entry_is_refused(tmp_path):
+    marker = tmp_path / "ran"
+    _save(tmp_path, {"weight": torch.ones(2), "extra": _Plant(marker)})
+    assert not marker.exists()
+    with pytest.raises(BaseException) as err:
+        _load(tmp_path, {"weight": torch.zeros(2), "extra": None})
+    assert "checkpoint entry 'extra': it names 'posix.system'" in checkpoint_safety.refusal(err.value)
+    assert not marker.exists()
