@@ -96,6 +96,24 @@ def load_bytes_weights_only(planner, read_item, value: io.BytesIO) -> None:
         planner.state_dict[read_item.dest_index.fqn] = obj
 
 
+def check_tracker(load_dir: str | None, flag: str = "--load") -> None:
+    """megatron reads ``latest_checkpointed_iteration.txt`` with ``int()``; a damaged one would be a
+    ValueError without the file's name. An iteration number or ``release`` passes."""
+    import os
+
+    if not load_dir:
+        return
+    tracker = os.path.join(load_dir, "latest_checkpointed_iteration.txt")
+    if not os.path.isfile(tracker):
+        return
+    with open(tracker, errors="replace") as f:
+        text = f.read().strip()
+    if not (text.isdigit() or text == "release"):
+        raise ValueError(f"{flag} {load_dir}: {tracker} holds {text[:40]!r}, not an iteration number (a damaged "
+                         "checkpoint directory: restore the file, or write the number of the last complete iter_* "
+                         "directory into it)")
+
+
 _INSTALLED = False
 
 

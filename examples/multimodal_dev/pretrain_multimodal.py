@@ -27,6 +27,7 @@ from backend import backend_of, check_backend, engine_defaults, use_prebuilt_dat
 from data import get_dataset_provider  # noqa: E402
 from data.collate import Collator, pad_multiple_for  # noqa: E402
 from data.loader import build_iterator  # noqa: E402
+from data.sources import resolve as resolve_source  # noqa: E402
 from data.sample import VisionTokens  # noqa: E402
 from flops import batch_flops  # noqa: E402
 from forward_step import for_stage, forward_step  # noqa: E402
@@ -148,6 +149,9 @@ def main():
         check_pipeline_split(parse_args(add_multimodal_args))  # before megatron asserts on it
         args = parse_and_validate_args(extra_args_provider=add_multimodal_args, args_defaults=engine_defaults())
         check_backend(args)
+        checkpoint_safety.check_tracker(args.load)
+        if args.data_path:
+            resolve_source(args.data_path[0], "--data-path")
         model_configs()
     except (ValueError, KeyError, FileNotFoundError) as err:
         raise SystemExit(f"pretrain_multimodal.py: {err.args[0] if err.args else err}")

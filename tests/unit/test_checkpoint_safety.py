@@ -64,3 +64,13 @@ def test_planted_entry_is_refused(tmp_path):
         _load(tmp_path, {"weight": torch.zeros(2), "extra": None})
     assert "checkpoint entry 'extra': it names 'posix.system'" in checkpoint_safety.refusal(err.value)
     assert not marker.exists()
+
+
+def test_damaged_tracker_file_is_named(tmp_path):
+    checkpoint_safety.check_tracker(str(tmp_path))  # none yet: a fresh run
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("12\n")
+    checkpoint_safety.check_tracker(str(tmp_path))
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("\x00garbage")
+    with pytest.raises(ValueError, match=r"--load .*latest_checkpointed_iteration.txt holds '\\x00garbage', "
+                                         r"not an iteration number"):
+        checkpoint_safety.check_tracker(str(tmp_path))

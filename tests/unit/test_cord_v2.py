@@ -118,3 +118,29 @@ def test_cord_batch_feeds_the_model_packed_equals_padded(paths, mcore):
             loss_sum, n_tokens, _ = batch_loss(model, batch)
             losses.append((loss_sum / n_tokens).item())
     assert abs(losses[0] - losses[1]) < 1e-5 and 5.0 < losses[0] < 12.0
+
+
+def test_a_missing_split_gives_no_iterator(paths):
+    """The saved dataset has train and validation only: asking for test samples gives None."""
+    processor_path, data_path = paths
+    train, valid, test = build_datasets(seq_length=400, num_samples=(2, 2, 2), data_path=data_path,
+                                        hf_processor_path=processor_path, min_pixels=32 * 32, max_pixels=128 * 128)
+    assert train is not None and valid is not None and test is None
+
+
+def test_mistyped_local_paths_fail_at_once_without_the_hub(paths, monkeypatch):
+    """A path that does not exist is "no such file or directory" at once, never a Hub lookup;
+    the Hub is used only for an ``hf://`` name."""
+    import time
+
+    from data.sources import resolve
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"--data-path 'nothing_rel': no such file or directory .*hf://nothing_rel"):
+        load_split("nothing_rel", "train")
+    with pytest.raises(ValueError, match=r"--hf-processor-path 'data/proc_typo': no such file or directory"):
+        load_processor("data/proc_typo")
+    assert time.monotonic() - start < 5
+    assert resolve("hf://naver-clova-ix/cord-v2", "--data-path") == ("naver-clova-ix/cord-v2", True)
+    assert resolve(paths[1], "--data-path") == (paths[1], False)

@@ -66,3 +66,14 @@ def test_interleaved_rotary_matches_hf_cos_sin():
     moved = positions.clone()
     moved[1] += 7
     assert not torch.allclose(ours(moved), angles)
+
+
+def test_fewer_grids_than_placeholder_runs_is_a_clear_error():
+    """Two image runs in the batch, one grid: a ValueError counting both (was a raw shape mismatch)."""
+    import pytest
+
+    ids = torch.tensor([[1] + _run(IMG, 6) + [2] + _run(IMG, 6) + [3]])
+    with pytest.raises(ValueError, match=r"images: rows 0..0 of the batch have 2 placeholder runs but "
+                                         r"image_grid_thw lists 1"):
+        padded_batch_position_ids(ids, torch.ones_like(ids), torch.tensor([[1, 4, 6]]), None, IMG, VID,
+                                  spatial_merge=2)

@@ -1,8 +1,9 @@
 """CORD-V2 receipts as image -> JSON SFT conversations.
 
 Source (``--data-path``): a directory written by ``datasets.save_to_disk``, a directory or
-glob of parquet files (the hub layout ``data/{split}-*.parquet``), or the hub name
-``naver-clova-ix/cord-v2`` where a cache or network exists. Columns: ``image`` and
+glob of parquet files (the hub layout ``data/{split}-*.parquet``), or ``hf://naver-clova-ix/cord-v2``
+(the Hub, or its cache: only with the ``hf://`` prefix, see ``sources.py``). A saved dataset
+without a validation or test split gives no iterator for it. Columns: ``image`` and
 ``ground_truth`` (a JSON string whose ``gt_parse`` is the answer).
 
 Each sample: user turn = image + instruction, assistant turn = ``json.dumps(gt_parse)``. The
@@ -23,17 +24,27 @@ import torch
 from .processor import load_processor
 from .sample import BadSample, build_sft_sample
 from .skipping import SkippingDataset
+from .sources import resolve
 
 INSTRUCTION = "Extract the receipt's contents as JSON."
 SPLITS = ("train", "validation", "test")
 
 
 def load_split(data_path: str, split: str):
-    """The ``split`` of CORD-V2 as a ``datasets.Dataset`` with undecoded images."""
+    """The ``split`` of CORD-V2 as a ``datasets.Dataset`` with undecoded images; None for a
+    validation or test split that a saved dataset does not have."""
     import datasets
 
-    if os.path.isdir(data_path) and os.path.exists(os.path.join(data_path, "dataset_dict.json")):
-        ds = datasets.load_from_disk(data_path)[split]
+    data_path, from_hub = resolve(data_path, "--data-path")
+    if from_hub:
+        ds = datasets.load_dataset(data_path, split=split)
+    elif os.path.isdir(data_path) and os.path.exists(os.path.join(data_path, "dataset_dict.json")):
+        saved = datasets.load_from_disk(data_path)
+        if split not in saved:
+            if split == "train":
+                raise ValueError(f"--data-path {data_path!r} has no train split (it has {sorted(saved)})")
+            return None
+        ds = saved[split]
     elif os.path.isdir(data_path) and os.path.exists(os.path.join(data_path, "dataset_info.json")):
         ds = datasets.load_from_disk(data_path)  # one saved split: use it for every split
     elif os.path.isdir(data_path) or "*" in data_path or data_path.endswith(".parquet"):
@@ -43,10 +54,8 @@ def load_split(data_path: str, split: str):
         if not split_files:
             raise ValueError(f"--data-path {data_path!r}: no parquet files found")
         ds = datasets.load_dataset("parquet", data_files=split_files, split="train")
-    elif os.path.exists(data_path):
-        raise ValueError(f"--data-path {data_path!r} is neither a saved dataset directory nor parquet files")
     else:
-        ds = datasets.load_dataset(data_path, split=split)
+        raise ValueError(f"--data-path {data_path!r} is neither a saved dataset directory nor parquet files")
     missing = {"image", "ground_truth"} - set(ds.column_names)
     if missing:
         raise ValueError(f"--data-path {data_path!r} ({split}): missing column(s) {sorted(missing)}; "
@@ -109,7 +118,7 @@ def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path
     """(train, valid, test) over the CORD-V2 splits, each repeated to the requested size."""
     if not data_path:
         raise ValueError("--data-path is required for --dataset-provider cord_v2 (saved dataset, parquet files "
-                         "or the hub name naver-clova-ix/cord-v2)")
+                         "or hf://naver-clova-ix/cord-v2)")
     processor, info = load_processor(hf_processor_path, min_pixels, max_pixels)
     out = []
     for split, n in zip(SPLITS, num_samples):
@@ -117,6 +126,9 @@ def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path
             out.append(None)
             continue
         ds = load_split(data_path, split)
+        if ds is None:
+            out.append(None)
+            continue
         produce = CordV2Conversations(ds, processor, info, min_pixels, max_pixels)
         out.append(SkippingDataset(produce, len(ds), n, info.tokens, seq_length, info.patch_dim,
                                    name=f"cord_v2[{split}]"))

@@ -61,8 +61,11 @@ def load_processor(path: str | None, min_pixels: int | None = None, max_pixels: 
                          "chat template and image processor, e.g. a Qwen3.5 checkpoint)")
     from transformers import AutoProcessor
 
-    try:
-        processor = AutoProcessor.from_pretrained(path)
+    from .sources import resolve
+
+    source, from_hub = resolve(path, "--hf-processor-path")
+    try:  # a local directory never falls through to the Hub
+        processor = AutoProcessor.from_pretrained(source, local_files_only=not from_hub)
     except (OSError, ValueError) as err:
         raise ValueError(f"--hf-processor-path {path!r} could not be loaded: {err}") from err
     info = inspect_processor(processor)

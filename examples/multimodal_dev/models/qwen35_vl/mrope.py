@@ -101,6 +101,12 @@ def padded_batch_position_ids(tokens_BS, attention_mask_BS, image_grid_thw, vide
         starts, _ = _vision_runs(row, torch.tensor([image_token_id, video_token_id], device=row.device))
         is_image = row[starts] == image_token_id
         n_img, n_vid = int(is_image.sum()), int((~is_image).sum())
+        for what, needed, have in (("images", next_img + n_img, len(image_grids)),
+                                   ("videos", next_vid + n_vid, len(video_grids))):
+            if needed > have:
+                kind = "image_grid_thw" if what == "images" else "video frames in video_grid_thw"
+                raise ValueError(f"{what}: rows 0..{b} of the batch have {needed} placeholder runs but {kind} "
+                                 f"lists {have}; the processor's token expansion and the grids disagree")
         grids = torch.zeros(len(starts), 3, dtype=torch.long, device=row.device)
         grids[is_image] = image_grids[next_img:next_img + n_img].to(row.device, torch.long)
         grids[~is_image] = video_grids[next_vid:next_vid + n_vid].to(row.device, torch.long)
