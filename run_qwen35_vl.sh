@@ -72,7 +72,11 @@ fi
 read -r LAYERS HIDDEN HEADS KV HEAD_DIM FFN VOCAB EXPERTS TOPK MOE_FFN GDN_K GDN_V SHAPE_MTP <<<"$ROW"
 [[ -n "$HF_CONFIG" ]] && HF_MTP=$SHAPE_MTP
 
-TP=${TP:-1}; CP=${CP:-1}; EP=${EP:-1}; PP=${PP:-1}; ETP=${ETP:-$TP}; VP=${VP:-1}
+# Every number is checked before bash arithmetic sees it (set -u would report "abc: unbound variable").
+positive() { local var; for var in "$@"; do [[ "${!var}" =~ ^[1-9][0-9]*$ ]] || fail "$var=${!var} must be a positive integer"; done; }
+TP=${TP:-1}; CP=${CP:-1}; EP=${EP:-1}; PP=${PP:-1}
+positive TP CP EP PP
+ETP=${ETP:-$TP}; VP=${VP:-1}
 PP_FIRST=${PP_FIRST:-0}; PP_LAST=${PP_LAST:-0}
 SP=${SP:-$(( TP > 1 && EXPERTS > 0 ? 1 : 0 ))}
 NPROC=${NPROC:-$((TP * CP * PP))}
@@ -83,9 +87,8 @@ if [[ $HAS_GPU == 1 ]]; then
 else
   TRAIN_ITERS=${TRAIN_ITERS:-30}; MBS=${MBS:-2}; GBS=${GBS:-4}; SEQ_LEN=${SEQ_LEN:-1024}; LR=${LR:-2e-3}
 fi
-for var in TP CP EP PP ETP VP NPROC TRAIN_ITERS MBS GBS SEQ_LEN; do
-  [[ "${!var}" =~ ^[1-9][0-9]*$ ]] || fail "$var=${!var} must be a positive integer"
-done
+positive ETP VP NPROC TRAIN_ITERS MBS GBS SEQ_LEN
+[[ -z "${SAVE_INTERVAL:-}" ]] || positive SAVE_INTERVAL
 for var in PP_FIRST PP_LAST; do
   [[ "${!var}" =~ ^[0-9]+$ ]] || fail "$var=${!var} must be a number of decoder layers"
 done
