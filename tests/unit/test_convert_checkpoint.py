@@ -1,6 +1,6 @@
 """convert_checkpoint.py import / export / verify on tiny random checkpoints written by
 ``save_pretrained`` (bf16 with fp32 ``A_log``/``dt_bias``, sharded with an index, MTP head in its
-own shard; MoE's MTP experts stored one tensor per expert, as some released files do)."""
+own shard; MoE experts stored one tensor per expert, as released files do)."""
 
 import json
 import os
@@ -21,7 +21,7 @@ PER_EXPERT = re.compile(r"\.experts\.\d+\.")
 def hf_checkpoint(request, tmp_path_factory, mcore):
     moe = request.param == "moe"
     path = tmp_path_factory.mktemp(f"hf_{request.param}")
-    tensors = write_hf_checkpoint(path, get_variant("tiny", moe=moe, mtp=True), mtp_experts_per_expert=moe)
+    tensors = write_hf_checkpoint(path, get_variant("tiny", moe=moe, mtp=True), experts_per_expert=moe)
     return request.param, str(path), tensors
 
 
@@ -120,7 +120,8 @@ def test_import_errors_name_the_problem(hf_checkpoint, tmp_path, capsys):
     def extra_and_missing(d):
         from safetensors.torch import save_file
 
-        save_file({"model.language_model.layers.9.mystery.weight": torch.zeros(2)}, d / "extra.safetensors")
+        mystery = {"model.language_model.layers.9.mystery.weight": torch.zeros(2, dtype=torch.bfloat16)}
+        save_file(mystery, d / "extra.safetensors")
         index = json.load(open(d / "model.safetensors.index.json"))
         index["weight_map"]["model.language_model.layers.9.mystery.weight"] = "extra.safetensors"
         del index["weight_map"]["mtp.fc.weight"]

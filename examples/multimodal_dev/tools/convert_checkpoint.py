@@ -3,20 +3,25 @@
     python examples/multimodal_dev/tools/convert_checkpoint.py import --hf-path HF --megatron-path CKPT
     python examples/multimodal_dev/tools/convert_checkpoint.py verify --hf-path HF --megatron-path CKPT
     python examples/multimodal_dev/tools/convert_checkpoint.py export --megatron-path CKPT --hf-path OUT \
-        [--hf-processor-path HF]
+        [--hf-processor-path HF] [--moe-layout packed]
 
 import   reads config.json and the safetensors (one file or shards with an index; per-expert or
          packed MoE experts), maps every tensor through ``hf_mapping`` and writes iteration 0 in
          the training checkpoint layout (torch_dist, ``latest_checkpointed_iteration.txt``), plus
          ``hf_config.json`` so training and export know the shape. Tensors keep their dtype (a
-         bf16 checkpoint's fp32 ``A_log`` stays fp32). Streaming: the model is allocated once in
+         bf16 checkpoint's fp32 ``A_log`` stays fp32); a tensor in another dtype than config.json's
+         (or, without one, most tensors') is refused by name unless ``--allow-mixed-dtypes``, and so
+         is a tensor holding NaN or inf. Streaming: the model is allocated once in
          the checkpoint's dtype and each HF tensor replaces its random initial value as it is read.
          The checkpoint is written unsharded; torch_dist reshards it to the TP/EP of the run that
          loads it, and ``--tp``/``--ep`` check up front that the model splits that way.
 export   loads a checkpoint saved at any TP/EP (an import or a training run), writes config.json,
          sharded safetensors with an index, each tensor in the dtype the checkpoint stored it in
-         (or ``--dtype``), and copies tokenizer/processor files. Written to ``OUT.partial`` and
-         renamed at the end, so a failure never leaves a half-written OUT.
+         (or ``--dtype``), and copies tokenizer/processor files. MoE experts are written one tensor
+         per expert as the hub's checkpoints store them (``...experts.{e}.gate_proj.weight``), or
+         packed as transformers holds them in memory with ``--moe-layout packed``. Written to
+         ``OUT.partial`` and renamed at the end; a write that fails (a file in the way, a read-only
+         place, a full disk) removes ``OUT.partial`` and says why in one line.
 verify   runs the HF model and the Megatron model (CPU, fp32) on the same deterministic text-only
          and image+text batches (or ``--prompt``/``--image``) and exits 1 above ``--atol``.
 
@@ -29,8 +34,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
+from collections import Counter
 
 if __name__ == "__main__":
     # Run as a command, conversion is a CPU job: hide GPUs before torch is imported. Imported as a
@@ -44,14 +51,22 @@ for _path in (os.path.dirname(_HERE), os.path.dirname(os.path.dirname(os.path.di
 import torch  # noqa: E402
 
 from models.qwen35_vl.configuration import from_hf_config, to_hf_config_dict  # noqa: E402
-from models.qwen35_vl.hf_mapping import mapping_rules, model_state  # noqa: E402
+from models.qwen35_vl.hf_mapping import FP32_HF_SUFFIXES, mapping_rules, model_state  # noqa: E402
+from safetensors import SafetensorError  # noqa: E402
 from tools.hf_models import hf_classes  # noqa: E402
-from tools.hf_safetensors import INDEX, HFTensorSource, ShardedWriter  # noqa: E402
+from tools.hf_safetensors import INDEX, HFTensorSource, ShardedWriter, per_expert  # noqa: E402
 
 HF_CONFIG = "hf_config.json"  # the source config.json, kept next to the converted checkpoint
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Weights and what describes them; everything else in a processor directory is copied on export.
 _NOT_PROCESSOR_FILES = (".safetensors", ".bin", ".pt", ".pth", INDEX, "config.json", "generation_config.json")
+# How export writes MoE experts: one tensor per expert, as the hub's checkpoints and serving stacks
+# store them, or packed [E, ...] as transformers holds them in memory.
+MOE_LAYOUTS = ("per-expert", "packed")
+
+
+class ExportWriteError(OSError):
+    """An export that could not be written; the message is one line with the path and the cause."""
 
 
 def _progress(iterable, total: int, desc: str):
@@ -72,16 +87,36 @@ def conversion_model(shape, params_dtype=torch.float32):
     return build_model(shape, params_dtype=params_dtype, use_cpu_initialization=True)
 
 
-def _checkpoint_dtype(config: dict) -> torch.dtype:
-    name = config.get("dtype") or config.get("torch_dtype") or config.get("text_config", {}).get("dtype") or "float32"
+def _checkpoint_dtype(config: dict, source: HFTensorSource) -> tuple[torch.dtype, str]:
+    """(the checkpoint's dtype, where it was read): config.json's, else most of its tensors'."""
+    text = config.get("text_config", {})
+    name = next((c[k] for c in (config, text) for k in ("dtype", "torch_dtype") if c.get(k)), None)
+    where = "config.json"
+    if name is None:
+        counts = Counter(source.dtypes.values())
+        name, where = (counts.most_common(1)[0][0] if counts else "float32"), "most of its tensors"
     if name not in _DTYPES:
-        raise ValueError(f"config.json dtype {name!r} is not one of {', '.join(_DTYPES)}")
-    return _DTYPES[name]
+        raise ValueError(f"--hf-path {source.hf_dir}: dtype {name!r} ({where}) is not one of {', '.join(_DTYPES)}")
+    return _DTYPES[name], where
+
+
+def _check_dtypes(source: HFTensorSource, dtype: torch.dtype, where: str) -> None:
+    """A tensor stored in a dtype of its own (one fp16 tensor in a bf16 checkpoint) is a conversion
+    accident upstream; imported as is it would train in that dtype unnoticed."""
+    expected = str(dtype).removeprefix("torch.")
+    odd = {n: d for n, d in sorted(source.dtypes.items())
+           if d != expected and not (d == "float32" and n.endswith(FP32_HF_SUFFIXES))}
+    if odd:
+        listed = ", ".join(f"{n} is {d}" for n, d in list(odd.items())[:5])
+        more = f" and {len(odd) - 5} more" if len(odd) > 5 else ""
+        raise ValueError(f"--hf-path {source.hf_dir}: {len(odd)} tensor(s) not in the checkpoint's dtype {expected} "
+                         f"({where}): {listed}{more}; pass --allow-mixed-dtypes to import them as stored")
 
 
 # ---------------------------------------------------------------------------------------- import
 
-def import_hf(hf_path: str, megatron_path: str, tp: int = 1, ep: int = 1, overwrite: bool = False) -> dict:
+def import_hf(hf_path: str, megatron_path: str, tp: int = 1, ep: int = 1, overwrite: bool = False,
+              allow_mixed_dtypes: bool = False) -> dict:
     from arguments import checkpoint_args
     from tools.checkpoint_files import TRACKER, save_model_checkpoint
 
@@ -94,7 +129,10 @@ def import_hf(hf_path: str, megatron_path: str, tp: int = 1, ep: int = 1, overwr
     if os.path.exists(os.path.join(megatron_path, TRACKER)) and not overwrite:
         raise FileExistsError(f"--megatron-path {megatron_path} already holds a checkpoint; pass --overwrite "
                               "to replace it")
-    model = conversion_model(shape, _checkpoint_dtype(config))
+    dtype, where = _checkpoint_dtype(config, source)
+    if not allow_mixed_dtypes:
+        _check_dtypes(source, dtype, where)
+    model = conversion_model(shape, dtype)
     params = dict(model.named_parameters())
     rules = mapping_rules(shape)
     filled, missing_hf, bad_shape = set(), [], []
@@ -118,7 +156,8 @@ def import_hf(hf_path: str, megatron_path: str, tp: int = 1, ep: int = 1, overwr
     for title, names in (("HF tensors expected by the mapping but absent", missing_hf),
                          ("HF tensors not consumed", source.unconsumed()),
                          ("Megatron tensors not filled", sorted(set(params) - filled)),
-                         ("shape mismatches", bad_shape)):
+                         ("shape mismatches", bad_shape),
+                         ("HF tensors holding NaN or inf", [f"{n}: {v}" for n, v in sorted(source.nonfinite.items())])):
         if names:
             problems.append(f"{title} ({len(names)}):\n    " + "\n    ".join(names))
     if problems:
@@ -197,36 +236,75 @@ def _processor_files(processor_dir: str) -> list[str]:
     return files
 
 
-def export_hf(megatron_path: str, hf_path: str, hf_processor_path: str | None = None,
-              hf_config_path: str | None = None, dtype: str | None = None, max_shard_bytes: int = 2 * 1024 ** 3,
-              overwrite: bool = False) -> dict:
+def _write_failure(hf_path: str, err: BaseException) -> ExportWriteError:
+    if isinstance(err, OSError) and err.strerror:
+        cause = err.strerror + (f" ({err.filename})" if err.filename else "")
+    else:  # safetensors' writer wraps the OS error: '... IoError(Os { code: 28, ..., message: "No space ..." })'
+        found = re.search(r'message: "([^"]*)"', str(err))
+        cause = found.group(1) if found else " ".join(str(err).split())
+    return ExportWriteError(f"--hf-path {hf_path}: cannot write the export: {cause}; nothing left behind")
+
+
+def _start_output(hf_path: str, overwrite: bool) -> str:
+    """Checks OUT and creates ``OUT.partial``, before the (long) checkpoint load: a place that cannot
+    be written fails now."""
+    if os.path.exists(hf_path) and not os.path.isdir(hf_path):
+        raise ExportWriteError(f"--hf-path {hf_path}: an existing file, not a directory; nothing written")
     if os.path.exists(hf_path) and os.listdir(hf_path) and not overwrite:
         raise FileExistsError(f"--hf-path {hf_path} exists and is not empty; pass --overwrite to replace it")
-    processor_files = _processor_files(hf_processor_path) if hf_processor_path else []  # checked before any write
-    model, shape, config, stored = load_megatron(megatron_path, hf_config_path)
-    state = model_state(model)
     partial = hf_path.rstrip("/") + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
-    writer = ShardedWriter(partial, max_shard_bytes)
+    try:
+        os.makedirs(partial)
+    except OSError as err:
+        raise _write_failure(hf_path, err) from None
+    return partial
+
+
+def _write_hf_dir(out: str, model, shape, config, stored: dict, dtype: str | None, moe_layout: str,
+                  max_shard_bytes: int) -> dict:
+    """Shards, index and config.json of the export into ``out``."""
+    state = model_state(model)
+    writer = ShardedWriter(out, max_shard_bytes)
     rules = mapping_rules(shape)
     for rule in _progress(rules, len(rules), "export"):
         out_dtype = _DTYPES[dtype] if dtype else stored[rule.megatron[0]]
         for name, tensor in zip(rule.hf, rule.to_hf([state[n] for n in rule.megatron])):
-            writer.add(name, tensor.to(out_dtype))
+            for piece_name, piece in per_expert(name, tensor) if moe_layout == "per-expert" else [(name, tensor)]:
+                writer.add(piece_name, piece.to(out_dtype))
     shards = writer.close()
     if config is None:
         config = to_hf_config_dict(shape)
     # A run without the MTP head has none to export; say so in the config too.
     text_config = {**config["text_config"], "mtp_num_hidden_layers": shape.text.mtp_num_layers}
     config = {**config, "text_config": text_config, "architectures": [hf_classes(config["model_type"])[1].__name__]}
-    with open(os.path.join(partial, "config.json"), "w") as f:
+    with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    for name in processor_files:
-        shutil.copy2(os.path.join(hf_processor_path, name), os.path.join(partial, name))
-    if os.path.exists(hf_path):
-        shutil.rmtree(hf_path)
-    os.replace(partial, hf_path)
-    return {"shards": len(shards), "bytes": writer.total_bytes, "processor_files": len(processor_files)}
+    return {"shards": len(shards), "bytes": writer.total_bytes}
+
+
+def export_hf(megatron_path: str, hf_path: str, hf_processor_path: str | None = None,
+              hf_config_path: str | None = None, dtype: str | None = None, max_shard_bytes: int = 2 * 1024 ** 3,
+              overwrite: bool = False, moe_layout: str = "per-expert") -> dict:
+    if moe_layout not in MOE_LAYOUTS:
+        raise ValueError(f"--moe-layout {moe_layout!r}: not one of {', '.join(MOE_LAYOUTS)}")
+    processor_files = _processor_files(hf_processor_path) if hf_processor_path else []  # checked before any write
+    partial = _start_output(hf_path, overwrite)
+    try:
+        model, shape, config, stored = load_megatron(megatron_path, hf_config_path)
+        try:
+            info = _write_hf_dir(partial, model, shape, config, stored, dtype, moe_layout, max_shard_bytes)
+            for name in processor_files:
+                shutil.copy2(os.path.join(hf_processor_path, name), os.path.join(partial, name))
+            if os.path.exists(hf_path):
+                shutil.rmtree(hf_path)
+            os.replace(partial, hf_path)
+        except (OSError, SafetensorError) as err:
+            raise _write_failure(hf_path, err) from err
+    except BaseException:  # interrupted too: never leave OUT.partial behind
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return {**info, "processor_files": len(processor_files)}
 
 
 # ------------------------------------------------------------------------------------------- CLI
@@ -240,6 +318,8 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("--tp", type=int, default=1, help="tensor-parallel size you will train with (checked)")
     imp.add_argument("--ep", type=int, default=1, help="expert-parallel size you will train with (checked)")
     imp.add_argument("--overwrite", action="store_true")
+    imp.add_argument("--allow-mixed-dtypes", action="store_true",
+                     help="import tensors stored in another dtype than the checkpoint's as they are")
     exp = sub.add_parser("export", help="Megatron checkpoint (any TP/EP) -> Hugging Face directory")
     exp.add_argument("--megatron-path", required=True)
     exp.add_argument("--hf-path", required=True)
@@ -247,6 +327,8 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--hf-config-path", default=None, help="config.json to describe the model (else inferred)")
     exp.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast every tensor (default: as stored)")
     exp.add_argument("--max-shard-size-gb", type=float, default=2.0)
+    exp.add_argument("--moe-layout", choices=MOE_LAYOUTS, default="per-expert",
+                     help="MoE experts one tensor per expert as on the hub (default) or packed [E, ...]")
     exp.add_argument("--overwrite", action="store_true")
     ver = sub.add_parser("verify", help="logits of the Megatron checkpoint against the Hugging Face model")
     ver.add_argument("--hf-path", required=True)
@@ -262,19 +344,20 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "import":
-            info = import_hf(args.hf_path, args.megatron_path, args.tp, args.ep, args.overwrite)
+            info = import_hf(args.hf_path, args.megatron_path, args.tp, args.ep, args.overwrite,
+                             args.allow_mixed_dtypes)
             print(f"import: {info['tensors']} Megatron tensors, {info['parameters'] / 1e6:.1f} M parameters "
                   f"{info['dtypes']} -> {args.megatron_path} (iteration 0)")
         elif args.command == "export":
             info = export_hf(args.megatron_path, args.hf_path, args.hf_processor_path, args.hf_config_path,
-                             args.dtype, int(args.max_shard_size_gb * 1024 ** 3), args.overwrite)
+                             args.dtype, int(args.max_shard_size_gb * 1024 ** 3), args.overwrite, args.moe_layout)
             print(f"export: {info['bytes'] / 1e6:.1f} MB in {info['shards']} shard(s), "
                   f"{info['processor_files']} processor file(s) -> {args.hf_path}")
         else:
             from tools.verify_checkpoint import verify
 
             return 0 if verify(args) else 1
-    except (FileNotFoundError, FileExistsError, ValueError, KeyError) as err:
+    except (OSError, SafetensorError, ValueError, KeyError) as err:  # OSError: not found, exists, cannot write
         print(f"convert_checkpoint {args.command}: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -5,7 +5,9 @@
 which were taken, so a conversion can name every tensor it did not consume. MoE experts stored
 one tensor per expert (``...experts.{e}.gate_proj.weight`` / ``up_proj`` / ``down_proj``) are
 served under the packed names ``transformers`` uses (``experts.gate_up_proj`` [E, 2I, H],
-``experts.down_proj`` [E, H, I]).
+``experts.down_proj`` [E, H, I]); ``per_expert`` is the inverse, for writing the hub layout. The
+source also records each tensor's stored dtype (from the headers, before any read) and which tensors
+hold NaN or inf (as they are read), so an import can refuse them by name.
 
 ``ShardedWriter`` writes tensors as they come into shards of at most ``max_shard_bytes`` and
 finishes with the index, so an export never holds more than one shard in memory.
@@ -21,6 +23,8 @@ import torch
 
 INDEX = "model.safetensors.index.json"
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+# safetensors' dtype codes under torch's names, so messages and comparisons read like torch.
+_DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
 
 
 class CheckpointFileError(ValueError):
@@ -44,22 +48,47 @@ def _safetensors_files(hf_dir: str) -> list[str]:
     return [os.path.join(hf_dir, n) for n in files]
 
 
-def _check_complete(path: str) -> None:
-    """A file cut short (an interrupted copy) has a header promising more bytes than it holds;
-    safetensors maps lazily and would only fail, or read garbage, at the first access."""
+def _checked_header(path: str) -> dict:
+    """The header of a complete file. A file cut short (an interrupted copy) has a header promising
+    more bytes than it holds; safetensors maps lazily and would only fail, or read garbage, at the
+    first access. A header length past the end of the file is corruption (reading it would ask for
+    up to 2**64 bytes: MemoryError or OverflowError, naming nothing)."""
+    actual = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
             raise CheckpointFileError(f"{path}: truncated safetensors file (no header)")
         header_len = int.from_bytes(head, "little")
+        if header_len > actual - 8:
+            raise CheckpointFileError(f"{path}: corrupt safetensors file: header length {header_len} is more than "
+                                      f"the {actual} bytes of the file")
         try:
             header = json.loads(f.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise CheckpointFileError(f"{path}: truncated or corrupt safetensors header ({err})") from None
-    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-    expected, actual = 8 + header_len + end, os.path.getsize(path)
+            tensors = {k: t for k, t in header.items() if k != "__metadata__"}
+            end = max((t["data_offsets"][1] for t in tensors.values()), default=0)
+            dtypes = {k: t["dtype"] for k, t in tensors.items()}
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, KeyError, TypeError, IndexError) as err:
+            raise CheckpointFileError(f"{path}: truncated or corrupt safetensors header ({err!r})") from None
+    expected = 8 + header_len + end
     if actual < expected:
         raise CheckpointFileError(f"{path}: truncated safetensors file: {actual} bytes, its header needs {expected}")
+    return {k: _DTYPE_NAMES.get(d, d) for k, d in dtypes.items()}
+
+
+def per_expert(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A packed expert tensor as the hub stores it, one tensor per expert: ``experts.gate_up_proj``
+    [E, 2I, H] -> ``experts.{e}.gate_proj.weight`` / ``up_proj`` [I, H]; ``experts.down_proj``
+    [E, H, I] -> ``experts.{e}.down_proj.weight``. Any other tensor is returned as it is."""
+    prefix, _, kind = name.rpartition(".")
+    if not prefix.endswith(".experts") or kind not in ("gate_up_proj", "down_proj"):
+        return [(name, tensor)]
+    if kind == "down_proj":
+        return [(f"{prefix}.{e}.down_proj.weight", t) for e, t in enumerate(tensor.unbind(0))]
+    out = []
+    for e, t in enumerate(tensor.unbind(0)):
+        gate, up = t.chunk(2, dim=0)
+        out += [(f"{prefix}.{e}.gate_proj.weight", gate), (f"{prefix}.{e}.up_proj.weight", up)]
+    return out
 
 
 class HFTensorSource:
@@ -69,14 +98,16 @@ class HFTensorSource:
         self.hf_dir = hf_dir
         self._where: dict[str, object] = {}
         self._handles = []
+        self.dtypes: dict[str, str] = {}  # file tensor -> stored dtype ("bfloat16", ...), from the headers
         for path in _safetensors_files(hf_dir):
-            _check_complete(path)
+            self.dtypes.update(_checked_header(path))
             handle = safe_open(path, framework="pt")
             self._handles.append(handle)
             for name in handle.keys():
                 self._where[name] = handle
         self._packed = self._per_expert_groups()
         self.consumed: set[str] = set()
+        self.nonfinite: dict[str, str] = {}  # file tensor -> "N NaN, M inf", for those read so far
 
     def _per_expert_groups(self) -> dict[str, list[str]]:
         """packed name -> the per-expert file tensors it is made of, in expert order."""
@@ -103,13 +134,21 @@ class HFTensorSource:
     def __contains__(self, name: str) -> bool:
         return name in self._where or name in self._packed
 
+    def _read(self, name: str) -> torch.Tensor:
+        tensor = self._where[name].get_tensor(name)
+        self.consumed.add(name)
+        # The sum is finite when every element is, and allocates nothing the size of the tensor
+        # (isfinite() would); a finite tensor whose sum overflows is counted and let through.
+        if tensor.is_floating_point() and not torch.isfinite(tensor.sum()):
+            nan, inf = int(tensor.isnan().sum()), int(tensor.isinf().sum())
+            if nan or inf:
+                self.nonfinite[name] = f"{nan} NaN, {inf} inf"
+        return tensor
+
     def get(self, name: str) -> torch.Tensor:
         if name in self._where:
-            self.consumed.add(name)
-            return self._where[name].get_tensor(name)
-        parts = self._packed[name]
-        self.consumed.update(parts)
-        tensors = [self._where[p].get_tensor(p) for p in parts]
+            return self._read(name)
+        tensors = [self._read(p) for p in self._packed[name]]
         if name.endswith("gate_up_proj"):  # per expert: [gate; up] rows
             return torch.stack([torch.cat(tensors[i:i + 2], dim=0) for i in range(0, len(tensors), 2)])
         return torch.stack(tensors)

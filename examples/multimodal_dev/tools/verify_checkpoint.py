@@ -4,6 +4,9 @@ the CPU in fp32, on the same inputs; one summary line, exit status from ``--atol
 Built-in inputs (deterministic, no files needed): a text-only row of 48 token ids and an
 image+text row with one 4x6-patch image of seeded random pixels. ``--prompt`` (and ``--image``)
 run real text through the checkpoint's processor instead.
+
+NaN or inf makes every difference NaN, which says nothing about where it came from: verify names the
+weights that hold them (either model), else the logits that came out non-finite, and fails.
 """
 
 from __future__ import annotations
@@ -81,6 +84,20 @@ def _stats(ours: torch.Tensor, ref: torch.Tensor) -> dict:
             "tokens": ours.shape[0]}
 
 
+def _nonfinite_weights(model, label: str) -> list[str]:
+    bad = []
+    for name, p in model.named_parameters():
+        if not torch.isfinite(p).all():
+            bad.append(f"{name} ({int(p.isnan().sum())} NaN, {int(p.isinf().sum())} inf)")
+    more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+    return [f"{label} weights hold NaN/inf: {', '.join(bad[:5])}{more}"] if bad else []
+
+
+def _nonfinite_logits(case: str, ours: torch.Tensor, ref: torch.Tensor) -> list[str]:
+    return [f"{label} logits are NaN/inf on {case} ({int((~torch.isfinite(t)).sum())} values)"
+            for label, t in (("Megatron", ours), ("HF", ref)) if not torch.isfinite(t).all()]
+
+
 def _line(prefix: str, s: dict) -> str:
     return (f"{prefix}max_abs_diff={s['max_abs_diff']:.3e} mean_abs_diff={s['mean_abs_diff']:.3e} "
             f"cosine={s['cosine']:.8f} tokens={s['tokens']}")
@@ -91,6 +108,10 @@ def verify(args) -> bool:
 
     mg, shape, _, _ = load_megatron(args.megatron_path)
     hf = _hf_model(args.hf_path)
+    reasons = _nonfinite_weights(mg, "Megatron") + _nonfinite_weights(hf, "HF")
+    if reasons:
+        print("verify: FAIL: " + "; ".join(reasons))
+        return False
     if args.prompt:
         cases = prompt_case(args.hf_processor_path or args.hf_path, args.prompt, args.image)
     elif args.image:
@@ -101,9 +122,11 @@ def verify(args) -> bool:
     for name, case in cases:
         ours, ref = _logits_pair(hf, mg, shape, case)
         print(_line(f"  {name}: ", _stats(ours, ref)))
+        reasons += _nonfinite_logits(name, ours, ref)
         all_ours.append(ours)
         all_ref.append(ref)
     total = _stats(torch.cat(all_ours), torch.cat(all_ref))
-    ok = total["max_abs_diff"] <= args.atol
-    print(_line("verify: ", total) + f" atol={args.atol:g} {'PASS' if ok else 'FAIL'}")
+    ok = total["max_abs_diff"] <= args.atol and not reasons
+    print(_line("verify: ", total) + f" atol={args.atol:g} {'PASS' if ok else 'FAIL'}"
+          + (": " + "; ".join(reasons) if reasons else ""))
     return ok

@@ -15,7 +15,9 @@ of HF tensors with a named transform in each direction. Layouts (TP = 1, i.e. fu
                    <-  HF q_proj rows per head [q_h; gate_h], k_proj, v_proj
   vision qkv       Megatron rows per head [q_h; k_h; v_h]  <-  HF qkv [Q; K; V]
   SwiGLU fc1       Megatron [gate; up]  <-  HF gate_proj, up_proj (experts: gate_up_proj[e])
-  experts          Megatron one tensor per expert  <-  HF one packed [E, ...] tensor
+  experts          Megatron one tensor per expert  <-  HF one packed [E, ...] tensor (transformers'
+                   in-memory layout; hub files store one tensor per expert, which
+                   ``tools.hf_safetensors`` packs on read and ``per_expert`` unpacks on export)
   MTP head         HF mtp.fc / pre_fc_norm_embedding / pre_fc_norm_hidden / norm  <->  Megatron
                    mtp.layers.0.eh_proj / enorm / hnorm / final_layernorm (eh_proj input is
                    [embedding; hidden] in both); HF mtp.layers.0.* (a full-attention decoder
@@ -34,6 +36,9 @@ import torch
 from .configuration import FULL, LINEAR, Qwen35VLShape
 
 HF_LM, HF_VIS, MG_LM, MG_VIS = "model.language_model.", "model.visual.", "language_model.", "vision_model."
+# Released Qwen3.5 checkpoints store the GDN decay parameters in fp32 whatever the rest is in; any
+# other tensor in a dtype of its own is a conversion accident upstream.
+FP32_HF_SUFFIXES = ("A_log", "dt_bias")
 
 
 def _same(tensors):
