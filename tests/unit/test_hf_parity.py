@@ -111,6 +111,17 @@ def test_vision_tower_equals_hf(pair):
     _assert_close(f"{kind} vision tower", ours, ref)
 
 
+def test_padding_masks_the_deltanet_cannot_honour_are_refused(pair):
+    """A left-padded batch with an attention mask gave logits off by ~0.2 vs transformers (the
+    Gated DeltaNet state ran through the padding); it is refused with the reason instead."""
+    _, shape, _, mg, _ = pair
+    ids, mask = _batch([[5, 6, 7, 8, 9], [20, 21, 22]])
+    ids, mask = ids.flip(1), mask.flip(1)  # left padding
+    with pytest.raises(ValueError, match="attention_mask: the Gated DeltaNet layers cannot honour a padding mask"):
+        with torch.no_grad():
+            mg(ids, megatron_position_ids(shape, ids, mask, None), mask[:, None, None, :] == 0)
+
+
 def test_placeholder_count_mismatch_is_a_clear_error(pair):
     _, shape, _, mg, _ = pair
     ids, mask = _batch([[5] + image_tokens(shape, 4, 6)[:-3] + [6]])

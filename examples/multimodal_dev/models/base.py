@@ -105,10 +105,17 @@ class VisionLanguageModel(MegatronModule):
         """Logits [B, S_local, V] when ``labels`` is None, else per-token loss [B, S_local]
         (S_local = S / cp), plus the loss mask of those tokens when ``return_loss_mask``.
 
+        ``attention_mask`` must be None: padded batches are right-padded (see the error below).
         ``padding_mask`` [B, S] (True at padding) keeps padding out of the MoE router's
         load-balancing statistics, whose amount of padding would otherwise depend on CP/SP/EP.
         Under sequence parallelism it is dropped: megatron-core's MTP head rolls it with the
         row's global sample offsets, which do not fit an SP-scattered mask."""
+        if attention_mask is not None:
+            # Gated DeltaNet carries a recurrent state through every position: a padding mask on
+            # the attention layers alone would leave the DeltaNet layers reading the padding.
+            raise ValueError("attention_mask: the Gated DeltaNet layers cannot honour a padding mask (their state "
+                             "runs through padded positions); pack samples (THD, cu_seqlens) or right-pad them "
+                             "(causal layers never see the padding) and pass attention_mask=None")
         decoder_input = None  # later pipeline stages: the activations given to set_input_tensor
         if self.pre_process:
             decoder_input = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
