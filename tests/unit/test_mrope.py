@@ -68,6 +68,25 @@ def test_interleaved_rotary_matches_hf_cos_sin():
     assert not torch.allclose(ours(moved), angles)
 
 
+def test_sections_beyond_the_rotary_dim_follow_transformers():
+    """transformers' own Qwen3.5-MoE tester config: mrope_section [16, 8, 8] with a rotary dim of 2
+    (head_dim 8, partial 0.25). transformers accepts it (sections past the rotary channels are
+    clipped); it used to be refused here for not summing to rotary_dim / 2."""
+    from transformers import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextRotaryEmbedding
+
+    for section, head_dim, partial in (([16, 8, 8], 8, 0.25), ([1, 1, 1], 16, 1.0), ([11, 11, 10], 256, 0.25)):
+        config = Qwen3_5MoeTextConfig(hidden_size=16, num_attention_heads=2, head_dim=head_dim, rope_parameters=dict(
+            rope_type="default", rope_theta=1e4, partial_rotary_factor=partial, mrope_section=section,
+            mrope_interleaved=True))
+        cos_ref, sin_ref = Qwen3_5MoeTextRotaryEmbedding(config)(torch.zeros(1), positions := torch.randint(
+            0, 500, (3, 2, 9)))
+        angles = InterleavedMRoPE(head_dim, partial, 1e4, section)(positions)
+        cos, sin = angles.cos()[:, :, 0].transpose(0, 1), angles.sin()[:, :, 0].transpose(0, 1)
+        assert cos.shape == cos_ref.shape, (section, cos.shape, cos_ref.shape)
+        assert (cos - cos_ref).abs().max() < 1e-6 and (sin - sin_ref).abs().max() < 1e-6, section
+
+
 def test_fewer_grids_than_placeholder_runs_is_a_clear_error():
     """Two image runs in the batch, one grid: a ValueError counting both (was a raw shape mismatch)."""
     import pytest

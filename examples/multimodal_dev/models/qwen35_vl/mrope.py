@@ -122,8 +122,11 @@ class InterleavedMRoPE(nn.Module):
         super().__init__()
         rot_dim = int(head_dim * partial_rotary_factor)
         half = rot_dim // 2
-        if sum(mrope_section) != half:
-            raise ValueError(f"mrope_section {list(mrope_section)} must sum to rotary_dim/2 = {half}")
+        # As transformers: axis h takes channels 1, 4, 7, ... below 3*sec_h, w takes 2, 5, 8, ... below
+        # 3*sec_w, t the rest; sections reaching past the rotary channels are clipped (its own
+        # tester config has [16, 8, 8] with one rotary channel pair), so any three sizes are valid.
+        if len(mrope_section) != 3 or min(mrope_section) < 0:
+            raise ValueError(f"mrope_section {list(mrope_section)}: expected three non-negative sizes (t, h, w)")
         inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         axis = torch.zeros(half, dtype=torch.long)
