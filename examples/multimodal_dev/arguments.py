@@ -124,6 +124,39 @@ def checkpoint_args(shape, **extra):
                      rotary_base=int(t.rope_theta), mtp_num_layers=t.mtp_num_layers or None, **extra)
 
 
+def check_checkpoint_matches(load_dir: str | None, shape) -> None:
+    """The checkpoint under ``--load`` was saved from this model shape: its stored args (megatron's
+    common state) against ``checkpoint_args(shape)``, so a dense checkpoint loaded as MoE (or the
+    wrong variant) is one line naming what differs, not a KeyError listing hundreds of tensors."""
+    import os
+
+    if not load_dir or not os.path.isfile(os.path.join(load_dir, "latest_checkpointed_iteration.txt")):
+        return
+    with open(os.path.join(load_dir, "latest_checkpointed_iteration.txt")) as f:
+        text = f.read().strip()
+    directory = os.path.join(load_dir, "release" if text == "release" else f"iter_{int(text):07d}")
+    if not os.path.isdir(directory):
+        raise ValueError(f"--load {load_dir}: latest_checkpointed_iteration.txt names {text}, but {directory} "
+                         "does not exist")
+    from megatron.core import dist_checkpointing
+
+    import checkpoint_safety
+
+    checkpoint_safety.install()
+    stored = dist_checkpointing.load_common_state_dict(directory).get("args")
+    if stored is None:
+        return
+    expected = vars(checkpoint_args(shape))
+    differ = [f"{flag} {getattr(stored, flag, None) or 0} (checkpoint) vs {expected[flag] or 0} (this run)"
+              for flag in (*_SHAPE_FLAGS, "vocab_size") if flag != "moe_router_topk"
+              and (getattr(stored, flag, None) or 0) != (expected[flag] or 0)]
+    if expected["mtp_num_layers"] and not getattr(stored, "mtp_num_layers", None):
+        differ.append("the run trains an MTP head (MTP=1) the checkpoint does not have")
+    if differ:
+        raise ValueError(f"--load {load_dir} ({os.path.basename(directory)}) was saved from another model: "
+                         + "; ".join(differ) + " (MODEL_VARIANT / MOE / MTP / HF_CONFIG must match the checkpoint)")
+
+
 # The run script's per-variant columns, in its order; the shape table in configuration.py is the
 # only copy of the numbers.
 SHAPE_ROW = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",

@@ -22,7 +22,7 @@ for _path in (_HERE, os.path.dirname(os.path.dirname(_HERE))):  # this folder; t
 from megatron.training import get_args  # noqa: E402
 
 import checkpoint_safety  # noqa: E402
-from arguments import add_multimodal_args, resolve_shape  # noqa: E402
+from arguments import add_multimodal_args, check_checkpoint_matches, resolve_shape  # noqa: E402
 from backend import backend_of, check_backend, engine_defaults, use_prebuilt_dataset_helpers  # noqa: E402
 from data import get_dataset_provider  # noqa: E402
 from data.collate import Collator, pad_multiple_for  # noqa: E402
@@ -153,6 +153,7 @@ def main():
         if args.data_path:
             resolve_source(args.data_path[0], "--data-path")
         model_configs()
+        check_checkpoint_matches(args.load, model_shape())
     except (ValueError, KeyError, FileNotFoundError) as err:
         raise SystemExit(f"pretrain_multimodal.py: {err.args[0] if err.args else err}")
     meter = StepFlops()

@@ -74,3 +74,22 @@ def test_damaged_tracker_file_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"--load .*latest_checkpointed_iteration.txt holds '\\x00garbage', "
                                          r"not an iteration number"):
         checkpoint_safety.check_tracker(str(tmp_path))
+
+
+def test_a_checkpoint_of_another_shape_is_named_before_loading(tmp_path, mcore):
+    """A dense checkpoint loaded by an MoE run gave a KeyError listing every tensor; the stored args
+    are compared first and the differing ones named."""
+    from hf_checkpoints import write_hf_checkpoint
+
+    from arguments import check_checkpoint_matches
+    from models.qwen35_vl.configuration import get_variant
+    from tools.convert_checkpoint import import_hf
+
+    write_hf_checkpoint(tmp_path / "hf", get_variant("tiny", moe=False), dtype=torch.float32)
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    check_checkpoint_matches(str(tmp_path / "ckpt"), get_variant("tiny", moe=False))
+    with pytest.raises(ValueError, match=r"\(iter_0000000\) was saved from another model: num_experts 0 \(checkpoint\) "
+                                         r"vs 4 \(this run\)"):
+        check_checkpoint_matches(str(tmp_path / "ckpt"), get_variant("tiny", moe=True))
+    with pytest.raises(ValueError, match="the run trains an MTP head"):
+        check_checkpoint_matches(str(tmp_path / "ckpt"), get_variant("tiny", moe=False, mtp=True))
