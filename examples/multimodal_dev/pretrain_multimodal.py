@@ -22,6 +22,7 @@ for _path in (_HERE, os.path.dirname(os.path.dirname(_HERE))):  # this folder; t
 from megatron.training import get_args  # noqa: E402
 
 import checkpoint_safety  # noqa: E402
+import save_guard  # noqa: E402
 from arguments import add_multimodal_args, check_checkpoint_matches, resolve_shape  # noqa: E402
 from backend import backend_of, check_backend, engine_defaults, use_prebuilt_dataset_helpers  # noqa: E402
 from data import get_dataset_provider  # noqa: E402
@@ -156,6 +157,10 @@ def main():
         check_checkpoint_matches(args.load, model_shape())
     except (ValueError, KeyError, FileNotFoundError) as err:
         raise SystemExit(f"pretrain_multimodal.py: {err.args[0] if err.args else err}")
+    for stale in save_guard.stale_directories(args.save):
+        print(f"pretrain_multimodal.py: {os.path.join(args.save, stale)} is newer than {save_guard.TRACKER} (a save "
+              "that did not complete); it is overwritten when training reaches that iteration", flush=True)
+    save_guard.install()
     meter = StepFlops()
     install_megatron_training_hooks(meter)
     try:

@@ -9,7 +9,8 @@
 - a process killed (SIGKILL) while writing a checkpoint leaves the previous one loadable, and
   training resumes from it with the same losses; a longer TRAIN_ITERS then extends the run (on
   the checkpoint's LR schedule); a pickle planted in the checkpoint is refused in one line and
-  never runs;
+  never runs; a full disk during a save removes the half-written directory and keeps the last
+  complete checkpoint;
 - a NaN stops the run before any checkpoint of the bad step is written;
 - TP=2 (no SP, dense) on the same weights (with the MTP head) reports the first-iteration loss,
   MTP loss and grad norm of the single process (1e-5 rel);
@@ -87,6 +88,17 @@ def test_killed_save_keeps_previous_checkpoint(tmp_path):
     assert refused.returncode != 0 and not marker.exists()
     assert (f"pretrain_multimodal.py: checkpoint refused: {metadata}: it names 'posix.system', which is not "
             "checkpoint data") in refused.output, refused.output[-3000:]
+
+
+def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    common = dict(TRAIN_ITERS=2, SAVE_INTERVAL=1, SEQ_LEN=256, MBS=1, GBS=1, CKPT_RESUME=ckpt)
+    full = run_script(("--eval-iters", "0"), FULL_DISK_AT=2, **common)
+    assert full.returncode != 0
+    assert (f"pretrain_multimodal.py: no space left on {ckpt} while saving iteration 2: removed the partial "
+            f"{ckpt / 'iter_0000002'}; the last complete checkpoint is iteration 1") in full.output, full.output[-3000:]
+    assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000001"]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
 
 
 class _Plant:

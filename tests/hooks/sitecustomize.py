@@ -6,6 +6,8 @@ PYTHONPATH (``tests/launch.py`` puts it there only for a run that asks):
                             iteration N's checkpoint are written, before megatron records it as the
                             latest. Killing one rank alone would orphan megatron's checkpoint-writer
                             manager process, which keeps the job's output pipes open.
+    FULL_DISK_AT=N          the save of iteration N writes part of its directory, then fails with
+                            ENOSPC as a full disk would.
     RECORD_PIPELINE=DIR     every rank writes DIR/rank<R>.json: its pipeline rank, the parameter
                             names of each model chunk it built, and the shape and dtype of every
                             tensor it sent to another pipeline stage.
@@ -30,6 +32,25 @@ if os.environ.get("KILL_DURING_SAVE_AT"):
         return result
 
     dist_checkpointing.save = _save_then_die
+
+if os.environ.get("FULL_DISK_AT"):
+    import errno
+    import re
+
+    from megatron.core import dist_checkpointing
+
+    _real_save = dist_checkpointing.save
+
+    def _save_onto_a_full_disk(sharded_state_dict, checkpoint_dir, *args, **kwargs):
+        match = re.search(r"iter_(\d+)", str(checkpoint_dir))
+        if match and int(match.group(1)) == int(os.environ["FULL_DISK_AT"]):
+            os.makedirs(checkpoint_dir, exist_ok=True)
+            with open(os.path.join(checkpoint_dir, "__0_0.distcp"), "wb") as f:
+                f.write(b"\0" * 4096)
+            raise OSError(errno.ENOSPC, "No space left on device", os.path.join(checkpoint_dir, "__0_0.distcp"))
+        return _real_save(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+
+    dist_checkpointing.save = _save_onto_a_full_disk
 
 if os.environ.get("RECORD_PIPELINE") and "RANK" in os.environ:  # training ranks only (torchrun sets RANK)
     import atexit

@@ -1,0 +1,78 @@
+"""A checkpoint save that runs out of disk leaves the last complete checkpoint and nothing else.
+
+megatron.training writes ``iter_XXXXXXX/`` and only then points ``latest_checkpointed_iteration.txt``
+at it, so a failed save never replaces the previous checkpoint; but the failure surfaced as the
+writer's own text (``unexpected pos ...``, ``basic_ios::clear``, a DCP exception) and left the
+half-written directory. ``install()`` wraps the training loop's ``save_checkpoint``: when a save
+fails for lack of space, the half-written directory of that iteration is removed and the run stops
+with one line naming the place.
+
+Directories newer than the tracker found at start (a save killed midway) are reported, not deleted:
+they are overwritten when training reaches that iteration again, and a tracker rolled back by
+hand must not cost the user the checkpoints after it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+
+TRACKER = "latest_checkpointed_iteration.txt"
+# What the writers say when the disk is full: the OS error, and the C++ stream errors torch's
+# serialisation raises on a short write.
+_OUT_OF_SPACE = re.compile(r"No space left on device|ENOSPC|errno 28|unexpected pos|basic_ios::clear", re.I)
+
+
+def out_of_space(err: BaseException) -> bool:
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC or _OUT_OF_SPACE.search(str(err)):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def latest_iteration(save_dir: str) -> int | None:
+    try:
+        with open(os.path.join(save_dir, TRACKER)) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def stale_directories(save_dir: str | None) -> list[str]:
+    """``iter_*`` directories newer than the tracker: saves that did not complete."""
+    if not save_dir or not os.path.isdir(save_dir):
+        return []
+    latest = latest_iteration(save_dir) or 0
+    return sorted(d for d in os.listdir(save_dir)
+                  if re.fullmatch(r"iter_\d{7}", d) and int(d[5:]) > latest)
+
+
+def guarded(save_checkpoint, get_args):
+    def save(iteration, *args, **kwargs):
+        try:
+            return save_checkpoint(iteration, *args, **kwargs)
+        except BaseException as err:
+            if not out_of_space(err):
+                raise
+            save_dir = get_args().save
+            partial = os.path.join(save_dir, f"iter_{iteration:07d}")
+            latest = latest_iteration(save_dir)
+            if latest != iteration:
+                shutil.rmtree(partial, ignore_errors=True)
+            kept = f"iteration {latest}" if latest is not None else "none"
+            raise SystemExit(f"pretrain_multimodal.py: no space left on {save_dir} while saving iteration "
+                             f"{iteration}: removed the partial {partial}; the last complete checkpoint is {kept}") from None
+
+    return save
+
+
+def install() -> None:
+    from megatron.training import get_args
+    from megatron.training import training as mt
+
+    mt.save_checkpoint = guarded(mt.save_checkpoint, get_args)

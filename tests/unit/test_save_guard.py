@@ -1,0 +1,41 @@
+"""The checkpoint-save guard: which failures mean a full disk, what it removes, what it reports."""
+
+import errno
+
+import pytest
+
+import save_guard
+
+
+def test_out_of_space_is_recognised_through_wrapping():
+    assert save_guard.out_of_space(OSError(errno.ENOSPC, "No space left on device"))
+    wrapped = RuntimeError("CheckpointException ranks:dict_keys([0])")
+    wrapped.__cause__ = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4160 vs 4054")
+    assert save_guard.out_of_space(wrapped)
+    assert not save_guard.out_of_space(OSError(errno.EACCES, "Permission denied"))
+
+
+def test_failed_save_removes_only_its_own_directory(tmp_path):
+    (tmp_path / "iter_0000001").mkdir()
+    (tmp_path / "iter_0000002").mkdir()
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
+
+    class Args:
+        save = str(tmp_path)
+
+    def full(iteration, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(SystemExit, match=r"no space left on .* while saving iteration 2: removed the partial .*"
+                                         r"iter_0000002; the last complete checkpoint is iteration 1"):
+        save_guard.guarded(full, lambda: Args)(2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
+
+
+def test_directories_newer_than_the_tracker_are_reported(tmp_path):
+    for name in ("iter_0000002", "iter_0000004", "iter_0000006", "other"):
+        (tmp_path / name).mkdir()
+    assert save_guard.stale_directories(str(tmp_path)) == ["iter_0000002", "iter_0000004", "iter_0000006"]
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("4")
+    assert save_guard.stale_directories(str(tmp_path)) == ["iter_0000006"]
+    assert save_guard.stale_directories(None) == []
