@@ -205,4 +205,5 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
 fi
 
 echo "run_qwen35_vl.sh: $MODEL_VARIANT, TP=$TP CP=$CP EP=$EP PP=$PP VP=$VP SP=$SP NPROC=$NPROC, dataset $DATASET, $TRAIN_ITERS iterations"
-exec "$PY" -m torch.distributed.run "${LAUNCH[@]:1}" "${ARGS[@]}" "$@"
+# torchrun_launcher.py is torchrun without its own traceback when a rank fails (the rank has said why)
+exec "$PY" "$ROOT/examples/multimodal_dev/torchrun_launcher.py" "${LAUNCH[@]:1}" "${ARGS[@]}" "$@"

@@ -157,6 +157,8 @@ def main():
         check_checkpoint_matches(args.load, model_shape())
     except (ValueError, KeyError, FileNotFoundError) as err:
         raise SystemExit(f"pretrain_multimodal.py: {err.args[0] if err.args else err}")
+    except BaseException as err:  # reading --load's stored args may meet a planted pickle
+        _exit_if_refused(err)
     for stale in save_guard.stale_directories(args.save):
         print(f"pretrain_multimodal.py: {os.path.join(args.save, stale)} is newer than {save_guard.TRACKER} (a save "
               "that did not complete); it is overwritten when training reaches that iteration", flush=True)
@@ -166,10 +168,16 @@ def main():
     try:
         pretrain(pretrain_cfg_container_from_args(args), metered(datasets_provider, meter),
                  ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
-    except BaseException as err:  # DCP's CheckpointException is a BaseException
-        if checkpoint_safety.refusal(err) is None:
-            raise
-        raise SystemExit(f"pretrain_multimodal.py: {checkpoint_safety.refusal(err)}") from None
+    except BaseException as err:
+        _exit_if_refused(err)
+
+
+def _exit_if_refused(err: BaseException):
+    """One line for a checkpoint refused as code (DCP wraps it in its CheckpointException, a
+    BaseException); anything else propagates unchanged."""
+    if checkpoint_safety.refusal(err) is None:
+        raise err
+    raise SystemExit(f"pretrain_multimodal.py: {checkpoint_safety.refusal(err)}") from None
 
 
 if __name__ == "__main__":

@@ -126,3 +126,15 @@ def test_cpu_dry_run_uses_the_engine_with_the_local_backend():
 def test_backend_choice_is_validated(impl, message):
     rc, _, err = _script(MODEL_VARIANT="tiny", TRANSFORMER_IMPL=impl)
     assert rc != 0 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_mistake_found_by_the_training_script_is_one_line_without_tracebacks(tmp_path):
+    """A mistake only the training script can see (a data path that does not exist) stops every
+    rank with one line; the launcher adds one more and no traceback of its own."""
+    rc, out, err = _script(DRY_RUN=0, DATASET="cord_v2", DATA_PATH=str(tmp_path / "nothing"),
+                           HF_PROCESSOR_PATH=str(tmp_path / "nothing"), TRAIN_ITERS=1)
+    assert rc == 1
+    output = out + err
+    assert f"pretrain_multimodal.py: --data-path '{tmp_path / 'nothing'}': no such file or directory" in output
+    assert "Traceback" not in output, output[-3000:]
+    assert output.strip().splitlines()[-1] == "torchrun: rank 0 stopped (exit code 1); its output above says why"
