@@ -159,9 +159,8 @@ def main():
         raise SystemExit(f"pretrain_multimodal.py: {err.args[0] if err.args else err}")
     except BaseException as err:  # reading --load's stored args may meet a planted pickle
         _exit_if_refused(err)
-    for stale in save_guard.stale_directories(args.save):
-        print(f"pretrain_multimodal.py: {os.path.join(args.save, stale)} is newer than {save_guard.TRACKER} (a save "
-              "that did not complete); it is overwritten when training reaches that iteration", flush=True)
+    for line in save_guard.clear_incomplete_saves(args.save):
+        print(f"pretrain_multimodal.py: {line}", flush=True)
     save_guard.install()
     meter = StepFlops()
     install_megatron_training_hooks(meter)

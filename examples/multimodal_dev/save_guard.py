@@ -7,9 +7,11 @@ half-written directory. ``install()`` wraps the training loop's ``save_checkpoin
 fails for lack of space, the half-written directory of that iteration is removed and the run stops
 with one line naming the place.
 
-Directories newer than the tracker found at start (a save killed midway) are reported, not deleted:
-they are overwritten when training reaches that iteration again, and a tracker rolled back by
-hand must not cost the user the checkpoints after it.
+Directories newer than the tracker found at start are leftovers of a save that did not finish:
+``clear_incomplete_saves`` removes those that are certainly incomplete (no ``.metadata``, the
+index torch.distributed.checkpoint writes after every shard) and names the complete ones (a
+tracker rolled back by hand must not cost the user the checkpoints after it); those are
+overwritten when training reaches that iteration again.
 """
 
 from __future__ import annotations
@@ -50,6 +52,20 @@ def stale_directories(save_dir: str | None) -> list[str]:
     latest = latest_iteration(save_dir) or 0
     return sorted(d for d in os.listdir(save_dir)
                   if re.fullmatch(r"iter_\d{7}", d) and int(d[5:]) > latest)
+
+
+def clear_incomplete_saves(save_dir: str | None) -> list[str]:
+    """Remove the incomplete directories newer than the tracker; one line per directory found."""
+    lines = []
+    for name in stale_directories(save_dir):
+        path = os.path.join(save_dir, name)
+        if os.path.exists(os.path.join(path, ".metadata")):
+            lines.append(f"{path} is complete but newer than {TRACKER}; it is overwritten when training reaches "
+                         "that iteration")
+        else:
+            shutil.rmtree(path, ignore_errors=True)  # every rank may try: the others find it gone
+            lines.append(f"removed {path}: a save that did not finish (newer than {TRACKER}, no .metadata)")
+    return lines
 
 
 def guarded(save_checkpoint, get_args):

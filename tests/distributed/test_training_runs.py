@@ -76,6 +76,7 @@ def test_killed_save_keeps_previous_checkpoint(tmp_path):
     assert killed.returncode != 0 and sorted(killed.losses) == [1, 2, 3, 4]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     again = run_script(**common).check()
+    assert f"{ckpt / 'iter_0000004'} is complete but newer than latest_checkpointed_iteration.txt" in again.output
     assert sorted(again.losses) == [3, 4]
     assert again.losses == {i: killed.losses[i] for i in (3, 4)}
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"

@@ -39,3 +39,19 @@ def test_directories_newer_than_the_tracker_are_reported(tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("4")
     assert save_guard.stale_directories(str(tmp_path)) == ["iter_0000006"]
     assert save_guard.stale_directories(None) == []
+
+
+def test_incomplete_saves_are_removed_and_complete_ones_kept(tmp_path):
+    """A killed save leaves iter_N without DCP's .metadata: removed at the next start. A complete
+    checkpoint newer than a tracker rolled back by hand is kept and named."""
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
+    for name in ("iter_0000002", "iter_0000004", "iter_0000006"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__0_0.distcp").write_bytes(b"\0" * 10)
+    (tmp_path / "iter_0000006" / ".metadata").write_bytes(b"index")
+    lines = save_guard.clear_incomplete_saves(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000002", "iter_0000006"]
+    assert lines == [f"removed {tmp_path / 'iter_0000004'}: a save that did not finish (newer than "
+                     "latest_checkpointed_iteration.txt, no .metadata)",
+                     f"{tmp_path / 'iter_0000006'} is complete but newer than latest_checkpointed_iteration.txt; it "
+                     "is overwritten when training reaches that iteration"]
