@@ -23,7 +23,7 @@ import pickle
 
 import pytest
 import torch
-from launch import run_script
+from launch import NO_EVAL, run_script
 
 
 def _tensors(checkpoint_dir, tmp_path):
@@ -70,36 +70,36 @@ def test_exact_resume(tmp_path, optimizer):
 
 
 def test_killed_save_keeps_previous_checkpoint(tmp_path):
+    """One checkpoint directory through the ways a save or a load goes wrong; the runs after the
+    first compare training steps only, so they skip the closing evaluation."""
     ckpt = tmp_path / "ckpt"
     common = dict(TRAIN_ITERS=4, SAVE_INTERVAL=2, SEQ_LEN=512, CKPT_RESUME=ckpt)
     killed = run_script(KILL_DURING_SAVE_AT=4, **common)
     assert killed.returncode != 0 and sorted(killed.losses) == [1, 2, 3, 4]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    again = run_script(**common).check()
+    again = run_script(NO_EVAL, **common).check()
     assert f"{ckpt / 'iter_0000004'} is complete but newer than latest_checkpointed_iteration.txt" in again.output
     assert sorted(again.losses) == [3, 4]
     assert again.losses == {i: killed.losses[i] for i in (3, 4)}
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
-    longer = run_script(**{**common, "TRAIN_ITERS": 5}).check()
+    # extending the run: the checkpoint's LR schedule carries on
+    longer = run_script(NO_EVAL, **{**common, "TRAIN_ITERS": 5}).check()
     assert sorted(longer.losses) == [5] and "resuming with the checkpoint's LR schedule" in longer.output
+    # a full disk while saving iteration 6: its half-written directory goes, iteration 5 stays
+    full = run_script(NO_EVAL, FULL_DISK_AT=6, **{**common, "TRAIN_ITERS": 6})
+    assert full.returncode != 0
+    assert (f"pretrain_multimodal.py: no space left on {ckpt} while saving iteration 6: removed the partial "
+            f"{ckpt / 'iter_0000006'}; the last complete checkpoint is iteration 5") in full.output, full.output[-3000:]
+    assert not (ckpt / "iter_0000006").exists()
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+    # a pickle planted in the checkpoint is refused by name and never runs
     marker, metadata = tmp_path / "ran", ckpt / "iter_0000005" / ".metadata"
     with open(metadata, "wb") as f:
         pickle.dump(_Plant(marker), f)
-    refused = run_script(**{**common, "TRAIN_ITERS": 6})
+    refused = run_script(NO_EVAL, **{**common, "TRAIN_ITERS": 6})
     assert refused.returncode != 0 and not marker.exists()
     assert (f"pretrain_multimodal.py: checkpoint refused: {metadata}: it names 'posix.system', which is not "
             "checkpoint data") in refused.output, refused.output[-3000:]
-
-
-def test_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    common = dict(TRAIN_ITERS=2, SAVE_INTERVAL=1, SEQ_LEN=256, MBS=1, GBS=1, CKPT_RESUME=ckpt)
-    full = run_script(("--eval-iters", "0"), FULL_DISK_AT=2, **common)
-    assert full.returncode != 0
-    assert (f"pretrain_multimodal.py: no space left on {ckpt} while saving iteration 2: removed the partial "
-            f"{ckpt / 'iter_0000002'}; the last complete checkpoint is iteration 1") in full.output, full.output[-3000:]
-    assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000001"]
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
 
 
 class _Plant:
@@ -125,9 +125,9 @@ def test_nan_stops_without_saving_the_bad_step(tmp_path):
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPU cores for two ranks")
 def test_tensor_parallel_matches_single_process(tmp_path):
     start, common = tmp_path / "start", dict(TRAIN_ITERS=1, SEQ_LEN=512, MTP=1)
-    run_script(CKPT_SAVE=start, **common).check()
-    single = run_script(CKPT_LOAD=start, **common).check()
-    tp2 = run_script(CKPT_LOAD=start, TP=2, **common).check()
+    run_script(NO_EVAL, CKPT_SAVE=start, **common).check()
+    single = run_script(NO_EVAL, CKPT_LOAD=start, **common).check()
+    tp2 = run_script(NO_EVAL, CKPT_LOAD=start, TP=2, **common).check()
     rel = abs(tp2.losses[1] - single.losses[1]) / single.losses[1]
     rel_mtp = abs(tp2.mtp_losses[1] - single.mtp_losses[1]) / single.mtp_losses[1]
     rel_norm = abs(tp2.grad_norms[1] - single.grad_norms[1]) / single.grad_norms[1]
@@ -139,7 +139,7 @@ def test_tensor_parallel_matches_single_process(tmp_path):
 
 def test_mtp_head_trains_and_tensorboard_records(tmp_path):
     board = tmp_path / "tb"
-    run = run_script(["--tensorboard-dir", str(board)], TRAIN_ITERS=16, SEQ_LEN=512, MTP=1).check()
+    run = run_script(["--tensorboard-dir", str(board), *NO_EVAL], TRAIN_ITERS=16, SEQ_LEN=512, MTP=1).check()
     mtp = [run.mtp_losses[i] for i in range(1, 17)]
     first, last = sum(mtp[:4]) / 4, sum(mtp[-4:]) / 4
     print(f"MTP loss: first-4 mean {first:.3f}, last-4 mean {last:.3f}")

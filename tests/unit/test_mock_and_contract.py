@@ -75,3 +75,30 @@ def test_skipping_dataset_counts_and_replaces(caplog):
     over = sum(n > 120 for n in lengths)
     assert over > 0 and sum(train.skip_counts.values()) >= 1
     assert "skipped so far" in caplog.text
+
+
+def test_realistic_mix_has_the_shape_of_an_sft_mix():
+    """``mock_mix``: deterministic by seed; a log-normal length mix with a long tail within the
+    budget; 0-4 images a document with most documents carrying one; image grids from 224^2 to
+    1344^2 pixels at 16-pixel patches with aspect ratios up to 3:1; every sample valid."""
+    from data import get_dataset_provider
+    from models.qwen35_vl.configuration import get_variant
+
+    shape = get_variant("tiny")
+    common = dict(tokens=VisionTokens.from_shape(shape), vocab_size=shape.text.vocab_size,
+                  patch_dim=shape.vision.patch_dim, seq_length=4096, num_samples=(80, 0, 0))
+    train = get_dataset_provider("mock_mix")(seed=1234, **common)[0]
+    again = get_dataset_provider("mock_mix")(seed=1234, **common)[0]
+    other = get_dataset_provider("mock_mix")(seed=99, **common)[0]
+    samples = [train[i] for i in range(80)]
+    assert all(torch.equal(samples[i]["input_ids"], again[i]["input_ids"]) for i in (0, 7, 79))
+    assert not torch.equal(samples[0]["input_ids"], other[0]["input_ids"])
+    lengths = sorted(len(s["input_ids"]) for s in samples)
+    images = [len(s["image_grid_thw"]) for s in samples]
+    grids = torch.cat([s["image_grid_thw"] for s in samples if len(s["image_grid_thw"])])
+    assert lengths[-1] <= 4096 and lengths[len(lengths) // 2] < 1000 < lengths[-1]  # short mostly, long tail
+    assert max(images) >= 3 and images.count(1) > images.count(0) > 0
+    sides = grids[:, 1:].float() * 16
+    assert sides.min() <= 224 and sides.max() >= 1344
+    assert (grids[:, 1:].max(1).values / grids[:, 1:].min(1).values).max() >= 2.9  # aspect up to 3:1
+    assert (grids[:, 1:] % 2 == 0).all()  # whole 2x2 merged patches

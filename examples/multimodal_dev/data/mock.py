@@ -23,28 +23,50 @@ FIRST_TEXT_ID = 16
 GRID_SIDES = (4, 6, 8, 10, 12)  # patches per side before merging; even so 2x2 merging is exact
 
 
+class UniformProfile:
+    """The default mock's draws: 0..max_images images of 4..12 patches a side, prompt and answer
+    lengths uniform up to ``mean_text_tokens`` (the tests' figures are pinned to these draws)."""
+
+    def __init__(self, mean_text_tokens: int = 96, max_images: int = 2):
+        self.mean_text_tokens, self.max_images = mean_text_tokens, max_images
+
+    def n_images(self, gen) -> int:
+        return int(torch.randint(self.max_images + 1, (1,), generator=gen))
+
+    def grid(self, gen, merge: int) -> tuple[int, int]:
+        return tuple(GRID_SIDES[int(i)] for i in torch.randint(len(GRID_SIDES), (2,), generator=gen))
+
+    def text_lengths(self, gen, room: int) -> tuple[int, int]:
+        n_prompt = int(torch.randint(4, self.mean_text_tokens + 1, (1,), generator=gen))
+        return n_prompt, int(torch.randint(2, self.mean_text_tokens + 1, (1,), generator=gen))
+
+    def pixels(self, gen, n_patches: int, patch_dim: int) -> torch.Tensor:
+        return torch.randn(n_patches, patch_dim, generator=gen)
+
+
 class MockConversations:
     def __init__(self, tokens: VisionTokens, vocab_size: int, patch_dim: int, seed: int = 1234,
-                 mean_text_tokens: int = 96, text_vocab: int = 512, max_images: int = 2):
+                 mean_text_tokens: int = 96, text_vocab: int = 512, max_images: int = 2, profile=None,
+                 max_length: int | None = None):
         top = min(vocab_size, *tokens.vision_ids, tokens.vision_start, tokens.vision_end)
         if top - FIRST_TEXT_ID < 8:
             raise ValueError(f"mock dataset: vocab {vocab_size} leaves no room for text tokens below the vision ids")
         self.tokens, self.patch_dim, self.seed = tokens, patch_dim, seed
         self.text_vocab = min(text_vocab, top - FIRST_TEXT_ID)
-        self.mean_text_tokens, self.max_images = mean_text_tokens, max_images
+        self.profile = profile or UniformProfile(mean_text_tokens, max_images)
+        self.max_length = max_length
 
     def _image(self, gen: torch.Generator):
-        h, w = (GRID_SIDES[int(i)] for i in torch.randint(len(GRID_SIDES), (2,), generator=gen))
+        h, w = self.profile.grid(gen, self.tokens.spatial_merge)
         n_tokens = h * w // self.tokens.spatial_merge ** 2
         ids = [self.tokens.vision_start] + [self.tokens.image] * n_tokens + [self.tokens.vision_end]
-        return ids, torch.randn(h * w, self.patch_dim, generator=gen), (1, h, w)
+        return ids, self.profile.pixels(gen, h * w, self.patch_dim), (1, h, w)
 
     def __call__(self, index: int) -> dict:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        n_images = int(torch.randint(self.max_images + 1, (1,), generator=gen))
-        images = [self._image(gen) for _ in range(n_images)]
-        n_prompt = int(torch.randint(4, self.mean_text_tokens + 1, (1,), generator=gen))
-        n_answer = int(torch.randint(2, self.mean_text_tokens + 1, (1,), generator=gen))
+        images = [self._image(gen) for _ in range(self.profile.n_images(gen))]
+        room = (self.max_length or 1 << 30) - sum(len(ids) for ids, _, _ in images) - 10  # 10: the template
+        n_prompt, n_answer = self.profile.text_lengths(gen, room)
         prompt_text = torch.randint(self.text_vocab, (n_prompt,), generator=gen)
         answer_text = (prompt_text[0] + 1 + torch.arange(n_answer)) % self.text_vocab
         prompt = [IM_START, USER, NEWLINE] + [t for ids, _, _ in images for t in ids]
@@ -56,12 +78,15 @@ class MockConversations:
 
 
 def build_datasets(tokens: VisionTokens, vocab_size: int, patch_dim: int, seq_length: int,
-                   num_samples: tuple[int, int, int], seed: int = 1234, mean_text_tokens: int = 96, **_unused):
-    """(train, valid, test) of the requested sizes; the splits use disjoint seeds."""
+                   num_samples: tuple[int, int, int], seed: int = 1234, mean_text_tokens: int = 96,
+                   profile_fn=None, **_unused):
+    """(train, valid, test) of the requested sizes; the splits use disjoint seeds. ``profile_fn``:
+    a profile per split (``mock_mix.py``), else the uniform one."""
     splits = []
     for split, n in enumerate(num_samples):
         produce = MockConversations(tokens, vocab_size, patch_dim, seed=seed + 7919 * split,
-                                    mean_text_tokens=mean_text_tokens)
+                                    mean_text_tokens=mean_text_tokens, max_length=seq_length,
+                                    profile=profile_fn() if profile_fn else None)
         splits.append(SkippingDataset(produce, num_source=max(n, 1), length=n, tokens=tokens, max_length=seq_length,
                                       patch_dim=patch_dim, name=f"mock[{('train', 'valid', 'test')[split]}]"))
     return tuple(splits)
