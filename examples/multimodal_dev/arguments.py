@@ -130,20 +130,14 @@ def check_checkpoint_matches(load_dir: str | None, shape) -> None:
     wrong variant) is one line naming what differs, not a KeyError listing hundreds of tensors."""
     import os
 
-    if not load_dir or not os.path.isfile(os.path.join(load_dir, "latest_checkpointed_iteration.txt")):
+    from tools.checkpoint_files import TRACKER, checkpoint_directory, stored_args
+
+    if not load_dir or not os.path.isfile(os.path.join(load_dir, TRACKER)):
         return
-    with open(os.path.join(load_dir, "latest_checkpointed_iteration.txt")) as f:
-        text = f.read().strip()
-    directory = os.path.join(load_dir, "release" if text == "release" else f"iter_{int(text):07d}")
+    directory = checkpoint_directory(load_dir)
     if not os.path.isdir(directory):
-        raise ValueError(f"--load {load_dir}: latest_checkpointed_iteration.txt names {text}, but {directory} "
-                         "does not exist")
-    from megatron.core import dist_checkpointing
-
-    import checkpoint_safety
-
-    checkpoint_safety.install()
-    stored = dist_checkpointing.load_common_state_dict(directory).get("args")
+        raise ValueError(f"--load {load_dir}: {TRACKER} names {os.path.basename(directory)}, which does not exist")
+    stored = stored_args(directory)
     if stored is None:
         return
     expected = vars(checkpoint_args(shape))

@@ -10,9 +10,11 @@ Under context parallelism the model returns the losses of this rank's tokens tog
 loss mask (the model splits every per-token tensor once); the loss function uses that mask.
 
 Under pipeline parallelism every stage draws the same micro-batch and keeps only what it reads
-(``for_stage``): pixels and grids on the first stage, labels and loss mask on the last; positions,
-packed-sequence boundaries, the padding mask and the token ids (the row's length for MoE
-dispatch; the MTP head's input on the last stage) everywhere. Only decoder activations cross stages.
+(``for_stage``, applied once by each (virtual) stage's collate in pretrain_multimodal.py, so later
+stages never move pixels to the device): pixels and grids on the first stage, labels and loss
+mask on the last; positions, packed-sequence boundaries, the padding mask and the token ids (the
+row's length for MoE dispatch; the MTP head's input on the last stage) everywhere. Only decoder
+activations cross stages.
 """
 
 from __future__ import annotations
@@ -83,11 +85,8 @@ def batch_loss(model, batch: dict):
 
 
 def forward_step(data_iterator, model, *_args, **_kwargs):
-    from megatron.core.utils import get_attr_wrapped_model
-
-    stage = get_attr_wrapped_model(model, "pre_process", return_model_obj=True)
     device = next(model.parameters()).device
-    batch = batch_to_device(for_stage(next(data_iterator), stage.pre_process, stage.post_process), device)
+    batch = batch_to_device(next(data_iterator), device)
     batch = equalise_for_expert_dispatch(batch, model)
     output, loss_mask = run_model(model, batch)
     return output, partial(loss_func, loss_mask)

@@ -66,20 +66,6 @@ def stage_layers(num_layers: int, pp: int, vp: int | None = None, first: int | N
              for v in range(vp)] for p in range(pp)]
 
 
-def describe(layers: list[list[range]], layer_types=None) -> str:
-    """One line per pipeline rank: its layers (and their types) per virtual stage."""
-    lines = []
-    for p, chunks in enumerate(layers):
-        parts = []
-        for chunk in chunks:
-            text = f"{chunk.start}-{chunk.stop - 1}" if len(chunk) > 1 else f"{chunk.start}"
-            if layer_types is not None:
-                text += " (" + "".join("A" if layer_types[i] == "full_attention" else "G" for i in chunk) + ")"
-            parts.append(text)
-        lines.append(f"  stage {p}: layers " + " | ".join(parts) + (" + vision tower" if p == 0 else ""))
-    return "\n".join(lines)
-
-
 # Recommended launch layouts on 8-GPU H100 (80 GB) nodes. Why each, in the README's "Pipeline
 # parallelism" section: dense models stay within a node (TP over NVLink, PP only when a replica
 # does not fit); MoE models follow Megatron-Bridge's recipes (EP over nodes, PP with virtual

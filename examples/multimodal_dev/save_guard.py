@@ -21,7 +21,8 @@ import os
 import re
 import shutil
 
-TRACKER = "latest_checkpointed_iteration.txt"
+from tools.checkpoint_files import TRACKER, latest_iteration
+
 # What the writers say when the disk is full: the OS error, and the C++ stream errors torch's
 # serialisation raises on a short write.
 _OUT_OF_SPACE = re.compile(r"No space left on device|ENOSPC|errno 28|unexpected pos|basic_ios::clear", re.I)
@@ -35,14 +36,6 @@ def out_of_space(err: BaseException) -> bool:
             return True
         err = err.__cause__ or err.__context__
     return False
-
-
-def latest_iteration(save_dir: str) -> int | None:
-    try:
-        with open(os.path.join(save_dir, TRACKER)) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None
 
 
 def stale_directories(save_dir: str | None) -> list[str]:

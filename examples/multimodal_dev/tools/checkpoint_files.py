@@ -77,6 +77,17 @@ def checkpoint_directory(root: str) -> str:
     return directory
 
 
+def stored_args(directory: str):
+    """The megatron args a checkpoint iteration directory was saved with (None if it has none),
+    read as data only (``checkpoint_safety``)."""
+    from megatron.core import dist_checkpointing
+
+    from checkpoint_safety import install
+
+    install()
+    return dist_checkpointing.load_common_state_dict(directory).get("args")
+
+
 def load_model_weights(model, directory: str) -> None:
     """Model weights from one iteration directory, resharded to this model's TP/EP layout.
     Nothing in the directory is unpickled beyond checkpoint data (``checkpoint_safety``)."""

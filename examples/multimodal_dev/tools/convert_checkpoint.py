@@ -182,8 +182,7 @@ def import_hf(hf_path: str, megatron_path: str, tp: int = 1, ep: int = 1, overwr
 def checkpoint_shape(megatron_path: str, hf_config_path: str | None = None):
     """(shape, original HF config or None) of a checkpoint: from ``hf_config_path``, else the
     ``hf_config.json`` an import left, else the arguments the training run saved."""
-    from megatron.core import dist_checkpointing
-    from tools.checkpoint_files import checkpoint_directory
+    from tools.checkpoint_files import checkpoint_directory, stored_args
 
     from arguments import resolve_shape
 
@@ -192,7 +191,7 @@ def checkpoint_shape(megatron_path: str, hf_config_path: str | None = None):
             with open(path) as f:
                 config = json.load(f)
             return from_hf_config(config), config
-    saved = dist_checkpointing.load_common_state_dict(checkpoint_directory(megatron_path)).get("args")
+    saved = stored_args(checkpoint_directory(megatron_path))
     if saved is None or not hasattr(saved, "model_variant"):
         raise ValueError(f"{megatron_path}: no {HF_CONFIG} and no playground arguments in the checkpoint; "
                          "pass --hf-config-path")
