@@ -22,6 +22,9 @@
 #   LR_WARMUP_ITERS LR_DECAY_ITERS  the LR schedule [TRAIN_ITERS/10, TRAIN_ITERS]; when resuming,
 #                   setting either replaces the checkpoint's schedule
 #   PACKED          1 = THD packing (default), 0 = padded BSHD
+#   PACKING         samples: a micro-batch packs MBS conversations [default]; tokens: a micro-batch is
+#                   one row of PACKED_SEQ_LENGTH tokens [SEQ_LEN], rows dealt to DP ranks by FLOPs,
+#                   GBS counts rows, MBS is 1 (examples/multimodal_dev/data/token_budget.py)
 #   MOE=1           tiny only: 4 experts (top-2), so EP can be exercised on CPU
 #   MTP=1           also train the multi-token-prediction head (--mtp-num-layers 1)
 #                   [1 when HF_CONFIG has one, so an import's MTP weights are trained and kept; else 0]
@@ -83,12 +86,16 @@ SP=${SP:-$(( TP > 1 && EXPERTS > 0 ? 1 : 0 ))}
 NPROC=${NPROC:-$((TP * CP * PP))}
 DATASET=${DATASET:-mock}
 PACKED=${PACKED:-1}
+PACKING=${PACKING:-samples}
+[[ "$PACKING" == samples || "$PACKING" == tokens ]] || fail "PACKING=$PACKING: expected samples or tokens"
+[[ "$PACKING" == samples ]] || MBS=${MBS:-1}  # a micro-batch is one row
 if [[ $HAS_GPU == 1 ]]; then
   TRAIN_ITERS=${TRAIN_ITERS:-20}; MBS=${MBS:-1}; GBS=${GBS:-8}; SEQ_LEN=${SEQ_LEN:-4096}; LR=${LR:-1e-4}
 else
   TRAIN_ITERS=${TRAIN_ITERS:-30}; MBS=${MBS:-2}; GBS=${GBS:-4}; SEQ_LEN=${SEQ_LEN:-1024}; LR=${LR:-2e-3}
 fi
-positive ETP VP NPROC TRAIN_ITERS MBS GBS SEQ_LEN
+PACKED_SEQ_LENGTH=${PACKED_SEQ_LENGTH:-$SEQ_LEN}
+positive ETP VP NPROC TRAIN_ITERS MBS GBS SEQ_LEN PACKED_SEQ_LENGTH
 [[ -z "${SAVE_INTERVAL:-}" ]] || positive SAVE_INTERVAL
 for var in PP_FIRST PP_LAST; do
   [[ "${!var}" =~ ^[0-9]+$ ]] || fail "$var=${!var} must be a number of decoder layers"
@@ -139,6 +146,7 @@ else
   ARGS+=(--ffn-hidden-size "$FFN")
 fi
 [[ $PACKED == 1 ]] || ARGS+=(--no-packed-sequence)
+[[ $PACKING == samples ]] || ARGS+=(--packing tokens --packed-seq-length "$PACKED_SEQ_LENGTH")
 (( VP > 1 )) && ARGS+=(--num-virtual-stages-per-pipeline-rank "$VP")
 (( PP_FIRST > 0 )) && ARGS+=(--decoder-first-pipeline-num-layers "$PP_FIRST")
 (( PP_LAST > 0 )) && ARGS+=(--decoder-last-pipeline-num-layers "$PP_LAST")
@@ -206,6 +214,6 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
   exit 0
 fi
 
-echo "run_qwen35_vl.sh: $MODEL_VARIANT, TP=$TP CP=$CP EP=$EP PP=$PP VP=$VP SP=$SP NPROC=$NPROC, dataset $DATASET, $TRAIN_ITERS iterations"
+echo "run_qwen35_vl.sh: $MODEL_VARIANT, TP=$TP CP=$CP EP=$EP PP=$PP VP=$VP SP=$SP NPROC=$NPROC, dataset $DATASET, packing $PACKING, $TRAIN_ITERS iterations"
 # torchrun_launcher.py is torchrun without its own traceback when a rank fails (the rank has said why)
 exec "$PY" "$ROOT/examples/multimodal_dev/torchrun_launcher.py" "${LAUNCH[@]:1}" "${ARGS[@]}" "$@"

@@ -38,6 +38,15 @@ def add_multimodal_args(parser):
                        help="THD packing: the micro-batch's samples in one row with cu_seqlens (default)")
     group.add_argument("--no-packed-sequence", dest="use_packed_sequence", action="store_false",
                        help="BSHD: pad every sample of the micro-batch to the longest")
+    group.add_argument("--packing", choices=("samples", "tokens"), default="samples",
+                       help="samples: a micro-batch packs --micro-batch-size conversations (default); tokens: a "
+                            "micro-batch is one row of --packed-seq-length tokens filled from a look-ahead buffer, "
+                            "rows dealt to data-parallel ranks by cost, --global-batch-size counts rows "
+                            "(data/token_budget.py)")
+    group.add_argument("--packed-seq-length", type=int, default=None,
+                       help="--packing tokens: tokens per row (default: --seq-length)")
+    group.add_argument("--packing-window", type=int, default=4096,
+                       help="--packing tokens: most conversations the look-ahead buffer holds")
     group.add_argument("--mock-text-tokens", type=int, default=96,
                        help="mock dataset: upper bound of prompt and answer text lengths")
     group.add_argument("--freeze-vision", action="store_true", help="do not train the vision tower")

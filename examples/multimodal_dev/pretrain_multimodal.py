@@ -30,7 +30,8 @@ from data.collate import Collator, pad_multiple_for  # noqa: E402
 from data.loader import build_iterator  # noqa: E402
 from data.sources import resolve as resolve_source  # noqa: E402
 from data.sample import VisionTokens  # noqa: E402
-from flops import batch_flops  # noqa: E402
+from data.token_budget import TokenBudgetPlan, check_packing_args  # noqa: E402
+from flops import batch_flops, micro_batch_flops  # noqa: E402
 from forward_step import for_stage, forward_step  # noqa: E402
 from models import get_model_entry  # noqa: E402
 from models.common.config_from_args import given_flags, megatron_parser  # noqa: E402
@@ -74,21 +75,29 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
     shape = model_shape()
     tokens = VisionTokens.from_shape(shape)
     build = get_dataset_provider(args.dataset_provider)
+    num_samples = tuple(int(n) for n in train_val_test_num_samples)
+    budget = args.packed_seq_length if args.packing == "tokens" else None
+    if budget:  # megatron counts rows; a row holds at most `budget` conversations (the stream is virtual)
+        num_samples = tuple(n * budget for n in num_samples)
     datasets = build(tokens=tokens, vocab_size=shape.text.vocab_size,
                      patch_dim=shape.vision.patch_dim,
-                     seq_length=args.seq_length, num_samples=tuple(int(n) for n in train_val_test_num_samples),
+                     seq_length=args.seq_length, num_samples=num_samples,
                      seed=args.seed, data_path=args.data_path[0] if args.data_path else None,
                      hf_processor_path=args.hf_processor_path, min_pixels=args.min_pixels,
                      max_pixels=args.max_pixels, mean_text_tokens=args.mock_text_tokens)
-    collate = Collator(tokens, packed=args.use_packed_sequence,
-                       pad_multiple=pad_multiple_for(args.context_parallel_size, args.tensor_model_parallel_size,
-                                                     args.sequence_parallel))
+    pad_multiple = pad_multiple_for(args.context_parallel_size, args.tensor_model_parallel_size, args.sequence_parallel)
+    collate = Collator(tokens, packed=args.use_packed_sequence, pad_multiple=pad_multiple, row_length=budget)
     stage = (parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
              parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     common = dict(micro_batch_size=args.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
                   collate_fn=functools.partial(_collate_for_stage, collate, shape, stage),
                   num_workers=args.num_workers)
+    if budget:
+        common["plan_fn"] = lambda dataset, cyclic: TokenBudgetPlan(
+            dataset.describe, len(dataset), budget, args.global_batch_size, dp_size, pad_multiple=pad_multiple,
+            window=args.packing_window, cyclic=cyclic,
+            cost=lambda n, grids: micro_batch_flops(shape, [n], grids).training)
     return (build_iterator(datasets[0], args.consumed_train_samples, **common),
             build_iterator(datasets[1], args.consumed_valid_samples, cyclic=True, **common),
             build_iterator(datasets[2], 0, **common))
@@ -150,6 +159,7 @@ def main():
         check_pipeline_split(parse_args(add_multimodal_args))  # before megatron asserts on it
         args = parse_and_validate_args(extra_args_provider=add_multimodal_args, args_defaults=engine_defaults())
         check_backend(args)
+        check_packing_args(args)
         checkpoint_safety.check_tracker(args.load)
         if args.data_path:
             resolve_source(args.data_path[0], "--data-path")

@@ -77,10 +77,20 @@ class StepFlops:
             torch.distributed.all_reduce(totals)
         shared = (ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size()
                   * ps.get_pipeline_model_parallel_world_size())
+        busiest = torch.tensor([self.pending["model_flops"]], dtype=torch.float64, device=totals.device)
+        world = 1
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(busiest, op=torch.distributed.ReduceOp.MAX)
+            world = torch.distributed.get_world_size()
         self.last = {k: v / shared for k, v in zip(self._KEYS, totals.tolist())}
+        # Every rank of a data-parallel replica counts that replica's micro-batches, so the
+        # world's mean per rank is the mean over data-parallel ranks.
+        mean = totals[0].item() / world
+        self.last["dp_imbalance"] = busiest.item() / mean if mean else 1.0
         self.pending, self.pending_batches = dict.fromkeys(self._KEYS, 0.0), 0
         for key in self._KEYS:
             self.window[key] += self.last[key]
+        self.window["dp_imbalance"] = max(self.window.get("dp_imbalance", 1.0), self.last["dp_imbalance"])
         self.window_iters += 1
         return self.last["model_flops"]
 
@@ -120,6 +130,8 @@ def throughput_line(window: dict, iterations: int, seconds: float, world_size: i
     per_gpu = rates["model TFLOP/s per GPU"]
     line = (f" model FLOPs (flops.py): {per_gpu:.4g} TFLOP/s per GPU over {iterations} iterations"
             f" | tokens/s: {rates['tokens per second']:.0f} | padding: {rates['padding percent']:.1f}%")
+    if "dp_imbalance" in window:
+        line += f" | DP imbalance (max/mean FLOPs, worst step): {window['dp_imbalance']:.3f}"
     if peak:
         line += f" | MFU: {100 * per_gpu / peak:.1f}% of {peak:.0f} TFLOP/s dense bf16"
     return line + " |"

@@ -2,10 +2,10 @@
 
 - the default run (tiny, mock, packed) learns: mean loss of the last 5 of 30 iterations is
   clearly below the first 5;
-- exact resume, with megatron's plain and distributed optimizer: 8 iterations straight == 4, stop
-  (--exit-interval), resume, 4 more: the same loss and grad norm at every iteration (metrics file,
-  full precision), the same validation loss, and a bitwise-equal final checkpoint (weights and
-  optimizer state);
+- exact resume, with megatron's plain optimizer, and with the distributed optimizer at DP=2 under
+  token-budget packing: 8 iterations straight == 4, stop (--exit-interval), resume, 4 more: the
+  same tokens, loss and grad norm at every iteration (metrics file, full precision), the same
+  validation loss, and a bitwise-equal final checkpoint (weights and optimizer state);
 - a process killed (SIGKILL) while writing a checkpoint leaves the previous one loadable, and
   training resumes from it with the same losses; a longer TRAIN_ITERS then extends the run (on
   the checkpoint's LR schedule); a pickle planted in the checkpoint is refused in one line and
@@ -44,19 +44,25 @@ def test_default_run_learns():
     assert "using 'tiny'" in run.output and "backend local" in run.output and 30 in run.validation
 
 
-@pytest.mark.parametrize("optimizer", ["plain", "distributed"])
-def test_exact_resume(tmp_path, optimizer):
+@pytest.mark.parametrize("setting", ["plain", "distributed, DP=2, token budget"])
+def test_exact_resume(tmp_path, setting):
     # The distributed optimizer saves its state by parameter (fully reshardable) here: the default
     # bucket layout stores whole flat buffers, padding included, whose unused bytes are whatever the
-    # allocator held, so two correct checkpoints differ there.
-    flags = ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"] if optimizer == "distributed" else []
-    common = dict(TRAIN_ITERS=8, SEQ_LEN=512)
+    # allocator held, so two correct checkpoints differ there. Token-budget packing replays its
+    # plan on resume: the same rows, dealt to the same ranks.
+    flags, common = [], dict(TRAIN_ITERS=8, SEQ_LEN=512)
+    if setting != "plain":
+        flags = ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"]
+        common.update(NPROC=2, PACKING="tokens", PACKED_SEQ_LENGTH=256, GBS=4)
     straight = run_script(flags, CKPT_SAVE=tmp_path / "straight", **common).check()
     first = run_script([*flags, "--exit-interval", "4"], CKPT_RESUME=tmp_path / "resumed", **common).check()
     second = run_script(flags, CKPT_RESUME=tmp_path / "resumed", **common).check()
     assert sorted(first.losses) == [1, 2, 3, 4] and sorted(second.losses) == [5, 6, 7, 8]
     resumed = {**first.losses, **second.losses}
-    print(f"{optimizer} optimizer\nstraight:", straight.losses, "\nresumed: ", resumed)
+    print(f"{setting}\nstraight:", straight.losses, "\nresumed: ", resumed, "\ntokens:", straight.tokens)
+    assert {**first.tokens, **second.tokens} == straight.tokens
+    if setting != "plain":  # 4 rows of exactly 256 tokens a step (one static shape)
+        assert all(straight.records[i]["padded_tokens"] == 4 * 256 for i in range(1, 9))
     assert resumed == straight.losses  # full-precision floats, bitwise
     assert {**first.grad_norms, **second.grad_norms} == straight.grad_norms
     assert second.validation == straight.validation

@@ -41,15 +41,16 @@ def test_iteration_sums_then_window_mean(mcore):
     next(data), next(data)  # iteration 1: two micro-batches
     assert meter.pending_batches == 2 and meter.pending["real_tokens"] == 150
     assert count(None, 8) == 3e12  # the training loop's call ends the iteration
-    assert meter.last == {"model_flops": 3e12, "real_tokens": 150.0, "padded_tokens": 192.0}
+    assert meter.last == {"model_flops": 3e12, "real_tokens": 150.0, "padded_tokens": 192.0, "dp_imbalance": 1.0}
     assert meter.pending_batches == 0 and meter.pending["model_flops"] == 0.0
     assert count(None, 8) == 3e12  # the log's call: mean over the window (one iteration)
     next(data)  # iteration 2: one micro-batch
     assert count(None, 8) == 10e12
-    assert meter.last == {"model_flops": 10e12, "real_tokens": 300.0, "padded_tokens": 512.0}
+    assert meter.last == {"model_flops": 10e12, "real_tokens": 300.0, "padded_tokens": 512.0, "dp_imbalance": 1.0}
     assert count(None, 8) == 6.5e12
     assert meter.window_flops == 13e12 and meter.window_iters == 2
-    assert meter.take_window() == {"model_flops": 13e12, "real_tokens": 450.0, "padded_tokens": 704.0}
+    assert meter.take_window() == {"model_flops": 13e12, "real_tokens": 450.0, "padded_tokens": 704.0,
+                                   "dp_imbalance": 1.0}
     assert meter.window_iters == 0 and meter.window_flops == 0.0
     assert meter.take_window() == {"model_flops": 0.0, "real_tokens": 0.0, "padded_tokens": 0.0}
 
@@ -59,7 +60,7 @@ def test_stats_missing_from_a_batch_count_as_zero(mcore):
     data = meter.tap(iter([{"tokens": None}, {"stats": {"model_flops": 5.0}}]))
     assert len(list(data)) == 2 and meter.pending_batches == 2
     assert meter.end_iteration() == 5.0
-    assert meter.last == {"model_flops": 5.0, "real_tokens": 0.0, "padded_tokens": 0.0}
+    assert meter.last == {"model_flops": 5.0, "real_tokens": 0.0, "padded_tokens": 0.0, "dp_imbalance": 1.0}
 
 
 def test_throughput_line_with_and_without_peak():
@@ -76,6 +77,8 @@ def test_throughput_line_with_and_without_peak():
         throughput_line(small, 1, 1.0, 1, None)
     empty = dict.fromkeys(("model_flops", "real_tokens", "padded_tokens"), 0.0)
     assert "padding: 100.0%" in throughput_line(empty, 0, 0.0, 1, None)
+    assert throughput_line(dict(window, dp_imbalance=1.0412), 3, 2.0, 4, None).endswith(
+        "padding: 25.0% | DP imbalance (max/mean FLOPs, worst step): 1.041 |")
 
 
 class _Timer:

@@ -155,12 +155,20 @@ def pad_row_to(batch: dict, length: int) -> dict:
 
 
 class Collator:
-    """The ``collate_fn`` a DataLoader gets: THD when ``packed`` (the default), else BSHD."""
+    """The ``collate_fn`` a DataLoader gets: THD when ``packed`` (the default), else BSHD.
+    ``row_length`` (token-budget packing): every THD row padded to exactly that many tokens
+    (a row holding one conversation longer than that stays as long as it is)."""
 
-    def __init__(self, tokens: VisionTokens, packed: bool = True, pad_multiple: int = 1, seq_length: int | None = None):
+    def __init__(self, tokens: VisionTokens, packed: bool = True, pad_multiple: int = 1, seq_length: int | None = None,
+                 row_length: int | None = None):
         self.tokens, self.packed, self.pad_multiple, self.seq_length = tokens, packed, pad_multiple, seq_length
+        self.row_length = row_length
 
     def __call__(self, samples: list[dict]) -> dict:
-        if self.packed:
-            return pack_thd(samples, self.tokens, self.pad_multiple)
-        return pad_bshd(samples, self.tokens, self.pad_multiple, self.seq_length)
+        if not self.packed:
+            return pad_bshd(samples, self.tokens, self.pad_multiple, self.seq_length)
+        batch = pack_thd(samples, self.tokens, self.pad_multiple)
+        if self.row_length is None or batch["tokens"].shape[1] >= self.row_length:
+            return batch
+        lengths = torch.tensor(batch["stats"]["lengths"], dtype=torch.long)
+        return dict(pad_row_to(batch, self.row_length), stats=_stats(lengths, self.row_length))

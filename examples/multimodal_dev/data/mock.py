@@ -40,8 +40,8 @@ class UniformProfile:
         n_prompt = int(torch.randint(4, self.mean_text_tokens + 1, (1,), generator=gen))
         return n_prompt, int(torch.randint(2, self.mean_text_tokens + 1, (1,), generator=gen))
 
-    def pixels(self, gen, n_patches: int, patch_dim: int) -> torch.Tensor:
-        return torch.randn(n_patches, patch_dim, generator=gen)
+    def pixels(self, gen, n_patches: int, patch_dim: int, materialize: bool = True) -> torch.Tensor:
+        return torch.randn(n_patches, patch_dim, generator=gen)  # small: drawn either way
 
 
 class MockConversations:
@@ -56,15 +56,20 @@ class MockConversations:
         self.profile = profile or UniformProfile(mean_text_tokens, max_images)
         self.max_length = max_length
 
-    def _image(self, gen: torch.Generator):
+    def _image(self, gen: torch.Generator, materialize: bool):
         h, w = self.profile.grid(gen, self.tokens.spatial_merge)
         n_tokens = h * w // self.tokens.spatial_merge ** 2
         ids = [self.tokens.vision_start] + [self.tokens.image] * n_tokens + [self.tokens.vision_end]
-        return ids, self.profile.pixels(gen, h * w, self.patch_dim), (1, h, w)
+        return ids, self.profile.pixels(gen, h * w, self.patch_dim, materialize), (1, h, w)
 
-    def __call__(self, index: int) -> dict:
+    def describe(self, index: int) -> dict:
+        """Sample ``index`` with the same tokens and grids but pixels that may be a zero-stride
+        view (no memory): what token-budget packing plans with."""
+        return self(index, materialize=False)
+
+    def __call__(self, index: int, materialize: bool = True) -> dict:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
-        images = [self._image(gen) for _ in range(self.profile.n_images(gen))]
+        images = [self._image(gen, materialize) for _ in range(self.profile.n_images(gen))]
         room = (self.max_length or 1 << 30) - sum(len(ids) for ids, _, _ in images) - 10  # 10: the template
         n_prompt, n_answer = self.profile.text_lengths(gen, room)
         prompt_text = torch.randint(self.text_vocab, (n_prompt,), generator=gen)
@@ -72,7 +77,11 @@ class MockConversations:
         prompt = [IM_START, USER, NEWLINE] + [t for ids, _, _ in images for t in ids]
         prompt += (prompt_text + FIRST_TEXT_ID).tolist() + [IM_END, NEWLINE, IM_START, ASSISTANT, NEWLINE]
         answer = (answer_text + FIRST_TEXT_ID).tolist() + [IM_END]
-        pixels = torch.cat([p for _, p, _ in images]) if images else torch.zeros(0, self.patch_dim)
+        n_patches = sum(len(p) for _, p, _ in images)
+        if materialize:
+            pixels = torch.cat([p for _, p, _ in images]) if images else torch.zeros(0, self.patch_dim)
+        else:
+            pixels = torch.zeros(1, self.patch_dim).expand(n_patches, self.patch_dim)
         grids = torch.tensor([g for _, _, g in images], dtype=torch.long).reshape(-1, 3)
         return build_sft_sample(torch.tensor(prompt), torch.tensor(answer), pixels, grids)
 

@@ -58,8 +58,10 @@ class RealisticProfile:
         n_answer = max(2, int(total * answer_share))
         return max(4, total - n_answer), n_answer
 
-    def pixels(self, gen, n_patches: int, patch_dim: int) -> torch.Tensor:
-        tile = torch.randn(min(n_patches, 64), patch_dim, generator=gen)
+    def pixels(self, gen, n_patches: int, patch_dim: int, materialize: bool = True) -> torch.Tensor:
+        tile = torch.randn(min(n_patches, 64), patch_dim, generator=gen)  # drawn either way: same stream
+        if not materialize:
+            return tile[:1].expand(n_patches, patch_dim)
         return tile.repeat(math.ceil(n_patches / len(tile)), 1)[:n_patches]
 
 

@@ -32,12 +32,23 @@ class SkippingDataset(Dataset):
         return self.length
 
     def __getitem__(self, index: int) -> dict:
+        return self._first_usable(index, self.produce, count=True)
+
+    def describe(self, index: int) -> tuple[int, list]:
+        """(tokens, image grids) of ``self[index]``, through the same skips and truncation, from
+        the provider's ``describe`` when it has one (no pixels), else from the sample itself."""
+        sample = self._first_usable(index, getattr(self.produce, "describe", self.produce), count=False)
+        return sample["input_ids"].numel(), sample["image_grid_thw"].tolist()
+
+    def _first_usable(self, index: int, produce, count: bool) -> dict:
         for attempt in range(self.max_consecutive_skips):
             source_index = (index + attempt) % self.num_source
             try:
-                sample = fit_to_budget(self.produce(source_index), self.tokens, self.max_length)
+                sample = fit_to_budget(produce(source_index), self.tokens, self.max_length)
                 return validate_sample(sample, self.tokens, self.patch_dim)
             except BadSample as bad:
+                if not count:
+                    continue
                 self.skip_counts[bad.reason] += 1
                 counts = ", ".join(f"{k}={v}" for k, v in sorted(self.skip_counts.items()))
                 log.warning("%s: skipped sample %d (%s); skipped so far: %s", self.name, source_index, bad, counts)
