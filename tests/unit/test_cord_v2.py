@@ -144,3 +144,15 @@ def test_mistyped_local_paths_fail_at_once_without_the_hub(paths, monkeypatch):
     assert time.monotonic() - start < 5
     assert resolve("hf://naver-clova-ix/cord-v2", "--data-path") == ("naver-clova-ix/cord-v2", True)
     assert resolve(paths[1], "--data-path") == (paths[1], False)
+
+
+def test_describe_matches_the_sample_without_decoding(paths):
+    """Token-budget packing plans with ``describe``: the image's header, the two resizes
+    computed. It must agree with the processed sample, through skips and truncation."""
+    for max_pixels in (128 * 128, 48 * 48):
+        processor_path, data_path = paths
+        train = build_datasets(seq_length=300, num_samples=(len(ROWS), 0, 0), data_path=data_path,
+                               hf_processor_path=processor_path, min_pixels=32 * 32, max_pixels=max_pixels)[0]
+        for i in range(len(ROWS)):
+            sample = train[i]
+            assert train.describe(i) == (sample["input_ids"].numel(), sample["image_grid_thw"].tolist()), i

@@ -91,25 +91,78 @@ def _answer_text(ground_truth) -> str:
     return json.dumps(parse, ensure_ascii=False)
 
 
+def _image_size(cell) -> tuple[int, int]:
+    """(width, height) from the image's header: nothing is decoded."""
+    from PIL import Image
+
+    try:
+        source = io.BytesIO(cell["bytes"]) if cell.get("bytes") else cell.get("path")
+        if not source:
+            raise BadSample("bad_image", "the image cell is empty")
+        with Image.open(source) as image:
+            return image.size
+    except BadSample:
+        raise
+    except Exception as err:
+        raise BadSample("bad_image", f"{type(err).__name__}: {err}") from err
+
+
 class CordV2Conversations:
     def __init__(self, ds, processor, info, min_pixels=None, max_pixels=None):
         self.ds, self.processor, self.info = ds, processor, info
         self.pixel_budget = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v}
 
+    def _messages(self, image) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "image", "image": image, **self.pixel_budget},
+                                             {"type": "text", "text": INSTRUCTION}]}]
+
+    def _answer_ids(self, row) -> torch.Tensor:
+        answer = _answer_text(row["ground_truth"])
+        answer_ids = self.processor.tokenizer(answer, add_special_tokens=False, return_tensors="pt").input_ids[0]
+        return torch.cat([answer_ids, torch.tensor([self.info.end_of_turn_id])])
+
     def __call__(self, index: int) -> dict:
         from qwen_vl_utils import process_vision_info
 
         row = self.ds[index]
-        answer = _answer_text(row["ground_truth"])
-        image = _open_image(row["image"])
-        messages = [{"role": "user", "content": [{"type": "image", "image": image, **self.pixel_budget},
-                                                 {"type": "text", "text": INSTRUCTION}]}]
+        answer_ids = self._answer_ids(row)
+        messages = self._messages(_open_image(row["image"]))
         prompt = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         images, _ = process_vision_info(messages, image_patch_size=self.info.patch_size)
         enc = self.processor(text=[prompt], images=images, return_tensors="pt")
-        answer_ids = self.processor.tokenizer(answer, add_special_tokens=False, return_tensors="pt").input_ids[0]
-        answer_ids = torch.cat([answer_ids, torch.tensor([self.info.end_of_turn_id])])
         return build_sft_sample(enc["input_ids"][0], answer_ids, enc["pixel_values"], enc["image_grid_thw"])
+
+    def describe(self, index: int) -> dict:
+        """Sample ``index`` with its real token ids and grid but zero-stride pixels, from the
+        image's header: the two resizes (qwen_vl_utils', then the image processor's) are computed,
+        not performed. Token-budget packing plans with it; a test holds it to ``self(index)``."""
+        row = self.ds[index]
+        answer_ids = self._answer_ids(row)
+        width, height = _image_size(row["image"])
+        grid = self._grid(height, width)
+        n_tokens = grid[0] * grid[1] * grid[2] // self.info.tokens.spatial_merge ** 2
+        prompt = self.processor.apply_chat_template(self._messages(None), tokenize=False, add_generation_prompt=True)
+        ids = self.processor.tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids[0]
+        at = int(torch.nonzero(ids == self.info.tokens.image).flatten()[0])
+        ids = torch.cat([ids[:at], torch.full((n_tokens,), self.info.tokens.image), ids[at + 1:]])
+        n_patches = grid[0] * grid[1] * grid[2]
+        pixels = torch.zeros(1, self.info.patch_dim).expand(n_patches, self.info.patch_dim)
+        return build_sft_sample(ids, answer_ids, pixels, torch.tensor([grid]))
+
+    def _grid(self, height: int, width: int) -> tuple[int, int, int]:
+        from qwen_vl_utils import vision_process as qvu
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+        factor = self.info.patch_size * qvu.SPATIAL_MERGE_SIZE
+        height, width = qvu.smart_resize(
+            height, width, factor=factor,
+            min_pixels=self.pixel_budget.get("min_pixels", qvu.IMAGE_MIN_TOKEN_NUM * factor ** 2),
+            max_pixels=self.pixel_budget.get("max_pixels", qvu.IMAGE_MAX_TOKEN_NUM * factor ** 2))
+        image_processor = self.processor.image_processor
+        height, width = smart_resize(height, width, factor=image_processor.patch_size * image_processor.merge_size,
+                                     min_pixels=image_processor.size["shortest_edge"],
+                                     max_pixels=image_processor.size["longest_edge"])
+        return (1, height // image_processor.patch_size, width // image_processor.patch_size)
 
 
 def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path: str | None = None,

@@ -1,0 +1,140 @@
+"""Data pipeline throughput against what a training step consumes.
+
+    python examples/multimodal_dev/tools/bench_loader.py [--dataset mock_mix] [--workers 0 1 2]
+    python examples/multimodal_dev/tools/bench_loader.py --dataset cord_v2 --data-path DIR --hf-processor-path P
+
+The pipeline is the engine's own (``data/loader.build_iterator``: the provider, the sampler or
+token-budget plan, the collate, ``--num-workers`` DataLoader workers with persistent workers).
+Its rate is conversations per second over ``--micro-batches`` micro-batches after the first (the
+first pays for starting the workers). Consumption is conversations per second of the model's
+forward and backward on the same micro-batches (one process, fp32 on the host; the optimizer
+step is left out, so consumption is if anything overstated). The pipeline keeps up when the
+ratio is above 1; the target is 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from data import get_dataset_provider  # noqa: E402
+from data.collate import Collator  # noqa: E402
+from data.loader import build_iterator  # noqa: E402
+from data.sample import VisionTokens  # noqa: E402
+from data.token_budget import TokenBudgetPlan  # noqa: E402
+from flops import micro_batch_flops  # noqa: E402
+from models.qwen35_vl.configuration import get_variant  # noqa: E402
+
+
+def pipeline(args):
+    """(shape, iterator factory ``workers -> iterator``) for the chosen dataset and packing."""
+    shape = get_variant(args.variant, mtp=False)
+    tokens = VisionTokens.from_shape(shape)
+    if args.dataset == "cord_v2":
+        from data.processor import load_processor
+
+        _, info = load_processor(args.hf_processor_path, args.min_pixels, args.max_pixels)
+        tokens = info.tokens  # the model must read the processor's placeholder ids
+        shape = dataclasses.replace(shape, image_token_id=tokens.image, video_token_id=tokens.video,
+                                    vision_start_token_id=tokens.vision_start, vision_end_token_id=tokens.vision_end)
+    count = args.micro_batches + 2
+    rows = count * (args.budget if args.packing == "tokens" else args.micro_batch)
+    dataset = get_dataset_provider(args.dataset)(
+        tokens=tokens, vocab_size=shape.text.vocab_size, patch_dim=shape.vision.patch_dim, seq_length=args.seq_length,
+        num_samples=(rows, 0, 0), seed=1234, data_path=args.data_path, hf_processor_path=args.hf_processor_path,
+        min_pixels=args.min_pixels, max_pixels=args.max_pixels)[0]
+    plan_fn, mbs, budget = None, args.micro_batch, None
+    if args.packing == "tokens":
+        mbs, budget = 1, args.budget
+        plan_fn = lambda ds, cyclic: TokenBudgetPlan(  # noqa: E731
+            ds.describe, len(ds), budget, args.micro_batch, 1,
+            cost=lambda n, grids: micro_batch_flops(shape, [n], grids).training)
+    collate = Collator(tokens, row_length=budget)
+    return shape, lambda workers: build_iterator(dataset, 0, mbs, 0, 1, collate, num_workers=workers, plan_fn=plan_fn)
+
+
+def loader_rate(make_iterator, workers: int, micro_batches: int) -> tuple[float, list[dict]]:
+    """(conversations per second, the batches) over ``micro_batches`` after the first."""
+    iterator = make_iterator(workers)
+    next(iterator)  # worker start-up
+    start, batches = time.perf_counter(), []
+    for _ in range(micro_batches):
+        batches.append(next(iterator))
+    seconds = time.perf_counter() - start
+    return sum(b["stats"]["samples"] for b in batches) / seconds, batches
+
+
+def consumption_rate(shape, batches: list[dict]) -> float:
+    """Conversations per second of forward + backward on ``batches`` (after one warm-up step)."""
+    from megatron.cpu.single_process import init_single_process
+
+    from forward_step import batch_loss
+    from models.qwen35_vl.factory import build_model
+
+    init_single_process()
+    torch.manual_seed(0)
+    model = build_model(shape)
+
+    def step(batch):
+        model.zero_grad(set_to_none=True)
+        loss, n, _ = batch_loss(model, batch)
+        (loss / n).backward()
+
+    step(batches[0])
+    start = time.perf_counter()
+    for batch in batches:
+        step(batch)
+    return sum(b["stats"]["samples"] for b in batches) / (time.perf_counter() - start)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dataset", default="mock_mix", choices=("mock", "mock_mix", "cord_v2"))
+    parser.add_argument("--data-path", default=None)
+    parser.add_argument("--hf-processor-path", default=None)
+    parser.add_argument("--min-pixels", type=int, default=None)
+    parser.add_argument("--max-pixels", type=int, default=None)
+    parser.add_argument("--variant", default="tiny")
+    parser.add_argument("--packing", choices=("samples", "tokens"), default="tokens")
+    parser.add_argument("--seq-length", type=int, default=2048)
+    parser.add_argument("--budget", type=int, default=2048, help="--packing tokens: tokens per row")
+    parser.add_argument("--micro-batch", type=int, default=4,
+                        help="conversations per micro-batch (samples), rows planned per step (tokens)")
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
+    args = parser.parse_args(argv)
+    for flag in ("seq_length", "budget", "micro_batch", "micro_batches"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be a positive integer")
+    if any(w < 0 for w in args.workers):
+        parser.error(f"--workers {args.workers}: counts must be >= 0")
+    if args.dataset == "cord_v2" and not (args.data_path and args.hf_processor_path):
+        parser.error("--dataset cord_v2 needs --data-path and --hf-processor-path")
+
+    shape, make_iterator = pipeline(args)
+    rates, batches = {}, None
+    for workers in args.workers:  # before the model exists: workers fork a small process
+        rates[workers], batches = loader_rate(make_iterator, workers, args.micro_batches)
+        print(f"  {workers} worker(s): {rates[workers]:.1f} conversations/s", file=sys.stderr, flush=True)
+    consumed = consumption_rate(shape, batches)
+    rows = [{"workers": w, "loader_per_s": r, "step_per_s": consumed, "ratio": r / consumed} for w, r in rates.items()]
+    print(f"{args.dataset}, {args.variant}, packing {args.packing} "
+          f"({args.budget if args.packing == 'tokens' else args.micro_batch} "
+          f"{'tokens a row' if args.packing == 'tokens' else 'conversations a micro-batch'}), "
+          f"{args.micro_batches} micro-batches, {os.cpu_count()} CPU cores, {torch.get_num_threads()} threads")
+    print("| workers | pipeline (conversations/s) | training step consumes (conversations/s) | ratio |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['workers']} | {r['loader_per_s']:.1f} | {r['step_per_s']:.1f} | {r['ratio']:.2f} |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
