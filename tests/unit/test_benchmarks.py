@@ -3,7 +3,7 @@ means anything (same outputs, gradients and losses), and each tool must run end 
 
 import torch
 
-from tools import bench_gdn, bench_packing, bench_step
+from tools import bench_balance, bench_gdn, bench_loader, bench_packing, bench_step
 
 
 def test_bench_gdn_kernels_agree_forward_and_backward():
@@ -47,3 +47,28 @@ def test_bench_step_shape_overrides():
     assert shape.text.vocab_size == 32768 and shape.vision.depth == 2 and shape.text.mtp_num_layers == 0
     assert max(shape.image_token_id, shape.video_token_id, shape.vision_start_token_id,
                shape.vision_end_token_id) < 32768
+
+
+def test_bench_packing_realistic_mix_keeps_images(mcore):
+    result = bench_packing.run("tiny", None, reps=1, mix="realistic", micro_batch=3)
+    losses = result["losses"]
+    assert abs(losses["packed (THD)"] - losses["padded (BSHD)"]) < 1e-5 * abs(losses["padded (BSHD)"])
+    assert result["tokens"]["packed (THD)"] == sum(result["lengths"])
+
+
+def test_bench_loader_runs_the_engine_pipeline_with_workers(mcore, capsys):
+    rows = bench_loader.main(["--micro-batches", "2", "--workers", "0", "1", "--budget", "512",
+                              "--seq-length", "512", "--micro-batch", "2"])
+    assert [r["workers"] for r in rows] == [0, 1]
+    assert all(r["loader_per_s"] > 0 and r["step_per_s"] > 0 for r in rows)
+    assert "| workers | pipeline (conversations/s)" in capsys.readouterr().out
+
+
+def test_bench_balance_summary_skips_start_up_and_reads_the_metrics():
+    records = {i: {"real_tokens": 900.0 + i, "padded_tokens": 1000.0, "model_flops": 2e12, "dp_imbalance": 1 + i / 100}
+               for i in range(1, 6)}
+    out = bench_balance.summary({"records": records, "seconds": {i: 2.0 for i in range(1, 6)}}, ranks=2)
+    assert out["iterations"] == "3..5" and out["step_s"] == 2.0 and out["tokens_per_step"] == 904.0
+    assert out["tokens_per_s"] == (903 + 904 + 905) / 6 and out["tflops_per_rank"] == 6e12 / 6 / 2 / 1e12
+    assert abs(out["padding"] - (1 - 2712 / 3000)) < 1e-12
+    assert (out["imbalance_mean"], out["imbalance_worst"]) == (1.04, 1.05)

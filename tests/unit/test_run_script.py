@@ -87,6 +87,8 @@ def test_model_flag_mismatch_is_named():
     (dict(PP=2, PP_FIRST=4), "PP_FIRST=4: must be between 1 and 3"),
     (dict(PP=2, PP_FIRST="x"), "PP_FIRST=x must be a number of decoder layers"),
     (dict(MOE=1, EP=2, ETP=2, NPROC=2), "EP=2: NPROC/PP=2 is not divisible by EP\\*ETP=4"),
+    (dict(PACKING="budget"), "PACKING=budget: expected samples or tokens"),
+    (dict(PACKING="tokens", PACKED_SEQ_LENGTH="2k"), "PACKED_SEQ_LENGTH=2k must be a positive integer"),
 ])
 def test_impossible_settings_fail_with_the_variable(env, message):
     import re
@@ -105,6 +107,15 @@ def test_pipeline_settings_reach_megatron_and_layouts_are_printed():
     assert _flags(out)["decoder_first_pipeline_num_layers"] == "1" and "decoder_last_pipeline_num_layers" not in _flags(out)
     rc, out, err = _script(MODEL_VARIANT="122b_a10b")
     assert rc == 0 and "# recommended cluster layout: 122b_a10b: TP=2 PP=8 CP=1 EP=16 ETP=1 VP=2 (DP=8) on 128 GPUs" in out
+
+
+def test_token_budget_packing_reaches_megatron_with_one_row_a_micro_batch():
+    rc, out, err = _script(MODEL_VARIANT="tiny", PACKING="tokens", SEQ_LEN=512)
+    assert rc == 0, err
+    flags = _flags(out)
+    assert (flags["packing"], flags["packed_seq_length"], flags["micro_batch_size"]) == ("tokens", "512", "1")
+    rc, out, err = _script(MODEL_VARIANT="tiny", PACKING="tokens", PACKED_SEQ_LENGTH=1024)
+    assert _flags(out)["packed_seq_length"] == "1024" and "packing" not in _flags(_script(MODEL_VARIANT="tiny")[1])
 
 
 def test_cpu_dry_run_uses_the_engine_with_the_local_backend():
@@ -138,3 +149,6 @@ def test_a_mistake_found_by_the_training_script_is_one_line_without_tracebacks(t
     assert f"pretrain_multimodal.py: --data-path '{tmp_path / 'nothing'}': no such file or directory" in output
     assert "Traceback" not in output, output[-3000:]
     assert output.strip().splitlines()[-1] == "torchrun: rank 0 stopped (exit code 1); its output above says why"
+    rc, out, err = _script(DRY_RUN=0, PACKING="tokens", MBS=2, TRAIN_ITERS=1)
+    assert rc == 1 and "pretrain_multimodal.py: --micro-batch-size 2: with --packing tokens a micro-batch is one row" \
+        in out + err and "Traceback" not in out + err

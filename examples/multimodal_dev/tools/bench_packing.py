@@ -4,7 +4,8 @@ fraction of the FLOPs spent that are useful (real tokens), on a realistic length
     python examples/multimodal_dev/tools/bench_packing.py [--variant tiny --micro-batch 8 --reps 5]
 
 Samples are text conversations with lengths drawn uniformly from 200..2000 tokens, and every
-eighth one a long outlier of 3000..4000 (as in a real SFT mix). Each step is a forward and
+eighth one a long outlier of 3000..4000; or, with ``--mix realistic``, conversations of the
+``mock_mix`` provider (log-normal lengths, 0-4 images of 224^2..1344^2 pixels). Each step is a forward and
 backward pass of the model on one micro-batch, fp32 on the host; packed and padded steps run
 alternately and the median of each is reported. Both must give the same loss (checked).
 """
@@ -42,9 +43,20 @@ def text_samples(lengths, vocab: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def run(variant: str, lengths: list[int], reps: int) -> dict:
-    """Packed and padded training steps of text samples of these lengths: median seconds, loss
-    (which must agree: the same samples), tokens processed and FLOPs (useful and spent)."""
+def realistic_samples(shape, n: int, seq_length: int = 2048) -> list[dict]:
+    from data import mock_mix
+    from data.sample import VisionTokens
+
+    dataset = mock_mix.build_datasets(tokens=VisionTokens.from_shape(shape), vocab_size=shape.text.vocab_size,
+                                      patch_dim=shape.vision.patch_dim, seq_length=seq_length,
+                                      num_samples=(n, 0, 0))[0]
+    return [dataset[i] for i in range(n)]
+
+
+def run(variant: str, lengths: list[int] | None, reps: int, mix: str = "text", micro_batch: int = 8) -> dict:
+    """Packed and padded training steps of text samples of these lengths (or ``micro_batch``
+    realistic-mix conversations): median seconds, loss (which must agree: the same samples),
+    tokens processed and FLOPs (useful and spent)."""
     from megatron.cpu.single_process import init_single_process
 
     from data.collate import pack_thd, pad_bshd
@@ -59,7 +71,12 @@ def run(variant: str, lengths: list[int], reps: int) -> dict:
     shape = get_variant(variant, mtp=False)
     model = build_model(shape)
     tokens = VisionTokens.from_shape(shape)
-    samples = text_samples(lengths, min(shape.text.vocab_size, 4000))
+    if mix == "realistic":
+        samples = realistic_samples(shape, micro_batch)
+        lengths = [s["input_ids"].numel() for s in samples]
+    else:
+        samples = text_samples(lengths, min(shape.text.vocab_size, 4000))
+    grids = [g for s in samples for g in s["image_grid_thw"].tolist()]
     batches = {"packed (THD)": pack_thd(samples, tokens), "padded (BSHD)": pad_bshd(samples, tokens)}
 
     def step(batch):
@@ -69,12 +86,12 @@ def run(variant: str, lengths: list[int], reps: int) -> dict:
         return loss.item() / int(n)
 
     times, losses = alternating_medians({name: (lambda b=batch: step(b)) for name, batch in batches.items()}, reps)
-    useful = micro_batch_flops(shape, lengths).training
+    useful = micro_batch_flops(shape, lengths, grids).training
     return {"times": times, "losses": losses, "tokens": {name: b["tokens"].numel() for name, b in batches.items()},
-            "useful_flops": useful,
+            "useful_flops": useful, "lengths": lengths,
             # the packed row holds only real tokens; the padded rows are all as long as the longest
             "spent_flops": {"packed (THD)": useful,
-                            "padded (BSHD)": micro_batch_flops(shape, [max(lengths)] * len(lengths)).training}}
+                            "padded (BSHD)": micro_batch_flops(shape, [max(lengths)] * len(lengths), grids).training}}
 
 
 def main() -> None:
@@ -82,16 +99,18 @@ def main() -> None:
     parser.add_argument("--variant", default="tiny")
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--mix", choices=("text", "realistic"), default="text")
     args = parser.parse_args()
     if args.micro_batch < 1:
         parser.error(f"--micro-batch {args.micro_batch}: need at least one sample")
-    lengths = sample_lengths(args.micro_batch)
-    result = run(args.variant, lengths, args.reps)
+    result = run(args.variant, sample_lengths(args.micro_batch) if args.mix == "text" else None, args.reps,
+                 args.mix, args.micro_batch)
+    lengths = result["lengths"]
     packed, padded = result["losses"]["packed (THD)"], result["losses"]["padded (BSHD)"]
     if abs(packed - padded) > 1e-4 * abs(padded):
         raise SystemExit(f"packed loss {packed:.6f} differs from padded {padded:.6f}: not the same step")
     useful = result["useful_flops"]
-    print(f"{args.variant}, micro-batch of {len(lengths)} samples, lengths {lengths} ({sum(lengths)} tokens), "
+    print(f"{args.variant}, {args.mix} mix, micro-batch of {len(lengths)} samples, lengths {lengths} ({sum(lengths)} tokens), "
           f"fp32 CPU, {torch.get_num_threads()} threads, median of {args.reps}; loss {packed:.6f} both")
     print("| layout | tokens processed | step time (s) | useful FLOPs fraction | useful TFLOP/s |")
     print("|---|---|---|---|---|")
