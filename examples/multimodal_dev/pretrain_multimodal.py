@@ -30,8 +30,8 @@ from data.collate import Collator, pad_multiple_for  # noqa: E402
 from data.loader import build_iterator  # noqa: E402
 from data.sources import resolve as resolve_source  # noqa: E402
 from data.sample import VisionTokens  # noqa: E402
-from data.token_budget import TokenBudgetPlan, check_packing_args  # noqa: E402
-from flops import batch_flops, micro_batch_flops  # noqa: E402
+from data.token_budget import check_packing_args, plan_factory  # noqa: E402
+from flops import batch_flops  # noqa: E402
 from forward_step import for_stage, forward_step  # noqa: E402
 from models import get_model_entry  # noqa: E402
 from models.common.config_from_args import given_flags, megatron_parser  # noqa: E402
@@ -94,10 +94,8 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
                   collate_fn=functools.partial(_collate_for_stage, collate, shape, stage),
                   num_workers=args.num_workers)
     if budget:
-        common["plan_fn"] = lambda dataset, cyclic: TokenBudgetPlan(
-            dataset.describe, len(dataset), budget, args.global_batch_size, dp_size, pad_multiple=pad_multiple,
-            window=args.packing_window, cyclic=cyclic,
-            cost=lambda n, grids: micro_batch_flops(shape, [n], grids).training)
+        common["plan_fn"] = plan_factory(shape, budget, args.global_batch_size, dp_size, pad_multiple,
+                                         args.packing_window)
     return (build_iterator(datasets[0], args.consumed_train_samples, **common),
             build_iterator(datasets[1], args.consumed_valid_samples, cyclic=True, **common),
             build_iterator(datasets[2], 0, **common))

@@ -71,17 +71,16 @@ class StepFlops:
         over the world, divided by the ranks that share a batch (TP x CP x PP)."""
         from megatron.core import parallel_state as ps
 
-        totals = torch.tensor([self.pending[k] for k in self._KEYS], dtype=torch.float64,
-                              device="cuda" if torch.cuda.is_available() else "cpu")
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            torch.distributed.all_reduce(totals)
-        shared = (ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size()
-                  * ps.get_pipeline_model_parallel_world_size())
-        busiest = torch.tensor([self.pending["model_flops"]], dtype=torch.float64, device=totals.device)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        totals = torch.tensor([self.pending[k] for k in self._KEYS], dtype=torch.float64, device=device)
+        busiest = torch.tensor([self.pending["model_flops"]], dtype=torch.float64, device=device)
         world = 1
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(totals)
             torch.distributed.all_reduce(busiest, op=torch.distributed.ReduceOp.MAX)
             world = torch.distributed.get_world_size()
+        shared = (ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size()
+                  * ps.get_pipeline_model_parallel_world_size())
         self.last = {k: v / shared for k, v in zip(self._KEYS, totals.tolist())}
         # Every rank of a data-parallel replica counts that replica's micro-batches, so the
         # world's mean per rank is the mean over data-parallel ranks.

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 LOOKAHEAD = 1.25  # buffer tokens per step's tokens: the slack first-fit decreasing packs from
 MAX_SWAP_ROUNDS = 64
+SWAP_PARTNERS = 4  # least-loaded ranks the busiest one swaps with: bounds the search at large DP
 
 
 @dataclass(frozen=True)
@@ -171,22 +172,26 @@ class TokenBudgetPlan:
                     rank_costs=[sum(i.cost for row in rank_rows for i in row) for rank_rows in ranks])
 
 
-def _ratio(loads: list[float]) -> float:
-    mean = sum(loads) / len(loads)
-    return max(loads) / mean if mean else 1.0
-
-
 def swap_conversations(ranks: list[list[list[Item]]], budget: int, pool: list[Item]) -> None:
     """Lower max / mean of the ranks' costs, in place, by single-conversation swaps that keep
-    rows within ``budget``: between a row of the most-loaded rank and a row of another rank, or
-    with a conversation of ``pool`` (the carried-over buffer) that has never been carried (so
-    nothing is deferred twice). Whole rows cannot balance a step where one long conversation
-    costs a quarter of it; swaps can."""
+    rows within ``budget``: between a row of the most-loaded rank and a row of one of the
+    ``SWAP_PARTNERS`` least-loaded ranks, or with a conversation of ``pool`` (the carried-over
+    buffer) that has never been carried (so nothing is deferred twice). Whole rows cannot
+    balance a step where one long conversation costs a quarter of it; swaps can."""
+    n = len(ranks)
     loads = [sum(i.cost for row in rank_rows for i in row) for rank_rows in ranks]
     for _ in range(MAX_SWAP_ROUNDS):
-        hi = max(range(len(ranks)), key=lambda r: loads[r])
-        current, best = _ratio(loads), None  # (ratio, lo or None for the pool, row_hi, a, row_lo, b)
-        partners = [(lo, row) for lo in range(len(ranks)) if lo != hi for row in ranks[lo]] + [(None, pool)]
+        by_load = sorted(range(n), key=lambda r: (-loads[r], r))
+        hi, total = by_load[0], sum(loads)
+        current, best = loads[hi] * n / total if total else 1.0, None  # best: (ratio, lo or None, row_hi, a, row_lo, b)
+
+        def ratio_after(d: float, lo) -> float:  # max / mean once `d` moves off `hi` (onto `lo`, or out)
+            others = next((loads[r] for r in by_load[1:] if r != lo), 0.0)
+            top = max(loads[hi] - d, others, loads[lo] + d if lo is not None else 0.0)
+            after = total - (d if lo is None else 0.0)
+            return top * n / after if after else 1.0
+
+        partners = [(lo, row) for lo in by_load[:0:-1][:SWAP_PARTNERS] for row in ranks[lo]] + [(None, pool)]
         for row_hi in ranks[hi]:
             free_hi = budget - sum(i.tokens for i in row_hi)
             for a in row_hi:
@@ -200,11 +205,7 @@ def swap_conversations(ranks: list[list[list[Item]]], budget: int, pool: list[It
                             continue  # the pool: first-timers only, and no worse fill than an eighth
                         if lo is not None and a.tokens - b.tokens > free_lo:
                             continue
-                        trial = list(loads)
-                        trial[hi] -= d
-                        if lo is not None:
-                            trial[lo] += d
-                        ratio = _ratio(trial)
+                        ratio = ratio_after(d, lo)
                         if ratio < current * (1 - 1e-9) and (best is None or ratio < best[0]):
                             best = (ratio, lo, row_hi, a, row_lo, b)
         if best is None:
@@ -214,6 +215,18 @@ def swap_conversations(ranks: list[list[list[Item]]], budget: int, pool: list[It
         loads[hi] -= a.cost - b.cost
         if lo is not None:
             loads[lo] += a.cost - b.cost
+
+
+def plan_factory(shape, budget: int, rows_per_step: int, dp_size: int, pad_multiple: int = 1, window: int = 4096):
+    """``plan_fn(dataset, cyclic)`` for ``loader.build_iterator``: plans that price a
+    conversation at its training FLOPs under ``shape`` (``flops.py``)."""
+    from flops import micro_batch_flops
+
+    def cost(tokens: int, grids) -> float:
+        return micro_batch_flops(shape, [tokens], grids).training
+
+    return lambda dataset, cyclic: TokenBudgetPlan(dataset.describe, len(dataset), budget, rows_per_step, dp_size,
+                                                   cost=cost, pad_multiple=pad_multiple, window=window, cyclic=cyclic)
 
 
 def check_packing_args(args) -> None:

@@ -28,8 +28,7 @@ from data import get_dataset_provider  # noqa: E402
 from data.collate import Collator  # noqa: E402
 from data.loader import build_iterator  # noqa: E402
 from data.sample import VisionTokens  # noqa: E402
-from data.token_budget import TokenBudgetPlan  # noqa: E402
-from flops import micro_batch_flops  # noqa: E402
+from data.token_budget import plan_factory  # noqa: E402
 from models.qwen35_vl.configuration import get_variant  # noqa: E402
 
 
@@ -53,9 +52,7 @@ def pipeline(args):
     plan_fn, mbs, budget = None, args.micro_batch, None
     if args.packing == "tokens":
         mbs, budget = 1, args.budget
-        plan_fn = lambda ds, cyclic: TokenBudgetPlan(  # noqa: E731
-            ds.describe, len(ds), budget, args.micro_batch, 1,
-            cost=lambda n, grids: micro_batch_flops(shape, [n], grids).training)
+        plan_fn = plan_factory(shape, budget, args.micro_batch, 1)
     collate = Collator(tokens, row_length=budget)
     return shape, lambda workers: build_iterator(dataset, 0, mbs, 0, 1, collate, num_workers=workers, plan_fn=plan_fn)
 
