@@ -5,6 +5,9 @@
                                             SDPA attention (any host; GPUs without TE)
 
 Without the flag a run takes Transformer Engine where CUDA is present and TE imports, else local.
+On the local backend, megatron's ``--attention-backend`` picks the kernel of packed attention
+(``models/common/varlen_attention.py``): auto [default] or flash for torch's varlen flash kernel,
+fused / unfused for SDPA per packed sample.
 """
 
 from __future__ import annotations
@@ -45,6 +48,15 @@ def check_backend(args) -> None:
     if args.transformer_impl == "transformer_engine" and not (torch.cuda.is_available() and te_importable()):
         why = "no CUDA device" if not torch.cuda.is_available() else "transformer_engine does not import"
         raise ValueError(f"--transformer-impl transformer_engine: {why} here; use --transformer-impl local")
+
+
+def check_attention_backend(args) -> None:
+    """Before megatron's argument checks, which assert (with a traceback) on this one."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    if args.attention_backend == AttnBackend.local:
+        raise ValueError("--attention-backend local is megatron's own --spec local; this model takes auto, flash "
+                         "(torch varlen attention) or fused / unfused (SDPA per packed sample)")
 
 
 def use_prebuilt_dataset_helpers() -> None:

@@ -24,7 +24,13 @@ from megatron.training import get_args  # noqa: E402
 import checkpoint_safety  # noqa: E402
 import save_guard  # noqa: E402
 from arguments import add_multimodal_args, check_checkpoint_matches, resolve_shape  # noqa: E402
-from backend import backend_of, check_backend, engine_defaults, use_prebuilt_dataset_helpers  # noqa: E402
+from backend import (  # noqa: E402
+    backend_of,
+    check_attention_backend,
+    check_backend,
+    engine_defaults,
+    use_prebuilt_dataset_helpers,
+)
 from data import get_dataset_provider  # noqa: E402
 from data.collate import Collator, pad_multiple_for  # noqa: E402
 from data.loader import build_iterator  # noqa: E402
@@ -35,6 +41,7 @@ from flops import batch_flops  # noqa: E402
 from forward_step import for_stage, forward_step  # noqa: E402
 from models import get_model_entry  # noqa: E402
 from models.common.config_from_args import given_flags, megatron_parser  # noqa: E402
+from models.common.varlen_attention import describe_thd_kernels  # noqa: E402
 from pipeline_layout import stage_layers  # noqa: E402
 
 
@@ -154,14 +161,20 @@ def main():
     checkpoint_safety.install()  # a checkpoint directory is data: nothing in it may run code
     distrib_optimizer_fixes.install()  # torch Adam under the distributed optimizer (no Apex / TE)
     try:  # the user's settings, checked before any process group exists: one line, no traceback
-        check_pipeline_split(parse_args(add_multimodal_args))  # before megatron asserts on it
+        given = parse_args(add_multimodal_args)
+        check_pipeline_split(given)  # before megatron asserts on these
+        check_attention_backend(given)
         args = parse_and_validate_args(extra_args_provider=add_multimodal_args, args_defaults=engine_defaults())
         check_backend(args)
         check_packing_args(args)
         checkpoint_safety.check_tracker(args.load)
         if args.data_path:
             resolve_source(args.data_path[0], "--data-path")
-        model_configs()
+        language, vision = model_configs()
+        if backend_of(args) == "local":  # refuses --attention-backend flash where varlen cannot run
+            thd_line = describe_thd_kernels({"language model": language, "vision encoder": vision})
+            if args.rank == 0:
+                print(f"pretrain_multimodal.py: {thd_line}", flush=True)
         check_checkpoint_matches(args.load, model_shape())
     except (ValueError, KeyError, FileNotFoundError) as err:
         raise SystemExit(f"pretrain_multimodal.py: {err.args[0] if err.args else err}")

@@ -42,6 +42,8 @@ def test_default_run_learns():
     print(f"default run: first-5 mean loss {first:.3f}, last-5 mean {last:.3f}, validation {run.validation}")
     assert last < first - 1.0
     assert "using 'tiny'" in run.output and "backend local" in run.output and 30 in run.validation
+    assert ("packed (THD) attention: language model SDPA per packed sample (varlen attention needs a CUDA device); "
+            "vision encoder SDPA per packed sample") in run.output, run.output[-3000:]
 
 
 @pytest.mark.parametrize("setting", ["plain", "distributed, DP=2, token budget"])

@@ -23,7 +23,7 @@
 #       --python-version 3.12 --platform manylinux_2_28_x86_64
 #
 # Environment: WHEELHOUSE [wheelhouse/ at the repository root, if present], PYTHON [python3],
-#   GPU_CHECKS     groups to run [fla parity train te parallel]; they always run in the order below
+#   GPU_CHECKS     groups to run [fla attn parity train te parallel]; they always run in the order below
 #   GPU_CHECKS_BUDGET_S [560]; GPU_TRAIN_RUNS, GPU_TRAIN_ITERS, GPU_35B_LAYERS, ... (test_training.py)
 # Exit status 0 when no row failed.
 set -uo pipefail
@@ -44,7 +44,7 @@ if [[ -n "${WHEELHOUSE:-}" ]]; then
   [[ -d "$WHEELHOUSE" ]] && WHEELHOUSE="$(cd "$WHEELHOUSE" && pwd)"  # absolute: run_qwen35_vl.sh bootstraps again
   export WHEELHOUSE
 fi
-GROUPS_WANTED=" ${GPU_CHECKS:-fla parity train te parallel} "
+GROUPS_WANTED=" ${GPU_CHECKS:-fla attn parity train te parallel} "
 STEPS=""  # "name: seconds, exit code" of every step, for the table's header
 
 add_row() {  # add_row CHECK CASE STATUS NOTE
@@ -145,6 +145,7 @@ main() {
   # on a fresh machine pays for Triton compiling and autotuning FLA's kernels once per dtype and shape.
   checks fla "fla kernels bf16" 120 -- tests/gpu/test_fla_kernels.py -k bf16
   checks fla "fla kernels fp32" 90 "${ieee[@]}" -- tests/gpu/test_fla_kernels.py -k fp32
+  checks attn "thd attention bf16" 60 -- tests/gpu/test_thd_attention.py
   checks parity "model parity fp32" 120 "${ieee[@]}" -- tests/gpu/test_model_parity.py -k fp32
   checks train "training" 300 -- tests/gpu/test_training.py
   checks parity "model parity bf16" 90 -- tests/gpu/test_model_parity.py -k bf16

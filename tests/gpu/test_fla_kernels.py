@@ -18,7 +18,6 @@ for the output and every gradient (FLA's own test tolerance for db/dg).
 """
 
 import os
-import statistics
 import time
 from types import SimpleNamespace
 
@@ -29,6 +28,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device: GPU checks run on a GPU host (bash tests/gpu/run.sh)", allow_module_level=True)
 
 import gpu_results
+from gpu_measure import errors, median_ms
 from megatron.cpu import gdn_kernels as torch_gdn
 
 CHECK = "fla kernels"
@@ -67,34 +67,6 @@ def _cu_seqlens():
     return torch.nn.functional.pad(torch.tensor(LENGTHS).cumsum(0), (1, 0)).to("cuda", torch.int32)
 
 
-def _errors(candidates, references) -> dict:
-    """Worst tensor's max |diff| / max |ref| and RMS(diff) / RMS(ref), and which tensor it was."""
-    worst = {"rel": 0.0, "rms": 0.0, "worst": ""}
-    for name, (c, r) in zip(references, zip(candidates, references.values())):
-        diff = (c.float() - r.float())
-        rel = (diff.abs().max() / r.abs().max().clamp_min(1e-30)).item()
-        rms = (diff.pow(2).mean().sqrt() / r.float().pow(2).mean().sqrt().clamp_min(1e-30)).item()
-        if rel >= worst["rel"]:
-            worst["worst"] = name
-        worst["rel"], worst["rms"] = max(worst["rel"], rel), max(worst["rms"], rms)
-    return worst
-
-
-def _median_ms(fn, reps: int = 10, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def _compare(record, case, dtype_name, fla_fn, torch_fn, inputs: dict, grad_out, extra=None):
     """Run both kernels fwd+bwd on ``inputs`` (leaf tensors in the run's dtypes), the reference (torch
     kernel, fp32 copies), and record errors and times. ``fn(**inputs) -> output tensor``."""
@@ -111,9 +83,9 @@ def _compare(record, case, dtype_name, fla_fn, torch_fn, inputs: dict, grad_out,
     out_ref, grads_ref = fwd_bwd(torch_fn, ref_in, grad_out)
     out_ours, grads_ours = fwd_bwd(torch_fn, inputs, grad_out)
     refs = dict(zip(inputs, grads_ref))
-    fwd = _errors([out_fla], {"out": out_ref})
-    bwd = _errors(grads_fla, refs)
-    ours_fwd, ours_bwd = _errors([out_ours], {"out": out_ref}), _errors(grads_ours, refs)
+    fwd = errors([out_fla], {"out": out_ref})
+    bwd = errors(grads_fla, refs)
+    ours_fwd, ours_bwd = errors([out_ours], {"out": out_ref}), errors(grads_ours, refs)
 
     def timed(fn, grad):
         def run():
@@ -122,9 +94,9 @@ def _compare(record, case, dtype_name, fla_fn, torch_fn, inputs: dict, grad_out,
         return run
 
     with torch.no_grad():
-        fla_fwd, torch_fwd = _median_ms(lambda: fla_fn(**inputs)), _median_ms(lambda: torch_fn(**inputs))
+        fla_fwd, torch_fwd = median_ms(lambda: fla_fn(**inputs)), median_ms(lambda: torch_fn(**inputs))
     grad = grad_out.to(out_fla.dtype)
-    fla_step, torch_step = _median_ms(timed(fla_fn, grad)), _median_ms(timed(torch_fn, grad))
+    fla_step, torch_step = median_ms(timed(fla_fn, grad)), median_ms(timed(torch_fn, grad))
     if dtype_name == "fp32":
         ok = fwd["rel"] <= FP32_REL and bwd["rel"] <= FP32_REL
         bar = f"target max rel <= {FP32_REL:g}"

@@ -13,8 +13,8 @@ from models.qwen35_vl.configuration import VARIANTS, get_variant
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _script(**env):
-    proc = subprocess.run(["bash", os.path.join(ROOT, "run_qwen35_vl.sh")], capture_output=True, text=True,
+def _script(*flags, **env):
+    proc = subprocess.run(["bash", os.path.join(ROOT, "run_qwen35_vl.sh"), *flags], capture_output=True, text=True,
                           env={**os.environ, "DRY_RUN": "1", **{k: str(v) for k, v in env.items()}})
     return proc.returncode, proc.stdout, proc.stderr
 
@@ -152,3 +152,6 @@ def test_a_mistake_found_by_the_training_script_is_one_line_without_tracebacks(t
     rc, out, err = _script(DRY_RUN=0, PACKING="tokens", MBS=2, TRAIN_ITERS=1)
     assert rc == 1 and "pretrain_multimodal.py: --micro-batch-size 2: with --packing tokens a micro-batch is one row" \
         in out + err and "Traceback" not in out + err
+    rc, out, err = _script("--attention-backend", "flash", DRY_RUN=0, TRAIN_ITERS=1)
+    assert rc == 1 and "pretrain_multimodal.py: --attention-backend flash on the local backend: varlen attention " \
+        "needs a CUDA device" in out + err and "Traceback" not in out + err, (out + err)[-3000:]

@@ -9,7 +9,9 @@ A drop-in for megatron-core's ``core_attention`` submodule (same constructor and
 
 Segments come from ``cu_seqlens_q_padded`` when present (the packed tensor is laid out on the
 padded boundaries; the tail padding of a sample sits after its real tokens, so causal attention
-of real tokens never sees it).
+of real tokens never sees it). A THD batch runs on torch's variable-length flash kernel where
+``varlen_attention.thd_kernel`` allows it (CUDA, bf16/fp16, ``--attention-backend`` auto or flash),
+else on one SDPA call per packed sample.
 
 Context parallelism (``pg_collection.cp`` of size cp > 1): the sequence arrives split in
 megatron-core's load-balanced layout (per packed sample for THD, per row for BSHD: rank r holds
@@ -27,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+
+from .varlen_attention import VARLEN, thd_kernel, torch_varlen
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
@@ -55,6 +59,7 @@ class SDPACoreAttention(MegatronModule):
 
             self.cp_group = parallel_state.get_context_parallel_group()
         self.cp_size = self.cp_group.size() if self.cp_group is not None else 1
+        self.attention_backend = config.attention_backend
 
     def _attend(self, q, k, v, causal: bool, mask=None):
         """q [b, np, s, hn], k/v [b, ng, s, hn]; grouped-query heads are shared in blocks."""
@@ -111,9 +116,17 @@ class SDPACoreAttention(MegatronModule):
         return cu
 
     def _forward_thd(self, query, key, value, params, causal: bool):
-        bounds = self._segments(params).tolist()
+        cu = self._segments(params)
+        bounds = cu.tolist()
         if bounds[-1] != query.shape[0]:
             raise ValueError(f"THD: cu_seqlens ends at {bounds[-1]} but the packed row has {query.shape[0]} tokens")
+        dropout = self.dropout_p if self.training else 0.0
+        kernel, _ = thd_kernel(self.attention_backend, query.is_cuda, query.dtype, query.shape[-1], dropout)
+        if kernel == VARLEN:  # one kernel over the whole row
+            max_len = max(end - start for start, end in zip(bounds[:-1], bounds[1:]))
+            out = torch_varlen()(query.contiguous(), key.contiguous(), value.contiguous(), cu, max_len, causal,
+                                 self.softmax_scale)
+            return out.reshape(out.shape[0], -1)
         outs = []
         # One SDPA call per packed sample: cost is sum(L_i^2), not T^2.
         for start, end in zip(bounds[:-1], bounds[1:]):
