@@ -204,7 +204,9 @@ fi
 
 # Several runs may share a host: without MASTER_PORT, torchrun --standalone picks a free port.
 if [[ -n "${MASTER_PORT:-}" ]]; then RDZV=(--master-port "$MASTER_PORT"); else RDZV=(--standalone); fi
-LAUNCH=(torchrun --nproc-per-node "$NPROC" "${RDZV[@]}" "$ROOT/examples/multimodal_dev/pretrain_multimodal.py")
+# The training script runs as the module of the package examples.multimodal_dev (PYTHONPATH holds
+# the repository root: tools/bootstrap_env.sh), so no folder of the example shadows an installed package.
+LAUNCH=(torchrun --nproc-per-node "$NPROC" "${RDZV[@]}" --module examples.multimodal_dev.pretrain_multimodal)
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
   # the released variants' cluster layouts (README, "Pipeline parallelism"); the command stays the last line
   if LAYOUT_LINE=$("$PY" "$ROOT/examples/multimodal_dev/pipeline_layout.py" recommend "$MODEL_VARIANT" 2>/dev/null); then

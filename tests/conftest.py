@@ -2,9 +2,15 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for path in (ROOT, os.path.join(ROOT, "examples", "multimodal_dev"), os.path.dirname(os.path.abspath(__file__))):
+# The example is the package examples.multimodal_dev (and the device layer megatron.cpu) under the
+# repository root: this process imports it from there, and so does every process a test starts
+# (torchrun workers, the run script, the tools), through PYTHONPATH. The tests' own helpers
+# (hf_reference, launch, ...) import from this folder.
+for path in (ROOT, os.path.dirname(os.path.abspath(__file__))):
     if path not in sys.path:
         sys.path.insert(0, path)
+if ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
 
 import pytest
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
             "<|image_pad|>", "<|video_pad|>"]

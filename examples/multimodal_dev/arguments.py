@@ -95,7 +95,7 @@ def check_model_flags(args, shape, source: str) -> None:
 
 def resolve_shape(args):
     """The model shape for these args, with the token ids of the processor when one is given."""
-    from models import get_model_entry
+    from examples.multimodal_dev.models import get_model_entry
 
     entry = get_model_entry(args.model_arch)
     if args.hf_config_path:
@@ -108,7 +108,7 @@ def resolve_shape(args):
     shape = replace(shape, text=replace(shape.text, mtp_num_layers=args.mtp_num_layers or 0))
     check_model_flags(args, shape, source)
     if args.hf_processor_path:
-        from data.processor import load_processor
+        from examples.multimodal_dev.data.processor import load_processor
 
         tokens = load_processor(args.hf_processor_path)[1].tokens
         if max(tokens.vision_ids + (tokens.vision_start, tokens.vision_end)) >= shape.text.vocab_size:
@@ -139,7 +139,7 @@ def check_checkpoint_matches(load_dir: str | None, shape) -> None:
     wrong variant) is one line naming what differs, not a KeyError listing hundreds of tensors."""
     import os
 
-    from tools.checkpoint_files import TRACKER, checkpoint_directory, stored_args
+    from examples.multimodal_dev.tools.checkpoint_files import TRACKER, checkpoint_directory, stored_args
 
     if not load_dir or not os.path.isfile(os.path.join(load_dir, TRACKER)):
         return
@@ -187,7 +187,7 @@ def _shape_row_command(argv: list[str]) -> str:
     source.add_argument("--hf-config")
     parser.add_argument("--moe", action="store_true", help="tiny only: its 4-expert MoE form")
     args = parser.parse_args(argv)
-    from models.qwen35_vl.configuration import from_hf_config, get_variant
+    from examples.multimodal_dev.models.qwen35_vl.configuration import from_hf_config, get_variant
 
     if args.hf_config:
         return shape_row(from_hf_config(args.hf_config))

@@ -24,7 +24,7 @@ from functools import partial
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from data.collate import pad_row_to
+from examples.multimodal_dev.data.collate import pad_row_to
 
 TENSOR_KEYS = ("tokens", "labels", "loss_mask", "padding_mask", "position_ids", "pixel_values", "image_grid_thw",
                "cu_seqlens", "cu_seqlens_padded")

@@ -1,7 +1,7 @@
 """Train a vision-language model of MODEL_REGISTRY with Megatron-Core.
 
-    torchrun --nproc-per-node N examples/multimodal_dev/pretrain_multimodal.py <megatron flags> \
-        --model-arch qwen35_vl --model-variant tiny --dataset-provider mock ...
+    PYTHONPATH=<repository root> torchrun --nproc-per-node N -m examples.multimodal_dev.pretrain_multimodal \
+        <megatron flags> --model-arch qwen35_vl --model-variant tiny --dataset-provider mock ...
 
 Every host runs ``megatron.training.pretrain``; on a host without CUDA, ``megatron.cpu`` first
 makes megatron's CUDA assumptions hold there (gloo, CPU tensors, torch GatedDeltaNet kernels).
@@ -11,38 +11,31 @@ makes megatron's CUDA assumptions hold there (gloo, CPU tensors, torch GatedDelt
 from __future__ import annotations
 
 import functools
-import os
-import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-for _path in (_HERE, os.path.dirname(os.path.dirname(_HERE))):  # this folder; the repository root (megatron.cpu)
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+from megatron.training import get_args
 
-from megatron.training import get_args  # noqa: E402
-
-import checkpoint_safety  # noqa: E402
-import save_guard  # noqa: E402
-from arguments import add_multimodal_args, check_checkpoint_matches, resolve_shape  # noqa: E402
-from backend import (  # noqa: E402
+from examples.multimodal_dev import checkpoint_safety
+from examples.multimodal_dev import save_guard
+from examples.multimodal_dev.arguments import add_multimodal_args, check_checkpoint_matches, resolve_shape
+from examples.multimodal_dev.backend import (
     backend_of,
     check_attention_backend,
     check_backend,
     engine_defaults,
     use_prebuilt_dataset_helpers,
 )
-from data import get_dataset_provider  # noqa: E402
-from data.collate import Collator, pad_multiple_for  # noqa: E402
-from data.loader import build_iterator  # noqa: E402
-from data.sources import resolve as resolve_source  # noqa: E402
-from data.sample import VisionTokens  # noqa: E402
-from data.token_budget import check_packing_args, plan_factory  # noqa: E402
-from flops import batch_flops  # noqa: E402
-from forward_step import for_stage, forward_step  # noqa: E402
-from models import get_model_entry  # noqa: E402
-from models.common.config_from_args import given_flags, megatron_parser  # noqa: E402
-from models.common.varlen_attention import describe_thd_kernels  # noqa: E402
-from pipeline_layout import stage_layers  # noqa: E402
+from examples.multimodal_dev.data import get_dataset_provider, plan_checkpoint
+from examples.multimodal_dev.data.collate import Collator, pad_multiple_for
+from examples.multimodal_dev.data.loader import build_iterator
+from examples.multimodal_dev.data.sources import resolve as resolve_source
+from examples.multimodal_dev.data.sample import VisionTokens
+from examples.multimodal_dev.data.token_budget import check_packing_args, plan_factory
+from examples.multimodal_dev.flops import batch_flops
+from examples.multimodal_dev.forward_step import for_stage, forward_step
+from examples.multimodal_dev.models import get_model_entry
+from examples.multimodal_dev.models.common.config_from_args import given_flags, megatron_parser
+from examples.multimodal_dev.models.common.varlen_attention import describe_thd_kernels
+from examples.multimodal_dev.pipeline_layout import stage_layers
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,12 +93,26 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
     common = dict(micro_batch_size=args.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
                   collate_fn=functools.partial(_collate_for_stage, collate, shape, stage),
                   num_workers=args.num_workers)
+    train = dict(common)
     if budget:
         common["plan_fn"] = plan_factory(shape, budget, args.global_batch_size, dp_size, pad_multiple,
                                          args.packing_window)
-    return (build_iterator(datasets[0], args.consumed_train_samples, **common),
+        train["plan_fn"] = functools.partial(_resumed_plan, common["plan_fn"], args)
+    return (build_iterator(datasets[0], args.consumed_train_samples, **train),
             build_iterator(datasets[1], args.consumed_valid_samples, cyclic=True, **common),
             build_iterator(datasets[2], 0, **common))
+
+
+def _resumed_plan(plan_fn, args, dataset, cyclic):
+    """The training plan, continued from the checkpoint the run resumed from (data/plan_checkpoint.py)."""
+    import torch
+
+    plan = plan_fn(dataset, cyclic)
+    line = plan_checkpoint.resume(plan, args.load, args.iteration, args.consumed_train_samples)
+    if line and not plan_checkpoint.tracked() and torch.distributed.get_rank() == 0:
+        print(f"pretrain_multimodal.py: {line}", flush=True)
+    plan_checkpoint.track(plan)
+    return plan
 
 
 def _collate_for_stage(collate, shape, stage, samples):
@@ -155,7 +162,7 @@ def main():
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args, parse_args
 
-    from throughput import StepFlops, install_megatron_training_hooks
+    from examples.multimodal_dev.throughput import StepFlops, install_megatron_training_hooks
 
     use_prebuilt_dataset_helpers()
     checkpoint_safety.install()  # a checkpoint directory is data: nothing in it may run code
@@ -182,6 +189,7 @@ def main():
         _exit_if_refused(err)
     for line in save_guard.clear_incomplete_saves(args.save):
         print(f"pretrain_multimodal.py: {line}", flush=True)
+    plan_checkpoint.install()  # under save_guard: a full disk while writing the plan is one line too
     save_guard.install()
     meter = StepFlops()
     install_megatron_training_hooks(meter)

@@ -21,7 +21,7 @@ import os
 import re
 import shutil
 
-from tools.checkpoint_files import TRACKER, latest_iteration
+from examples.multimodal_dev.tools.checkpoint_files import TRACKER, latest_iteration
 
 # What the writers say when the disk is full: the OS error, and the C++ stream errors torch's
 # serialisation raises on a short write.

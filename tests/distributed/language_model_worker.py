@@ -10,20 +10,15 @@ The last rank prints one ``RESULT {json}`` line.
 """
 
 import json
-import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "examples", "multimodal_dev")]
-
-import torch  # noqa: E402
+import torch
 
 
 def text_only_batch(shape, pad_multiple: int) -> dict:
-    from data.collate import pack_thd
-    from data.mock import MockConversations
-    from data.sample import VisionTokens
+    from examples.multimodal_dev.data.collate import pack_thd
+    from examples.multimodal_dev.data.mock import MockConversations
+    from examples.multimodal_dev.data.sample import VisionTokens
 
     tokens = VisionTokens.from_shape(shape)
     mock = MockConversations(tokens, shape.text.vocab_size, shape.vision.patch_dim, seed=7, max_images=0)
@@ -54,11 +49,11 @@ def main():
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
 
-    from data.collate import pad_multiple_for
-    from forward_step import loss_func, packed_seq_params, run_model
-    from tools.checkpoint_files import load_model_weights
-    from models.qwen35_vl.configuration import get_variant
-    from models.qwen35_vl.factory import build_model
+    from examples.multimodal_dev.data.collate import pad_multiple_for
+    from examples.multimodal_dev.forward_step import loss_func, packed_seq_params, run_model
+    from examples.multimodal_dev.tools.checkpoint_files import load_model_weights
+    from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
+    from examples.multimodal_dev.models.qwen35_vl.factory import build_model
 
     shape = get_variant("tiny", moe=True, mtp=True)
     module = build_model(shape, tensor_model_parallel_size=tp, sequence_parallel=sp, calculate_per_token_loss=True,

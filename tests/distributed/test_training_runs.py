@@ -50,8 +50,8 @@ def test_default_run_learns():
 def test_exact_resume(tmp_path, setting):
     # The distributed optimizer saves its state by parameter (fully reshardable) here: the default
     # bucket layout stores whole flat buffers, padding included, whose unused bytes are whatever the
-    # allocator held, so two correct checkpoints differ there. Token-budget packing replays its
-    # plan on resume: the same rows, dealt to the same ranks.
+    # allocator held, so two correct checkpoints differ there. Token-budget packing continues its
+    # plan from the checkpoint's plan state: the same rows, dealt to the same ranks.
     flags, common = [], dict(TRAIN_ITERS=8, SEQ_LEN=512)
     if setting != "plain":
         flags = ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"]
@@ -65,6 +65,9 @@ def test_exact_resume(tmp_path, setting):
     assert {**first.tokens, **second.tokens} == straight.tokens
     if setting != "plain":  # 4 rows of exactly 256 tokens a step (one static shape)
         assert all(straight.records[i]["padded_tokens"] == 4 * 256 for i in range(1, 9))
+        # the plan continued from the checkpoint's plan state, not by replaying steps 0-3
+        plan_file = tmp_path / "resumed" / "iter_0000004" / "token_budget_plan.json"
+        assert f"token-budget plan: continues at step 4 from {plan_file}" in second.output, second.output[-3000:]
     assert resumed == straight.losses  # full-precision floats, bitwise
     assert {**first.grad_norms, **second.grad_norms} == straight.grad_norms
     assert second.validation == straight.validation

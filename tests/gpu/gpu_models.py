@@ -19,8 +19,8 @@ def shapes() -> dict:
     """tiny (dense, MoE) and a reduced proxy of realistic width: 35b_a3b's layer dimensions (hidden
     2048, 16 attention heads of 256, 32 GDN value heads of 128, experts of 512) in 4 layers
     (3 GDN + 1 attention) with 8 experts (top-2), a 32k vocabulary and 2 vision blocks."""
-    from models.qwen35_vl.configuration import get_variant
-    from tools.bench_step import bench_shape
+    from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
+    from examples.multimodal_dev.tools.bench_step import bench_shape
 
     wide = bench_shape("35b_a3b", num_layers=4, vocab_size=32768, vision_depth=2)
     wide = replace(wide, text=replace(wide.text, num_experts=8, moe_top_k=2))
@@ -60,8 +60,8 @@ def case(shape_name: str, dtype_name: str):
 
 
 def megatron_model(shape, dtype, backend: str, hf_state: dict):
-    from models.qwen35_vl.factory import build_model
-    from models.qwen35_vl.hf_mapping import load_hf_into_model
+    from examples.multimodal_dev.models.qwen35_vl.factory import build_model
+    from examples.multimodal_dev.models.qwen35_vl.hf_mapping import load_hf_into_model
 
     model = build_model(shape, backend=backend, params_dtype=dtype)
     load_hf_into_model(model, hf_state, shape)  # strict: every tensor lands
@@ -71,9 +71,9 @@ def megatron_model(shape, dtype, backend: str, hf_state: dict):
 def batches(shape, name: str, seed: int = 0) -> tuple[dict, dict]:
     """(THD batch with every sample padded to a multiple of 4, as the collate does for CP=2; BSHD batch)
     of the same mock samples, on the host."""
-    from data.collate import pack_thd, pad_bshd
-    from data.sample import VisionTokens
-    from tools.bench_step import mock_samples
+    from examples.multimodal_dev.data.collate import pack_thd, pad_bshd
+    from examples.multimodal_dev.data.sample import VisionTokens
+    from examples.multimodal_dev.tools.bench_step import mock_samples
 
     count, text_tokens = BATCH[name]
     samples = mock_samples(shape, count, text_tokens, seed=seed)
@@ -82,7 +82,7 @@ def batches(shape, name: str, seed: int = 0) -> tuple[dict, dict]:
 
 
 def on_gpu(batch: dict, dtype) -> dict:
-    from forward_step import batch_to_device
+    from examples.multimodal_dev.forward_step import batch_to_device
 
     out = batch_to_device(batch, torch.device("cuda"))
     if out.get("pixel_values") is not None:
@@ -97,7 +97,7 @@ def real(logits: torch.Tensor, batch: dict) -> torch.Tensor:
 
 @torch.no_grad()
 def megatron_logits(model, batch: dict) -> torch.Tensor:
-    from forward_step import packed_seq_params
+    from examples.multimodal_dev.forward_step import packed_seq_params
 
     logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
                    pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
@@ -107,7 +107,7 @@ def megatron_logits(model, batch: dict) -> torch.Tensor:
 
 @torch.no_grad()
 def hf_logits(hf, bshd_host: dict, shape, dtype) -> torch.Tensor:
-    from tools.bench_step import hf_inputs
+    from examples.multimodal_dev.tools.bench_step import hf_inputs
 
     inputs = hf_inputs(bshd_host, shape.image_token_id)
     inputs.pop("labels")
@@ -118,7 +118,7 @@ def hf_logits(hf, bshd_host: dict, shape, dtype) -> torch.Tensor:
 
 def loss_of(model, batch: dict, backward: bool = False) -> float:
     """Per-token mean loss of the batch (forward_step's loss); with ``backward``, gradients too."""
-    from forward_step import batch_loss
+    from examples.multimodal_dev.forward_step import batch_loss
 
     with torch.set_grad_enabled(backward):
         loss_sum, count, _ = batch_loss(model, batch)

@@ -276,7 +276,7 @@ def param_count(shape) -> int:
 
 def cut_35b(layers: int):
     """35b_a3b with ``layers`` decoder layers (every 256 experts kept) and no MTP head."""
-    from models.qwen35_vl.configuration import get_variant
+    from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
 
     if layers not in CUT_PATTERNS:
         raise ValueError(f"GPU_35B_LAYERS={layers}: choose one of {sorted(CUT_PATTERNS)}")
@@ -297,7 +297,7 @@ def choose_35b_layers(gpu_bytes: float, fraction: float = 0.95) -> int:
 
 
 def write_hf_config(shape, path: str) -> str:
-    from models.qwen35_vl.configuration import to_hf_config_dict
+    from examples.multimodal_dev.models.qwen35_vl.configuration import to_hf_config_dict
 
     with open(path, "w") as f:
         json.dump(to_hf_config_dict(shape), f, indent=1)

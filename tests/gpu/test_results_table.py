@@ -90,14 +90,14 @@ def test_top_kernels_from_a_chrome_trace(tmp_path):
 def test_param_count_equals_the_built_models():
     """Totals of build_model (megatron-core 0.19.2, local backend, TP=1, no MTP) for tiny, counted once
     with sum(p.numel() for p in model.parameters())."""
-    from models.qwen35_vl.configuration import get_variant
+    from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
 
     assert gt.param_count(get_variant("tiny", moe=False, mtp=False)) == 3031264
     assert gt.param_count(get_variant("tiny", moe=True, mtp=False)) == 3623648
 
 
 def test_35b_cut_sizing_and_config(tmp_path):
-    from models.qwen35_vl.configuration import from_hf_config
+    from examples.multimodal_dev.models.qwen35_vl.configuration import from_hf_config
 
     two, four = gt.cut_35b(2), gt.cut_35b(4)
     per_layer = (gt.param_count(four) - gt.param_count(two)) / 2

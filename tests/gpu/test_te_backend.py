@@ -45,7 +45,7 @@ def _load_through_checkpoint(source, target, path) -> list:
 @pytest.mark.parametrize("dtype_name", list(gm.DTYPES))
 @pytest.mark.parametrize("shape_name", ["tiny-moe", "wide-moe"])
 def test_te_equals_local(shape_name, dtype_name, te, megatron_gpu, record, tmp_path):
-    from models.qwen35_vl.factory import build_model
+    from examples.multimodal_dev.models.qwen35_vl.factory import build_model
 
     dtype, shape, hf = gm.case(shape_name, dtype_name)
     local = gm.megatron_model(shape, dtype, "local", hf.state_dict())

@@ -25,8 +25,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from models.common.sdpa_attention import SDPACoreAttention
-from models.common.varlen_attention import VARLEN, thd_kernel
+from examples.multimodal_dev.models.common.sdpa_attention import SDPACoreAttention
+from examples.multimodal_dev.models.common.varlen_attention import VARLEN, thd_kernel
 
 CHECK = "thd attention"
 pytestmark = pytest.mark.gpu

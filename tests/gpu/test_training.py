@@ -72,7 +72,7 @@ def _dirs(run_name: str) -> tuple[str, str]:
 
 def _plan(run_name: str, workdir: str):
     """(shape, environment for run_qwen35_vl.sh, what the case is)."""
-    from models.qwen35_vl.configuration import get_variant
+    from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
 
     if run_name == "proxy":
         return get_variant("proxy", mtp=False), {"MODEL_VARIANT": "proxy"}, "proxy variant (MTP off: the default)"
@@ -106,7 +106,7 @@ def test_training_run(run_name, record):
             "--profile-step-end", PROFILE_END]
     run = gt.run_training(run_name, env, args, min(RUN_CAP_S, left), workdir, log_path)
 
-    from throughput import device_peak_tflops
+    from examples.multimodal_dev.throughput import device_peak_tflops
 
     losses = run.losses
     values = list(losses.values())

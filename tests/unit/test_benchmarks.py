@@ -3,7 +3,7 @@ means anything (same outputs, gradients and losses), and each tool must run end 
 
 import torch
 
-from tools import bench_balance, bench_gdn, bench_loader, bench_packing, bench_step
+from examples.multimodal_dev.tools import bench_balance, bench_gdn, bench_loader, bench_packing, bench_resume, bench_step
 
 
 def test_bench_gdn_kernels_agree_forward_and_backward():
@@ -72,3 +72,10 @@ def test_bench_balance_summary_skips_start_up_and_reads_the_metrics():
     assert out["tokens_per_s"] == (903 + 904 + 905) / 6 and out["tflops_per_rank"] == 6e12 / 6 / 2 / 1e12
     assert abs(out["padding"] - (1 - 2712 / 3000)) < 1e-12
     assert (out["imbalance_mean"], out["imbalance_worst"]) == (1.04, 1.05)
+
+
+def test_bench_resume_restores_the_same_rows_reading_far_fewer_conversations(capsys):
+    result = bench_resume.main(["--steps", "12", "--rows", "4", "--budget", "1024"])
+    # replaying reads every conversation of steps 0-12; the state only the carried ones and step 12's
+    assert result["replay_read"] > 5 * result["restore_read"] > 0
+    assert "| the checkpoint's plan state |" in capsys.readouterr().out

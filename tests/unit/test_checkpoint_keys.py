@@ -16,8 +16,8 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from models.qwen35_vl.configuration import FULL, LINEAR, get_variant
-from models.qwen35_vl.factory import build_model
+from examples.multimodal_dev.models.qwen35_vl.configuration import FULL, LINEAR, get_variant
+from examples.multimodal_dev.models.qwen35_vl.factory import build_model
 
 VISION = [
     "vision_model.patch_embed.proj.weight",

@@ -5,11 +5,11 @@ import pytest
 import torch
 from hf_reference import hf_rope_index
 
-from data.collate import Collator, pack_thd, pad_bshd, pad_multiple_for
-from data.mock import MockConversations
-from data.sample import IGNORE_INDEX, VisionTokens
-from forward_step import batch_loss
-from models.qwen35_vl.configuration import get_variant
+from examples.multimodal_dev.data.collate import Collator, pack_thd, pad_bshd, pad_multiple_for
+from examples.multimodal_dev.data.mock import MockConversations
+from examples.multimodal_dev.data.sample import IGNORE_INDEX, VisionTokens
+from examples.multimodal_dev.forward_step import batch_loss
+from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
 
 SHAPE = get_variant("tiny", moe=False, mtp=False)
 TOKENS = VisionTokens.from_shape(SHAPE)
@@ -70,7 +70,7 @@ def test_packed_positions_equal_padded_and_hf():
 
 
 def test_packed_loss_equals_padded_loss(mcore):
-    from models.qwen35_vl.factory import build_model
+    from examples.multimodal_dev.models.qwen35_vl.factory import build_model
 
     torch.manual_seed(0)
     model = build_model(SHAPE).eval()
@@ -90,7 +90,7 @@ def test_packed_loss_equals_padded_loss(mcore):
 def test_bench_collate_runs(capsys):
     import importlib
 
-    bench = importlib.import_module("tools.bench_collate")
+    bench = importlib.import_module("examples.multimodal_dev.tools.bench_collate")
     figures = bench.main(["--samples", "16", "--micro-batch", "4", "--repeats", "1"])  # raises on a mismatch
     out = capsys.readouterr().out
     assert figures["samples"] == 16 and figures["ours_per_s"] > 0 and figures["hf_per_s"] > 0

@@ -4,10 +4,17 @@ import pytest
 import torch
 from hf_reference import HFMtpHead, build_hf_model
 
-from models import MODEL_REGISTRY, get_model_entry
-from models.qwen35_vl.configuration import FULL, LINEAR, VARIANTS, from_hf_config, get_variant, to_hf_config_dict
-from models.qwen35_vl.factory import validate_parallel
-from models.qwen35_vl.hf_mapping import hf_to_megatron, megatron_to_hf
+from examples.multimodal_dev.models import MODEL_REGISTRY, get_model_entry
+from examples.multimodal_dev.models.qwen35_vl.configuration import (
+    FULL,
+    LINEAR,
+    VARIANTS,
+    from_hf_config,
+    get_variant,
+    to_hf_config_dict,
+)
+from examples.multimodal_dev.models.qwen35_vl.factory import validate_parallel
+from examples.multimodal_dev.models.qwen35_vl.hf_mapping import hf_to_megatron, megatron_to_hf
 
 
 def test_variants_are_consistent():

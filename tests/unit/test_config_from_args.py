@@ -9,10 +9,10 @@ import io
 
 import pytest
 
-import backend
-from arguments import add_multimodal_args, resolve_shape
-from models.common import config_from_args
-from models.qwen35_vl import configuration
+from examples.multimodal_dev import backend
+from examples.multimodal_dev.arguments import add_multimodal_args, resolve_shape
+from examples.multimodal_dev.models.common import config_from_args
+from examples.multimodal_dev.models.qwen35_vl import configuration
 
 # run_qwen35_vl.sh's flags for MODEL_VARIANT=tiny on a CPU host
 TINY = ["--model-arch", "qwen35_vl", "--model-variant", "tiny", "--num-layers", "4", "--hidden-size", "128",

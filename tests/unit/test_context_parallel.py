@@ -10,8 +10,8 @@
 import pytest
 import torch
 
-from data.collate import pad_row_to
-from models.common.context_parallel import ContextParallelSplit
+from examples.multimodal_dev.data.collate import pad_row_to
+from examples.multimodal_dev.models.common.context_parallel import ContextParallelSplit
 
 
 @pytest.mark.parametrize("cp", [2, 4])

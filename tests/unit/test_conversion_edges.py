@@ -14,10 +14,10 @@ import pytest
 import torch
 from hf_checkpoints import write_hf_checkpoint
 
-import tools.convert_checkpoint as convert
-from models.qwen35_vl.configuration import get_variant
-from tools.convert_checkpoint import export_hf, import_hf, main
-from tools.hf_safetensors import HFTensorSource
+import examples.multimodal_dev.tools.convert_checkpoint as convert
+from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
+from examples.multimodal_dev.tools.convert_checkpoint import export_hf, import_hf, main
+from examples.multimodal_dev.tools.hf_safetensors import HFTensorSource
 
 LM = "model.language_model.layers."
 

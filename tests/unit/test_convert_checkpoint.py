@@ -10,9 +10,9 @@ import pytest
 import torch
 from hf_checkpoints import write_hf_checkpoint
 
-from models.qwen35_vl.configuration import get_variant
-from tools.convert_checkpoint import export_hf, import_hf, main
-from tools.hf_safetensors import HFTensorSource
+from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
+from examples.multimodal_dev.tools.convert_checkpoint import export_hf, import_hf, main
+from examples.multimodal_dev.tools.hf_safetensors import HFTensorSource
 
 PER_EXPERT = re.compile(r"\.experts\.\d+\.")
 
@@ -45,7 +45,7 @@ def test_round_trip_is_bitwise_with_dtypes(hf_checkpoint, tmp_path):
 
 
 def test_export_loads_in_transformers_without_missing_or_unexpected_keys(hf_checkpoint, tmp_path):
-    from tools.hf_models import hf_classes
+    from examples.multimodal_dev.tools.hf_models import hf_classes
 
     kind, hf_path, _ = hf_checkpoint
     import_hf(hf_path, str(tmp_path / "mg"))
@@ -138,7 +138,7 @@ def test_verify_with_a_prompt_and_an_image_through_the_processor(tmp_path, capsy
     """``--prompt``/``--image``: real text and a PNG through the checkpoint's own processor."""
     from dataclasses import replace
 
-    from data.processor import load_processor
+    from examples.multimodal_dev.data.processor import load_processor
     from tiny_processor import build_processor, png_bytes
 
     processor_dir = build_processor(str(tmp_path / "hf"))

@@ -8,8 +8,8 @@ import pytest
 import torch
 from tiny_processor import SPECIALS, build_cord_dataset, build_processor, png_bytes, receipt
 
-from data.cord_v2 import build_datasets, load_split
-from data.processor import load_processor
+from examples.multimodal_dev.data.cord_v2 import build_datasets, load_split
+from examples.multimodal_dev.data.processor import load_processor
 
 ROWS = [
     (png_bytes((96, 64), (200, 10, 10)), receipt([("Coffee", "3.50"), ("Bagel", "2.25")], "5.75")),
@@ -98,10 +98,10 @@ def test_cord_batch_feeds_the_model_packed_equals_padded(paths, mcore):
     CORD-V2 micro-batch gives the padded batch's per-token loss."""
     from dataclasses import replace
 
-    from data.collate import Collator
-    from forward_step import batch_loss
-    from models.qwen35_vl.configuration import get_variant
-    from models.qwen35_vl.factory import build_model
+    from examples.multimodal_dev.data.collate import Collator
+    from examples.multimodal_dev.forward_step import batch_loss
+    from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
+    from examples.multimodal_dev.models.qwen35_vl.factory import build_model
 
     _, info = load_processor(paths[0])
     t = info.tokens
@@ -133,7 +133,7 @@ def test_mistyped_local_paths_fail_at_once_without_the_hub(paths, monkeypatch):
     the Hub is used only for an ``hf://`` name."""
     import time
 
-    from data.sources import resolve
+    from examples.multimodal_dev.data.sources import resolve
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     start = time.monotonic()

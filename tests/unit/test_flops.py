@@ -14,9 +14,9 @@ values, merge 2. Batch: samples of 3 and 5 tokens, one 1x2x2 image.
   forward 47520; training 3x = 142560; an MTP layer adds 2048 + 4768 + 6144 + 4096 = 17056
 """
 
-from models.qwen35_vl.configuration import FULL, LINEAR, Qwen35VLShape, TextShape, VisionShape
+from examples.multimodal_dev.models.qwen35_vl.configuration import FULL, LINEAR, Qwen35VLShape, TextShape, VisionShape
 
-from flops import micro_batch_flops
+from examples.multimodal_dev.flops import micro_batch_flops
 
 SHAPE = Qwen35VLShape(
     text=TextShape(hidden_size=8, num_layers=2, layer_types=(LINEAR, FULL), num_attention_heads=2, num_kv_heads=1,

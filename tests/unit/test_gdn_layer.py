@@ -6,8 +6,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-from models.common.norms import TorchNorm
-from models.qwen35_vl.configuration import get_variant, language_transformer_config
+from examples.multimodal_dev.models.common.norms import TorchNorm
+from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant, language_transformer_config
 
 
 def test_packed_gdn_layer_equals_per_sample(mcore):

@@ -10,9 +10,9 @@ import torch
 from hf_reference import (HFMtpHead, build_hf_model, hf_forward, image_tokens, megatron_position_ids, packed_row,
                           pixel_values_for)
 
-from models.qwen35_vl.configuration import get_variant
-from models.qwen35_vl.factory import build_model
-from models.qwen35_vl.hf_mapping import MappingError, load_hf_into_model
+from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
+from examples.multimodal_dev.models.qwen35_vl.factory import build_model
+from examples.multimodal_dev.models.qwen35_vl.hf_mapping import MappingError, load_hf_into_model
 
 REL_TOL = 2e-5
 

@@ -4,8 +4,8 @@ the budget rule: truncate only after the last image, otherwise skip with a count
 import pytest
 import torch
 
-from data.mock import ASSISTANT, IM_END, MockConversations, build_datasets
-from data.sample import IGNORE_INDEX, BadSample, VisionTokens, fit_to_budget, validate_sample
+from examples.multimodal_dev.data.mock import ASSISTANT, IM_END, MockConversations, build_datasets
+from examples.multimodal_dev.data.sample import IGNORE_INDEX, BadSample, VisionTokens, fit_to_budget, validate_sample
 
 TOKENS = VisionTokens(8000, 8001, 8002, 8003, 2)
 PATCH_DIM = 1536
@@ -81,8 +81,8 @@ def test_realistic_mix_has_the_shape_of_an_sft_mix():
     """``mock_mix``: deterministic by seed; a log-normal length mix with a long tail within the
     budget; 0-4 images a document with most documents carrying one; image grids from 224^2 to
     1344^2 pixels at 16-pixel patches with aspect ratios up to 3:1; every sample valid."""
-    from data import get_dataset_provider
-    from models.qwen35_vl.configuration import get_variant
+    from examples.multimodal_dev.data import get_dataset_provider
+    from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
 
     shape = get_variant("tiny")
     common = dict(tokens=VisionTokens.from_shape(shape), vocab_size=shape.text.vocab_size,

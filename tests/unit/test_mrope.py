@@ -4,7 +4,7 @@ import torch
 from transformers import Qwen3_5Config
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model, Qwen3_5TextRotaryEmbedding
 
-from models.qwen35_vl.mrope import InterleavedMRoPE, padded_batch_position_ids
+from examples.multimodal_dev.models.qwen35_vl.mrope import InterleavedMRoPE, padded_batch_position_ids
 
 IMG, VID, START, END = 250, 251, 252, 253
 

@@ -8,8 +8,8 @@ from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from models.qwen35_vl.configuration import get_variant
-from pipeline_layout import LAYOUTS, recommend, stage_layers
+from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
+from examples.multimodal_dev.pipeline_layout import LAYOUTS, recommend, stage_layers
 
 SPLITS = [(4, 2, None, None, None), (4, 2, 2, None, None), (4, 2, None, 1, 3), (4, 4, None, None, None),
           (8, 2, 2, 2, None), (8, 2, 2, None, 2), (48, 8, 2, None, None), (60, 8, 4, 4, 8), (40, 2, None, 17, 23), (12, 3, 2, 4, None)]
@@ -66,7 +66,7 @@ def test_recommended_layouts_split_their_variant(variant):
 
 def test_decoder_spec_slices_the_global_pattern():
     """Each stage builds the types of its global layers (tiny: G G G A)."""
-    from models.qwen35_vl.specs import stage_layer_types
+    from examples.multimodal_dev.models.qwen35_vl.specs import stage_layer_types
 
     types = get_variant("tiny").text.layer_types
     for split in [(4, 2, None, None, None), (4, 2, 2, None, None), (4, 2, None, 1, 3)]:

@@ -9,9 +9,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import throughput
-from throughput import (MetricsFile, StepFlops, capture_mtp_losses, device_peak_tflops, flops_function, log_wrapper,
-                        throughput_line)
+from examples.multimodal_dev import throughput
+from examples.multimodal_dev.throughput import (
+    MetricsFile,
+    StepFlops,
+    capture_mtp_losses,
+    device_peak_tflops,
+    flops_function,
+    log_wrapper,
+    throughput_line,
+)
 
 
 @pytest.mark.parametrize("name,peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
@@ -212,6 +219,6 @@ def test_hooks_install_into_megatron_training(monkeypatch):
 
     monkeypatch.setattr(megatron.training, "get_args", lambda: SimpleNamespace(metrics_file=None))
     throughput.install_megatron_training_hooks(StepFlops())
-    assert mt.num_floating_point_operations.__module__ == "throughput"
-    assert mt.training_log.__module__ == "throughput"
-    assert MTPLossLoggingHelper.track_mtp_metrics.__module__ == "throughput"
+    assert mt.num_floating_point_operations.__module__ == throughput.__name__
+    assert mt.training_log.__module__ == throughput.__name__
+    assert MTPLossLoggingHelper.track_mtp_metrics.__module__ == throughput.__name__

@@ -6,8 +6,8 @@ import time
 import torch
 from hf_reference import image_tokens, megatron_position_ids, pixel_values_for
 
-from models.qwen35_vl.configuration import FULL, LINEAR, get_variant
-from models.qwen35_vl.factory import build_model
+from examples.multimodal_dev.models.qwen35_vl.configuration import FULL, LINEAR, get_variant
+from examples.multimodal_dev.models.qwen35_vl.factory import build_model
 
 
 def test_tiny_trains_fast_on_cpu(mcore):

@@ -10,12 +10,12 @@ from argparse import Namespace
 import pytest
 import torch
 
-from data import mock_mix
-from data.collate import Collator
-from data.sample import VisionTokens
-from data.token_budget import TokenBudgetPlan, TokenBudgetSampler, check_packing_args, deal_rows
-from flops import micro_batch_flops
-from models.qwen35_vl.configuration import get_variant
+from examples.multimodal_dev.data import mock_mix, plan_checkpoint, token_budget
+from examples.multimodal_dev.data.collate import Collator
+from examples.multimodal_dev.data.sample import VisionTokens
+from examples.multimodal_dev.data.token_budget import TokenBudgetPlan, TokenBudgetSampler, check_packing_args, deal_rows
+from examples.multimodal_dev.flops import micro_batch_flops
+from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
 
 SHAPE = get_variant("tiny", moe=False, mtp=False)
 TOKENS = VisionTokens.from_shape(SHAPE)
@@ -35,8 +35,8 @@ def _plan(dataset, rows=8, dp=2, **kwargs):
     return TokenBudgetPlan(dataset.describe, len(dataset), BUDGET, rows, dp, cost=_cost, **kwargs)
 
 
-def _steps(plan):
-    s, out = 0, []
+def _steps(plan, first=0):
+    s, out = first, []
     while (step := plan.step(s)) is not None:
         out.append(step)
         s += 1
@@ -88,6 +88,50 @@ def test_a_resumed_sampler_sees_exactly_the_same_rows():
         TokenBudgetSampler(_plan(dataset), 12, 0)
 
 
+def test_a_plan_restored_from_a_checkpoint_continues_without_replaying(tmp_path):
+    """The state of step 3, through the checkpoint file, puts a fresh plan at step 3 with the
+    same rows as the straight plan, reading only the conversations from there on."""
+    dataset = _mix(400)
+    steps = _steps(_plan(dataset))
+    checkpoint = tmp_path / "iter_0000003"
+    checkpoint.mkdir()
+    saved = _plan(dataset)
+    saved.step(5)  # the loader runs a step or two ahead of the save
+    assert plan_checkpoint.write_state(str(checkpoint), saved, 3 * 8)
+    state = saved.state(3)
+    assert state["step"] == 3 and state["carried"]  # something to carry makes the test meaningful
+    read = []
+    resumed = _plan(dataset)
+    resumed.describe = lambda i: read.append(i) or dataset.describe(i)
+    assert plan_checkpoint.resume(resumed, str(tmp_path), 3, 3 * 8) == \
+        f"token-budget plan: continues at step 3 from {checkpoint / plan_checkpoint.PLAN_FILE}"
+    assert [s.ranks for s in _steps(resumed, first=3)] == [s.ranks for s in steps[3:]]
+    # only the carried conversations (checked) and the stream from the saved cursor on are read
+    assert sorted(i for i in read if i < state["cursor"]) == sorted(i for i, _, _ in state["carried"])
+
+    # the plan keeps the starting state of its last steps only
+    far = _plan(dataset)
+    far.step(3 + token_budget.STATES_KEPT)
+    assert far.state(3) is None and not plan_checkpoint.write_state(str(tmp_path), far, 3 * 8)
+    # a checkpoint planned with other settings, for another step or without the file: replay, saying why
+    other = _plan(dataset, rows=4, dp=1)
+    assert plan_checkpoint.resume(other, str(tmp_path), 3, 6 * 4) == (
+        f"token-budget plan: replaying 6 steps from the start ({plan_checkpoint.PLAN_FILE} is for step 3, the run "
+        "resumes at step 6)")
+    assert plan_checkpoint.resume(other, str(tmp_path), 3, 3 * 4) == (
+        "token-budget plan: replaying 3 steps from the start (it was planned with other settings: dp_size, "
+        "rows_per_step)")
+    assert plan_checkpoint.resume(_plan(dataset), str(tmp_path), 2, 2 * 8) == (
+        f"token-budget plan: replaying 2 steps from the start ({tmp_path / 'iter_0000002'} has no "
+        f"{plan_checkpoint.PLAN_FILE})")
+    assert plan_checkpoint.resume(_plan(dataset), None, 0, 0) is None
+    (checkpoint / plan_checkpoint.PLAN_FILE).write_text('{"step": 3, "settings": ')
+    assert "(token_budget_plan.json is not a plan state: JSONDecodeError: " in \
+        plan_checkpoint.resume(_plan(dataset), str(tmp_path), 3, 3 * 8)
+    # another dataset whose carried conversations have other lengths
+    assert "has another length in this dataset" in _plan(_mix(400, seed=7)).restore(state)
+
+
 def test_plans_are_deterministic_by_seed():
     first = [s.ranks for s in (_plan(_mix(200)).step(i) for i in range(3))]
     again = [s.ranks for s in (_plan(_mix(200)).step(i) for i in range(3))]
@@ -133,8 +177,8 @@ def test_a_cyclic_plan_wraps_around_for_evaluation():
 
 
 def test_budget_row_loss_equals_padded_loss(mcore):
-    from forward_step import batch_loss
-    from models.qwen35_vl.factory import build_model
+    from examples.multimodal_dev.forward_step import batch_loss
+    from examples.multimodal_dev.models.qwen35_vl.factory import build_model
 
     dataset = _mix(60)
     row = max(_plan(dataset).step(0).ranks[1], key=len)

@@ -18,8 +18,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from models.common import sdpa_attention, varlen_attention as va
-from models.common.sdpa_attention import SDPACoreAttention
+from examples.multimodal_dev.models.common import sdpa_attention, varlen_attention as va
+from examples.multimodal_dev.models.common.sdpa_attention import SDPACoreAttention
 
 LENGTHS = (1, 7, 16, 33)
 HEADS, HEAD_DIM = 4, 16
@@ -76,7 +76,7 @@ def test_the_run_line_names_each_part_and_flash_is_refused_up_front():
 def test_megatron_local_attention_backend_is_one_line():
     from types import SimpleNamespace
 
-    import backend
+    from examples.multimodal_dev import backend
 
     with pytest.raises(ValueError, match="^--attention-backend local is megatron's own --spec local; this model takes"):
         backend.check_attention_backend(SimpleNamespace(attention_backend=AttnBackend.local))

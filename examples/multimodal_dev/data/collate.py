@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from models.qwen35_vl.mrope import packed_position_ids
+from examples.multimodal_dev.models.qwen35_vl.mrope import packed_position_ids
 
 from .sample import IGNORE_INDEX, VisionTokens
 

@@ -21,9 +21,12 @@ The policy, and why:
   tokens alone do not balance): largest first to the least-loaded rank with room, then
   pairwise swaps while they lower the most-loaded rank. Each rank gets the same number of rows.
 - **Exact resume.** The plan is a pure function of the dataset, the budget, the global batch
-  and the data-parallel size. A run resumed at ``consumed_samples`` replays the plan from the
-  start on lengths alone (``SkippingDataset.describe``, no pixels) and continues at exactly the
-  same rows. Every rank plans the whole step, so ranks agree without communicating.
+  and the data-parallel size, and what planning a step starts from is small: the stream
+  position and the conversations carried over (``state``). A checkpoint stores it
+  (``data/plan_checkpoint.py``) and a resumed run ``restore``s it, continuing at exactly the same
+  rows without reading the conversations before it; where a checkpoint has none (or its data
+  differ), the plan is replayed from the start on lengths alone (``SkippingDataset.describe``, no
+  pixels). Every rank plans the whole step, so ranks agree without communicating.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 LOOKAHEAD = 1.25  # buffer tokens per step's tokens: the slack first-fit decreasing packs from
+STATES_KEPT = 16  # steps whose starting state stays available: the loader plans a few steps ahead of a save
 MAX_SWAP_ROUNDS = 64
 SWAP_PARTNERS = 4  # least-loaded ranks the busiest one swaps with: bounds the search at large DP
 
@@ -114,6 +118,7 @@ class TokenBudgetPlan:
         self._cursor = 0  # next stream position to read
         self._carried: list[Item] = []
         self._steps: dict[int, Step | None] = {}
+        self._starts: dict[int, tuple[int, list[Item]]] = {}  # step -> (cursor, carried) it was planned from
         self._next_step = 0
         self.unplaced: list[int] = []
 
@@ -122,10 +127,41 @@ class TokenBudgetPlan:
         if s < self._next_step - 2 and s not in self._steps:
             raise ValueError(f"step {s} was planned and dropped; plans only move forward")
         while self._next_step <= s:
+            self._starts[self._next_step] = (self._cursor, list(self._carried))
+            self._starts.pop(self._next_step - STATES_KEPT, None)
             self._steps[self._next_step] = self._plan_next()
             self._steps.pop(self._next_step - 3, None)  # keep a few: loaders prefetch ahead
             self._next_step += 1
         return self._steps[s]
+
+    def settings(self) -> dict:
+        """What besides the data decides the plan: a state restores only into equal settings."""
+        return {"budget": self.budget, "rows_per_step": self.rows_per_step, "dp_size": self.dp_size,
+                "pad_multiple": self.pad_multiple, "window": self.window, "num_samples": self.num_samples,
+                "cyclic": self.cyclic, "lookahead": LOOKAHEAD}
+
+    def state(self, s: int) -> dict | None:
+        """What planning step ``s`` starts from, as JSON-ready values (None: not planned yet, or
+        planned too long ago)."""
+        if s not in self._starts:
+            return None
+        cursor, carried = self._starts[s]
+        return {"step": s, "cursor": cursor, "carried": [[i.index, i.tokens, i.cost] for i in carried],
+                "settings": self.settings()}
+
+    def restore(self, state: dict) -> str | None:
+        """Continue at ``state``'s step, as if every step before it had been planned here. Returns
+        None, or why the state does not fit this plan (which is then left as it was)."""
+        if state.get("settings") != self.settings():
+            differ = sorted(k for k, v in self.settings().items() if state.get("settings", {}).get(k) != v)
+            return "it was planned with other settings: " + ", ".join(differ)
+        carried = [Item(index, tokens, cost, carried=True) for index, tokens, cost in state["carried"]]
+        for item in carried:  # the same data: each carried conversation still has its length
+            if self._padded(self.describe(item.index)[0]) != item.tokens:
+                return f"conversation {item.index} has another length in this dataset"
+        self._cursor, self._carried = state["cursor"], carried
+        self._steps, self._starts, self._next_step = {}, {}, state["step"]
+        return None
 
     def _read(self) -> Item | None:
         if not self.cyclic and self._cursor >= self.num_samples:
@@ -133,8 +169,10 @@ class TokenBudgetPlan:
         index = self._cursor % self.num_samples
         self._cursor += 1
         tokens, grids = self.describe(index)
-        padded = -(-tokens // self.pad_multiple) * self.pad_multiple
-        return Item(index, padded, self.cost(tokens, grids))
+        return Item(index, self._padded(tokens), self.cost(tokens, grids))
+
+    def _padded(self, tokens: int) -> int:
+        return -(-tokens // self.pad_multiple) * self.pad_multiple
 
     def _plan_next(self) -> Step | None:
         target = LOOKAHEAD * self.rows_per_step * self.budget
@@ -220,7 +258,7 @@ def swap_conversations(ranks: list[list[list[Item]]], budget: int, pool: list[It
 def plan_factory(shape, budget: int, rows_per_step: int, dp_size: int, pad_multiple: int = 1, window: int = 4096):
     """``plan_fn(dataset, cyclic)`` for ``loader.build_iterator``: plans that price a
     conversation at its training FLOPs under ``shape`` (``flops.py``)."""
-    from flops import micro_batch_flops
+    from examples.multimodal_dev.flops import micro_batch_flops
 
     def cost(tokens: int, grids) -> float:
         return micro_batch_flops(shape, [tokens], grids).training

@@ -1,6 +1,6 @@
 """Sample-count against token-budget packing, through the engine, at DP=2 on the realistic mix.
 
-    python examples/multimodal_dev/tools/bench_balance.py [--iters 8] [--budget 2048] [--rows 8]
+    python -m examples.multimodal_dev.tools.bench_balance [--iters 8] [--budget 2048] [--rows 8]
 
 Runs ``run_qwen35_vl.sh`` (tiny, ``DATASET=mock_mix``, NPROC data-parallel ranks) twice:
 

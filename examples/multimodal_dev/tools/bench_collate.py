@@ -1,6 +1,6 @@
 """Collate throughput: THD packing with MRoPE positions vs transformers' per-sample get_rope_index.
 
-    python examples/multimodal_dev/tools/bench_collate.py [--samples 256] [--micro-batch 8] [--repeats 3]
+    python -m examples.multimodal_dev.tools.bench_collate [--samples 256] [--micro-batch 8] [--repeats 3]
 
 Both sides get the same mock samples (every one with at least one image). Ours: ``pack_thd``
 on micro-batches (tokens, labels, masks, cu_seqlens, and positions for the whole packed row).
@@ -11,18 +11,14 @@ is what a collate built on transformers would have to do. Prints samples/s for e
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from data.collate import pack_thd  # noqa: E402
-from data.mock import MockConversations  # noqa: E402
-from data.sample import VisionTokens  # noqa: E402
-from models.qwen35_vl.configuration import get_variant, to_hf_config_dict  # noqa: E402
+from examples.multimodal_dev.data.collate import pack_thd
+from examples.multimodal_dev.data.mock import MockConversations
+from examples.multimodal_dev.data.sample import VisionTokens
+from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant, to_hf_config_dict
 
 
 def hf_rope_index_fn(shape):

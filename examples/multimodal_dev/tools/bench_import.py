@@ -2,7 +2,7 @@
 released shape (default ``0.8b``, about 0.9 B parameters with its vision tower), in bf16 with
 fp32 ``A_log``/``dt_bias`` as released files are.
 
-    python examples/multimodal_dev/tools/bench_import.py [--variant 0.8b] [--workdir DIR]
+    python -m examples.multimodal_dev.tools.bench_import [--variant 0.8b] [--workdir DIR]
 
 The import runs in a child process, so its peak resident memory (``ru_maxrss``) is its own.
 """
@@ -17,15 +17,12 @@ import sys
 import tempfile
 import time
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))
-
 
 def write_random_checkpoint(variant: str, path: str) -> int:
     import torch
 
-    from models.qwen35_vl.configuration import get_variant, to_hf_config_dict
-    from tools.hf_models import hf_classes
+    from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant, to_hf_config_dict
+    from examples.multimodal_dev.tools.hf_models import hf_classes
 
     shape = get_variant(variant, mtp=False)  # transformers does not build (or save) the MTP head
     cfg = to_hf_config_dict(shape)
@@ -51,7 +48,7 @@ def main() -> None:
     n_params = write_random_checkpoint(args.variant, hf)
     size = sum(os.path.getsize(os.path.join(hf, f)) for f in os.listdir(hf))
     start = time.perf_counter()
-    subprocess.run([sys.executable, os.path.join(_HERE, "convert_checkpoint.py"), "import", "--hf-path", hf,
+    subprocess.run([sys.executable, "-m", "examples.multimodal_dev.tools.convert_checkpoint", "import", "--hf-path", hf,
                     "--megatron-path", mg, "--overwrite"], check=True)
     seconds = time.perf_counter() - start
     peak_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024 ** 2  # KiB on Linux

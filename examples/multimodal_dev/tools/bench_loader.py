@@ -1,7 +1,7 @@
 """Data pipeline throughput against what a training step consumes.
 
-    python examples/multimodal_dev/tools/bench_loader.py [--dataset mock_mix] [--workers 0 1 2]
-    python examples/multimodal_dev/tools/bench_loader.py --dataset cord_v2 --data-path DIR --hf-processor-path P
+    python -m examples.multimodal_dev.tools.bench_loader [--dataset mock_mix] [--workers 0 1 2]
+    python -m examples.multimodal_dev.tools.bench_loader --dataset cord_v2 --data-path DIR --hf-processor-path P
 
 The pipeline is the engine's own (``data/loader.build_iterator``: the provider, the sampler or
 token-budget plan, the collate, ``--num-workers`` DataLoader workers with persistent workers).
@@ -22,14 +22,12 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from data import get_dataset_provider  # noqa: E402
-from data.collate import Collator  # noqa: E402
-from data.loader import build_iterator  # noqa: E402
-from data.sample import VisionTokens  # noqa: E402
-from data.token_budget import plan_factory  # noqa: E402
-from models.qwen35_vl.configuration import get_variant  # noqa: E402
+from examples.multimodal_dev.data import get_dataset_provider
+from examples.multimodal_dev.data.collate import Collator
+from examples.multimodal_dev.data.loader import build_iterator
+from examples.multimodal_dev.data.sample import VisionTokens
+from examples.multimodal_dev.data.token_budget import plan_factory
+from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
 
 
 def pipeline(args):
@@ -37,7 +35,7 @@ def pipeline(args):
     shape = get_variant(args.variant, mtp=False)
     tokens = VisionTokens.from_shape(shape)
     if args.dataset == "cord_v2":
-        from data.processor import load_processor
+        from examples.multimodal_dev.data.processor import load_processor
 
         _, info = load_processor(args.hf_processor_path, args.min_pixels, args.max_pixels)
         tokens = info.tokens  # the model must read the processor's placeholder ids
@@ -72,8 +70,8 @@ def consumption_rate(shape, batches: list[dict]) -> float:
     """Conversations per second of forward + backward on ``batches`` (after one warm-up step)."""
     from megatron.cpu.single_process import init_single_process
 
-    from forward_step import batch_loss
-    from models.qwen35_vl.factory import build_model
+    from examples.multimodal_dev.forward_step import batch_loss
+    from examples.multimodal_dev.models.qwen35_vl.factory import build_model
 
     init_single_process()
     torch.manual_seed(0)

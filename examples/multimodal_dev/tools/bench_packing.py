@@ -1,7 +1,7 @@
 """Packed (THD) against padded (BSHD) training steps of the same samples: step time and the
 fraction of the FLOPs spent that are useful (real tokens), on a realistic length mix.
 
-    python examples/multimodal_dev/tools/bench_packing.py [--variant tiny --micro-batch 8 --reps 5]
+    python -m examples.multimodal_dev.tools.bench_packing [--variant tiny --micro-batch 8 --reps 5]
 
 Samples are text conversations with lengths drawn uniformly from 200..2000 tokens, and every
 eighth one a long outlier of 3000..4000; or, with ``--mix realistic``, conversations of the
@@ -13,15 +13,9 @@ alternately and the median of each is reported. Both must give the same loss (ch
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-for _path in (os.path.dirname(_HERE), os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
 
 
 def sample_lengths(n: int, seed: int = 0) -> list[int]:
@@ -32,7 +26,7 @@ def sample_lengths(n: int, seed: int = 0) -> list[int]:
 
 
 def text_samples(lengths, vocab: int, seed: int = 0) -> list[dict]:
-    from data.sample import build_sft_sample
+    from examples.multimodal_dev.data.sample import build_sft_sample
 
     gen = torch.Generator().manual_seed(seed)
     out = []
@@ -44,8 +38,8 @@ def text_samples(lengths, vocab: int, seed: int = 0) -> list[dict]:
 
 
 def realistic_samples(shape, n: int, seq_length: int = 2048) -> list[dict]:
-    from data import mock_mix
-    from data.sample import VisionTokens
+    from examples.multimodal_dev.data import mock_mix
+    from examples.multimodal_dev.data.sample import VisionTokens
 
     dataset = mock_mix.build_datasets(tokens=VisionTokens.from_shape(shape), vocab_size=shape.text.vocab_size,
                                       patch_dim=shape.vision.patch_dim, seq_length=seq_length,
@@ -59,13 +53,13 @@ def run(variant: str, lengths: list[int] | None, reps: int, mix: str = "text", m
     tokens processed and FLOPs (useful and spent)."""
     from megatron.cpu.single_process import init_single_process
 
-    from data.collate import pack_thd, pad_bshd
-    from data.sample import VisionTokens
-    from flops import micro_batch_flops
-    from forward_step import batch_loss
-    from models.qwen35_vl.configuration import get_variant
-    from models.qwen35_vl.factory import build_model
-    from tools.timing import alternating_medians
+    from examples.multimodal_dev.data.collate import pack_thd, pad_bshd
+    from examples.multimodal_dev.data.sample import VisionTokens
+    from examples.multimodal_dev.flops import micro_batch_flops
+    from examples.multimodal_dev.forward_step import batch_loss
+    from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
+    from examples.multimodal_dev.models.qwen35_vl.factory import build_model
+    from examples.multimodal_dev.tools.timing import alternating_medians
 
     init_single_process()
     shape = get_variant(variant, mtp=False)

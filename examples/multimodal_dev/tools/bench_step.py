@@ -2,7 +2,7 @@
 configuration, the same weights (copied from the reference) and the same image+text micro-batch;
 forward + backward, real tokens per second.
 
-    python examples/multimodal_dev/tools/bench_step.py [--variant 0.8b --num-layers 4 --vocab-size 32768
+    python -m examples.multimodal_dev.tools.bench_step [--variant 0.8b --num-layers 4 --vocab-size 32768
         --vision-depth 2 --samples 8 --reps 5]
 
 Without a GPU both run fp32 on the host: this model on its local backend (the torch chunked
@@ -31,18 +31,12 @@ overridden.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import replace
 
 import torch
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-for _path in (os.path.dirname(_HERE), os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
-
-from data.sample import IGNORE_INDEX  # noqa: E402
+from examples.multimodal_dev.data.sample import IGNORE_INDEX
 
 LOSS_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # same weights, same batch: same loss
 
@@ -51,7 +45,7 @@ def bench_shape(variant: str, num_layers: int | None, vocab_size: int | None, vi
                 moe: bool = False):
     """The variant's dimensions with optionally fewer layers, a smaller vocabulary (the four vision
     token ids move to its top) and a shallower vision tower; no MTP (transformers trains none)."""
-    from models.qwen35_vl.configuration import get_variant, hybrid_pattern
+    from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant, hybrid_pattern
 
     shape = get_variant(variant, moe=True if moe else None, mtp=False)
     text, vision = shape.text, shape.vision
@@ -75,8 +69,8 @@ def bench_shape(variant: str, num_layers: int | None, vocab_size: int | None, vi
 
 def mock_samples(shape, count: int, mean_text_tokens: int, seed: int = 0) -> list[dict]:
     """``count`` conversations of the mock dataset (0..2 images each, non-square grids)."""
-    from data.mock import MockConversations
-    from data.sample import VisionTokens
+    from examples.multimodal_dev.data.mock import MockConversations
+    from examples.multimodal_dev.data.sample import VisionTokens
 
     produce = MockConversations(VisionTokens.from_shape(shape), shape.text.vocab_size, shape.vision.patch_dim,
                                 seed=seed, mean_text_tokens=mean_text_tokens)
@@ -101,9 +95,9 @@ def _to(inputs: dict, device, dtype) -> dict:
 def contenders(ours, hf, shape, samples, device, dtype) -> dict:
     """name -> a callable that runs one training step (zero grads, forward, backward) and returns
     its loss (mean over trained tokens)."""
-    from data.collate import pack_thd, pad_bshd
-    from data.sample import VisionTokens
-    from forward_step import batch_loss, batch_to_device
+    from examples.multimodal_dev.data.collate import pack_thd, pad_bshd
+    from examples.multimodal_dev.data.sample import VisionTokens
+    from examples.multimodal_dev.forward_step import batch_loss, batch_to_device
 
     tokens = VisionTokens.from_shape(shape)
     bshd_host = pad_bshd(samples, tokens)
@@ -146,12 +140,12 @@ def contenders(ours, hf, shape, samples, device, dtype) -> dict:
 
 def build_pair(shape, device, dtype, hf_attention: str):
     """(this model, transformers model) with the same weights, both in train mode."""
-    from models.qwen35_vl.factory import build_model
-    from models.qwen35_vl.hf_mapping import load_hf_into_model
-    from tools.hf_models import hf_model_for_shape
+    from examples.multimodal_dev.models.qwen35_vl.factory import build_model
+    from examples.multimodal_dev.models.qwen35_vl.hf_mapping import load_hf_into_model
+    from examples.multimodal_dev.tools.hf_models import hf_model_for_shape
 
     hf = hf_model_for_shape(shape, attn_implementation=hf_attention)
-    from backend import te_importable
+    from examples.multimodal_dev.backend import te_importable
 
     te = device.type == "cuda" and te_importable()  # GPUs without Transformer Engine train on the local backend
     ours = build_model(shape, backend="te" if te else "local", params_dtype=dtype)
@@ -186,8 +180,8 @@ def main() -> None:
 
     from megatron.cpu.single_process import init_single_process
 
-    from flops import micro_batch_flops
-    from tools.timing import alternating_medians
+    from examples.multimodal_dev.flops import micro_batch_flops
+    from examples.multimodal_dev.tools.timing import alternating_medians
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)

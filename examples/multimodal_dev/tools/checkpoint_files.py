@@ -49,12 +49,16 @@ def save_model_checkpoint(args, iteration: int, model) -> str:
         if os.path.exists(final):
             shutil.rmtree(final)
         os.rename(partial, final)
-        tmp = os.path.join(args.save, TRACKER + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(str(iteration))
-        os.replace(tmp, os.path.join(args.save, TRACKER))
+        write_text_atomic(os.path.join(args.save, TRACKER), str(iteration))
     _barrier()
     return final
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """A reader sees the whole file or none (the rename is atomic)."""
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
 
 
 def latest_iteration(root: str) -> int | None:
@@ -82,7 +86,7 @@ def stored_args(directory: str):
     read as data only (``checkpoint_safety``)."""
     from megatron.core import dist_checkpointing
 
-    from checkpoint_safety import install
+    from examples.multimodal_dev.checkpoint_safety import install
 
     install()
     return dist_checkpointing.load_common_state_dict(directory).get("args")
@@ -93,7 +97,7 @@ def load_model_weights(model, directory: str) -> None:
     Nothing in the directory is unpickled beyond checkpoint data (``checkpoint_safety``)."""
     from megatron.core import dist_checkpointing
 
-    from checkpoint_safety import install
+    from examples.multimodal_dev.checkpoint_safety import install
 
     install()
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)

@@ -1,8 +1,8 @@
 """Hugging Face <-> Megatron checkpoints for Qwen3.5-VL, with a logit check.
 
-    python examples/multimodal_dev/tools/convert_checkpoint.py import --hf-path HF --megatron-path CKPT
-    python examples/multimodal_dev/tools/convert_checkpoint.py verify --hf-path HF --megatron-path CKPT
-    python examples/multimodal_dev/tools/convert_checkpoint.py export --megatron-path CKPT --hf-path OUT \
+    python -m examples.multimodal_dev.tools.convert_checkpoint import --hf-path HF --megatron-path CKPT
+    python -m examples.multimodal_dev.tools.convert_checkpoint verify --hf-path HF --megatron-path CKPT
+    python -m examples.multimodal_dev.tools.convert_checkpoint export --megatron-path CKPT --hf-path OUT \
         [--hf-processor-path HF] [--moe-layout packed]
 
 import   reads config.json and the safetensors (one file or shards with an index; per-expert or
@@ -43,18 +43,14 @@ if __name__ == "__main__":
     # Run as a command, conversion is a CPU job: hide GPUs before torch is imported. Imported as a
     # module (tests, tools), it changes nothing in the importing process.
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-_HERE = os.path.dirname(os.path.abspath(__file__))
-for _path in (os.path.dirname(_HERE), os.path.dirname(os.path.dirname(os.path.dirname(_HERE)))):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
 
-import torch  # noqa: E402
+import torch
 
-from models.qwen35_vl.configuration import from_hf_config, to_hf_config_dict  # noqa: E402
-from models.qwen35_vl.hf_mapping import FP32_HF_SUFFIXES, mapping_rules, model_state  # noqa: E402
-from safetensors import SafetensorError  # noqa: E402
-from tools.hf_models import hf_classes  # noqa: E402
-from tools.hf_safetensors import INDEX, HFTensorSource, ShardedWriter, per_expert  # noqa: E402
+from examples.multimodal_dev.models.qwen35_vl.configuration import from_hf_config, to_hf_config_dict
+from examples.multimodal_dev.models.qwen35_vl.hf_mapping import FP32_HF_SUFFIXES, mapping_rules, model_state
+from safetensors import SafetensorError
+from examples.multimodal_dev.tools.hf_models import hf_classes
+from examples.multimodal_dev.tools.hf_safetensors import INDEX, HFTensorSource, ShardedWriter, per_expert
 
 HF_CONFIG = "hf_config.json"  # the source config.json, kept next to the converted checkpoint
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -80,7 +76,7 @@ def conversion_model(shape, params_dtype=torch.float32):
     import megatron.cpu
     from megatron.cpu.single_process import init_single_process
 
-    from models.qwen35_vl.factory import build_model
+    from examples.multimodal_dev.models.qwen35_vl.factory import build_model
 
     init_single_process()
     megatron.cpu.register_torch_gdn_kernels()  # GPUs are hidden; FLA's Triton kernels cannot run
@@ -117,10 +113,10 @@ def _check_dtypes(source: HFTensorSource, dtype: torch.dtype, where: str) -> Non
 
 def import_hf(hf_path: str, megatron_path: str, tp: int = 1, ep: int = 1, overwrite: bool = False,
               allow_mixed_dtypes: bool = False) -> dict:
-    from arguments import checkpoint_args
-    from tools.checkpoint_files import TRACKER, save_model_checkpoint
+    from examples.multimodal_dev.arguments import checkpoint_args
+    from examples.multimodal_dev.tools.checkpoint_files import TRACKER, save_model_checkpoint
 
-    from models.qwen35_vl.factory import validate_parallel
+    from examples.multimodal_dev.models.qwen35_vl.factory import validate_parallel
 
     source = HFTensorSource(hf_path)
     config = source.config()
@@ -182,9 +178,9 @@ def import_hf(hf_path: str, megatron_path: str, tp: int = 1, ep: int = 1, overwr
 def checkpoint_shape(megatron_path: str, hf_config_path: str | None = None):
     """(shape, original HF config or None) of a checkpoint: from ``hf_config_path``, else the
     ``hf_config.json`` an import left, else the arguments the training run saved."""
-    from tools.checkpoint_files import checkpoint_directory, stored_args
+    from examples.multimodal_dev.tools.checkpoint_files import checkpoint_directory, stored_args
 
-    from arguments import resolve_shape
+    from examples.multimodal_dev.arguments import resolve_shape
 
     for path in (hf_config_path, os.path.join(megatron_path, HF_CONFIG)):
         if path and os.path.exists(path):
@@ -210,7 +206,7 @@ def load_megatron(megatron_path: str, hf_config_path: str | None = None):
     """(model at TP = 1 in fp32 with the checkpoint's weights, shape, HF config, stored dtypes)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from tools.checkpoint_files import checkpoint_directory, load_model_weights
+    from examples.multimodal_dev.tools.checkpoint_files import checkpoint_directory, load_model_weights
 
     if not os.path.isdir(megatron_path):
         raise FileNotFoundError(f"--megatron-path {megatron_path}: no such directory")
@@ -353,7 +349,7 @@ def main(argv=None) -> int:
             print(f"export: {info['bytes'] / 1e6:.1f} MB in {info['shards']} shard(s), "
                   f"{info['processor_files']} processor file(s) -> {args.hf_path}")
         else:
-            from tools.verify_checkpoint import verify
+            from examples.multimodal_dev.tools.verify_checkpoint import verify
 
             return 0 if verify(args) else 1
     except (OSError, SafetensorError, ValueError, KeyError) as err:  # OSError: not found, exists, cannot write

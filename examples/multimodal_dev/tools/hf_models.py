@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from models.qwen35_vl.configuration import Qwen35VLShape, to_hf_config_dict
+from examples.multimodal_dev.models.qwen35_vl.configuration import Qwen35VLShape, to_hf_config_dict
 
 
 def hf_classes(model_type: str):

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from models.qwen35_vl.mrope import padded_batch_position_ids
+from examples.multimodal_dev.models.qwen35_vl.mrope import padded_batch_position_ids
 
 
 def _hf_model(hf_path: str):
     import transformers
 
-    from tools.hf_models import hf_classes
+    from examples.multimodal_dev.tools.hf_models import hf_classes
 
     config = transformers.AutoConfig.from_pretrained(hf_path)
     try:
@@ -104,7 +104,7 @@ def _line(prefix: str, s: dict) -> str:
 
 
 def verify(args) -> bool:
-    from tools.convert_checkpoint import load_megatron
+    from examples.multimodal_dev.tools.convert_checkpoint import load_megatron
 
     mg, shape, _, _ = load_megatron(args.megatron_path)
     hf = _hf_model(args.hf_path)
