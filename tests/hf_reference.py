@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-
-from examples.multimodal_dev.models.qwen35_vl.configuration import Qwen35VLShape
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from examples.multimodal_dev.models.qwen35_vl.configuration import Qwen35VLShape
 from examples.multimodal_dev.models.qwen35_vl.mrope import padded_batch_position_ids, sample_position_ids
 from examples.multimodal_dev.tools.hf_models import hf_model_for_shape
 

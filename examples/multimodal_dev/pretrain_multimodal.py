@@ -14,8 +14,7 @@ import functools
 
 from megatron.training import get_args
 
-from examples.multimodal_dev import checkpoint_safety
-from examples.multimodal_dev import save_guard
+from examples.multimodal_dev import checkpoint_safety, save_guard
 from examples.multimodal_dev.arguments import add_multimodal_args, check_checkpoint_matches, resolve_shape
 from examples.multimodal_dev.backend import (
     backend_of,

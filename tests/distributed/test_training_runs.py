@@ -93,12 +93,11 @@ def test_killed_save_keeps_previous_checkpoint(tmp_path):
     assert sorted(again.losses) == [3, 4]
     assert again.losses == {i: killed.losses[i] for i in (3, 4)}
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
-    # extending the run: the checkpoint's LR schedule carries on
-    longer = run_script(NO_EVAL, **{**common, "TRAIN_ITERS": 5}).check()
-    assert sorted(longer.losses) == [5] and "resuming with the checkpoint's LR schedule" in longer.output
-    # a full disk while saving iteration 6: its half-written directory goes, iteration 5 stays
-    full = run_script(NO_EVAL, FULL_DISK_AT=6, **{**common, "TRAIN_ITERS": 6})
-    assert full.returncode != 0
+    # extending the run (the checkpoint's LR schedule carries on), with a full disk while saving
+    # iteration 6: its half-written directory goes, iteration 5 stays
+    full = run_script(NO_EVAL, FULL_DISK_AT=6, **{**common, "TRAIN_ITERS": 6, "SAVE_INTERVAL": 1})
+    assert full.returncode != 0 and sorted(full.losses) == [5, 6]
+    assert "resuming with the checkpoint's LR schedule" in full.output
     assert (f"pretrain_multimodal.py: no space left on {ckpt} while saving iteration 6: removed the partial "
             f"{ckpt / 'iter_0000006'}; the last complete checkpoint is iteration 5") in full.output, full.output[-3000:]
     assert not (ckpt / "iter_0000006").exists()

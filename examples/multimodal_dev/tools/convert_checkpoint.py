@@ -45,10 +45,10 @@ if __name__ == "__main__":
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 import torch
+from safetensors import SafetensorError
 
 from examples.multimodal_dev.models.qwen35_vl.configuration import from_hf_config, to_hf_config_dict
 from examples.multimodal_dev.models.qwen35_vl.hf_mapping import FP32_HF_SUFFIXES, mapping_rules, model_state
-from safetensors import SafetensorError
 from examples.multimodal_dev.tools.hf_models import hf_classes
 from examples.multimodal_dev.tools.hf_safetensors import INDEX, HFTensorSource, ShardedWriter, per_expert
 
