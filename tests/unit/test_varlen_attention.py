@@ -171,3 +171,38 @@ def test_varlen_call_equals_sdpa_per_sample(monkeypatch, signature, groups, scal
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     if scale is not None and signature == "torch 2.10":
         assert not math.isclose(scale, HEAD_DIM ** -0.5)  # the fold into q was exercised
+
+
+@pytest.mark.parametrize("backend", [AttnBackend.auto, AttnBackend.flash])
+def test_a_varlen_kernel_that_raises(monkeypatch, capsys, backend):
+    """auto says so once and keeps to per-sample SDPA (same output); flash stops."""
+    calls = []
+
+    def broken(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size=(-1, -1), scale=None,
+               enable_gqa=False):
+        calls.append(1)
+        raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.\nmore detail")
+
+    monkeypatch.setattr(va, "_FAILED", [])
+    monkeypatch.setattr(va, "torch_varlen", lambda: va.TorchVarlen(broken))
+    monkeypatch.setattr(sdpa_attention, "torch_varlen", lambda: va.TorchVarlen(broken))
+    real_choice = va.thd_kernel  # a CUDA host in bf16; whether varlen is usable is left to the module
+    monkeypatch.setattr(sdpa_attention, "thd_kernel", lambda backend, cuda, dtype, head_dim, dropout: real_choice(
+        backend, True, torch.bfloat16, head_dim, dropout))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    q, k, v = (torch.randn(12, HEADS, HEAD_DIM, dtype=torch.float64) for _ in range(3))
+    module = _attention(backend, HEADS, None, True)
+    if backend == AttnBackend.flash:
+        with pytest.raises(RuntimeError, match="FlashAttention only supports"):
+            module(q, k, v, None, packed_seq_params=params)
+        return
+    first = module(q, k, v, None, packed_seq_params=params)
+    second = module(q, k, v, None, packed_seq_params=params)
+    reference = _attention(AttnBackend.unfused, HEADS, None, True)(q, k, v, None, packed_seq_params=params)
+    assert calls == [1] and torch.equal(first, reference) and torch.equal(second, reference)
+    assert capsys.readouterr().out == ("packed (THD) attention: torch's varlen_attn raised RuntimeError: FlashAttention "
+                                       "only supports Ampere GPUs or newer.; SDPA per packed sample from here on "
+                                       "(--attention-backend flash would stop instead)\n")
+    assert va.thd_kernel(AttnBackend.auto, True, torch.bfloat16, HEAD_DIM, 0.0)[1].startswith(
+        "torch's varlen_attn raised RuntimeError")

@@ -27,10 +27,10 @@ import math
 
 import torch
 import torch.nn.functional as F
-from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from .varlen_attention import VARLEN, thd_kernel, torch_varlen
+from .varlen_attention import VARLEN, thd_kernel, torch_varlen, varlen_failed
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
@@ -124,9 +124,14 @@ class SDPACoreAttention(MegatronModule):
         kernel, _ = thd_kernel(self.attention_backend, query.is_cuda, query.dtype, query.shape[-1], dropout)
         if kernel == VARLEN:  # one kernel over the whole row
             max_len = max(end - start for start, end in zip(bounds[:-1], bounds[1:]))
-            out = torch_varlen()(query.contiguous(), key.contiguous(), value.contiguous(), cu, max_len, causal,
-                                 self.softmax_scale)
-            return out.reshape(out.shape[0], -1)
+            try:
+                out = torch_varlen()(query.contiguous(), key.contiguous(), value.contiguous(), cu, max_len, causal,
+                                     self.softmax_scale)
+                return out.reshape(out.shape[0], -1)
+            except (RuntimeError, NotImplementedError, TypeError, ValueError) as err:
+                if self.attention_backend == AttnBackend.flash:
+                    raise
+                varlen_failed(err)
         outs = []
         # One SDPA call per packed sample: cost is sum(L_i^2), not T^2.
         for start, end in zip(bounds[:-1], bounds[1:]):

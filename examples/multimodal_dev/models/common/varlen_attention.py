@@ -12,7 +12,8 @@ varlen whenever the call can use it; ``fused``, ``unfused`` and ``local`` keep p
 
 ``varlen_attn`` changed its signature between torch releases (2.10 takes ``is_causal``; later ones
 take ``window_size`` and add ``scale`` and ``enable_gqa``): ``TorchVarlen`` reads which one it has
-and calls it the same way for every version.
+and calls it the same way for every version. Under ``auto``, a varlen call that raises is said
+once and the process stays on per-sample SDPA (``varlen_failed``); under ``flash`` it raises.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from megatron.core.transformer.enums import AttnBackend
 
 VARLEN, PER_SAMPLE = "varlen", "per-sample"
+_FAILED: list[str] = []  # why torch's varlen_attn raised in this process: auto then keeps to per-sample SDPA
 HALF_DTYPES = (torch.float16, torch.bfloat16)  # flash attention has no fp32 kernel
 MAX_HEAD_DIM = 256  # and none for wider heads; the head size must also be a multiple of 8
 
@@ -75,7 +77,11 @@ def varlen_blocker(cuda: bool, dtype: torch.dtype, head_dim: int, dropout: float
     """Why a THD attention call with these properties cannot run on varlen (None: it can)."""
     if not cuda:
         return "varlen attention needs a CUDA device"
-    if not (torch_varlen() is not None if available is None else available):
+    if available is None:
+        if _FAILED:
+            return _FAILED[0]
+        available = torch_varlen() is not None
+    if not available:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen"
     if dtype not in HALF_DTYPES:
         return f"varlen attention needs fp16 or bf16 (this run computes attention in {str(dtype).split('.')[-1]})"
@@ -84,6 +90,15 @@ def varlen_blocker(cuda: bool, dtype: torch.dtype, head_dim: int, dropout: float
     if dropout:
         return f"varlen attention has no dropout (attention dropout {dropout})"
     return None
+
+
+def varlen_failed(err: Exception) -> None:
+    """Record (and say, once) that torch's varlen_attn raised: ``auto`` runs per-sample SDPA from now on."""
+    if not _FAILED:
+        first_line = (str(err).strip().splitlines() or [""])[0][:200]
+        _FAILED.append(f"torch's varlen_attn raised {type(err).__name__}: {first_line}")
+        print(f"packed (THD) attention: {_FAILED[0]}; SDPA per packed sample from here on "
+              "(--attention-backend flash would stop instead)", flush=True)
 
 
 def thd_kernel(backend: AttnBackend, cuda: bool, dtype: torch.dtype, head_dim: int, dropout: float,
