@@ -1,5 +1,5 @@
-"""Parallelism that does not change the math: CP, TP + SP, EP, DP with the distributed optimizer
-and their mix against one process.
+"""Parallelism that does not change the math: CP, TP + SP, EP (with experts split over TP, or not:
+ETP), DP with the distributed optimizer and their mix against one process.
 
 Every run is ``run_qwen35_vl.sh`` (torchrun, gloo, fp32) on the ``tiny`` MoE model with the MTP
 head, starting from one saved checkpoint, on the mock data's first global batch of 8 samples
@@ -38,7 +38,9 @@ REL_LATER_STEPS = 1e-4
 SETTINGS = {
     "CP=2": (dict(CP=2), 3, ()),
     "CP=4": (dict(CP=4), 1, ()),
-    "TP=2 SP": (dict(TP=2), 3, ()),  # MoE with TP>1 runs with SP (megatron-core requires it)
+    # MoE with TP>1 runs with SP (megatron-core requires it). The experts split as in the 122b / 397b
+    # layouts: over EP, not over TP (ETP=1); TP=2 x CP=2 splits them over TP (ETP=TP, the default).
+    "TP=2 SP EP=2 ETP=1": (dict(TP=2, EP=2, ETP=1), 3, ()),
     "TP=2 x CP=2": (dict(TP=2, CP=2), 1, ()),
     "EP=2": (dict(EP=2, NPROC=2), 1, ()),
     "DP=2 distributed optimizer": (dict(NPROC=2), 3, ("--use-distributed-optimizer",)),
