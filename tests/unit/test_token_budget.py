@@ -113,6 +113,7 @@ def test_a_plan_restored_from_a_checkpoint_continues_without_replaying(tmp_path)
     far = _plan(dataset)
     far.step(3 + token_budget.STATES_KEPT)
     assert far.state(3) is None and not plan_checkpoint.write_state(str(tmp_path), far, 3 * 8)
+    assert not plan_checkpoint.write_state(str(tmp_path / "iter_0000009"), saved, 3 * 8)  # no such directory
     # a checkpoint planned with other settings, for another step or without the file: replay, saying why
     other = _plan(dataset, rows=4, dp=1)
     assert plan_checkpoint.resume(other, str(tmp_path), 3, 6 * 4) == (

@@ -35,9 +35,11 @@ def track(plan) -> None:
 
 
 def write_state(checkpoint_dir: str, plan, consumed_rows: int) -> bool:
-    """Store what planning the next step starts from; False when the plan no longer holds it."""
+    """Store what planning the next step starts from; False when the plan no longer holds it, or
+    the checkpoint directory is not (yet) a local directory (an asynchronous save still writing,
+    object storage): that checkpoint then resumes by replaying."""
     state = plan.state(consumed_rows // plan.rows_per_step)
-    if state is None:
+    if state is None or not os.path.isdir(checkpoint_dir):
         return False
     write_text_atomic(os.path.join(checkpoint_dir, PLAN_FILE), json.dumps(state))
     return True
