@@ -12,7 +12,8 @@
 #   PP_FIRST PP_LAST  decoder layers on the first / last pipeline stage (uneven split) [even]
 #   SP              1 = sequence parallelism (needs TP>1) [1 for MoE with TP>1, which megatron requires; else 0]
 #   NPROC           processes on this node [TP*CP*PP]
-#   DATASET         mock | mock_mix (the length / image mix of a real SFT set) | cord_v2 [mock];
+#   DATASET         mock | mock_mix (the length / image mix of a real SFT set) | mock_video (images and
+#                   videos) | cord_v2 [mock];
 #                   DATA_PATH, HF_PROCESSOR_PATH for cord_v2
 #   TRAIN_ITERS MBS GBS SEQ_LEN LR    [30 2 4 1024 2e-3 on CPU; 20 1 8 4096 1e-4 on GPU]
 #   CKPT_LOAD       checkpoint to start from (with --finetune semantics: weights only)
@@ -120,8 +121,8 @@ SPLIT_ERROR=$("$PY" "$ROOT/examples/multimodal_dev/pipeline_layout.py" check "$L
   || fail "TP*CP=$((TP * CP)) does not divide the Gated DeltaNet heads ($GDN_K key, $GDN_V value) of $MODEL_VARIANT"
 (( GBS % (MBS * NPROC / (TP * CP * PP)) == 0 )) \
   || fail "GBS=$GBS is not a multiple of MBS*DP=$((MBS * NPROC / (TP * CP * PP)))"
-[[ "$DATASET" == mock || "$DATASET" == mock_mix || "$DATASET" == cord_v2 ]] \
-  || fail "DATASET=$DATASET must be mock, mock_mix or cord_v2"
+[[ "$DATASET" == mock || "$DATASET" == mock_mix || "$DATASET" == mock_video || "$DATASET" == cord_v2 ]] \
+  || fail "DATASET=$DATASET must be mock, mock_mix, mock_video or cord_v2"
 [[ "$DATASET" != cord_v2 || -n "${DATA_PATH:-}" ]] || fail "DATASET=cord_v2 needs DATA_PATH"
 [[ "$DATASET" != cord_v2 || -n "${HF_PROCESSOR_PATH:-}" ]] || fail "DATASET=cord_v2 needs HF_PROCESSOR_PATH"
 

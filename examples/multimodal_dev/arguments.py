@@ -29,7 +29,8 @@ def add_multimodal_args(parser):
                        help="force MoE on/off for variants that allow it (tiny); auto keeps the variant's")
     group.add_argument("--hf-config-path", default=None,
                        help="take the model shape from a Hugging Face config.json (file or directory) instead")
-    group.add_argument("--dataset-provider", default="mock", help="mock (default, no files) or cord_v2")
+    group.add_argument("--dataset-provider", default="mock",
+                       help="mock (default, no files), mock_mix, mock_video (images and videos) or cord_v2")
     group.add_argument("--hf-processor-path", default=None,
                        help="processor (tokenizer, chat template, image processor) for real datasets")
     group.add_argument("--min-pixels", type=int, default=None, help="smallest image area after resizing")

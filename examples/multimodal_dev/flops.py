@@ -109,5 +109,6 @@ def micro_batch_flops(shape, lengths, grids=()) -> FlopsBreakdown:
 def batch_flops(shape, batch: dict) -> FlopsBreakdown:
     """Forward FLOPs of a collated batch (THD or BSHD): real lengths from the collate's stats,
     so padding is never counted as work."""
-    grids = batch["image_grid_thw"].tolist() if batch.get("image_grid_thw") is not None else []
+    grids = [g for key in ("image_grid_thw", "video_grid_thw") if batch.get(key) is not None
+             for g in batch[key].tolist()]
     return micro_batch_flops(shape, batch["stats"]["lengths"], grids)

@@ -27,7 +27,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from examples.multimodal_dev.data.collate import pad_row_to
 
 TENSOR_KEYS = ("tokens", "labels", "loss_mask", "padding_mask", "position_ids", "pixel_values", "image_grid_thw",
-               "cu_seqlens", "cu_seqlens_padded")
+               "pixel_values_videos", "video_grid_thw", "cu_seqlens", "cu_seqlens_padded")
 
 
 FIRST_STAGE_ONLY = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
@@ -74,6 +74,7 @@ def run_model(model, batch: dict):
         input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
         labels=batch["labels"], loss_mask=batch["loss_mask"], padding_mask=batch.get("padding_mask"),
         pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
+        pixel_values_videos=batch.get("pixel_values_videos"), video_grid_thw=batch.get("video_grid_thw"),
         packed_seq_params=packed_seq_params(batch), return_loss_mask=True,
     )
 

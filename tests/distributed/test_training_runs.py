@@ -147,9 +147,11 @@ def test_tensor_parallel_matches_single_process(tmp_path):
     assert rel < 1e-5 and rel_mtp < 1e-5 and rel_norm < 1e-5
 
 
-def test_mtp_head_trains_and_tensorboard_records(tmp_path):
+def test_mtp_head_trains_on_videos_and_tensorboard_records(tmp_path):
+    """On mock_video: images and videos (every frame a vision run) through the engine."""
     board = tmp_path / "tb"
-    run = run_script(["--tensorboard-dir", str(board), *NO_EVAL], TRAIN_ITERS=16, SEQ_LEN=512, MTP=1).check()
+    run = run_script(["--tensorboard-dir", str(board), *NO_EVAL], TRAIN_ITERS=16, SEQ_LEN=512, MTP=1,
+                     DATASET="mock_video").check()
     mtp = [run.mtp_losses[i] for i in range(1, 17)]
     first, last = sum(mtp[:4]) / 4, sum(mtp[-4:]) / 4
     print(f"MTP loss: first-4 mean {first:.3f}, last-4 mean {last:.3f}")

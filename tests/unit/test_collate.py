@@ -7,18 +7,51 @@ from hf_reference import hf_rope_index
 
 from examples.multimodal_dev.data.collate import Collator, pack_thd, pad_bshd, pad_multiple_for
 from examples.multimodal_dev.data.mock import MockConversations
-from examples.multimodal_dev.data.sample import IGNORE_INDEX, VisionTokens
+from examples.multimodal_dev.data.mock_video import VideoProfile
+from examples.multimodal_dev.data.sample import IGNORE_INDEX, VisionTokens, validate_sample
 from examples.multimodal_dev.forward_step import batch_loss
 from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
+from examples.multimodal_dev.models.qwen35_vl.mrope import padded_batch_position_ids
 
 SHAPE = get_variant("tiny", moe=False, mtp=False)
 TOKENS = VisionTokens.from_shape(SHAPE)
 PATCH_DIM = SHAPE.vision.patch_dim
 
 
-def _samples(n, seed=3):
-    mock = MockConversations(TOKENS, SHAPE.text.vocab_size, PATCH_DIM, seed=seed, mean_text_tokens=40)
+def _samples(n, seed=3, videos=False):
+    mock = MockConversations(TOKENS, SHAPE.text.vocab_size, PATCH_DIM, seed=seed, mean_text_tokens=40,
+                             profile=VideoProfile(40) if videos else None)
     return [mock(i) for i in range(n)]
+
+
+def test_videos_pack_with_their_frames_positions_and_pixels():
+    """Images and videos interleave in packing order; every frame is a vision run whose MRoPE
+    positions equal the per-sample reference (itself equal to transformers' get_rope_index with
+    videos: test_mrope.py), in THD and BSHD alike."""
+    samples = _samples(8, seed=5, videos=True)
+    with_video = [s for s in samples if s["video_grid_thw"].shape[0]]
+    assert with_video and any(s["image_grid_thw"].shape[0] for s in with_video), "want images and videos together"
+    assert any(int(s["video_grid_thw"][:, 0].max()) > 1 for s in with_video), "want a multi-frame video"
+    for s in samples:
+        validate_sample(s, TOKENS, PATCH_DIM)
+    packed, padded = pack_thd(samples, TOKENS, 4), pad_bshd(samples, TOKENS)
+    for field in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+        expected = torch.cat([s[field] for s in samples])
+        assert torch.equal(packed[field], expected) and torch.equal(padded[field], expected), field
+    for b, (start, s) in enumerate(zip(packed["cu_seqlens_padded"][:-1].tolist(), samples)):
+        n = s["input_ids"].numel()
+        reference = padded_batch_position_ids(s["input_ids"][None], None, s["image_grid_thw"], s["video_grid_thw"],
+                                              TOKENS.image, TOKENS.video, TOKENS.spatial_merge)[:, 0]
+        assert torch.equal(packed["position_ids"][:, 0, start:start + n], reference), b
+        assert torch.equal(padded["position_ids"][:, b, :n], reference), b
+    # a micro-batch's FLOPs count the videos' frames in the vision tower
+    from examples.multimodal_dev.flops import batch_flops, vision_flops
+
+    frames = [tuple(g) for g in packed["video_grid_thw"].tolist()]
+    images = [tuple(g) for g in packed["image_grid_thw"].tolist()]
+    assert batch_flops(SHAPE, packed).vision == pytest.approx(
+        vision_flops(SHAPE.vision, SHAPE.text.hidden_size, images + frames))
+    assert vision_flops(SHAPE.vision, SHAPE.text.hidden_size, frames) > 0
 
 
 @pytest.mark.parametrize("cp,tp,sp,expected", [(1, 1, False, 1), (2, 1, False, 4), (4, 1, False, 8),
@@ -69,12 +102,14 @@ def test_packed_positions_equal_padded_and_hf():
         assert torch.equal(ours, reference[:, b, :n]), f"sample {b} differs from transformers' get_rope_index"
 
 
-def test_packed_loss_equals_padded_loss(mcore):
+@pytest.mark.parametrize("videos", [False, True], ids=["images", "images and videos"])
+def test_packed_loss_equals_padded_loss(mcore, videos):
     from examples.multimodal_dev.models.qwen35_vl.factory import build_model
 
     torch.manual_seed(0)
     model = build_model(SHAPE).eval()
-    samples = _samples(4, seed=11)
+    samples = _samples(4, seed=11 if not videos else 6, videos=videos)
+    assert not videos or any(s["video_grid_thw"].shape[0] for s in samples)
     results = {}
     with torch.no_grad():
         for name, collate in (("thd", Collator(TOKENS, packed=True, pad_multiple=4)),

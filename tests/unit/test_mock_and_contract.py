@@ -1,10 +1,13 @@
-"""Mock provider (deterministic, varied, conversation-shaped), the sample contract's errors, and
-the budget rule: truncate only after the last image, otherwise skip with a count."""
+"""Mock provider (deterministic, varied, conversation-shaped; with videos: every frame a vision
+run), the sample contract's errors for images and videos, and the budget rule: truncate only after
+the last image, otherwise skip with a count."""
 
 import pytest
 import torch
 
-from examples.multimodal_dev.data.mock import ASSISTANT, IM_END, MockConversations, build_datasets
+from examples.multimodal_dev.data import mock_video
+from examples.multimodal_dev.data.mock import ASSISTANT, IM_END, TIMESTAMP, MockConversations, build_datasets
+from examples.multimodal_dev.data.mock_video import VideoProfile
 from examples.multimodal_dev.data.sample import IGNORE_INDEX, BadSample, VisionTokens, fit_to_budget, validate_sample
 
 TOKENS = VisionTokens(8000, 8001, 8002, 8003, 2)
@@ -52,6 +55,42 @@ def test_contract_errors_name_the_field(field, change, message):
     sample[field] = change(sample)
     with pytest.raises(ValueError, match=message):
         validate_sample(sample, TOKENS, PATCH_DIM)
+
+
+def _video_sample():
+    mock = MockConversations(TOKENS, 8192, PATCH_DIM, seed=5, profile=VideoProfile())
+    return next(s for s in (mock(i) for i in range(40)) if int(s["video_grid_thw"][:, 0].sum()) > 1)
+
+
+@pytest.mark.parametrize("field,change,message", [
+    ("pixel_values_videos", lambda s: s["pixel_values_videos"][1:], "'pixel_values_videos' has"),
+    ("video_grid_thw", lambda s: s["video_grid_thw"].int(), "'video_grid_thw' must be a 2-D torch.int64"),
+    ("input_ids", lambda s: torch.where(s["input_ids"] == TOKENS.video, 20, s["input_ids"]), "video tokens"),
+    ("input_ids", lambda s: torch.where(s["input_ids"] == TOKENS.vision_start, 20, s["input_ids"]),
+     "vision_start tokens for"),
+])
+def test_video_contract_errors_name_the_field(field, change, message):
+    sample = _video_sample()
+    validate_sample(sample, TOKENS, PATCH_DIM)
+    sample[field] = change(sample)
+    with pytest.raises(ValueError, match=message):
+        validate_sample(sample, TOKENS, PATCH_DIM)
+
+
+def test_video_mock_frames_and_describe():
+    """Each frame of a video is its own vision run behind a timestamp; describe() (no pixels) gives
+    the sample's length and its image and video grids, which token-budget packing prices."""
+    sample = _video_sample()
+    frames = int(sample["video_grid_thw"][:, 0].sum())
+    runs = int((sample["input_ids"] == TOKENS.vision_start).sum())
+    assert runs == sample["image_grid_thw"].shape[0] + frames
+    assert int((sample["input_ids"] == TIMESTAMP).sum()) == frames
+    (train,) = mock_video.build_datasets(tokens=TOKENS, vocab_size=8192, patch_dim=PATCH_DIM, seq_length=4096,
+                                         num_samples=(12,))
+    for i in range(12):
+        s = train[i]
+        assert train.describe(i) == (s["input_ids"].numel(), s["image_grid_thw"].tolist()
+                                     + s["video_grid_thw"].tolist())
 
 
 def test_budget_truncates_after_images_and_skips_otherwise():

@@ -77,6 +77,7 @@ def test_model_flag_mismatch_is_named():
     (dict(TP=2, NPROC=3), "NPROC=3 is not divisible by TP\\*CP\\*PP=2"),
     (dict(MODEL_VARIANT="nope"), "MODEL_VARIANT=nope: unknown --model-variant .nope.; valid: 0.8b"),
     (dict(DATASET="cord_v2"), "DATASET=cord_v2 needs DATA_PATH"),
+    (dict(DATASET="webvid"), "DATASET=webvid must be mock, mock_mix, mock_video or cord_v2"),
     (dict(MBS=0), "MBS=0 must be a positive integer"),
     (dict(TP="abc"), "TP=abc must be a positive integer"),
     (dict(SAVE_INTERVAL="x", CKPT_SAVE="/nonexistent"), "SAVE_INTERVAL=x must be a positive integer"),

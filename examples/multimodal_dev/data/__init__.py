@@ -9,6 +9,7 @@ import importlib
 DATASET_PROVIDERS = {
     "mock": ".mock.build_datasets",
     "mock_mix": ".mock_mix.build_datasets",
+    "mock_video": ".mock_video.build_datasets",
     "cord_v2": ".cord_v2.build_datasets",
 }
 

@@ -10,7 +10,8 @@ end to end in one row:
     cu_seqlens       [B+1] int32           real-token boundaries
     cu_seqlens_padded[B+1] int32           padded boundaries (what the kernels index by)
     max_seqlen       int                   longest padded sample
-    pixel_values, image_grid_thw           all images, concatenated in packing order
+    pixel_values, image_grid_thw           all images, concatenated in packing order (None without)
+    pixel_values_videos, video_grid_thw    all videos, likewise
 BSHD (``pad_bshd``): rows [B, S] padded on the right to the longest sample (rounded up to
 ``pad_multiple``); ``cu_seqlens*`` are None; ``padding_mask`` [B, S] as above. Right padding
 never influences real tokens under causal attention and the causal Gated DeltaNet, so no
@@ -24,9 +25,11 @@ from __future__ import annotations
 
 import torch
 
-from examples.multimodal_dev.models.qwen35_vl.mrope import packed_position_ids
+from examples.multimodal_dev.models.qwen35_vl.mrope import packed_position_ids, run_grids, split_video_frames
 
-from .sample import IGNORE_INDEX, VisionTokens
+from .sample import IGNORE_INDEX, VISION_KINDS, VisionTokens
+
+VISION_FIELDS = tuple(field for _, _, pixels, grids in VISION_KINDS for field in (pixels, grids))
 
 
 def pad_multiple_for(cp: int = 1, tp: int = 1, sequence_parallel: bool = False) -> int:
@@ -40,11 +43,19 @@ def _round_up(n: torch.Tensor, multiple: int) -> torch.Tensor:
     return (n + multiple - 1) // multiple * multiple
 
 
-def _vision_inputs(samples):
-    grids = torch.cat([s["image_grid_thw"] for s in samples]).reshape(-1, 3)
-    if grids.shape[0] == 0:
-        return None, None, grids
-    return torch.cat([s["pixel_values"] for s in samples]), grids, grids
+def _vision_inputs(samples, tokens_1T: torch.Tensor, tokens: VisionTokens):
+    """(the micro-batch's pixel and grid fields, the grid of every vision run of the packed row in
+    reading order: images and video frames interleaved as the conversations have them)."""
+    fields = {}
+    for pixel_field, grid_field in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+        grids = torch.cat([s[grid_field].reshape(-1, 3) for s in samples])
+        fields[grid_field] = grids if grids.shape[0] else None
+        fields[pixel_field] = torch.cat([s[pixel_field] for s in samples]) if grids.shape[0] else None
+    none = torch.zeros(0, 3, dtype=torch.long)
+    images = fields["image_grid_thw"] if fields["image_grid_thw"] is not None else none
+    frames = split_video_frames(fields["video_grid_thw"]) if fields["video_grid_thw"] is not None else none
+    runs, _, _ = run_grids(tokens_1T, images, frames, tokens.image, tokens.video, where="the micro-batch")
+    return fields, runs
 
 
 def _stats(lengths: torch.Tensor, total: int) -> dict:
@@ -76,7 +87,7 @@ def pack_thd(samples: list[dict], tokens: VisionTokens, pad_multiple: int = 1) -
         return out.unsqueeze(0)
 
     tokens_1T = scatter("input_ids", 0, torch.long)
-    pixel_values, image_grid_thw, grids = _vision_inputs(samples)
+    vision, grids = _vision_inputs(samples, tokens_1T[0], tokens)
     position_ids_3T = packed_position_ids(tokens_1T[0], grids, tokens.vision_ids, tokens.spatial_merge, cu_padded)
     cu_seqlens = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0))
     # PackedSeqParams takes both: cu_seqlens counts real tokens only; sample b's real tokens
@@ -90,8 +101,7 @@ def pack_thd(samples: list[dict], tokens: VisionTokens, pad_multiple: int = 1) -
         "cu_seqlens": cu_seqlens.to(torch.int32),
         "cu_seqlens_padded": cu_padded.to(torch.int32),
         "max_seqlen": int(padded.max()),
-        "pixel_values": pixel_values,
-        "image_grid_thw": image_grid_thw,
+        **vision,
         "stats": _stats(lengths, total),
     }
 
@@ -120,8 +130,7 @@ def pad_bshd(samples: list[dict], tokens: VisionTokens, pad_multiple: int = 1, s
         "cu_seqlens": None,
         "cu_seqlens_padded": None,
         "max_seqlen": width,
-        "pixel_values": packed["pixel_values"],
-        "image_grid_thw": packed["image_grid_thw"],
+        **{k: packed[k] for k in VISION_FIELDS},
         "stats": _stats(lengths, len(samples) * width),
     }
 

@@ -7,7 +7,9 @@ Each sample is shaped like a chat SFT example so loss masks mean something:
 
 k in {0, 1, 2} images of varying non-square sizes; prompt and answer lengths vary. The answer
 continues a counting pattern seeded by the prompt's first token, so a model can learn it and
-the training loss visibly falls.
+the training loss visibly falls. A profile with ``n_videos`` (``mock_video.py``) adds videos
+after the images, each frame as Qwen3.5 lays it out: ``<timestamp> <vision_start> <video>*n
+<vision_end>``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from .sample import VisionTokens, build_sft_sample
 from .skipping import SkippingDataset
 
 # Template token ids of the mock vocabulary (below every text token).
-PAD, IM_END, IM_START, USER, ASSISTANT, NEWLINE = 0, 1, 2, 3, 4, 5
+PAD, IM_END, IM_START, USER, ASSISTANT, NEWLINE, TIMESTAMP = 0, 1, 2, 3, 4, 5, 6
 FIRST_TEXT_ID = 16
 GRID_SIDES = (4, 6, 8, 10, 12)  # patches per side before merging; even so 2x2 merging is exact
 
@@ -62,6 +64,13 @@ class MockConversations:
         ids = [self.tokens.vision_start] + [self.tokens.image] * n_tokens + [self.tokens.vision_end]
         return ids, self.profile.pixels(gen, h * w, self.patch_dim, materialize), (1, h, w)
 
+    def _video(self, gen: torch.Generator, materialize: bool):
+        frames = self.profile.n_frames(gen)
+        h, w = self.profile.grid(gen, self.tokens.spatial_merge)
+        frame_ids = [self.tokens.vision_start] + [self.tokens.video] * (h * w // self.tokens.spatial_merge ** 2)
+        ids = [t for _ in range(frames) for t in (TIMESTAMP, *frame_ids, self.tokens.vision_end)]
+        return ids, self.profile.pixels(gen, frames * h * w, self.patch_dim, materialize), (frames, h, w)
+
     def describe(self, index: int) -> dict:
         """Sample ``index`` with the same tokens and grids but pixels that may be a zero-stride
         view (no memory): what token-budget packing plans with."""
@@ -70,20 +79,28 @@ class MockConversations:
     def __call__(self, index: int, materialize: bool = True) -> dict:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
         images = [self._image(gen, materialize) for _ in range(self.profile.n_images(gen))]
-        room = (self.max_length or 1 << 30) - sum(len(ids) for ids, _, _ in images) - 10  # 10: the template
+        n_videos = self.profile.n_videos(gen) if hasattr(self.profile, "n_videos") else 0
+        videos = [self._video(gen, materialize) for _ in range(n_videos)]
+        vision = images + videos
+        room = (self.max_length or 1 << 30) - sum(len(ids) for ids, _, _ in vision) - 10  # 10: the template
         n_prompt, n_answer = self.profile.text_lengths(gen, room)
         prompt_text = torch.randint(self.text_vocab, (n_prompt,), generator=gen)
         answer_text = (prompt_text[0] + 1 + torch.arange(n_answer)) % self.text_vocab
-        prompt = [IM_START, USER, NEWLINE] + [t for ids, _, _ in images for t in ids]
+        prompt = [IM_START, USER, NEWLINE] + [t for ids, _, _ in vision for t in ids]
         prompt += (prompt_text + FIRST_TEXT_ID).tolist() + [IM_END, NEWLINE, IM_START, ASSISTANT, NEWLINE]
         answer = (answer_text + FIRST_TEXT_ID).tolist() + [IM_END]
-        n_patches = sum(len(p) for _, p, _ in images)
+        pixels, grids = self._stack(images, materialize)
+        video_pixels, video_grids = self._stack(videos, materialize)
+        return build_sft_sample(torch.tensor(prompt), torch.tensor(answer), pixels, grids, video_pixels, video_grids)
+
+    def _stack(self, items, materialize: bool):
+        """(pixels, grids) of images or videos; pixels as a zero-stride view unless ``materialize``."""
+        n_patches = sum(len(p) for _, p, _ in items)
         if materialize:
-            pixels = torch.cat([p for _, p, _ in images]) if images else torch.zeros(0, self.patch_dim)
+            pixels = torch.cat([p for _, p, _ in items]) if items else torch.zeros(0, self.patch_dim)
         else:
             pixels = torch.zeros(1, self.patch_dim).expand(n_patches, self.patch_dim)
-        grids = torch.tensor([g for _, _, g in images], dtype=torch.long).reshape(-1, 3)
-        return build_sft_sample(torch.tensor(prompt), torch.tensor(answer), pixels, grids)
+        return pixels, torch.tensor([g for _, _, g in items], dtype=torch.long).reshape(-1, 3)
 
 
 def build_datasets(tokens: VisionTokens, vocab_size: int, patch_dim: int, seq_length: int,

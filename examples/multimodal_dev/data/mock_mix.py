@@ -14,7 +14,7 @@ says little about a real mix. Here, deterministic by (seed, index):
 
 Pixel values are a repeated random tile: their values do not matter for throughput and a
 1344^2 image of fresh normals would cost more to draw than to train on.
-Videos are not drawn (the Qwen3.5 frame layout is covered by the model tests).
+Videos are not drawn here; `mock_video.py` adds them to the default mock.
 """
 
 from __future__ import annotations

@@ -7,10 +7,15 @@
     loss_mask        [L]                   float32   1.0 exactly where labels is trained
     pixel_values     [P, C*t*p*p]          float32   flattened vision patches of all images, in order
     image_grid_thw   [n_images, 3]         int64     (t, h, w) patch grid of each image
+    pixel_values_videos [Pv, C*t*p*p]      float32   the same for all videos ([0, C*t*p*p] without)
+    video_grid_thw   [n_videos, 3]         int64     (t, h, w) of each video, t temporal patches
 
-Invariants checked by ``validate_sample`` when a provider produces a sample:
-    number of image placeholder tokens == sum(t*h*w) / merge**2, P == sum(t*h*w),
-    and every vision run is wrapped in vision_start / vision_end.
+A video's frames (temporal patches) each form their own vision run, as Qwen3.5's processor
+lays them out: ``<timestamp> <vision_start> <video>*(h*w/merge**2) <vision_end>`` per frame.
+
+Invariants checked by ``validate_sample`` when a provider produces a sample, for images and
+videos alike: number of placeholder tokens == sum(t*h*w) / merge**2, P == sum(t*h*w), and
+one vision_start per image and per video frame.
 
 ``build_sft_sample`` is the one place labels and the loss mask are derived, so no provider
 can shift them differently: the model at position i predicts token i+1, so position i is
@@ -24,7 +29,11 @@ from dataclasses import dataclass
 import torch
 
 IGNORE_INDEX = -100
-FIELDS = ("input_ids", "labels", "loss_mask", "pixel_values", "image_grid_thw")
+FIELDS = ("input_ids", "labels", "loss_mask", "pixel_values", "image_grid_thw", "pixel_values_videos",
+          "video_grid_thw")
+# (kind, placeholder attribute of VisionTokens, pixel field, grid field)
+VISION_KINDS = (("image", "image", "pixel_values", "image_grid_thw"),
+                ("video", "video", "pixel_values_videos", "video_grid_thw"))
 
 
 class BadSample(Exception):
@@ -58,7 +67,8 @@ class VisionTokens:
 
 
 def build_sft_sample(prompt_ids: torch.Tensor, answer_ids: torch.Tensor, pixel_values: torch.Tensor,
-                     image_grid_thw: torch.Tensor) -> dict:
+                     image_grid_thw: torch.Tensor, pixel_values_videos: torch.Tensor | None = None,
+                     video_grid_thw: torch.Tensor | None = None) -> dict:
     """Concatenate prompt and answer; train on the answer tokens only (shifted by one)."""
     prompt_ids = prompt_ids.reshape(-1).long()
     answer_ids = answer_ids.reshape(-1).long()
@@ -77,6 +87,10 @@ def build_sft_sample(prompt_ids: torch.Tensor, answer_ids: torch.Tensor, pixel_v
         "loss_mask": trained.float(),
         "pixel_values": pixel_values.float(),
         "image_grid_thw": image_grid_thw.reshape(-1, 3).long(),
+        "pixel_values_videos": (pixel_values_videos.float() if pixel_values_videos is not None
+                                else pixel_values.new_zeros(0, pixel_values.shape[-1]).float()),
+        "video_grid_thw": (video_grid_thw.reshape(-1, 3).long() if video_grid_thw is not None
+                           else torch.zeros(0, 3, dtype=torch.long)),
     }
 
 
@@ -86,10 +100,10 @@ def validate_sample(sample: dict, tokens: VisionTokens, patch_dim: int | None = 
     if missing:
         raise ValueError(f"sample is missing field(s) {missing}; the contract is {FIELDS}")
     ids, labels, mask = sample["input_ids"], sample["labels"], sample["loss_mask"]
-    pixels, grids = sample["pixel_values"], sample["image_grid_thw"]
-    for name, t, dtype, dim in (("input_ids", ids, torch.int64, 1), ("labels", labels, torch.int64, 1),
-                                ("loss_mask", mask, torch.float32, 1), ("pixel_values", pixels, torch.float32, 2),
-                                ("image_grid_thw", grids, torch.int64, 2)):
+    for name, dtype, dim in (("input_ids", torch.int64, 1), ("labels", torch.int64, 1), ("loss_mask", torch.float32, 1),
+                             ("pixel_values", torch.float32, 2), ("image_grid_thw", torch.int64, 2),
+                             ("pixel_values_videos", torch.float32, 2), ("video_grid_thw", torch.int64, 2)):
+        t = sample[name]
         if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != dim:
             got = f"{t.dtype} with {t.dim()} dims" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"sample field {name!r} must be a {dim}-D {dtype} tensor, got {got}")
@@ -98,23 +112,29 @@ def validate_sample(sample: dict, tokens: VisionTokens, patch_dim: int | None = 
                          f"loss_mask {tuple(mask.shape)} must have the same length")
     if bool(((labels != IGNORE_INDEX) != (mask > 0)).any()):
         raise ValueError("sample fields labels and loss_mask disagree on which positions are trained")
-    if grids.shape[-1] != 3:
-        raise ValueError(f"sample field 'image_grid_thw' must be [n_images, 3], got {tuple(grids.shape)}")
-    n_patches = int(grids.prod(-1).sum())
-    if pixels.shape[0] != n_patches:
-        raise ValueError(f"sample field 'pixel_values' has {pixels.shape[0]} patches but image_grid_thw "
-                         f"{grids.tolist()} needs {n_patches}")
-    if patch_dim is not None and pixels.shape[0] and pixels.shape[1] != patch_dim:
-        raise ValueError(f"sample field 'pixel_values' rows have {pixels.shape[1]} values; the vision tower "
-                         f"expects {patch_dim}")
-    n_tokens = int((ids == tokens.image).sum())
-    expected = n_patches // tokens.spatial_merge ** 2
-    if n_tokens != expected:
-        raise ValueError(f"sample field 'input_ids' has {n_tokens} image tokens but image_grid_thw "
-                         f"{grids.tolist()} gives {expected} after {tokens.spatial_merge}x{tokens.spatial_merge} merging")
-    if int((ids == tokens.vision_start).sum()) != grids.shape[0]:
+    runs = 0  # vision runs: one per image, one per video frame
+    for kind, token_attr, pixel_field, grid_field in VISION_KINDS:
+        pixels, grids = sample[pixel_field], sample[grid_field]
+        if grids.shape[-1] != 3:
+            raise ValueError(f"sample field {grid_field!r} must be [n_{kind}s, 3], got {tuple(grids.shape)}")
+        n_patches = int(grids.prod(-1).sum())
+        if pixels.shape[0] != n_patches:
+            raise ValueError(f"sample field {pixel_field!r} has {pixels.shape[0]} patches but {grid_field} "
+                             f"{grids.tolist()} needs {n_patches}")
+        if patch_dim is not None and pixels.shape[0] and pixels.shape[1] != patch_dim:
+            raise ValueError(f"sample field {pixel_field!r} rows have {pixels.shape[1]} values; the vision tower "
+                             f"expects {patch_dim}")
+        n_tokens = int((ids == getattr(tokens, token_attr)).sum())
+        expected = n_patches // tokens.spatial_merge ** 2
+        if n_tokens != expected:
+            raise ValueError(f"sample field 'input_ids' has {n_tokens} {kind} tokens but {grid_field} "
+                             f"{grids.tolist()} gives {expected} after {tokens.spatial_merge}x{tokens.spatial_merge} "
+                             "merging")
+        runs += grids.shape[0] if kind == "image" else int(grids[:, 0].sum())
+    if int((ids == tokens.vision_start).sum()) != runs:
         raise ValueError(f"sample field 'input_ids' has {int((ids == tokens.vision_start).sum())} vision_start "
-                         f"tokens for {grids.shape[0]} images")
+                         f"tokens for {sample['image_grid_thw'].shape[0]} images and "
+                         f"{int(sample['video_grid_thw'][:, 0].sum())} video frames")
     if not bool(mask.any()):
         raise BadSample("no_trained_tokens", "loss_mask is all zero")
     return sample
@@ -126,7 +146,7 @@ def fit_to_budget(sample: dict, tokens: VisionTokens, max_length: int) -> dict:
     length = sample["input_ids"].numel()
     if length <= max_length:
         return sample
-    vision = torch.isin(sample["input_ids"], torch.tensor([tokens.image, tokens.vision_end]))
+    vision = torch.isin(sample["input_ids"], torch.tensor([*tokens.vision_ids, tokens.vision_end]))
     last_vision = int(torch.nonzero(vision).max()) if bool(vision.any()) else -1
     if last_vision >= max_length:
         raise BadSample("over_budget", f"{length} tokens > --seq-length {max_length} and the cut would split an image")

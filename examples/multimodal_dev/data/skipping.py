@@ -35,10 +35,11 @@ class SkippingDataset(Dataset):
         return self._first_usable(index, self.produce, count=True)
 
     def describe(self, index: int) -> tuple[int, list]:
-        """(tokens, image grids) of ``self[index]``, through the same skips and truncation, from
-        the provider's ``describe`` when it has one (no pixels), else from the sample itself."""
+        """(tokens, vision grids: images, then videos) of ``self[index]``, through the same skips
+        and truncation, from the provider's ``describe`` when it has one (no pixels), else from
+        the sample itself."""
         sample = self._first_usable(index, getattr(self.produce, "describe", self.produce), count=False)
-        return sample["input_ids"].numel(), sample["image_grid_thw"].tolist()
+        return sample["input_ids"].numel(), sample["image_grid_thw"].tolist() + sample["video_grid_thw"].tolist()
 
     def _first_usable(self, index: int, produce, count: bool) -> dict:
         for attempt in range(self.max_consecutive_skips):

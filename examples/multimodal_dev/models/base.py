@@ -97,6 +97,8 @@ class VisionLanguageModel(MegatronModule):
         if pixel_values_videos is not None:
             feats = self.vision_model(pixel_values_videos, video_grid_thw)
             embeds_BSH = self._scatter_features(embeds_BSH, input_ids_BS, self.video_token_id, feats, "videos")
+        elif bool((input_ids_BS == self.video_token_id).any()):
+            raise ValueError("the batch has video placeholder tokens but no pixel_values_videos")
         return embeds_BSH.transpose(0, 1).contiguous()
 
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None, loss_mask=None,

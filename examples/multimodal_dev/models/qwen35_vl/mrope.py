@@ -85,6 +85,26 @@ def split_video_frames(video_grid_thw: torch.Tensor | None) -> torch.Tensor | No
     return grids
 
 
+def run_grids(row: torch.Tensor, image_grids: torch.Tensor, video_frames: torch.Tensor, image_token_id: int,
+              video_token_id: int, first_image: int = 0, first_frame: int = 0, where: str = "the row"):
+    """(the grid of every vision run of ``row`` in reading order, images used, frames used): image
+    runs take ``image_grids`` and video runs ``video_frames`` (``split_video_frames``), each in
+    order from ``first_image`` / ``first_frame``; a run's first token says which it is."""
+    starts, _ = _vision_runs(row, torch.tensor([image_token_id, video_token_id], device=row.device))
+    is_image = row[starts] == image_token_id
+    n_img, n_vid = int(is_image.sum()), int((~is_image).sum())
+    for what, needed, have in (("images", first_image + n_img, len(image_grids)),
+                               ("videos", first_frame + n_vid, len(video_frames))):
+        if needed > have:
+            kind = "image_grid_thw" if what == "images" else "video frames in video_grid_thw"
+            raise ValueError(f"{what}: {where} {'have' if where.startswith('rows') else 'has'} {needed} placeholder "
+                             f"runs but {kind} lists {have}; the processor's token expansion and the grids disagree")
+    grids = torch.zeros(len(starts), 3, dtype=torch.long, device=row.device)
+    grids[is_image] = image_grids[first_image:first_image + n_img].to(row.device, torch.long)
+    grids[~is_image] = video_frames[first_frame:first_frame + n_vid].to(row.device, torch.long)
+    return grids, n_img, n_vid
+
+
 def padded_batch_position_ids(tokens_BS, attention_mask_BS, image_grid_thw, video_grid_thw,
                               image_token_id: int, video_token_id: int, spatial_merge: int):
     """MRoPE positions [3, B, S] of a right- or left-padded batch; padding gets position 0
@@ -97,19 +117,8 @@ def padded_batch_position_ids(tokens_BS, attention_mask_BS, image_grid_thw, vide
     for b in range(tokens_BS.shape[0]):
         keep = attention_mask_BS[b].bool() if attention_mask_BS is not None else torch.ones_like(tokens_BS[b], dtype=torch.bool)
         row = tokens_BS[b][keep]
-        # One scan gives every vision run in reading order; its first token says image or video.
-        starts, _ = _vision_runs(row, torch.tensor([image_token_id, video_token_id], device=row.device))
-        is_image = row[starts] == image_token_id
-        n_img, n_vid = int(is_image.sum()), int((~is_image).sum())
-        for what, needed, have in (("images", next_img + n_img, len(image_grids)),
-                                   ("videos", next_vid + n_vid, len(video_grids))):
-            if needed > have:
-                kind = "image_grid_thw" if what == "images" else "video frames in video_grid_thw"
-                raise ValueError(f"{what}: rows 0..{b} of the batch have {needed} placeholder runs but {kind} "
-                                 f"lists {have}; the processor's token expansion and the grids disagree")
-        grids = torch.zeros(len(starts), 3, dtype=torch.long, device=row.device)
-        grids[is_image] = image_grids[next_img:next_img + n_img].to(row.device, torch.long)
-        grids[~is_image] = video_grids[next_vid:next_vid + n_vid].to(row.device, torch.long)
+        grids, n_img, n_vid = run_grids(row, image_grids, video_grids, image_token_id, video_token_id, next_img,
+                                        next_vid, where=f"rows 0..{b} of the batch")
         next_img, next_vid = next_img + n_img, next_vid + n_vid
         out[:, b, keep] = sample_position_ids(row, grids, (image_token_id, video_token_id), spatial_merge)
     return out
