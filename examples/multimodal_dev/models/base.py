@@ -4,7 +4,8 @@ Legend: B batch, S sequence (BSHD); packed THD batches are B = 1, S = T with
 ``PackedSeqParams``. N vision tokens after the patch merger, H hidden size.
 
     input_ids [B, S] -> word embeddings [B, S, H]
-    pixel_values, image_grid_thw -> vision tower -> [N_img, H]   (all images, every rank)
+    pixel_values, image_grid_thw -> vision tower -> [N_img, H]   (all images on every rank; under
+        context parallelism each image encoded on one CP rank and gathered: vision_context_parallel.py)
     merge: rows of the image placeholder tokens, in reading order, take the vision features
     -> [S, B, H] decoder input -> language model (rotary from position_ids [3, B, S]) -> logits / loss
 
@@ -31,6 +32,7 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 
+from .common import vision_context_parallel
 from .common.context_parallel import ContextParallelSplit
 
 
@@ -89,13 +91,14 @@ class VisionLanguageModel(MegatronModule):
               pixel_values_videos=None, video_grid_thw=None) -> torch.Tensor:
         """Decoder input [S, B, H] with vision features merged at placeholder tokens."""
         embeds_BSH = self._word_embeddings(input_ids_BS)
+        cp_group = self.language_model.pg_collection.cp
         if pixel_values is not None:
-            feats = self.vision_model(pixel_values, image_grid_thw)
+            feats = vision_context_parallel.encode(self.vision_model, pixel_values, image_grid_thw, cp_group)
             embeds_BSH = self._scatter_features(embeds_BSH, input_ids_BS, self.image_token_id, feats, "images")
         elif bool((input_ids_BS == self.image_token_id).any()):
             raise ValueError("the batch has image placeholder tokens but no pixel_values")
         if pixel_values_videos is not None:
-            feats = self.vision_model(pixel_values_videos, video_grid_thw)
+            feats = vision_context_parallel.encode(self.vision_model, pixel_values_videos, video_grid_thw, cp_group)
             embeds_BSH = self._scatter_features(embeds_BSH, input_ids_BS, self.video_token_id, feats, "videos")
         elif bool((input_ids_BS == self.video_token_id).any()):
             raise ValueError("the batch has video placeholder tokens but no pixel_values_videos")

@@ -1,0 +1,61 @@
+"""The vision tower's work split over context-parallel ranks.
+
+Every CP rank holds the same micro-batch, so without a split each ran the vision tower on all of
+its images and videos: the same work CP times over. Here the images (and videos, each whole) are
+dealt to the CP ranks by their vision FLOPs (``flops.vision_flops``; largest first, to the
+least-loaded rank), each rank encodes its own, and one all-gather over the CP group hands every
+rank every feature, in the batch's order, for the merge. The gather's backward reduce-scatters:
+each image's feature gradients, from the tokens of every CP rank, are summed on the rank that
+encoded it. The tower's weight gradients then come from one rank per image, and megatron reduces
+them over DP x CP, so they add up to the whole batch's.
+
+With fewer images than CP ranks every rank encodes all of them, as before: a rank with nothing to
+encode would leave the tower out of its backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+from examples.multimodal_dev.flops import vision_flops
+
+
+def deal(costs: list[float], ranks: int) -> list[list[int]]:
+    """Item indices per rank: largest cost first to the least-loaded rank (ties: the lower rank);
+    each rank's items in their original order."""
+    loads, owned = [0.0] * ranks, [[] for _ in range(ranks)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(ranks), key=lambda r: (loads[r], r))
+        loads[r] += costs[i]
+        owned[r].append(i)
+    return [sorted(items) for items in owned]
+
+
+def encode(vision_model, pixels: torch.Tensor, grids: torch.Tensor, cp_group) -> torch.Tensor:
+    """Vision features [N, H] of all items (``grids`` [n, 3] (t, h, w), ``pixels`` their patch rows
+    in order), each item encoded on one rank of ``cp_group``."""
+    cp = cp_group.size() if cp_group is not None else 1
+    if cp == 1 or grids.shape[0] < cp:
+        return vision_model(pixels, grids)
+    shape = vision_model.shape
+    rows = [t * h * w for t, h, w in grids.tolist()]
+    tokens = [n // shape.spatial_merge_size ** 2 for n in rows]
+    owned = deal([vision_flops(shape, shape.out_hidden_size, [g]) for g in grids.tolist()], cp)
+    rank = cp_group.rank()
+    starts = torch.tensor([0, *rows]).cumsum(0).tolist()
+    mine = owned[rank]
+    own_pixels = torch.cat([pixels[starts[i]:starts[i] + rows[i]] for i in mine])
+    features = vision_model(own_pixels, grids[mine])  # [tokens of my items, H]
+    width = max(sum(tokens[i] for i in items) for items in owned)  # every rank sends as many rows
+    features = torch.nn.functional.pad(features, (0, 0, 0, width - features.shape[0]))
+    gathered = gather_from_sequence_parallel_region(features, tensor_parallel_output_grad=True, group=cp_group)
+    # item i sits in its owner's block, after the owner's earlier items
+    where = [0] * len(rows)
+    for r, items in enumerate(owned):
+        offset = r * width
+        for i in items:
+            where[i] = offset
+            offset += tokens[i]
+    index = torch.cat([torch.arange(where[i], where[i] + tokens[i]) for i in range(len(rows))])
+    return gathered.index_select(0, index.to(gathered.device))
