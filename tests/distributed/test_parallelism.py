@@ -1,5 +1,6 @@
 """Parallelism that does not change the math: CP, TP + SP, EP (with experts split over TP, or not:
-ETP), DP with the distributed optimizer and their mix against one process.
+ETP), DP with the distributed optimizer and their mix against one process; full activation
+recompute, which must not change it either.
 
 Every run is ``run_qwen35_vl.sh`` (torchrun, gloo, fp32) on the ``tiny`` MoE model with the MTP
 head, starting from one saved checkpoint, on the mock data's first global batch of 8 samples
@@ -45,6 +46,10 @@ SETTINGS = {
     "EP=2": (dict(EP=2, NPROC=2), 1, ()),
     "DP=2 distributed optimizer": (dict(NPROC=2), 3, ("--use-distributed-optimizer",)),
     "BSHD CP=2": (dict(PACKED=0, CP=2), 1, ()),
+    # not parallelism, but the same promise: recomputing every layer (GDN, attention, MoE, the vision
+    # tower's blocks) in the backward changes no number
+    "recompute full": (dict(), 1, ("--recompute-granularity", "full", "--recompute-method", "uniform",
+                                   "--recompute-num-layers", "1")),
 }
 
 
