@@ -3,7 +3,15 @@ means anything (same outputs, gradients and losses), and each tool must run end 
 
 import torch
 
-from examples.multimodal_dev.tools import bench_balance, bench_gdn, bench_loader, bench_packing, bench_resume, bench_step
+from examples.multimodal_dev.tools import (
+    bench_balance,
+    bench_gdn,
+    bench_loader,
+    bench_packing,
+    bench_resume,
+    bench_step,
+    bench_vision_cp,
+)
 
 
 def test_bench_gdn_kernels_agree_forward_and_backward():
@@ -79,3 +87,10 @@ def test_bench_resume_restores_the_same_rows_reading_far_fewer_conversations(cap
     # replaying reads every conversation of steps 0-12; the state only the carried ones and step 12's
     assert result["replay_read"] > 5 * result["restore_read"] > 0
     assert "| the checkpoint's plan state |" in capsys.readouterr().out
+
+
+def test_bench_vision_cp_splits_the_vision_work(capsys):
+    results = bench_vision_cp.main(["--conversations", "120", "--row", "4096", "--cp", "2", "4"])
+    # whole images: never below the ideal, well below the unsplit 1.0 (few rows at this toy size)
+    assert 0.5 <= results[0]["busiest_share"] < 0.7 and 0.25 <= results[1]["busiest_share"] < 0.6
+    assert "| CP | busiest rank's share" in capsys.readouterr().out
