@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from examples.multimodal_dev.data.sample import VISION_KINDS
+
 GDN_CHUNK = 64  # chunk length of the chunked gated delta rule (FLA's and the torch kernel's)
 
 
@@ -109,6 +111,5 @@ def micro_batch_flops(shape, lengths, grids=()) -> FlopsBreakdown:
 def batch_flops(shape, batch: dict) -> FlopsBreakdown:
     """Forward FLOPs of a collated batch (THD or BSHD): real lengths from the collate's stats,
     so padding is never counted as work."""
-    grids = [g for key in ("image_grid_thw", "video_grid_thw") if batch.get(key) is not None
-             for g in batch[key].tolist()]
+    grids = [g for _, _, key in VISION_KINDS if batch.get(key) is not None for g in batch[key].tolist()]
     return micro_batch_flops(shape, batch["stats"]["lengths"], grids)

@@ -21,7 +21,7 @@ import os
 import re
 import shutil
 
-from examples.multimodal_dev.tools.checkpoint_files import TRACKER, latest_iteration
+from examples.multimodal_dev.tools.checkpoint_files import TRACKER, iteration_dir, latest_iteration
 
 # What the writers say when the disk is full: the OS error, and the C++ stream errors torch's
 # serialisation raises on a short write.
@@ -69,7 +69,7 @@ def guarded(save_checkpoint, get_args):
             if not out_of_space(err):
                 raise
             save_dir = get_args().save
-            partial = os.path.join(save_dir, f"iter_{iteration:07d}")
+            partial = iteration_dir(save_dir, iteration)
             latest = latest_iteration(save_dir)
             if latest != iteration:
                 shutil.rmtree(partial, ignore_errors=True)

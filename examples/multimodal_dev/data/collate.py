@@ -29,7 +29,7 @@ from examples.multimodal_dev.models.qwen35_vl.mrope import packed_position_ids, 
 
 from .sample import IGNORE_INDEX, VISION_KINDS, VisionTokens
 
-VISION_FIELDS = tuple(field for _, _, pixels, grids in VISION_KINDS for field in (pixels, grids))
+VISION_FIELDS = tuple(field for _, pixels, grids in VISION_KINDS for field in (pixels, grids))
 
 
 def pad_multiple_for(cp: int = 1, tp: int = 1, sequence_parallel: bool = False) -> int:
@@ -47,7 +47,7 @@ def _vision_inputs(samples, tokens_1T: torch.Tensor, tokens: VisionTokens):
     """(the micro-batch's pixel and grid fields, the grid of every vision run of the packed row in
     reading order: images and video frames interleaved as the conversations have them)."""
     fields = {}
-    for pixel_field, grid_field in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+    for _, pixel_field, grid_field in VISION_KINDS:
         grids = torch.cat([s[grid_field].reshape(-1, 3) for s in samples])
         fields[grid_field] = grids if grids.shape[0] else None
         fields[pixel_field] = torch.cat([s[pixel_field] for s in samples]) if grids.shape[0] else None

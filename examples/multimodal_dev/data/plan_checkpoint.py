@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 
-from examples.multimodal_dev.tools.checkpoint_files import write_text_atomic
+from examples.multimodal_dev.tools.checkpoint_files import iteration_dir, write_text_atomic
 
 PLAN_FILE = "token_budget_plan.json"
 
@@ -59,7 +59,7 @@ def resume(plan, load_dir: str | None, iteration: int, consumed_rows: int) -> st
     step = consumed_rows // plan.rows_per_step
     if not step:
         return None
-    checkpoint_dir = os.path.join(load_dir or "", f"iter_{iteration:07d}")
+    checkpoint_dir = iteration_dir(load_dir or "", iteration)
     try:
         state = read_state(checkpoint_dir) if load_dir else None
         if state is None:
@@ -84,7 +84,7 @@ def with_plan_state(save_checkpoint, get_args):
         run = get_args()
         plan = _plans.get("train")
         if plan is not None and run.save and torch.distributed.get_rank() == 0:
-            write_state(os.path.join(run.save, f"iter_{iteration:07d}"), plan, run.consumed_train_samples)
+            write_state(iteration_dir(run.save, iteration), plan, run.consumed_train_samples)
         return result
 
     return save

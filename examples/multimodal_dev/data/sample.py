@@ -31,9 +31,8 @@ import torch
 IGNORE_INDEX = -100
 FIELDS = ("input_ids", "labels", "loss_mask", "pixel_values", "image_grid_thw", "pixel_values_videos",
           "video_grid_thw")
-# (kind, placeholder attribute of VisionTokens, pixel field, grid field)
-VISION_KINDS = (("image", "image", "pixel_values", "image_grid_thw"),
-                ("video", "video", "pixel_values_videos", "video_grid_thw"))
+# (kind: also the VisionTokens attribute of its placeholder id, pixel field, grid field)
+VISION_KINDS = (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw"))
 
 
 class BadSample(Exception):
@@ -113,7 +112,7 @@ def validate_sample(sample: dict, tokens: VisionTokens, patch_dim: int | None = 
     if bool(((labels != IGNORE_INDEX) != (mask > 0)).any()):
         raise ValueError("sample fields labels and loss_mask disagree on which positions are trained")
     runs = 0  # vision runs: one per image, one per video frame
-    for kind, token_attr, pixel_field, grid_field in VISION_KINDS:
+    for kind, pixel_field, grid_field in VISION_KINDS:
         pixels, grids = sample[pixel_field], sample[grid_field]
         if grids.shape[-1] != 3:
             raise ValueError(f"sample field {grid_field!r} must be [n_{kind}s, 3], got {tuple(grids.shape)}")
@@ -124,7 +123,7 @@ def validate_sample(sample: dict, tokens: VisionTokens, patch_dim: int | None = 
         if patch_dim is not None and pixels.shape[0] and pixels.shape[1] != patch_dim:
             raise ValueError(f"sample field {pixel_field!r} rows have {pixels.shape[1]} values; the vision tower "
                              f"expects {patch_dim}")
-        n_tokens = int((ids == getattr(tokens, token_attr)).sum())
+        n_tokens = int((ids == getattr(tokens, kind)).sum())
         expected = n_patches // tokens.spatial_merge ** 2
         if n_tokens != expected:
             raise ValueError(f"sample field 'input_ids' has {n_tokens} {kind} tokens but {grid_field} "

@@ -13,7 +13,7 @@ from collections import Counter
 
 from torch.utils.data import Dataset
 
-from .sample import BadSample, VisionTokens, fit_to_budget, validate_sample
+from .sample import VISION_KINDS, BadSample, VisionTokens, fit_to_budget, validate_sample
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class SkippingDataset(Dataset):
         and truncation, from the provider's ``describe`` when it has one (no pixels), else from
         the sample itself."""
         sample = self._first_usable(index, getattr(self.produce, "describe", self.produce), count=False)
-        return sample["input_ids"].numel(), sample["image_grid_thw"].tolist() + sample["video_grid_thw"].tolist()
+        return sample["input_ids"].numel(), [g for _, _, grids in VISION_KINDS for g in sample[grids].tolist()]
 
     def _first_usable(self, index: int, produce, count: bool) -> dict:
         for attempt in range(self.max_consecutive_skips):
