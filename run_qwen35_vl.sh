@@ -52,15 +52,15 @@ elif [[ -z "${MODEL_VARIANT:-}" ]]; then
 fi
 
 # The model's numbers come from the one variant table (models/qwen35_vl/configuration.py) or the
-# Hugging Face config, through arguments.py; megatron's model flags below repeat them for its own
+# Hugging Face config, through models/megatron_args.py; megatron's model flags below repeat them for its own
 # argument checks, and the training script verifies they agree.
 # shellcheck source=tools/bootstrap_env.sh
 source "$ROOT/tools/bootstrap_env.sh"
-# ROW: the numbers on stdout; on failure ROW_ERROR is arguments.py's one-line reason.
+# ROW: the numbers on stdout; on failure ROW_ERROR is megatron_args.py's one-line reason.
 shape_row() {
   local err; err="$(mktemp)"
-  if ROW=$("$PY" "$ROOT/examples/multimodal_dev/arguments.py" shape-row "$@" 2>"$err"); then rm -f "$err"; return 0; fi
-  ROW_ERROR="$(tail -n 1 "$err")"; ROW_ERROR="${ROW_ERROR#arguments.py: }"; rm -f "$err"; return 1
+  if ROW=$("$PY" -m examples.multimodal_dev.models.megatron_args shape-row "$@" 2>"$err"); then rm -f "$err"; return 0; fi
+  ROW_ERROR="$(tail -n 1 "$err")"; ROW_ERROR="${ROW_ERROR#megatron_args.py: }"; rm -f "$err"; return 1
 }
 VARIANT_FLAGS=()
 if [[ -n "$HF_CONFIG" ]]; then
@@ -104,8 +104,8 @@ done
 for var in LR_WARMUP_ITERS LR_DECAY_ITERS; do
   [[ -z "${!var:-}" || "${!var}" =~ ^[0-9]+$ ]] || fail "$var=${!var} must be a number of iterations"
 done
-# the split of the decoder over pipeline stages (pipeline_layout.py: megatron-core's rule, checked by name)
-SPLIT_ERROR=$("$PY" "$ROOT/examples/multimodal_dev/pipeline_layout.py" check "$LAYERS" "$PP" "$VP" "$PP_FIRST" "$PP_LAST" 2>&1) \
+# the split of the decoder over pipeline stages (training/pipeline_layout.py: megatron-core's rule, checked by name)
+SPLIT_ERROR=$("$PY" -m examples.multimodal_dev.training.pipeline_layout check "$LAYERS" "$PP" "$VP" "$PP_FIRST" "$PP_LAST" 2>&1) \
   || fail "${SPLIT_ERROR#pipeline_layout.py: }"
 [[ "$SP" == 0 || "$SP" == 1 ]] || fail "SP=$SP: expected 0 or 1"
 [[ "$PACKED" == 0 || "$PACKED" == 1 ]] || fail "PACKED=$PACKED: expected 0 (padded BSHD) or 1 (THD packing)"
@@ -182,7 +182,7 @@ case "$TRANSFORMER_IMPL" in
   *) fail "TRANSFORMER_IMPL=$TRANSFORMER_IMPL: expected transformer_engine or local";;
 esac
 ARGS+=(--transformer-impl "$TRANSFORMER_IMPL")
-# --log-throughput: model TFLOP/s from flops.py (pretrain_multimodal.py replaces megatron's GPT formula)
+# --log-throughput: model TFLOP/s from models/qwen35_vl/flops.py (pretrain_multimodal.py replaces megatron's GPT formula)
 ARGS+=(--log-throughput)
 if [[ $HAS_GPU == 1 ]]; then ARGS+=(--bf16); else ARGS+=(--distributed-backend gloo); fi
 if [[ -n "${CKPT_RESUME:-}" ]]; then
@@ -210,7 +210,7 @@ if [[ -n "${MASTER_PORT:-}" ]]; then RDZV=(--master-port "$MASTER_PORT"); else R
 LAUNCH=(torchrun --nproc-per-node "$NPROC" "${RDZV[@]}" --module examples.multimodal_dev.pretrain_multimodal)
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
   # the released variants' cluster layouts (README, "Pipeline parallelism"); the command stays the last line
-  if LAYOUT_LINE=$("$PY" "$ROOT/examples/multimodal_dev/pipeline_layout.py" recommend "$MODEL_VARIANT" 2>/dev/null); then
+  if LAYOUT_LINE=$("$PY" -m examples.multimodal_dev.training.pipeline_layout recommend "$MODEL_VARIANT" 2>/dev/null); then
     echo "# recommended cluster layout: $LAYOUT_LINE"
   fi
   printf '%q ' "${LAUNCH[@]}" "${ARGS[@]}" "$@"; echo
@@ -218,5 +218,5 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
 fi
 
 echo "run_qwen35_vl.sh: $MODEL_VARIANT, TP=$TP CP=$CP EP=$EP PP=$PP VP=$VP SP=$SP NPROC=$NPROC, dataset $DATASET, packing $PACKING, $TRAIN_ITERS iterations"
-# torchrun_launcher.py is torchrun without its own traceback when a rank fails (the rank has said why)
-exec "$PY" "$ROOT/examples/multimodal_dev/torchrun_launcher.py" "${LAUNCH[@]:1}" "${ARGS[@]}" "$@"
+# training/torchrun_launcher.py is torchrun without its own traceback when a rank fails (the rank has said why)
+exec "$PY" -m examples.multimodal_dev.training.torchrun_launcher "${LAUNCH[@]:1}" "${ARGS[@]}" "$@"

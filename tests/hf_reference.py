@@ -7,7 +7,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from examples.multimodal_dev.models.qwen35_vl.configuration import Qwen35VLShape
 from examples.multimodal_dev.models.qwen35_vl.mrope import padded_batch_position_ids, sample_position_ids
-from examples.multimodal_dev.tools.hf_models import hf_model_for_shape
+from examples.multimodal_dev.checkpoint.hf_models import hf_model_for_shape
 
 
 def build_hf_model(shape: Qwen35VLShape, seed: int = 0):
@@ -100,7 +100,7 @@ def megatron_position_ids(shape, input_ids, attention_mask, image_grid_thw):
 
 def hf_rope_index(shape: Qwen35VLShape, input_ids, attention_mask, image_grid_thw):
     """transformers' ``get_rope_index`` for ``shape`` (the benchmark's reference, reused)."""
-    from examples.multimodal_dev.tools.bench_collate import hf_rope_index_fn
+    from examples.multimodal_dev.benchmarks.bench_collate import hf_rope_index_fn
 
     return hf_rope_index_fn(shape)(input_ids, attention_mask, image_grid_thw)
 

@@ -14,27 +14,28 @@ import functools
 
 from megatron.training import get_args
 
-from examples.multimodal_dev import checkpoint_safety, save_guard
-from examples.multimodal_dev.arguments import add_multimodal_args, check_checkpoint_matches, resolve_shape
-from examples.multimodal_dev.backend import (
+from examples.multimodal_dev.arguments import add_multimodal_args
+from examples.multimodal_dev.checkpoint import plan_state, safety, save_guard
+from examples.multimodal_dev.checkpoint.run_shape import check_checkpoint_matches, resolve_shape
+from examples.multimodal_dev.data import get_dataset_provider
+from examples.multimodal_dev.data.collate import Collator, pad_multiple_for
+from examples.multimodal_dev.data.loader import build_iterator
+from examples.multimodal_dev.data.sample import VisionTokens
+from examples.multimodal_dev.data.sources import resolve as resolve_source
+from examples.multimodal_dev.data.token_budget import check_packing_args, plan_factory
+from examples.multimodal_dev.forward_step import for_stage, forward_step
+from examples.multimodal_dev.models import get_model_entry
+from examples.multimodal_dev.models.common.config_from_args import given_flags, megatron_parser
+from examples.multimodal_dev.models.common.varlen_attention import describe_thd_kernels
+from examples.multimodal_dev.training.backend import (
     backend_of,
     check_attention_backend,
     check_backend,
     engine_defaults,
     use_prebuilt_dataset_helpers,
 )
-from examples.multimodal_dev.data import get_dataset_provider, plan_checkpoint
-from examples.multimodal_dev.data.collate import Collator, pad_multiple_for
-from examples.multimodal_dev.data.loader import build_iterator
-from examples.multimodal_dev.data.sources import resolve as resolve_source
-from examples.multimodal_dev.data.sample import VisionTokens
-from examples.multimodal_dev.data.token_budget import check_packing_args, plan_factory
-from examples.multimodal_dev.flops import batch_flops
-from examples.multimodal_dev.forward_step import for_stage, forward_step
-from examples.multimodal_dev.models import get_model_entry
-from examples.multimodal_dev.models.common.config_from_args import given_flags, megatron_parser
-from examples.multimodal_dev.models.common.varlen_attention import describe_thd_kernels
-from examples.multimodal_dev.pipeline_layout import stage_layers
+from examples.multimodal_dev.training.pipeline_layout import stage_layers
+from examples.multimodal_dev.training.throughput import StepFlops, batch_flops, install_megatron_training_hooks
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,14 +104,14 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
 
 
 def _resumed_plan(plan_fn, args, dataset, cyclic):
-    """The training plan, continued from the checkpoint the run resumed from (data/plan_checkpoint.py)."""
+    """The training plan, continued from the checkpoint the run resumed from (data/plan_state.py)."""
     import torch
 
     plan = plan_fn(dataset, cyclic)
-    line = plan_checkpoint.resume(plan, args.load, args.iteration, args.consumed_train_samples)
-    if line and not plan_checkpoint.tracked() and torch.distributed.get_rank() == 0:
+    line = plan_state.resume(plan, args.load, args.iteration, args.consumed_train_samples)
+    if line and not plan_state.tracked() and torch.distributed.get_rank() == 0:
         print(f"pretrain_multimodal.py: {line}", flush=True)
-    plan_checkpoint.track(plan)
+    plan_state.track(plan)
     return plan
 
 
@@ -161,10 +162,8 @@ def main():
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args, parse_args
 
-    from examples.multimodal_dev.throughput import StepFlops, install_megatron_training_hooks
-
     use_prebuilt_dataset_helpers()
-    checkpoint_safety.install()  # a checkpoint directory is data: nothing in it may run code
+    safety.install()  # a checkpoint directory is data: nothing in it may run code
     distrib_optimizer_fixes.install()  # torch Adam under the distributed optimizer (no Apex / TE)
     try:  # the user's settings, checked before any process group exists: one line, no traceback
         given = parse_args(add_multimodal_args)
@@ -173,7 +172,7 @@ def main():
         args = parse_and_validate_args(extra_args_provider=add_multimodal_args, args_defaults=engine_defaults())
         check_backend(args)
         check_packing_args(args)
-        checkpoint_safety.check_tracker(args.load)
+        safety.check_tracker(args.load)
         if args.data_path:
             resolve_source(args.data_path[0], "--data-path")
         language, vision = model_configs()
@@ -188,7 +187,7 @@ def main():
         _exit_if_refused(err)
     for line in save_guard.clear_incomplete_saves(args.save):
         print(f"pretrain_multimodal.py: {line}", flush=True)
-    plan_checkpoint.install()  # under save_guard: a full disk while writing the plan is one line too
+    plan_state.install()  # under save_guard: a full disk while writing the plan is one line too
     save_guard.install()
     meter = StepFlops()
     install_megatron_training_hooks(meter)
@@ -202,9 +201,9 @@ def main():
 def _exit_if_refused(err: BaseException):
     """One line for a checkpoint refused as code (DCP wraps it in its CheckpointException, a
     BaseException); anything else propagates unchanged."""
-    if checkpoint_safety.refusal(err) is None:
+    if safety.refusal(err) is None:
         raise err
-    raise SystemExit(f"pretrain_multimodal.py: {checkpoint_safety.refusal(err)}") from None
+    raise SystemExit(f"pretrain_multimodal.py: {safety.refusal(err)}") from None
 
 
 if __name__ == "__main__":

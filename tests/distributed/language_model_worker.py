@@ -51,7 +51,7 @@ def main():
 
     from examples.multimodal_dev.data.collate import pad_multiple_for
     from examples.multimodal_dev.forward_step import loss_func, packed_seq_params, run_model
-    from examples.multimodal_dev.tools.checkpoint_files import load_model_weights
+    from examples.multimodal_dev.checkpoint.files import load_model_weights
     from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
     from examples.multimodal_dev.models.qwen35_vl.factory import build_model
 

@@ -19,9 +19,9 @@ from launch import NO_EVAL, run_script
 from examples.multimodal_dev.data import get_dataset_provider
 from examples.multimodal_dev.data.sample import VisionTokens
 from examples.multimodal_dev.models.qwen35_vl.configuration import from_hf_config, get_variant
-from examples.multimodal_dev.tools.convert_checkpoint import export_hf, import_hf
-from examples.multimodal_dev.tools.hf_safetensors import HFTensorSource
-from examples.multimodal_dev.tools.verify_checkpoint import _hf_model
+from examples.multimodal_dev.checkpoint.hf_conversion import export_hf, import_hf
+from examples.multimodal_dev.checkpoint.hf_safetensors import HFTensorSource
+from examples.multimodal_dev.checkpoint.verify import _hf_model
 
 
 def _hf_loss_on_first_batch(hf_path: str, seq_length: int, global_batch: int, train_iters: int) -> float:

@@ -1,6 +1,6 @@
 """Models and batches for the GPU model checks (test_model_parity.py, test_te_backend.py): the shapes,
 a Megatron model holding a transformers model's weights, collated mock batches on the GPU, and
-the error measures. Reuses the CPU parity helpers (tests/hf_reference.py, tools/bench_step.py).
+the error measures. Reuses the CPU parity helpers (tests/hf_reference.py, benchmarks/bench_step.py).
 
 Legend: THD = one packed row [1, T] with cu_seqlens; BSHD = one padded row per sample [B, S].
 Logits are compared on real tokens only, in sample order (both layouts list them that way).
@@ -20,7 +20,7 @@ def shapes() -> dict:
     2048, 16 attention heads of 256, 32 GDN value heads of 128, experts of 512) in 4 layers
     (3 GDN + 1 attention) with 8 experts (top-2), a 32k vocabulary and 2 vision blocks."""
     from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
-    from examples.multimodal_dev.tools.bench_step import bench_shape
+    from examples.multimodal_dev.benchmarks.bench_step import bench_shape
 
     wide = bench_shape("35b_a3b", num_layers=4, vocab_size=32768, vision_depth=2)
     wide = replace(wide, text=replace(wide.text, num_experts=8, moe_top_k=2))
@@ -73,7 +73,7 @@ def batches(shape, name: str, seed: int = 0) -> tuple[dict, dict]:
     of the same mock samples, on the host."""
     from examples.multimodal_dev.data.collate import pack_thd, pad_bshd
     from examples.multimodal_dev.data.sample import VisionTokens
-    from examples.multimodal_dev.tools.bench_step import mock_samples
+    from examples.multimodal_dev.benchmarks.bench_step import mock_samples
 
     count, text_tokens = BATCH[name]
     samples = mock_samples(shape, count, text_tokens, seed=seed)
@@ -107,7 +107,7 @@ def megatron_logits(model, batch: dict) -> torch.Tensor:
 
 @torch.no_grad()
 def hf_logits(hf, bshd_host: dict, shape, dtype) -> torch.Tensor:
-    from examples.multimodal_dev.tools.bench_step import hf_inputs
+    from examples.multimodal_dev.benchmarks.bench_step import hf_inputs
 
     inputs = hf_inputs(bshd_host, shape.image_token_id)
     inputs.pop("labels")

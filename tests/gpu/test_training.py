@@ -106,7 +106,7 @@ def test_training_run(run_name, record):
             "--profile-step-end", PROFILE_END]
     run = gt.run_training(run_name, env, args, min(RUN_CAP_S, left), workdir, log_path)
 
-    from examples.multimodal_dev.throughput import device_peak_tflops
+    from examples.multimodal_dev.training.throughput import device_peak_tflops
 
     losses = run.losses
     values = list(losses.values())

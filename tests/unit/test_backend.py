@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from examples.multimodal_dev import backend
+from examples.multimodal_dev.training import backend
 
 # (CUDA available, transformer_engine importable) -> the default --transformer-impl
 HOSTS = [(True, True, "transformer_engine"), (True, False, "local"), (False, True, "local"), (False, False, "local")]

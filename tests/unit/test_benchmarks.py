@@ -3,7 +3,7 @@ means anything (same outputs, gradients and losses), and each tool must run end 
 
 import torch
 
-from examples.multimodal_dev.tools import (
+from examples.multimodal_dev.benchmarks import (
     bench_balance,
     bench_gdn,
     bench_loader,

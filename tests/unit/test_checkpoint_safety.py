@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from examples.multimodal_dev import checkpoint_safety
+from examples.multimodal_dev.checkpoint import safety as checkpoint_safety
 
 
 class _Plant:
@@ -81,9 +81,9 @@ def test_a_checkpoint_of_another_shape_is_named_before_loading(tmp_path, mcore):
     are compared first and the differing ones named."""
     from hf_checkpoints import write_hf_checkpoint
 
-    from examples.multimodal_dev.arguments import check_checkpoint_matches
+    from examples.multimodal_dev.checkpoint.run_shape import check_checkpoint_matches
     from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
-    from examples.multimodal_dev.tools.convert_checkpoint import import_hf
+    from examples.multimodal_dev.checkpoint.hf_conversion import import_hf
 
     write_hf_checkpoint(tmp_path / "hf", get_variant("tiny", moe=False), dtype=torch.float32)
     import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))

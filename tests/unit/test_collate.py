@@ -45,7 +45,8 @@ def test_videos_pack_with_their_frames_positions_and_pixels():
         assert torch.equal(packed["position_ids"][:, 0, start:start + n], reference), b
         assert torch.equal(padded["position_ids"][:, b, :n], reference), b
     # a micro-batch's FLOPs count the videos' frames in the vision tower
-    from examples.multimodal_dev.flops import batch_flops, vision_flops
+    from examples.multimodal_dev.models.qwen35_vl.flops import vision_flops
+    from examples.multimodal_dev.training.throughput import batch_flops
 
     frames = [tuple(g) for g in packed["video_grid_thw"].tolist()]
     images = [tuple(g) for g in packed["image_grid_thw"].tolist()]
@@ -125,7 +126,7 @@ def test_packed_loss_equals_padded_loss(mcore, videos):
 def test_bench_collate_runs(capsys):
     import importlib
 
-    bench = importlib.import_module("examples.multimodal_dev.tools.bench_collate")
+    bench = importlib.import_module("examples.multimodal_dev.benchmarks.bench_collate")
     figures = bench.main(["--samples", "16", "--micro-batch", "4", "--repeats", "1"])  # raises on a mismatch
     out = capsys.readouterr().out
     assert figures["samples"] == 16 and figures["ours_per_s"] > 0 and figures["hf_per_s"] > 0

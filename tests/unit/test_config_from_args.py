@@ -9,8 +9,9 @@ import io
 
 import pytest
 
-from examples.multimodal_dev import backend
-from examples.multimodal_dev.arguments import add_multimodal_args, resolve_shape
+from examples.multimodal_dev.training import backend
+from examples.multimodal_dev.arguments import add_multimodal_args
+from examples.multimodal_dev.checkpoint.run_shape import resolve_shape
 from examples.multimodal_dev.models.common import config_from_args
 from examples.multimodal_dev.models.qwen35_vl import configuration
 

@@ -14,10 +14,11 @@ import pytest
 import torch
 from hf_checkpoints import write_hf_checkpoint
 
-import examples.multimodal_dev.tools.convert_checkpoint as convert
+import examples.multimodal_dev.checkpoint.hf_conversion as convert
 from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
-from examples.multimodal_dev.tools.convert_checkpoint import export_hf, import_hf, main
-from examples.multimodal_dev.tools.hf_safetensors import HFTensorSource
+from examples.multimodal_dev.checkpoint.hf_conversion import export_hf, import_hf
+from examples.multimodal_dev.tools.convert_checkpoint import main
+from examples.multimodal_dev.checkpoint.hf_safetensors import HFTensorSource
 
 LM = "model.language_model.layers."
 

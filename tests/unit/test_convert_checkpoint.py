@@ -11,8 +11,9 @@ import torch
 from hf_checkpoints import write_hf_checkpoint
 
 from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
-from examples.multimodal_dev.tools.convert_checkpoint import export_hf, import_hf, main
-from examples.multimodal_dev.tools.hf_safetensors import HFTensorSource
+from examples.multimodal_dev.checkpoint.hf_conversion import export_hf, import_hf
+from examples.multimodal_dev.tools.convert_checkpoint import main
+from examples.multimodal_dev.checkpoint.hf_safetensors import HFTensorSource
 
 PER_EXPERT = re.compile(r"\.experts\.\d+\.")
 
@@ -45,7 +46,7 @@ def test_round_trip_is_bitwise_with_dtypes(hf_checkpoint, tmp_path):
 
 
 def test_export_loads_in_transformers_without_missing_or_unexpected_keys(hf_checkpoint, tmp_path):
-    from examples.multimodal_dev.tools.hf_models import hf_classes
+    from examples.multimodal_dev.checkpoint.hf_models import hf_classes
 
     kind, hf_path, _ = hf_checkpoint
     import_hf(hf_path, str(tmp_path / "mg"))

@@ -1,4 +1,4 @@
-"""flops.py against counts worked out by hand for a small configuration.
+"""models/qwen35_vl/flops.py against counts worked out by hand for a small configuration.
 
 Shape: hidden 8, layers [GDN, attention], 2 query heads / 1 KV head of 4, FFN 16, vocab 32;
 GDN 1 key head / 2 value heads of 4, conv 4; vision depth 1, hidden 4, MLP 8, patch 3x2x2x2 = 24
@@ -16,7 +16,7 @@ values, merge 2. Batch: samples of 3 and 5 tokens, one 1x2x2 image.
 
 from examples.multimodal_dev.models.qwen35_vl.configuration import FULL, LINEAR, Qwen35VLShape, TextShape, VisionShape
 
-from examples.multimodal_dev.flops import micro_batch_flops
+from examples.multimodal_dev.models.qwen35_vl.flops import micro_batch_flops
 
 SHAPE = Qwen35VLShape(
     text=TextShape(hidden_size=8, num_layers=2, layer_types=(LINEAR, FULL), num_attention_heads=2, num_kv_heads=1,

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from examples.multimodal_dev.arguments import check_model_flags
+from examples.multimodal_dev.models.megatron_args import check_model_flags
 from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS, get_variant
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -4,7 +4,7 @@ import errno
 
 import pytest
 
-from examples.multimodal_dev import save_guard
+from examples.multimodal_dev.checkpoint import save_guard
 
 
 def test_out_of_space_is_recognised_through_wrapping():

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from examples.multimodal_dev import throughput
-from examples.multimodal_dev.throughput import (
+from examples.multimodal_dev.training import throughput
+from examples.multimodal_dev.training.throughput import (
     MetricsFile,
     StepFlops,
     capture_mtp_losses,

@@ -10,11 +10,12 @@ from argparse import Namespace
 import pytest
 import torch
 
-from examples.multimodal_dev.data import mock_mix, plan_checkpoint, token_budget
+from examples.multimodal_dev.checkpoint import plan_state
+from examples.multimodal_dev.data import mock_mix, token_budget
 from examples.multimodal_dev.data.collate import Collator
 from examples.multimodal_dev.data.sample import VisionTokens
 from examples.multimodal_dev.data.token_budget import TokenBudgetPlan, TokenBudgetSampler, check_packing_args, deal_rows
-from examples.multimodal_dev.flops import micro_batch_flops
+from examples.multimodal_dev.models.qwen35_vl.flops import micro_batch_flops
 from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
 
 SHAPE = get_variant("tiny", moe=False, mtp=False)
@@ -97,14 +98,14 @@ def test_a_plan_restored_from_a_checkpoint_continues_without_replaying(tmp_path)
     checkpoint.mkdir()
     saved = _plan(dataset)
     saved.step(5)  # the loader runs a step or two ahead of the save
-    assert plan_checkpoint.write_state(str(checkpoint), saved, 3 * 8)
+    assert plan_state.write_state(str(checkpoint), saved, 3 * 8)
     state = saved.state(3)
     assert state["step"] == 3 and state["carried"]  # something to carry makes the test meaningful
     read = []
     resumed = _plan(dataset)
     resumed.describe = lambda i: read.append(i) or dataset.describe(i)
-    assert plan_checkpoint.resume(resumed, str(tmp_path), 3, 3 * 8) == \
-        f"token-budget plan: continues at step 3 from {checkpoint / plan_checkpoint.PLAN_FILE}"
+    assert plan_state.resume(resumed, str(tmp_path), 3, 3 * 8) == \
+        f"token-budget plan: continues at step 3 from {checkpoint / plan_state.PLAN_FILE}"
     assert [s.ranks for s in _steps(resumed, first=3)] == [s.ranks for s in steps[3:]]
     # only the carried conversations (checked) and the stream from the saved cursor on are read
     assert sorted(i for i in read if i < state["cursor"]) == sorted(i for i, _, _ in state["carried"])
@@ -112,23 +113,23 @@ def test_a_plan_restored_from_a_checkpoint_continues_without_replaying(tmp_path)
     # the plan keeps the starting state of its last steps only
     far = _plan(dataset)
     far.step(3 + token_budget.STATES_KEPT)
-    assert far.state(3) is None and not plan_checkpoint.write_state(str(tmp_path), far, 3 * 8)
-    assert not plan_checkpoint.write_state(str(tmp_path / "iter_0000009"), saved, 3 * 8)  # no such directory
+    assert far.state(3) is None and not plan_state.write_state(str(tmp_path), far, 3 * 8)
+    assert not plan_state.write_state(str(tmp_path / "iter_0000009"), saved, 3 * 8)  # no such directory
     # a checkpoint planned with other settings, for another step or without the file: replay, saying why
     other = _plan(dataset, rows=4, dp=1)
-    assert plan_checkpoint.resume(other, str(tmp_path), 3, 6 * 4) == (
-        f"token-budget plan: replaying 6 steps from the start ({plan_checkpoint.PLAN_FILE} is for step 3, the run "
+    assert plan_state.resume(other, str(tmp_path), 3, 6 * 4) == (
+        f"token-budget plan: replaying 6 steps from the start ({plan_state.PLAN_FILE} is for step 3, the run "
         "resumes at step 6)")
-    assert plan_checkpoint.resume(other, str(tmp_path), 3, 3 * 4) == (
+    assert plan_state.resume(other, str(tmp_path), 3, 3 * 4) == (
         "token-budget plan: replaying 3 steps from the start (it was planned with other settings: dp_size, "
         "rows_per_step)")
-    assert plan_checkpoint.resume(_plan(dataset), str(tmp_path), 2, 2 * 8) == (
+    assert plan_state.resume(_plan(dataset), str(tmp_path), 2, 2 * 8) == (
         f"token-budget plan: replaying 2 steps from the start ({tmp_path / 'iter_0000002'} has no "
-        f"{plan_checkpoint.PLAN_FILE})")
-    assert plan_checkpoint.resume(_plan(dataset), None, 0, 0) is None
-    (checkpoint / plan_checkpoint.PLAN_FILE).write_text('{"step": 3, "settings": ')
+        f"{plan_state.PLAN_FILE})")
+    assert plan_state.resume(_plan(dataset), None, 0, 0) is None
+    (checkpoint / plan_state.PLAN_FILE).write_text('{"step": 3, "settings": ')
     assert "(token_budget_plan.json is not a plan state: JSONDecodeError: " in \
-        plan_checkpoint.resume(_plan(dataset), str(tmp_path), 3, 3 * 8)
+        plan_state.resume(_plan(dataset), str(tmp_path), 3, 3 * 8)
     # another dataset whose carried conversations have other lengths
     assert "has another length in this dataset" in _plan(_mix(400, seed=7)).restore(state)
 

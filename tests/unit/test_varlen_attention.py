@@ -76,7 +76,7 @@ def test_the_run_line_names_each_part_and_flash_is_refused_up_front():
 def test_megatron_local_attention_backend_is_one_line():
     from types import SimpleNamespace
 
-    from examples.multimodal_dev import backend
+    from examples.multimodal_dev.training import backend
 
     with pytest.raises(ValueError, match="^--attention-backend local is megatron's own --spec local; this model takes"):
         backend.check_attention_backend(SimpleNamespace(attention_backend=AttnBackend.local))

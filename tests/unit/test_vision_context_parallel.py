@@ -6,7 +6,7 @@ through megatron.training (CP=2, CP=4, TP=2 x CP=2 against one process) are test
 import pytest
 import torch
 
-from examples.multimodal_dev.flops import vision_flops
+from examples.multimodal_dev.models.qwen35_vl.flops import vision_flops
 from examples.multimodal_dev.models.common import vision_context_parallel as vcp
 from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant, vision_transformer_config
 from examples.multimodal_dev.models.qwen35_vl.vision_encoder import Qwen35VisionModel

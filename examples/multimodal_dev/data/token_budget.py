@@ -16,14 +16,14 @@ The policy, and why:
   is never split, so neither is an image; one longer than the budget gets a row to itself.
   Lengths are padded to ``pad_multiple`` (CP / SP) before they are fitted, and the collate pads
   every row to exactly ``budget`` tokens: one static shape every micro-batch.
-- **Rows are dealt to ranks by cost**, the model FLOPs of their conversations (``flops.py``:
+- **Rows are dealt to ranks by cost**, the model FLOPs of their conversations (``models/qwen35_vl/flops.py``:
   attention is quadratic in a conversation's length and images cost their vision tower, so
   tokens alone do not balance): largest first to the least-loaded rank with room, then
   pairwise swaps while they lower the most-loaded rank. Each rank gets the same number of rows.
 - **Exact resume.** The plan is a pure function of the dataset, the budget, the global batch
   and the data-parallel size, and what planning a step starts from is small: the stream
   position and the conversations carried over (``state``). A checkpoint stores it
-  (``data/plan_checkpoint.py``) and a resumed run ``restore``s it, continuing at exactly the same
+  (``checkpoint/plan_state.py``) and a resumed run ``restore``s it, continuing at exactly the same
   rows without reading the conversations before it; where a checkpoint has none (or its data
   differ), the plan is replayed from the start on lengths alone (``SkippingDataset.describe``, no
   pixels). Every rank plans the whole step, so ranks agree without communicating.
@@ -257,8 +257,8 @@ def swap_conversations(ranks: list[list[list[Item]]], budget: int, pool: list[It
 
 def plan_factory(shape, budget: int, rows_per_step: int, dp_size: int, pad_multiple: int = 1, window: int = 4096):
     """``plan_fn(dataset, cyclic)`` for ``loader.build_iterator``: plans that price a
-    conversation at its training FLOPs under ``shape`` (``flops.py``)."""
-    from examples.multimodal_dev.flops import micro_batch_flops
+    conversation at its training FLOPs under ``shape`` (``models/qwen35_vl/flops.py``)."""
+    from examples.multimodal_dev.models.qwen35_vl.flops import micro_batch_flops
 
     def cost(tokens: int, grids) -> float:
         return micro_batch_flops(shape, [tokens], grids).training

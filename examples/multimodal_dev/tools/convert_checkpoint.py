@@ -5,304 +5,34 @@
     python -m examples.multimodal_dev.tools.convert_checkpoint export --megatron-path CKPT --hf-path OUT \
         [--hf-processor-path HF] [--moe-layout packed]
 
-import   reads config.json and the safetensors (one file or shards with an index; per-expert or
-         packed MoE experts), maps every tensor through ``hf_mapping`` and writes iteration 0 in
-         the training checkpoint layout (torch_dist, ``latest_checkpointed_iteration.txt``), plus
-         ``hf_config.json`` so training and export know the shape. Tensors keep their dtype (a
-         bf16 checkpoint's fp32 ``A_log`` stays fp32); a tensor in another dtype than config.json's
-         (or, without one, most tensors') is refused by name unless ``--allow-mixed-dtypes``, and so
-         is a tensor holding NaN or inf. Streaming: the model is allocated once in
-         the checkpoint's dtype and each HF tensor replaces its random initial value as it is read.
-         The checkpoint is written unsharded; torch_dist reshards it to the TP/EP of the run that
-         loads it, and ``--tp``/``--ep`` check up front that the model splits that way.
-export   loads a checkpoint saved at any TP/EP (an import or a training run), writes config.json,
-         sharded safetensors with an index, each tensor in the dtype the checkpoint stored it in
-         (or ``--dtype``), and copies tokenizer/processor files. MoE experts are written one tensor
-         per expert as the hub's checkpoints store them (``...experts.{e}.gate_proj.weight``), or
-         packed as transformers holds them in memory with ``--moe-layout packed``. Written to
-         ``OUT.partial`` and renamed at the end; a write that fails (a file in the way, a read-only
-         place, a full disk) removes ``OUT.partial`` and says why in one line.
-verify   runs the HF model and the Megatron model (CPU, fp32) on the same deterministic text-only
-         and image+text batches (or ``--prompt``/``--image``) and exits 1 above ``--atol``.
+import   Hugging Face directory -> Megatron checkpoint (iteration 0, torch_dist, resharded to any
+         TP/EP/PP by the run that loads it)
+export   Megatron checkpoint saved at any layout -> Hugging Face directory (config.json, sharded
+         safetensors, tokenizer/processor files)
+verify   the HF model and the Megatron checkpoint (CPU, fp32) on the same deterministic text-only and
+         image+text batches (or ``--prompt``/``--image``); exit 1 above ``--atol``
 
-Conversion runs on the CPU (it hides GPUs from itself): it needs host memory for one copy of
-the model, not a GPU.
+The work is done by ``checkpoint/hf_conversion.py`` and ``checkpoint/verify.py``; this file is the
+command. It runs on the CPU (it hides GPUs from itself): it needs host memory for one copy of the
+model, not a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import re
-import shutil
 import sys
-from collections import Counter
 
 if __name__ == "__main__":
     # Run as a command, conversion is a CPU job: hide GPUs before torch is imported. Imported as a
-    # module (tests, tools), it changes nothing in the importing process.
+    # module (tests), it changes nothing in the importing process.
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
-import torch
 from safetensors import SafetensorError
 
-from examples.multimodal_dev.models.qwen35_vl.configuration import from_hf_config, to_hf_config_dict
-from examples.multimodal_dev.models.qwen35_vl.hf_mapping import FP32_HF_SUFFIXES, mapping_rules, model_state
-from examples.multimodal_dev.tools.hf_models import hf_classes
-from examples.multimodal_dev.tools.hf_safetensors import INDEX, HFTensorSource, ShardedWriter, per_expert
+from examples.multimodal_dev.checkpoint.hf_conversion import DTYPES, MOE_LAYOUTS, export_hf, import_hf
+from examples.multimodal_dev.checkpoint.verify import verify
 
-HF_CONFIG = "hf_config.json"  # the source config.json, kept next to the converted checkpoint
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Weights and what describes them; everything else in a processor directory is copied on export.
-_NOT_PROCESSOR_FILES = (".safetensors", ".bin", ".pt", ".pth", INDEX, "config.json", "generation_config.json")
-# How export writes MoE experts: one tensor per expert, as the hub's checkpoints and serving stacks
-# store them, or packed [E, ...] as transformers holds them in memory.
-MOE_LAYOUTS = ("per-expert", "packed")
-
-
-class ExportWriteError(OSError):
-    """An export that could not be written; the message is one line with the path and the cause."""
-
-
-def _progress(iterable, total: int, desc: str):
-    from tqdm import tqdm
-
-    return tqdm(iterable, total=total, desc=desc, unit="tensor", disable=None, file=sys.stderr)
-
-
-def conversion_model(shape, params_dtype=torch.float32):
-    """The model on the host at TP = 1, with megatron-core initialised for one process."""
-    import megatron.cpu
-    from megatron.cpu.single_process import init_single_process
-
-    from examples.multimodal_dev.models.qwen35_vl.factory import build_model
-
-    init_single_process()
-    megatron.cpu.register_torch_gdn_kernels()  # GPUs are hidden; FLA's Triton kernels cannot run
-    return build_model(shape, params_dtype=params_dtype, use_cpu_initialization=True)
-
-
-def _checkpoint_dtype(config: dict, source: HFTensorSource) -> tuple[torch.dtype, str]:
-    """(the checkpoint's dtype, where it was read): config.json's, else most of its tensors'."""
-    text = config.get("text_config", {})
-    name = next((c[k] for c in (config, text) for k in ("dtype", "torch_dtype") if c.get(k)), None)
-    where = "config.json"
-    if name is None:
-        counts = Counter(source.dtypes.values())
-        name, where = (counts.most_common(1)[0][0] if counts else "float32"), "most of its tensors"
-    if name not in _DTYPES:
-        raise ValueError(f"--hf-path {source.hf_dir}: dtype {name!r} ({where}) is not one of {', '.join(_DTYPES)}")
-    return _DTYPES[name], where
-
-
-def _check_dtypes(source: HFTensorSource, dtype: torch.dtype, where: str) -> None:
-    """A tensor stored in a dtype of its own (one fp16 tensor in a bf16 checkpoint) is a conversion
-    accident upstream; imported as is it would train in that dtype unnoticed."""
-    expected = str(dtype).removeprefix("torch.")
-    odd = {n: d for n, d in sorted(source.dtypes.items())
-           if d != expected and not (d == "float32" and n.endswith(FP32_HF_SUFFIXES))}
-    if odd:
-        listed = ", ".join(f"{n} is {d}" for n, d in list(odd.items())[:5])
-        more = f" and {len(odd) - 5} more" if len(odd) > 5 else ""
-        raise ValueError(f"--hf-path {source.hf_dir}: {len(odd)} tensor(s) not in the checkpoint's dtype {expected} "
-                         f"({where}): {listed}{more}; pass --allow-mixed-dtypes to import them as stored")
-
-
-# ---------------------------------------------------------------------------------------- import
-
-def import_hf(hf_path: str, megatron_path: str, tp: int = 1, ep: int = 1, overwrite: bool = False,
-              allow_mixed_dtypes: bool = False) -> dict:
-    from examples.multimodal_dev.arguments import checkpoint_args
-    from examples.multimodal_dev.tools.checkpoint_files import TRACKER, save_model_checkpoint
-
-    from examples.multimodal_dev.models.qwen35_vl.factory import validate_parallel
-
-    source = HFTensorSource(hf_path)
-    config = source.config()
-    shape = from_hf_config(config)
-    validate_parallel(shape, tp=tp, ep=ep)
-    if os.path.exists(os.path.join(megatron_path, TRACKER)) and not overwrite:
-        raise FileExistsError(f"--megatron-path {megatron_path} already holds a checkpoint; pass --overwrite "
-                              "to replace it")
-    dtype, where = _checkpoint_dtype(config, source)
-    if not allow_mixed_dtypes:
-        _check_dtypes(source, dtype, where)
-    model = conversion_model(shape, dtype)
-    params = dict(model.named_parameters())
-    rules = mapping_rules(shape)
-    filled, missing_hf, bad_shape = set(), [], []
-    for rule in _progress(rules, len(rules), "import"):
-        absent = [n for n in rule.hf if n not in source]
-        if absent:
-            missing_hf += absent
-            continue
-        converted = rule.to_megatron([source.get(n) for n in rule.hf])
-        for name, tensor in zip(rule.megatron, converted):
-            if name not in params:
-                bad_shape.append(f"{name}: not a parameter of the model")
-            elif tensor.shape != params[name].shape:
-                bad_shape.append(f"{name}: HF gives {tuple(tensor.shape)}, the model has {tuple(params[name].shape)}")
-            else:
-                params[name].data = tensor.contiguous()  # the HF dtype, not the model's default
-                filled.add(name)
-    if shape.text.tie_word_embeddings and "lm_head.weight" in source:
-        source.consumed.add("lm_head.weight")  # the tied head is the embedding itself; no need to read it
-    problems = []
-    for title, names in (("HF tensors expected by the mapping but absent", missing_hf),
-                         ("HF tensors not consumed", source.unconsumed()),
-                         ("Megatron tensors not filled", sorted(set(params) - filled)),
-                         ("shape mismatches", bad_shape),
-                         ("HF tensors holding NaN or inf", [f"{n}: {v}" for n, v in sorted(source.nonfinite.items())])):
-        if names:
-            problems.append(f"{title} ({len(names)}):\n    " + "\n    ".join(names))
-    if problems:
-        raise ValueError(f"import {hf_path}: nothing written.\n  " + "\n  ".join(problems))
-
-    os.makedirs(megatron_path, exist_ok=True)
-    with open(os.path.join(megatron_path, HF_CONFIG), "w") as f:
-        json.dump(config, f, indent=2)
-    args = checkpoint_args(shape, save=megatron_path, model_arch="qwen35_vl",
-                           hf_config_path=os.path.abspath(os.path.join(megatron_path, HF_CONFIG)),
-                           tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
-                           expert_model_parallel_size=1, world_size=1)
-    save_model_checkpoint(args, 0, model)
-    dtypes = {}
-    for p in params.values():
-        dtypes[str(p.dtype)] = dtypes.get(str(p.dtype), 0) + p.numel()
-    return {"tensors": len(filled), "parameters": sum(dtypes.values()), "dtypes": dtypes}
-
-
-# ---------------------------------------------------------------------------------------- export
-
-def checkpoint_shape(megatron_path: str, hf_config_path: str | None = None):
-    """(shape, original HF config or None) of a checkpoint: from ``hf_config_path``, else the
-    ``hf_config.json`` an import left, else the arguments the training run saved."""
-    from examples.multimodal_dev.tools.checkpoint_files import checkpoint_directory, stored_args
-
-    from examples.multimodal_dev.arguments import resolve_shape
-
-    for path in (hf_config_path, os.path.join(megatron_path, HF_CONFIG)):
-        if path and os.path.exists(path):
-            with open(path) as f:
-                config = json.load(f)
-            return from_hf_config(config), config
-    saved = stored_args(checkpoint_directory(megatron_path))
-    if saved is None or not hasattr(saved, "model_variant"):
-        raise ValueError(f"{megatron_path}: no {HF_CONFIG} and no playground arguments in the checkpoint; "
-                         "pass --hf-config-path")
-    if saved.hf_config_path and not os.path.exists(saved.hf_config_path):
-        raise FileNotFoundError(f"{megatron_path} was trained with --hf-config-path {saved.hf_config_path}, "
-                                "which no longer exists; pass --hf-config-path")
-    shape = resolve_shape(saved)
-    config = None
-    if saved.hf_config_path:
-        with open(saved.hf_config_path) as f:
-            config = json.load(f)
-    return shape, config
-
-
-def load_megatron(megatron_path: str, hf_config_path: str | None = None):
-    """(model at TP = 1 in fp32 with the checkpoint's weights, shape, HF config, stored dtypes)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    from examples.multimodal_dev.tools.checkpoint_files import checkpoint_directory, load_model_weights
-
-    if not os.path.isdir(megatron_path):
-        raise FileNotFoundError(f"--megatron-path {megatron_path}: no such directory")
-    shape, config = checkpoint_shape(megatron_path, hf_config_path)
-    directory = checkpoint_directory(megatron_path)
-    model = conversion_model(shape).eval()
-    load_model_weights(model, directory)
-    stored = FileSystemReader(directory).read_metadata().state_dict_metadata
-    by_key = {k: m.properties.dtype for k, m in stored.items() if hasattr(m, "properties")}
-    common = max(set(by_key.values()), key=list(by_key.values()).count)
-    dtypes = {name: by_key.get(getattr(sh, "key", None), common) for name, sh in model.sharded_state_dict().items()}
-    return model, shape, config, dtypes
-
-
-def _processor_files(processor_dir: str) -> list[str]:
-    if not os.path.isdir(processor_dir):
-        raise FileNotFoundError(f"--hf-processor-path {processor_dir}: no such directory")
-    files = sorted(n for n in os.listdir(processor_dir) if os.path.isfile(os.path.join(processor_dir, n))
-                   and not n.endswith(_NOT_PROCESSOR_FILES))
-    if not any(n.startswith("tokenizer") for n in files):
-        raise FileNotFoundError(f"--hf-processor-path {processor_dir}: no tokenizer files")
-    return files
-
-
-def _write_failure(hf_path: str, err: BaseException) -> ExportWriteError:
-    if isinstance(err, OSError) and err.strerror:
-        cause = err.strerror + (f" ({err.filename})" if err.filename else "")
-    else:  # safetensors' writer wraps the OS error: '... IoError(Os { code: 28, ..., message: "No space ..." })'
-        found = re.search(r'message: "([^"]*)"', str(err))
-        cause = found.group(1) if found else " ".join(str(err).split())
-    return ExportWriteError(f"--hf-path {hf_path}: cannot write the export: {cause}; nothing left behind")
-
-
-def _start_output(hf_path: str, overwrite: bool) -> str:
-    """Checks OUT and creates ``OUT.partial``, before the (long) checkpoint load: a place that cannot
-    be written fails now."""
-    if os.path.exists(hf_path) and not os.path.isdir(hf_path):
-        raise ExportWriteError(f"--hf-path {hf_path}: an existing file, not a directory; nothing written")
-    if os.path.exists(hf_path) and os.listdir(hf_path) and not overwrite:
-        raise FileExistsError(f"--hf-path {hf_path} exists and is not empty; pass --overwrite to replace it")
-    partial = hf_path.rstrip("/") + ".partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    try:
-        os.makedirs(partial)
-    except OSError as err:
-        raise _write_failure(hf_path, err) from None
-    return partial
-
-
-def _write_hf_dir(out: str, model, shape, config, stored: dict, dtype: str | None, moe_layout: str,
-                  max_shard_bytes: int) -> dict:
-    """Shards, index and config.json of the export into ``out``."""
-    state = model_state(model)
-    writer = ShardedWriter(out, max_shard_bytes)
-    rules = mapping_rules(shape)
-    for rule in _progress(rules, len(rules), "export"):
-        out_dtype = _DTYPES[dtype] if dtype else stored[rule.megatron[0]]
-        for name, tensor in zip(rule.hf, rule.to_hf([state[n] for n in rule.megatron])):
-            for piece_name, piece in per_expert(name, tensor) if moe_layout == "per-expert" else [(name, tensor)]:
-                writer.add(piece_name, piece.to(out_dtype))
-    shards = writer.close()
-    if config is None:
-        config = to_hf_config_dict(shape)
-    # A run without the MTP head has none to export; say so in the config too.
-    text_config = {**config["text_config"], "mtp_num_hidden_layers": shape.text.mtp_num_layers}
-    config = {**config, "text_config": text_config, "architectures": [hf_classes(config["model_type"])[1].__name__]}
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    return {"shards": len(shards), "bytes": writer.total_bytes}
-
-
-def export_hf(megatron_path: str, hf_path: str, hf_processor_path: str | None = None,
-              hf_config_path: str | None = None, dtype: str | None = None, max_shard_bytes: int = 2 * 1024 ** 3,
-              overwrite: bool = False, moe_layout: str = "per-expert") -> dict:
-    if moe_layout not in MOE_LAYOUTS:
-        raise ValueError(f"--moe-layout {moe_layout!r}: not one of {', '.join(MOE_LAYOUTS)}")
-    processor_files = _processor_files(hf_processor_path) if hf_processor_path else []  # checked before any write
-    partial = _start_output(hf_path, overwrite)
-    try:
-        model, shape, config, stored = load_megatron(megatron_path, hf_config_path)
-        try:
-            info = _write_hf_dir(partial, model, shape, config, stored, dtype, moe_layout, max_shard_bytes)
-            for name in processor_files:
-                shutil.copy2(os.path.join(hf_processor_path, name), os.path.join(partial, name))
-            if os.path.exists(hf_path):
-                shutil.rmtree(hf_path)
-            os.replace(partial, hf_path)
-        except (OSError, SafetensorError) as err:
-            raise _write_failure(hf_path, err) from err
-    except BaseException:  # interrupted too: never leave OUT.partial behind
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    return {**info, "processor_files": len(processor_files)}
-
-
-# ------------------------------------------------------------------------------------------- CLI
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -320,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--hf-path", required=True)
     exp.add_argument("--hf-processor-path", default=None, help="copy tokenizer/processor files from here")
     exp.add_argument("--hf-config-path", default=None, help="config.json to describe the model (else inferred)")
-    exp.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast every tensor (default: as stored)")
+    exp.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast every tensor (default: as stored)")
     exp.add_argument("--max-shard-size-gb", type=float, default=2.0)
     exp.add_argument("--moe-layout", choices=MOE_LAYOUTS, default="per-expert",
                      help="MoE experts one tensor per expert as on the hub (default) or packed [E, ...]")
@@ -349,8 +79,6 @@ def main(argv=None) -> int:
             print(f"export: {info['bytes'] / 1e6:.1f} MB in {info['shards']} shard(s), "
                   f"{info['processor_files']} processor file(s) -> {args.hf_path}")
         else:
-            from examples.multimodal_dev.tools.verify_checkpoint import verify
-
             return 0 if verify(args) else 1
     except (OSError, SafetensorError, ValueError, KeyError) as err:  # OSError: not found, exists, cannot write
         print(f"convert_checkpoint {args.command}: error: {err}", file=sys.stderr)

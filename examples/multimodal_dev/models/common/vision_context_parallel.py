@@ -2,7 +2,7 @@
 
 Every CP rank holds the same micro-batch, so without a split each ran the vision tower on all of
 its images and videos: the same work CP times over. Here the images (and videos, each whole) are
-dealt to the CP ranks by their vision FLOPs (``flops.vision_flops``; largest first, to the
+dealt to the CP ranks by their vision FLOPs (the tower's ``item_flops``; largest first, to the
 least-loaded rank), each rank encodes its own, and one all-gather over the CP group hands every
 rank every feature, in the batch's order, for the merge. The gather's backward reduce-scatters:
 each image's feature gradients, from the tokens of every CP rank, are summed on the rank that
@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import torch
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-
-from examples.multimodal_dev.flops import vision_flops
 
 
 def deal(costs: list[float], ranks: int) -> list[list[int]]:
@@ -38,10 +36,9 @@ def encode(vision_model, pixels: torch.Tensor, grids: torch.Tensor, cp_group) ->
     cp = cp_group.size() if cp_group is not None else 1
     if cp == 1 or grids.shape[0] < cp:
         return vision_model(pixels, grids)
-    shape = vision_model.shape
     rows = [t * h * w for t, h, w in grids.tolist()]
-    tokens = [n // shape.spatial_merge_size ** 2 for n in rows]
-    owned = deal([vision_flops(shape, shape.out_hidden_size, [g]) for g in grids.tolist()], cp)
+    tokens = [n // vision_model.shape.spatial_merge_size ** 2 for n in rows]
+    owned = deal([vision_model.item_flops(g) for g in grids.tolist()], cp)
     rank = cp_group.rank()
     starts = torch.tensor([0, *rows]).cumsum(0).tolist()
     mine = owned[rank]

@@ -13,8 +13,10 @@ import json
 import os
 from dataclasses import dataclass, field, replace
 
+from .parallel import validate_parallel
+
 # torch is imported where a config is built, not here: the run script reads this module's variant
-# table (arguments.py shape-row) on every launch and dry run, and importing torch costs ~2 s.
+# table (models/megatron_args.py shape-row) on every launch and dry run, and importing torch costs ~2 s.
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
@@ -329,7 +331,6 @@ def configs_from_args(args, shape: Qwen35VLShape, backend: str, given: dict[str,
     """(decoder, vision) TransformerConfigs for a megatron.training run: megatron's args with
     this shape laid over them (``given``: the flags typed on the command line)."""
     from ..common.config_from_args import transformer_configs
-    from .factory import validate_parallel
 
     validate_parallel(shape, args.tensor_model_parallel_size, args.context_parallel_size,
                       args.expert_model_parallel_size)

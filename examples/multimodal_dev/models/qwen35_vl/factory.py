@@ -6,26 +6,7 @@ import torch
 
 from .configuration import Qwen35VLShape, language_transformer_config, vision_transformer_config
 from .model import Qwen35VLModel
-
-
-def validate_parallel(shape: Qwen35VLShape, tp: int = 1, cp: int = 1, ep: int = 1) -> None:
-    """Refuse settings the model cannot be split by, naming the flag and the value."""
-    t, v = shape.text, shape.vision
-    checks = [
-        (t.num_attention_heads % tp == 0, f"--tensor-model-parallel-size {tp} must divide num_attention_heads {t.num_attention_heads}"),
-        (t.num_kv_heads % tp == 0 or tp % t.num_kv_heads == 0, f"--tensor-model-parallel-size {tp} and num_key_value_heads {t.num_kv_heads} must divide one another"),
-        (t.linear_num_key_heads % tp == 0, f"--tensor-model-parallel-size {tp} must divide the Gated DeltaNet key heads {t.linear_num_key_heads}"),
-        (t.linear_num_value_heads % tp == 0, f"--tensor-model-parallel-size {tp} must divide the Gated DeltaNet value heads {t.linear_num_value_heads}"),
-        (v.num_heads % tp == 0, f"--tensor-model-parallel-size {tp} must divide the vision heads {v.num_heads}"),
-        ((t.linear_num_key_heads // tp) % cp == 0 and (t.linear_num_value_heads // tp) % cp == 0,
-         f"--context-parallel-size {cp} must divide the per-TP-rank Gated DeltaNet heads "
-         f"(key {t.linear_num_key_heads // max(tp, 1)}, value {t.linear_num_value_heads // max(tp, 1)})"),
-        (ep == 1 or t.is_moe, f"--expert-model-parallel-size {ep} needs an MoE variant; this one is dense"),
-        (not t.is_moe or t.num_experts % ep == 0, f"--expert-model-parallel-size {ep} must divide num_experts {t.num_experts}"),
-    ]
-    errors = [msg for ok, msg in checks if not ok]
-    if errors:
-        raise ValueError("invalid parallel settings:\n  " + "\n  ".join(errors))
+from .parallel import validate_parallel
 
 
 def build_model(shape: Qwen35VLShape, backend: str = "local", params_dtype=torch.float32,

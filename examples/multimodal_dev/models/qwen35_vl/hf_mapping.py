@@ -17,7 +17,7 @@ of HF tensors with a named transform in each direction. Layouts (TP = 1, i.e. fu
   SwiGLU fc1       Megatron [gate; up]  <-  HF gate_proj, up_proj (experts: gate_up_proj[e])
   experts          Megatron one tensor per expert  <-  HF one packed [E, ...] tensor (transformers'
                    in-memory layout; hub files store one tensor per expert, which
-                   ``tools.hf_safetensors`` packs on read and ``per_expert`` unpacks on export)
+                   ``checkpoint/hf_safetensors.py`` packs on read and ``per_expert`` unpacks on export)
   MTP head         HF mtp.fc / pre_fc_norm_embedding / pre_fc_norm_hidden / norm  <->  Megatron
                    mtp.layers.0.eh_proj / enorm / hnorm / final_layernorm (eh_proj input is
                    [embedding; hidden] in both); HF mtp.layers.0.* (a full-attention decoder

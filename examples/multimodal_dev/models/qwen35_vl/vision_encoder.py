@@ -21,6 +21,7 @@ from torch import nn
 
 from ..common.context_parallel import process_groups_without_context_parallel
 from .configuration import VisionShape
+from .flops import vision_flops
 from .specs import linear_classes, vision_block_spec
 
 
@@ -86,6 +87,11 @@ class Qwen35VisionModel(MegatronModule):
                                         pre_process=True, post_process=False, post_layer_norm=False,
                                         pg_collection=process_groups_without_context_parallel())
         self.merger = PatchMerger(config, shape, backend)
+
+    def item_flops(self, grid_thw) -> float:
+        """Forward FLOPs of encoding one image or video of this (t, h, w) grid: what context
+        parallelism deals the tower's work by (``common/vision_context_parallel.py``)."""
+        return vision_flops(self.shape, self.shape.out_hidden_size, [tuple(grid_thw)])
 
     def position_embeddings(self, rows, cols, heights, widths) -> torch.Tensor:
         (h0, h1), (wh0, wh1) = bilinear_taps(rows, heights, self.grid_side)

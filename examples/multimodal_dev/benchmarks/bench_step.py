@@ -2,7 +2,7 @@
 configuration, the same weights (copied from the reference) and the same image+text micro-batch;
 forward + backward, real tokens per second.
 
-    python -m examples.multimodal_dev.tools.bench_step [--variant 0.8b --num-layers 4 --vocab-size 32768
+    python -m examples.multimodal_dev.benchmarks.bench_step [--variant 0.8b --num-layers 4 --vocab-size 32768
         --vision-depth 2 --samples 8 --reps 5]
 
 Without a GPU both run fp32 on the host: this model on its local backend (the torch chunked
@@ -142,10 +142,10 @@ def build_pair(shape, device, dtype, hf_attention: str):
     """(this model, transformers model) with the same weights, both in train mode."""
     from examples.multimodal_dev.models.qwen35_vl.factory import build_model
     from examples.multimodal_dev.models.qwen35_vl.hf_mapping import load_hf_into_model
-    from examples.multimodal_dev.tools.hf_models import hf_model_for_shape
+    from examples.multimodal_dev.checkpoint.hf_models import hf_model_for_shape
 
     hf = hf_model_for_shape(shape, attn_implementation=hf_attention)
-    from examples.multimodal_dev.backend import te_importable
+    from examples.multimodal_dev.training.backend import te_importable
 
     te = device.type == "cuda" and te_importable()  # GPUs without Transformer Engine train on the local backend
     ours = build_model(shape, backend="te" if te else "local", params_dtype=dtype)
@@ -180,8 +180,8 @@ def main() -> None:
 
     from megatron.cpu.single_process import init_single_process
 
-    from examples.multimodal_dev.flops import micro_batch_flops
-    from examples.multimodal_dev.tools.timing import alternating_medians
+    from examples.multimodal_dev.models.qwen35_vl.flops import micro_batch_flops
+    from examples.multimodal_dev.benchmarks.timing import alternating_medians
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)

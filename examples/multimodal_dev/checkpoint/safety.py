@@ -129,7 +129,7 @@ def install() -> None:
     source = inspect.getsource(default_planner.DefaultLoadPlanner.load_bytes)
     if "torch.load" not in source or "flatten_state_dict" not in source:
         raise RuntimeError("torch.distributed.checkpoint's DefaultLoadPlanner.load_bytes changed; "
-                           "checkpoint_safety.py needs updating for this torch")
+                           "checkpoint/safety.py needs updating for this torch")
     filesystem.pickle = _safe_pickle_module(pickle)
     default_planner.DefaultLoadPlanner.load_bytes = load_bytes_weights_only
     _INSTALLED = True

@@ -8,8 +8,10 @@ stage's layers are cut into ``vp`` equal chunks, and the model runs round by rou
 every rank in rank order, then chunk v+1 (so a rank's chunks are not contiguous). megatron asserts these with a traceback, deep in argument validation or model
 building; ``stage_layers`` checks them first and says which setting is wrong.
 
-    python pipeline_layout.py check LAYERS PP VP FIRST LAST   (0 = unset; the run script's check)
-    python pipeline_layout.py recommend VARIANT               (the layout for a released variant)
+    python -m examples.multimodal_dev.training.pipeline_layout check LAYERS PP VP FIRST LAST
+                                            (0 = unset; the run script's check)
+    python -m examples.multimodal_dev.training.pipeline_layout recommend VARIANT
+                                            (the layout for a released variant)
 """
 
 from __future__ import annotations

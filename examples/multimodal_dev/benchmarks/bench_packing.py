@@ -1,7 +1,7 @@
 """Packed (THD) against padded (BSHD) training steps of the same samples: step time and the
 fraction of the FLOPs spent that are useful (real tokens), on a realistic length mix.
 
-    python -m examples.multimodal_dev.tools.bench_packing [--variant tiny --micro-batch 8 --reps 5]
+    python -m examples.multimodal_dev.benchmarks.bench_packing [--variant tiny --micro-batch 8 --reps 5]
 
 Samples are text conversations with lengths drawn uniformly from 200..2000 tokens, and every
 eighth one a long outlier of 3000..4000; or, with ``--mix realistic``, conversations of the
@@ -55,11 +55,11 @@ def run(variant: str, lengths: list[int] | None, reps: int, mix: str = "text", m
 
     from examples.multimodal_dev.data.collate import pack_thd, pad_bshd
     from examples.multimodal_dev.data.sample import VisionTokens
-    from examples.multimodal_dev.flops import micro_batch_flops
+    from examples.multimodal_dev.models.qwen35_vl.flops import micro_batch_flops
     from examples.multimodal_dev.forward_step import batch_loss
     from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
     from examples.multimodal_dev.models.qwen35_vl.factory import build_model
-    from examples.multimodal_dev.tools.timing import alternating_medians
+    from examples.multimodal_dev.benchmarks.timing import alternating_medians
 
     init_single_process()
     shape = get_variant(variant, mtp=False)

@@ -83,10 +83,10 @@ def checkpoint_directory(root: str) -> str:
 
 def stored_args(directory: str):
     """The megatron args a checkpoint iteration directory was saved with (None if it has none),
-    read as data only (``checkpoint_safety``)."""
+    read as data only (``safety.py``)."""
     from megatron.core import dist_checkpointing
 
-    from examples.multimodal_dev.checkpoint_safety import install
+    from .safety import install
 
     install()
     return dist_checkpointing.load_common_state_dict(directory).get("args")
@@ -94,10 +94,10 @@ def stored_args(directory: str):
 
 def load_model_weights(model, directory: str) -> None:
     """Model weights from one iteration directory, resharded to this model's TP/EP layout.
-    Nothing in the directory is unpickled beyond checkpoint data (``checkpoint_safety``)."""
+    Nothing in the directory is unpickled beyond checkpoint data (``safety.py``)."""
     from megatron.core import dist_checkpointing
 
-    from examples.multimodal_dev.checkpoint_safety import install
+    from .safety import install
 
     install()
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)

@@ -1,6 +1,6 @@
 """Collate throughput: THD packing with MRoPE positions vs transformers' per-sample get_rope_index.
 
-    python -m examples.multimodal_dev.tools.bench_collate [--samples 256] [--micro-batch 8] [--repeats 3]
+    python -m examples.multimodal_dev.benchmarks.bench_collate [--samples 256] [--micro-batch 8] [--repeats 3]
 
 Both sides get the same mock samples (every one with at least one image). Ours: ``pack_thd``
 on micro-batches (tokens, labels, masks, cu_seqlens, and positions for the whole packed row).

@@ -21,7 +21,7 @@ import os
 import re
 import shutil
 
-from examples.multimodal_dev.tools.checkpoint_files import TRACKER, iteration_dir, latest_iteration
+from .files import TRACKER, iteration_dir, latest_iteration
 
 # What the writers say when the disk is full: the OS error, and the C++ stream errors torch's
 # serialisation raises on a short write.

@@ -2,7 +2,7 @@
 released shape (default ``0.8b``, about 0.9 B parameters with its vision tower), in bf16 with
 fp32 ``A_log``/``dt_bias`` as released files are.
 
-    python -m examples.multimodal_dev.tools.bench_import [--variant 0.8b] [--workdir DIR]
+    python -m examples.multimodal_dev.benchmarks.bench_import [--variant 0.8b] [--workdir DIR]
 
 The import runs in a child process, so its peak resident memory (``ru_maxrss``) is its own.
 """
@@ -22,7 +22,7 @@ def write_random_checkpoint(variant: str, path: str) -> int:
     import torch
 
     from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant, to_hf_config_dict
-    from examples.multimodal_dev.tools.hf_models import hf_classes
+    from examples.multimodal_dev.checkpoint.hf_models import hf_classes
 
     shape = get_variant(variant, mtp=False)  # transformers does not build (or save) the MTP head
     cfg = to_hf_config_dict(shape)

@@ -2,7 +2,7 @@
 optionally against another checkout of the playground (a peer: e.g. the last commit that trained
 with the hand-written CPU loop), both launched the same way in one invocation, alternately.
 
-    python -m examples.multimodal_dev.tools.bench_engine [--iterations 30] [--repeats 2] \
+    python -m examples.multimodal_dev.benchmarks.bench_engine [--iterations 30] [--repeats 2] \
         [--peer-checkout /path/to/other/checkout]
 
 Each run is ``bash run_qwen35_vl.sh`` with log interval 1; the figure is the median of the logged

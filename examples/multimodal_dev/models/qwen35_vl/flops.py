@@ -28,8 +28,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from examples.multimodal_dev.data.sample import VISION_KINDS
-
 GDN_CHUNK = 64  # chunk length of the chunked gated delta rule (FLA's and the torch kernel's)
 
 
@@ -106,10 +104,3 @@ def micro_batch_flops(shape, lengths, grids=()) -> FlopsBreakdown:
                  + _mlp_per_token(t) * tokens + 2.0 * t.hidden_size * t.vocab_size * tokens)
     out.mtp = t.mtp_num_layers * mtp_layer
     return out
-
-
-def batch_flops(shape, batch: dict) -> FlopsBreakdown:
-    """Forward FLOPs of a collated batch (THD or BSHD): real lengths from the collate's stats,
-    so padding is never counted as work."""
-    grids = [g for _, _, key in VISION_KINDS if batch.get(key) is not None for g in batch[key].tolist()]
-    return micro_batch_flops(shape, batch["stats"]["lengths"], grids)

@@ -1,4 +1,4 @@
-"""``convert_checkpoint.py verify``: the Megatron checkpoint and the Hugging Face model, both on
+"""``tools/convert_checkpoint.py verify``: the Megatron checkpoint and the Hugging Face model, both on
 the CPU in fp32, on the same inputs; one summary line, exit status from ``--atol``.
 
 Built-in inputs (deterministic, no files needed): a text-only row of 48 token ids and an
@@ -15,11 +15,13 @@ import torch
 
 from examples.multimodal_dev.models.qwen35_vl.mrope import padded_batch_position_ids
 
+from . import hf_conversion
+
 
 def _hf_model(hf_path: str):
     import transformers
 
-    from examples.multimodal_dev.tools.hf_models import hf_classes
+    from .hf_models import hf_classes
 
     config = transformers.AutoConfig.from_pretrained(hf_path)
     try:
@@ -104,9 +106,7 @@ def _line(prefix: str, s: dict) -> str:
 
 
 def verify(args) -> bool:
-    from examples.multimodal_dev.tools.convert_checkpoint import load_megatron
-
-    mg, shape, _, _ = load_megatron(args.megatron_path)
+    mg, shape, _, _ = hf_conversion.load_megatron(args.megatron_path)
     hf = _hf_model(args.hf_path)
     reasons = _nonfinite_weights(mg, "Megatron") + _nonfinite_weights(hf, "HF")
     if reasons:

@@ -1,6 +1,6 @@
 """How evenly the vision tower's work splits over context-parallel ranks on a realistic mix.
 
-    python -m examples.multimodal_dev.tools.bench_vision_cp [--variant 9b] [--row 8192] [--cp 2 4 8]
+    python -m examples.multimodal_dev.benchmarks.bench_vision_cp [--variant 9b] [--row 8192] [--cp 2 4 8]
 
 ``models/common/vision_context_parallel.py`` deals each micro-batch's images to the CP ranks by
 their vision FLOPs (whole images). On ``mock_mix`` conversations packed into rows of ``--row``
@@ -15,7 +15,7 @@ import argparse
 
 from examples.multimodal_dev.data import mock_mix
 from examples.multimodal_dev.data.sample import VisionTokens
-from examples.multimodal_dev.flops import vision_flops
+from examples.multimodal_dev.models.qwen35_vl.flops import vision_flops
 from examples.multimodal_dev.models.common.vision_context_parallel import deal
 from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
 

@@ -1,7 +1,7 @@
 """Data pipeline throughput against what a training step consumes.
 
-    python -m examples.multimodal_dev.tools.bench_loader [--dataset mock_mix] [--workers 0 1 2]
-    python -m examples.multimodal_dev.tools.bench_loader --dataset cord_v2 --data-path DIR --hf-processor-path P
+    python -m examples.multimodal_dev.benchmarks.bench_loader [--dataset mock_mix] [--workers 0 1 2]
+    python -m examples.multimodal_dev.benchmarks.bench_loader --dataset cord_v2 --data-path DIR --hf-processor-path P
 
 The pipeline is the engine's own (``data/loader.build_iterator``: the provider, the sampler or
 token-budget plan, the collate, ``--num-workers`` DataLoader workers with persistent workers).

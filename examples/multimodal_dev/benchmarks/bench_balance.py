@@ -1,6 +1,6 @@
 """Sample-count against token-budget packing, through the engine, at DP=2 on the realistic mix.
 
-    python -m examples.multimodal_dev.tools.bench_balance [--iters 8] [--budget 2048] [--rows 8]
+    python -m examples.multimodal_dev.benchmarks.bench_balance [--iters 8] [--budget 2048] [--rows 8]
 
 Runs ``run_qwen35_vl.sh`` (tiny, ``DATASET=mock_mix``, NPROC data-parallel ranks) twice:
 
@@ -9,7 +9,7 @@ Runs ``run_qwen35_vl.sh`` (tiny, ``DATASET=mock_mix``, NPROC data-parallel ranks
 - tokens: one row of ``--budget`` tokens a micro-batch, ``--rows`` rows a step.
 
 Reported over the iterations after the first two (start-up): step time, real tokens per second,
-model TFLOP/s per rank (flops.py), padding, and DP imbalance (max / mean model FLOPs over the
+model TFLOP/s per rank (models/qwen35_vl/flops.py), padding, and DP imbalance (max / mean model FLOPs over the
 ranks, per step: mean and worst), each from the run's metrics file and log; then the ratio of
 tokens per second. The host's cores are shared by the ranks, so on a 2-core machine the
 imbalance costs less time than it would on a GPU per rank.

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 
-from examples.multimodal_dev.tools.checkpoint_files import iteration_dir, write_text_atomic
+from .files import iteration_dir, write_text_atomic
 
 PLAN_FILE = "token_budget_plan.json"
 

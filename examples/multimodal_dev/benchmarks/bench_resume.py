@@ -1,12 +1,12 @@
 """Resuming token-budget packing at step K: the plan state a checkpoint stores against replaying.
 
-    python -m examples.multimodal_dev.tools.bench_resume [--steps 200] [--rows 16] [--dp 2]
+    python -m examples.multimodal_dev.benchmarks.bench_resume [--steps 200] [--rows 16] [--dp 2]
 
 A run resumed at step K needs the rows of step K. Without a stored state every rank replays the
 plan from step 0, describing every conversation consumed so far (``describe()``: lengths only, no
-pixels); with one (``data/plan_checkpoint.py``) it describes the conversations carried over and
+pixels); with one (``checkpoint/plan_state.py``) it describes the conversations carried over and
 the stream from the stored position on. Both are timed to the rows of step K on ``mock_mix``
-(priced by ``flops.py``, as the engine does), and the rows are checked to be the same.
+(priced by ``models/qwen35_vl/flops.py``, as the engine does), and the rows are checked to be the same.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The torch chunked gated-delta-rule kernel of ``megatron.cpu`` against ``transformers``' torch
 implementation, on the same inputs (fp32, CPU): time (median of repetitions) and max difference.
 
-    python -m examples.multimodal_dev.tools.bench_gdn [--heads 16 --dk 128 --dv 128 --reps 9]
+    python -m examples.multimodal_dev.benchmarks.bench_gdn [--heads 16 --dk 128 --dv 128 --reps 9]
 
 Forward alone, and forward + backward (max difference over the output and the gradients of all
 five inputs). Two inputs, both Qwen3.5 head sizes: "unpacked", a batch of equal-length rows; "packed", one
@@ -49,7 +49,7 @@ def run(heads: int = 16, dk: int = 128, dv: int = 128, reps: int = 9) -> list[di
 
     import megatron.cpu
     from megatron.cpu.gdn_kernels import chunk_gated_delta_rule
-    from examples.multimodal_dev.tools.timing import alternating_medians
+    from examples.multimodal_dev.benchmarks.timing import alternating_medians
 
     megatron.cpu.activate()  # the host set-up training runs under (allocator included), for both
 

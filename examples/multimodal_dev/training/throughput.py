@@ -1,4 +1,5 @@
-"""Model TFLOP/s and MFU in megatron.training's log, from ``flops.py``'s count of the work done.
+"""Model TFLOP/s and MFU in megatron.training's log, from ``models/qwen35_vl/flops.py``'s count of
+the work done.
 
 megatron.training prices an iteration with a closed-form GPT formula: no vision tower, attention
 in every layer instead of Gated DeltaNet, ``seq_length`` tokens per sample for unpacked batches.
@@ -18,6 +19,9 @@ from __future__ import annotations
 import inspect
 
 import torch
+
+from examples.multimodal_dev.data.sample import VISION_KINDS
+from examples.multimodal_dev.models.qwen35_vl.flops import FlopsBreakdown, micro_batch_flops
 
 # Dense (no sparsity) bf16 tensor-core peak per GPU, TFLOP/s, from the vendors' data sheets.
 # First match wins, so the more specific names come first.
@@ -39,6 +43,13 @@ def device_peak_tflops(device_name: str, override: float | None = None) -> float
         if key.lower() in device_name.lower():
             return peak
     return None
+
+
+def batch_flops(shape, batch: dict) -> FlopsBreakdown:
+    """Forward FLOPs of a collated batch (THD or BSHD): real lengths from the collate's stats,
+    so padding is never counted as work."""
+    grids = [g for _, _, key in VISION_KINDS if batch.get(key) is not None for g in batch[key].tolist()]
+    return micro_batch_flops(shape, batch["stats"]["lengths"], grids)
 
 
 class StepFlops:

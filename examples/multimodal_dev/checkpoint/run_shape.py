@@ -1,0 +1,64 @@
+"""The model shape a run's arguments describe, and the check that a checkpoint under ``--load``
+was saved from that shape.
+
+A run's shape comes from ``--model-variant`` (or ``--hf-config-path``), with the vision token ids
+of ``--hf-processor-path`` when one is given; a training checkpoint stores those arguments, so the
+converter reads a trained checkpoint's shape the same way.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+from examples.multimodal_dev.models import get_model_entry
+from examples.multimodal_dev.models.megatron_args import SHAPE_FLAGS, check_model_flags, checkpoint_args
+
+from .files import TRACKER, checkpoint_directory, stored_args
+
+
+def resolve_shape(args):
+    """The model shape for these args, with the token ids of the processor when one is given."""
+    entry = get_model_entry(args.model_arch)
+    if args.hf_config_path:
+        shape, source = entry.load("shape_from_hf")(args.hf_config_path), f"--hf-config-path {args.hf_config_path}"
+    else:
+        moe = {"auto": None, "on": True, "off": False}[args.variant_moe]
+        shape, source = entry.load("shape_fn")(args.model_variant, moe=moe), f"variant {args.model_variant!r}"
+    # The MTP head is trained only when asked for (megatron's --mtp-num-layers), whatever the
+    # checkpoint or variant carries; a converted checkpoint's mtp.* tensors are then left unused.
+    shape = replace(shape, text=replace(shape.text, mtp_num_layers=args.mtp_num_layers or 0))
+    check_model_flags(args, shape, source)
+    if args.hf_processor_path:
+        from examples.multimodal_dev.data.processor import load_processor
+
+        tokens = load_processor(args.hf_processor_path)[1].tokens
+        if max(tokens.vision_ids + (tokens.vision_start, tokens.vision_end)) >= shape.text.vocab_size:
+            raise ValueError(f"--hf-processor-path {args.hf_processor_path}: its vision token ids do not fit "
+                             f"the vocabulary of {shape.text.vocab_size}")
+        shape = replace(shape, image_token_id=tokens.image, video_token_id=tokens.video,
+                        vision_start_token_id=tokens.vision_start, vision_end_token_id=tokens.vision_end)
+    return shape
+
+
+def check_checkpoint_matches(load_dir: str | None, shape) -> None:
+    """The checkpoint under ``--load`` was saved from this model shape: its stored args (megatron's
+    common state) against ``checkpoint_args(shape)``, so a dense checkpoint loaded as MoE (or the
+    wrong variant) is one line naming what differs, not a KeyError listing hundreds of tensors."""
+    if not load_dir or not os.path.isfile(os.path.join(load_dir, TRACKER)):
+        return
+    directory = checkpoint_directory(load_dir)
+    if not os.path.isdir(directory):
+        raise ValueError(f"--load {load_dir}: {TRACKER} names {os.path.basename(directory)}, which does not exist")
+    stored = stored_args(directory)
+    if stored is None:
+        return
+    expected = vars(checkpoint_args(shape))
+    differ = [f"{flag} {getattr(stored, flag, None) or 0} (checkpoint) vs {expected[flag] or 0} (this run)"
+              for flag in (*SHAPE_FLAGS, "vocab_size") if flag != "moe_router_topk"
+              and (getattr(stored, flag, None) or 0) != (expected[flag] or 0)]
+    if expected["mtp_num_layers"] and not getattr(stored, "mtp_num_layers", None):
+        differ.append("the run trains an MTP head (MTP=1) the checkpoint does not have")
+    if differ:
+        raise ValueError(f"--load {load_dir} ({os.path.basename(directory)}) was saved from another model: "
+                         + "; ".join(differ) + " (MODEL_VARIANT / MOE / MTP / HF_CONFIG must match the checkpoint)")

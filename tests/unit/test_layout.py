@@ -1,0 +1,128 @@
+"""The package's layers (README, "Layout"): every import of every module, including the ones inside
+functions, runs down the stack, and no two modules import each other, directly or round a circle.
+
+    entry        pretrain_multimodal.py, arguments.py, forward_step.py
+    training/    engine glue: backend, throughput, pipeline layout, launcher
+    checkpoint/  formats and safety, HF <-> Megatron conversion
+    data/        providers, collate, packing
+    models/      registry, model code, MRoPE, FLOPs
+    megatron/cpu the device layer
+    tools/, benchmarks/   commands: they import the layers; nothing imports them
+"""
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACKAGE = "examples.multimodal_dev"
+# lowest first; a module may import its own layer and the layers before it
+LAYERS = ("megatron.cpu", f"{PACKAGE}.models", f"{PACKAGE}.data", f"{PACKAGE}.checkpoint", f"{PACKAGE}.training",
+          f"{PACKAGE}.entry", f"{PACKAGE}.commands")
+ENTRY = {f"{PACKAGE}.{name}" for name in ("pretrain_multimodal", "arguments", "forward_step")}
+COMMANDS = (f"{PACKAGE}.tools", f"{PACKAGE}.benchmarks")
+
+
+def _modules() -> dict[str, str]:
+    found = {}
+    for top in ("examples/multimodal_dev", "megatron/cpu"):
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            for name in files:
+                if name.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(folder, name), ROOT)[:-3].replace(os.sep, ".")
+                    found[rel.removesuffix(".__init__")] = os.path.join(folder, name)
+    return found
+
+
+MODULES = _modules()
+
+
+def layer_of(module: str) -> int:
+    if module in ENTRY or module == PACKAGE:
+        return LAYERS.index(f"{PACKAGE}.entry")
+    if module.startswith(COMMANDS):
+        return LAYERS.index(f"{PACKAGE}.commands")
+    for i, prefix in enumerate(LAYERS):
+        if module == prefix or module.startswith(prefix + "."):
+            return i
+    raise AssertionError(f"{module} belongs to no layer; add it to LAYERS")
+
+
+def imports_of(module: str) -> set[str]:
+    """The package's modules that ``module`` imports, anywhere in its body."""
+    path = MODULES[module]
+    package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            names = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        for name in names:  # the longest prefix that is a module of ours ("from .x import fn" -> x)
+            while name and name not in MODULES:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                found.add(name)
+    return found
+
+
+GRAPH = {m: imports_of(m) for m in MODULES}
+
+
+def upward_imports(graph) -> list[str]:
+    return [f"{m} imports {dep}" for m, deps in sorted(graph.items()) for dep in sorted(deps)
+            if layer_of(dep) > layer_of(m)]
+
+
+def circles(graph) -> list[str]:
+    state, found = {}, []
+
+    def visit(node, path):
+        state[node] = "open"
+        for dep in sorted(graph[node]):
+            if state.get(dep) == "open":
+                found.append(" -> ".join(path[path.index(dep):] + [dep]))
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[node] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    return found
+
+
+def test_every_import_runs_down_the_layers():
+    assert not upward_imports(GRAPH), "imports from a lower layer to a higher one:\n  " + "\n  ".join(upward_imports(GRAPH))
+
+
+def test_no_module_imports_back_round_a_circle():
+    assert not circles(GRAPH), "modules importing each other:\n  " + "\n  ".join(circles(GRAPH))
+
+
+def test_the_checks_catch_a_planted_violation():
+    """The two checks can fail: one violation of each kind planted into a copy of the graph."""
+    graph = {m: set(deps) for m, deps in GRAPH.items()}
+    graph[f"{PACKAGE}.data.collate"].add(f"{PACKAGE}.checkpoint.files")
+    graph[f"{PACKAGE}.models.qwen35_vl.mrope"].add(f"{PACKAGE}.models.qwen35_vl.model")
+    assert upward_imports(graph) == [f"{PACKAGE}.data.collate imports {PACKAGE}.checkpoint.files"]
+    model, mrope = f"{PACKAGE}.models.qwen35_vl.model", f"{PACKAGE}.models.qwen35_vl.mrope"
+    assert [set(c.split(" -> ")) for c in circles(graph)] == [{model, mrope}]
+
+
+def test_tools_hold_only_commands():
+    """tools/ is for commands users run: each module there runs as ``python -m`` and nothing in the
+    package imports it (benchmarks/ likewise)."""
+    for module, path in MODULES.items():
+        if module.startswith(COMMANDS) and not path.endswith("__init__.py") and not module.endswith(".timing"):
+            assert 'if __name__ == "__main__":' in open(path).read(), f"{module} is not a command"
+    importers = [f"{m} imports {dep}" for m, deps in GRAPH.items() if not m.startswith(COMMANDS)
+                 for dep in deps if dep.startswith(COMMANDS)]
+    assert not importers, importers
