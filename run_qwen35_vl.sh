@@ -20,6 +20,7 @@
 #   CKPT_SAVE       where to save (at the end, and every SAVE_INTERVAL iterations)
 #   CKPT_RESUME     one directory to resume from and keep saving to (exact resume); a resumed run
 #                   keeps the checkpoint's LR schedule, so TRAIN_ITERS may grow to extend a run
+#                   (with CKPT_LOAD too: the first run starts from CKPT_LOAD's weights, later ones resume)
 #   LR_WARMUP_ITERS LR_DECAY_ITERS  the LR schedule [TRAIN_ITERS/10, TRAIN_ITERS]; when resuming,
 #                   setting either replaces the checkpoint's schedule
 #   PACKED          1 = THD packing (default), 0 = padded BSHD
@@ -104,12 +105,16 @@ done
 for var in LR_WARMUP_ITERS LR_DECAY_ITERS; do
   [[ -z "${!var:-}" || "${!var}" =~ ^[0-9]+$ ]] || fail "$var=${!var} must be a number of iterations"
 done
+(( ${LR_WARMUP_ITERS:-0} < ${LR_DECAY_ITERS:-$TRAIN_ITERS} )) || fail "LR_WARMUP_ITERS=$LR_WARMUP_ITERS must be smaller" \
+  "than the decay iterations ($([[ -n "${LR_DECAY_ITERS:-}" ]] && echo "LR_DECAY_ITERS=$LR_DECAY_ITERS" || echo "TRAIN_ITERS=$TRAIN_ITERS"))"
 # the split of the decoder over pipeline stages (training/pipeline_layout.py: megatron-core's rule, checked by name)
 SPLIT_ERROR=$("$PY" -m examples.multimodal_dev.training.pipeline_layout check "$LAYERS" "$PP" "$VP" "$PP_FIRST" "$PP_LAST" 2>&1) \
   || fail "${SPLIT_ERROR#pipeline_layout.py: }"
 [[ "$SP" == 0 || "$SP" == 1 ]] || fail "SP=$SP: expected 0 or 1"
 [[ "$PACKED" == 0 || "$PACKED" == 1 ]] || fail "PACKED=$PACKED: expected 0 (padded BSHD) or 1 (THD packing)"
 [[ "$LR" =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$ ]] || fail "LR=$LR: expected a number such as 1e-4"
+# the pattern admits 1e999, which is inf in fp32 and in Python alike: the first step would turn every weight NaN
+awk -v lr="$LR" 'BEGIN { exit !(lr + 0 >= 0 && lr + 0 < 1e38) }' || fail "LR=$LR: expected a finite learning rate"
 (( SP == 0 || TP > 1 )) || fail "SP=1 needs TP>1 (sequence parallelism splits the sequence over TP ranks)"
 (( SP == 1 || TP == 1 || EXPERTS == 0 )) || fail "SP=0 with TP=$TP: megatron-core requires sequence parallelism for MoE with TP>1"
 (( EP == 1 || EXPERTS > 0 )) || fail "EP=$EP needs an MoE variant; MODEL_VARIANT=$MODEL_VARIANT is dense"
@@ -187,6 +192,10 @@ ARGS+=(--log-throughput)
 if [[ $HAS_GPU == 1 ]]; then ARGS+=(--bf16); else ARGS+=(--distributed-backend gloo); fi
 if [[ -n "${CKPT_RESUME:-}" ]]; then
   ARGS+=(--load "$CKPT_RESUME" --save "$CKPT_RESUME" --save-interval "${SAVE_INTERVAL:-$TRAIN_ITERS}")
+  # CKPT_LOAD with CKPT_RESUME: the first run starts from CKPT_LOAD's weights (megatron loads
+  # --pretrained-checkpoint, as --finetune, while the resume directory holds no checkpoint); later
+  # runs resume from CKPT_RESUME
+  [[ -n "${CKPT_LOAD:-}" ]] && ARGS+=(--pretrained-checkpoint "$CKPT_LOAD")
   if [[ -f "$CKPT_RESUME/latest_checkpointed_iteration.txt" ]]; then
     # megatron refuses a schedule that differs from the checkpoint's: keep the saved one (a longer
     # TRAIN_ITERS then extends the run at its final LR) unless the user sets one explicitly

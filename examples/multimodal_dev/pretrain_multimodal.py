@@ -15,7 +15,7 @@ import functools
 from megatron.training import get_args
 
 from examples.multimodal_dev.arguments import add_multimodal_args
-from examples.multimodal_dev.checkpoint import plan_state, safety, save_guard
+from examples.multimodal_dev.checkpoint import finite_guard, plan_state, safety, save_guard
 from examples.multimodal_dev.checkpoint.run_shape import check_checkpoint_matches, resolve_shape
 from examples.multimodal_dev.data import get_dataset_provider
 from examples.multimodal_dev.data.collate import Collator, pad_multiple_for
@@ -34,6 +34,7 @@ from examples.multimodal_dev.training.backend import (
     engine_defaults,
     use_prebuilt_dataset_helpers,
 )
+from examples.multimodal_dev.training import run_checks
 from examples.multimodal_dev.training.pipeline_layout import stage_layers
 from examples.multimodal_dev.training.throughput import StepFlops, batch_flops, install_megatron_training_hooks
 
@@ -169,10 +170,15 @@ def main():
         given = parse_args(add_multimodal_args)
         check_pipeline_split(given)  # before megatron asserts on these
         check_attention_backend(given)
+        typed = given_flags(megatron_parser(add_multimodal_args))
+        run_checks.check_finite_flags(given, typed)
+        run_checks.check_lr_schedule(given)
         args = parse_and_validate_args(extra_args_provider=add_multimodal_args, args_defaults=engine_defaults())
+        run_checks.stop_at_first_nan(args, typed)
         check_backend(args)
         check_packing_args(args)
         safety.check_tracker(args.load)
+        safety.check_tracker(args.pretrained_checkpoint, "--pretrained-checkpoint")
         if args.data_path:
             resolve_source(args.data_path[0], "--data-path")
         language, vision = model_configs()
@@ -181,29 +187,33 @@ def main():
             if args.rank == 0:
                 print(f"pretrain_multimodal.py: {thd_line}", flush=True)
         check_checkpoint_matches(args.load, model_shape())
+        check_checkpoint_matches(args.pretrained_checkpoint, model_shape(), "--pretrained-checkpoint")
+        run_checks.check_resume_lr(args)
     except (ValueError, KeyError, FileNotFoundError) as err:
         raise SystemExit(f"pretrain_multimodal.py: {err.args[0] if err.args else err}")
     except BaseException as err:  # reading --load's stored args may meet a planted pickle
-        _exit_if_refused(err)
+        _exit_in_one_line(err, None)
     for line in save_guard.clear_incomplete_saves(args.save):
         print(f"pretrain_multimodal.py: {line}", flush=True)
     plan_state.install()  # under save_guard: a full disk while writing the plan is one line too
     save_guard.install()
+    finite_guard.install()  # outermost: a save of NaN weights writes nothing at all
     meter = StepFlops()
     install_megatron_training_hooks(meter)
     try:
         pretrain(pretrain_cfg_container_from_args(args), metered(datasets_provider, meter),
                  ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
     except BaseException as err:
-        _exit_if_refused(err)
+        _exit_in_one_line(err, args)
 
 
-def _exit_if_refused(err: BaseException):
+def _exit_in_one_line(err: BaseException, args):
     """One line for a checkpoint refused as code (DCP wraps it in its CheckpointException, a
-    BaseException); anything else propagates unchanged."""
-    if safety.refusal(err) is None:
+    BaseException) and for a NaN found during training; anything else propagates unchanged."""
+    line = safety.refusal(err) or (run_checks.one_line(err, args) if args is not None else None)
+    if line is None:
         raise err
-    raise SystemExit(f"pretrain_multimodal.py: {safety.refusal(err)}") from None
+    raise SystemExit(f"pretrain_multimodal.py: {line}") from None
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@
   the checkpoint's LR schedule); a pickle planted in the checkpoint is refused in one line and
   never runs; a full disk during a save removes the half-written directory and keeps the last
   complete checkpoint;
-- a NaN stops the run before any checkpoint of the bad step is written;
+- a NaN stops the run in one line before any checkpoint of the bad step is written, and a checkpoint
+  megatron's rerun state machine re-saved after a NaN loads; CKPT_LOAD with an empty CKPT_RESUME
+  starts from CKPT_LOAD's weights;
 - TP=2 (no SP, dense) on the same weights (with the MTP head) reports the first-iteration loss,
   MTP loss and grad norm of the single process (1e-5 rel);
 - with MTP=1 the MTP loss is logged and falls; TensorBoard gets the loss and TFLOP/s scalars.
@@ -124,12 +126,38 @@ class _Plant:
 
 def test_nan_stops_without_saving_the_bad_step(tmp_path):
     ckpt = tmp_path / "ckpt"
-    # LR 1e9: the first update blows the weights up; the next backward pass produces NaN gradients
+    # LR 1e9: the first update blows the weights up; the next backward pass produces NaN gradients,
+    # which stop the run in one line before the optimizer steps (and nothing is saved for it)
     run = run_script(TRAIN_ITERS=4, SAVE_INTERVAL=1, SEQ_LEN=256, LR=1e9, CKPT_SAVE=ckpt)
-    assert run.returncode != 0 and "Unexpected result nan" in run.output, run.output[-3000:]
+    line = ("pretrain_multimodal.py: iteration 2: found NaN in local grad norm for bucket #0 in backward pass before "
+            "data-parallel communication collective; the run stopped before the optimizer step and saved nothing "
+            f"for it: the last checkpoint is iteration 1 in {ckpt}")
+    assert run.returncode != 0 and line in run.output and "Traceback" not in run.output, run.output[-3000:]
     assert sorted(run.losses) == [1]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     assert sorted(p.name for p in ckpt.glob("iter_*")) == ["iter_0000001"]
+
+
+def test_checkpoint_resaved_by_the_rerun_state_machine_still_loads(tmp_path):
+    """Under megatron's own --rerun-mode validate_results, a NaN makes megatron re-save the last
+    checkpoint with its rerun state (a Call of a Caller) and exit; that checkpoint must load as data."""
+    ckpt, rerun = tmp_path / "ckpt", ("--rerun-mode", "validate_results")
+    run_script(rerun, TRAIN_ITERS=4, SAVE_INTERVAL=1, SEQ_LEN=256, LR=1e9, CKPT_SAVE=ckpt)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    resumed = run_script(TRAIN_ITERS=4, SEQ_LEN=256, LR=1e9, CKPT_RESUME=ckpt)
+    assert "checkpoint refused" not in resumed.output and "loaded checkpoint from" in resumed.output
+    assert "pretrain_multimodal.py: iteration 2: found NaN" in resumed.output, resumed.output[-3000:]
+
+
+def test_a_starting_checkpoint_with_an_empty_resume_directory_is_loaded(tmp_path):
+    """CKPT_LOAD with CKPT_RESUME on an empty directory starts from CKPT_LOAD's weights: the first
+    loss equals the plain CKPT_LOAD run's (it used to start from random weights)."""
+    start, common = tmp_path / "start", dict(TRAIN_ITERS=1, SEQ_LEN=256)
+    run_script(NO_EVAL, CKPT_SAVE=start, **common).check()
+    loaded = run_script(NO_EVAL, CKPT_LOAD=start, **common).check()
+    both = run_script(NO_EVAL, CKPT_LOAD=start, CKPT_RESUME=tmp_path / "run", **common).check()
+    assert both.losses[1] == loaded.losses[1] and both.grad_norms[1] == loaded.grad_norms[1]
+    assert (tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPU cores for two ranks")

@@ -42,6 +42,22 @@ def test_real_checkpoint_content_still_loads(tmp_path):
     assert np.array_equal(state["rng"][1], rng[1])
 
 
+
+def test_rerun_state_after_a_nan_loads_as_data(tmp_path):
+    """megatron's rerun state machine re-saves the last checkpoint after a NaN with its state: a
+    Call of a Caller (message, rank) and a diagnostic enum. That checkpoint must stay loadable."""
+    from megatron.core.rerun_state_machine import Call, Caller, RerunDiagnostic
+
+    call = Call(caller=Caller(message="found NaN in local grad norm", rank=0), sequence=3)
+    state = {"failed_validation_call": call, "error_injector_checkpoint": {"injected": RerunDiagnostic.CORRECT_RESULT},
+             "initial_result": torch.tensor(float("nan"))}
+    _save(tmp_path, {"rerun_state_machine": state})
+    template = {"failed_validation_call": None, "error_injector_checkpoint": {"injected": None},
+                "initial_result": torch.zeros(())}
+    loaded = _load(tmp_path, {"rerun_state_machine": template})["rerun_state_machine"]
+    assert loaded["failed_validation_call"] == call and isinstance(loaded["failed_validation_call"].caller, Caller)
+    assert loaded["error_injector_checkpoint"]["injected"] is RerunDiagnostic.CORRECT_RESULT
+
 def test_planted_metadata_is_refused(tmp_path):
     _save(tmp_path, {"weight": torch.ones(2)})
     marker = tmp_path / "ran"

@@ -90,6 +90,10 @@ def test_model_flag_mismatch_is_named():
     (dict(MOE=1, EP=2, ETP=2, NPROC=2), "EP=2: NPROC/PP=2 is not divisible by EP\\*ETP=4"),
     (dict(PACKING="budget"), "PACKING=budget: expected samples or tokens"),
     (dict(PACKING="tokens", PACKED_SEQ_LENGTH="2k"), "PACKED_SEQ_LENGTH=2k must be a positive integer"),
+    (dict(LR="1e999"), "LR=1e999: expected a finite learning rate"),
+    (dict(LR_WARMUP_ITERS=30), "LR_WARMUP_ITERS=30 must be smaller than the decay iterations \\(TRAIN_ITERS=30\\)"),
+    (dict(LR_WARMUP_ITERS=5, LR_DECAY_ITERS=5), "LR_WARMUP_ITERS=5 must be smaller than the decay iterations "
+                                                "\\(LR_DECAY_ITERS=5\\)"),
 ])
 def test_impossible_settings_fail_with_the_variable(env, message):
     import re
@@ -138,6 +142,15 @@ def test_cpu_dry_run_uses_the_engine_with_the_local_backend():
 def test_backend_choice_is_validated(impl, message):
     rc, _, err = _script(MODEL_VARIANT="tiny", TRANSFORMER_IMPL=impl)
     assert rc != 0 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_resume_with_a_starting_checkpoint_loads_it_while_the_resume_directory_is_empty(tmp_path):
+    """CKPT_LOAD with CKPT_RESUME: megatron's --pretrained-checkpoint is loaded (as --finetune) while
+    --load holds no checkpoint, so the first run starts from CKPT_LOAD's weights, not from random."""
+    rc, out, _ = _script(CKPT_LOAD=str(tmp_path / "start"), CKPT_RESUME=str(tmp_path / "run"))
+    flags = _flags(out)
+    assert rc == 0 and flags["pretrained_checkpoint"] == str(tmp_path / "start")
+    assert flags["load"] == flags["save"] == str(tmp_path / "run") and "finetune" not in flags
 
 
 def test_a_mistake_found_by_the_training_script_is_one_line_without_tracebacks(tmp_path):

@@ -5,6 +5,7 @@ deterministic by seed, the ranks' work is balanced and padding small, a budget r
 loss equals the padded loss of the same conversations (1e-5), and bad settings are refused by
 flag name."""
 
+import json
 from argparse import Namespace
 
 import pytest
@@ -132,6 +133,35 @@ def test_a_plan_restored_from_a_checkpoint_continues_without_replaying(tmp_path)
         plan_state.resume(_plan(dataset), str(tmp_path), 3, 3 * 8)
     # another dataset whose carried conversations have other lengths
     assert "has another length in this dataset" in _plan(_mix(400, seed=7)).restore(state)
+
+
+@pytest.mark.parametrize("tamper", ["cursor moved", "carried index out of range", "carried list emptied"])
+def test_an_edited_plan_file_is_replayed_not_trusted(tmp_path, tamper):
+    """A plan file that is still valid JSON but not what the run wrote trains other rows if trusted:
+    its checksum sends the resume back to replaying, saying why; a state that checks out but does not
+    describe this dataset is refused by restore() itself."""
+    dataset = _mix(400)
+    checkpoint = tmp_path / "iter_0000003"
+    checkpoint.mkdir()
+    saved = _plan(dataset)
+    saved.step(5)
+    assert plan_state.write_state(str(checkpoint), saved, 3 * 8)
+    path = checkpoint / plan_state.PLAN_FILE
+    state = json.loads(path.read_text())
+    edit = {"cursor moved": lambda s: s.update(cursor=s["cursor"] + 5),
+            "carried index out of range": lambda s: s["carried"][0].__setitem__(0, 999999999),
+            "carried list emptied": lambda s: s.update(carried=[])}[tamper]
+    edit(state)
+    path.write_text(json.dumps(state))
+    line = plan_state.resume(_plan(dataset), str(tmp_path), 3, 3 * 8)
+    assert line == ("token-budget plan: replaying 3 steps from the start (token_budget_plan.json is not a plan state: "
+                    "ValueError: its content does not match the checksum written with it (edited or damaged))"), line
+    state.pop("sha256")
+    if tamper == "carried index out of range":
+        assert "are not distinct conversations of this dataset" in _plan(dataset).restore(state)
+    if tamper == "cursor moved":
+        state["cursor"] = 10 ** 9
+        assert "is not a position in this dataset" in _plan(dataset).restore(state)
 
 
 def test_plans_are_deterministic_by_seed():

@@ -8,13 +8,16 @@ carried over, so a checkpoint stores that:
 
     iter_XXXXXXX/token_budget_plan.json   written by global rank 0 once megatron's save returns
 
-JSON, not pickle (a checkpoint directory is data). A checkpoint without the file (saved by a run
+JSON, not pickle (a checkpoint directory is data), with the SHA-256 of its content: a file edited
+by hand or damaged on disk (a moved cursor, a carried conversation changed or dropped) is replayed,
+saying so, instead of training other rows. A checkpoint without the file (saved by a run
 with sample-count packing, or cut off between megatron's save and this write), or one whose
 settings or data differ from the resumed run's, is resumed by replaying: slower, same rows.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -41,16 +44,24 @@ def write_state(checkpoint_dir: str, plan, consumed_rows: int) -> bool:
     state = plan.state(consumed_rows // plan.rows_per_step)
     if state is None or not os.path.isdir(checkpoint_dir):
         return False
-    write_text_atomic(os.path.join(checkpoint_dir, PLAN_FILE), json.dumps(state))
+    write_text_atomic(os.path.join(checkpoint_dir, PLAN_FILE), json.dumps({**state, "sha256": _digest(state)}))
     return True
 
 
+def _digest(state: dict) -> str:
+    return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
+
+
 def read_state(checkpoint_dir: str) -> dict | None:
+    """The stored state, or None without the file; ValueError when its content is not what was written."""
     path = os.path.join(checkpoint_dir, PLAN_FILE)
     if not os.path.isfile(path):
         return None
     with open(path) as f:
-        return json.load(f)
+        state = json.load(f)
+    if not isinstance(state, dict) or state.pop("sha256", None) != _digest(state):
+        raise ValueError("its content does not match the checksum written with it (edited or damaged)")
+    return state
 
 
 def resume(plan, load_dir: str | None, iteration: int, consumed_rows: int) -> str | None:

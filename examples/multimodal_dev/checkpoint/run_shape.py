@@ -41,7 +41,7 @@ def resolve_shape(args):
     return shape
 
 
-def check_checkpoint_matches(load_dir: str | None, shape) -> None:
+def check_checkpoint_matches(load_dir: str | None, shape, flag: str = "--load") -> None:
     """The checkpoint under ``--load`` was saved from this model shape: its stored args (megatron's
     common state) against ``checkpoint_args(shape)``, so a dense checkpoint loaded as MoE (or the
     wrong variant) is one line naming what differs, not a KeyError listing hundreds of tensors."""
@@ -49,7 +49,7 @@ def check_checkpoint_matches(load_dir: str | None, shape) -> None:
         return
     directory = checkpoint_directory(load_dir)
     if not os.path.isdir(directory):
-        raise ValueError(f"--load {load_dir}: {TRACKER} names {os.path.basename(directory)}, which does not exist")
+        raise ValueError(f"{flag} {load_dir}: {TRACKER} names {os.path.basename(directory)}, which does not exist")
     stored = stored_args(directory)
     if stored is None:
         return
@@ -60,5 +60,5 @@ def check_checkpoint_matches(load_dir: str | None, shape) -> None:
     if expected["mtp_num_layers"] and not getattr(stored, "mtp_num_layers", None):
         differ.append("the run trains an MTP head (MTP=1) the checkpoint does not have")
     if differ:
-        raise ValueError(f"--load {load_dir} ({os.path.basename(directory)}) was saved from another model: "
+        raise ValueError(f"{flag} {load_dir} ({os.path.basename(directory)}) was saved from another model: "
                          + "; ".join(differ) + " (MODEL_VARIANT / MOE / MTP / HF_CONFIG must match the checkpoint)")

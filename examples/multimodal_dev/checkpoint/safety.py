@@ -9,7 +9,10 @@ from anywhere could therefore run arbitrary code on load. ``install()`` narrows 
   and enums), ``torch.Size``, torch dtypes and layouts, and builtin containers; any other global
   (``os.system``, ``builtins.eval``, ...) stops the load naming the file and the global;
 - non-tensor entries: ``torch.load(weights_only=True)`` with megatron-core's registered safe
-  classes (``megatron.core.safe_globals``: Namespace, numpy arrays, its enums).
+  classes (``megatron.core.safe_globals``: Namespace, numpy arrays, its enums), plus the two
+  named tuples megatron's rerun state machine stores when it re-saves a checkpoint after a NaN
+  (``Call``, ``Caller``: a message string, a rank, a sequence number). weights_only rebuilds an
+  allowed class from its stored fields only, so admitting a plain named tuple runs no code.
 
 Installed by the training entry point and the checkpoint tools, on every host.
 """
@@ -124,12 +127,16 @@ def install() -> None:
     import inspect
 
     import megatron.core  # noqa: F401  (registers megatron's safe classes: Namespace, numpy RNG state, enums)
+    import torch
     from torch.distributed.checkpoint import default_planner, filesystem
 
     source = inspect.getsource(default_planner.DefaultLoadPlanner.load_bytes)
     if "torch.load" not in source or "flatten_state_dict" not in source:
         raise RuntimeError("torch.distributed.checkpoint's DefaultLoadPlanner.load_bytes changed; "
                            "checkpoint/safety.py needs updating for this torch")
+    from megatron.core.rerun_state_machine import Call, Caller
+
+    torch.serialization.add_safe_globals([Call, Caller])  # megatron.core.safe_globals leaves these two out
     filesystem.pickle = _safe_pickle_module(pickle)
     default_planner.DefaultLoadPlanner.load_bytes = load_bytes_weights_only
     _INSTALLED = True

@@ -156,6 +156,12 @@ class TokenBudgetPlan:
             differ = sorted(k for k, v in self.settings().items() if state.get("settings", {}).get(k) != v)
             return "it was planned with other settings: " + ", ".join(differ)
         carried = [Item(index, tokens, cost, carried=True) for index, tokens, cost in state["carried"]]
+        indices = [item.index for item in carried]
+        if not all(isinstance(i, int) and 0 <= i < self.num_samples for i in indices) or len(set(indices)) < len(indices):
+            return f"its carried conversations {indices[:8]} are not distinct conversations of this dataset"
+        cursor = state["cursor"]
+        if not isinstance(cursor, int) or cursor < 0 or not self.cyclic and cursor > self.num_samples:
+            return f"its stream position {state['cursor']!r} is not a position in this dataset"
         for item in carried:  # the same data: each carried conversation still has its length
             if self._padded(self.describe(item.index)[0]) != item.tokens:
                 return f"conversation {item.index} has another length in this dataset"

@@ -1,0 +1,72 @@
+"""Settings refused before training starts, and failures during it told in one line.
+
+megatron.training asserts on some settings deep inside its set-up (a bare ``AssertionError``), takes
+others that cannot work (an infinite learning rate trains a NaN step), and reports a NaN gradient
+as a traceback. Each check here names the flag and the value; ``one_line(err, args)`` turns the
+failures a user can act on into one line.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+
+from examples.multimodal_dev.checkpoint.files import TRACKER, checkpoint_directory, latest_iteration, stored_args
+
+
+def check_finite_flags(args, given: dict[str, str]) -> None:
+    """Every number typed on the command line is finite (``--lr 1e999`` parses as inf)."""
+    bad = [f"{option} {getattr(args, dest)}" for dest, option in given.items()
+           if isinstance(getattr(args, dest, None), float) and not math.isfinite(getattr(args, dest))]
+    if bad:
+        raise ValueError(f"{', '.join(bad)}: not a finite number")
+
+
+def check_lr_schedule(args) -> None:
+    """megatron's scheduler asserts ``warmup < decay`` without naming either."""
+    decay = args.lr_decay_iters or args.train_iters
+    if args.lr_warmup_iters and decay and args.lr_warmup_iters >= decay:
+        raise ValueError(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than the decay iterations "
+                         f"({'--lr-decay-iters' if args.lr_decay_iters else '--train-iters'} {decay})")
+
+
+def check_resume_lr(args) -> None:
+    """megatron restores each optimizer group's learning rate with the optimizer state and matches
+    the groups by it, so a resume with another ``--lr`` / ``--min-lr`` dies with "Could not find
+    parameter group with key". Say what to do instead, before loading."""
+    if not args.load or args.finetune or args.no_load_optim or not os.path.isfile(os.path.join(args.load, TRACKER)):
+        return
+    stored = stored_args(checkpoint_directory(args.load))
+    if stored is None or not hasattr(stored, "lr"):
+        return
+    was, now = (stored.lr, stored.min_lr), (args.lr, args.min_lr)
+    if was != now:
+        raise ValueError(f"--lr {args.lr} --min-lr {args.min_lr}: the checkpoint under --load {args.load} trained with "
+                         f"--lr {stored.lr} --min-lr {stored.min_lr}, which its optimizer state keeps; resume with "
+                         f"those (LR={stored.lr}), or start from its weights with a fresh optimizer "
+                         f"(CKPT_LOAD={args.load} instead of CKPT_RESUME)")
+
+
+def stop_at_first_nan(args, given: dict[str, str]) -> None:
+    """megatron's default ``--rerun-mode validate_results`` skips the check on the first iteration
+    of every start and, on a NaN, re-saves the last checkpoint with its rerun state and exits to be
+    restarted on another GPU. This playground stops at the first NaN gradient instead, before the
+    step and with nothing saved for it (``--rerun-mode`` given on the command line wins)."""
+    if "rerun_mode" not in given:
+        args.rerun_mode = "disabled"
+
+
+_NAN = re.compile(r"iteration (\d+): Unexpected result .* \(message='([^']*)'\)")
+
+
+def one_line(err: BaseException, args) -> str | None:
+    """The one-line report of a failure during training, or None for one to propagate as it is."""
+    found = _NAN.search(str(err)) if isinstance(err, RuntimeError) else None
+    if found is None:
+        return None
+    iteration, what = found.groups()
+    latest = latest_iteration(args.save) if args.save and os.path.isdir(args.save) else None
+    kept = f"the last checkpoint is iteration {latest} in {args.save}" if latest is not None else "no checkpoint was saved"
+    return (f"iteration {iteration}: {what}; the run stopped before the optimizer step and saved nothing "
+            f"for it: {kept} (lower the LR, or look for a bad batch, then resume)")
