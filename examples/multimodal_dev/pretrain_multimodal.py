@@ -16,6 +16,7 @@ from megatron.training import get_args
 
 from examples.multimodal_dev.arguments import add_multimodal_args
 from examples.multimodal_dev.checkpoint import finite_guard, plan_state, safety, save_guard
+from examples.multimodal_dev.checkpoint.integrity import check_resumable
 from examples.multimodal_dev.checkpoint.run_shape import check_checkpoint_matches, resolve_shape
 from examples.multimodal_dev.data import get_dataset_provider
 from examples.multimodal_dev.data.collate import Collator, pad_multiple_for
@@ -186,6 +187,8 @@ def main():
             thd_line = describe_thd_kernels({"language model": language, "vision encoder": vision})
             if args.rank == 0:
                 print(f"pretrain_multimodal.py: {thd_line}", flush=True)
+        for flag, directory in (("--load", args.load), ("--pretrained-checkpoint", args.pretrained_checkpoint)):
+            check_resumable(directory, flag)
         check_checkpoint_matches(args.load, model_shape())
         check_checkpoint_matches(args.pretrained_checkpoint, model_shape(), "--pretrained-checkpoint")
         run_checks.check_resume_lr(args)

@@ -5,6 +5,7 @@ while real checkpoints (tensors, megatron's args Namespace, numpy RNG state) sti
 import os
 import pickle
 from argparse import Namespace
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -109,3 +110,12 @@ def test_a_checkpoint_of_another_shape_is_named_before_loading(tmp_path, mcore):
         check_checkpoint_matches(str(tmp_path / "ckpt"), get_variant("tiny", moe=True))
     with pytest.raises(ValueError, match="the run trains an MTP head"):
         check_checkpoint_matches(str(tmp_path / "ckpt"), get_variant("tiny", moe=False, mtp=True))
+    # fields megatron's flags do not carry: compared through the shape the checkpoint was imported from
+    tiny = get_variant("tiny", moe=False)
+    deeper = replace(tiny, vision=replace(tiny.vision, depth=tiny.vision.depth + 1))
+    with pytest.raises(ValueError, match=rf"another model: vision.depth {tiny.vision.depth} \(checkpoint\) vs "
+                                         rf"{tiny.vision.depth + 1} \(this run\)"):
+        check_checkpoint_matches(str(tmp_path / "ckpt"), deeper)
+    heads = replace(tiny, text=replace(tiny.text, linear_num_value_heads=2 * tiny.text.linear_num_value_heads))
+    with pytest.raises(ValueError, match=r"text.linear_num_value_heads \d+ \(checkpoint\) vs \d+ \(this run\)"):
+        check_checkpoint_matches(str(tmp_path / "ckpt"), heads)

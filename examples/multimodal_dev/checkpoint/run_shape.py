@@ -9,7 +9,7 @@ converter reads a trained checkpoint's shape the same way.
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+from dataclasses import fields, is_dataclass, replace
 
 from examples.multimodal_dev.models import get_model_entry
 from examples.multimodal_dev.models.megatron_args import SHAPE_FLAGS, check_model_flags, checkpoint_args
@@ -57,8 +57,48 @@ def check_checkpoint_matches(load_dir: str | None, shape, flag: str = "--load") 
     differ = [f"{flag} {getattr(stored, flag, None) or 0} (checkpoint) vs {expected[flag] or 0} (this run)"
               for flag in (*SHAPE_FLAGS, "vocab_size") if flag != "moe_router_topk"
               and (getattr(stored, flag, None) or 0) != (expected[flag] or 0)]
+    if not differ:  # megatron's flags agree: every other field of the shape too (vision depth, GDN heads, ...)
+        differ = shape_differences(stored_shape(stored), shape)
     if expected["mtp_num_layers"] and not getattr(stored, "mtp_num_layers", None):
         differ.append("the run trains an MTP head (MTP=1) the checkpoint does not have")
     if differ:
         raise ValueError(f"{flag} {load_dir} ({os.path.basename(directory)}) was saved from another model: "
                          + "; ".join(differ) + " (MODEL_VARIANT / MOE / MTP / HF_CONFIG must match the checkpoint)")
+
+
+# Fields a run sets for itself, not properties of the weights: whether the MTP head trains (checked
+# above), the router's loss coefficient, and the processor's token ids.
+_RUN_FIELDS = {"mtp_num_layers", "router_aux_loss_coef", "image_token_id", "video_token_id",
+               "vision_start_token_id", "vision_end_token_id"}
+
+
+def stored_shape(stored):
+    """The shape a checkpoint's stored args describe (its variant, or the HF config it was trained
+    or imported from), or None when they do not say."""
+    arch = getattr(stored, "model_arch", None)
+    if arch is None:
+        return None
+    entry = get_model_entry(arch)
+    config = getattr(stored, "hf_config_path", None)
+    if config:
+        return entry.load("shape_from_hf")(config) if os.path.exists(config) else None
+    variant = getattr(stored, "model_variant", None)
+    moe = {"auto": None, "on": True, "off": False}.get(getattr(stored, "variant_moe", "auto"))
+    return entry.load("shape_fn")(variant, moe=moe) if variant else None
+
+
+def shape_differences(stored, current, prefix: str = "") -> list[str]:
+    """``field value (checkpoint) vs value (this run)`` for every field that differs."""
+    if stored is None:
+        return []
+    differ = []
+    for f in fields(current):
+        if f.name in _RUN_FIELDS:
+            continue
+        was, now = getattr(stored, f.name), getattr(current, f.name)
+        if is_dataclass(now):
+            differ += shape_differences(was, now, f"{prefix}{f.name}.")
+        elif was != now:
+            differ.append(f"{prefix}{f.name} {was} (checkpoint) vs {now} (this run)")
+    return differ
+
