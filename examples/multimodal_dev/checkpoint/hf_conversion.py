@@ -10,14 +10,18 @@ import   reads config.json and the safetensors (one file or shards with an index
          is a tensor holding NaN or inf. Streaming: the model is allocated once in
          the checkpoint's dtype and each HF tensor replaces its random initial value as it is read.
          The checkpoint is written unsharded; torch_dist reshards it to the TP/EP of the run that
-         loads it, and ``tp``/``ep`` check up front that the model splits that way.
+         loads it, and ``tp``/``ep`` check up front that the model splits that way. A write that
+         fails (a full disk, an interrupt) removes every file and folder the import created, keeps
+         what was there before, and says why in one line.
 export   loads a checkpoint saved at any TP/EP (an import or a training run), writes config.json,
          sharded safetensors with an index, each tensor in the dtype the checkpoint stored it in
          (or ``dtype``), and copies tokenizer/processor files. MoE experts are written one tensor
          per expert as the hub's checkpoints store them (``...experts.{e}.gate_proj.weight``), or
          packed as transformers holds them in memory (``moe_layout="packed"``). Written to
          ``OUT.partial`` and renamed at the end; a write that fails (a file in the way, a read-only
-         place, a full disk) removes ``OUT.partial`` and says why in one line.
+         place, a full disk) removes ``OUT.partial`` and says why in one line. An output equal to,
+         above or inside the checkpoint is refused before anything is written. The checkpoint must
+         be torch_dist with an intact tracker; legacy per-rank pickles and planted code are refused.
 
 Conversion runs on the CPU: it needs host memory for one copy of the model, not a GPU.
 """
@@ -26,6 +30,7 @@ Conversion runs on the CPU: it needs host memory for one copy of the model, not 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -40,9 +45,10 @@ from examples.multimodal_dev.models.qwen35_vl.configuration import from_hf_confi
 from examples.multimodal_dev.models.qwen35_vl.hf_mapping import FP32_HF_SUFFIXES, mapping_rules, model_state
 from examples.multimodal_dev.models.qwen35_vl.parallel import validate_parallel
 
-from .files import TRACKER, checkpoint_directory, load_model_weights, save_model_checkpoint, stored_args
+from .files import TRACKER, checkpoint_directory, iteration_dir, load_model_weights, save_model_checkpoint, stored_args
 from .hf_models import hf_classes
-from .hf_safetensors import INDEX, HFTensorSource, ShardedWriter, per_expert
+from .hf_safetensors import INDEX, HFTensorSource, ShardedWriter, per_expert, read_config
+from .safety import check_tracker, install, refusal
 from .run_shape import resolve_shape
 
 HF_CONFIG = "hf_config.json"  # the source config.json, kept next to the converted checkpoint
@@ -56,6 +62,24 @@ MOE_LAYOUTS = ("per-expert", "packed")
 
 class ExportWriteError(OSError):
     """An export that could not be written; the message is one line with the path and the cause."""
+
+
+class ImportWriteError(OSError):
+    """An import that could not be written; the message is one line with the path and the cause."""
+
+
+class CheckpointReadError(ValueError):
+    """A Megatron checkpoint that cannot be read as one; the message is one line naming the file."""
+
+
+def config_shape(config: dict, path: str):
+    """The model shape of a config.json read from ``path``; a config missing a key (or with a key of
+    the wrong type) is named with its file, not a bare KeyError."""
+    try:
+        return from_hf_config(config)
+    except (KeyError, TypeError, AttributeError) as err:
+        what = f"no {err.args[0]!r}" if isinstance(err, KeyError) else str(err)
+        raise ValueError(f"{path}: not a valid Qwen3.5 config.json: {what}") from None
 
 
 def _progress(iterable, total: int, desc: str):
@@ -108,7 +132,7 @@ def import_hf(hf_path: str, megatron_path: str, tp: int = 1, ep: int = 1, overwr
               allow_mixed_dtypes: bool = False) -> dict:
     source = HFTensorSource(hf_path)
     config = source.config()
-    shape = from_hf_config(config)
+    shape = config_shape(config, os.path.join(hf_path, "config.json"))
     validate_parallel(shape, tp=tp, ep=ep)
     if os.path.exists(os.path.join(megatron_path, TRACKER)) and not overwrite:
         raise FileExistsError(f"--megatron-path {megatron_path} already holds a checkpoint; pass --overwrite "
@@ -147,18 +171,100 @@ def import_hf(hf_path: str, megatron_path: str, tp: int = 1, ep: int = 1, overwr
     if problems:
         raise ValueError(f"import {hf_path}: nothing written.\n  " + "\n  ".join(problems))
 
-    os.makedirs(megatron_path, exist_ok=True)
-    with open(os.path.join(megatron_path, HF_CONFIG), "w") as f:
-        json.dump(config, f, indent=2)
-    args = checkpoint_args(shape, save=megatron_path, model_arch="qwen35_vl",
-                           hf_config_path=os.path.abspath(os.path.join(megatron_path, HF_CONFIG)),
-                           tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
-                           expert_model_parallel_size=1, world_size=1)
-    save_model_checkpoint(args, 0, model)
+    _write_import(megatron_path, config, shape, model)
     dtypes = {}
     for p in params.values():
         dtypes[str(p.dtype)] = dtypes.get(str(p.dtype), 0) + p.numel()
     return {"tensors": len(filled), "parameters": sum(dtypes.values()), "dtypes": dtypes}
+
+
+def _save_import(megatron_path: str, config: dict, shape, model) -> None:
+    """``hf_config.json`` and iteration 0. The config goes to a file of its own first and replaces
+    an earlier one only at the end, so a failed import leaves the earlier one as it was."""
+    os.makedirs(megatron_path, exist_ok=True)
+    final_config = os.path.join(megatron_path, HF_CONFIG)
+    with open(final_config + ".partial", "w") as f:
+        json.dump(config, f, indent=2)
+    args = checkpoint_args(shape, save=megatron_path, model_arch="qwen35_vl",
+                           hf_config_path=os.path.abspath(final_config),
+                           tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+                           expert_model_parallel_size=1, world_size=1)
+    save_model_checkpoint(args, 0, model)
+    os.replace(final_config + ".partial", final_config)
+
+
+class _WriterErrors(logging.Handler):
+    """Collects what megatron's torch_dist writer logs while a save runs. Its worker turns an
+    OSError into ``RuntimeError("... error: <class 'OSError'>")``: the cause ("No space left on
+    device") survives only in its log line. Those lines are kept out of the terminal (the failure is
+    reported once, in one line)."""
+
+    LOGGER = "megatron.core.dist_checkpointing"
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        logger = logging.getLogger(self.LOGGER)
+        self._propagate, logger.propagate = logger.propagate, False
+        logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logger = logging.getLogger(self.LOGGER)
+        logger.removeHandler(self)
+        logger.propagate = self._propagate
+
+
+def _os_error_cause(err: BaseException, logged: list[str]) -> str | None:
+    """The file system's reason for ``err`` ("No space left on device (PATH)"), or None when the
+    failure is not the file system's. DCP wraps writer errors in its CheckpointException (a
+    BaseException whose ``failures`` hold them), so the chain is searched, then the writer's log."""
+    seen, queue = set(), [err]
+    while queue:
+        e = queue.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.strerror:
+            return e.strerror + (f" ({e.filename})" if e.filename else "")
+        queue += [e.__cause__, e.__context__]
+        queue += [pair[0] if isinstance(pair, tuple) else pair for pair in (getattr(e, "failures", None) or {}).values()]
+    for text in [*logged, str(err)]:
+        found = re.search(r"\[Errno \d+\] ([^:'\"\n]+)(?:: '([^']*)')?", text)
+        if found:
+            return found.group(1).strip() + (f" ({found.group(2)})" if found.group(2) else "")
+    return None
+
+
+def _write_import(megatron_path: str, config: dict, shape, model) -> None:
+    """Writes the import; a failure at any point (a full disk, an interrupt) removes every file
+    and directory this import created and keeps everything that was there before."""
+    candidates = [megatron_path, os.path.join(megatron_path, HF_CONFIG + ".partial"),
+                  iteration_dir(megatron_path, 0), iteration_dir(megatron_path, 0) + ".partial",
+                  os.path.join(megatron_path, TRACKER), os.path.join(megatron_path, TRACKER + ".tmp")]
+    existed = {p for p in candidates if os.path.lexists(p)}
+    writer_log = _WriterErrors()
+    try:
+        with writer_log:
+            _save_import(megatron_path, config, shape, model)
+    except BaseException as err:
+        for path in reversed(candidates):  # the directory last: it is removed only if it is new
+            if path in existed or not os.path.lexists(path):
+                continue
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.unlink(path)
+        cause = _os_error_cause(err, writer_log.messages)
+        if cause is None:
+            raise
+        raise ImportWriteError(f"--megatron-path {megatron_path}: cannot write the checkpoint: {cause}; nothing "
+                               "left behind") from None
 
 
 # ---------------------------------------------------------------------------------------- export
@@ -168,10 +274,9 @@ def checkpoint_shape(megatron_path: str, hf_config_path: str | None = None):
     ``hf_config.json`` an import left, else the arguments the training run saved."""
     for path in (hf_config_path, os.path.join(megatron_path, HF_CONFIG)):
         if path and os.path.exists(path):
-            with open(path) as f:
-                config = json.load(f)
-            return from_hf_config(config), config
-    saved = stored_args(checkpoint_directory(megatron_path))
+            config = read_config(path)
+            return config_shape(config, path), config
+    saved = _read_checkpoint(megatron_path, stored_args, checkpoint_directory(megatron_path))
     if saved is None or not hasattr(saved, "model_variant"):
         raise ValueError(f"{megatron_path}: no {HF_CONFIG} and no playground arguments in the checkpoint; "
                          "pass --hf-config-path")
@@ -179,24 +284,61 @@ def checkpoint_shape(megatron_path: str, hf_config_path: str | None = None):
         raise FileNotFoundError(f"{megatron_path} was trained with --hf-config-path {saved.hf_config_path}, "
                                 "which no longer exists; pass --hf-config-path")
     shape = resolve_shape(saved)
-    config = None
-    if saved.hf_config_path:
-        with open(saved.hf_config_path) as f:
-            config = json.load(f)
+    config = read_config(saved.hf_config_path) if saved.hf_config_path else None
     return shape, config
+
+
+def check_checkpoint_dir(megatron_path: str) -> None:
+    """The checkpoint under ``megatron_path`` is one this tool reads: an intact tracker (checked as
+    training checks it), the iteration it names, in the torch_dist format. Megatron's legacy
+    per-rank files (``mp_rank_00/model_optim_rng.pt``, a ``common.pt`` alone) are whole pickles,
+    which this tool never loads; torch_dist's loader would fail on them with a traceback."""
+    from megatron.core.dist_checkpointing import check_is_distributed_checkpoint
+
+    flag = f"--megatron-path {megatron_path}"
+    if not os.path.isdir(megatron_path):
+        raise FileNotFoundError(f"{flag}: no such directory")
+    check_tracker(megatron_path, "--megatron-path")
+    directory = checkpoint_directory(megatron_path)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"{flag}: {TRACKER} names {os.path.basename(directory)}, which does not exist")
+    if not check_is_distributed_checkpoint(directory):
+        legacy = sorted(n for n in os.listdir(directory) if n == "common.pt" or n.startswith("mp_rank_"))
+        what = f"legacy Megatron files ({', '.join(legacy)})" if legacy else "no torch_dist metadata.json"
+        raise CheckpointReadError(f"{flag}: {directory} is not a torch_dist checkpoint: it holds {what}; save it "
+                                  "with --ckpt-format torch_dist (this tool does not unpickle legacy checkpoints)")
+    # The index is read (restricted) before DCP's loader does: DCP logs a refused index as a
+    # traceback before it re-raises.
+    _read_checkpoint(megatron_path, _read_metadata, directory)
+
+
+def _read_metadata(directory: str):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    install()
+    return FileSystemReader(directory).read_metadata()
+
+
+def _read_checkpoint(megatron_path: str, read, *args):
+    """``read(*args)``, with a refused checkpoint (code planted in a pickle) as one line: DCP wraps
+    the refusal in its CheckpointException, a BaseException whose text is a traceback."""
+    try:
+        return read(*args)
+    except BaseException as err:
+        line = refusal(err)
+        if line is None:
+            raise
+        raise CheckpointReadError(f"--megatron-path {megatron_path}: {line}") from None
 
 
 def load_megatron(megatron_path: str, hf_config_path: str | None = None):
     """(model at TP = 1 in fp32 with the checkpoint's weights, shape, HF config, stored dtypes)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    if not os.path.isdir(megatron_path):
-        raise FileNotFoundError(f"--megatron-path {megatron_path}: no such directory")
+    check_checkpoint_dir(megatron_path)
     shape, config = checkpoint_shape(megatron_path, hf_config_path)
     directory = checkpoint_directory(megatron_path)
     model = conversion_model(shape).eval()
-    load_model_weights(model, directory)
-    stored = FileSystemReader(directory).read_metadata().state_dict_metadata
+    _read_checkpoint(megatron_path, load_model_weights, model, directory)
+    stored = _read_checkpoint(megatron_path, _read_metadata, directory).state_dict_metadata
     by_key = {k: m.properties.dtype for k, m in stored.items() if hasattr(m, "properties")}
     common = max(set(by_key.values()), key=list(by_key.values()).count)
     dtypes = {name: by_key.get(getattr(sh, "key", None), common) for name, sh in model.sharded_state_dict().items()}
@@ -220,6 +362,22 @@ def _write_failure(hf_path: str, err: BaseException) -> ExportWriteError:
         found = re.search(r'message: "([^"]*)"', str(err))
         cause = found.group(1) if found else " ".join(str(err).split())
     return ExportWriteError(f"--hf-path {hf_path}: cannot write the export: {cause}; nothing left behind")
+
+
+def _check_apart(megatron_path: str, hf_path: str) -> None:
+    """The export and the checkpoint it reads are separate trees: ``--overwrite`` empties the output
+    (and writes ``OUT.partial`` next to it), so an output equal to, above or inside the checkpoint
+    would delete or change the checkpoint. Compared as real paths (symlinks and ``..`` resolved)."""
+    mg, out = os.path.realpath(megatron_path), os.path.realpath(hf_path)
+    if out == mg:
+        where = "is the Megatron checkpoint"
+    elif mg.startswith(out.rstrip(os.sep) + os.sep):
+        where = f"contains the Megatron checkpoint {megatron_path}"
+    elif out.startswith(mg.rstrip(os.sep) + os.sep):
+        where = f"is inside the Megatron checkpoint {megatron_path}"
+    else:
+        return
+    raise ValueError(f"--hf-path {hf_path} {where}; choose an output outside it (nothing written)")
 
 
 def _start_output(hf_path: str, overwrite: bool) -> str:
@@ -265,6 +423,7 @@ def export_hf(megatron_path: str, hf_path: str, hf_processor_path: str | None = 
               overwrite: bool = False, moe_layout: str = "per-expert") -> dict:
     if moe_layout not in MOE_LAYOUTS:
         raise ValueError(f"--moe-layout {moe_layout!r}: not one of {', '.join(MOE_LAYOUTS)}")
+    _check_apart(megatron_path, hf_path)
     processor_files = _processor_files(hf_processor_path) if hf_processor_path else []  # checked before any write
     partial = _start_output(hf_path, overwrite)
     try:

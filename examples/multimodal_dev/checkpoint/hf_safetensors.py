@@ -2,7 +2,10 @@
 
 ``HFTensorSource`` opens a directory's safetensors files (one file, or shards listed in
 ``model.safetensors.index.json``) without loading them, hands out tensors by name and records
-which were taken, so a conversion can name every tensor it did not consume. MoE experts stored
+which were taken, so a conversion can name every tensor it did not consume. With an index, each
+tensor is read from the shard the index names (a stale copy in another shard is ignored); without
+one, a tensor found in two files is refused naming both. A config.json or index that is not JSON, or
+not JSON of the expected shape, is refused naming the file. MoE experts stored
 one tensor per expert (``...experts.{e}.gate_proj.weight`` / ``up_proj`` / ``down_proj``) are
 served under the packed names ``transformers`` uses (``experts.gate_up_proj`` [E, 2I, H],
 ``experts.down_proj`` [E, H, I]); ``per_expert`` is the inverse, for writing the hub layout. The
@@ -31,21 +34,46 @@ class CheckpointFileError(ValueError):
     pass
 
 
-def _safetensors_files(hf_dir: str) -> list[str]:
+def read_json(path: str, what: str):
+    """A JSON file's content; a file that is not JSON is named in one line (json's own error names
+    neither the file nor what it was meant to be)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as err:
+        raise CheckpointFileError(f"{path}: not a valid {what}: not JSON ({err.msg} at line {err.lineno} "
+                                  f"column {err.colno})") from None
+    except UnicodeDecodeError as err:
+        raise CheckpointFileError(f"{path}: not a valid {what}: not JSON (not UTF-8 text: {err.reason})") from None
+
+
+def read_index(path: str) -> dict[str, str]:
+    """The weight map of a shard index: tensor name -> file name, checked to be that shape."""
+    index = read_json(path, INDEX)
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                   for k, v in weight_map.items()):
+        raise CheckpointFileError(f"{path}: not a valid {INDEX}: expected an object whose 'weight_map' maps "
+                                  "tensor names to file names")
+    return weight_map
+
+
+def _safetensors_files(hf_dir: str) -> tuple[list[str], dict[str, str] | None]:
+    """(the safetensors files to open, the index's weight map or None without an index)."""
     if not os.path.isdir(hf_dir):
         raise FileNotFoundError(f"--hf-path {hf_dir}: no such directory")
     index = os.path.join(hf_dir, INDEX)
     if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        weight_map = read_index(index)
+        files = sorted(set(weight_map.values()))
         missing = [n for n in files if not os.path.exists(os.path.join(hf_dir, n))]
         if missing:
             raise CheckpointFileError(f"--hf-path {hf_dir}: {INDEX} lists files that are not there: {missing}")
-        return [os.path.join(hf_dir, n) for n in files]
+        return [os.path.join(hf_dir, n) for n in files], weight_map
     files = sorted(n for n in os.listdir(hf_dir) if n.endswith(".safetensors"))
     if not files:
         raise CheckpointFileError(f"--hf-path {hf_dir}: no *.safetensors files and no {INDEX}")
-    return [os.path.join(hf_dir, n) for n in files]
+    return [os.path.join(hf_dir, n) for n in files], None
 
 
 def _checked_header(path: str) -> dict:
@@ -97,17 +125,45 @@ class HFTensorSource:
 
         self.hf_dir = hf_dir
         self._where: dict[str, object] = {}
+        self._file_of: dict[str, str] = {}  # tensor -> the file it is read from
         self._handles = []
         self.dtypes: dict[str, str] = {}  # file tensor -> stored dtype ("bfloat16", ...), from the headers
-        for path in _safetensors_files(hf_dir):
-            self.dtypes.update(_checked_header(path))
+        paths, weight_map = _safetensors_files(hf_dir)
+        for path in paths:
+            dtypes = _checked_header(path)
             handle = safe_open(path, framework="pt")
             self._handles.append(handle)
             for name in handle.keys():
-                self._where[name] = handle
+                if self._owns(path, name, weight_map):
+                    self._where[name] = handle
+                    self.dtypes[name] = dtypes[name]
+        if weight_map is not None:
+            self._check_index(weight_map)
         self._packed = self._per_expert_groups()
         self.consumed: set[str] = set()
         self.nonfinite: dict[str, str] = {}  # file tensor -> "N NaN, M inf", for those read so far
+
+    def _owns(self, path: str, name: str, weight_map: dict[str, str] | None) -> bool:
+        """Whether ``name`` is read from ``path``. A tensor saved twice (a re-sharded checkpoint
+        copied over an old one) is read from the shard the index names; without an index there is
+        no telling which copy is meant, so both files are named."""
+        indexed = weight_map.get(name) if weight_map is not None else None
+        if indexed is not None:
+            if indexed != os.path.basename(path):
+                return False
+        elif name in self._file_of:
+            raise CheckpointFileError(f"--hf-path {self.hf_dir}: tensor {name} is in two files, "
+                                      f"{os.path.basename(self._file_of[name])} and {os.path.basename(path)}, "
+                                      f"and no {INDEX} says which to read")
+        self._file_of[name] = path
+        return True
+
+    def _check_index(self, weight_map: dict[str, str]) -> None:
+        absent = sorted(n for n in weight_map if n not in self._where)
+        if absent:
+            more = f" and {len(absent) - 3} more" if len(absent) > 3 else ""
+            raise CheckpointFileError(f"--hf-path {self.hf_dir}: {INDEX} names tensors their files do not hold: "
+                                      + ", ".join(f"{n} ({weight_map[n]})" for n in absent[:3]) + more)
 
     def _per_expert_groups(self) -> dict[str, list[str]]:
         """packed name -> the per-expert file tensors it is made of, in expert order."""
@@ -160,8 +216,16 @@ class HFTensorSource:
         path = os.path.join(self.hf_dir, "config.json")
         if not os.path.exists(path):
             raise FileNotFoundError(f"--hf-path {self.hf_dir}: no config.json")
-        with open(path) as f:
-            return json.load(f)
+        return read_config(path)
+
+
+def read_config(path: str) -> dict:
+    """A Hugging Face config.json, checked to be a JSON object (what its readers index into)."""
+    config = read_json(path, "config.json")
+    if not isinstance(config, dict):
+        raise CheckpointFileError(f"{path}: not a valid config.json: expected a JSON object, not "
+                                  f"{type(config).__name__}")
+    return config
 
 
 class ShardedWriter:

@@ -68,8 +68,8 @@ def check_checkpoint_matches(load_dir: str | None, shape, flag: str = "--load") 
 
 # Fields a run sets for itself, not properties of the weights: whether the MTP head trains (checked
 # above), the router's loss coefficient, and the processor's token ids.
-_RUN_FIELDS = {"mtp_num_layers", "router_aux_loss_coef", "image_token_id", "video_token_id",
-               "vision_start_token_id", "vision_end_token_id"}
+NOT_WEIGHTS = {"mtp_num_layers", "router_aux_loss_coef"}
+_RUN_FIELDS = NOT_WEIGHTS | {"image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"}
 
 
 def stored_shape(stored):
@@ -87,18 +87,18 @@ def stored_shape(stored):
     return entry.load("shape_fn")(variant, moe=moe) if variant else None
 
 
-def shape_differences(stored, current, prefix: str = "") -> list[str]:
+def shape_differences(stored, current, labels=("checkpoint", "this run"), skip=_RUN_FIELDS, prefix: str = "") -> list[str]:
     """``field value (checkpoint) vs value (this run)`` for every field that differs."""
     if stored is None:
         return []
     differ = []
     for f in fields(current):
-        if f.name in _RUN_FIELDS:
+        if f.name in skip:
             continue
         was, now = getattr(stored, f.name), getattr(current, f.name)
         if is_dataclass(now):
-            differ += shape_differences(was, now, f"{prefix}{f.name}.")
+            differ += shape_differences(was, now, labels, skip, f"{prefix}{f.name}.")
         elif was != now:
-            differ.append(f"{prefix}{f.name} {was} (checkpoint) vs {now} (this run)")
+            differ.append(f"{prefix}{f.name} {was} ({labels[0]}) vs {now} ({labels[1]})")
     return differ
 

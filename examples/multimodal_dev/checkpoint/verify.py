@@ -5,30 +5,94 @@ Built-in inputs (deterministic, no files needed): a text-only row of 48 token id
 image+text row with one 4x6-patch image of seeded random pixels. ``--prompt`` (and ``--image``)
 run real text through the checkpoint's processor instead.
 
+``--hf-path`` and ``--hf-processor-path`` follow the project's path rule (``data/sources.py``): a
+local path must exist, and only ``hf://NAME`` reaches the Hugging Face Hub. Before either model is
+built, the shape of the HF config is compared with the checkpoint's (a pair of different vocabulary
+sizes is one line naming it, not a size-mismatch traceback), and a local folder of pickled weights
+(``pytorch_model.bin``) is refused: verify reads safetensors only.
+
 NaN or inf makes every difference NaN, which says nothing about where it came from: verify names the
 weights that hold them (either model), else the logits that came out non-finite, and fails.
 """
 
 from __future__ import annotations
 
+import glob
+import os
+
 import torch
 
+from examples.multimodal_dev.data.sources import resolve
 from examples.multimodal_dev.models.qwen35_vl.mrope import padded_batch_position_ids
 
 from . import hf_conversion
+from .hf_safetensors import read_config
+from .run_shape import NOT_WEIGHTS, shape_differences
+
+# Shape fields verify does not compare: the MTP head is in neither forward pass, and the router's
+# auxiliary-loss weight is a training setting, not part of the logits.
+class HFSource:
+    """Where ``--hf-path`` (or ``--hf-processor-path``) points: a local folder, or a Hub name when
+    given as ``hf://NAME``; transformers is told which (``local_files_only``), so a typo never
+    turns into minutes of Hub retries."""
+
+    def __init__(self, value: str, flag: str):
+        self.flag, self.value = flag, value
+        self.path, self.hub = resolve(value, flag)
+
+    def load_kwargs(self) -> dict:
+        return {"local_files_only": not self.hub}
 
 
-def _hf_model(hf_path: str):
+def _local_hf_dir(src: HFSource) -> None:
+    """A local model folder has a config.json and safetensors weights; pickled ``*.bin`` weights
+    could run code on load, so they are refused by name instead of handed to transformers."""
+    if src.hub:
+        return
+    if not os.path.isdir(src.path) or not os.path.isfile(os.path.join(src.path, "config.json")):
+        raise FileNotFoundError(f"{src.flag} {src.value}: no config.json (not a Hugging Face model folder)")
+    if not glob.glob(os.path.join(src.path, "*.safetensors")):
+        pickled = sorted(os.path.basename(p) for ext in ("*.bin", "*.pt", "*.pth")
+                         for p in glob.glob(os.path.join(src.path, ext)))
+        what = f"pickled weights ({', '.join(pickled)})" if pickled else "no weights"
+        raise ValueError(f"{src.flag} {src.value}: {what}, no *.safetensors; verify reads safetensors only "
+                         "(save the model with safe_serialization)")
+
+
+def _hf_config(src: HFSource) -> dict:
+    if not src.hub:
+        return read_config(os.path.join(src.path, "config.json"))
+    import transformers
+
+    return transformers.AutoConfig.from_pretrained(src.path).to_dict()
+
+
+def check_same_model(src: HFSource, megatron_path: str):
+    """The checkpoint's shape and the HF config's shape agree, field by field; else one line
+    naming each field that differs. Returns the checkpoint's shape."""
+    config_path = src.value if src.hub else os.path.join(src.path, "config.json")
+    hf_shape = hf_conversion.config_shape(_hf_config(src), config_path)
+    mg_shape, _ = hf_conversion.checkpoint_shape(megatron_path)
+    differ = shape_differences(mg_shape, hf_shape, labels=("checkpoint", "HF"), skip=NOT_WEIGHTS)
+    if differ:
+        more = f" and {len(differ) - 5} more" if len(differ) > 5 else ""
+        raise ValueError(f"--megatron-path {megatron_path} and {src.flag} {src.value} are different models: "
+                         + "; ".join(differ[:5]) + more)
+    return mg_shape
+
+
+def _hf_model(src: HFSource):
     import transformers
 
     from .hf_models import hf_classes
 
-    config = transformers.AutoConfig.from_pretrained(hf_path)
+    config = transformers.AutoConfig.from_pretrained(src.path, **src.load_kwargs())
     try:
         _, model_cls = hf_classes(config.model_type)
     except ValueError as err:
-        raise ValueError(f"--hf-path {hf_path}: {err}") from None
-    return model_cls.from_pretrained(hf_path, dtype=torch.float32, attn_implementation="sdpa").eval()
+        raise ValueError(f"{src.flag} {src.value}: {err}") from None
+    return model_cls.from_pretrained(src.path, dtype=torch.float32, attn_implementation="sdpa", use_safetensors=True,
+                                     **src.load_kwargs()).eval()
 
 
 def _text_ids(shape, n: int, generator) -> list[int]:
@@ -50,11 +114,11 @@ def builtin_cases(shape) -> list[tuple[str, dict]]:
                             "image_grid_thw": torch.tensor([grid])})]
 
 
-def prompt_case(processor_path: str, prompt: str, image: str | None) -> list[tuple[str, dict]]:
+def prompt_case(processor: HFSource, prompt: str, image: str | None) -> list[tuple[str, dict]]:
     from PIL import Image
     from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(processor_path)
+    processor = AutoProcessor.from_pretrained(processor.path, **processor.load_kwargs())
     content = ([{"type": "image"}] if image else []) + [{"type": "text", "text": prompt}]
     text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                          tokenize=False)
@@ -106,16 +170,24 @@ def _line(prefix: str, s: dict) -> str:
 
 
 def verify(args) -> bool:
+    # Every path and shape is checked before either model is built (minutes on a large model).
+    hf_src = HFSource(args.hf_path, "--hf-path")
+    processor = HFSource(args.hf_processor_path, "--hf-processor-path") if args.hf_processor_path else hf_src
+    if args.image and not args.prompt:
+        raise ValueError("--image needs --prompt")
+    if args.image and not os.path.isfile(args.image):
+        raise FileNotFoundError(f"--image {args.image}: no such file")
+    _local_hf_dir(hf_src)
+    hf_conversion.check_checkpoint_dir(args.megatron_path)
+    check_same_model(hf_src, args.megatron_path)
     mg, shape, _, _ = hf_conversion.load_megatron(args.megatron_path)
-    hf = _hf_model(args.hf_path)
+    hf = _hf_model(hf_src)
     reasons = _nonfinite_weights(mg, "Megatron") + _nonfinite_weights(hf, "HF")
     if reasons:
         print("verify: FAIL: " + "; ".join(reasons))
         return False
     if args.prompt:
-        cases = prompt_case(args.hf_processor_path or args.hf_path, args.prompt, args.image)
-    elif args.image:
-        raise ValueError("--image needs --prompt")
+        cases = prompt_case(processor, args.prompt, args.image)
     else:
         cases = builtin_cases(shape)
     all_ours, all_ref = [], []

@@ -10,7 +10,11 @@ import   Hugging Face directory -> Megatron checkpoint (iteration 0, torch_dist,
 export   Megatron checkpoint saved at any layout -> Hugging Face directory (config.json, sharded
          safetensors, tokenizer/processor files)
 verify   the HF model and the Megatron checkpoint (CPU, fp32) on the same deterministic text-only and
-         image+text batches (or ``--prompt``/``--image``); exit 1 above ``--atol``
+         image+text batches (or ``--prompt``/``--image``); exit 1 above ``--atol``. ``--hf-path`` and
+         ``--hf-processor-path`` are local folders that must exist, or ``hf://NAME`` for the Hub
+
+A user's mistake (a missing path, a damaged or foreign file, two models that differ) is one line,
+``convert_checkpoint COMMAND: error: ...``, with exit status 2.
 
 The work is done by ``checkpoint/hf_conversion.py`` and ``checkpoint/verify.py``; this file is the
 command. It runs on the CPU (it hides GPUs from itself): it needs host memory for one copy of the
@@ -56,12 +60,12 @@ def _parser() -> argparse.ArgumentParser:
                      help="MoE experts one tensor per expert as on the hub (default) or packed [E, ...]")
     exp.add_argument("--overwrite", action="store_true")
     ver = sub.add_parser("verify", help="logits of the Megatron checkpoint against the Hugging Face model")
-    ver.add_argument("--hf-path", required=True)
+    ver.add_argument("--hf-path", required=True, help="local Hugging Face folder, or hf://NAME for the Hub")
     ver.add_argument("--megatron-path", required=True)
     ver.add_argument("--atol", type=float, default=1e-3, help="largest allowed |logit difference| (fp32)")
     ver.add_argument("--prompt", default=None, help="text to run instead of the built-in batches")
     ver.add_argument("--image", default=None, help="an image file to go with --prompt")
-    ver.add_argument("--hf-processor-path", default=None, help="processor for --prompt (default: --hf-path)")
+    ver.add_argument("--hf-processor-path", default=None, help="processor for --prompt (default: --hf-path); local, or hf://NAME")
     return parser
 
 
