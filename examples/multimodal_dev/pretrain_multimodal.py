@@ -21,7 +21,7 @@ from examples.multimodal_dev.checkpoint.run_shape import check_checkpoint_matche
 from examples.multimodal_dev.data import get_dataset_provider
 from examples.multimodal_dev.data.collate import Collator, pad_multiple_for
 from examples.multimodal_dev.data.loader import build_iterator
-from examples.multimodal_dev.data.sample import VisionTokens
+from examples.multimodal_dev.data.sample import DataError, VisionTokens
 from examples.multimodal_dev.data.sources import resolve as resolve_source
 from examples.multimodal_dev.data.token_budget import check_packing_args, plan_factory
 from examples.multimodal_dev.forward_step import for_stage, forward_step
@@ -100,9 +100,23 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
         common["plan_fn"] = plan_factory(shape, budget, args.global_batch_size, dp_size, pad_multiple,
                                          args.packing_window)
         train["plan_fn"] = functools.partial(_resumed_plan, common["plan_fn"], args)
+    if datasets[1] is None:
+        _no_validation(args)
     return (build_iterator(datasets[0], args.consumed_train_samples, **train),
             build_iterator(datasets[1], args.consumed_valid_samples, cyclic=True, **common),
             build_iterator(datasets[2], 0, **common))
+
+
+def _no_validation(args) -> None:
+    """megatron.training 0.19.2 decides whether to evaluate from the list it wraps the validation
+    iterator in (``[None]`` is truthy), not from the iterator, and would evaluate on None at the
+    first ``--eval-interval``; ``--eval-iters`` is its only other input, so set it to 0. It decides
+    the test evaluation from the same flag, so that is off too."""
+    if args.eval_iters and not args.full_validation:
+        args.eval_iters = 0
+        if args.rank == 0:
+            print("pretrain_multimodal.py: the data has no validation split: evaluation is off (--eval-iters 0; "
+                  "megatron.training uses it for the test split too)", flush=True)
 
 
 def _resumed_plan(plan_fn, args, dataset, cyclic):
@@ -206,6 +220,8 @@ def main():
     try:
         pretrain(pretrain_cfg_container_from_args(args), metered(datasets_provider, meter),
                  ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+    except DataError as err:  # the user's data, found unusable while the iterators are built or drawn
+        raise SystemExit(f"pretrain_multimodal.py: {err}") from None
     except BaseException as err:
         _exit_in_one_line(err, args)
 

@@ -2,8 +2,9 @@
 
 Source (``--data-path``): a directory written by ``datasets.save_to_disk``, a directory or
 glob of parquet files (the hub layout ``data/{split}-*.parquet``), or ``hf://naver-clova-ix/cord-v2``
-(the Hub, or its cache: only with the ``hf://`` prefix, see ``sources.py``). A saved dataset
-without a validation or test split gives no iterator for it. Columns: ``image`` and
+(the Hub, or its cache: only with the ``hf://`` prefix, see ``sources.py``). A split comes only
+from its own files: a source without a validation or test split (or with an empty one) gives no
+data and no iterator for it, never the train rows again. Columns: ``image`` and
 ``ground_truth`` (a JSON string whose ``gt_parse`` is the answer).
 
 Each sample: user turn = image + instruction, assistant turn = ``json.dumps(gt_parse)``. The
@@ -14,52 +15,33 @@ the trained span is exactly the answer, whatever the template puts around it.
 
 from __future__ import annotations
 
-import glob
+import contextlib
 import io
 import json
-import os
 
 import torch
 
+from . import sources
 from .processor import load_processor
-from .sample import BadSample, build_sft_sample
+from .sample import BadSample, DataError, build_sft_sample
 from .skipping import SkippingDataset
-from .sources import resolve
 
 INSTRUCTION = "Extract the receipt's contents as JSON."
-SPLITS = ("train", "validation", "test")
+SPLITS = sources.SPLIT_NAMES
+COLUMNS = ("image", "ground_truth")
 
 
 def load_split(data_path: str, split: str):
     """The ``split`` of CORD-V2 as a ``datasets.Dataset`` with undecoded images; None for a
-    validation or test split that a saved dataset does not have."""
+    validation or test split the source does not have (never another split's rows)."""
     import datasets
 
-    data_path, from_hub = resolve(data_path, "--data-path")
-    if from_hub:
-        ds = datasets.load_dataset(data_path, split=split)
-    elif os.path.isdir(data_path) and os.path.exists(os.path.join(data_path, "dataset_dict.json")):
-        saved = datasets.load_from_disk(data_path)
-        if split not in saved:
-            if split == "train":
-                raise ValueError(f"--data-path {data_path!r} has no train split (it has {sorted(saved)})")
-            return None
-        ds = saved[split]
-    elif os.path.isdir(data_path) and os.path.exists(os.path.join(data_path, "dataset_info.json")):
-        ds = datasets.load_from_disk(data_path)  # one saved split: use it for every split
-    elif os.path.isdir(data_path) or "*" in data_path or data_path.endswith(".parquet"):
-        pattern = os.path.join(data_path, "**", "*.parquet") if os.path.isdir(data_path) else data_path
-        files = sorted(glob.glob(pattern, recursive=True))
-        split_files = [f for f in files if os.path.basename(f).startswith(split)] or files
-        if not split_files:
-            raise ValueError(f"--data-path {data_path!r}: no parquet files found")
-        ds = datasets.load_dataset("parquet", data_files=split_files, split="train")
-    else:
-        raise ValueError(f"--data-path {data_path!r} is neither a saved dataset directory nor parquet files")
-    missing = {"image", "ground_truth"} - set(ds.column_names)
-    if missing:
-        raise ValueError(f"--data-path {data_path!r} ({split}): missing column(s) {sorted(missing)}; "
-                         f"found {ds.column_names}")
+    ds = sources.load_split(data_path, split, "--data-path")
+    if ds is None:
+        return None
+    if set(COLUMNS) - set(ds.column_names):
+        raise DataError(f"--data-path {data_path!r} ({split}): expected columns {list(COLUMNS)}, "
+                        f"found {ds.column_names}")
     # Decode images ourselves so one corrupt file is a skipped sample, not a crashed run.
     return ds.cast_column("image", datasets.Image(decode=False))
 
@@ -86,9 +68,33 @@ def _answer_text(ground_truth) -> str:
         parse = json.loads(ground_truth).get("gt_parse") if isinstance(ground_truth, str) else None
     except (json.JSONDecodeError, AttributeError) as err:
         raise BadSample("bad_ground_truth", str(err)) from err
-    if not parse:
-        raise BadSample("empty_answer", "gt_parse is missing or empty")
+    if not _has_content(parse):
+        # e.g. {"text": ""}: training on it would teach the model to answer receipts with nothing
+        raise BadSample("empty_answer", f"gt_parse holds no value: {json.dumps(parse, ensure_ascii=False)[:80]}")
     return json.dumps(parse, ensure_ascii=False)
+
+
+def _has_content(value) -> bool:
+    """Whether a parse holds any value besides empty strings, lists, dicts and nulls."""
+    if isinstance(value, dict):
+        return any(_has_content(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_content(v) for v in value)
+    if isinstance(value, str):
+        return bool(value.strip())
+    return value is not None
+
+
+@contextlib.contextmanager
+def _aspect_ratio_is_bad_sample():
+    """Qwen's smart_resize (qwen_vl_utils' and transformers') refuses an image whose aspect
+    ratio is over 200 with a ValueError; that image is a skipped sample, not a crashed run."""
+    try:
+        yield
+    except ValueError as err:
+        if "aspect ratio" not in str(err):
+            raise
+        raise BadSample("aspect_ratio", f"image aspect ratio over 200 ({err})") from err
 
 
 def _image_size(cell) -> tuple[int, int]:
@@ -128,8 +134,9 @@ class CordV2Conversations:
         answer_ids = self._answer_ids(row)
         messages = self._messages(_open_image(row["image"]))
         prompt = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        images, _ = process_vision_info(messages, image_patch_size=self.info.patch_size)
-        enc = self.processor(text=[prompt], images=images, return_tensors="pt")
+        with _aspect_ratio_is_bad_sample():
+            images, _ = process_vision_info(messages, image_patch_size=self.info.patch_size)
+            enc = self.processor(text=[prompt], images=images, return_tensors="pt")
         return build_sft_sample(enc["input_ids"][0], answer_ids, enc["pixel_values"], enc["image_grid_thw"])
 
     def describe(self, index: int) -> dict:
@@ -139,7 +146,8 @@ class CordV2Conversations:
         row = self.ds[index]
         answer_ids = self._answer_ids(row)
         width, height = _image_size(row["image"])
-        grid = self._grid(height, width)
+        with _aspect_ratio_is_bad_sample():
+            grid = self._grid(height, width)
         n_tokens = grid[0] * grid[1] * grid[2] // self.info.tokens.spatial_merge ** 2
         prompt = self.processor.apply_chat_template(self._messages(None), tokenize=False, add_generation_prompt=True)
         ids = self.processor.tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids[0]
@@ -184,5 +192,5 @@ def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path
             continue
         produce = CordV2Conversations(ds, processor, info, min_pixels, max_pixels)
         out.append(SkippingDataset(produce, len(ds), n, info.tokens, seq_length, info.patch_dim,
-                                   name=f"cord_v2[{split}]"))
+                                   name=f"cord_v2[{split}]", source=f"--data-path {data_path!r}"))
     return tuple(out)

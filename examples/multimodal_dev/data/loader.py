@@ -4,6 +4,9 @@ continues at ``consumed_samples`` exactly) plus the THD/BSHD collate.
 megatron.training's default loader stacks samples with torch's default collate, which cannot
 hold variable-length conversations; the playground therefore hands megatron.training
 ready-made iterators (``--dataloader-type external``) on every host.
+
+A split without data gives no iterator (None); the training script turns evaluation off when
+that is the validation split (``pretrain_multimodal.datasets_provider``).
 """
 
 from __future__ import annotations
@@ -13,21 +16,25 @@ import itertools
 import torch
 from megatron.training.datasets.data_samplers import MegatronPretrainingSampler
 
+from .sample import DataError
 from .token_budget import TokenBudgetSampler
+
+SKIPS_KEY = "skipped"  # batch["stats"][SKIPS_KEY]: a worker's new skip counts, removed in the main process
 
 
 def build_iterator(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
                    collate_fn, num_workers: int = 0, cyclic: bool = False, plan_fn=None):
     """Micro-batches for this data-parallel rank, starting after ``consumed_samples``.
     ``plan_fn(dataset, cyclic)``: a ``TokenBudgetPlan`` whose rows are the micro-batches
-    (token-budget packing; ``consumed_samples`` then counts rows)."""
+    (token-budget packing; ``consumed_samples`` then counts rows). ``cyclic`` marks the
+    validation split (evaluation passes keep drawing, wrapping around it)."""
     if dataset is None or len(dataset) == 0:
         return None
-    loader_options = dict(collate_fn=collate_fn, num_workers=num_workers, persistent_workers=num_workers > 0,
-                          pin_memory=torch.cuda.is_available())
+    loader_options = dict(collate_fn=_CollateWithSkips(collate_fn, dataset), num_workers=num_workers,
+                          persistent_workers=num_workers > 0, pin_memory=torch.cuda.is_available())
     if plan_fn is not None:
         sampler = TokenBudgetSampler(plan_fn(dataset, cyclic), consumed_samples, dp_rank)
-        return iter(torch.utils.data.DataLoader(dataset, batch_sampler=sampler, **loader_options))
+        return _summing_skips(torch.utils.data.DataLoader(dataset, batch_sampler=sampler, **loader_options), dataset)
     if len(dataset) < micro_batch_size * dp_size:
         raise ValueError(f"a split of {len(dataset)} samples cannot fill one micro-batch of {micro_batch_size} "
                          f"on each of {dp_size} data-parallel ranks")
@@ -39,7 +46,49 @@ def build_iterator(dataset, consumed_samples: int, micro_batch_size: int, dp_ran
         return iter(torch.utils.data.DataLoader(dataset, batch_sampler=sampler, **loader_options))
 
     if not cyclic:
-        return one_pass(consumed_samples)
-    # Validation: evaluation passes keep drawing, wrapping around the split.
+        return _summing_skips(one_pass(consumed_samples), dataset)
     first = one_pass(consumed_samples % len(dataset))
-    return itertools.chain(first, itertools.chain.from_iterable(one_pass(0) for _ in itertools.count()))
+    return _summing_skips(itertools.chain(first, itertools.chain.from_iterable(one_pass(0) for _ in itertools.count())),
+                          dataset)
+
+
+class _CollateWithSkips:
+    """The collate, plus what the dataset skipped in this process (a DataLoader worker holds its
+    own copy of the dataset and its counts) since the last batch, in ``batch["stats"]``."""
+
+    def __init__(self, collate_fn, dataset):
+        self.collate_fn, self.dataset = collate_fn, dataset
+
+    def __call__(self, samples):
+        batch = self.collate_fn(samples)
+        stats = batch.get("stats") if isinstance(batch, dict) else None
+        if isinstance(stats, dict) and hasattr(self.dataset, "new_skips"):
+            stats[SKIPS_KEY] = self.dataset.new_skips()
+        return batch
+
+
+def _summing_skips(batches, dataset):
+    """``batches`` with each batch's skip counts taken out and summed into the run's total
+    (main process); a data error raised in a worker comes out as its own one line."""
+    batches = iter(batches)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except DataError as err:  # torch re-raises a worker's error with its traceback in the message
+            raise DataError(_original_line(str(err))) from None
+        stats = batch.get("stats") if isinstance(batch, dict) else None
+        if isinstance(stats, dict) and SKIPS_KEY in stats:
+            delta = stats.pop(SKIPS_KEY)
+            if hasattr(dataset, "add_run_skips"):
+                dataset.add_run_skips(delta)
+        yield batch
+
+
+def _original_line(message: str) -> str:
+    """The error's own line from torch's "Caught X in DataLoader worker ... Original Traceback"."""
+    if "\n" not in message:
+        return message
+    last = message.rstrip().splitlines()[-1]
+    return last.split(": ", 1)[1] if ": " in last else last

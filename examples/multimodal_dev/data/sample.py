@@ -44,6 +44,11 @@ class BadSample(Exception):
         self.reason = reason
 
 
+class DataError(ValueError):
+    """The user's data cannot be trained on at all (a missing or empty train split, wrong
+    columns, every row unusable): one line naming the flag and the value, never a traceback."""
+
+
 @dataclass(frozen=True)
 class VisionTokens:
     """Token ids the collate and the model agree on (taken from the processor or the shape)."""

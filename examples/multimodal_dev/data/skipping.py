@@ -2,8 +2,14 @@
 
 A provider implements ``produce(index) -> sample`` and raises ``BadSample`` for anything that
 cannot be trained on. ``SkippingDataset[i]`` then tries ``i+1, i+2, ...`` (deterministically,
-so resumed runs see the same samples), logs a warning with the running count per reason, and
-validates every sample it returns against the contract.
+so resumed runs see the same samples), logs a warning per skipped sample, and validates every
+sample it returns against the contract. A split whose every row is unusable stops the run with
+one line giving the count per reason.
+
+Skip counts: each DataLoader worker holds its own copy of the dataset, so ``skip_counts`` is
+this process's count only. ``new_skips()`` hands over what this process skipped since it was
+last asked (the loader puts it in the collated batch), and the main process sums those into
+``run_skip_counts`` (``add_run_skips``), the figure the log reports.
 """
 
 from __future__ import annotations
@@ -13,20 +19,28 @@ from collections import Counter
 
 from torch.utils.data import Dataset
 
-from .sample import VISION_KINDS, BadSample, VisionTokens, fit_to_budget, validate_sample
+from .sample import VISION_KINDS, BadSample, DataError, VisionTokens, fit_to_budget, validate_sample
 
 log = logging.getLogger(__name__)
 
 
+def format_counts(counts) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(counts.items()))
+
+
 class SkippingDataset(Dataset):
     def __init__(self, produce, num_source: int, length: int, tokens: VisionTokens, max_length: int,
-                 patch_dim: int | None = None, max_consecutive_skips: int = 64, name: str = "dataset"):
+                 patch_dim: int | None = None, max_consecutive_skips: int = 64, name: str = "dataset",
+                 source: str | None = None):
         if num_source <= 0:
             raise ValueError(f"{name}: the source has no samples")
         self.produce, self.num_source, self.length = produce, num_source, length
         self.tokens, self.max_length, self.patch_dim = tokens, max_length, patch_dim
         self.max_consecutive_skips, self.name = max_consecutive_skips, name
-        self.skip_counts: Counter = Counter()
+        self.source = source  # the flag and value the rows come from, for the user's error line
+        self.skip_counts: Counter = Counter()      # skipped in this process
+        self._handed_over: Counter = Counter()     # the part of skip_counts new_skips() returned
+        self.run_skip_counts: Counter = Counter()  # the run's total, summed in the main process
 
     def __len__(self) -> int:
         return self.length
@@ -41,17 +55,38 @@ class SkippingDataset(Dataset):
         sample = self._first_usable(index, getattr(self.produce, "describe", self.produce), count=False)
         return sample["input_ids"].numel(), [g for _, _, grids in VISION_KINDS for g in sample[grids].tolist()]
 
+    def new_skips(self) -> dict:
+        """What this process skipped since the last call (a worker's delta for the main process)."""
+        delta = self.skip_counts - self._handed_over
+        self._handed_over = Counter(self.skip_counts)
+        return dict(delta)
+
+    def add_run_skips(self, delta: dict) -> None:
+        """Add one batch's delta to the run's total and log the total (main process)."""
+        if not delta:
+            return
+        self.run_skip_counts.update(delta)
+        log.warning("%s: %d samples skipped so far in this run (all workers): %s", self.name,
+                    sum(self.run_skip_counts.values()), format_counts(self.run_skip_counts))
+
     def _first_usable(self, index: int, produce, count: bool) -> dict:
-        for attempt in range(self.max_consecutive_skips):
+        attempts = min(self.max_consecutive_skips, self.num_source)
+        reasons: Counter = Counter()
+        for attempt in range(attempts):
             source_index = (index + attempt) % self.num_source
             try:
                 sample = fit_to_budget(produce(source_index), self.tokens, self.max_length)
                 return validate_sample(sample, self.tokens, self.patch_dim)
             except BadSample as bad:
-                if not count:
-                    continue
-                self.skip_counts[bad.reason] += 1
-                counts = ", ".join(f"{k}={v}" for k, v in sorted(self.skip_counts.items()))
-                log.warning("%s: skipped sample %d (%s); skipped so far: %s", self.name, source_index, bad, counts)
-        raise RuntimeError(f"{self.name}: {self.max_consecutive_skips} consecutive samples from index {index} were "
-                           f"unusable ({dict(self.skip_counts)}); check --data-path and --seq-length")
+                reasons[bad.reason] += 1
+                if count:
+                    self.skip_counts[bad.reason] += 1
+                    # A worker knows only its own count; the run's total is logged by add_run_skips.
+                    log.warning("%s: skipped sample %d (%s); skipped so far in this process: %s", self.name,
+                                source_index, bad, format_counts(self.skip_counts))
+        where = f"{self.source}: " if self.source else ""
+        if attempts == self.num_source:  # tried every row once: trying again cannot help
+            raise DataError(f"{where}every one of the {self.num_source} rows of {self.name} was skipped "
+                            f"({format_counts(reasons)}); check the data and --seq-length")
+        raise DataError(f"{where}{attempts} consecutive rows of {self.name} from row {index % self.num_source} were "
+                        f"skipped ({format_counts(reasons)}); check the data and --seq-length")
