@@ -30,8 +30,14 @@ def build_iterator(dataset, consumed_samples: int, micro_batch_size: int, dp_ran
     validation split (evaluation passes keep drawing, wrapping around it)."""
     if dataset is None or len(dataset) == 0:
         return None
+    # Every DataLoader iterator draws its base seed from a generator; without one of its own that is
+    # torch's global generator, after megatron has restored it from the checkpoint, so a resumed
+    # run's dropout would differ from the straight run's. A fixed generator per loader draws nothing
+    # from the global one and gives workers the same seeds in both runs.
     loader_options = dict(collate_fn=_CollateWithSkips(collate_fn, dataset), num_workers=num_workers,
-                          persistent_workers=num_workers > 0, pin_memory=torch.cuda.is_available())
+                          persistent_workers=num_workers > 0, pin_memory=torch.cuda.is_available(),
+                          generator=torch.Generator().manual_seed(0),
+                          worker_init_fn=exit_with_parent if num_workers > 0 else None)
     if plan_fn is not None:
         sampler = TokenBudgetSampler(plan_fn(dataset, cyclic), consumed_samples, dp_rank)
         return _summing_skips(torch.utils.data.DataLoader(dataset, batch_sampler=sampler, **loader_options), dataset)
@@ -50,6 +56,19 @@ def build_iterator(dataset, consumed_samples: int, micro_batch_size: int, dp_ran
     first = one_pass(consumed_samples % len(dataset))
     return _summing_skips(itertools.chain(first, itertools.chain.from_iterable(one_pass(0) for _ in itertools.count())),
                           dataset)
+
+
+def exit_with_parent(worker_id: int = 0) -> None:
+    """A DataLoader worker dies with the rank that forked it. torch's workers notice a dead parent
+    only while they wait for work; a rank killed with SIGKILL left a worker (a copy of the rank's
+    memory, ~760 MB for tiny) and multiprocessing's resource tracker running. Linux delivers
+    SIGKILL to this process when its parent dies (``PR_SET_PDEATHSIG``); elsewhere nothing changes."""
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 class _CollateWithSkips:

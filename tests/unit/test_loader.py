@@ -1,0 +1,74 @@
+"""The loader draws nothing from torch's global generator: megatron restores it from the checkpoint
+before the iterators are built, so a draw there would make a resumed run's dropout differ."""
+
+import torch
+
+from examples.multimodal_dev.data.loader import build_iterator
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return {"x": torch.tensor([i])}
+
+
+def _collate(samples):
+    return {"x": torch.cat([s["x"] for s in samples]), "stats": {}}
+
+
+def test_building_and_drawing_leave_the_global_generator_alone():
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    train = build_iterator(_Rows(), 2, micro_batch_size=2, dp_rank=0, dp_size=1, collate_fn=_collate)
+    valid = build_iterator(_Rows(), 0, micro_batch_size=2, dp_rank=0, dp_size=1, collate_fn=_collate, cyclic=True)
+    assert next(train)["x"].tolist() == [2, 3]
+    assert [next(valid)["x"].tolist() for _ in range(5)][-1] == [0, 1]  # wrapped round to a new pass
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+_RANK = """
+import sys, time, torch
+sys.path[:0] = {paths!r}
+from examples.multimodal_dev.data.loader import build_iterator
+from tests.unit.test_loader import _Rows, _collate
+
+class Slow(_Rows):
+    def __getitem__(self, i):
+        time.sleep(60)  # busy in the middle of a batch when the rank is killed
+        return super().__getitem__(i)
+
+it = build_iterator(Slow(), 0, micro_batch_size=2, dp_rank=0, dp_size=1, collate_fn=_collate, num_workers=2)
+next(it)
+"""
+
+
+def test_workers_die_with_a_rank_killed_with_sigkill(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    rank = subprocess.Popen([sys.executable, "-c", _RANK.format(paths=[root, os.path.join(root, "tests")])])
+    workers = []
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and len(psutil.Process(rank.pid).children()) < 2:
+            time.sleep(0.2)
+        workers = psutil.Process(rank.pid).children()
+        assert len(workers) >= 2, "the DataLoader workers did not start"
+        os.kill(rank.pid, signal.SIGKILL)
+        rank.wait()
+        gone, alive = psutil.wait_procs(workers, timeout=10)
+        assert not alive, f"workers outlived the killed rank: {[p.pid for p in alive]}"
+    finally:  # nothing of the test outlives it, whatever failed
+        for p in [*workers, *psutil.Process().children(recursive=True)]:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
