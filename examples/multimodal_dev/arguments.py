@@ -53,6 +53,10 @@ def add_multimodal_args(parser):
                             "throughput.py's table; 0: no MFU)")
     group.add_argument("--metrics-file", default=None,
                        help="append one JSON line per iteration (loss, grad norm, lr, tokens, FLOPs; full precision)")
+    group.add_argument("--dist-ckpt-optim-dp-reshardable", action="store_true",
+                       help="save the distributed optimizer in megatron's dp_reshardable layout (its own default): "
+                            "cheaper saves, but it resumes at another DP size only; this playground saves "
+                            "--dist-ckpt-optim-fully-reshardable otherwise (checkpoint/optimizer_format.py)")
     # No default here: backend.engine_defaults() picks transformer_engine or local by what the
     # host has, and an explicit --transformer-impl always wins.
     parser.set_defaults(transformer_impl=None)

@@ -15,7 +15,7 @@ import functools
 from megatron.training import get_args
 
 from examples.multimodal_dev.arguments import add_multimodal_args
-from examples.multimodal_dev.checkpoint import finite_guard, plan_state, safety, save_guard
+from examples.multimodal_dev.checkpoint import finite_guard, optimizer_format, plan_state, safety, save_guard
 from examples.multimodal_dev.checkpoint.integrity import check_resumable
 from examples.multimodal_dev.checkpoint.run_shape import check_checkpoint_matches, resolve_shape
 from examples.multimodal_dev.data import get_dataset_provider
@@ -163,6 +163,50 @@ def check_pipeline_split(args) -> None:
                  args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
 
 
+def checked_args():
+    """megatron's args, the user's settings checked before any process group exists: a mistake is
+    one line naming the flag and the value, never a traceback."""
+    from megatron.training.arguments import parse_and_validate_args, parse_args
+
+    try:
+        given = parse_args(add_multimodal_args)
+        typed = given_flags(megatron_parser(add_multimodal_args))
+        check_pipeline_split(given)  # before megatron asserts on these
+        check_attention_backend(given)
+        run_checks.check_finite_flags(given, typed)
+        run_checks.check_lr_schedule(given)
+        args = parse_and_validate_args(extra_args_provider=add_multimodal_args, args_defaults=engine_defaults())
+        run_checks.stop_at_first_nan(args, typed)
+        optimizer_format.default_to_reshardable(args)
+        check_backend(args)
+        check_packing_args(args)
+        if args.data_path:
+            resolve_source(args.data_path[0], "--data-path")
+        language, vision = model_configs()
+        if backend_of(args) == "local":  # refuses --attention-backend flash where varlen cannot run
+            thd_line = describe_thd_kernels({"language model": language, "vision encoder": vision})
+            if args.rank == 0:
+                print(f"pretrain_multimodal.py: {thd_line}", flush=True)
+        check_checkpoints(args)
+    except (ValueError, KeyError, FileNotFoundError) as err:
+        raise SystemExit(f"pretrain_multimodal.py: {err.args[0] if err.args else err}")
+    except BaseException as err:  # reading --load's stored args may meet a planted pickle
+        _exit_in_one_line(err, None)
+    return args
+
+
+def check_checkpoints(args) -> None:
+    """What ``--load`` / ``--pretrained-checkpoint`` hold fits this run, before megatron reads it: a
+    readable tracker, a whole latest iteration, the same model shape, the same LR, an optimizer
+    format that loads at this layout."""
+    for flag, directory in (("--load", args.load), ("--pretrained-checkpoint", args.pretrained_checkpoint)):
+        safety.check_tracker(directory, flag)
+        check_resumable(directory, flag)
+        check_checkpoint_matches(directory, model_shape(), flag)
+    run_checks.check_resume_lr(args)
+    optimizer_format.check_layout_change(args)
+
+
 def main():
     import megatron.cpu
     from megatron.cpu import distrib_optimizer_fixes
@@ -176,40 +220,13 @@ def main():
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
-    from megatron.training.arguments import parse_and_validate_args, parse_args
 
     use_prebuilt_dataset_helpers()
     safety.install()  # a checkpoint directory is data: nothing in it may run code
     distrib_optimizer_fixes.install()  # torch Adam under the distributed optimizer (no Apex / TE)
-    try:  # the user's settings, checked before any process group exists: one line, no traceback
-        given = parse_args(add_multimodal_args)
-        check_pipeline_split(given)  # before megatron asserts on these
-        check_attention_backend(given)
-        typed = given_flags(megatron_parser(add_multimodal_args))
-        run_checks.check_finite_flags(given, typed)
-        run_checks.check_lr_schedule(given)
-        args = parse_and_validate_args(extra_args_provider=add_multimodal_args, args_defaults=engine_defaults())
-        run_checks.stop_at_first_nan(args, typed)
-        check_backend(args)
-        check_packing_args(args)
-        safety.check_tracker(args.load)
-        safety.check_tracker(args.pretrained_checkpoint, "--pretrained-checkpoint")
-        if args.data_path:
-            resolve_source(args.data_path[0], "--data-path")
-        language, vision = model_configs()
-        if backend_of(args) == "local":  # refuses --attention-backend flash where varlen cannot run
-            thd_line = describe_thd_kernels({"language model": language, "vision encoder": vision})
-            if args.rank == 0:
-                print(f"pretrain_multimodal.py: {thd_line}", flush=True)
-        for flag, directory in (("--load", args.load), ("--pretrained-checkpoint", args.pretrained_checkpoint)):
-            check_resumable(directory, flag)
-        check_checkpoint_matches(args.load, model_shape())
-        check_checkpoint_matches(args.pretrained_checkpoint, model_shape(), "--pretrained-checkpoint")
-        run_checks.check_resume_lr(args)
-    except (ValueError, KeyError, FileNotFoundError) as err:
-        raise SystemExit(f"pretrain_multimodal.py: {err.args[0] if err.args else err}")
-    except BaseException as err:  # reading --load's stored args may meet a planted pickle
-        _exit_in_one_line(err, None)
+    optimizer_format.zero_padding()  # no uninitialised bytes in a dp_reshardable optimizer checkpoint
+    optimizer_format.chain_across_ep()  # optimizer state saved at one EP resumes at another
+    args = checked_args()
     for line in save_guard.clear_incomplete_saves(args.save):
         print(f"pretrain_multimodal.py: {line}", flush=True)
     plan_state.install()  # under save_guard: a full disk while writing the plan is one line too

@@ -28,13 +28,35 @@ import torch
 from launch import NO_EVAL, run_script
 
 
-def _tensors(checkpoint_dir, tmp_path):
-    """Every tensor of a torch_dist checkpoint (model and optimizer), read without a process group."""
+def _entries(checkpoint_dir, tmp_path):
+    """Every entry of a torch_dist checkpoint (model, optimizer, RNG states, ...), read without a
+    process group."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+    from examples.multimodal_dev.checkpoint.safety import install
+
+    install()
     out = tmp_path / (os.path.basename(os.path.dirname(checkpoint_dir)) + ".pt")
     dcp_to_torch_save(checkpoint_dir, str(out))
-    return {k: v for k, v in torch.load(out, weights_only=True).items() if torch.is_tensor(v)}
+    return torch.load(out, weights_only=True)  # megatron's registered safe classes: numpy RNG state
+
+
+def _differences(a, b, where=""):
+    """Where two checkpoint values differ (tensors bitwise, numpy arrays, containers, scalars)."""
+    import numpy as np
+
+    if torch.is_tensor(a) or isinstance(a, np.ndarray):
+        same = type(a) is type(b) and a.shape == b.shape and bool((a == b).all())
+        return [] if same else [where]
+    if isinstance(a, dict):
+        if a.keys() != b.keys():
+            return [f"{where} keys"]
+        return [d for k in a for d in _differences(a[k], b[k], f"{where}.{k}")]
+    if isinstance(a, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{where} length"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{where}[{i}]")]
+    return [] if a == b else [where]
 
 
 def test_default_run_learns():
@@ -50,13 +72,13 @@ def test_default_run_learns():
 
 @pytest.mark.parametrize("setting", ["plain", "distributed, DP=2, token budget"])
 def test_exact_resume(tmp_path, setting):
-    # The distributed optimizer saves its state by parameter (fully reshardable) here: the default
-    # bucket layout stores whole flat buffers, padding included, whose unused bytes are whatever the
-    # allocator held, so two correct checkpoints differ there. Token-budget packing continues its
-    # plan from the checkpoint's plan state: the same rows, dealt to the same ranks.
-    flags, common = [], dict(TRAIN_ITERS=8, SEQ_LEN=512)
+    # As the README launches it: --use-distributed-optimizer and no checkpoint flags (the default
+    # format is fully reshardable), with dropout, so the RNG state must come back exactly too.
+    # Token-budget packing continues its plan from the checkpoint's plan state: the same rows,
+    # dealt to the same ranks.
+    flags, common = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"], dict(TRAIN_ITERS=8, SEQ_LEN=512)
     if setting != "plain":
-        flags = ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"]
+        flags += ["--use-distributed-optimizer"]
         common.update(NPROC=2, PACKING="tokens", PACKED_SEQ_LENGTH=256, GBS=4)
     straight = run_script(flags, CKPT_SAVE=tmp_path / "straight", **common).check()
     first = run_script([*flags, "--exit-interval", "4"], CKPT_RESUME=tmp_path / "resumed", **common).check()
@@ -73,12 +95,13 @@ def test_exact_resume(tmp_path, setting):
     assert resumed == straight.losses  # full-precision floats, bitwise
     assert {**first.grad_norms, **second.grad_norms} == straight.grad_norms
     assert second.validation == straight.validation
-    a = _tensors(str(tmp_path / "straight" / "iter_0000008"), tmp_path)
-    b = _tensors(str(tmp_path / "resumed" / "iter_0000008"), tmp_path)
-    optimizer_keys = [k for k in a if "optimizer" in k]
-    print(f"{len(a)} tensors in the final checkpoint, {len(optimizer_keys)} of the optimizer")
-    assert len(a) > 50 and optimizer_keys and a.keys() == b.keys()
-    differing = {k: (a[k].double() - b[k].double()).abs().max().item() for k in a if not torch.equal(a[k], b[k])}
+    a = _entries(str(tmp_path / "straight" / "iter_0000008"), tmp_path)
+    b = _entries(str(tmp_path / "resumed" / "iter_0000008"), tmp_path)
+    optimizer_keys = [k for k in a if "optimizer" in k and torch.is_tensor(a[k])]
+    rng_keys = [k for k in a if "rng_state" in k]
+    print(f"{len(a)} entries in the final checkpoint, {len(optimizer_keys)} optimizer tensors, RNG: {rng_keys}")
+    assert len(a) > 50 and optimizer_keys and rng_keys and a.keys() == b.keys()
+    differing = [d for k in a for d in _differences(a[k], b[k], k)]
     assert not differing, differing
 
 

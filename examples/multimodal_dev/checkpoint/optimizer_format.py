@@ -1,0 +1,171 @@
+"""The distributed optimizer's checkpoint format: one that moves between layouts, and no stray bytes.
+
+megatron saves the distributed optimizer's state in one of two layouts (``--ckpt-format torch_dist``):
+
+- ``dp_reshardable`` (megatron's default): each data-parallel rank's slice of the flat gradient
+  buckets, as it sits in memory. It resumes at another DP size only; at another TP / PP / VP / EP
+  megatron stops with a RuntimeError whose hint (``--ckpt-fully-parallel-save``) is not the flag
+  that helps. Its padding between parameters was written from ``torch.empty``: whatever the
+  allocator held (NaN, 3e38), so two correct runs never wrote the same bytes.
+- ``fully_reshardable`` (``--dist-ckpt-optim-fully-reshardable``): per parameter, in the model's
+  own sharded layout, so it resumes at any TP / PP / VP / DP / EP; saving gathers each bucket
+  over the DP group first (README, "Checkpoints across layouts", has the measured cost).
+
+With experts split over EP ranks megatron chains two optimizers (dense and expert parameters); at
+EP=1 one optimizer holds both. Its fully reshardable tensors load across that change, but the
+common part (each optimizer's parameter groups) keeps the saving layout's nesting, and megatron
+0.19.2 stops ("Expected 2 entries in state dict, but got 4"); ``chain_across_ep`` hands each
+optimizer the saved groups in the nesting it reads (groups are matched by their identifiers).
+
+This playground saves ``fully_reshardable`` unless ``--dist-ckpt-optim-dp-reshardable`` asks for
+megatron's default (``default_to_reshardable``); ``zero_padding`` makes a ``dp_reshardable`` save deterministic; and
+``check_layout_change`` refuses, in one line and before loading, a ``dp_reshardable`` checkpoint
+resumed at another layout, naming what to run instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from .files import TRACKER, checkpoint_directory, stored_args
+
+FORMAT_FLAG = "dist_ckpt_optim_fully_reshardable"
+# (megatron arg, how the run script and README name it)
+_LAYOUT = (("tensor_model_parallel_size", "TP"), ("pipeline_model_parallel_size", "PP"),
+           ("virtual_pipeline_model_parallel_size", "VP"), ("expert_model_parallel_size", "EP"),
+           ("expert_tensor_parallel_size", "ETP"))
+
+
+def default_to_reshardable(args) -> None:
+    """``--dist-ckpt-optim-fully-reshardable`` unless ``--dist-ckpt-optim-dp-reshardable`` asks for
+    megatron's own default."""
+    if args.dist_ckpt_optim_dp_reshardable and getattr(args, FORMAT_FLAG):
+        raise ValueError("--dist-ckpt-optim-dp-reshardable and --dist-ckpt-optim-fully-reshardable: choose one")
+    if args.use_distributed_optimizer and not args.dist_ckpt_optim_dp_reshardable:
+        setattr(args, FORMAT_FLAG, True)
+
+
+def _zero_padding_entries(node) -> None:
+    """Zero the tensors of every ``padding`` entry (a LocalNonpersistentObject(True)) in the state."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if isinstance(node, dict):
+        padding = node.get("padding")
+        if padding is not None and getattr(padding, "unwrap", lambda: padding)() is True:
+            for value in node.values():
+                if isinstance(value, ShardedTensor):
+                    value.data.zero_()
+        for value in node.values():
+            _zero_padding_entries(value)
+    elif isinstance(node, (list, tuple)):
+        for value in node:
+            _zero_padding_entries(value)
+
+
+def zero_padding() -> None:
+    """``sharded_param_state_dp_reshardable`` with its padding tensors zeroed instead of uninitialised."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer.sharded_param_state_dp_reshardable
+    if getattr(original, "_zeroes_padding", False):
+        return
+
+    @functools.wraps(original)
+    def sharded_param_state_dp_reshardable(self, *args, **kwargs):
+        state = original(self, *args, **kwargs)
+        _zero_padding_entries(state)
+        return state
+
+    sharded_param_state_dp_reshardable._zeroes_padding = True
+    DistributedOptimizer.sharded_param_state_dp_reshardable = sharded_param_state_dp_reshardable
+
+
+_COMMON = ("optimizer", "param_state_sharding_type")
+
+
+def _regroup(state_dict, parts: int):
+    """The loaded optimizer state in the nesting of ``parts`` chained optimizers (1: one optimizer),
+    or None when it already has it."""
+    indexed = sorted(k for k in state_dict if isinstance(k, int))
+    flat = all(k in state_dict for k in _COMMON)
+    if parts > 1 and flat and len(indexed) == parts:  # saved by one optimizer, loaded by a chain
+        groups = _with_expert_twins(state_dict["optimizer"]["param_groups"])
+        common = {"optimizer": {"param_groups": groups}, "param_state_sharding_type": state_dict["param_state_sharding_type"]}
+        return {i: {**state_dict[i], **common} for i in indexed}
+    if parts == 1 and not flat and indexed and all(isinstance(state_dict[i], dict) and "optimizer" in state_dict[i]
+                                                   for i in indexed):  # saved by a chain, loaded by one
+        groups = [g for i in indexed for g in state_dict[i]["optimizer"]["param_groups"]]
+        rest = {k: v for k, v in state_dict.items() if not isinstance(k, int)}
+        for i in indexed:
+            rest.update({k: v for k, v in state_dict[i].items() if k not in _COMMON})
+        return {**rest, "optimizer": {"param_groups": groups},
+                "param_state_sharding_type": state_dict[indexed[0]]["param_state_sharding_type"]}
+    return None
+
+
+def _with_expert_twins(groups: list[dict]) -> list[dict]:
+    """At EP=1 the experts' parameters share the dense groups; at EP>1 they form groups of their own
+    that differ in ``is_expert_parallel`` only (same LR and weight-decay multipliers, same step)."""
+    def key(g):
+        return tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params"))
+
+    have = {key(g) for g in groups}
+    twins = [{**g, "is_expert_parallel": not g.get("is_expert_parallel", False)} for g in groups]
+    return groups + [t for t in twins if key(t) not in have]
+
+
+def chain_across_ep() -> None:
+    """ChainedOptimizer.load_state_dict (and DistributedOptimizer's, for a chain saved at EP>1 and
+    loaded at EP=1) reading the saved groups in the nesting of the saving layout."""
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    original = ChainedOptimizer.load_state_dict
+    if getattr(original, "_regroups", False):
+        return
+
+    @functools.wraps(original)
+    def load_state_dict(self, state_dict):
+        if isinstance(state_dict, dict):
+            state_dict = _regroup(state_dict, len(self.chained_optimizers)) or state_dict
+        return original(self, state_dict)
+
+    load_state_dict._regroups = True
+    ChainedOptimizer.load_state_dict = load_state_dict
+
+
+def _layout(args) -> dict[str, int]:
+    return {name: getattr(args, arg, None) or 1 for arg, name in _LAYOUT}
+
+
+def check_layout_change(args) -> None:
+    """A ``dp_reshardable`` checkpoint resumed with its optimizer state at another TP / PP / VP / EP /
+    ETP, or a checkpoint resumed with the other kind of optimizer: one line saying what to run."""
+    if not args.load or args.finetune or args.no_load_optim or not os.path.isfile(os.path.join(args.load, TRACKER)):
+        return
+    from megatron.core import dist_checkpointing
+
+    directory = checkpoint_directory(args.load)
+    stored = stored_args(directory)
+    if stored is None:
+        return
+    saved_dist = bool(getattr(stored, "use_distributed_optimizer", False))
+    if saved_dist != bool(args.use_distributed_optimizer):
+        # megatron 0.19.2 stores the two optimizers' state under different names and structures
+        # and loads neither from the other ("Could not find parameter group with key ...")
+        raise ValueError(f"--load {args.load}: its optimizer state was saved {'with' if saved_dist else 'without'} "
+                         f"--use-distributed-optimizer and this run is {'without' if saved_dist else 'with'} it; "
+                         "megatron loads neither optimizer's state into the other: resume "
+                         f"{'with' if saved_dist else 'without'} it, or load the weights alone with --no-load-optim")
+    if not saved_dist:
+        return
+    sharding = (dist_checkpointing.load_content_metadata(directory) or {}).get("distrib_optim_sharding_type")
+    if sharding != "dp_reshardable":
+        return
+    was, now = _layout(stored), _layout(args)
+    changed = [f"{k}={was[k]} -> {now[k]}" for k in was if was[k] != now[k]]
+    if changed:
+        raise ValueError(f"--load {args.load}: its optimizer state was saved in the distributed optimizer's "
+                         f"dp_reshardable layout, which resumes at another DP size only ({', '.join(changed)}); "
+                         "resume once at the saved layout with --dist-ckpt-optim-fully-reshardable (this "
+                         "playground's default) and save, or load the weights alone with --no-load-optim")

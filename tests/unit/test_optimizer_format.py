@@ -1,0 +1,56 @@
+"""The distributed optimizer's checkpoint format: fully reshardable by default, dp_reshardable on
+request with its padding zeroed, and a dp_reshardable checkpoint resumed at another layout refused
+in one line naming what to run."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor
+
+from examples.multimodal_dev.checkpoint import optimizer_format
+
+
+def _tensor(key, values):
+    return ShardedTensor.from_rank_offsets(key, values)
+
+
+def test_padding_entries_are_zeroed_and_real_state_is_not():
+    garbage = torch.full((5,), float("nan"))
+    real = torch.arange(3.0)
+    # the nesting megatron's sharded_param_state_dp_reshardable returns: buffers -> dtypes -> buckets -> entries
+    state = {0: {("torch.float32", "torch.float32"): [[
+        {"param": _tensor("p", real.clone()), "exp_avg": _tensor("m", real.clone()),
+         "padding": LocalNonpersistentObject(False)},
+        {"param": _tensor("p", garbage.clone()), "exp_avg": _tensor("m", garbage.clone()),
+         "padding": LocalNonpersistentObject(True)},
+    ]]}}
+    optimizer_format._zero_padding_entries(state)
+    real_entry, pad_entry = state[0][("torch.float32", "torch.float32")][0]
+    assert torch.equal(real_entry["param"].data, real) and torch.equal(real_entry["exp_avg"].data, real)
+    assert torch.equal(pad_entry["param"].data, torch.zeros(5)) and torch.equal(pad_entry["exp_avg"].data, torch.zeros(5))
+
+
+def test_zero_padding_wraps_megatrons_method_once():
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    optimizer_format.zero_padding()
+    wrapped = DistributedOptimizer.sharded_param_state_dp_reshardable
+    optimizer_format.zero_padding()
+    assert DistributedOptimizer.sharded_param_state_dp_reshardable is wrapped and wrapped._zeroes_padding
+
+
+@pytest.mark.parametrize("dist,dp_flag,fully_flag,expected", [
+    (True, False, False, True), (True, True, False, False), (False, False, False, False), (True, False, True, True)])
+def test_fully_reshardable_is_the_default_for_the_distributed_optimizer(dist, dp_flag, fully_flag, expected):
+    args = SimpleNamespace(use_distributed_optimizer=dist, dist_ckpt_optim_dp_reshardable=dp_flag,
+                           dist_ckpt_optim_fully_reshardable=fully_flag)
+    optimizer_format.default_to_reshardable(args)
+    assert args.dist_ckpt_optim_fully_reshardable is expected
+
+
+def test_both_format_flags_are_refused():
+    args = SimpleNamespace(use_distributed_optimizer=True, dist_ckpt_optim_dp_reshardable=True,
+                           dist_ckpt_optim_fully_reshardable=True)
+    with pytest.raises(ValueError, match="--dist-ckpt-optim-dp-reshardable and --dist-ckpt-optim-fully-reshardable"):
+        optimizer_format.default_to_reshardable(args)
