@@ -116,6 +116,7 @@ SPLIT_ERROR=$("$PY" -m examples.multimodal_dev.training.pipeline_layout check "$
 # the pattern admits 1e999, which is inf in fp32 and in Python alike: the first step would turn every weight NaN
 awk -v lr="$LR" 'BEGIN { exit !(lr + 0 >= 0 && lr + 0 < 1e38) }' || fail "LR=$LR: expected a finite learning rate"
 (( SP == 0 || TP > 1 )) || fail "SP=1 needs TP>1 (sequence parallelism splits the sequence over TP ranks)"
+(( SEQ_LEN % (2 * CP) == 0 )) || fail "SEQ_LEN=$SEQ_LEN must be a multiple of 2*CP=$((2 * CP)) (context parallelism cuts every sample into 2*CP chunks)"
 (( SP == 1 || TP == 1 || EXPERTS == 0 )) || fail "SP=0 with TP=$TP: megatron-core requires sequence parallelism for MoE with TP>1"
 (( EP == 1 || EXPERTS > 0 )) || fail "EP=$EP needs an MoE variant; MODEL_VARIANT=$MODEL_VARIANT is dense"
 (( EXPERTS == 0 || EXPERTS % EP == 0 )) || fail "EP=$EP does not divide the $EXPERTS experts of $MODEL_VARIANT"

@@ -175,6 +175,7 @@ def checked_args():
         check_attention_backend(given)
         run_checks.check_finite_flags(given, typed)
         run_checks.check_lr_schedule(given)
+        run_checks.check_sequence_length(given)
         args = parse_and_validate_args(extra_args_provider=add_multimodal_args, args_defaults=engine_defaults())
         run_checks.stop_at_first_nan(args, typed)
         optimizer_format.default_to_reshardable(args)

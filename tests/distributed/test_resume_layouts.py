@@ -2,7 +2,7 @@
 (``--use-distributed-optimizer`` and nothing else): one DP=2 checkpoint of the tiny MoE model
 resumes, optimizer state included, at TP=2, PP=2, PP=2 x VP=2 and EP=2, and the next step's loss
 and grad norm equal the same-layout resume's; resuming it with megatron's plain optimizer is
-refused in one line naming what to run."""
+refused in one line naming what to run, and so is a resume with another learning rate."""
 
 import pytest
 from launch import NO_EVAL, run_script
@@ -51,3 +51,10 @@ def test_the_plain_optimizer_is_refused_in_one_line(saved):
     run = _resume(saved, "plain", flags=NO_EVAL, NPROC=1)
     assert run.returncode != 0 and "Traceback" not in run.output
     assert "its optimizer state was saved with --use-distributed-optimizer and this run is without it" in run.output
+
+
+def test_another_learning_rate_is_refused_in_one_line(saved):
+    run = _resume(saved, "lr", LR="1e-3")
+    assert run.returncode != 0 and "Traceback" not in run.output, run.output[-3000:]
+    assert ("--lr 0.001 --min-lr 0.0001: the checkpoint under --load" in run.output
+            and "trained with --lr 0.002 --min-lr 0.0002, which its optimizer state keeps" in run.output), run.output[-3000:]

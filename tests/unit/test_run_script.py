@@ -91,6 +91,7 @@ def test_model_flag_mismatch_is_named():
     (dict(PACKING="budget"), "PACKING=budget: expected samples or tokens"),
     (dict(PACKING="tokens", PACKED_SEQ_LENGTH="2k"), "PACKED_SEQ_LENGTH=2k must be a positive integer"),
     (dict(LR="1e999"), "LR=1e999: expected a finite learning rate"),
+    (dict(CP=2, SEQ_LEN=335), "SEQ_LEN=335 must be a multiple of 2\\*CP=4"),
     (dict(LR_WARMUP_ITERS=30), "LR_WARMUP_ITERS=30 must be smaller than the decay iterations \\(TRAIN_ITERS=30\\)"),
     (dict(LR_WARMUP_ITERS=5, LR_DECAY_ITERS=5), "LR_WARMUP_ITERS=5 must be smaller than the decay iterations "
                                                 "\\(LR_DECAY_ITERS=5\\)"),

@@ -31,6 +31,14 @@ def check_lr_schedule(args) -> None:
                          f"({'--lr-decay-iters' if args.lr_decay_iters else '--train-iters'} {decay})")
 
 
+def check_sequence_length(args) -> None:
+    """megatron asserts this one bare: context parallelism cuts every sample into 2 x CP chunks."""
+    cp = args.context_parallel_size
+    if cp > 1 and args.seq_length % (2 * cp):
+        raise ValueError(f"--seq-length {args.seq_length} must be a multiple of 2 x --context-parallel-size = {2 * cp} "
+                         "(context parallelism cuts every sample into 2 x CP chunks)")
+
+
 def check_resume_lr(args) -> None:
     """megatron restores each optimizer group's learning rate with the optimizer state and matches
     the groups by it, so a resume with another ``--lr`` / ``--min-lr`` dies with "Could not find

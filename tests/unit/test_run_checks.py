@@ -1,0 +1,56 @@
+"""Settings the training script refuses before megatron sees them, and the one line a NaN found
+during training becomes."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from examples.multimodal_dev.training import run_checks
+
+
+def test_non_finite_numbers_typed_are_refused():
+    args = SimpleNamespace(lr=float("inf"), min_lr=1e-5, weight_decay=float("nan"), clip_grad=1.0)
+    with pytest.raises(ValueError, match=r"--lr inf, --weight-decay nan: not a finite number"):
+        run_checks.check_finite_flags(args, {"lr": "--lr", "weight_decay": "--weight-decay", "clip_grad": "--clip-grad"})
+    run_checks.check_finite_flags(args, {"min_lr": "--min-lr"})  # the flags not typed are not ours to judge
+
+
+@pytest.mark.parametrize("warmup,decay,train,message", [
+    (30, None, 30, r"--lr-warmup-iters 30 must be smaller than the decay iterations \(--train-iters 30\)"),
+    (5, 5, 30, r"--lr-warmup-iters 5 must be smaller than the decay iterations \(--lr-decay-iters 5\)"),
+    (3, None, 30, None), (0, None, 1, None)])
+def test_warmup_must_end_before_the_decay(warmup, decay, train, message):
+    args = SimpleNamespace(lr_warmup_iters=warmup, lr_decay_iters=decay, train_iters=train)
+    if message is None:
+        run_checks.check_lr_schedule(args)
+    else:
+        with pytest.raises(ValueError, match=message):
+            run_checks.check_lr_schedule(args)
+
+
+def test_context_parallel_needs_a_sequence_of_2cp_chunks():
+    with pytest.raises(ValueError, match=r"--seq-length 335 must be a multiple of 2 x --context-parallel-size = 4"):
+        run_checks.check_sequence_length(SimpleNamespace(seq_length=335, context_parallel_size=2))
+    run_checks.check_sequence_length(SimpleNamespace(seq_length=336, context_parallel_size=2))
+    run_checks.check_sequence_length(SimpleNamespace(seq_length=335, context_parallel_size=1))
+
+
+def test_rerun_mode_stops_at_the_first_nan_unless_given():
+    args = SimpleNamespace(rerun_mode="validate_results")
+    run_checks.stop_at_first_nan(args, {})
+    assert args.rerun_mode == "disabled"
+    args = SimpleNamespace(rerun_mode="validate_results")
+    run_checks.stop_at_first_nan(args, {"rerun_mode": "--rerun-mode"})
+    assert args.rerun_mode == "validate_results"
+
+
+def test_a_nan_gradient_is_one_line_with_the_checkpoint_that_stays(tmp_path):
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("6")
+    err = RuntimeError("Rank 0, node n, device 0, iteration 7: Unexpected result tensor(inf) (message='found Inf in "
+                       "local grad norm for bucket #1 in backward pass before data-parallel communication collective')")
+    assert run_checks.one_line(err, SimpleNamespace(save=str(tmp_path))) == (
+        "iteration 7: found Inf in local grad norm for bucket #1 in backward pass before data-parallel communication "
+        f"collective; the run stopped before the optimizer step and saved nothing for it: the last checkpoint is "
+        f"iteration 6 in {tmp_path} (lower the LR, or look for a bad batch, then resume)")
+    assert run_checks.one_line(RuntimeError("something else"), SimpleNamespace(save=None)) is None
+    assert run_checks.one_line(ValueError("iteration 1: Unexpected result x (message='y')"), None) is None
