@@ -73,11 +73,15 @@ def test_default_run_learns():
 @pytest.mark.parametrize("setting", ["plain", "distributed, DP=2, token budget"])
 def test_exact_resume(tmp_path, setting):
     # As the README launches it: --use-distributed-optimizer and no checkpoint flags (the default
-    # format is fully reshardable), with dropout, so the RNG state must come back exactly too.
-    # Token-budget packing continues its plan from the checkpoint's plan state: the same rows,
-    # dealt to the same ranks.
-    flags, common = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"], dict(TRAIN_ITERS=8, SEQ_LEN=512)
-    if setting != "plain":
+    # format is fully reshardable). The single process trains with dropout, so the RNG state must
+    # come back exactly too. At DP=2 dropout stays off: megatron saves DP rank 0's RNG state alone
+    # and gives it to every DP rank on resume, while in the straight run rank 1's stream has moved
+    # on by its own draws (README, "Checkpoints across layouts"). Token-budget packing continues its
+    # plan from the checkpoint's plan state: the same rows, dealt to the same ranks.
+    flags, common = [], dict(TRAIN_ITERS=8, SEQ_LEN=512)
+    if setting == "plain":
+        flags += ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    else:
         flags += ["--use-distributed-optimizer"]
         common.update(NPROC=2, PACKING="tokens", PACKED_SEQ_LENGTH=256, GBS=4)
     straight = run_script(flags, CKPT_SAVE=tmp_path / "straight", **common).check()
@@ -101,7 +105,8 @@ def test_exact_resume(tmp_path, setting):
     rng_keys = [k for k in a if "rng_state" in k]
     print(f"{len(a)} entries in the final checkpoint, {len(optimizer_keys)} optimizer tensors, RNG: {rng_keys}")
     assert len(a) > 50 and optimizer_keys and rng_keys and a.keys() == b.keys()
-    differing = [d for k in a for d in _differences(a[k], b[k], k)]
+    # the stored command line differs by design (--load, --exit-interval); everything else is state
+    differing = [d for k in a for d in _differences(a[k], b[k], k) if not d.endswith(".args")]
     assert not differing, differing
 
 
