@@ -5,6 +5,7 @@ import torch
 
 from examples.multimodal_dev.benchmarks import (
     bench_balance,
+    bench_checkpoint_formats,
     bench_gdn,
     bench_loader,
     bench_packing,
@@ -94,3 +95,13 @@ def test_bench_vision_cp_splits_the_vision_work(capsys):
     # whole images: never below the ideal, well below the unsplit 1.0 (few rows at this toy size)
     assert 0.5 <= results[0]["busiest_share"] < 0.7 and 0.25 <= results[1]["busiest_share"] < 0.6
     assert "| CP | busiest rank's share" in capsys.readouterr().out
+
+
+def test_bench_checkpoint_formats_reads_the_slowest_ranks_timer():
+    """Its runs go through the engine (minutes); what it reads off their logs is checked here:
+    megatron's timer line gives (min, max) over ranks, and the last occurrence counts."""
+    log = ("    save-checkpoint ................................: (1200.50, 1375.25)\n"
+           "    model-and-optimizer-setup ......................: (196.37, 201.00)\n"
+           "    save-checkpoint ................................: (900.00, 950.75)\n")
+    assert bench_checkpoint_formats._timer(log, "save-checkpoint") == 950.75
+    assert bench_checkpoint_formats._timer(log, "model-and-optimizer-setup") == 201.0
