@@ -21,13 +21,13 @@ from examples.multimodal_dev.data.sample import VisionTokens
 from examples.multimodal_dev.models.qwen35_vl.configuration import from_hf_config, get_variant
 from examples.multimodal_dev.checkpoint.hf_conversion import export_hf, import_hf
 from examples.multimodal_dev.checkpoint.hf_safetensors import HFTensorSource
-from examples.multimodal_dev.checkpoint.verify import _hf_model
+from examples.multimodal_dev.checkpoint.verify import HFSource, _hf_model
 
 
 def _hf_loss_on_first_batch(hf_path: str, seq_length: int, global_batch: int, train_iters: int) -> float:
     """The run script's first global batch (mock, seed 1234), through the HF model sample by sample."""
     shape = from_hf_config(hf_path)
-    hf = _hf_model(hf_path)
+    hf = _hf_model(HFSource(str(hf_path), "--hf-path"))
     train = get_dataset_provider("mock")(
         tokens=VisionTokens.from_shape(shape), vocab_size=shape.text.vocab_size, patch_dim=shape.vision.patch_dim,
         seq_length=seq_length, num_samples=(train_iters * global_batch, 0, 0), seed=1234, mean_text_tokens=96)[0]

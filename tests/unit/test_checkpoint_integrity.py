@@ -50,3 +50,19 @@ def test_damaged_latest_iteration_names_the_file_and_the_way_back(tmp_path, kind
     shutil.rmtree(tmp_path / "iter_0000002")
     with pytest.raises(ValueError, match="no earlier iteration in it is complete"):
         check_resumable(str(tmp_path))
+
+
+def test_a_planted_global_in_the_index_is_refused_as_code_not_called_damage(tmp_path):
+    import pickle
+
+    from examples.multimodal_dev.checkpoint.safety import refusal
+
+    class Plant:
+        def __reduce__(self):
+            return os.system, ("true",)
+
+    latest = _iteration(tmp_path, 2)
+    (latest / ".metadata").write_bytes(pickle.dumps(Plant()))
+    with pytest.raises(Exception) as err:
+        check_resumable(str(tmp_path))
+    assert "it names 'posix.system', which is not checkpoint data" in refusal(err.value)

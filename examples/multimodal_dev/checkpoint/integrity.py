@@ -21,7 +21,7 @@ def damage(directory: str) -> str | None:
     """What is wrong with one iteration directory, or None when it is whole."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from .safety import install
+    from .safety import install, refusal
 
     legacy = [n for n in os.listdir(directory) if n.startswith("mp_rank_") or n == "common.pt"]
     if legacy and not os.path.exists(os.path.join(directory, ".metadata")):
@@ -34,7 +34,9 @@ def damage(directory: str) -> str | None:
     index = os.path.join(directory, ".metadata")
     try:
         storage = FileSystemReader(directory).read_metadata().storage_data
-    except Exception as err:  # any unreadable index: garbage, truncated, or a refused global
+    except Exception as err:  # an unreadable index: garbage or truncated
+        if refusal(err):
+            raise  # a planted global is not damage: it is refused as code, in its own words
         return f"{index} cannot be read ({type(err).__name__}: {str(err)[:120]})"
     needed: dict[str, int] = {}
     for info in storage.values():

@@ -74,6 +74,13 @@ def one_line(err: BaseException, args) -> str | None:
     if found is None:
         return None
     iteration, what = found.groups()
+    # megatron's message counts one too many after a start (its rerun counter is reset to the
+    # start iteration and then incremented before the step); the training loop's own count is exact
+    from megatron.training import global_vars
+
+    current = getattr(global_vars._GLOBAL_ARGS, "curr_iteration", None)  # None outside a training loop
+    if current is not None:
+        iteration = current + 1
     latest = latest_iteration(args.save) if args.save and os.path.isdir(args.save) else None
     kept = f"the last checkpoint is iteration {latest} in {args.save}" if latest is not None else "no checkpoint was saved"
     return (f"iteration {iteration}: {what}; the run stopped before the optimizer step and saved nothing "
