@@ -184,6 +184,8 @@ def checked_args():
         if args.data_path:
             resolve_source(args.data_path[0], "--data-path")
         language, vision = model_configs()
+        text = model_shape().text
+        run_checks.check_memory_floor(args, text.hidden_size, text.num_layers, text.vocab_size)
         if backend_of(args) == "local":  # refuses --attention-backend flash where varlen cannot run
             thd_line = describe_thd_kernels({"language model": language, "vision encoder": vision})
             if args.rank == 0:

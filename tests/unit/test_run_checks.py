@@ -54,3 +54,33 @@ def test_a_nan_gradient_is_one_line_with_the_checkpoint_that_stays(tmp_path):
         f"iteration 6 in {tmp_path} (lower the LR, or look for a bad batch, then resume)")
     assert run_checks.one_line(RuntimeError("something else"), SimpleNamespace(save=None)) is None
     assert run_checks.one_line(ValueError("iteration 1: Unexpected result x (message='y')"), None) is None
+
+
+def _run(**given):
+    settings = dict(seq_length=1024, micro_batch_size=2, packing="samples", packed_seq_length=None,
+                    context_parallel_size=1, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                    sequence_parallel=False, bf16=False, fp16=False)
+    return SimpleNamespace(**{**settings, **given})
+
+
+def test_a_micro_batch_that_cannot_fit_is_refused_from_its_floor():
+    # tiny: hidden 128, 4 layers, vocab 8192; SEQ_LEN=1e8 took ~200 GB before megatron's allocator died
+    with pytest.raises(ValueError, match=r"^--seq-length 100000000 x --micro-batch-size 2: one micro-batch needs at "
+                                         r"least 6485\.0 GiB per rank \(logits 6103\.5 \+ saved layer inputs 381\.5\), "
+                                         r"more than the 24\.0 GiB of this host's RAM; shorten it, or raise TP / CP / PP$"):
+        run_checks.check_memory_floor(_run(seq_length=10 ** 8), 128, 4, 8192, available=(24 << 30, "this host's RAM"))
+    run_checks.check_memory_floor(_run(), 128, 4, 8192, available=(24 << 30, "this host's RAM"))
+
+
+def test_the_floor_follows_the_layout():
+    base = run_checks.micro_batch_floor(_run(seq_length=4096, micro_batch_size=1), 4096, 32, 248320)
+    assert base == {"logits": 4096 * 248320 * 4, "saved layer inputs": 4096 * 4096 * 4 * 32}
+    split = run_checks.micro_batch_floor(_run(seq_length=4096, micro_batch_size=1, tensor_model_parallel_size=4,
+                                              context_parallel_size=2, sequence_parallel=True, bf16=True), 4096, 32, 248320)
+    assert split == {"logits": 2048 * 62080 * 2, "saved layer inputs": 512 * 4096 * 2 * 32}
+    staged = run_checks.micro_batch_floor(_run(packing="tokens", packed_seq_length=8192, pipeline_model_parallel_size=4),
+                                          4096, 32, 248320)
+    assert staged == {"stage floor": max(8192 * 248320 * 4, 8192 * 4096 * 4 * 8)}
+    with pytest.raises(ValueError, match=r"^--packed-seq-length 8192: .* of this GPU;"):
+        run_checks.check_memory_floor(_run(packing="tokens", packed_seq_length=8192), 4096, 32, 248320,
+                                      available=(1 << 30, "this GPU"))

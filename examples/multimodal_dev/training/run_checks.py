@@ -39,6 +39,47 @@ def check_sequence_length(args) -> None:
                          "(context parallelism cuts every sample into 2 x CP chunks)")
 
 
+def device_memory_bytes() -> tuple[int, str]:
+    """What one process may use: the GPU's memory, or on a CPU host its share of the RAM."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory, "this GPU"
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total // processes, f"this host's RAM{f' over {processes} processes' if processes > 1 else ''}"
+
+
+def micro_batch_floor(args, hidden_size: int, num_layers: int, vocab_size: int) -> dict[str, int]:
+    """Bytes one rank cannot do without for the largest micro-batch the settings admit: the logits
+    of its tokens, and one saved input per decoder layer of the smallest pipeline stage (every
+    layer keeps at least its input for the backward, recompute or not). Weights, optimizer state
+    and everything else come on top, so a run refused here could never have fit; planning the rest
+    is the layout planner's job."""
+    tokens = args.packed_seq_length or args.seq_length if args.packing == "tokens" else args.seq_length * args.micro_batch_size
+    tokens //= args.context_parallel_size
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    width = 2 if args.bf16 or args.fp16 else 4
+    logits = tokens * -(-vocab_size // tp) * width
+    saved = tokens // (tp if args.sequence_parallel else 1) * hidden_size * width * (num_layers // pp)
+    return {"logits": logits, "saved layer inputs": saved} if pp == 1 else {"stage floor": max(logits, saved)}
+
+
+def check_memory_floor(args, hidden_size: int, num_layers: int, vocab_size: int, available=None) -> None:
+    """megatron allocates a (seq-length x micro-batch) tensor before the first step, so a length
+    that cannot fit took ~200 GB before dying in the allocator; refuse it from the floor instead."""
+    have, where = available or device_memory_bytes()
+    parts = micro_batch_floor(args, hidden_size, num_layers, vocab_size)
+    need = sum(parts.values())
+    if need > have:
+        gib = 1 << 30
+        what = " + ".join(f"{name} {size / gib:.1f}" for name, size in parts.items())
+        length = (f"--packed-seq-length {args.packed_seq_length or args.seq_length}" if args.packing == "tokens"
+                  else f"--seq-length {args.seq_length} x --micro-batch-size {args.micro_batch_size}")
+        raise ValueError(f"{length}: one micro-batch needs at least {need / gib:.1f} GiB per rank ({what}), more "
+                         f"than the {have / gib:.1f} GiB of {where}; shorten it, or raise TP / CP / PP")
+
+
 def check_resume_lr(args) -> None:
     """megatron restores each optimizer group's learning rate with the optimizer state and matches
     the groups by it, so a resume with another ``--lr`` / ``--min-lr`` dies with "Could not find
