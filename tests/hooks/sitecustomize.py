@@ -6,8 +6,8 @@ PYTHONPATH (``tests/launch.py`` puts it there only for a run that asks):
                             iteration N's checkpoint are written, before megatron records it as the
                             latest. Killing one rank alone would orphan megatron's checkpoint-writer
                             manager process, which keeps the job's output pipes open.
-    FULL_DISK_AT=N          the save of iteration N writes part of its directory, then fails with
-                            ENOSPC as a full disk would.
+    FULL_DISK_AT=N          the shard files of iteration N's save fill the disk: megatron's writer
+                            gets ENOSPC after 4 KiB, as from a real full disk.
     RECORD_PIPELINE=DIR     every rank writes DIR/rank<R>.json: its pipeline rank, the parameter
                             names of each model chunk it built, and the shape and dtype of every
                             tensor it sent to another pipeline stage.
@@ -34,23 +34,33 @@ if os.environ.get("KILL_DURING_SAVE_AT"):
     dist_checkpointing.save = _save_then_die
 
 if os.environ.get("FULL_DISK_AT"):
+    import builtins
     import errno
+    import io
     import re
 
-    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    _real_save = dist_checkpointing.save
+    class _FillingFile(io.FileIO):
+        """A shard file on a disk with 4 KiB left: the write that crosses it fails with ENOSPC,
+        inside megatron's checkpoint writer as the real disk would."""
 
-    def _save_onto_a_full_disk(sharded_state_dict, checkpoint_dir, *args, **kwargs):
-        match = re.search(r"iter_(\d+)", str(checkpoint_dir))
-        if match and int(match.group(1)) == int(os.environ["FULL_DISK_AT"]):
-            os.makedirs(checkpoint_dir, exist_ok=True)
-            with open(os.path.join(checkpoint_dir, "__0_0.distcp"), "wb") as f:
-                f.write(b"\0" * 4096)
-            raise OSError(errno.ENOSPC, "No space left on device", os.path.join(checkpoint_dir, "__0_0.distcp"))
-        return _real_save(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        left = 4096
 
-    dist_checkpointing.save = _save_onto_a_full_disk
+        def write(self, data):
+            size = len(memoryview(data))
+            if size > _FillingFile.left:
+                raise OSError(errno.ENOSPC, "No space left on device", self.name)
+            _FillingFile.left -= size
+            return super().write(data)
+
+    def _open_on_a_full_disk(file, mode="r", *args, **kwargs):
+        match = re.search(r"iter_(\d+)", str(file))
+        if "w" in mode and match and int(match.group(1)) == int(os.environ["FULL_DISK_AT"]):
+            return _FillingFile(file, mode.replace("b", ""))
+        return builtins.open(file, mode, *args, **kwargs)
+
+    filesystem_async.open = _open_on_a_full_disk  # the writer's module-level name for open()
 
 if os.environ.get("RECORD_PIPELINE") and "RANK" in os.environ:  # training ranks only (torchrun sets RANK)
     import atexit

@@ -55,3 +55,34 @@ def test_incomplete_saves_are_removed_and_complete_ones_kept(tmp_path):
                      "latest_checkpointed_iteration.txt, no .metadata)",
                      f"{tmp_path / 'iter_0000006'} is complete but newer than latest_checkpointed_iteration.txt; it "
                      "is overwritten when training reaches that iteration"]
+
+
+def test_a_full_disk_is_recognised_from_what_the_writer_logged(tmp_path):
+    """megatron's writer reports its worker's ENOSPC as "error: <class 'OSError'>" and logs the
+    text; the guard reads the log line."""
+    import logging
+
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
+
+    class Args:
+        save = str(tmp_path)
+
+    def writer_fails(iteration, *args, **kwargs):
+        (tmp_path / "iter_0000002").mkdir()
+        logging.getLogger(save_guard._WriterErrors.LOGGER).error(
+            "Local worker 0 encountered an error: [Errno 28] No space left on device")
+        raise RuntimeError("Worker failure: An error is caught while starting worker 0, error: <class 'OSError'>")
+
+    def other_failure(iteration, *args, **kwargs):
+        raise RuntimeError("Worker failure: An error is caught while starting worker 0, error: <class 'OSError'>")
+
+    logger = logging.getLogger(save_guard._WriterErrors.LOGGER)
+    logger.addHandler(save_guard._writer_errors)
+    try:
+        with pytest.raises(SystemExit, match=r"while saving iteration 2: removed the partial"):
+            save_guard.guarded(writer_fails, lambda: Args)(2)
+        assert not (tmp_path / "iter_0000002").exists()
+        with pytest.raises(RuntimeError, match="Worker failure"):  # the log of an earlier save does not count
+            save_guard.guarded(other_failure, lambda: Args)(3)
+    finally:
+        logger.removeHandler(save_guard._writer_errors)

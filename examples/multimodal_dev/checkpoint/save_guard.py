@@ -17,6 +17,7 @@ overwritten when training reaches that iteration again.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import shutil
@@ -26,6 +27,25 @@ from .files import TRACKER, iteration_dir, latest_iteration
 # What the writers say when the disk is full: the OS error, and the C++ stream errors torch's
 # serialisation raises on a short write.
 _OUT_OF_SPACE = re.compile(r"No space left on device|ENOSPC|errno 28|unexpected pos|basic_ios::clear", re.I)
+
+
+class _WriterErrors(logging.Handler):
+    """megatron's checkpoint writer turns a worker's exception into "Worker failure: An error is
+    caught while starting worker 0, error: <class 'OSError'>" (the type alone) and logs the text
+    itself ("Local worker 0 encountered an error: [Errno 28] No space left on device"); keep
+    those lines, so the save that failed can be told apart from other failures."""
+
+    LOGGER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+_writer_errors = _WriterErrors()
 
 
 def out_of_space(err: BaseException) -> bool:
@@ -63,10 +83,11 @@ def clear_incomplete_saves(save_dir: str | None) -> list[str]:
 
 def guarded(save_checkpoint, get_args):
     def save(iteration, *args, **kwargs):
+        _writer_errors.lines.clear()
         try:
             return save_checkpoint(iteration, *args, **kwargs)
         except BaseException as err:
-            if not out_of_space(err):
+            if not (out_of_space(err) or any(_OUT_OF_SPACE.search(line) for line in _writer_errors.lines)):
                 raise
             save_dir = get_args().save
             partial = iteration_dir(save_dir, iteration)
@@ -85,3 +106,4 @@ def install() -> None:
     from megatron.training import training as mt
 
     mt.save_checkpoint = guarded(mt.save_checkpoint, get_args)
+    logging.getLogger(_WriterErrors.LOGGER).addHandler(_writer_errors)
