@@ -12,9 +12,12 @@ Compared for each container (mp4 h264 and mpeg4, webm vp8 and vp9, mkv, gif) and
 overrides: input_ids of ``<|vision_start|><|video_pad|><|vision_end|>`` expanded with per-frame
 timestamps, video_grid_thw, pixel_values_videos (exactly: the same uint8 frames go through the
 same resize and normalisation) and MRoPE positions (ours vs transformers' Qwen3.5
-``get_rope_index``); ``video_header`` against ``load_video`` and the processor.
+``get_rope_index``); ``video_header`` against ``load_video`` and the processor. Both sides turn a
+decoded frame into RGB with PyAV's ``to_ndarray("rgb24")``, so that step is shared, not tested:
+the pixels check the sampled indices, the target size and the resize.
 """
 
+import io
 import logging
 
 import pytest
@@ -179,14 +182,25 @@ def test_bad_files_are_bad_samples(tmp_path, clips):
     text.write_text("not a video at all\n" * 20)
     empty = tmp_path / "empty.webm"
     empty.write_bytes(b"")
-    for path in (tmp_path / "missing.mp4", empty, truncated, text):
+    for path in (str(tmp_path / "missing.mp4"), str(empty), str(truncated), str(text), io.BytesIO(b""), None):
         for read in (video_header, load_video):
             with pytest.raises(BadSample) as err:
-                read(str(path), VideoSettings())
-            assert err.value.reason == "bad_video" and str(path) in str(err.value), str(err.value)
+                read(path, VideoSettings())
+            name = "<in-memory video>" if isinstance(path, io.BytesIO) else str(path)
+            assert err.value.reason == "bad_video" and f": {name}: " in str(err.value), str(err.value)
 
 
-def test_options_are_checked():
+def test_file_objects_read_as_paths(clips):
+    settings = VideoSettings(**SMALL)
+    frames, metadata = load_video(clips["h264.mkv"], settings)
+    with open(clips["h264.mkv"], "rb") as f:
+        buffer = io.BytesIO(f.read())
+    header = video_header(buffer, settings)
+    again, again_meta = load_video(buffer, settings)  # after the header has read the buffer
+    assert torch.equal(frames, again) and metadata == again_meta == header.metadata
+
+
+def test_options_are_checked(clips, tmp_path):
     s = VideoSettings()
     assert s.with_overrides({"nframes": 8}).fps is None and s.with_overrides({"fps": 1}).nframes is None
     assert s.with_overrides({"type": "video", "video": "a.mp4"}) == s
@@ -197,3 +211,10 @@ def test_options_are_checked():
         assert err.value.reason == "video_options", part
     with pytest.raises(ValueError):
         VideoSettings(fps=2.0, nframes=4)
+    # options that only a file can refute: a budget below its floor, too many frames, a 201:1 frame
+    thin = write_video(str(tmp_path / "thin.gif"), 6, 402, 2)
+    for path, part, reason in ((clips["h264.mp4"], {"min_pixels": 5000, "max_pixels": 1000}, "video_options"),
+                               (clips["h264.mp4"], {"nframes": 40}, "bad_video"), (thin, {}, "aspect_ratio")):
+        with pytest.raises(BadSample) as err:
+            video_header(path, s.with_overrides(part))
+        assert err.value.reason == reason and path in str(err.value), str(err.value)

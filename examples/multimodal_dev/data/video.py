@@ -4,34 +4,38 @@ Public API (what a provider calls):
 
     VideoSettings(fps=2.0, nframes=None, min_frames=4, max_frames=768, min_pixels=None,
                   max_pixels=None, total_pixels=None, patch_size=16)
-        .with_overrides(part) -> VideoSettings   the per-item keys of a message part
-        .from_processor(processor, **fields)     patch size from a loaded processor
+        .with_overrides(part) -> VideoSettings   a message part's own keys (OVERRIDE_KEYS)
+        .from_processor(processor, **fields)     the patch size of a loaded processor
     load_video(path, settings) -> (frames_TCHW uint8, VideoMetadata)
-    video_header(path, settings) -> VideoHeader(metadata, size, grid_thw), from the container
-                                    only (nothing decoded): the same metadata as load_video
-    PROCESSOR_VIDEO_KWARGS          videos_kwargs for the processor call that takes these frames
+    video_header(path, settings) -> VideoHeader(metadata, size, grid_thw): from the container's
+        metadata only (nothing decoded), the same metadata as load_video and the processor's grid
+    PROCESSOR_VIDEO_KWARGS: the processor call's ``videos_kwargs`` for these frames, e.g.
+        processor(text=..., videos=[frames], video_metadata=[metadata], videos_kwargs=PROCESSOR_VIDEO_KWARGS)
+    ``path`` is a file path or a seekable binary file object (a fetched URL's bytes).
 
-The reference is qwen-vl-utils' ``fetch_video`` followed by the Qwen3-VL processor with
-``do_sample_frames=False, do_resize=False`` (Qwen3-VL's and Qwen3.5's usage with qwen-vl-utils;
-transformers' ``Qwen3VLVideoProcessor`` itself calls qwen-vl-utils "the reference
-implementation"). Step by step:
-  1. frame count and fps of the file: ``stream.frames`` when the container records it (mp4,
-     gif), else the number of video packets, counted by demuxing without decoding (webm and
-     mkv record none). That is what torchcodec, qwen-vl-utils' first backend, counts in its
-     default exact mode; fps is the stream's average rate, as every backend reports it.
-  2. frames sampled: ``sampled_frame_count`` (qwen-vl-utils' ``smart_nframes``: ``fps`` frames a
-     second, or ``nframes``, within [min_frames, max_frames], a multiple of 2, the temporal patch)
-     at ``round(linspace(0, total - 1, n))``, as its readers index.
-  3. frame size: qwen-vl-utils' ``smart_resize`` per frame, within a per-frame pixel budget
-     (``frame_pixel_budget``: min_pixels; max_pixels capped by total_pixels shared over the
-     frames), then torchvision's bicubic antialiased resize of the uint8 frames, as fetch_video.
-  4. the processor (``PROCESSOR_VIDEO_KWARGS``) neither samples nor resizes again; it normalises,
-     cuts 2x16x16 patches and writes each temporal patch's timestamp from the metadata
-     (``frames_indices`` / ``fps``).
-Defaults are qwen-vl-utils' module constants (the same fps and frame bounds as transformers'
-``Qwen3VLVideoProcessor``); its ``MODEL_SEQ_LEN`` environment variable sets total_pixels there
-and so here. Not supported: ``video_start`` / ``video_end`` / ``resized_height`` /
-``resized_width`` parts, frame lists as videos, rotation side data (no backend applies it).
+The reference is qwen-vl-utils' ``fetch_video``, then the Qwen3-VL processor (Qwen3.5's) with
+``do_sample_frames=False, do_resize=False``: the documented Qwen3-VL usage, and what
+transformers' ``Qwen3VLVideoProcessor`` calls "the reference implementation". (The processor
+alone, sampling with ``do_sample_frames=True``, differs: int(total / video_fps * fps) frames, not
+always even, and one pixel budget for the whole clip unless ``cap_pixels_per_frame``.) Steps:
+  1. frame count and fps: ``stream.frames`` where the container records it (mp4, gif), else the
+     video packets counted by demuxing without decoding (webm and mkv record none), which is
+     what torchcodec, qwen-vl-utils' first backend, counts in its default exact mode; fps is
+     the stream's average rate, as every backend reports it.
+  2. frames: ``sampled_frame_count`` (qwen-vl-utils' ``smart_nframes``: ``fps`` frames a second or
+     ``nframes``, within [min_frames, max_frames], a multiple of 2, the temporal patch) at
+     ``round(linspace(0, total - 1, n))``, as its readers index.
+  3. size: qwen-vl-utils' ``smart_resize`` per frame within ``frame_pixel_budget`` (min_pixels;
+     max_pixels capped by the frame's share of total_pixels), then torchvision's bicubic
+     antialiased resize of the uint8 frames, as fetch_video.
+  4. the processor only normalises, cuts 2x16x16 patches and writes each temporal patch's
+     timestamp from the metadata (``frames_indices`` / ``fps``).
+Defaults are qwen-vl-utils' constants (the same fps and frame bounds as ``Qwen3VLVideoProcessor``);
+its ``MODEL_SEQ_LEN`` environment variable sets the default total_pixels there and so here.
+transformers (5.23 here) expands only ``<|video_pad|>``: a template's
+``<|vision_start|><|video_pad|><|vision_end|>`` keeps that outer pair around the per-frame
+``<t seconds><|vision_start|>...<|vision_end|>`` runs. Not supported: ``video_start`` /
+``video_end`` / ``resized_height`` / ``resized_width`` parts, frame lists as videos.
 
 Every failure to read a file is ``BadSample("bad_video", "<path>: <reason>")``; unusable
 per-item options are ``BadSample("video_options")``, an aspect ratio over 200 ``"aspect_ratio"``.
@@ -173,57 +177,67 @@ def resized_size(height: int, width: int, n_frames: int, settings: VideoSettings
         raise BadSample("aspect_ratio", f"{where}: {width}x{height}: {err}") from err
 
 
+def _name(path) -> str:
+    if hasattr(path, "read"):
+        return str(getattr(path, "name", None) or "<in-memory video>")
+    return str(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else repr(path)
+
+
 @contextlib.contextmanager
-def _container(path: str):
+def _container(path):
     """The opened file; any failure to read it (missing, empty, not a video, damaged) is
     BadSample("bad_video") naming the file. BadSamples raised inside pass through as they are."""
+    name = _name(path)
     try:
-        if os.path.getsize(path) == 0:  # FileNotFoundError for a missing file
-            raise BadSample("bad_video", f"{path}: empty file")
-        with av.open(str(path)) as container:
+        if hasattr(path, "read"):
+            path.seek(0)  # read twice: the header, then the frames
+        elif os.path.getsize(path) == 0:  # FileNotFoundError for a missing file
+            raise BadSample("bad_video", f"{name}: empty file")
+        with av.open(path if hasattr(path, "read") else name) as container:
             if not container.streams.video:
-                raise BadSample("bad_video", f"{path}: no video stream")
+                raise BadSample("bad_video", f"{name}: no video stream")
             yield container
     except BadSample:
         raise
     except Exception as err:  # PyAV raises many FFmpegError types, OSError and ValueError
-        raise BadSample("bad_video", f"{path}: {type(err).__name__}: {err}") from err
+        raise BadSample("bad_video", f"{name}: {type(err).__name__}: {err}") from err
 
 
-def _header(container, path: str, settings: VideoSettings) -> VideoHeader:
+def _header(container, name: str, settings: VideoSettings) -> VideoHeader:
     from transformers.video_utils import VideoMetadata
 
     stream = container.streams.video[0]
     fps = float(stream.average_rate or stream.guessed_rate or 0)
     if fps <= 0 or not stream.width or not stream.height:
-        raise BadSample("bad_video", f"{path}: the stream has no frame rate or frame size")
+        raise BadSample("bad_video", f"{name}: the stream has no frame rate or frame size")
     # webm / mkv record no frame count: count packets (demuxed, not decoded), as torchcodec's exact scan
     total = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
     if stream.duration:
         duration = float(stream.duration * stream.time_base)
     else:
         duration = container.duration / av.time_base if container.duration else total / fps
-    n = sampled_frame_count(total, fps, settings, path)
-    height, width = resized_size(stream.height, stream.width, n, settings, path)
+    n = sampled_frame_count(total, fps, settings, name)
+    height, width = resized_size(stream.height, stream.width, n, settings, name)
     metadata = VideoMetadata(total_num_frames=total, fps=fps, width=stream.width, height=stream.height,
                              duration=duration, video_backend="pyav", frames_indices=frame_indices(total, n))
     grid = (n // qvu.FRAME_FACTOR, height // settings.patch_size, width // settings.patch_size)
     return VideoHeader(metadata, (height, width), grid)
 
 
-def video_header(path: str, settings: VideoSettings) -> VideoHeader:
-    """What ``load_video(path, settings)`` will give, from the container's metadata alone."""
+def video_header(path, settings: VideoSettings) -> VideoHeader:
+    """What ``load_video(path, settings)`` will give, from the container's metadata alone.
+    ``path``: a file path, or a seekable binary file object (a fetched URL's bytes)."""
     with _container(path) as container:
-        return _header(container, path, settings)
+        return _header(container, _name(path), settings)
 
 
-def load_video(path: str, settings: VideoSettings):
+def load_video(path, settings: VideoSettings):
     """(frames_TCHW uint8 of the sampled frames, resized; their ``VideoMetadata``). Frames are
     decoded in order up to the last sampled one; only sampled frames are converted and resized."""
     from torchvision.transforms import InterpolationMode
     from torchvision.transforms import functional as tvF
 
-    header = video_header(path, settings)
+    header, name = video_header(path, settings), _name(path)
     meta = header.metadata
     wanted, frames, decoded = meta.frames_indices, [], 0
     with _container(path) as container:
@@ -233,7 +247,7 @@ def load_video(path: str, settings: VideoSettings):
                 continue
             rgb_CHW = torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1)
             if tuple(rgb_CHW.shape[1:]) != (meta.height, meta.width):
-                raise BadSample("bad_video", f"{path}: frame {index} is {rgb_CHW.shape[2]}x{rgb_CHW.shape[1]}, "
+                raise BadSample("bad_video", f"{name}: frame {index} is {rgb_CHW.shape[2]}x{rgb_CHW.shape[1]}, "
                                 f"the stream {meta.width}x{meta.height}")
             # fetch_video's resize of uint8 frames (its .float() afterwards changes no value)
             frame_CHW = tvF.resize(rgb_CHW, list(header.size), interpolation=InterpolationMode.BICUBIC,
@@ -241,4 +255,4 @@ def load_video(path: str, settings: VideoSettings):
             frames.append(frame_CHW)
             if len(frames) == len(wanted):
                 return torch.stack(frames), meta
-    raise BadSample("bad_video", f"{path}: {decoded} frames decoded, the container gives {meta.total_num_frames}")
+    raise BadSample("bad_video", f"{name}: {decoded} frames decoded, the container gives {meta.total_num_frames}")
