@@ -115,7 +115,7 @@ def _compare(processor, path, part):
     ids = processor.tokenizer(PROMPT.replace("<|video_pad|>", expanded), return_tensors="pt").input_ids
     assert torch.equal(ids, ref["input_ids"])
     return {"grid": tuple(header.grid_thw), "frames": metadata.frames_indices, "tokens": ref["input_ids"].shape[1],
-            "pixel_max_abs_diff": diff}
+            "vision_starts": int((ref["input_ids"] == START).sum()), "pixel_max_abs_diff": diff}
 
 
 def test_defaults_are_qwen_vl_utils_and_the_video_processors():
@@ -135,6 +135,8 @@ def test_container_matches_reference(processor, clips, reference_reader, name):
     figures = _compare(processor, clips[name], {})
     print(f"{name}: container frame count {recorded or 'absent (packets counted)'}, {figures}")
     assert figures["grid"][0] >= 2 and len(set(figures["frames"])) == len(figures["frames"])
+    # transformers keeps the prompt's own vision_start / vision_end around the per-frame runs
+    assert figures["vision_starts"] == figures["grid"][0] + 1
     if name.endswith((".webm", ".mkv")):
         assert recorded == 0  # so the packet count, not the container's figure, was compared
 
