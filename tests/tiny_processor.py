@@ -3,6 +3,12 @@
 The tokenizer is character level with the Qwen special tokens; the image processor is the
 real ``transformers`` Qwen2-VL one (patch 16, merge 2, temporal 2), so placeholder expansion
 and grids are exactly what a released Qwen3.5 processor produces.
+
+``QWEN35_CHAT_TEMPLATE`` behaves as Qwen3.5's template does where the trained spans depend on it:
+no default system turn, a system turn only first and text only, every turn's content trimmed,
+an assistant turn after the last user turn opening with a think block (empty unless its content
+holds ``</think>``) while earlier ones do not, and a generation prompt that opens thinking
+(``<think>\n``, or an empty think block with ``enable_thinking=False``).
 """
 
 from __future__ import annotations
@@ -15,9 +21,64 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
     "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+QWEN35_CHAT_TEMPLATE = r"""
+{%- macro body(content, in_system) -%}
+  {%- if content is string -%}{{- content -}}
+  {%- else -%}{%- for part in content -%}
+    {%- if part.type == 'text' -%}{{- part.text -}}
+    {%- elif part.type in ('image', 'video') -%}
+      {%- if in_system -%}{{- raise_exception('a system turn holds text only') -}}{%- endif -%}
+      {{- '<|vision_start|><|' ~ part.type ~ '_pad|><|vision_end|>' -}}
+    {%- endif -%}
+  {%- endfor -%}{%- endif -%}
+{%- endmacro -%}
+{%- set state = namespace(last_user=-1) -%}
+{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set state.last_user = loop.index0 -%}{%- endif -%}{%- endfor -%}
+{%- if state.last_user < 0 -%}{{- raise_exception('no user turn') -}}{%- endif -%}
+{%- for m in messages -%}
+  {%- set text = body(m.content, m.role == 'system') | trim -%}
+  {%- if m.role == 'system' -%}
+    {%- if not loop.first -%}{{- raise_exception('the system turn must come first') -}}{%- endif -%}
+    {{- '<|im_start|>system
+' ~ text ~ '<|im_end|>
+' -}}
+  {%- elif m.role == 'user' -%}
+    {{- '<|im_start|>user
+' ~ text ~ '<|im_end|>
+' -}}
+  {%- elif m.role == 'assistant' -%}
+    {%- set thought = '' -%}
+    {%- if '</think>' in text -%}
+      {%- set thought = text.split('</think>')[0].split('<think>')[-1] | trim -%}
+      {%- set text = text.split('</think>')[-1] | trim -%}
+    {%- endif -%}
+    {{- '<|im_start|>assistant
+' -}}
+    {%- if loop.index0 > state.last_user -%}{{- '<think>
+' ~ thought ~ '
+</think>
+
+' -}}{%- endif -%}
+    {{- text ~ '<|im_end|>
+' -}}
+  {%- else -%}{{- raise_exception('unknown role ' ~ m.role) -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+  {{- '<|im_start|>assistant
+' -}}
+  {{- '<think>
+
+</think>
+
+' if enable_thinking is defined and enable_thinking is false else '<think>
+' -}}
+{%- endif -%}
+"""
 
 
 def build_processor(out_dir: str, specials=SPECIALS, chat_template=CHAT_TEMPLATE) -> str:

@@ -17,9 +17,10 @@ Invariants checked by ``validate_sample`` when a provider produces a sample, for
 videos alike: number of placeholder tokens == sum(t*h*w) / merge**2, P == sum(t*h*w), and
 one vision_start per image and per video frame.
 
-``build_sft_sample`` is the one place labels and the loss mask are derived, so no provider
-can shift them differently: the model at position i predicts token i+1, so position i is
-trained when token i+1 belongs to the answer (answer text and its end-of-turn token).
+``build_conversation_sample`` is the one place labels and the loss mask are derived, so no
+provider can shift them differently: the model at position i predicts token i+1, so position i
+is trained when token i+1 belongs to an answer (an assistant turn's text and its end-of-turn
+token). ``build_sft_sample`` is its single-turn form (prompt, then one answer).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class BadSample(Exception):
 
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
+        self.reason, self.detail = reason, detail
 
 
 class DataError(ValueError):
@@ -81,6 +82,20 @@ def build_sft_sample(prompt_ids: torch.Tensor, answer_ids: torch.Tensor, pixel_v
     input_ids = torch.cat([prompt_ids, answer_ids])
     is_answer = torch.zeros_like(input_ids, dtype=torch.bool)
     is_answer[prompt_ids.numel():] = True
+    return build_conversation_sample(input_ids, is_answer, pixel_values, image_grid_thw, pixel_values_videos,
+                                     video_grid_thw)
+
+
+def build_conversation_sample(input_ids: torch.Tensor, is_answer: torch.Tensor, pixel_values: torch.Tensor,
+                              image_grid_thw: torch.Tensor, pixel_values_videos: torch.Tensor | None = None,
+                              video_grid_thw: torch.Tensor | None = None) -> dict:
+    """A conversation of any number of turns: ``is_answer[i]`` marks token i as part of an
+    assistant turn (its text and end-of-turn token); each such token is the target of the
+    position before it. A leading answer token has no position before it and is not trained."""
+    input_ids = input_ids.reshape(-1).long()
+    is_answer = is_answer.reshape(-1).bool()
+    if is_answer.shape != input_ids.shape:
+        raise ValueError(f"is_answer has {is_answer.numel()} entries for {input_ids.numel()} tokens")
     trained = torch.zeros_like(is_answer)
     trained[:-1] = is_answer[1:]  # position i is trained when its target i+1 is an answer token
     labels = torch.full_like(input_ids, IGNORE_INDEX)
