@@ -11,6 +11,7 @@ DATASET_PROVIDERS = {
     "mock_mix": ".mock_mix.build_datasets",
     "mock_video": ".mock_video.build_datasets",
     "cord_v2": ".cord_v2.build_datasets",
+    "jsonl": ".jsonl.build_datasets",
 }
 
 

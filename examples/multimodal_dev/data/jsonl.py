@@ -1,0 +1,184 @@
+"""The user's own conversations (``--dataset-provider jsonl``): JSONL files of single- or multi-turn
+conversations with images and videos, in any of the formats ``conversations.py`` reads.
+
+    --data-path            a .jsonl file, a folder of them, or a weighted list (``jsonl_source.py``)
+    --valid-data-path      validation records; else ``--valid-fraction`` of the training records
+                           is held out (none by default); --test-data-path likewise, never implied
+    --media-root           the folder relative media paths start from (default: each JSONL's own)
+    --allow-remote-media   fetch http(s) media (refused by default)
+    --strict-data          stop at the first bad record instead of skipping it
+
+A sample is the whole conversation as the processor's chat template renders it (system turn
+included), with every assistant turn trained: its content tokens and its end-of-turn token,
+found through the template (``answer_spans.py``). Images are sized as ``jsonl_media.py`` says;
+videos are read by ``video.py``.
+
+Bad records are skips (``SkippingDataset``) whose message starts ``file:line``: a line that is
+not JSON, an unknown format or role, placeholders that do not match the media, no assistant
+turn, a missing, remote or undecodable image or video, a conversation over ``--seq-length``
+that cannot be cut after its last image. With ``--strict-data`` the first one is a one-line
+``DataError`` instead.
+
+``describe(index)`` gives the same ids and grids from image headers (and ``video_header``)
+without decoding pixels; a test holds it to the sample. An image whose header reads but whose
+pixels do not is found only when the sample is made.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from .answer_spans import answer_char_spans, answer_token_mask
+from .conversations import normalise
+from .jsonl_media import ImageSizing, image_size, locate, open_image
+from .jsonl_source import Blend, Records, check_data_path, hold_out
+from .processor import VISION_TOKEN_TEXT, load_processor
+from .sample import BadSample, DataError, build_conversation_sample, fit_to_budget
+from .skipping import SkippingDataset
+
+SPLITS = ("train", "validation", "test")
+
+
+class JsonlConversations:
+    """``produce(index)`` for ``SkippingDataset``: row ``index`` of a blend of JSONL records."""
+
+    def __init__(self, rows: Blend, processor, info, sizing: ImageSizing, seq_length: int, source: str,
+                 media_root: str | None = None, allow_remote: bool = False, strict: bool = False,
+                 video_settings=None):
+        self.rows, self.processor, self.info, self.sizing = rows, processor, info, sizing
+        self.seq_length, self.source, self.media_root = seq_length, source, media_root
+        self.allow_remote, self.strict, self.video_settings = allow_remote, strict, video_settings
+
+    def __call__(self, index: int) -> dict:
+        return self._at_record(index, self._produce)
+
+    def describe(self, index: int) -> dict:
+        """Sample ``index`` with its real ids and grids but zero-stride pixels: nothing decoded."""
+        return self._at_record(index, self._describe)
+
+    def _at_record(self, index: int, make) -> dict:
+        records, i = self.rows[index]
+        path, line = records.where(i)
+        try:
+            turns = self._turns(records.read(i))
+            media = [(m, locate(m.ref, os.path.dirname(path), self.media_root, self.allow_remote))
+                     for t in turns for m in t.media]
+            text, spans = answer_char_spans(self.processor, turns)
+            return fit_to_budget(make(text, spans, media), self.info.tokens, self.seq_length)
+        except BadSample as bad:
+            if self.strict:
+                raise DataError(f"{self.source}: {path}:{line}: {bad.reason}: {bad.detail} (--strict-data stops at "
+                                "the first bad record)") from None
+            raise BadSample(bad.reason, f"{path}:{line}: {bad.detail}") from None
+
+    def _turns(self, line: bytes):
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise BadSample("bad_json", f"not a JSON line: {err}") from None
+        turns = normalise(record)
+        for turn in turns:
+            for token in VISION_TOKEN_TEXT.values():
+                if token in turn.text:
+                    raise BadSample("special_token_in_text", f"a {turn.role} turn's text holds {token!r}, which the "
+                                                             "processor would read as a vision token")
+        return turns
+
+    def _produce(self, text: str, spans, media) -> dict:
+        images = [self.sizing.resize(open_image(location), m.options) for m, location in media if m.kind == "image"]
+        videos = self._videos(media)
+        enc = self.processor(text=[text], images=images or None, **videos, return_tensors="pt",
+                             return_offsets_mapping=True, return_text_replacement_offsets=True)
+        return self._sample(enc["input_ids"][0], enc["offset_mapping"][0], enc["text_replacement_offsets"][0], spans,
+                            enc.get("pixel_values"), enc.get("image_grid_thw"), enc.get("pixel_values_videos"),
+                            enc.get("video_grid_thw"))
+
+    def _describe(self, text: str, spans, media) -> dict:
+        if any(m.kind == "video" for m, _ in media):
+            return self._produce(text, spans, media)  # TODO(video.py): from video_header, undecoded
+        grids = torch.tensor([self.sizing.grid(*image_size(location), m.options) for m, location in media
+                              if m.kind == "image"], dtype=torch.long).reshape(-1, 3)
+        image_text = [self.processor.replace_image_token({"image_grid_thw": grids}, j) for j in range(len(grids))]
+        expanded, replacements = self.processor.get_text_with_replacements([text], image_text, [])
+        enc = self.processor.tokenizer(expanded, return_offsets_mapping=True, return_tensors="pt")
+        n_patches, patch_dim = int(grids.prod(-1).sum()), self.info.patch_dim
+        pixels = torch.zeros(1, patch_dim).expand(n_patches, patch_dim)
+        return self._sample(enc["input_ids"][0], enc["offset_mapping"][0], replacements[0], spans, pixels, grids)
+
+    def _videos(self, media) -> dict:
+        located = [(m, location) for m, location in media if m.kind == "video"]
+        if not located:
+            return {}
+        from . import video
+
+        frames, metadata = zip(*(video.load_video(location, self._video_settings(m)) for m, location in located))
+        return {"videos": list(frames), "video_metadata": list(metadata), "do_sample_frames": False}
+
+    def _video_settings(self, media):
+        from . import video
+
+        settings = self.video_settings if self.video_settings is not None else video.VideoSettings()
+        return settings.with_overrides(media.options) if media.options else settings
+
+    def _sample(self, input_ids, offsets, replacements, spans, pixels=None, grids=None, video_pixels=None,
+                video_grids=None) -> dict:
+        tokens = self.info.tokens
+        is_answer = answer_token_mask(input_ids, offsets, spans, replacements, self.info.end_of_turn_id,
+                                      (*tokens.vision_ids, tokens.vision_start, tokens.vision_end))
+        if pixels is None:
+            pixels, grids = torch.zeros(0, self.info.patch_dim), torch.zeros(0, 3, dtype=torch.long)
+        return build_conversation_sample(input_ids, is_answer, pixels, grids, video_pixels, video_grids)
+
+
+def load_rows(value: str, flag: str) -> tuple[list[Records], list[float] | None]:
+    specs = check_data_path(value, flag)
+    parts = [Records.of(spec.files) for spec in specs]
+    weights = [spec.weight for spec in specs] if specs[0].weight is not None else None
+    return parts, weights
+
+
+def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path: str | None = None,
+                   hf_processor_path: str | None = None, valid_data_path: str | None = None,
+                   test_data_path: str | None = None, valid_fraction: float = 0.0, media_root: str | None = None,
+                   allow_remote_media: bool = False, strict_data: bool = False, min_pixels: int | None = None,
+                   max_pixels: int | None = None, video_settings=None, **_unused):
+    """(train, valid, test) ``SkippingDataset``s over the JSONL records; None for a split with no
+    records or no samples asked for."""
+    parts, weights = load_rows(data_path, "--data-path")
+    if not 0 <= valid_fraction < 1:
+        raise DataError(f"--valid-fraction {valid_fraction}: must be at least 0 and below 1")
+    if valid_data_path and valid_fraction:
+        raise DataError(f"--valid-data-path {valid_data_path!r} and --valid-fraction {valid_fraction}: give one")
+    if media_root and not os.path.isdir(media_root):
+        raise DataError(f"--media-root {media_root!r}: no such directory")
+    processor, info = load_processor(hf_processor_path, min_pixels, max_pixels)
+    sources = {"train": (Blend(parts, weights), f"--data-path {data_path!r}")}
+    if valid_fraction:
+        held = [hold_out(len(p), valid_fraction) for p in parts]
+        if not any(h.any() for h in held):
+            raise DataError(f"--valid-fraction {valid_fraction} of the {sum(map(len, parts))} records of --data-path "
+                            f"{data_path!r} holds out none; raise it or give --valid-data-path")
+        sources["validation"] = (Blend([p.select(h) for p, h in zip(parts, held)]), f"--data-path {data_path!r}")
+        sources["train"] = (Blend([p.select(~h) for p, h in zip(parts, held)], weights), f"--data-path {data_path!r}")
+    for split, flag, value in (("validation", "--valid-data-path", valid_data_path),
+                               ("test", "--test-data-path", test_data_path)):
+        if value:
+            sources[split] = (Blend(*load_rows(value, flag)), f"{flag} {value!r}")
+    if len(sources["train"][0]) == 0:
+        raise DataError(f"--data-path {data_path!r}: no records to train on (every line is blank"
+                        f"{' or held out' if valid_fraction else ''})")
+    sizing = ImageSizing(processor, info.patch_size, min_pixels, max_pixels)
+    out = []
+    for split, n in zip(SPLITS, num_samples):
+        rows, source = sources.get(split, (None, None))
+        if not n or rows is None or len(rows) == 0:
+            out.append(None)
+            continue
+        produce = JsonlConversations(rows, processor, info, sizing, seq_length, source, media_root,
+                                     allow_remote_media, strict_data, video_settings)
+        out.append(SkippingDataset(produce, len(rows), n, info.tokens, seq_length, info.patch_dim,
+                                   name=f"jsonl[{split}]", source=source))
+    return tuple(out)

@@ -1,0 +1,136 @@
+"""The images and videos a record names: where a reference points, opening an image (decoded, for
+the sample) or reading only its header (for ``describe``), and an image's patch grid.
+
+A reference is a path relative to the JSONL file's folder (or to ``media_root`` when given), an
+absolute path, a ``file://`` path, a ``data:`` URI (images), or an http(s) URL -- refused unless
+``allow_remote`` (``--allow-remote-media``): a run should not depend on hosts it cannot see.
+
+Sizing follows Qwen's two resizes, as ``cord_v2`` does: qwen_vl_utils' ``fetch_image`` with the
+part's own ``min_pixels`` / ``max_pixels`` / ``resized_height`` + ``resized_width`` (else
+``--min-pixels`` / ``--max-pixels``), then the image processor's resize to its own budget (the
+same flags), so the tighter of the two bounds an image.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import os
+
+from .sample import BadSample
+
+REMOTE_SCHEMES = ("http://", "https://")
+FETCH_TIMEOUT_S = 30
+
+
+def locate(ref: str, base_dir: str, media_root: str | None, allow_remote: bool) -> str:
+    if ref.startswith(REMOTE_SCHEMES):
+        if not allow_remote:
+            raise BadSample("remote_media", f"{ref!r} is a URL; pass --allow-remote-media to fetch remote media")
+        return ref
+    if ref.startswith("data:"):
+        return ref
+    path = os.path.expanduser(ref.removeprefix("file://"))
+    return path if os.path.isabs(path) else os.path.join(media_root or base_dir, path)
+
+
+def fetch(location: str, kind: str):
+    """A local path, or the bytes behind a URL or data: URI; ``missing_<kind>`` / ``bad_<kind>``."""
+    if location.startswith(REMOTE_SCHEMES):
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(location, timeout=FETCH_TIMEOUT_S) as response:
+                return io.BytesIO(response.read())
+        except Exception as err:  # urllib raises URLError, HTTPError, timeouts, ...
+            raise BadSample(f"missing_{kind}", f"cannot fetch {location!r}: {err}") from err
+    if location.startswith("data:"):
+        try:
+            return io.BytesIO(base64.b64decode(location.partition("base64,")[2], validate=True))
+        except ValueError as err:
+            raise BadSample(f"bad_{kind}", f"a data: URI that is not base64: {err}") from err
+    if not os.path.isfile(location):
+        raise BadSample(f"missing_{kind}", f"no such {kind} file {location!r}")
+    return location
+
+
+@contextlib.contextmanager
+def _unreadable_is_bad_image(location: str):
+    try:
+        yield
+    except BadSample:
+        raise
+    except Exception as err:  # PIL raises many types for truncated / unreadable files
+        raise BadSample("bad_image", f"cannot read image {_short(location)}: {type(err).__name__}: {err}") from err
+
+
+def open_image(location: str):
+    """The image, decoded (colour conversion is qwen_vl_utils'): a bad file is a skip here."""
+    from PIL import Image
+
+    source = fetch(location, "image")
+    with _unreadable_is_bad_image(location):
+        image = Image.open(source)
+        image.load()
+        return image
+
+
+def image_size(location: str) -> tuple[int, int]:
+    """(width, height) from the image's header: no pixels are decoded."""
+    from PIL import Image
+
+    source = fetch(location, "image")
+    with _unreadable_is_bad_image(location), Image.open(source) as image:
+        return image.size
+
+
+@contextlib.contextmanager
+def _sizing_errors():
+    """qwen_vl_utils refuses an aspect ratio over 200 with a ValueError and impossible settings
+    with an AssertionError, and a budget below one merged patch ends in a zero size; all are the
+    record's fault, so skips."""
+    try:
+        yield
+    except ValueError as err:
+        if "aspect ratio" in str(err):
+            raise BadSample("aspect_ratio", f"image aspect ratio over 200 ({err})") from err
+        raise BadSample("bad_record", f"image settings: {err}") from err
+    except (AssertionError, TypeError, ZeroDivisionError) as err:  # e.g. max_pixels below one merged patch
+        raise BadSample("bad_record", f"image settings cannot be met: {err or type(err).__name__}") from err
+
+
+class ImageSizing:
+    """Both resizes of an image, performed (``resize``) or computed from its size (``grid``)."""
+
+    def __init__(self, processor, patch_size: int, min_pixels: int | None, max_pixels: int | None):
+        self.image_processor, self.patch_size = processor.image_processor, patch_size
+        self.budget = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v}
+
+    def resize(self, image, options: dict):
+        from qwen_vl_utils import fetch_image
+
+        with _sizing_errors():
+            return fetch_image({"image": image, **self.budget, **options}, image_patch_size=self.patch_size)
+
+    def grid(self, width: int, height: int, options: dict) -> tuple[int, int, int]:
+        from qwen_vl_utils import vision_process as qvu
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+        settings = {**self.budget, **options}
+        factor = self.patch_size * qvu.SPATIAL_MERGE_SIZE
+        with _sizing_errors():
+            if "resized_height" in settings and "resized_width" in settings:
+                height, width = qvu.smart_resize(settings["resized_height"], settings["resized_width"], factor=factor)
+            else:
+                height, width = qvu.smart_resize(height, width, factor=factor, min_pixels=settings.get("min_pixels"),
+                                                 max_pixels=settings.get("max_pixels"))
+            processor = self.image_processor
+            height, width = smart_resize(height, width, factor=processor.patch_size * processor.merge_size,
+                                         min_pixels=processor.size["shortest_edge"],
+                                         max_pixels=processor.size["longest_edge"])
+        return (1, height // processor.patch_size, width // processor.patch_size)
+
+
+def _short(location: str) -> str:
+    return repr(location if len(location) < 200 else location[:60] + "...")
