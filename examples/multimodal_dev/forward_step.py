@@ -99,8 +99,10 @@ def equalise_for_expert_dispatch(batch: dict, model) -> dict:
     Every row is padded with trained-on-nothing tokens to the longest in the group; that padding
     is a multiple of the collate's pad multiple, so the context-parallel split stays exact."""
     from megatron.core import parallel_state
+    from megatron.core.utils import get_attr_wrapped_model
 
-    config = getattr(model, "module", model).language_model.config
+    # under DDP, and under Float16Module too with --bf16 / --fp16 (every GPU run)
+    config = get_attr_wrapped_model(model, "language_model").config
     if not config.num_moe_experts or config.moe_token_dispatcher_type != "allgather":
         return batch
     group = parallel_state.get_expert_tensor_and_model_parallel_group()
