@@ -1,8 +1,8 @@
 """Checkpoints across layouts with the distributed optimizer, launched as the README launches it
 (``--use-distributed-optimizer`` and nothing else): one DP=2 checkpoint of the tiny MoE model
-resumes, optimizer state included, at TP=2, PP=2, PP=2 x VP=2 and EP=2, and the next step's loss
-and grad norm equal the same-layout resume's; resuming it with megatron's plain optimizer is
-refused in one line naming what to run, and so is a resume with another learning rate."""
+resumes, optimizer state included, at TP=2, PP=2, PP=2 x VP=2 and EP=2, and with megatron's plain
+optimizer and back, and the next step's loss and grad norm equal the same-layout resume's; a resume
+with another learning rate is refused in one line naming what to run."""
 
 import pytest
 from launch import NO_EVAL, run_script
@@ -28,29 +28,49 @@ def _resume(saved, name, flags=DIST, **layout):
 
     target = saved / name.replace(" ", "").replace("=", "")
     shutil.copytree(saved / "base", target)
-    return run_script(flags, TRAIN_ITERS=3, CKPT_RESUME=target, **{"NPROC": 2, **COMMON, **layout})
+    return run_script(flags, CKPT_RESUME=target, **{"NPROC": 2, "TRAIN_ITERS": 3, **COMMON, **layout})
 
 
 @pytest.fixture(scope="module")
 def same_layout(saved):
-    return _resume(saved, "same").check()
+    """Iterations 3 to 6 resumed from the DP=2 checkpoint at its own layout."""
+    return _resume(saved, "same", TRAIN_ITERS=6).check()
+
+
+def _compare(name, other, same_layout, iteration, grad_norm_rtol=1e-5):
+    loss = abs(other.losses[iteration] - same_layout.losses[iteration]) / same_layout.losses[iteration]
+    norm = abs(other.grad_norms[iteration] - same_layout.grad_norms[iteration]) / same_layout.grad_norms[iteration]
+    print(f"{name}: loss {other.losses[iteration]!r} vs {same_layout.losses[iteration]!r} (rel {loss:.1e}), grad "
+          f"norm {other.grad_norms[iteration]!r} vs {same_layout.grad_norms[iteration]!r} (rel {norm:.1e})")
+    assert loss < 1e-5 and norm < grad_norm_rtol
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_optimizer_state_resumes_at_another_layout(saved, same_layout, layout):
-    other = _resume(saved, layout, **LAYOUTS[layout]).check()
-    assert sorted(other.losses) == [3], other.output[-3000:]
-    loss = abs(other.losses[3] - same_layout.losses[3]) / same_layout.losses[3]
-    norm = abs(other.grad_norms[3] - same_layout.grad_norms[3]) / same_layout.grad_norms[3]
-    print(f"{layout}: loss {other.losses[3]!r} vs {same_layout.losses[3]!r} (rel {loss:.1e}), grad norm "
-          f"{other.grad_norms[3]!r} vs {same_layout.grad_norms[3]!r} (rel {norm:.1e})")
-    assert loss < 1e-5 and norm < GRAD_NORM_RTOL.get(layout, 1e-5)
+    """Iteration 3's loss and grad norm come from the weights; iteration 4's from the update that
+    iteration 3 made with the resumed optimizer state."""
+    other = _resume(saved, layout, TRAIN_ITERS=4, **LAYOUTS[layout]).check()
+    assert sorted(other.losses) == [3, 4], other.output[-3000:]
+    for iteration in (3, 4):
+        _compare(f"{layout} iteration {iteration}", other, same_layout, iteration, GRAD_NORM_RTOL.get(layout, 1e-5))
 
 
-def test_the_plain_optimizer_is_refused_in_one_line(saved):
-    run = _resume(saved, "plain", flags=NO_EVAL, NPROC=1)
-    assert run.returncode != 0 and "Traceback" not in run.output
-    assert "its optimizer state was saved with --use-distributed-optimizer and this run is without it" in run.output
+def test_optimizer_state_moves_to_the_plain_optimizer_and_back(saved, same_layout):
+    """Iterations 3 and 4 with megatron's plain optimizer from the distributed optimizer's
+    checkpoint; it saves, and iterations 5 and 6 go back to the distributed optimizer from the plain
+    one's checkpoint. The weights must come through both ways for iterations 3 and 5, and Adam's
+    moments, the step and the groups' settings for iterations 4 and 6 (made by the resumed state's
+    first update), to equal the same-layout run's. (An fp32 plain checkpoint holds no main weights
+    of its own: the distributed optimizer takes them from the loaded model.)"""
+    plain = _resume(saved, "plain", flags=NO_EVAL, TRAIN_ITERS=4).check()
+    assert sorted(plain.losses) == [3, 4], plain.output[-3000:]
+    assert "optimizer state saved with --use-distributed-optimizer, resumed without it" in plain.output
+    for iteration in (3, 4):
+        _compare(f"distributed -> plain, iteration {iteration}", plain, same_layout, iteration)
+    back = run_script(DIST, TRAIN_ITERS=6, CKPT_RESUME=saved / "plain", **{"NPROC": 2, **COMMON}).check()
+    assert sorted(back.losses) == [5, 6] and "saved without --use-distributed-optimizer, resumed with it" in back.output
+    for iteration in (5, 6):
+        _compare(f"plain -> distributed, iteration {iteration}", back, same_layout, iteration)
 
 
 def test_another_learning_rate_is_refused_in_one_line(saved):
@@ -58,3 +78,26 @@ def test_another_learning_rate_is_refused_in_one_line(saved):
     assert run.returncode != 0 and "Traceback" not in run.output, run.output[-3000:]
     assert ("--lr 0.001 --min-lr 0.0001: the checkpoint under --load" in run.output
             and "trained with --lr 0.002 --min-lr 0.0002, which its optimizer state keeps" in run.output), run.output[-3000:]
+
+
+def test_bf16_optimizer_state_moves_between_the_two_optimizers(tmp_path):
+    """With --bf16 (every GPU run) both optimizers keep fp32 main weights of their own, under
+    different names. Each switch is compared with staying on the optimizer that saved: in bf16 the
+    two optimizers' gradient reductions round differently (a plain run and a distributed one from
+    one checkpoint part in the 6th digit of the grad norm within a step), so the reference is the
+    saving kind. A plain checkpoint resumes with the distributed optimizer (iteration 4 is made by
+    the first resumed update), and that one's checkpoint goes back to the plain optimizer
+    (iteration 6)."""
+    import shutil
+
+    bf16, dist, common = ("--bf16", *NO_EVAL), ("--use-distributed-optimizer", "--bf16", *NO_EVAL), {"NPROC": 2, **COMMON}
+
+    def branch(source, name, flags, iterations):
+        shutil.copytree(tmp_path / source, tmp_path / name)
+        return run_script(flags, TRAIN_ITERS=iterations, CKPT_RESUME=tmp_path / name, **common).check()
+
+    run_script(bf16, TRAIN_ITERS=2, CKPT_SAVE=tmp_path / "plain", **common).check()
+    stayed, switched = branch("plain", "stay_plain", bf16, 4), branch("plain", "to_dist", dist, 4)
+    _compare("bf16 plain -> distributed, iteration 4", switched, stayed, 4)
+    stayed, switched = branch("to_dist", "stay_dist", dist, 6), branch("to_dist", "back", bf16, 6)
+    _compare("bf16 distributed -> plain, iteration 6", switched, stayed, 6)

@@ -20,7 +20,8 @@ optimizer the saved groups in the nesting it reads (groups are matched by their 
 This playground saves ``fully_reshardable`` unless ``--dist-ckpt-optim-dp-reshardable`` asks for
 megatron's default (``default_to_reshardable``); ``zero_padding`` makes a ``dp_reshardable`` save deterministic; and
 ``check_layout_change`` refuses, in one line and before loading, a ``dp_reshardable`` checkpoint
-resumed at another layout, naming what to run instead.
+resumed at another layout or with the plain optimizer, naming what to run instead, and hands a
+checkpoint of the other kind of optimizer to ``optimizer_switch``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import functools
 import os
 
+from . import optimizer_switch
 from .files import TRACKER, checkpoint_directory, stored_args
 
 FORMAT_FLAG = "dist_ckpt_optim_fully_reshardable"
@@ -140,7 +142,8 @@ def _layout(args) -> dict[str, int]:
 
 def check_layout_change(args) -> None:
     """A ``dp_reshardable`` checkpoint resumed with its optimizer state at another TP / PP / VP / EP /
-    ETP, or a checkpoint resumed with the other kind of optimizer: one line saying what to run."""
+    ETP or by the plain optimizer: one line saying what to run. A checkpoint saved by the other kind
+    of optimizer (plain, or distributed in the fully reshardable format) is translated on load."""
     if not args.load or args.finetune or args.no_load_optim or not os.path.isfile(os.path.join(args.load, TRACKER)):
         return
     from megatron.core import dist_checkpointing
@@ -150,22 +153,19 @@ def check_layout_change(args) -> None:
     if stored is None:
         return
     saved_dist = bool(getattr(stored, "use_distributed_optimizer", False))
-    if saved_dist != bool(args.use_distributed_optimizer):
-        # megatron 0.19.2 stores the two optimizers' state under different names and structures
-        # and loads neither from the other ("Could not find parameter group with key ...")
-        raise ValueError(f"--load {args.load}: its optimizer state was saved {'with' if saved_dist else 'without'} "
-                         f"--use-distributed-optimizer and this run is {'without' if saved_dist else 'with'} it; "
-                         "megatron loads neither optimizer's state into the other: resume "
-                         f"{'with' if saved_dist else 'without'} it, or load the weights alone with --no-load-optim")
-    if not saved_dist:
-        return
     sharding = (dist_checkpointing.load_content_metadata(directory) or {}).get("distrib_optim_sharding_type")
-    if sharding != "dp_reshardable":
-        return
+    switched = saved_dist != bool(args.use_distributed_optimizer)
     was, now = _layout(stored), _layout(args)
     changed = [f"{k}={was[k]} -> {now[k]}" for k in was if was[k] != now[k]]
-    if changed:
+    if saved_dist and (sharding == "dp_reshardable" and changed or switched and sharding != "fully_reshardable"):
+        change = ", ".join(changed + (["the plain optimizer"] if switched else []))
         raise ValueError(f"--load {args.load}: its optimizer state was saved in the distributed optimizer's "
-                         f"dp_reshardable layout, which resumes at another DP size only ({', '.join(changed)}); "
+                         f"{sharding} layout, which resumes at another DP size only ({change}); "
                          "resume once at the saved layout with --dist-ckpt-optim-fully-reshardable (this "
                          "playground's default) and save, or load the weights alone with --no-load-optim")
+    if switched:
+        if args.rank == 0:
+            print(f"pretrain_multimodal.py: --load {args.load}: optimizer state saved "
+                  f"{'with' if saved_dist else 'without'} --use-distributed-optimizer, resumed "
+                  f"{'without' if saved_dist else 'with'} it", flush=True)
+        optimizer_switch.expect(saved_dist, bool(getattr(stored, "bf16", False) or getattr(stored, "fp16", False)))
