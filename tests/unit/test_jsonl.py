@@ -114,9 +114,11 @@ def trained_runs(sample, tokenizer) -> list[str]:
 
 
 def assert_describe_matches(dataset, n):
+    """describe(i) == (tokens, grids of the images, then of the videos) of dataset[i]."""
     for i in range(n):
         sample = dataset[i]
-        assert dataset.describe(i) == (sample["input_ids"].numel(), sample["image_grid_thw"].tolist()), i
+        grids = sample["image_grid_thw"].tolist() + sample["video_grid_thw"].tolist()
+        assert dataset.describe(i) == (sample["input_ids"].numel(), grids), i
 
 
 @pytest.mark.parametrize("name", FORMATS)

@@ -35,14 +35,16 @@ def render(processor, messages: list[dict]) -> str:
         raise BadSample("template_error", f"the chat template refused the conversation: {err}") from err
 
 
-def answer_char_spans(processor, turns: list[Turn]) -> tuple[str, list[tuple[int, int]]]:
-    """(the rendered conversation, the [start, end) characters of each assistant turn's content)."""
-    text = render(processor, chat_messages(turns))
+def answer_char_spans(processor, turns: list[Turn], rewrite=None) -> tuple[str, list[tuple[int, int]]]:
+    """(the rendered conversation, the [start, end) characters of each assistant turn's content).
+    ``rewrite(text)``: applied to every rendering (a change of media markup, never of answers)."""
+    rewrite = rewrite or (lambda text: text)
+    text = rewrite(render(processor, chat_messages(turns)))
     spans = []
     for index, turn in enumerate(turns):
         if turn.role != "assistant":
             continue
-        variant = render(processor, chat_messages(turns, replace={index: SENTINEL}))
+        variant = rewrite(render(processor, chat_messages(turns, replace={index: SENTINEL})))
         start = _common_prefix(text, variant)
         tail = _common_suffix(text, variant, min(len(text), len(variant)) - start)
         end = len(text) - tail

@@ -11,7 +11,7 @@ conversations with images and videos, in any of the formats ``conversations.py``
 A sample is the whole conversation as the processor's chat template renders it (system turn
 included), with every assistant turn trained: its content tokens and its end-of-turn token,
 found through the template (``answer_spans.py``). Images are sized as ``jsonl_media.py`` says;
-videos are read by ``video.py``.
+videos are sampled and sized by ``video.py`` (``--video-*`` flags, a part's own keys over them).
 
 Bad records are skips (``SkippingDataset``) whose message starts ``file:line``: a line that is
 not JSON, an unknown format or role, placeholders that do not match the media, no assistant
@@ -33,7 +33,7 @@ import torch
 
 from .answer_spans import answer_char_spans, answer_token_mask
 from .conversations import normalise
-from .jsonl_media import ImageSizing, image_size, locate, open_image
+from .jsonl_media import ImageSizing, fetch, image_size, locate, open_image
 from .jsonl_source import Blend, Records, check_data_path, hold_out
 from .processor import VISION_TOKEN_TEXT, load_processor
 from .sample import BadSample, DataError, build_conversation_sample, fit_to_budget
@@ -47,10 +47,11 @@ class JsonlConversations:
 
     def __init__(self, rows: Blend, processor, info, sizing: ImageSizing, seq_length: int, source: str,
                  media_root: str | None = None, allow_remote: bool = False, strict: bool = False,
-                 video_settings=None):
+                 videos: VideoOptions | None = None):
         self.rows, self.processor, self.info, self.sizing = rows, processor, info, sizing
         self.seq_length, self.source, self.media_root = seq_length, source, media_root
-        self.allow_remote, self.strict, self.video_settings = allow_remote, strict, video_settings
+        self.allow_remote, self.strict = allow_remote, strict
+        self.videos = videos or VideoOptions(processor)
 
     def __call__(self, index: int) -> dict:
         return self._at_record(index, self._produce)
@@ -66,13 +67,14 @@ class JsonlConversations:
             turns = self._turns(records.read(i))
             media = [(m, locate(m.ref, os.path.dirname(path), self.media_root, self.allow_remote))
                      for t in turns for m in t.media]
-            text, spans = answer_char_spans(self.processor, turns)
+            text, spans = answer_char_spans(self.processor, turns, self.videos.rewrite)
             return fit_to_budget(make(text, spans, media), self.info.tokens, self.seq_length)
         except BadSample as bad:
+            detail = bad.detail.replace("\n", " ")
             if self.strict:
-                raise DataError(f"{self.source}: {path}:{line}: {bad.reason}: {bad.detail} (--strict-data stops at "
-                                "the first bad record)") from None
-            raise BadSample(bad.reason, f"{path}:{line}: {bad.detail}") from None
+                raise DataError(f"{self.source}: {path}:{line}: {bad.reason}: {detail} (--strict-data stops at the "
+                                "first bad record)") from None
+            raise BadSample(bad.reason, f"{path}:{line}: {detail}") from None
 
     def _turns(self, line: bytes):
         try:
@@ -89,39 +91,36 @@ class JsonlConversations:
 
     def _produce(self, text: str, spans, media) -> dict:
         images = [self.sizing.resize(open_image(location), m.options) for m, location in media if m.kind == "image"]
-        videos = self._videos(media)
-        enc = self.processor(text=[text], images=images or None, **videos, return_tensors="pt",
+        videos = [self.videos.load(m, location) for m, location in media if m.kind == "video"]
+        video_inputs = {}
+        if videos:
+            from .video import PROCESSOR_VIDEO_KWARGS
+
+            frames, metadata = zip(*videos)
+            video_inputs = dict(videos=list(frames), video_metadata=list(metadata), videos_kwargs=PROCESSOR_VIDEO_KWARGS)
+        enc = self.processor(text=[text], images=images or None, **video_inputs, return_tensors="pt",
                              return_offsets_mapping=True, return_text_replacement_offsets=True)
         return self._sample(enc["input_ids"][0], enc["offset_mapping"][0], enc["text_replacement_offsets"][0], spans,
                             enc.get("pixel_values"), enc.get("image_grid_thw"), enc.get("pixel_values_videos"),
                             enc.get("video_grid_thw"))
 
     def _describe(self, text: str, spans, media) -> dict:
-        if any(m.kind == "video" for m, _ in media):
-            return self._produce(text, spans, media)  # TODO(video.py): from video_header, undecoded
-        grids = torch.tensor([self.sizing.grid(*image_size(location), m.options) for m, location in media
-                              if m.kind == "image"], dtype=torch.long).reshape(-1, 3)
+        grids = _grid_tensor([self.sizing.grid(*image_size(location), m.options) for m, location in media
+                              if m.kind == "image"])
+        headers = [self.videos.header(m, location) for m, location in media if m.kind == "video"]
+        video_grids = _grid_tensor([h.grid_thw for h in headers])
         image_text = [self.processor.replace_image_token({"image_grid_thw": grids}, j) for j in range(len(grids))]
-        expanded, replacements = self.processor.get_text_with_replacements([text], image_text, [])
+        video_inputs = {"video_grid_thw": video_grids, "video_metadata": [h.metadata for h in headers]}
+        video_text = [self.processor.replace_video_token(video_inputs, j) for j in range(len(headers))]
+        expanded, replacements = self.processor.get_text_with_replacements([text], image_text, video_text)
         enc = self.processor.tokenizer(expanded, return_offsets_mapping=True, return_tensors="pt")
-        n_patches, patch_dim = int(grids.prod(-1).sum()), self.info.patch_dim
-        pixels = torch.zeros(1, patch_dim).expand(n_patches, patch_dim)
-        return self._sample(enc["input_ids"][0], enc["offset_mapping"][0], replacements[0], spans, pixels, grids)
+        return self._sample(enc["input_ids"][0], enc["offset_mapping"][0], replacements[0], spans,
+                            self._no_pixels(grids), grids, self._no_pixels(video_grids) if headers else None,
+                            video_grids if headers else None)
 
-    def _videos(self, media) -> dict:
-        located = [(m, location) for m, location in media if m.kind == "video"]
-        if not located:
-            return {}
-        from . import video
-
-        frames, metadata = zip(*(video.load_video(location, self._video_settings(m)) for m, location in located))
-        return {"videos": list(frames), "video_metadata": list(metadata), "do_sample_frames": False}
-
-    def _video_settings(self, media):
-        from . import video
-
-        settings = self.video_settings if self.video_settings is not None else video.VideoSettings()
-        return settings.with_overrides(media.options) if media.options else settings
+    def _no_pixels(self, grids: torch.Tensor) -> torch.Tensor:
+        """Zero-stride pixels of the right shape: planning reads shapes only."""
+        return torch.zeros(1, self.info.patch_dim).expand(int(grids.prod(-1).sum()), self.info.patch_dim)
 
     def _sample(self, input_ids, offsets, replacements, spans, pixels=None, grids=None, video_pixels=None,
                 video_grids=None) -> dict:
@@ -131,6 +130,68 @@ class JsonlConversations:
         if pixels is None:
             pixels, grids = torch.zeros(0, self.info.patch_dim), torch.zeros(0, 3, dtype=torch.long)
         return build_conversation_sample(input_ids, is_answer, pixels, grids, video_pixels, video_grids)
+
+
+def _grid_tensor(grids) -> torch.Tensor:
+    return torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
+
+
+class VideoOptions:
+    """Video settings (``video.py``, read only when a record holds a video) and how the template's
+    video markup reaches the processor. transformers 5.23 expands only ``<|video_pad|>``, each
+    temporal patch into ``<t seconds><|vision_start|>...<|vision_end|>``, and keeps the pair the
+    template wrote around it: a vision_start with no frame after it, which the sample contract
+    (one per frame) and MRoPE do not have. Where the processor writes that per-frame pair, the
+    template's ``<|vision_start|><|video_pad|><|vision_end|>`` is given to it as the bare pad: the
+    layout transformers' Qwen3-VL processor wrote before (4.57 replaced the whole triple)."""
+
+    def __init__(self, processor, **settings):
+        self.processor, self.settings, self._base = processor, {k: v for k, v in settings.items() if v is not None}, None
+        if "nframes" in self.settings:
+            self.settings.setdefault("fps", None)  # a frame count instead of the default rate
+        start, pad, end = (VISION_TOKEN_TEXT[k] for k in ("vision_start", "video", "vision_end"))
+        self.markup, self.pad = f"{start}{pad}{end}", pad
+        self.collapse = _frames_carry_vision_start(processor, start)
+        if self.settings:  # flags given: a bad value stops the run before the first step
+            self.base()
+
+    def rewrite(self, text: str) -> str:
+        return text.replace(self.markup, self.pad) if self.collapse else text
+
+    def base(self):
+        if self._base is None:
+            from .video import VideoSettings
+
+            try:
+                self._base = VideoSettings.from_processor(self.processor, **self.settings)
+            except (TypeError, ValueError) as err:
+                raise DataError(f"video settings {self.settings}: {err}") from None
+        return self._base
+
+    def of(self, media):
+        return self.base().with_overrides(media.options) if media.options else self.base()
+
+    def load(self, media, location):
+        from .video import load_video
+
+        return load_video(fetch(location, "video"), self.of(media))
+
+    def header(self, media, location):
+        from .video import video_header
+
+        return video_header(fetch(location, "video"), self.of(media))
+
+
+def _frames_carry_vision_start(processor, start: str) -> bool:
+    """Whether the processor's expansion of one video writes a vision_start per temporal patch."""
+    from transformers.video_utils import VideoMetadata
+
+    probe = {"video_grid_thw": torch.tensor([[1, 2, 2]]),
+             "video_metadata": [VideoMetadata(total_num_frames=2, fps=1.0, frames_indices=[0, 1])]}
+    try:
+        return start in processor.replace_video_token(probe, 0)
+    except (AttributeError, NotImplementedError):  # a processor without per-frame video markup
+        return False
 
 
 def load_rows(value: str, flag: str) -> tuple[list[Records], list[float] | None]:
@@ -144,9 +205,13 @@ def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path
                    hf_processor_path: str | None = None, valid_data_path: str | None = None,
                    test_data_path: str | None = None, valid_fraction: float = 0.0, media_root: str | None = None,
                    allow_remote_media: bool = False, strict_data: bool = False, min_pixels: int | None = None,
-                   max_pixels: int | None = None, video_settings=None, **_unused):
+                   max_pixels: int | None = None, video_fps: float | None = None, video_nframes: int | None = None,
+                   video_min_frames: int | None = None, video_max_frames: int | None = None,
+                   video_min_pixels: int | None = None, video_max_pixels: int | None = None,
+                   video_total_pixels: int | None = None, **_unused):
     """(train, valid, test) ``SkippingDataset``s over the JSONL records; None for a split with no
-    records or no samples asked for."""
+    records or no samples asked for. ``video_*``: ``VideoSettings`` fields (None: its default);
+    a video part's own keys override them."""
     parts, weights = load_rows(data_path, "--data-path")
     if not 0 <= valid_fraction < 1:
         raise DataError(f"--valid-fraction {valid_fraction}: must be at least 0 and below 1")
@@ -171,6 +236,9 @@ def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path
         raise DataError(f"--data-path {data_path!r}: no records to train on (every line is blank"
                         f"{' or held out' if valid_fraction else ''})")
     sizing = ImageSizing(processor, info.patch_size, min_pixels, max_pixels)
+    videos = VideoOptions(processor, fps=video_fps, nframes=video_nframes, min_frames=video_min_frames,
+                          max_frames=video_max_frames, min_pixels=video_min_pixels, max_pixels=video_max_pixels,
+                          total_pixels=video_total_pixels)
     out = []
     for split, n in zip(SPLITS, num_samples):
         rows, source = sources.get(split, (None, None))
@@ -178,7 +246,7 @@ def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path
             out.append(None)
             continue
         produce = JsonlConversations(rows, processor, info, sizing, seq_length, source, media_root,
-                                     allow_remote_media, strict_data, video_settings)
+                                     allow_remote_media, strict_data, videos)
         out.append(SkippingDataset(produce, len(rows), n, info.tokens, seq_length, info.patch_dim,
                                    name=f"jsonl[{split}]", source=source))
     return tuple(out)

@@ -1,0 +1,252 @@
+"""The jsonl provider on bad input: every fault is a counted skip whose message names the file and
+line, ``--strict-data`` turns the first into one line, remote media are refused unless allowed
+(then fetched), and a --data-path that cannot be read is one line naming the flag. Also the
+example files under ``data/examples`` (their images and video drawn here) and videos through
+``video.py``, against the processor."""
+
+import functools
+import http.server
+import json
+import os
+import shutil
+import threading
+
+import pytest
+import torch
+from test_jsonl import (BUDGET, as_parts, as_placeholder, assert_describe_matches, reference, train_split,
+                        trained_runs, write_images, write_jsonl)
+from tiny_processor import QWEN35_CHAT_TEMPLATE, build_processor
+
+from examples.multimodal_dev.data.jsonl import build_datasets
+from examples.multimodal_dev.data.jsonl_source import check_data_path
+from examples.multimodal_dev.data.processor import load_processor
+from examples.multimodal_dev.data.sample import BadSample, DataError
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "multimodal_dev", "data", "examples")
+GOOD = as_placeholder([("user", "<image>Colour?"), ("assistant", "Red.")], ["red.png"])
+
+
+def qa(user, answer, **media):
+    return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}], **media}
+
+
+# (reason, the bad line as written): each line's fault, in file order
+FAULTS = [
+    ("missing_image", qa("<image>Colour?", "Red.", images=["nowhere.png"])),
+    ("bad_image", qa("<image>Colour?", "Red.", images=["broken.png"])),
+    ("placeholder_mismatch", qa("<image><image>Both?", "Red.", images=["red.png"])),
+    ("placeholder_mismatch", qa("Colour?", "Red.", images=["red.png"])),
+    ("bad_json", '{"messages": [{"role": "user", "content": "Hi"}'),
+    ("no_assistant_turn", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ("over_budget", qa("Long. " * 40 + "<image>", "Red.", images=["red.png"])),
+    ("remote_media", qa("<image>Colour?", "Red.", images=["https://example.com/red.png"])),
+    ("bad_role", {"messages": [{"role": "tool", "content": "42"}, {"role": "assistant", "content": "Ok."}]}),
+    ("bad_record", {"prompt": "Hi", "response": "Hello"}),
+    ("empty_answer", qa("Hi", "   ")),
+    ("special_token_in_text", qa("What is <|image_pad|>?", "A token.")),
+    ("template_error", {"messages": [{"role": "user", "content": "Hi"}, {"role": "system", "content": "Late."},
+                                     {"role": "assistant", "content": "Hello"}]}),
+    ("missing_video", qa("<video>What moves?", "A bar.", videos=["nowhere.mp4"])),
+    ("bad_video", qa("<video>What moves?", "A bar.", videos=["broken.mp4"])),
+    ("media_in_answer", as_parts([("user", "Draw it."), ("assistant", "Here: <image>")], ["red.png"])),
+]
+
+
+@pytest.fixture(scope="module")
+def processor_path(tmp_path_factory):
+    return build_processor(str(tmp_path_factory.mktemp("processor")), chat_template=QWEN35_CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory):
+    """A JSONL with one fault a line (a blank line between each) and a good record last."""
+    folder = tmp_path_factory.mktemp("faults")
+    write_images(str(folder))
+    (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not an image")
+    (folder / "broken.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 not a video")
+    lines = []
+    for _, record in FAULTS:
+        lines += [record, ""]
+    return write_jsonl(str(folder / "data.jsonl"), lines + [GOOD])
+
+
+def test_each_fault_is_a_skip_naming_its_file_and_line(processor_path, faults, caplog):
+    train = train_split(processor_path, faults, n=len(FAULTS) + 1, seq_length=120)
+    for i, (reason, _) in enumerate(FAULTS):
+        with pytest.raises(BadSample) as bad:
+            train.produce(i)
+        assert bad.value.reason == reason and str(bad.value).startswith(f"{reason}: {faults}:{2 * i + 1}: "), i
+        with pytest.raises(BadSample) as planned:
+            train.produce.describe(i)
+        assert str(planned.value) == str(bad.value), i  # planning skips it with the same message
+    # The dataset hands the good record in place of every bad one and logs each skip with its line.
+    good = train.produce(len(FAULTS))
+    assert torch.equal(train[0]["input_ids"], good["input_ids"])
+    assert sum(train.skip_counts.values()) == len(FAULTS)
+    assert f"(over_budget: {faults}:13: " in caplog.text and "--seq-length 120" in caplog.text
+    assert f"(remote_media: {faults}:15: 'https://example.com/red.png' is a URL; pass --allow-remote-media" in caplog.text
+
+
+def test_strict_data_stops_at_the_first_bad_record_in_one_line(processor_path, faults):
+    train = train_split(processor_path, faults, n=4, seq_length=120, strict_data=True)
+    with pytest.raises(DataError) as err:
+        train[0]
+    assert str(err.value) == (f"--data-path {faults!r}: {faults}:1: missing_image: no such image file "
+                              f"{os.path.join(os.path.dirname(faults), 'nowhere.png')!r} (--strict-data stops at the "
+                              "first bad record)")
+    assert isinstance(err.value, ValueError) and "\n" not in str(err.value)
+
+
+def test_an_all_bad_file_stops_in_one_line(processor_path, tmp_path):
+    data = write_jsonl(str(tmp_path / "d.jsonl"), ["not json", qa("Hi", "")])
+    train = train_split(processor_path, data, n=2)
+    with pytest.raises(DataError, match=rf"^--data-path '{data}': every one of the 2 rows of jsonl\[train\] was "
+                                        r"skipped \(bad_json=1, empty_answer=1\); check the data and --seq-length$"):
+        train[0]
+
+
+def test_remote_media_are_fetched_only_when_allowed(processor_path, tmp_path):
+    """A URL is refused by default; with allow_remote_media it is fetched (a local HTTP server here)
+    and gives the sample the file gives."""
+    write_images(str(tmp_path))
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *a: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/red.png"
+        data = write_jsonl(str(tmp_path / "d.jsonl"), [qa("<image>Colour?", "Red.", images=[url]), GOOD])
+        refused = train_split(processor_path, data)
+        with pytest.raises(BadSample, match="remote_media"):
+            refused.produce(0)
+        fetched = train_split(processor_path, data, allow_remote_media=True)
+        assert torch.equal(fetched.produce(0)["pixel_values"], fetched.produce(1)["pixel_values"])
+        assert fetched.describe(0) == fetched.describe(1)
+        missing = write_jsonl(str(tmp_path / "m.jsonl"), [qa("<image>?", "Red.", images=[url + ".gone"])])
+        with pytest.raises(BadSample, match=r"missing_image: .*m.jsonl:1: cannot fetch .*404"):
+            train_split(processor_path, missing, allow_remote_media=True).produce(0)
+    finally:
+        server.shutdown()
+
+
+def test_data_path_errors_are_one_line_naming_the_flag(processor_path, tmp_path):
+    good = write_jsonl(str(tmp_path / "good.jsonl"), [GOOD])
+    (tmp_path / "empty_folder").mkdir()
+    (tmp_path / "notes.json").write_text("[]")
+    (tmp_path / "blank.jsonl").write_text("\n  \n")
+    cases = {
+        "missing.jsonl": r"^--data-path 'missing.jsonl': 'missing.jsonl': no such file or directory$",
+        str(tmp_path / "empty_folder"): r"^--data-path '.*empty_folder': the folder '.*' holds no \.jsonl files$",
+        str(tmp_path / "notes.json"): r"^--data-path '.*notes.json': '.*' is not a \.jsonl file",
+        f"{good}:0": r"^--data-path '.*good.jsonl:0': the weight of '.*good.jsonl' must be a positive number, got '0'$",
+        f"{good}:3,{good}": r"^--data-path '.*': give a weight to every source or to none",
+        " ": r"^--data-path is required for --dataset-provider jsonl",
+    }
+    for value, message in cases.items():
+        with pytest.raises(ValueError, match=message):
+            check_data_path(value)
+        with pytest.raises(ValueError, match=message):
+            build_datasets(seq_length=64, num_samples=(1, 0, 0), data_path=value, hf_processor_path=processor_path)
+    with pytest.raises(ValueError, match=r"^--valid-data-path 'nope': 'nope': no such file"):
+        check_data_path("nope", "--valid-data-path")
+    with pytest.raises(ValueError, match=r"^--data-path '.*blank.jsonl': no records to train on \(every line is blank\)$"):
+        build_datasets(seq_length=64, num_samples=(1, 0, 0), data_path=str(tmp_path / "blank.jsonl"),
+                       hf_processor_path=processor_path)
+    with pytest.raises(ValueError, match=r"^--media-root 'no/such/dir': no such directory$"):
+        build_datasets(seq_length=64, num_samples=(1, 0, 0), data_path=good, hf_processor_path=processor_path,
+                       media_root="no/such/dir")
+    assert [s.weight for s in check_data_path(f"{good}:3,{good}:0.5")] == [3.0, 0.5]
+
+
+# --- videos (data/video.py) and the example files -------------------------------------------
+
+VIDEO_OPTIONS = dict(video_min_pixels=32 * 32, video_max_pixels=64 * 64)
+
+
+def test_videos_equal_the_processor_without_the_outer_vision_pair(processor_path, tmp_path):
+    """A video (absolute path) and an image in a multi-turn conversation: ids, pixels and grids as
+    the processor gives them for load_video's frames, except the vision_start / vision_end pair
+    transformers 5.23 keeps around the per-frame runs (the contract has one per frame); a part's
+    nframes overrides the flags; describe() reads the container's header only."""
+    from tiny_media import write_video
+
+    from examples.multimodal_dev.data.video import PROCESSOR_VIDEO_KWARGS, VideoSettings, load_video
+
+    write_images(str(tmp_path))
+    clip = write_video(str(tmp_path / "clip.mp4"), 8, 64, 48, fps=4)
+    turns = [("user", "<video>What moves?"), ("assistant", "A white bar."), ("user", "<image>And here?"),
+             ("assistant", "Red.")]
+    record = {**as_placeholder(turns, ["red.png"]), "videos": [clip]}
+    parts = {"messages": [{"role": "user", "content": [{"type": "video", "video": clip, "nframes": 8},
+                                                       {"type": "text", "text": "Count."}]},
+                          {"role": "assistant", "content": "Two."}]}
+    data = write_jsonl(str(tmp_path / "d.jsonl"), [record, parts])
+    train = train_split(processor_path, data, seq_length=2000, **VIDEO_OPTIONS)
+    processor, info = load_processor(processor_path, **BUDGET)
+    settings = VideoSettings.from_processor(processor, min_pixels=32 * 32, max_pixels=64 * 64)
+    frames, metadata = load_video(clip, settings)
+
+    from qwen_vl_utils import process_vision_info
+
+    messages = as_parts(turns[2:], ["red.png"], root=str(tmp_path), **BUDGET)["messages"]
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What moves?"}]},
+                {"role": "assistant", "content": "A white bar."}] + messages
+    images, _ = process_vision_info(messages[2:], image_patch_size=16)
+    text = processor.apply_chat_template(messages, tokenize=False)
+    markup = "<|vision_start|><|video_pad|><|vision_end|>"
+    common = dict(images=images, videos=[frames], video_metadata=[metadata], videos_kwargs=PROCESSOR_VIDEO_KWARGS,
+                  return_tensors="pt")
+    expected = processor(text=[text.replace(markup, "<|video_pad|>")], **common)
+    as_is = processor(text=[text], **common)
+    sample = train[0]
+    assert torch.equal(sample["input_ids"], expected["input_ids"][0])
+    for field in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+        assert torch.equal(sample[field], expected[field]), field
+    t = info.tokens
+    patches = int(sample["video_grid_thw"][0, 0])  # temporal patches: 2 s at 2 frames a second, 2 frames a patch
+    assert patches == 2 and int((sample["input_ids"] == t.vision_start).sum()) == patches + 1  # + the image
+    assert int((as_is["input_ids"][0] == t.vision_start).sum()) == patches + 2  # transformers' outer pair
+    assert trained_runs(sample, processor.tokenizer) == ["A white bar.<|im_end|>", "Red.<|im_end|>"]
+    assert train.produce(1)["video_grid_thw"][0, 0] == 4  # the part's nframes 8: four temporal patches
+    assert_describe_matches(train, 2)
+
+
+def write_example_media(folder: str) -> None:
+    """The pictures and the video the example files name, drawn at their relative paths."""
+    from PIL import Image, ImageDraw
+    from tiny_media import write_video
+
+    os.makedirs(os.path.join(folder, "images"), exist_ok=True)
+    os.makedirs(os.path.join(folder, "videos"), exist_ok=True)
+    drawings = {"red_circle": lambda d: d.ellipse([16, 16, 80, 80], fill=(220, 20, 20)),
+                "blue_square": lambda d: d.rectangle([24, 24, 72, 72], fill=(20, 40, 220)),
+                "green_triangle": lambda d: d.polygon([(48, 12), (86, 84), (10, 84)], fill=(20, 180, 40)),
+                "stripes": lambda d: [d.rectangle([x, 0, x + 11, 95], fill=(0, 0, 0)) for x in (0, 24, 48, 72)]}
+    for name, draw in drawings.items():
+        image = Image.new("RGB", (96, 96), (255, 255, 255))
+        draw(ImageDraw.Draw(image))
+        image.save(os.path.join(folder, "images", f"{name}.png"))
+    write_video(os.path.join(folder, "videos", "moving_bar.mp4"), 8, 64, 48, fps=4)
+
+
+@pytest.mark.parametrize("name", ["messages", "sharegpt", "parts"])
+def test_example_files_load(name, processor_path, tmp_path):
+    """Every line of each example file is a trainable conversation; describe() agrees."""
+    folder = str(tmp_path / "examples")
+    shutil.copytree(EXAMPLES, folder)
+    write_example_media(folder)
+    path = os.path.join(folder, f"{name}.jsonl")
+    with open(path) as f:
+        records = [json.loads(line) for line in f]
+    assert len(records) == 10
+    train = train_split(processor_path, path, n=10, seq_length=1024, **VIDEO_OPTIONS)
+    for i in range(10):
+        sample = train[i]
+        assert sample["loss_mask"].sum() > 0
+    assert not train.skip_counts
+    assert_describe_matches(train, 10)
+    processor, _ = load_processor(processor_path, **BUDGET)
+    first = reference(processor, as_parts([("user", "<image>What shape is this?"), ("assistant", "A red circle.")],
+                                          ["images/red_circle.png"], root=folder, **BUDGET))
+    if name != "sharegpt":  # the first record of both is this conversation
+        assert torch.equal(train[0]["input_ids"], first["input_ids"][0])
