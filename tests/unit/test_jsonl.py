@@ -174,7 +174,8 @@ def test_multi_turn_trains_every_answer(template, processors, media, tmp_path):
 
 def test_a_template_that_repeats_an_answer_is_refused(media, tmp_path, caplog):
     """A template that writes the last answer twice leaves no single place to train: a skip."""
-    echo = CHAT_TEMPLATE + "{% if messages[-1]['role'] == 'assistant' %}(echo: {{ messages[-1]['content'] }}){% endif %}"
+    echo = CHAT_TEMPLATE + ("{% if messages[-1]['role'] == 'assistant' %}(echo: {{ messages[-1]['content'] }})"
+                            "{% endif %}")
     processor_path = build_processor(str(tmp_path / "echo"), chat_template=echo)
     good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
                          {"role": "user", "content": "Bye"}]}
@@ -201,7 +202,8 @@ def _answers(dataset, n):
 
 
 def _text_records(prefix, n):
-    return [{"messages": [{"role": "user", "content": f"{prefix}{i}?"}, {"role": "assistant", "content": f"{prefix}{i}"}]}
+    return [{"messages": [{"role": "user", "content": f"{prefix}{i}?"},
+                          {"role": "assistant", "content": f"{prefix}{i}"}]}
             for i in range(n)]
 
 
@@ -282,7 +284,8 @@ def test_describe_matches_the_sample_through_skips_and_truncation(processors, me
         assert_describe_matches(train, len(records))
         assert train.produce.describe(1)["image_grid_thw"].prod(-1).max() * 16 ** 2 <= 48 * 48
         # resized_height/width are qwen_vl_utils' resize; the image processor's budget still bounds them
-        assert train.produce.describe(5)["image_grid_thw"].tolist() == [[1, 4, 6] if max_pixels > 64 * 96 else [1, 2, 4]]
+        expected = [1, 4, 6] if max_pixels > 64 * 96 else [1, 2, 4]
+        assert train.produce.describe(5)["image_grid_thw"].tolist() == [expected]
         assert train[4]["input_ids"].numel() == 150
     assert dict(train.skip_counts) == {"bad_image": 1}  # counted by the sample, not by describe()
 

@@ -84,7 +84,8 @@ def test_each_fault_is_a_skip_naming_its_file_and_line(processor_path, faults, c
     assert torch.equal(train[0]["input_ids"], good["input_ids"])
     assert sum(train.skip_counts.values()) == len(FAULTS)
     assert f"(over_budget: {faults}:13: " in caplog.text and "--seq-length 120" in caplog.text
-    assert f"(remote_media: {faults}:15: 'https://example.com/red.png' is a URL; pass --allow-remote-media" in caplog.text
+    refusal = "'https://example.com/red.png' is a URL; pass --allow-remote-media"
+    assert f"(remote_media: {faults}:15: {refusal}" in caplog.text
 
 
 def test_strict_data_stops_at_the_first_bad_record_in_one_line(processor_path, faults):
@@ -149,7 +150,8 @@ def test_data_path_errors_are_one_line_naming_the_flag(processor_path, tmp_path)
             build_datasets(seq_length=64, num_samples=(1, 0, 0), data_path=value, hf_processor_path=processor_path)
     with pytest.raises(ValueError, match=r"^--valid-data-path 'nope': 'nope': no such file"):
         check_data_path("nope", "--valid-data-path")
-    with pytest.raises(ValueError, match=r"^--data-path '.*blank.jsonl': no records to train on \(every line is blank\)$"):
+    with pytest.raises(ValueError, match=r"^--data-path '.*blank.jsonl': no records to train on \(every line is "
+                                         r"blank\)$"):
         build_datasets(seq_length=64, num_samples=(1, 0, 0), data_path=str(tmp_path / "blank.jsonl"),
                        hf_processor_path=processor_path)
     with pytest.raises(ValueError, match=r"^--media-root 'no/such/dir': no such directory$"):

@@ -33,7 +33,7 @@ import torch
 
 from .answer_spans import answer_char_spans, answer_token_mask
 from .conversations import normalise
-from .jsonl_media import ImageSizing, fetch, image_size, locate, open_image
+from .jsonl_media import ImageSizing, VideoOptions, image_size, locate, open_image
 from .jsonl_source import Blend, Records, check_data_path, hold_out
 from .processor import VISION_TOKEN_TEXT, load_processor
 from .sample import BadSample, DataError, build_conversation_sample, fit_to_budget
@@ -97,7 +97,8 @@ class JsonlConversations:
             from .video import PROCESSOR_VIDEO_KWARGS
 
             frames, metadata = zip(*videos)
-            video_inputs = dict(videos=list(frames), video_metadata=list(metadata), videos_kwargs=PROCESSOR_VIDEO_KWARGS)
+            video_inputs = dict(videos=list(frames), video_metadata=list(metadata),
+                                videos_kwargs=PROCESSOR_VIDEO_KWARGS)
         enc = self.processor(text=[text], images=images or None, **video_inputs, return_tensors="pt",
                              return_offsets_mapping=True, return_text_replacement_offsets=True)
         return self._sample(enc["input_ids"][0], enc["offset_mapping"][0], enc["text_replacement_offsets"][0], spans,
@@ -134,64 +135,6 @@ class JsonlConversations:
 
 def _grid_tensor(grids) -> torch.Tensor:
     return torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
-
-
-class VideoOptions:
-    """Video settings (``video.py``, read only when a record holds a video) and how the template's
-    video markup reaches the processor. transformers 5.23 expands only ``<|video_pad|>``, each
-    temporal patch into ``<t seconds><|vision_start|>...<|vision_end|>``, and keeps the pair the
-    template wrote around it: a vision_start with no frame after it, which the sample contract
-    (one per frame) and MRoPE do not have. Where the processor writes that per-frame pair, the
-    template's ``<|vision_start|><|video_pad|><|vision_end|>`` is given to it as the bare pad: the
-    layout transformers' Qwen3-VL processor wrote before (4.57 replaced the whole triple)."""
-
-    def __init__(self, processor, **settings):
-        self.processor, self.settings, self._base = processor, {k: v for k, v in settings.items() if v is not None}, None
-        if "nframes" in self.settings:
-            self.settings.setdefault("fps", None)  # a frame count instead of the default rate
-        start, pad, end = (VISION_TOKEN_TEXT[k] for k in ("vision_start", "video", "vision_end"))
-        self.markup, self.pad = f"{start}{pad}{end}", pad
-        self.collapse = _frames_carry_vision_start(processor, start)
-        if self.settings:  # flags given: a bad value stops the run before the first step
-            self.base()
-
-    def rewrite(self, text: str) -> str:
-        return text.replace(self.markup, self.pad) if self.collapse else text
-
-    def base(self):
-        if self._base is None:
-            from .video import VideoSettings
-
-            try:
-                self._base = VideoSettings.from_processor(self.processor, **self.settings)
-            except (TypeError, ValueError) as err:
-                raise DataError(f"video settings {self.settings}: {err}") from None
-        return self._base
-
-    def of(self, media):
-        return self.base().with_overrides(media.options) if media.options else self.base()
-
-    def load(self, media, location):
-        from .video import load_video
-
-        return load_video(fetch(location, "video"), self.of(media))
-
-    def header(self, media, location):
-        from .video import video_header
-
-        return video_header(fetch(location, "video"), self.of(media))
-
-
-def _frames_carry_vision_start(processor, start: str) -> bool:
-    """Whether the processor's expansion of one video writes a vision_start per temporal patch."""
-    from transformers.video_utils import VideoMetadata
-
-    probe = {"video_grid_thw": torch.tensor([[1, 2, 2]]),
-             "video_metadata": [VideoMetadata(total_num_frames=2, fps=1.0, frames_indices=[0, 1])]}
-    try:
-        return start in processor.replace_video_token(probe, 0)
-    except (AttributeError, NotImplementedError):  # a processor without per-frame video markup
-        return False
 
 
 def load_rows(value: str, flag: str) -> tuple[list[Records], list[float] | None]:

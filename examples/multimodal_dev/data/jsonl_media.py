@@ -8,7 +8,8 @@ absolute path, a ``file://`` path, a ``data:`` URI (images), or an http(s) URL -
 Sizing follows Qwen's two resizes, as ``cord_v2`` does: qwen_vl_utils' ``fetch_image`` with the
 part's own ``min_pixels`` / ``max_pixels`` / ``resized_height`` + ``resized_width`` (else
 ``--min-pixels`` / ``--max-pixels``), then the image processor's resize to its own budget (the
-same flags), so the tighter of the two bounds an image.
+same flags), so the tighter of the two bounds an image. Videos are sampled and sized by
+``video.py`` (``VideoOptions``: the ``--video-*`` flags, a part's own keys laid over them).
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import contextlib
 import io
 import os
 
-from .sample import BadSample
+import torch
+
+from .processor import VISION_TOKEN_TEXT
+from .sample import BadSample, DataError
 
 REMOTE_SCHEMES = ("http://", "https://")
 FETCH_TIMEOUT_S = 30
@@ -130,6 +134,65 @@ class ImageSizing:
                                          min_pixels=processor.size["shortest_edge"],
                                          max_pixels=processor.size["longest_edge"])
         return (1, height // processor.patch_size, width // processor.patch_size)
+
+
+class VideoOptions:
+    """Video settings (``video.py``, read only when a record holds a video) and how the template's
+    video markup reaches the processor. transformers 5.23 expands only ``<|video_pad|>``, each
+    temporal patch into ``<t seconds><|vision_start|>...<|vision_end|>``, and keeps the pair the
+    template wrote around it: a vision_start with no frame after it, which the sample contract
+    (one per frame) and MRoPE do not have. Where the processor writes that per-frame pair, the
+    template's ``<|vision_start|><|video_pad|><|vision_end|>`` is given to it as the bare pad: the
+    layout transformers' Qwen3-VL processor wrote before (4.57 replaced the whole triple)."""
+
+    def __init__(self, processor, **settings):
+        self.processor, self._base = processor, None
+        self.settings = {k: v for k, v in settings.items() if v is not None}
+        if "nframes" in self.settings:
+            self.settings.setdefault("fps", None)  # a frame count instead of the default rate
+        start, pad, end = (VISION_TOKEN_TEXT[k] for k in ("vision_start", "video", "vision_end"))
+        self.markup, self.pad = f"{start}{pad}{end}", pad
+        self.collapse = _frames_carry_vision_start(processor, start)
+        if self.settings:  # flags given: a bad value stops the run before the first step
+            self.base()
+
+    def rewrite(self, text: str) -> str:
+        return text.replace(self.markup, self.pad) if self.collapse else text
+
+    def base(self):
+        if self._base is None:
+            from .video import VideoSettings
+
+            try:
+                self._base = VideoSettings.from_processor(self.processor, **self.settings)
+            except (TypeError, ValueError) as err:
+                raise DataError(f"video settings {self.settings}: {err}") from None
+        return self._base
+
+    def of(self, media):
+        return self.base().with_overrides(media.options) if media.options else self.base()
+
+    def load(self, media, location):
+        from .video import load_video
+
+        return load_video(fetch(location, "video"), self.of(media))
+
+    def header(self, media, location):
+        from .video import video_header
+
+        return video_header(fetch(location, "video"), self.of(media))
+
+
+def _frames_carry_vision_start(processor, start: str) -> bool:
+    """Whether the processor's expansion of one video writes a vision_start per temporal patch."""
+    from transformers.video_utils import VideoMetadata
+
+    probe = {"video_grid_thw": torch.tensor([[1, 2, 2]]),
+             "video_metadata": [VideoMetadata(total_num_frames=2, fps=1.0, frames_indices=[0, 1])]}
+    try:
+        return start in processor.replace_video_token(probe, 0)
+    except (AttributeError, NotImplementedError):  # a processor without per-frame video markup
+        return False
 
 
 def _short(location: str) -> str:
