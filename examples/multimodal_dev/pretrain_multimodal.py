@@ -15,8 +15,8 @@ import functools
 from megatron.training import get_args
 
 from examples.multimodal_dev.arguments import add_multimodal_args
-from examples.multimodal_dev.checkpoint import (finite_guard, optimizer_format, optimizer_switch, plan_state, safety,
-                                               save_guard)
+from examples.multimodal_dev.checkpoint import (finite_guard, optimizer_format, optimizer_switch, plan_state,
+                                               rng_per_rank, safety, save_guard)
 from examples.multimodal_dev.checkpoint.integrity import check_resumable
 from examples.multimodal_dev.checkpoint.run_shape import check_checkpoint_matches, resolve_shape
 from examples.multimodal_dev.data import get_dataset_provider
@@ -231,6 +231,7 @@ def main():
     optimizer_format.zero_padding()  # no uninitialised bytes in a dp_reshardable optimizer checkpoint
     optimizer_format.chain_across_ep()  # optimizer state saved at one EP resumes at another
     optimizer_switch.install()  # ... and with the other kind of optimizer (distributed <-> plain)
+    rng_per_rank.install()  # every DP rank's RNG state saved and restored: dropout resumes exactly
     args = checked_args()
     for line in save_guard.clear_incomplete_saves(args.save):
         print(f"pretrain_multimodal.py: {line}", flush=True)

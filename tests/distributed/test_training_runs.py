@@ -73,15 +73,13 @@ def test_default_run_learns():
 @pytest.mark.parametrize("setting", ["plain", "distributed, DP=2, token budget"])
 def test_exact_resume(tmp_path, setting):
     # As the README launches it: --use-distributed-optimizer and no checkpoint flags (the default
-    # format is fully reshardable). The single process trains with dropout, so the RNG state must
-    # come back exactly too. At DP=2 dropout stays off: megatron saves DP rank 0's RNG state alone
-    # and gives it to every DP rank on resume, while in the straight run rank 1's stream has moved
-    # on by its own draws (README, "Checkpoints across layouts"). Token-budget packing continues its
-    # plan from the checkpoint's plan state: the same rows, dealt to the same ranks.
-    flags, common = [], dict(TRAIN_ITERS=8, SEQ_LEN=512)
-    if setting == "plain":
-        flags += ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
-    else:
+    # format is fully reshardable). Both train with dropout, so the RNG state must come back exactly
+    # too, on every DP rank: in the straight run rank 1's stream moves on by its own draws, and
+    # megatron alone would restore rank 0's on both (checkpoint/rng_per_rank.py). Token-budget
+    # packing continues its plan from the checkpoint's plan state: the same rows, dealt to the same
+    # ranks.
+    flags, common = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"], dict(TRAIN_ITERS=8, SEQ_LEN=512)
+    if setting != "plain":
         flags += ["--use-distributed-optimizer"]
         common.update(NPROC=2, PACKING="tokens", PACKED_SEQ_LENGTH=256, GBS=4)
     straight = run_script(flags, CKPT_SAVE=tmp_path / "straight", **common).check()

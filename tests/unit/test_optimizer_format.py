@@ -54,3 +54,15 @@ def test_both_format_flags_are_refused():
                            dist_ckpt_optim_fully_reshardable=True)
     with pytest.raises(ValueError, match="--dist-ckpt-optim-dp-reshardable and --dist-ckpt-optim-fully-reshardable"):
         optimizer_format.default_to_reshardable(args)
+
+
+def test_each_dp_rank_reads_its_own_saved_rng_state():
+    from examples.multimodal_dev.checkpoint.rng_per_rank import own_entry_first
+
+    loaded = {"rng_state": ["rank0", "rank1", "rank2"]}
+    assert own_entry_first(loaded, 1, 3) and loaded["rng_state"][0] == "rank1"
+    older = {"rng_state": ["rank0"]}  # one state (megatron's own save): every rank reads it
+    assert not own_entry_first(older, 1, 2) and older["rng_state"] == ["rank0"]
+    other_dp = {"rng_state": ["rank0", "rank1"]}  # saved at DP=2, resumed at DP=4: rank 0's for all
+    assert not own_entry_first(other_dp, 3, 4) and other_dp["rng_state"][0] == "rank0"
+    assert not own_entry_first(None, 0, 2)
