@@ -56,13 +56,13 @@ def test_optimizer_state_resumes_at_another_layout(saved, same_layout, layout):
 
 
 def test_optimizer_state_moves_to_the_plain_optimizer_and_back(saved, same_layout):
-    """Iterations 3 and 4 with megatron's plain optimizer from the distributed optimizer's
-    checkpoint; it saves, and iterations 5 and 6 go back to the distributed optimizer from the plain
+    """Iterations 3 and 4 with megatron's plain optimizer at DP=1 from the distributed optimizer's
+    DP=2 checkpoint; it saves, and iterations 5 and 6 go back to the distributed optimizer from the plain
     one's checkpoint. The weights must come through both ways for iterations 3 and 5, and Adam's
     moments, the step and the groups' settings for iterations 4 and 6 (made by the resumed state's
     first update), to equal the same-layout run's. (An fp32 plain checkpoint holds no main weights
     of its own: the distributed optimizer takes them from the loaded model.)"""
-    plain = _resume(saved, "plain", flags=NO_EVAL, TRAIN_ITERS=4).check()
+    plain = _resume(saved, "plain", flags=NO_EVAL, TRAIN_ITERS=4, NPROC=1).check()  # and at DP=1
     assert sorted(plain.losses) == [3, 4], plain.output[-3000:]
     assert "optimizer state saved with --use-distributed-optimizer, resumed without it" in plain.output
     for iteration in (3, 4):
