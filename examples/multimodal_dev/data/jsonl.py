@@ -90,7 +90,8 @@ class JsonlConversations:
         return turns
 
     def _produce(self, text: str, spans, media) -> dict:
-        images = [self.sizing.resize(open_image(location), m.options) for m, location in media if m.kind == "image"]
+        images = [self.sizing.resize(open_image(location), m.options, location) for m, location in media
+                  if m.kind == "image"]
         videos = [self.videos.load(m, location) for m, location in media if m.kind == "video"]
         video_inputs = {}
         if videos:

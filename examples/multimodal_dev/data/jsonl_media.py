@@ -111,9 +111,12 @@ class ImageSizing:
         self.image_processor, self.patch_size = processor.image_processor, patch_size
         self.budget = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v}
 
-    def resize(self, image, options: dict):
+    def resize(self, image, options: dict, location: str = "image"):
         from qwen_vl_utils import fetch_image
+        from qwen_vl_utils.vision_process import to_rgb
 
+        with _unreadable_is_bad_image(location):  # e.g. a mode PIL cannot turn into RGB
+            image = to_rgb(image)
         with _sizing_errors():
             return fetch_image({"image": image, **self.budget, **options}, image_patch_size=self.patch_size)
 

@@ -65,7 +65,7 @@ def check_data_path(value: str | None, flag: str = "--data-path") -> list[Source
 def _spec(item: str, value: str, flag: str) -> SourceSpec:
     path, weight = item, None
     head, sep, tail = item.rpartition(":")
-    if sep and head:
+    if sep and head and not os.path.exists(item):  # a path that exists as written is never read as a weight
         try:
             weight = float(tail)
         except ValueError:
