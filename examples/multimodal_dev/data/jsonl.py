@@ -157,6 +157,7 @@ def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path
     records or no samples asked for. ``video_*``: ``VideoSettings`` fields (None: its default);
     a video part's own keys override them."""
     parts, weights = load_rows(data_path, "--data-path")
+    valid_fraction = valid_fraction or 0.0  # None: a flag left unset
     if not 0 <= valid_fraction < 1:
         raise DataError(f"--valid-fraction {valid_fraction}: must be at least 0 and below 1")
     if valid_data_path and valid_fraction:
