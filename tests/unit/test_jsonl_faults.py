@@ -148,8 +148,8 @@ def test_data_path_errors_are_one_line_naming_the_flag(processor_path, tmp_path)
             check_data_path(value)
         with pytest.raises(ValueError, match=message):
             build_datasets(seq_length=64, num_samples=(1, 0, 0), data_path=value, hf_processor_path=processor_path)
-    with pytest.raises(ValueError, match=r"^--valid-data-path 'nope': 'nope': no such file"):
-        check_data_path("nope", "--valid-data-path")
+    with pytest.raises(ValueError, match=r"^--eval-data-path 'nope': 'nope': no such file"):
+        check_data_path("nope", "--eval-data-path")
     with pytest.raises(ValueError, match=r"^--data-path '.*blank.jsonl': no records to train on \(every line is "
                                          r"blank\)$"):
         build_datasets(seq_length=64, num_samples=(1, 0, 0), data_path=str(tmp_path / "blank.jsonl"),

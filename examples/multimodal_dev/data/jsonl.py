@@ -2,7 +2,7 @@
 conversations with images and videos, in any of the formats ``conversations.py`` reads.
 
     --data-path            a .jsonl file, a folder of them, or a weighted list (``jsonl_source.py``)
-    --valid-data-path      validation records; else ``--valid-fraction`` of the training records
+    --eval-data-path       validation records; else ``--valid-fraction`` of the training records
                            is held out (none by default); --test-data-path likewise, never implied
     --media-root           the folder relative media paths start from (default: each JSONL's own)
     --allow-remote-media   fetch http(s) media (refused by default)
@@ -161,7 +161,7 @@ def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path
     if not 0 <= valid_fraction < 1:
         raise DataError(f"--valid-fraction {valid_fraction}: must be at least 0 and below 1")
     if valid_data_path and valid_fraction:
-        raise DataError(f"--valid-data-path {valid_data_path!r} and --valid-fraction {valid_fraction}: give one")
+        raise DataError(f"--eval-data-path {valid_data_path!r} and --valid-fraction {valid_fraction}: give one")
     if media_root and not os.path.isdir(media_root):
         raise DataError(f"--media-root {media_root!r}: no such directory")
     processor, info = load_processor(hf_processor_path, min_pixels, max_pixels)
@@ -170,10 +170,10 @@ def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path
         held = [hold_out(len(p), valid_fraction) for p in parts]
         if not any(h.any() for h in held):
             raise DataError(f"--valid-fraction {valid_fraction} of the {sum(map(len, parts))} records of --data-path "
-                            f"{data_path!r} holds out none; raise it or give --valid-data-path")
+                            f"{data_path!r} holds out none; raise it or give --eval-data-path")
         sources["validation"] = (Blend([p.select(h) for p, h in zip(parts, held)]), f"--data-path {data_path!r}")
         sources["train"] = (Blend([p.select(~h) for p, h in zip(parts, held)], weights), f"--data-path {data_path!r}")
-    for split, flag, value in (("validation", "--valid-data-path", valid_data_path),
+    for split, flag, value in (("validation", "--eval-data-path", valid_data_path),
                                ("test", "--test-data-path", test_data_path)):
         if value:
             sources[split] = (Blend(*load_rows(value, flag)), f"{flag} {value!r}")
