@@ -13,8 +13,11 @@
 #   SP              1 = sequence parallelism (needs TP>1) [1 for MoE with TP>1, which megatron requires; else 0]
 #   NPROC           processes on this node [TP*CP*PP]
 #   DATASET         mock | mock_mix (the length / image mix of a real SFT set) | mock_video (images and
-#                   videos) | cord_v2 [mock];
-#                   DATA_PATH, HF_PROCESSOR_PATH for cord_v2
+#                   videos) | cord_v2 | jsonl (your own conversations; README "Your own data") [mock];
+#                   DATA_PATH, HF_PROCESSOR_PATH for cord_v2 and jsonl
+#   jsonl only:     VALID_DATA_PATH (else VALID_FRACTION of DATA_PATH [0]), MEDIA_ROOT, STRICT_DATA=1,
+#                   REMOTE_MEDIA=1 (fetch http(s) media), VIDEO_FPS [2], VIDEO_MAX_FRAMES [768],
+#                   VIDEO_MAX_PIXELS (one frame's area after resizing)
 #   TRAIN_ITERS MBS GBS SEQ_LEN LR    [30 2 4 1024 2e-3 on CPU; 20 1 8 4096 1e-4 on GPU]
 #   CKPT_LOAD       checkpoint to start from (with --finetune semantics: weights only)
 #   CKPT_SAVE       where to save (at the end, and every SAVE_INTERVAL iterations)
@@ -127,10 +130,32 @@ awk -v lr="$LR" 'BEGIN { exit !(lr + 0 >= 0 && lr + 0 < 1e38) }' || fail "LR=$LR
   || fail "TP*CP=$((TP * CP)) does not divide the Gated DeltaNet heads ($GDN_K key, $GDN_V value) of $MODEL_VARIANT"
 (( GBS % (MBS * NPROC / (TP * CP * PP)) == 0 )) \
   || fail "GBS=$GBS is not a multiple of MBS*DP=$((MBS * NPROC / (TP * CP * PP)))"
-[[ "$DATASET" == mock || "$DATASET" == mock_mix || "$DATASET" == mock_video || "$DATASET" == cord_v2 ]] \
-  || fail "DATASET=$DATASET must be mock, mock_mix, mock_video or cord_v2"
-[[ "$DATASET" != cord_v2 || -n "${DATA_PATH:-}" ]] || fail "DATASET=cord_v2 needs DATA_PATH"
-[[ "$DATASET" != cord_v2 || -n "${HF_PROCESSOR_PATH:-}" ]] || fail "DATASET=cord_v2 needs HF_PROCESSOR_PATH"
+case "$DATASET" in
+  mock|mock_mix|mock_video) ;;
+  cord_v2|jsonl)
+    [[ -n "${DATA_PATH:-}" ]] || fail "DATASET=$DATASET needs DATA_PATH"
+    [[ -n "${HF_PROCESSOR_PATH:-}" ]] || fail "DATASET=$DATASET needs HF_PROCESSOR_PATH";;
+  *) fail "DATASET=$DATASET must be mock, mock_mix, mock_video, cord_v2 or jsonl";;
+esac
+OWN_DATA=()  # DATASET=jsonl: the user's records and media (arguments.py, "your own data")
+for var in STRICT_DATA REMOTE_MEDIA; do
+  [[ "${!var:-0}" == 0 || "${!var:-0}" == 1 ]] || fail "$var=${!var}: expected 0 or 1"
+done
+[[ -z "${VALID_FRACTION:-}" || "$VALID_FRACTION" =~ ^0?\.[0-9]+$|^0$ ]] || fail "VALID_FRACTION=$VALID_FRACTION: expected a fraction below 1, such as 0.02"
+[[ -z "${VIDEO_FPS:-}" || "$VIDEO_FPS" =~ ^[0-9]*\.?[0-9]+$ ]] || fail "VIDEO_FPS=$VIDEO_FPS: expected a positive number such as 2"
+[[ -z "${VIDEO_MAX_FRAMES:-}" ]] || positive VIDEO_MAX_FRAMES
+[[ -z "${VIDEO_MAX_PIXELS:-}" ]] || positive VIDEO_MAX_PIXELS
+[[ -n "${VALID_DATA_PATH:-}" ]] && OWN_DATA+=(--eval-data-path "$VALID_DATA_PATH")
+[[ -n "${VALID_FRACTION:-}" ]] && OWN_DATA+=(--valid-fraction "$VALID_FRACTION")
+[[ -n "${MEDIA_ROOT:-}" ]] && OWN_DATA+=(--media-root "$MEDIA_ROOT")
+[[ "${STRICT_DATA:-0}" == 1 ]] && OWN_DATA+=(--strict-data)
+[[ "${REMOTE_MEDIA:-0}" == 1 ]] && OWN_DATA+=(--allow-remote-media)
+[[ -n "${VIDEO_FPS:-}" ]] && OWN_DATA+=(--video-fps "$VIDEO_FPS")
+[[ -n "${VIDEO_MAX_FRAMES:-}" ]] && OWN_DATA+=(--video-max-frames "$VIDEO_MAX_FRAMES")
+[[ -n "${VIDEO_MAX_PIXELS:-}" ]] && OWN_DATA+=(--video-max-pixels "$VIDEO_MAX_PIXELS")
+if (( ${#OWN_DATA[@]} > 0 )) && [[ "$DATASET" != jsonl ]]; then
+  fail "VALID_DATA_PATH, VALID_FRACTION, MEDIA_ROOT, STRICT_DATA, REMOTE_MEDIA and VIDEO_* apply to DATASET=jsonl only (DATASET=$DATASET)"
+fi
 
 ARGS=(
   --model-arch qwen35_vl --model-variant "$MODEL_VARIANT"
@@ -145,7 +170,7 @@ ARGS=(
   --lr-warmup-iters "${LR_WARMUP_ITERS:-$(( TRAIN_ITERS / 10 ))}" --lr-decay-iters "${LR_DECAY_ITERS:-$TRAIN_ITERS}"
   --weight-decay 0.01 --adam-beta1 0.9 --adam-beta2 0.95 --clip-grad 1.0
   --calculate-per-token-loss --log-interval 1 --eval-interval "$TRAIN_ITERS" --eval-iters 2
-  --dataset-provider "$DATASET" --seed 1234 "${VARIANT_FLAGS[@]}"
+  --dataset-provider "$DATASET" --seed 1234 "${VARIANT_FLAGS[@]}" "${OWN_DATA[@]}"
 )
 if (( EXPERTS > 0 )); then
   ARGS+=(--num-experts "$EXPERTS" --moe-router-topk "$TOPK" --moe-ffn-hidden-size "$MOE_FFN" --ffn-hidden-size "$MOE_FFN")

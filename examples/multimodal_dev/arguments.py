@@ -17,6 +17,35 @@ def _non_negative(text: str) -> float:
     return value
 
 
+def _add_own_data_args(group):
+    # megatron's --valid-data-path feeds its GPT datasets and cannot be given with --data-path
+    group.add_argument("--eval-data-path", default=None,
+                       help="validation conversations: a .jsonl file, a folder of them or a weighted list, as "
+                            "--data-path (default: --valid-fraction of the training records, or none)")
+    group.add_argument("--valid-fraction", type=float, default=0.0,
+                       help="hold this fraction of the training records out for validation (deterministic)")
+    group.add_argument("--media-root", default=None,
+                       help="relative image and video paths resolve here (default: the JSONL file's folder)")
+    group.add_argument("--allow-remote-media", action="store_true",
+                       help="fetch http(s) images and videos named in the records (refused otherwise)")
+    group.add_argument("--strict-data", action="store_true",
+                       help="the first bad record stops the run in one line, instead of a counted skip")
+    group.add_argument("--video-fps", type=float, default=None, help="frames sampled per second of video [2.0]")
+    group.add_argument("--video-max-frames", type=int, default=None, help="most frames sampled from a video [768]")
+    group.add_argument("--video-min-frames", type=int, default=None, help="fewest frames sampled from a video [4]")
+    group.add_argument("--video-max-pixels", type=int, default=None,
+                       help="largest area of one video frame after resizing [qwen-vl-utils' default]")
+    group.add_argument("--video-min-pixels", type=int, default=None,
+                       help="smallest area of one video frame after resizing [qwen-vl-utils' default]")
+    group.add_argument("--video-total-pixels", type=int, default=None,
+                       help="pixel budget of a whole video, shared by its frames [qwen-vl-utils' default]")
+
+
+OWN_DATA_OPTIONS = ("eval_data_path", "valid_fraction", "media_root", "allow_remote_media", "strict_data")
+VIDEO_OPTIONS = ("video_fps", "video_max_frames", "video_min_frames", "video_max_pixels", "video_min_pixels",
+                 "video_total_pixels")
+
+
 def add_multimodal_args(parser):
     group = parser.add_argument_group("multimodal playground")
     group.add_argument("--model-arch", default="qwen35_vl", help="MODEL_REGISTRY key")
@@ -26,11 +55,13 @@ def add_multimodal_args(parser):
     group.add_argument("--hf-config-path", default=None,
                        help="take the model shape from a Hugging Face config.json (file or directory) instead")
     group.add_argument("--dataset-provider", default="mock",
-                       help="mock (default, no files), mock_mix, mock_video (images and videos) or cord_v2")
+                       help="mock (default, no files), mock_mix, mock_video (images and videos), cord_v2 or jsonl "
+                            "(your own conversations, data/jsonl.py)")
     group.add_argument("--hf-processor-path", default=None,
                        help="processor (tokenizer, chat template, image processor) for real datasets")
     group.add_argument("--min-pixels", type=int, default=None, help="smallest image area after resizing")
     group.add_argument("--max-pixels", type=int, default=None, help="largest image area after resizing")
+    _add_own_data_args(parser.add_argument_group("your own data (--dataset-provider jsonl)"))
     group.add_argument("--use-packed-sequence", dest="use_packed_sequence", action="store_true", default=True,
                        help="THD packing: the micro-batch's samples in one row with cu_seqlens (default)")
     group.add_argument("--no-packed-sequence", dest="use_packed_sequence", action="store_false",

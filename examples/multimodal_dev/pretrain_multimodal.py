@@ -14,13 +14,14 @@ import functools
 
 from megatron.training import get_args
 
-from examples.multimodal_dev.arguments import add_multimodal_args
+from examples.multimodal_dev.arguments import OWN_DATA_OPTIONS, VIDEO_OPTIONS, add_multimodal_args
 from examples.multimodal_dev.checkpoint import (finite_guard, optimizer_format, optimizer_switch, plan_state,
                                                rng_per_rank, safety, save_guard)
 from examples.multimodal_dev.checkpoint.integrity import check_resumable
 from examples.multimodal_dev.checkpoint.run_shape import check_checkpoint_matches, resolve_shape
 from examples.multimodal_dev.data import get_dataset_provider
 from examples.multimodal_dev.data.collate import Collator, pad_multiple_for
+from examples.multimodal_dev.data.jsonl_source import check_data_path
 from examples.multimodal_dev.data.loader import build_iterator
 from examples.multimodal_dev.data.sample import DataError, VisionTokens
 from examples.multimodal_dev.data.sources import resolve as resolve_source
@@ -68,6 +69,17 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     return model
 
 
+def check_tokens_agree(datasets, tokens: VisionTokens, args) -> None:
+    """A processor whose vision token ids are not the model's would train placeholders the model
+    never replaces with vision features: refuse it by name."""
+    for dataset in datasets:
+        theirs = getattr(dataset, "tokens", None)
+        if theirs is not None and theirs != tokens:
+            raise DataError(f"--hf-processor-path {args.hf_processor_path!r}: its vision tokens {theirs} are not the "
+                            f"model's {tokens} (--model-variant {args.model_variant}); use the processor released "
+                            "with the model, or HF_CONFIG for a model built around this processor")
+
+
 def datasets_provider(train_val_test_num_samples, vp_stage=None):
     """(train, valid, test) iterators of collated micro-batches for this data-parallel rank; with
     pipeline parallelism, for one (virtual) stage: every stage draws the same micro-batches and
@@ -87,7 +99,10 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
                      seq_length=args.seq_length, num_samples=num_samples,
                      seed=args.seed, data_path=args.data_path[0] if args.data_path else None,
                      hf_processor_path=args.hf_processor_path, min_pixels=args.min_pixels,
-                     max_pixels=args.max_pixels, mean_text_tokens=args.mock_text_tokens)
+                     max_pixels=args.max_pixels, mean_text_tokens=args.mock_text_tokens,
+                     valid_data_path=args.eval_data_path,
+                     **{name: getattr(args, name) for name in OWN_DATA_OPTIONS + VIDEO_OPTIONS if name != "eval_data_path"})
+    check_tokens_agree(datasets, tokens, args)
     pad_multiple = pad_multiple_for(args.context_parallel_size, args.tensor_model_parallel_size, args.sequence_parallel)
     collate = Collator(tokens, packed=args.use_packed_sequence, pad_multiple=pad_multiple, row_length=budget)
     stage = (parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
@@ -182,7 +197,11 @@ def checked_args():
         optimizer_format.default_to_reshardable(args)
         check_backend(args)
         check_packing_args(args)
-        if args.data_path:
+        if args.dataset_provider == "jsonl":  # before any process group: a wrong path is one line
+            check_data_path(args.data_path[0] if args.data_path else None, "--data-path")
+            if args.eval_data_path:
+                check_data_path(args.eval_data_path, "--eval-data-path")
+        elif args.data_path:
             resolve_source(args.data_path[0], "--data-path")
         language, vision = model_configs()
         text = model_shape().text
