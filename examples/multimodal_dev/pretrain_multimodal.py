@@ -69,6 +69,20 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     return model
 
 
+def data_path_value(args) -> str | None:
+    """megatron's ``--data-path`` takes several words; the providers read one value (jsonl: a
+    comma-separated list, each with an optional ``:weight``), so the words are joined for jsonl and
+    refused for the others rather than silently reading the first."""
+    if not args.data_path:
+        return None
+    if len(args.data_path) == 1:
+        return args.data_path[0]
+    if args.dataset_provider == "jsonl":
+        return ",".join(args.data_path)
+    raise ValueError(f"--data-path {' '.join(args.data_path)}: --dataset-provider {args.dataset_provider} reads one "
+                     "source")
+
+
 def check_tokens_agree(datasets, tokens: VisionTokens, args) -> None:
     """A processor whose vision token ids are not the model's would train placeholders the model
     never replaces with vision features: refuse it by name."""
@@ -97,7 +111,7 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
     datasets = build(tokens=tokens, vocab_size=shape.text.vocab_size,
                      patch_dim=shape.vision.patch_dim,
                      seq_length=args.seq_length, num_samples=num_samples,
-                     seed=args.seed, data_path=args.data_path[0] if args.data_path else None,
+                     seed=args.seed, data_path=data_path_value(args),
                      hf_processor_path=args.hf_processor_path, min_pixels=args.min_pixels,
                      max_pixels=args.max_pixels, mean_text_tokens=args.mock_text_tokens,
                      valid_data_path=args.eval_data_path,
@@ -198,11 +212,11 @@ def checked_args():
         check_backend(args)
         check_packing_args(args)
         if args.dataset_provider == "jsonl":  # before any process group: a wrong path is one line
-            check_data_path(args.data_path[0] if args.data_path else None, "--data-path")
+            check_data_path(data_path_value(args), "--data-path")
             if args.eval_data_path:
                 check_data_path(args.eval_data_path, "--eval-data-path")
         elif args.data_path:
-            resolve_source(args.data_path[0], "--data-path")
+            resolve_source(data_path_value(args), "--data-path")
         language, vision = model_configs()
         text = model_shape().text
         run_checks.check_memory_floor(args, text.hidden_size, text.num_layers, text.vocab_size)

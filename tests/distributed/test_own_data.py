@@ -1,0 +1,56 @@
+"""The user's own data through ``bash run_qwen35_vl.sh`` (torchrun, gloo, megatron.training): the
+example JSONL files (images and a video), two blended by weight with a malformed line added and the
+third as the validation set, train a tiny model built around the test's processor. The loss
+falls, the skipped line is named and counted by reason, and validation runs."""
+
+import dataclasses
+import json
+import os
+import shutil
+
+from launch import ROOT, run_script
+from tiny_processor import build_processor
+
+from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant, to_hf_config_dict
+
+EXAMPLES = os.path.join(ROOT, "examples", "multimodal_dev", "data", "examples")
+
+
+def _example_media(folder: str) -> None:
+    from tiny_media import write_example_media
+
+    write_example_media(folder)
+
+
+def _model_for(processor_path: str, out: str) -> str:
+    """tiny, with the processor's vision token ids (the model and the processor must agree)."""
+    from transformers import AutoProcessor
+
+    tokenizer = AutoProcessor.from_pretrained(processor_path).tokenizer
+    ids = {name: tokenizer.convert_tokens_to_ids(text) for name, text in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    shape = dataclasses.replace(get_variant("tiny"), **ids)
+    with open(out, "w") as f:
+        json.dump(to_hf_config_dict(shape), f)
+    return out
+
+
+def test_own_jsonl_trains_with_counted_skips(tmp_path):
+    folder = str(tmp_path / "data")
+    shutil.copytree(EXAMPLES, folder)
+    _example_media(folder)
+    with open(os.path.join(folder, "sharegpt.jsonl"), "a") as f:
+        f.write('{"conversations": [{"from": "human", "value": "unterminated\n')
+    processor = build_processor(str(tmp_path / "processor"))
+    config = _model_for(processor, str(tmp_path / "config.json"))
+    data_path = f"{folder}/messages.jsonl:2,{folder}/sharegpt.jsonl:1"
+    run = run_script(DATASET="jsonl", DATA_PATH=data_path, VALID_DATA_PATH=f"{folder}/parts.jsonl",
+                     HF_PROCESSOR_PATH=processor, HF_CONFIG=config, TRAIN_ITERS=16, GBS=4, MBS=2, SEQ_LEN=1024).check()
+    losses = [run.losses[i] for i in range(1, 17)]
+    first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
+    print(f"jsonl: first-4 mean loss {first:.3f}, last-4 mean {last:.3f}, validation {run.validation}")
+    assert last < first - 0.5, losses
+    assert 16 in run.validation
+    assert "bad_json: " in run.output and "sharegpt.jsonl:11: not a JSON line" in run.output, run.output[-3000:]
+    assert "skipped so far in this run (all workers)" in run.output, run.output[-3000:]
