@@ -123,6 +123,48 @@ def test_packed_loss_equals_padded_loss(mcore, videos):
     assert abs(results["thd"] - results["bshd"]) < 1e-5
 
 
+def test_a_jsonl_video_sample_packs_and_pads(mcore, tmp_path):
+    """The JSONL provider's video samples (frames inside the chat template's vision_start /
+    vision_end pair, as transformers 5.x writes them) through the Collator: in THD and BSHD every
+    sample's positions equal transformers' get_rope_index, the frames' pixels and grids follow in
+    order, and the packed per-token loss equals the padded one (1e-5 abs)."""
+    from dataclasses import replace
+
+    from test_jsonl import hf_rope_positions, video_conversation
+    from tiny_processor import QWEN35_CHAT_TEMPLATE, build_processor
+
+    from examples.multimodal_dev.models.qwen35_vl.factory import build_model
+
+    processor_path = build_processor(str(tmp_path / "processor"), chat_template=QWEN35_CHAT_TEMPLATE)
+    train, _, _, info = video_conversation(processor_path, tmp_path / "data")
+    t = info.tokens
+    samples = [train[0], train[1]]  # a video and an image; a video alone (4 frames)
+    for s in samples:
+        n_frames = int(s["video_grid_thw"][:, 0].sum())
+        assert int((s["input_ids"] == t.vision_start).sum()) == s["image_grid_thw"].shape[0] + n_frames + 1
+    shape = replace(SHAPE, image_token_id=t.image, video_token_id=t.video, vision_start_token_id=t.vision_start,
+                    vision_end_token_id=t.vision_end)
+    torch.manual_seed(0)
+    model = build_model(shape).eval()
+    losses = {}
+    with torch.no_grad():
+        for name, collate in (("thd", Collator(t, packed=True, pad_multiple=4)), ("bshd", Collator(t, packed=False))):
+            batch = collate(samples)
+            for field in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+                assert torch.equal(batch[field], torch.cat([s[field] for s in samples])), (name, field)
+            starts = batch["cu_seqlens_padded"][:-1].tolist() if name == "thd" else [0] * len(samples)
+            for b, (start, s) in enumerate(zip(starts, samples)):
+                n = s["input_ids"].numel()
+                got = batch["position_ids"][:, 0, start:start + n] if name == "thd" else batch["position_ids"][:, b, :n]
+                expected = hf_rope_positions(s["input_ids"], s["image_grid_thw"], s["video_grid_thw"], t)
+                assert torch.equal(got, expected), (name, b)
+            loss_sum, n_tokens, _ = batch_loss(model, batch)
+            losses[name] = (loss_sum / n_tokens).item()
+            assert int(n_tokens) == int(sum(s["loss_mask"].sum() for s in samples))
+    print(f"per-token loss: packed {losses['thd']:.7f} padded {losses['bshd']:.7f}")
+    assert abs(losses["thd"] - losses["bshd"]) < 1e-5 and torch.isfinite(torch.tensor(losses["thd"]))
+
+
 def test_bench_collate_runs(capsys):
     import importlib
 

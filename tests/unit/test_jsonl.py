@@ -121,6 +121,67 @@ def assert_describe_matches(dataset, n):
         assert dataset.describe(i) == (sample["input_ids"].numel(), grids), i
 
 
+# --- a JSONL video conversation and its reference (shared with test_jsonl_faults / test_video / test_collate)
+
+VIDEO_OPTIONS = dict(video_min_pixels=32 * 32, video_max_pixels=64 * 64)
+# A video then an image, in two user turns; the clip is 8 frames at 4 a second: 2 s, so 4 sampled
+# frames at qwen-vl-utils' 2 a second, 2 temporal patches.
+VIDEO_TURNS = [("user", "<video>What moves?"), ("assistant", "A white bar."), ("user", "<image>And here?"),
+               ("assistant", "Red.")]
+
+
+def video_conversation(processor_path, folder):
+    """(train split, reference, processor, info) for a JSONL file of two video records: record 0 is
+    ``VIDEO_TURNS`` (placeholder format, the video by absolute path), record 1 a parts-format video
+    whose own ``nframes`` 8 overrides the flags. The reference is record 0 as
+    ``apply_chat_template`` writes it (``<|vision_start|><|video_pad|><|vision_end|>`` as is) through
+    the processor with ``PROCESSOR_VIDEO_KWARGS``, for qwen_vl_utils' image and load_video's frames
+    (test_video holds those to qwen-vl-utils' fetch_video)."""
+    from qwen_vl_utils import process_vision_info
+    from tiny_media import write_video
+
+    from examples.multimodal_dev.data.video import PROCESSOR_VIDEO_KWARGS, VideoSettings, load_video
+
+    folder = str(folder)
+    write_images(folder)
+    clip = write_video(os.path.join(folder, "clip.mp4"), 8, 64, 48, fps=4)
+    record = {**as_placeholder(VIDEO_TURNS, ["red.png"]), "videos": [clip]}
+    parts = {"messages": [{"role": "user", "content": [{"type": "video", "video": clip, "nframes": 8},
+                                                       {"type": "text", "text": "Count."}]},
+                          {"role": "assistant", "content": "Two."}]}
+    data = write_jsonl(os.path.join(folder, "videos.jsonl"), [record, parts])
+    train = train_split(processor_path, data, seq_length=2000, **VIDEO_OPTIONS)
+    processor, info = load_processor(processor_path, **BUDGET)
+    settings = VideoSettings.from_processor(processor, min_pixels=VIDEO_OPTIONS["video_min_pixels"],
+                                            max_pixels=VIDEO_OPTIONS["video_max_pixels"])
+    frames, metadata = load_video(clip, settings)
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What moves?"}]},
+                {"role": "assistant", "content": "A white bar."}]
+    messages += as_parts(VIDEO_TURNS[2:], ["red.png"], root=folder, **BUDGET)["messages"]
+    images, _ = process_vision_info(messages[2:], image_patch_size=processor.image_processor.patch_size)
+    text = processor.apply_chat_template(messages, tokenize=False)
+    assert text.count("<|vision_start|><|video_pad|><|vision_end|>") == 1
+    expected = processor(text=[text], images=images, videos=[frames], video_metadata=[metadata],
+                         videos_kwargs=dict(PROCESSOR_VIDEO_KWARGS), return_tensors="pt")
+    return train, expected, processor, info
+
+
+def hf_rope_positions(input_ids, image_grid_thw, video_grid_thw, tokens):
+    """transformers' Qwen3.5 ``get_rope_index`` for one unpadded sample: [3, L]."""
+    from transformers import Qwen3_5Config
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model
+
+    model = Qwen3_5Model.__new__(Qwen3_5Model)  # get_rope_index reads only the config
+    torch.nn.Module.__init__(model)
+    model.config = Qwen3_5Config(image_token_id=tokens.image, video_token_id=tokens.video,
+                                 vision_start_token_id=tokens.vision_start, vision_end_token_id=tokens.vision_end)
+    ids = input_ids.reshape(1, -1)
+    types = (ids == tokens.image).int() + 2 * (ids == tokens.video).int()
+    grids = {k: g.clone() if g is not None and g.numel() else None
+             for k, g in (("image_grid_thw", image_grid_thw), ("video_grid_thw", video_grid_thw))}
+    return model.get_rope_index(ids, mm_token_type_ids=types, **grids)[0][:, 0]
+
+
 @pytest.mark.parametrize("name", FORMATS)
 def test_each_format_equals_processor_and_template(name, processors, media, tmp_path):
     """The same conversation in each format: ids, pixels and grids as the processor makes them from

@@ -13,8 +13,8 @@ import threading
 
 import pytest
 import torch
-from test_jsonl import (BUDGET, as_parts, as_placeholder, assert_describe_matches, reference, train_split,
-                        trained_runs, write_images, write_jsonl)
+from test_jsonl import (BUDGET, VIDEO_OPTIONS, as_parts, as_placeholder, assert_describe_matches, reference,
+                        train_split, trained_runs, video_conversation, write_images, write_jsonl)
 from tiny_processor import QWEN35_CHAT_TEMPLATE, build_processor
 
 from examples.multimodal_dev.data.jsonl import build_datasets
@@ -162,55 +162,74 @@ def test_data_path_errors_are_one_line_naming_the_flag(processor_path, tmp_path)
 
 # --- videos (data/video.py) and the example files -------------------------------------------
 
-VIDEO_OPTIONS = dict(video_min_pixels=32 * 32, video_max_pixels=64 * 64)
+def test_videos_equal_apply_chat_template_and_the_processor(processor_path, tmp_path, caplog):
+    """A video (absolute path) and an image in a multi-turn conversation: ids, pixels and grids
+    exactly as ``apply_chat_template`` + the processor give them for load_video's frames, the
+    template's vision_start / vision_end pair kept around the per-frame runs (transformers 5.x);
+    a part's nframes overrides the flags; describe() reads the container's header only; no
+    transformers notice is logged for the video processor call."""
+    import logging
 
+    from transformers.utils import logging as hf_logging
 
-def test_videos_equal_the_processor_without_the_outer_vision_pair(processor_path, tmp_path):
-    """A video (absolute path) and an image in a multi-turn conversation: ids, pixels and grids as
-    the processor gives them for load_video's frames, except the vision_start / vision_end pair
-    transformers 5.23 keeps around the per-frame runs (the contract has one per frame); a part's
-    nframes overrides the flags; describe() reads the container's header only."""
-    from tiny_media import write_video
-
-    from examples.multimodal_dev.data.video import PROCESSOR_VIDEO_KWARGS, VideoSettings, load_video
-
-    write_images(str(tmp_path))
-    clip = write_video(str(tmp_path / "clip.mp4"), 8, 64, 48, fps=4)
-    turns = [("user", "<video>What moves?"), ("assistant", "A white bar."), ("user", "<image>And here?"),
-             ("assistant", "Red.")]
-    record = {**as_placeholder(turns, ["red.png"]), "videos": [clip]}
-    parts = {"messages": [{"role": "user", "content": [{"type": "video", "video": clip, "nframes": 8},
-                                                       {"type": "text", "text": "Count."}]},
-                          {"role": "assistant", "content": "Two."}]}
-    data = write_jsonl(str(tmp_path / "d.jsonl"), [record, parts])
-    train = train_split(processor_path, data, seq_length=2000, **VIDEO_OPTIONS)
-    processor, info = load_processor(processor_path, **BUDGET)
-    settings = VideoSettings.from_processor(processor, min_pixels=32 * 32, max_pixels=64 * 64)
-    frames, metadata = load_video(clip, settings)
-
-    from qwen_vl_utils import process_vision_info
-
-    messages = as_parts(turns[2:], ["red.png"], root=str(tmp_path), **BUDGET)["messages"]
-    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What moves?"}]},
-                {"role": "assistant", "content": "A white bar."}] + messages
-    images, _ = process_vision_info(messages[2:], image_patch_size=16)
-    text = processor.apply_chat_template(messages, tokenize=False)
-    markup = "<|vision_start|><|video_pad|><|vision_end|>"
-    common = dict(images=images, videos=[frames], video_metadata=[metadata], videos_kwargs=PROCESSOR_VIDEO_KWARGS,
-                  return_tensors="pt")
-    expected = processor(text=[text.replace(markup, "<|video_pad|>")], **common)
-    as_is = processor(text=[text], **common)
+    hf_logging.warning_once.cache_clear()  # a notice already logged in this process would hide a new one
+    with caplog.at_level(logging.WARNING):
+        hf_logging.enable_propagation()
+        try:
+            train, expected, processor, info = video_conversation(processor_path, tmp_path)
+            caplog.clear()  # the reference's own call (PROCESSOR_VIDEO_KWARGS alone) may log it
+            hf_logging.warning_once.cache_clear()
+            train.produce(0)  # made now, whatever the dataset holds
+            notices = [r.getMessage() for r in caplog.records if "cap_pixels_per_frame" in r.getMessage()]
+        finally:
+            hf_logging.disable_propagation()
+    assert not notices, notices
     sample = train[0]
     assert torch.equal(sample["input_ids"], expected["input_ids"][0])
     for field in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
         assert torch.equal(sample[field], expected[field]), field
     t = info.tokens
     patches = int(sample["video_grid_thw"][0, 0])  # temporal patches: 2 s at 2 frames a second, 2 frames a patch
-    assert patches == 2 and int((sample["input_ids"] == t.vision_start).sum()) == patches + 1  # + the image
-    assert int((as_is["input_ids"][0] == t.vision_start).sum()) == patches + 2  # transformers' outer pair
+    # a vision_start per frame, the template's one around the video, and the image's
+    assert patches == 2 and int((sample["input_ids"] == t.vision_start).sum()) == patches + 2
+    ids = sample["input_ids"].tolist()
+    outer = ids.index(t.vision_start)
+    assert ids[outer + 1] != t.vision_start and ids[outer + 1] not in t.vision_ids  # a timestamp follows it
+    assert int((sample["input_ids"] == t.vision_end).sum()) == patches + 2
     assert trained_runs(sample, processor.tokenizer) == ["A white bar.<|im_end|>", "Red.<|im_end|>"]
     assert train.produce(1)["video_grid_thw"][0, 0] == 4  # the part's nframes 8: four temporal patches
     assert_describe_matches(train, 2)
+
+
+def test_the_video_processor_notice_is_silenced_by_the_call_not_globally(processor_path, caplog):
+    """The notice exists (PROCESSOR_VIDEO_KWARGS alone logs it, so the test above can fail) and the
+    provider's ``videos_kwargs`` avoid it without touching the processor or the logger."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+    from transformers.video_utils import VideoMetadata
+
+    from examples.multimodal_dev.data.jsonl_media import VideoOptions
+    from examples.multimodal_dev.data.video import PROCESSOR_VIDEO_KWARGS
+
+    processor, _ = load_processor(processor_path, **BUDGET)
+    frames = torch.zeros(4, 3, 64, 64, dtype=torch.uint8)
+    metadata = VideoMetadata(total_num_frames=4, fps=2.0, frames_indices=[0, 1, 2, 3])
+    logged = {}
+    hf_logging.enable_propagation()
+    try:
+        for name, kwargs in (("bare", PROCESSOR_VIDEO_KWARGS), ("provider", VideoOptions(processor).call_kwargs)):
+            hf_logging.warning_once.cache_clear()
+            caplog.clear()
+            with caplog.at_level(logging.WARNING):
+                out = processor(text=["<|video_pad|>"], videos=[frames], video_metadata=[metadata],
+                                videos_kwargs=dict(kwargs), return_tensors="pt")
+            logged[name] = (any("cap_pixels_per_frame" in r.getMessage() for r in caplog.records), out["input_ids"])
+    finally:
+        hf_logging.disable_propagation()
+    assert logged["bare"][0] and not logged["provider"][0]
+    assert torch.equal(logged["bare"][1], logged["provider"][1])
+    assert processor.video_processor.cap_pixels_per_frame is None  # the processor is left as loaded
 
 
 def write_example_media(folder: str) -> None:

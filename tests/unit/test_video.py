@@ -15,6 +15,10 @@ same resize and normalisation) and MRoPE positions (ours vs transformers' Qwen3.
 ``get_rope_index``); ``video_header`` against ``load_video`` and the processor. Both sides turn a
 decoded frame into RGB with PyAV's ``to_ndarray("rgb24")``, so that step is shared, not tested:
 the pixels check the sampled indices, the target size and the resize.
+
+A sample made by the JSONL provider (a video then an image, the chat template's pair kept around
+the video's frames) has transformers' ``get_rope_index`` positions, and ``validate_sample`` takes
+a video with or without that pair and refuses any other vision_start count.
 """
 
 import io
@@ -24,12 +28,12 @@ import pytest
 import torch
 from qwen_vl_utils import vision_process as qvu
 from tiny_media import decode_all_tchw, write_video
-from tiny_processor import SPECIALS, build_processor
+from tiny_processor import QWEN35_CHAT_TEMPLATE, SPECIALS, build_processor
 
-from examples.multimodal_dev.data.sample import BadSample
+from examples.multimodal_dev.data.sample import BadSample, validate_sample
 from examples.multimodal_dev.data.video import (PROCESSOR_VIDEO_KWARGS, VideoSettings, load_video,
                                                 sampled_frame_count, video_header)
-from examples.multimodal_dev.models.qwen35_vl.mrope import sample_position_ids, split_video_frames
+from examples.multimodal_dev.models.qwen35_vl.mrope import run_grids, sample_position_ids, split_video_frames
 
 PROMPT = "<|vision_start|><|video_pad|><|vision_end|>"
 START, END, IMG, VID = (SPECIALS.index(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
@@ -220,3 +224,67 @@ def test_options_are_checked(clips, tmp_path):
         with pytest.raises(BadSample) as err:
             video_header(path, s.with_overrides(part))
         assert err.value.reason == reason and path in str(err.value), str(err.value)
+
+
+@pytest.fixture(scope="module")
+def jsonl_video(tmp_path_factory):
+    from test_jsonl import video_conversation
+
+    path = build_processor(str(tmp_path_factory.mktemp("qwen35")), chat_template=QWEN35_CHAT_TEMPLATE)
+    return video_conversation(path, tmp_path_factory.mktemp("jsonl_video"))
+
+
+def test_jsonl_video_sample_positions_are_get_rope_index(jsonl_video):
+    """MRoPE of the provider's sample (video frames inside the template's outer pair, then an
+    image): ours, from the runs' grids as the collate finds them, equal transformers' positions."""
+    from test_jsonl import hf_rope_positions
+
+    train, expected, _, info = jsonl_video
+    t = info.tokens
+    for index in range(2):
+        sample = train[index]
+        ids = sample["input_ids"]
+        grids, n_img, n_frames = run_grids(ids, sample["image_grid_thw"], split_video_frames(sample["video_grid_thw"]),
+                                           t.image, t.video)
+        assert (n_img, n_frames) == (sample["image_grid_thw"].shape[0], int(sample["video_grid_thw"][:, 0].sum()))
+        ours = sample_position_ids(ids, grids, t.vision_ids, t.spatial_merge)
+        reference = hf_rope_positions(ids, sample["image_grid_thw"], sample["video_grid_thw"], t)
+        assert torch.equal(ours, reference), index
+    # record 0 is the reference's ids, so these are the positions transformers gives the reference
+    assert torch.equal(train[0]["input_ids"], expected["input_ids"][0])
+    assert int((train[0]["input_ids"] == t.vision_start).sum()) == int(expected["video_grid_thw"][0, 0]) + 2
+
+
+def test_validate_sample_takes_a_video_with_or_without_its_enclosing_pair(jsonl_video):
+    """transformers 5.x keeps the template's vision_start / vision_end around a video's frames;
+    4.57 and the mock write none. Both are valid samples; one vision_start more or less is not."""
+    train, _, _, info = jsonl_video
+    t = info.tokens
+    sample = train[0]  # one video (2 frames), one image: vision_start 2 + 1 + the video's pair
+    ids = sample["input_ids"]
+    outer = int(torch.nonzero(ids == t.vision_start)[0])
+    text_token = int(ids[outer - 1])  # the newline before it: any text token will do
+    assert text_token not in (t.vision_start, t.vision_end, *t.vision_ids)
+
+    def with_ids(new_ids):
+        return {**sample, "input_ids": new_ids}
+
+    validate_sample(sample, t)  # with the pair: 4 vision_starts
+    without = ids.clone()
+    without[outer] = text_token  # the pair's vision_start gone: one per image and frame, 3
+    validate_sample(with_ids(without), t)
+    extra = ids.clone()
+    extra[outer - 1] = t.vision_start  # a second enclosing start for one video: 5
+    too_few = without.clone()
+    too_few[int(torch.nonzero(too_few == t.vision_start)[0])] = text_token  # a frame without its start: 2
+    for bad, count in ((extra, 5), (too_few, 2)):
+        with pytest.raises(ValueError, match=f"has {count} vision_start tokens for 1 images and 2 video frames"):
+            validate_sample(with_ids(bad), t)
+    # without a video no extra vision_start is allowed
+    image_only = {**sample, "pixel_values_videos": sample["pixel_values_videos"][:0],
+                  "video_grid_thw": sample["video_grid_thw"][:0],
+                  "input_ids": torch.where(ids == t.video, text_token, without)}
+    n_starts = int((image_only["input_ids"] == t.vision_start).sum())
+    assert n_starts == 3  # the image's and the two frames' (now text runs): 2 more than one image allows
+    with pytest.raises(ValueError, match="has 3 vision_start tokens for 1 images and 0 video frames: expected 1$"):
+        validate_sample(image_only, t)

@@ -67,7 +67,7 @@ class JsonlConversations:
             turns = self._turns(records.read(i))
             media = [(m, locate(m.ref, os.path.dirname(path), self.media_root, self.allow_remote))
                      for t in turns for m in t.media]
-            text, spans = answer_char_spans(self.processor, turns, self.videos.rewrite)
+            text, spans = answer_char_spans(self.processor, turns)
             return fit_to_budget(make(text, spans, media), self.info.tokens, self.seq_length)
         except BadSample as bad:
             detail = bad.detail.replace("\n", " ")
@@ -95,11 +95,9 @@ class JsonlConversations:
         videos = [self.videos.load(m, location) for m, location in media if m.kind == "video"]
         video_inputs = {}
         if videos:
-            from .video import PROCESSOR_VIDEO_KWARGS
-
             frames, metadata = zip(*videos)
             video_inputs = dict(videos=list(frames), video_metadata=list(metadata),
-                                videos_kwargs=PROCESSOR_VIDEO_KWARGS)
+                                videos_kwargs=self.videos.call_kwargs)
         enc = self.processor(text=[text], images=images or None, **video_inputs, return_tensors="pt",
                              return_offsets_mapping=True, return_text_replacement_offsets=True)
         return self._sample(enc["input_ids"][0], enc["offset_mapping"][0], enc["text_replacement_offsets"][0], spans,

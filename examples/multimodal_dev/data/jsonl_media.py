@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import io
 import os
 
-import torch
-
-from .processor import VISION_TOKEN_TEXT
 from .sample import BadSample, DataError
 
 REMOTE_SCHEMES = ("http://", "https://")
@@ -140,27 +138,24 @@ class ImageSizing:
 
 
 class VideoOptions:
-    """Video settings (``video.py``, read only when a record holds a video) and how the template's
-    video markup reaches the processor. transformers 5.23 expands only ``<|video_pad|>``, each
-    temporal patch into ``<t seconds><|vision_start|>...<|vision_end|>``, and keeps the pair the
-    template wrote around it: a vision_start with no frame after it, which the sample contract
-    (one per frame) and MRoPE do not have. Where the processor writes that per-frame pair, the
-    template's ``<|vision_start|><|video_pad|><|vision_end|>`` is given to it as the bare pad: the
-    layout transformers' Qwen3-VL processor wrote before (4.57 replaced the whole triple)."""
+    """Video settings (``video.py``, read only when a record holds a video) and the processor call's
+    ``videos_kwargs`` for the frames ``load`` gives. The template's
+    ``<|vision_start|><|video_pad|><|vision_end|>`` reaches the processor as written, so a sample's
+    ids are the installed processor's: transformers 5.x expands only ``<|video_pad|>`` (each temporal
+    patch into ``<t seconds><|vision_start|>...<|vision_end|>``) and keeps the template's pair around
+    the frames; 4.57 replaced the whole triple. ``validate_sample`` accepts both layouts."""
 
     def __init__(self, processor, **settings):
         self.processor, self._base = processor, None
         self.settings = {k: v for k, v in settings.items() if v is not None}
         if "nframes" in self.settings:
             self.settings.setdefault("fps", None)  # a frame count instead of the default rate
-        start, pad, end = (VISION_TOKEN_TEXT[k] for k in ("vision_start", "video", "vision_end"))
-        self.markup, self.pad = f"{start}{pad}{end}", pad
-        self.collapse = _frames_carry_vision_start(processor, start)
         if self.settings:  # flags given: a bad value stops the run before the first step
             self.base()
 
-    def rewrite(self, text: str) -> str:
-        return text.replace(self.markup, self.pad) if self.collapse else text
+    @functools.cached_property
+    def call_kwargs(self) -> dict:
+        return processor_video_kwargs(self.processor)
 
     def base(self):
         if self._base is None:
@@ -186,16 +181,17 @@ class VideoOptions:
         return video_header(fetch(location, "video"), self.of(media))
 
 
-def _frames_carry_vision_start(processor, start: str) -> bool:
-    """Whether the processor's expansion of one video writes a vision_start per temporal patch."""
-    from transformers.video_utils import VideoMetadata
+def processor_video_kwargs(processor) -> dict:
+    """``PROCESSOR_VIDEO_KWARGS``, plus ``cap_pixels_per_frame=False`` where the video processor has
+    that setting: left unset, transformers 5.x logs a notice on the first video of every process
+    (each data worker). With ``do_resize=False`` the cap resizes nothing, so the value changes no
+    id or pixel; a processor without the setting refuses the key, hence the check."""
+    from .video import PROCESSOR_VIDEO_KWARGS
 
-    probe = {"video_grid_thw": torch.tensor([[1, 2, 2]]),
-             "video_metadata": [VideoMetadata(total_num_frames=2, fps=1.0, frames_indices=[0, 1])]}
-    try:
-        return start in processor.replace_video_token(probe, 0)
-    except (AttributeError, NotImplementedError):  # a processor without per-frame video markup
-        return False
+    kwargs = dict(PROCESSOR_VIDEO_KWARGS)
+    if hasattr(getattr(processor, "video_processor", None), "cap_pixels_per_frame"):
+        kwargs["cap_pixels_per_frame"] = False
+    return kwargs
 
 
 def _short(location: str) -> str:

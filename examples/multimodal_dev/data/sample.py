@@ -12,10 +12,15 @@
 
 A video's frames (temporal patches) each form their own vision run, as Qwen3.5's processor
 lays them out: ``<timestamp> <vision_start> <video>*(h*w/merge**2) <vision_end>`` per frame.
+The frames of a video may also sit inside one enclosing ``<vision_start> ... <vision_end>``:
+transformers 5.x expands only the template's ``<|video_pad|>`` and keeps the pair the chat
+template wrote around it, while transformers 4.57 (which replaced the whole triple) and the mock
+provider write none. The pair is text to MRoPE (only placeholder runs take grid positions).
 
 Invariants checked by ``validate_sample`` when a provider produces a sample, for images and
 videos alike: number of placeholder tokens == sum(t*h*w) / merge**2, P == sum(t*h*w), and
-one vision_start per image and per video frame.
+one vision_start per image and per video frame, plus at most one more per video (its enclosing
+pair): n_images + sum(t) <= vision_starts <= n_images + sum(t) + n_videos.
 
 ``build_conversation_sample`` is the one place labels and the loss mask are derived, so no
 provider can shift them differently: the model at position i predicts token i+1, so position i
@@ -114,7 +119,12 @@ def build_conversation_sample(input_ids: torch.Tensor, is_answer: torch.Tensor, 
 
 
 def validate_sample(sample: dict, tokens: VisionTokens, patch_dim: int | None = None) -> dict:
-    """Check a sample against the contract; raise ``ValueError`` naming the offending field."""
+    """Check a sample against the contract; raise ``ValueError`` naming the offending field.
+
+    vision_start tokens: one per image and per video frame, and up to one more per video for a
+    pair enclosing its frames. transformers 5.x's processor keeps the chat template's
+    ``<|vision_start|>``/``<|vision_end|>`` around a video's per-frame runs; 4.57 and the mock do
+    not. Both are the reference's own ids, so both are accepted; any other count is not."""
     missing = [f for f in FIELDS if f not in sample]
     if missing:
         raise ValueError(f"sample is missing field(s) {missing}; the contract is {FIELDS}")
@@ -150,10 +160,12 @@ def validate_sample(sample: dict, tokens: VisionTokens, patch_dim: int | None = 
                              f"{grids.tolist()} gives {expected} after {tokens.spatial_merge}x{tokens.spatial_merge} "
                              "merging")
         runs += grids.shape[0] if kind == "image" else int(grids[:, 0].sum())
-    if int((ids == tokens.vision_start).sum()) != runs:
-        raise ValueError(f"sample field 'input_ids' has {int((ids == tokens.vision_start).sum())} vision_start "
-                         f"tokens for {sample['image_grid_thw'].shape[0]} images and "
-                         f"{int(sample['video_grid_thw'][:, 0].sum())} video frames")
+    n_starts, n_videos = int((ids == tokens.vision_start).sum()), sample["video_grid_thw"].shape[0]
+    if not runs <= n_starts <= runs + n_videos:
+        enclosing = f", plus up to {n_videos} enclosing a video's frames" if n_videos else ""
+        raise ValueError(f"sample field 'input_ids' has {n_starts} vision_start tokens for "
+                         f"{sample['image_grid_thw'].shape[0]} images and {int(sample['video_grid_thw'][:, 0].sum())} "
+                         f"video frames: expected {runs}{enclosing}")
     if not bool(mask.any()):
         raise BadSample("no_trained_tokens", "loss_mask is all zero")
     return sample
