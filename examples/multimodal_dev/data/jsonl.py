@@ -63,20 +63,28 @@ class JsonlConversations:
     def _at_record(self, index: int, make) -> dict:
         records, i = self.rows[index]
         path, line = records.where(i)
+        return self.conversation_sample(records.read(i), os.path.dirname(path), f"{path}:{line}", make)
+
+    def conversation_sample(self, line: bytes | str, base_dir: str, where: str, make=None) -> dict:
+        """The sample of one conversation given as JSON text (any format ``conversations.py`` reads):
+        relative media paths start from ``base_dir`` (or ``media_root``); ``where`` starts a skip's
+        message. ``make``: ``_produce`` (the default) or ``_describe``. The energon provider calls it
+        too, so both providers build a conversation's sample in this one place."""
+        make = make or self._produce
         try:
-            turns = self._turns(records.read(i))
-            media = [(m, locate(m.ref, os.path.dirname(path), self.media_root, self.allow_remote))
+            turns = self._turns(line)
+            media = [(m, locate(m.ref, base_dir, self.media_root, self.allow_remote))
                      for t in turns for m in t.media]
             text, spans = answer_char_spans(self.processor, turns)
             return fit_to_budget(make(text, spans, media), self.info.tokens, self.seq_length)
         except BadSample as bad:
             detail = bad.detail.replace("\n", " ")
             if self.strict:
-                raise DataError(f"{self.source}: {path}:{line}: {bad.reason}: {detail} (--strict-data stops at the "
+                raise DataError(f"{self.source}: {where}: {bad.reason}: {detail} (--strict-data stops at the "
                                 "first bad record)") from None
-            raise BadSample(bad.reason, f"{path}:{line}: {detail}") from None
+            raise BadSample(bad.reason, f"{where}: {detail}") from None
 
-    def _turns(self, line: bytes):
+    def _turns(self, line: bytes | str):
         try:
             record = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
