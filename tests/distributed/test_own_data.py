@@ -36,14 +36,19 @@ def _model_for(processor_path: str, out: str) -> str:
     return out
 
 
-def test_own_jsonl_trains_with_counted_skips(tmp_path):
+def _example_data(tmp_path) -> tuple[str, str, str]:
+    """(data folder, processor, model config) for the example files."""
     folder = str(tmp_path / "data")
     shutil.copytree(EXAMPLES, folder)
     _example_media(folder)
+    processor = build_processor(str(tmp_path / "processor"))
+    return folder, processor, _model_for(processor, str(tmp_path / "config.json"))
+
+
+def test_own_jsonl_trains_with_counted_skips(tmp_path):
+    folder, processor, config = _example_data(tmp_path)
     with open(os.path.join(folder, "sharegpt.jsonl"), "a") as f:
         f.write('{"conversations": [{"from": "human", "value": "unterminated\n')
-    processor = build_processor(str(tmp_path / "processor"))
-    config = _model_for(processor, str(tmp_path / "config.json"))
     data_path = f"{folder}/messages.jsonl:2,{folder}/sharegpt.jsonl:1"
     run = run_script(DATASET="jsonl", DATA_PATH=data_path, VALID_DATA_PATH=f"{folder}/parts.jsonl",
                      HF_PROCESSOR_PATH=processor, HF_CONFIG=config, TRAIN_ITERS=16, GBS=4, MBS=2, SEQ_LEN=1024).check()
@@ -54,3 +59,21 @@ def test_own_jsonl_trains_with_counted_skips(tmp_path):
     assert 16 in run.validation
     assert "bad_json: " in run.output and "sharegpt.jsonl:11: not a JSON line" in run.output, run.output[-3000:]
     assert "skipped so far in this run (all workers)" in run.output, run.output[-3000:]
+
+
+def test_own_jsonl_resumes_exactly_under_token_budget_packing(tmp_path):
+    """DP=2, rows of 1024 tokens planned from describe() (headers only), dropout 0.1: 6 iterations
+    straight against 3, stop, and 3 resumed, bitwise, with the plan continued from the checkpoint."""
+    folder, processor, config = _example_data(tmp_path)
+    env = dict(DATASET="jsonl", DATA_PATH=f"{folder}/messages.jsonl:2,{folder}/sharegpt.jsonl:1",
+               VALID_DATA_PATH=f"{folder}/parts.jsonl", HF_PROCESSOR_PATH=processor, HF_CONFIG=config,
+               TRAIN_ITERS=6, GBS=4, SEQ_LEN=1024, PACKING="tokens", NPROC=2)
+    dropout = ("--hidden-dropout", "0.1")
+    straight = run_script(dropout, CKPT_SAVE=tmp_path / "straight", **env).check()
+    first = run_script((*dropout, "--exit-interval", "3"), CKPT_RESUME=tmp_path / "resumed", **env).check()
+    second = run_script(dropout, CKPT_RESUME=tmp_path / "resumed", **env).check()
+    assert sorted(first.losses) == [1, 2, 3] and sorted(second.losses) == [4, 5, 6]
+    assert "token-budget plan: continues at step 3 from" in second.output, second.output[-3000:]
+    assert {**first.losses, **second.losses} == straight.losses
+    assert {**first.grad_norms, **second.grad_norms} == straight.grad_norms
+    assert second.validation == straight.validation
