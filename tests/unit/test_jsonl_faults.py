@@ -16,6 +16,7 @@ import torch
 from test_jsonl import (BUDGET, VIDEO_OPTIONS, as_parts, as_placeholder, assert_describe_matches, reference,
                         train_split, trained_runs, video_conversation, write_images, write_jsonl)
 from tiny_processor import QWEN35_CHAT_TEMPLATE, build_processor
+from tiny_media import write_example_media
 
 from examples.multimodal_dev.data.jsonl import build_datasets
 from examples.multimodal_dev.data.jsonl_source import check_data_path
@@ -230,24 +231,6 @@ def test_the_video_processor_notice_is_silenced_by_the_call_not_globally(process
     assert logged["bare"][0] and not logged["provider"][0]
     assert torch.equal(logged["bare"][1], logged["provider"][1])
     assert processor.video_processor.cap_pixels_per_frame is None  # the processor is left as loaded
-
-
-def write_example_media(folder: str) -> None:
-    """The pictures and the video the example files name, drawn at their relative paths."""
-    from PIL import Image, ImageDraw
-    from tiny_media import write_video
-
-    os.makedirs(os.path.join(folder, "images"), exist_ok=True)
-    os.makedirs(os.path.join(folder, "videos"), exist_ok=True)
-    drawings = {"red_circle": lambda d: d.ellipse([16, 16, 80, 80], fill=(220, 20, 20)),
-                "blue_square": lambda d: d.rectangle([24, 24, 72, 72], fill=(20, 40, 220)),
-                "green_triangle": lambda d: d.polygon([(48, 12), (86, 84), (10, 84)], fill=(20, 180, 40)),
-                "stripes": lambda d: [d.rectangle([x, 0, x + 11, 95], fill=(0, 0, 0)) for x in (0, 24, 48, 72)]}
-    for name, draw in drawings.items():
-        image = Image.new("RGB", (96, 96), (255, 255, 255))
-        draw(ImageDraw.Draw(image))
-        image.save(os.path.join(folder, "images", f"{name}.png"))
-    write_video(os.path.join(folder, "videos", "moving_bar.mp4"), 8, 64, 48, fps=4)
 
 
 @pytest.mark.parametrize("name", ["messages", "sharegpt", "parts"])
