@@ -15,8 +15,8 @@ import pytest
 import torch
 from test_jsonl import (BUDGET, VIDEO_OPTIONS, as_parts, as_placeholder, assert_describe_matches, reference,
                         train_split, trained_runs, video_conversation, write_images, write_jsonl)
-from tiny_processor import QWEN35_CHAT_TEMPLATE, build_processor
 from tiny_media import write_example_media
+from tiny_processor import QWEN35_CHAT_TEMPLATE, build_processor
 
 from examples.multimodal_dev.data.jsonl import build_datasets
 from examples.multimodal_dev.data.jsonl_source import check_data_path
