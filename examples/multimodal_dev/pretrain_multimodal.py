@@ -215,6 +215,10 @@ def checked_args():
             check_data_path(data_path_value(args), "--data-path")
             if args.eval_data_path:
                 check_data_path(args.eval_data_path, "--eval-data-path")
+        elif args.dataset_provider == "energon":  # a prepared folder or a metadataset .yaml
+            from examples.multimodal_dev.data.energon import check_energon_path
+
+            check_energon_path(data_path_value(args), "--data-path")
         elif args.data_path:
             resolve_source(data_path_value(args), "--data-path")
         language, vision = model_configs()

@@ -1,6 +1,7 @@
 """Dataset providers and the collate. ``DATASET_PROVIDERS`` maps ``--dataset-provider`` to a
 ``build_datasets(tokens, vocab_size, patch_dim, seq_length, num_samples, **options)`` that
-returns (train, valid, test) map-style datasets of contract samples (see ``sample.py``)."""
+returns (train, valid, test) map-style datasets of contract samples (see ``sample.py``), or objects
+with their own ``build_iterator`` (energon: an iterable that shards by rank itself, ``loader.py``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ DATASET_PROVIDERS = {
     "mock_video": ".mock_video.build_datasets",
     "cord_v2": ".cord_v2.build_datasets",
     "jsonl": ".jsonl.build_datasets",
+    "energon": ".energon.build_datasets",
 }
 
 

@@ -28,7 +28,12 @@ def build_iterator(dataset, consumed_samples: int, micro_batch_size: int, dp_ran
     ``plan_fn(dataset, cyclic)``: a ``TokenBudgetPlan`` whose rows are the micro-batches
     (token-budget packing; ``consumed_samples`` then counts rows). ``cyclic`` marks the
     validation split (evaluation passes keep drawing, wrapping around it)."""
-    if dataset is None or len(dataset) == 0:
+    if dataset is None:
+        return None
+    if hasattr(dataset, "build_iterator"):  # a stream that shards by rank itself (energon.py's EnergonSplit)
+        return dataset.build_iterator(consumed_samples, micro_batch_size, dp_rank, dp_size, collate_fn, num_workers,
+                                      cyclic, plan_fn)
+    if len(dataset) == 0:
         return None
     # Every DataLoader iterator draws its base seed from a generator; without one of its own that is
     # torch's global generator, after megatron has restored it from the checkpoint, so a resumed
