@@ -13,8 +13,9 @@
 #   SP              1 = sequence parallelism (needs TP>1) [1 for MoE with TP>1, which megatron requires; else 0]
 #   NPROC           processes on this node [TP*CP*PP]
 #   DATASET         mock | mock_mix (the length / image mix of a real SFT set) | mock_video (images and
-#                   videos) | cord_v2 | jsonl (your own conversations; README "Your own data") [mock];
-#                   DATA_PATH, HF_PROCESSOR_PATH for cord_v2 and jsonl
+#                   videos) | cord_v2 | jsonl (your own conversations; README "Your own data") | energon
+#                   (Megatron-Energon shards, e.g. from tools/jsonl_to_energon.py) [mock];
+#                   DATA_PATH, HF_PROCESSOR_PATH for cord_v2, jsonl and energon
 #   jsonl only:     VALID_DATA_PATH (else VALID_FRACTION of DATA_PATH [0]), MEDIA_ROOT, STRICT_DATA=1,
 #                   REMOTE_MEDIA=1 (fetch http(s) media), VIDEO_FPS [2], VIDEO_MAX_FRAMES [768],
 #                   VIDEO_MAX_PIXELS (one frame's area after resizing)
@@ -132,10 +133,10 @@ awk -v lr="$LR" 'BEGIN { exit !(lr + 0 >= 0 && lr + 0 < 1e38) }' || fail "LR=$LR
   || fail "GBS=$GBS is not a multiple of MBS*DP=$((MBS * NPROC / (TP * CP * PP)))"
 case "$DATASET" in
   mock|mock_mix|mock_video) ;;
-  cord_v2|jsonl)
+  cord_v2|jsonl|energon)
     [[ -n "${DATA_PATH:-}" ]] || fail "DATASET=$DATASET needs DATA_PATH"
     [[ -n "${HF_PROCESSOR_PATH:-}" ]] || fail "DATASET=$DATASET needs HF_PROCESSOR_PATH";;
-  *) fail "DATASET=$DATASET must be mock, mock_mix, mock_video, cord_v2 or jsonl";;
+  *) fail "DATASET=$DATASET must be mock, mock_mix, mock_video, cord_v2, jsonl or energon";;
 esac
 OWN_DATA=()  # DATASET=jsonl: the user's records and media (arguments.py, "your own data")
 for var in STRICT_DATA REMOTE_MEDIA; do
@@ -153,8 +154,14 @@ done
 [[ -n "${VIDEO_FPS:-}" ]] && OWN_DATA+=(--video-fps "$VIDEO_FPS")
 [[ -n "${VIDEO_MAX_FRAMES:-}" ]] && OWN_DATA+=(--video-max-frames "$VIDEO_MAX_FRAMES")
 [[ -n "${VIDEO_MAX_PIXELS:-}" ]] && OWN_DATA+=(--video-max-pixels "$VIDEO_MAX_PIXELS")
-if (( ${#OWN_DATA[@]} > 0 )) && [[ "$DATASET" != jsonl ]]; then
-  fail "VALID_DATA_PATH, VALID_FRACTION, MEDIA_ROOT, STRICT_DATA, REMOTE_MEDIA and VIDEO_* apply to DATASET=jsonl only (DATASET=$DATASET)"
+if (( ${#OWN_DATA[@]} > 0 )) && [[ "$DATASET" != jsonl && "$DATASET" != energon ]]; then
+  fail "VALID_DATA_PATH, VALID_FRACTION, MEDIA_ROOT, STRICT_DATA, REMOTE_MEDIA and VIDEO_* apply to DATASET=jsonl (and energon) only (DATASET=$DATASET)"
+fi
+if [[ "$DATASET" == energon ]]; then  # the shards hold the media; validation is the dataset's val split
+  for var in VALID_DATA_PATH VALID_FRACTION MEDIA_ROOT REMOTE_MEDIA; do
+    [[ -z "${!var:-}" || "${!var}" == 0 ]] || fail "$var applies to DATASET=jsonl; an energon dataset carries its media and its val split"
+  done
+  [[ "$PACKING" == samples ]] || fail "PACKING=$PACKING: DATASET=energon streams samples (token-budget plans need DATASET=jsonl)"
 fi
 
 ARGS=(

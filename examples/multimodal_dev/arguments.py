@@ -55,8 +55,9 @@ def add_multimodal_args(parser):
     group.add_argument("--hf-config-path", default=None,
                        help="take the model shape from a Hugging Face config.json (file or directory) instead")
     group.add_argument("--dataset-provider", default="mock",
-                       help="mock (default, no files), mock_mix, mock_video (images and videos), cord_v2 or jsonl "
-                            "(your own conversations, data/jsonl.py)")
+                       help="mock (default, no files), mock_mix, mock_video (images and videos), cord_v2, jsonl "
+                            "(your own conversations, data/jsonl.py) or energon (Megatron-Energon shards, "
+                            "data/energon.py)")
     group.add_argument("--hf-processor-path", default=None,
                        help="processor (tokenizer, chat template, image processor) for real datasets")
     group.add_argument("--min-pixels", type=int, default=None, help="smallest image area after resizing")
