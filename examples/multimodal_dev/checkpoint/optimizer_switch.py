@@ -68,17 +68,15 @@ def _params_in_state_order(optimizer) -> list:
             for param in optimizer.buffers[gbuf_idx].param_index_map]
 
 
-def _plain_groups_and_step(loaded: dict) -> tuple[list, dict, object]:
-    """(param groups, per-parameter state, step) of a loaded plain optimizer checkpoint: fp32 saves
-    them at the top, fp16 / bf16 under ``optimizer``."""
+def _plain_groups_and_step(loaded: dict) -> tuple[list, object]:
+    """(param groups, step) of a loaded plain optimizer checkpoint: fp32 saves them at the top,
+    fp16 / bf16 under ``optimizer``."""
     inner = loaded["optimizer"] if "optimizer" in loaded and "state" in loaded["optimizer"] else loaded
-    state = dict(inner["state"])
-    step = state.pop("common_step", None)
-    return inner["param_groups"], state, step
+    return inner["param_groups"], inner["state"].get("common_step")
 
 
 def _distributed_from_plain(loaded: dict, params: list) -> dict:
-    groups, _, step = _plain_groups_and_step(loaded)
+    groups, step = _plain_groups_and_step(loaded)
     param_state = loaded["param_state"]
     if not _saved["half"]:
         if len(params) != len(param_state):

@@ -36,9 +36,9 @@ from megatron.energon import (Cooker, DefaultTaskEncoder, Sample, SkipSample, Wo
 from megatron.energon.edataclass import edataclass
 from megatron.energon.errors import reraise_exception
 
-from .loader import SKIPS_KEY, _summing_skips
+from .loader import SKIPS_KEY, summing_skips
 from .sample import BadSample, DataError, fit_to_budget, validate_sample
-from .skipping import format_counts
+from .skipping import RunSkipTotals, format_counts
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def open_dataset(path: str, split: str, config, encoder, batch_size: int | None,
     return get_val_dataset(path, split_part=split, worker_config=config, batch_size=batch_size, task_encoder=encoder)
 
 
-class EnergonSplit:
+class EnergonSplit(RunSkipTotals):
     """One split for ``loader.build_iterator``: what it needs to open energon's loader on a rank."""
 
     def __init__(self, path: str, split: str, produce, tokens, seq_length: int, patch_dim: int, seed: int,
@@ -180,13 +180,6 @@ class EnergonSplit:
         self.shuffle_buffer_size, self.max_samples_per_sequence = shuffle_buffer_size, max_samples_per_sequence
         self.run_skip_counts: Counter = Counter()
         self.loader = None  # energon's loader once an iterator is built
-
-    def add_run_skips(self, delta: dict) -> None:
-        if not delta:
-            return
-        self.run_skip_counts.update(delta)
-        log.warning("%s: %d samples skipped so far in this run (all workers): %s", self.name,
-                    sum(self.run_skip_counts.values()), format_counts(self.run_skip_counts))
 
     def encoder(self, collate_fn):
         return ConversationEncoder(self.produce, self.tokens, self.seq_length, self.patch_dim, collate_fn, self.name)
@@ -205,9 +198,9 @@ class EnergonSplit:
             if consumed_samples:
                 log.warning("%s: resuming after %d samples: energon's stream starts again from its beginning "
                             "(the loader state is not in the checkpoint)", self.name, consumed_samples)
-            return _summing_skips(iter(self.loader), self)
+            return summing_skips(iter(self.loader), self)
         self.loader = get_loader(dataset, worker_config=config)
-        return _summing_skips(_passes(self.loader, self.name) if cyclic else iter(self.loader), self)
+        return summing_skips(_passes(self.loader, self.name) if cyclic else iter(self.loader), self)
 
 
 def _passes(loader, name: str):
@@ -227,14 +220,11 @@ def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path
                    min_pixels: int | None = None, max_pixels: int | None = None,
                    energon_shuffle_buffer_size: int | None = DEFAULT_SHUFFLE_BUFFER,
                    energon_max_samples_per_sequence: int | None = DEFAULT_MAX_SAMPLES_PER_SEQUENCE,
-                   video_fps: float | None = None, video_nframes: int | None = None,
-                   video_min_frames: int | None = None, video_max_frames: int | None = None,
-                   video_min_pixels: int | None = None, video_max_pixels: int | None = None,
-                   video_total_pixels: int | None = None, **_unused):
+                   **options):
     """(train, valid, test) ``EnergonSplit``s of ``data_path``'s "train", "val" and "test" split
     parts; None for a split it does not hold or no samples asked for."""
     from .jsonl import JsonlConversations
-    from .jsonl_media import ImageSizing, VideoOptions
+    from .jsonl_media import media_settings
     from .processor import load_processor
 
     path = check_energon_path(data_path)
@@ -242,10 +232,7 @@ def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path
     if "train" not in splits:
         raise DataError(f"--data-path {path!r}: no shard in its train split")
     processor, info = load_processor(hf_processor_path, min_pixels, max_pixels)
-    sizing = ImageSizing(processor, info.patch_size, min_pixels, max_pixels)
-    videos = VideoOptions(processor, fps=video_fps, nframes=video_nframes, min_frames=video_min_frames,
-                          max_frames=video_max_frames, min_pixels=video_min_pixels, max_pixels=video_max_pixels,
-                          total_pixels=video_total_pixels)
+    sizing, videos = media_settings(processor, info, min_pixels, max_pixels, options)
     out = []
     for split, n in zip(SPLIT_PARTS, num_samples):
         if not n or split not in splits:

@@ -33,7 +33,7 @@ import torch
 
 from .answer_spans import answer_char_spans, answer_token_mask
 from .conversations import normalise
-from .jsonl_media import ImageSizing, VideoOptions, image_size, locate, open_image
+from .jsonl_media import ImageSizing, VideoOptions, image_size, locate, media_settings, open_image
 from .jsonl_source import Blend, Records, check_data_path, hold_out
 from .processor import VISION_TOKEN_TEXT, load_processor
 from .sample import BadSample, DataError, build_conversation_sample, fit_to_budget
@@ -155,10 +155,7 @@ def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path
                    hf_processor_path: str | None = None, valid_data_path: str | None = None,
                    test_data_path: str | None = None, valid_fraction: float = 0.0, media_root: str | None = None,
                    allow_remote_media: bool = False, strict_data: bool = False, min_pixels: int | None = None,
-                   max_pixels: int | None = None, video_fps: float | None = None, video_nframes: int | None = None,
-                   video_min_frames: int | None = None, video_max_frames: int | None = None,
-                   video_min_pixels: int | None = None, video_max_pixels: int | None = None,
-                   video_total_pixels: int | None = None, **_unused):
+                   max_pixels: int | None = None, **options):
     """(train, valid, test) ``SkippingDataset``s over the JSONL records; None for a split with no
     records or no samples asked for. ``video_*``: ``VideoSettings`` fields (None: its default);
     a video part's own keys override them."""
@@ -186,10 +183,7 @@ def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path
     if len(sources["train"][0]) == 0:
         raise DataError(f"--data-path {data_path!r}: no records to train on (every line is blank"
                         f"{' or held out' if valid_fraction else ''})")
-    sizing = ImageSizing(processor, info.patch_size, min_pixels, max_pixels)
-    videos = VideoOptions(processor, fps=video_fps, nframes=video_nframes, min_frames=video_min_frames,
-                          max_frames=video_max_frames, min_pixels=video_min_pixels, max_pixels=video_max_pixels,
-                          total_pixels=video_total_pixels)
+    sizing, videos = media_settings(processor, info, min_pixels, max_pixels, options)
     out = []
     for split, n in zip(SPLITS, num_samples):
         rows, source = sources.get(split, (None, None))

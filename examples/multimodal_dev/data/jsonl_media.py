@@ -196,3 +196,11 @@ def processor_video_kwargs(processor) -> dict:
 
 def _short(location: str) -> str:
     return repr(location if len(location) < 200 else location[:60] + "...")
+
+
+def media_settings(processor, info, min_pixels: int | None, max_pixels: int | None,
+                   options: dict) -> tuple[ImageSizing, VideoOptions]:
+    """How a provider sizes images and samples videos: ``options`` are its ``video_*`` keyword
+    arguments (``--video-fps`` arrives as ``video_fps``; None keeps the reference's default)."""
+    video = {name[len("video_"):]: value for name, value in options.items() if name.startswith("video_")}
+    return ImageSizing(processor, info.patch_size, min_pixels, max_pixels), VideoOptions(processor, **video)

@@ -45,7 +45,7 @@ def build_iterator(dataset, consumed_samples: int, micro_batch_size: int, dp_ran
                           worker_init_fn=exit_with_parent if num_workers > 0 else None)
     if plan_fn is not None:
         sampler = TokenBudgetSampler(plan_fn(dataset, cyclic), consumed_samples, dp_rank)
-        return _summing_skips(torch.utils.data.DataLoader(dataset, batch_sampler=sampler, **loader_options), dataset)
+        return summing_skips(torch.utils.data.DataLoader(dataset, batch_sampler=sampler, **loader_options), dataset)
     if len(dataset) < micro_batch_size * dp_size:
         raise ValueError(f"a split of {len(dataset)} samples cannot fill one micro-batch of {micro_batch_size} "
                          f"on each of {dp_size} data-parallel ranks")
@@ -57,9 +57,9 @@ def build_iterator(dataset, consumed_samples: int, micro_batch_size: int, dp_ran
         return iter(torch.utils.data.DataLoader(dataset, batch_sampler=sampler, **loader_options))
 
     if not cyclic:
-        return _summing_skips(one_pass(consumed_samples), dataset)
+        return summing_skips(one_pass(consumed_samples), dataset)
     first = one_pass(consumed_samples % len(dataset))
-    return _summing_skips(itertools.chain(first, itertools.chain.from_iterable(one_pass(0) for _ in itertools.count())),
+    return summing_skips(itertools.chain(first, itertools.chain.from_iterable(one_pass(0) for _ in itertools.count())),
                           dataset)
 
 
@@ -91,7 +91,7 @@ class _CollateWithSkips:
         return batch
 
 
-def _summing_skips(batches, dataset):
+def summing_skips(batches, dataset):
     """``batches`` with each batch's skip counts taken out and summed into the run's total
     (main process); a data error raised in a worker comes out as its own one line."""
     batches = iter(batches)

@@ -28,7 +28,23 @@ def format_counts(counts) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(counts.items()))
 
 
-class SkippingDataset(Dataset):
+class RunSkipTotals:
+    """The run's skip total per reason, summed in the main process from the batches' deltas
+    (``loader.summing_skips``) and logged: shared by every provider that skips."""
+
+    name: str
+    run_skip_counts: Counter
+
+    def add_run_skips(self, delta: dict) -> None:
+        """Add one batch's delta to the run's total and log the total (main process)."""
+        if not delta:
+            return
+        self.run_skip_counts.update(delta)
+        log.warning("%s: %d samples skipped so far in this run (all workers): %s", self.name,
+                    sum(self.run_skip_counts.values()), format_counts(self.run_skip_counts))
+
+
+class SkippingDataset(RunSkipTotals, Dataset):
     def __init__(self, produce, num_source: int, length: int, tokens: VisionTokens, max_length: int,
                  patch_dim: int | None = None, max_consecutive_skips: int = 64, name: str = "dataset",
                  source: str | None = None):
@@ -60,14 +76,6 @@ class SkippingDataset(Dataset):
         delta = self.skip_counts - self._handed_over
         self._handed_over = Counter(self.skip_counts)
         return dict(delta)
-
-    def add_run_skips(self, delta: dict) -> None:
-        """Add one batch's delta to the run's total and log the total (main process)."""
-        if not delta:
-            return
-        self.run_skip_counts.update(delta)
-        log.warning("%s: %d samples skipped so far in this run (all workers): %s", self.name,
-                    sum(self.run_skip_counts.values()), format_counts(self.run_skip_counts))
 
     def _first_usable(self, index: int, produce, count: bool) -> dict:
         attempts = min(self.max_consecutive_skips, self.num_source)
