@@ -30,7 +30,8 @@
 #   PACKED          1 = THD packing (default), 0 = padded BSHD
 #   PACKING         samples: a micro-batch packs MBS conversations [default]; tokens: a micro-batch is
 #                   one row of PACKED_SEQ_LENGTH tokens [SEQ_LEN], rows dealt to DP ranks by FLOPs,
-#                   GBS counts rows, MBS is 1 (examples/multimodal_dev/data/token_budget.py)
+#                   GBS counts rows, MBS is 1 (examples/multimodal_dev/data/token_budget.py; with
+#                   DATASET=energon each rank's loader fills its rows from its own stream)
 #   MOE=1           tiny only: 4 experts (top-2), so EP can be exercised on CPU
 #   MTP=1           also train the multi-token-prediction head (--mtp-num-layers 1)
 #                   [1 when HF_CONFIG has one, so an import's MTP weights are trained and kept; else 0]
@@ -161,7 +162,6 @@ if [[ "$DATASET" == energon ]]; then  # the shards hold the media; validation is
   for var in VALID_DATA_PATH VALID_FRACTION MEDIA_ROOT REMOTE_MEDIA; do
     [[ -z "${!var:-}" || "${!var}" == 0 ]] || fail "$var applies to DATASET=jsonl; an energon dataset carries its media and its val split"
   done
-  [[ "$PACKING" == samples ]] || fail "PACKING=$PACKING: DATASET=energon streams samples (token-budget plans need DATASET=jsonl)"
 fi
 
 ARGS=(

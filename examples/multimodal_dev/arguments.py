@@ -41,7 +41,19 @@ def _add_own_data_args(group):
                        help="pixel budget of a whole video, shared by its frames [qwen-vl-utils' default]")
 
 
-OWN_DATA_OPTIONS = ("eval_data_path", "valid_fraction", "media_root", "allow_remote_media", "strict_data")
+def _add_energon_args(group):
+    # None: energon.py's defaults, stated in the help
+    group.add_argument("--energon-shuffle-buffer-size", type=int, default=None,
+                       help="conversations a loader worker shuffles within [100]")
+    group.add_argument("--energon-max-samples-per-sequence", type=int, default=None,
+                       help="conversations read in a row from one shard before another is opened [100]")
+    group.add_argument("--energon-packing-buffer-size", type=int, default=None,
+                       help="under --packing tokens: conversations a loader worker buffers (decoded) to fill its "
+                            "rows from [64]")
+
+
+OWN_DATA_OPTIONS = ("eval_data_path", "valid_fraction", "media_root", "allow_remote_media", "strict_data",
+                    "energon_shuffle_buffer_size", "energon_max_samples_per_sequence", "energon_packing_buffer_size")
 VIDEO_OPTIONS = ("video_fps", "video_max_frames", "video_min_frames", "video_max_pixels", "video_min_pixels",
                  "video_total_pixels")
 
@@ -63,6 +75,7 @@ def add_multimodal_args(parser):
     group.add_argument("--min-pixels", type=int, default=None, help="smallest image area after resizing")
     group.add_argument("--max-pixels", type=int, default=None, help="largest image area after resizing")
     _add_own_data_args(parser.add_argument_group("your own data (--dataset-provider jsonl)"))
+    _add_energon_args(parser.add_argument_group("Megatron-Energon shards (--dataset-provider energon)"))
     group.add_argument("--use-packed-sequence", dest="use_packed_sequence", action="store_true", default=True,
                        help="THD packing: the micro-batch's samples in one row with cu_seqlens (default)")
     group.add_argument("--no-packed-sequence", dest="use_packed_sequence", action="store_false",

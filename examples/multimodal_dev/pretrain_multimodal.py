@@ -15,8 +15,8 @@ import functools
 from megatron.training import get_args
 
 from examples.multimodal_dev.arguments import OWN_DATA_OPTIONS, VIDEO_OPTIONS, add_multimodal_args
-from examples.multimodal_dev.checkpoint import (finite_guard, optimizer_format, optimizer_switch, plan_state,
-                                               rng_per_rank, safety, save_guard)
+from examples.multimodal_dev.checkpoint import (finite_guard, loader_state, optimizer_format, optimizer_switch,
+                                               plan_state, rng_per_rank, safety, save_guard)
 from examples.multimodal_dev.checkpoint.integrity import check_resumable
 from examples.multimodal_dev.checkpoint.run_shape import check_checkpoint_matches, resolve_shape
 from examples.multimodal_dev.data import get_dataset_provider
@@ -126,12 +126,19 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
                   collate_fn=functools.partial(_collate_for_stage, collate, shape, stage),
                   num_workers=args.num_workers)
     train = dict(common)
-    if budget:
+    streams = hasattr(datasets[0], "build_iterator")  # energon: each rank's loader packs its own rows
+    if budget and streams:
+        for split in datasets:
+            if split is not None:
+                split.pack_rows(budget, pad_multiple)
+    elif budget:
         common["plan_fn"] = plan_factory(shape, budget, args.global_batch_size, dp_size, pad_multiple,
                                          args.packing_window)
         train["plan_fn"] = functools.partial(_resumed_plan, common["plan_fn"], args)
     if datasets[1] is None:
         _no_validation(args)
+    if streams:  # its position comes from the checkpoint
+        _resume_stream(datasets[0], args, dp_rank, dp_size)
     return (build_iterator(datasets[0], args.consumed_train_samples, **train),
             build_iterator(datasets[1], args.consumed_valid_samples, cyclic=True, **common),
             build_iterator(datasets[2], 0, **common))
@@ -159,6 +166,19 @@ def _resumed_plan(plan_fn, args, dataset, cyclic):
         print(f"pretrain_multimodal.py: {line}", flush=True)
     plan_state.track(plan)
     return plan
+
+
+def _resume_stream(split, args, dp_rank: int, dp_size: int) -> None:
+    """The training stream continued from this DP rank's state in the checkpoint
+    (checkpoint/loader_state.py); a restart is said by each DP rank it happens on."""
+    import torch
+
+    settings = split.stream_settings(args.micro_batch_size, dp_rank, dp_size, args.num_workers)
+    line = loader_state.resume(split, args.load, args.iteration, args.consumed_train_samples, settings)
+    says = torch.distributed.get_rank() == 0 or ("restarts" in (line or "") and loader_state.first_of_dp_rank())
+    if line and says and not loader_state.tracked():
+        print(f"pretrain_multimodal.py: {line}", flush=True)
+    loader_state.track(split)
 
 
 def _collate_for_stage(collate, shape, stage, samples):
@@ -216,9 +236,11 @@ def checked_args():
             if args.eval_data_path:
                 check_data_path(args.eval_data_path, "--eval-data-path")
         elif args.dataset_provider == "energon":  # a prepared folder or a metadataset .yaml
-            from examples.multimodal_dev.data.energon import check_energon_path
+            from examples.multimodal_dev.data.energon import check_energon_path, energon_sizes
 
             check_energon_path(data_path_value(args), "--data-path")
+            energon_sizes(args.energon_shuffle_buffer_size, args.energon_max_samples_per_sequence,
+                          args.energon_packing_buffer_size)
         elif args.data_path:
             resolve_source(data_path_value(args), "--data-path")
         language, vision = model_configs()
@@ -273,6 +295,7 @@ def main():
     for line in save_guard.clear_incomplete_saves(args.save):
         print(f"pretrain_multimodal.py: {line}", flush=True)
     plan_state.install()  # under save_guard: a full disk while writing the plan is one line too
+    loader_state.install()  # ... and while writing a stream's position
     save_guard.install()
     finite_guard.install()  # outermost: a save of NaN weights writes nothing at all
     meter = StepFlops()

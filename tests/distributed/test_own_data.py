@@ -4,7 +4,8 @@
   and the third as the validation set, train a tiny model built around the test's processor: the
   loss falls, the skipped line is named and counted by reason, and validation runs.
 - Under token-budget packing at DP=2 with dropout, a stopped and resumed run equals a straight one.
-- The same files converted to Megatron-Energon shards train at DP=2.
+- The same files converted to Megatron-Energon shards train at DP=2, and a stopped and resumed
+  run equals a straight one: the loader's position per DP rank comes back from the checkpoint.
 """
 
 import dataclasses
@@ -83,21 +84,42 @@ def test_own_jsonl_resumes_exactly_under_token_budget_packing(tmp_path):
     assert second.validation == straight.validation
 
 
-def test_energon_shards_from_the_example_files_train_at_dp2(tmp_path):
+def test_energon_shards_train_and_resume_exactly_at_dp2(tmp_path):
     """tools/jsonl_to_energon.py writes the example files as Megatron-Energon shards (media inside,
-    a val split held out); DATASET=energon reads them with energon's loader, a part per DP rank."""
+    a val split held out); DATASET=energon reads them with energon's loader, a part per DP rank, two
+    loader workers each, packing rows of 1024 tokens (PACKING=tokens). 8 iterations straight learn;
+    4, stop, and 4 resumed from the checkpoint's loader states (packing buffers included) give the
+    same losses, grad norms and final checkpoint, bitwise (dropout 0.1)."""
     import subprocess
     import sys
+
+    from checkpoint_diff import entries, state_differences
 
     folder, processor, config = _example_data(tmp_path)
     converted = subprocess.run([sys.executable, "-m", "examples.multimodal_dev.tools.jsonl_to_energon", folder,
                                 str(tmp_path / "shards"), "--valid-fraction", "0.2"],
                                capture_output=True, text=True, cwd=ROOT)
     assert converted.returncode == 0, converted.stderr[-3000:]
-    run = run_script(DATASET="energon", DATA_PATH=tmp_path / "shards", HF_PROCESSOR_PATH=processor, HF_CONFIG=config,
-                     TRAIN_ITERS=12, GBS=4, MBS=2, SEQ_LEN=1024, NPROC=2).check()
-    losses = [run.losses[i] for i in range(1, 13)]
-    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
-    print(f"energon: first-3 mean loss {first:.3f}, last-3 mean {last:.3f}, validation {run.validation}")
+    env = dict(DATASET="energon", DATA_PATH=tmp_path / "shards", HF_PROCESSOR_PATH=processor, HF_CONFIG=config,
+               TRAIN_ITERS=8, GBS=4, SEQ_LEN=1024, PACKING="tokens", NPROC=2)
+    flags = ("--hidden-dropout", "0.1", "--num-workers", "2")
+    straight = run_script(flags, CKPT_SAVE=tmp_path / "straight", **env).check()
+    losses = [straight.losses[i] for i in range(1, 9)]
+    first, last = sum(losses[:2]) / 2, sum(losses[-2:]) / 2
+    print(f"energon: first-2 mean loss {first:.3f}, last-2 mean {last:.3f}, validation {straight.validation}")
     assert last < first - 0.5, losses
-    assert 12 in run.validation
+    assert 8 in straight.validation
+
+    stopped = run_script((*flags, "--exit-interval", "4"), CKPT_RESUME=tmp_path / "resumed", **env).check()
+    states = sorted(os.listdir(tmp_path / "resumed" / "iter_0000004" / "loader_state"))
+    assert states == ["dp00000.json", "dp00001.json"], states
+    resumed = run_script(flags, CKPT_RESUME=tmp_path / "resumed", **env).check()
+    state = tmp_path / "resumed" / "iter_0000004" / "loader_state" / "dp00000.json"
+    assert f"data loader: DP rank 0 continues from {state}" in resumed.output, resumed.output[-3000:]
+    assert "restarts its stream" not in resumed.output, resumed.output[-3000:]  # said by any DP rank
+    assert {**stopped.tokens, **resumed.tokens} == straight.tokens
+    assert {**stopped.losses, **resumed.losses} == straight.losses
+    assert {**stopped.grad_norms, **resumed.grad_norms} == straight.grad_norms
+    differing = state_differences(entries(tmp_path / "straight" / "iter_0000008", tmp_path),
+                                  entries(tmp_path / "resumed" / "iter_0000008", tmp_path))
+    assert not differing, differing

@@ -5,34 +5,17 @@ shares that cover the data; a bad input to the converter is one line and leaves 
 
 import json
 import os
-import shutil
 
 import pytest
 import torch
-from tiny_media import write_example_media
-from tiny_processor import QWEN35_CHAT_TEMPLATE, build_processor
 
 from examples.multimodal_dev.data import energon, get_dataset_provider
 from examples.multimodal_dev.data.jsonl import build_datasets as jsonl_datasets
 from examples.multimodal_dev.data.sample import FIELDS, DataError
 from examples.multimodal_dev.tools import jsonl_to_energon
 
-EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "multimodal_dev", "data", "examples")
 OPTIONS = dict(min_pixels=32 * 32, max_pixels=128 * 128, video_min_pixels=32 * 32, video_max_pixels=64 * 64)
 SEQ = 4096
-
-
-@pytest.fixture(scope="module")
-def example_data(tmp_path_factory):
-    """(folder of the example JSONL files with their media, the converted energon dataset, processor)."""
-    root = tmp_path_factory.mktemp("energon")
-    data = root / "data"
-    shutil.copytree(EXAMPLES, data)
-    write_example_media(str(data))
-    out = root / "shards"
-    counts = jsonl_to_energon.convert(str(data), str(out), shard_size=4, log=lambda line: None)
-    processor = build_processor(str(root / "processor"), chat_template=QWEN35_CHAT_TEMPLATE)
-    return data, out, counts, processor
 
 
 def conversations(path, split="train", rank=0, world=1, encoder=None):

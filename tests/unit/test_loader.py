@@ -29,8 +29,7 @@ def test_building_and_drawing_leave_the_global_generator_alone():
 
 
 _RANK = """
-import sys, time, torch
-sys.path[:0] = {paths!r}
+import time
 from examples.multimodal_dev.data.loader import build_iterator
 from tests.unit.test_loader import _Rows, _collate
 
@@ -44,31 +43,7 @@ next(it)
 """
 
 
-def test_workers_die_with_a_rank_killed_with_sigkill(tmp_path):
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
+def test_workers_die_with_a_rank_killed_with_sigkill():
+    from processes import assert_workers_die_with_rank
 
-    import psutil
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    rank = subprocess.Popen([sys.executable, "-c", _RANK.format(paths=[root, os.path.join(root, "tests")])])
-    workers = []
-    try:
-        deadline = time.time() + 60
-        while time.time() < deadline and len(psutil.Process(rank.pid).children()) < 2:
-            time.sleep(0.2)
-        workers = psutil.Process(rank.pid).children()
-        assert len(workers) >= 2, "the DataLoader workers did not start"
-        os.kill(rank.pid, signal.SIGKILL)
-        rank.wait()
-        gone, alive = psutil.wait_procs(workers, timeout=10)
-        assert not alive, f"workers outlived the killed rank: {[p.pid for p in alive]}"
-    finally:  # nothing of the test outlives it, whatever failed
-        for p in [*workers, *psutil.Process().children(recursive=True)]:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
+    assert_workers_die_with_rank(_RANK)

@@ -16,7 +16,13 @@ map-style dataset but an ``EnergonSplit`` with ``build_iterator(...)``; ``data/l
 ``build_iterator`` hands over to it. Its micro-batches are energon batches of ``--micro-batch-size``
 conversations that the task encoder's ``batch`` turns into the project's collated batch (in the
 loader's workers, as torch's DataLoader runs the collate). The train split repeats (energon's
-shuffle over shards and within a buffer); validation restarts its pass when it ends.
+shuffle over shards and within a buffer); validation restarts its pass when it ends. Under
+``--packing tokens`` a micro-batch is one row that energon's packing stage fills from a buffer of
+conversations (``ConversationEncoder.select_samples_to_pack``).
+
+Resume: the training loader's state goes into each checkpoint per DP rank
+(``checkpoint/loader_state.py``, as JSON: ``energon_state.py``) and comes back through
+``EnergonSplit.restore_state``, so a resumed run reads what the straight run would have read.
 
 Bad samples are skipped (energon's ``SkipSample``) with a warning naming the conversation's
 JSONL origin and shard key; counts reach the run's total through the batches like the map-style
@@ -26,6 +32,7 @@ providers' (``loader.SKIPS_KEY``). ``--strict-data`` stops at the first one.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import logging
 import os
@@ -36,16 +43,20 @@ from megatron.energon import (Cooker, DefaultTaskEncoder, Sample, SkipSample, Wo
 from megatron.energon.edataclass import edataclass
 from megatron.energon.errors import reraise_exception
 
-from .loader import SKIPS_KEY, summing_skips
+from . import energon_state
+from .loader import SKIPS_KEY, exit_with_parent, summing_skips
 from .sample import BadSample, DataError, fit_to_budget, validate_sample
 from .skipping import RunSkipTotals, format_counts
+from .token_budget import first_fit_rows
 
 log = logging.getLogger(__name__)
 
 SPLIT_PARTS = ("train", "val", "test")
 DEFAULT_SHUFFLE_BUFFER = 100
 DEFAULT_MAX_SAMPLES_PER_SEQUENCE = 100
+DEFAULT_PACKING_BUFFER = 64
 PART_KEYS = {"image": "image", "video": "video"}
+RESTORE_KEY = "__restore_key__"  # energon's name for it in a dict sample
 
 
 def check_energon_path(value: str | None, flag: str = "--data-path") -> str:
@@ -98,16 +109,21 @@ def cook_conversation(raw: dict) -> Conversation:
 
 class ConversationEncoder(DefaultTaskEncoder):
     """Conversation -> contract sample (``produce``: a ``JsonlConversations``), a micro-batch's
-    samples -> ``collate_fn(samples)``. Without ``produce`` the cooked conversations pass as they are."""
+    samples -> ``collate_fn(samples)``. Without ``produce`` the cooked conversations pass as they are.
+
+    Token-budget packing (``row_tokens``): energon's packing stage hands a buffer of encoded
+    conversations to ``select_samples_to_pack``, which fills rows of at most ``row_tokens`` tokens
+    first-fit decreasing (lengths padded to ``pad_multiple``); a micro-batch is one such row."""
 
     decoder = None  # members stay bytes: images and videos are decoded as the jsonl provider does
     cookers = (Cooker(cook_conversation),)
 
     def __init__(self, produce=None, tokens=None, seq_length=None, patch_dim=None, collate_fn=None,
-                 name="energon"):
+                 name="energon", row_tokens: int | None = None, pad_multiple: int = 1):
         super().__init__()
         self.produce, self.tokens, self.seq_length, self.patch_dim = produce, tokens, seq_length, patch_dim
         self.collate_fn, self.name = collate_fn, name
+        self.row_tokens, self.pad_multiple = row_tokens, pad_multiple
         self.skip_counts, self._handed_over = Counter(), Counter()
 
     @stateless
@@ -115,24 +131,43 @@ class ConversationEncoder(DefaultTaskEncoder):
         if self.produce is None:
             return sample
         try:
-            return conversation_sample(self.produce, sample, self.tokens, self.seq_length, self.patch_dim)
+            encoded = conversation_sample(self.produce, sample, self.tokens, self.seq_length, self.patch_dim)
         except BadSample as bad:
             self.skip_counts[bad.reason] += 1
             log.warning("%s: skipped a conversation (%s); skipped so far in this process: %s", self.name, bad,
                         format_counts(self.skip_counts))
             raise SkipSample() from None
+        # energon finds a buffered sample again by this key when its loader state is restored
+        return {**encoded, RESTORE_KEY: sample.__restore_key__}
+
+    @stateless
+    def select_samples_to_pack(self, samples):
+        lengths = [-(-s["input_ids"].numel() // self.pad_multiple) * self.pad_multiple for s in samples]
+        return [[samples[i] for i in row] for row in first_fit_rows(lengths, self.row_tokens)]
+
+    @stateless
+    def pack_selected_samples(self, samples):
+        return PackedRow(samples)
 
     @stateless
     def batch(self, samples):
         if self.collate_fn is None:
             return samples
-        batch = self.collate_fn(samples)
+        conversations = [c for s in samples for c in (s.samples if isinstance(s, PackedRow) else [s])]
+        batch = self.collate_fn([{k: v for k, v in c.items() if k != RESTORE_KEY} for c in conversations])
         stats = batch.get("stats") if isinstance(batch, dict) else None
         if isinstance(stats, dict):  # this worker's new skips, summed in the main process (loader.py)
             delta = self.skip_counts - self._handed_over
             self._handed_over = Counter(self.skip_counts)
             stats[SKIPS_KEY] = dict(delta)
         return batch
+
+
+class PackedRow:
+    """The conversations of one token-budget row, as energon's packing stage yields it."""
+
+    def __init__(self, samples: list):
+        self.samples = samples
 
 
 def conversation_sample(produce, conversation, tokens, seq_length: int, patch_dim: int | None) -> dict:
@@ -160,47 +195,115 @@ def worker_config(dp_rank: int, dp_size: int, num_workers: int, seed: int = 0):
 
 def open_dataset(path: str, split: str, config, encoder, batch_size: int | None, training: bool,
                  shuffle_buffer_size: int | None = DEFAULT_SHUFFLE_BUFFER,
-                 max_samples_per_sequence: int | None = DEFAULT_MAX_SAMPLES_PER_SEQUENCE, repeat: bool = True):
-    """energon's dataset over ``split`` of ``path`` for one rank: training shuffles and (``repeat``) loops."""
+                 max_samples_per_sequence: int | None = DEFAULT_MAX_SAMPLES_PER_SEQUENCE, repeat: bool = True,
+                 packing_buffer_size: int | None = None):
+    """energon's dataset over ``split`` of ``path`` for one rank: training shuffles and (``repeat``) loops;
+    ``packing_buffer_size``: rows packed by ``encoder`` from that many conversations at a time."""
     if training:
         return get_train_dataset(path, split_part=split, worker_config=config, batch_size=batch_size,
                                  shuffle_buffer_size=shuffle_buffer_size,
                                  max_samples_per_sequence=max_samples_per_sequence, task_encoder=encoder,
-                                 repeat=repeat)
-    return get_val_dataset(path, split_part=split, worker_config=config, batch_size=batch_size, task_encoder=encoder)
+                                 repeat=repeat, packing_buffer_size=packing_buffer_size)
+    return get_val_dataset(path, split_part=split, worker_config=config, batch_size=batch_size, task_encoder=encoder,
+                           packing_buffer_size=packing_buffer_size)
 
 
 class EnergonSplit(RunSkipTotals):
-    """One split for ``loader.build_iterator``: what it needs to open energon's loader on a rank."""
+    """One split for ``loader.build_iterator``: what it needs to open energon's loader on a rank.
+
+    Resume: ``save_state()`` is this rank's loader state with the settings it was read with
+    (``energon_state``: JSON, no pickle); a run resumed with the same settings hands it to
+    ``restore_state`` before ``build_iterator`` and continues exactly where the saved run stopped.
+    energon cannot move a state to other settings (another DP size or worker count deals the
+    shards differently): ``stream_settings`` says what must match."""
 
     def __init__(self, path: str, split: str, produce, tokens, seq_length: int, patch_dim: int, seed: int,
-                 shuffle_buffer_size: int | None, max_samples_per_sequence: int | None, name: str):
+                 shuffle_buffer_size: int | None, max_samples_per_sequence: int | None, name: str,
+                 packing_buffer_size: int = DEFAULT_PACKING_BUFFER):
         self.path, self.split, self.produce, self.tokens = path, split, produce, tokens
         self.seq_length, self.patch_dim, self.seed, self.name = seq_length, patch_dim, seed, name
         self.shuffle_buffer_size, self.max_samples_per_sequence = shuffle_buffer_size, max_samples_per_sequence
+        self.packing_buffer_size = packing_buffer_size
+        self.row_tokens, self.pad_multiple = None, 1  # pack_rows
         self.run_skip_counts: Counter = Counter()
         self.loader = None  # energon's loader once an iterator is built
+        self._settings, self._restore = None, None
+
+    def pack_rows(self, row_tokens: int, pad_multiple: int) -> None:
+        """Token-budget packing: each micro-batch one row of at most ``row_tokens`` tokens, filled from
+        ``packing_buffer_size`` conversations at a time on this rank (rows are not dealt across ranks
+        by cost, as the map-style plan does: each rank reads its own stream)."""
+        self.row_tokens, self.pad_multiple = row_tokens, pad_multiple
 
     def encoder(self, collate_fn):
-        return ConversationEncoder(self.produce, self.tokens, self.seq_length, self.patch_dim, collate_fn, self.name)
+        return ConversationEncoder(self.produce, self.tokens, self.seq_length, self.patch_dim, collate_fn, self.name,
+                                   self.row_tokens, self.pad_multiple)
+
+    def stream_settings(self, micro_batch_size: int, dp_rank: int, dp_size: int, num_workers: int) -> dict:
+        """Everything that decides which conversations this rank's loader yields, in which order."""
+        return dict(path=os.path.abspath(self.path), split=self.split, seed=self.seed,
+                    shuffle_buffer_size=self.shuffle_buffer_size,
+                    max_samples_per_sequence=self.max_samples_per_sequence, micro_batch_size=micro_batch_size,
+                    dp_rank=dp_rank, dp_size=dp_size, num_workers=num_workers, row_tokens=self.row_tokens,
+                    pad_multiple=self.pad_multiple,
+                    packing_buffer_size=self.packing_buffer_size if self.row_tokens else None)
+
+    def save_state(self) -> dict | None:
+        """This rank's position (JSON-ready), or None before a training iterator exists."""
+        if self.loader is None or self._settings is None:
+            return None
+        try:
+            return {"settings": self._settings, "loader": energon_state.dumps(self.loader.save_state_rank())}
+        except energon_state.StateFormatError as err:
+            log.warning("%s: the loader state is not saved, a run resumed from this checkpoint restarts the stream "
+                        "(%s)", self.name, err)
+            return None
+
+    def restore_state(self, saved: dict) -> None:
+        """Continue from ``saved`` (``save_state``'s, same settings) when the training iterator is built;
+        ``energon_state.StateFormatError`` for a state that does not read back."""
+        self._restore = energon_state.loads(saved["loader"])
 
     def build_iterator(self, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int, collate_fn,
                        num_workers: int = 0, cyclic: bool = False, plan_fn=None):
-        if plan_fn is not None:
-            raise DataError("--packing tokens plans over a map-style dataset; --dataset-provider energon streams its "
-                            "shards: use --packing samples (energon's own packing is not wired here)")
+        if plan_fn is not None:  # pretrain's datasets_provider calls pack_rows for a stream instead
+            raise ValueError("an energon split packs its own rows (EnergonSplit.pack_rows), it takes no plan_fn")
         config = worker_config(dp_rank, dp_size, num_workers, self.seed)
         training = self.split == "train"
         dataset = open_dataset(self.path, self.split, config, self.encoder(collate_fn), micro_batch_size, training,
-                               self.shuffle_buffer_size, self.max_samples_per_sequence)
+                               self.shuffle_buffer_size, self.max_samples_per_sequence,
+                               packing_buffer_size=self.packing_buffer_size if self.row_tokens else None)
         if training:
-            self.loader = get_savable_loader(dataset, worker_config=config)
-            if consumed_samples:
-                log.warning("%s: resuming after %d samples: energon's stream starts again from its beginning "
-                            "(the loader state is not in the checkpoint)", self.name, consumed_samples)
+            self.loader = _as_ranks_need(get_savable_loader(dataset))
+            self._settings = self.stream_settings(micro_batch_size, dp_rank, dp_size, num_workers)
+            if self._restore is not None:
+                self.loader.restore_state_rank(self._restore)
+            elif consumed_samples:
+                log.warning("%s: resuming after %d samples without a loader state: energon's stream starts again "
+                            "from its beginning", self.name, consumed_samples)
             return summing_skips(iter(self.loader), self)
-        self.loader = get_loader(dataset, worker_config=config)
+        self.loader = _as_ranks_need(get_loader(dataset))
         return summing_skips(_passes(self.loader, self.name) if cyclic else iter(self.loader), self)
+
+
+def _as_ranks_need(loader):
+    """energon's loader, whose workers also exit when their rank is killed (``loader.exit_with_parent``)
+    and which draws nothing from torch's global generator: torch's DataLoader draws its workers' base
+    seed from it when an iterator starts (energon seeds its workers itself), and a resumed run builds
+    its iterators after megatron restored that generator, so its dropout would drift from the
+    straight run's (``loader.build_iterator`` gives torch's loaders a generator of their own too)."""
+    import torch
+
+    loader.generator = torch.Generator().manual_seed(0)
+    if loader.num_workers:
+        loader.worker_init_fn = functools.partial(_init_worker, loader.worker_init_fn)
+    return loader
+
+
+def _init_worker(energon_init, worker_id: int) -> None:
+    exit_with_parent()
+    if energon_init is not None:
+        energon_init(worker_id)
 
 
 def _passes(loader, name: str):
@@ -215,19 +318,35 @@ def _passes(loader, name: str):
                             "samples than ranks")
 
 
+def energon_sizes(shuffle_buffer_size: int | None, max_samples_per_sequence: int | None,
+                  packing_buffer_size: int | None) -> tuple[int, int, int]:
+    """The ``--energon-*`` sizes, None replaced by this module's defaults; a ``DataError`` naming the
+    flag for one below 1 (cheap: checked before launch too)."""
+    sizes = []
+    for name, value, default in (("shuffle-buffer-size", shuffle_buffer_size, DEFAULT_SHUFFLE_BUFFER),
+                                 ("max-samples-per-sequence", max_samples_per_sequence,
+                                  DEFAULT_MAX_SAMPLES_PER_SEQUENCE),
+                                 ("packing-buffer-size", packing_buffer_size, DEFAULT_PACKING_BUFFER)):
+        if value is not None and value < 1:
+            raise DataError(f"--energon-{name} {value}: must be a positive integer")
+        sizes.append(default if value is None else value)
+    return tuple(sizes)
+
+
 def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path: str | None = None,
                    hf_processor_path: str | None = None, seed: int = 0, strict_data: bool = False,
                    min_pixels: int | None = None, max_pixels: int | None = None,
-                   energon_shuffle_buffer_size: int | None = DEFAULT_SHUFFLE_BUFFER,
-                   energon_max_samples_per_sequence: int | None = DEFAULT_MAX_SAMPLES_PER_SEQUENCE,
-                   **options):
+                   energon_shuffle_buffer_size: int | None = None, energon_max_samples_per_sequence: int | None = None,
+                   energon_packing_buffer_size: int | None = None, **options):
     """(train, valid, test) ``EnergonSplit``s of ``data_path``'s "train", "val" and "test" split
-    parts; None for a split it does not hold or no samples asked for."""
+    parts; None for a split it does not hold or no samples asked for. The ``energon_*`` sizes
+    (None: this module's defaults) must be positive."""
     from .jsonl import JsonlConversations
     from .jsonl_media import media_settings
     from .processor import load_processor
 
     path = check_energon_path(data_path)
+    sizes = energon_sizes(energon_shuffle_buffer_size, energon_max_samples_per_sequence, energon_packing_buffer_size)
     splits = available_splits(path)
     if "train" not in splits:
         raise DataError(f"--data-path {path!r}: no shard in its train split")
@@ -242,5 +361,5 @@ def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path
         produce = JsonlConversations(None, processor, info, sizing, seq_length, source, strict=strict_data,
                                      videos=videos)
         out.append(EnergonSplit(path, split, produce, info.tokens, seq_length, info.patch_dim, seed,
-                                energon_shuffle_buffer_size, energon_max_samples_per_sequence, f"energon[{split}]"))
+                                *sizes[:2], f"energon[{split}]", packing_buffer_size=sizes[2]))
     return tuple(out)

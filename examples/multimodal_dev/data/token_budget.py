@@ -216,6 +216,24 @@ class TokenBudgetPlan:
                     rank_costs=[sum(i.cost for row in rank_rows for i in row) for rank_rows in ranks])
 
 
+def first_fit_rows(lengths: list[int], budget: int) -> list[list[int]]:
+    """Every index of ``lengths`` in rows of at most ``budget`` tokens, first-fit decreasing (one
+    longer than the budget gets a row to itself). For streams packed from a buffer as they come
+    (``energon.py``), where a fixed number of rows a step cannot be planned ahead."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        needs = min(lengths[i], budget)
+        row = next((r for r in range(len(rows)) if room[r] >= needs), None)
+        if row is None:
+            rows.append([])
+            room.append(budget)
+            row = len(rows) - 1
+        rows[row].append(i)
+        room[row] -= needs
+    return rows
+
+
 def swap_conversations(ranks: list[list[list[Item]]], budget: int, pool: list[Item]) -> None:
     """Lower max / mean of the ranks' costs, in place, by single-conversation swaps that keep
     rows within ``budget``: between a row of the most-loaded rank and a row of one of the

@@ -1,0 +1,123 @@
+"""A streaming loader's position in checkpoints (``--dataset-provider energon``): a resumed run
+continues each data-parallel rank's stream where the checkpoint left it.
+
+A map-style provider needs nothing here: megatron's sampler restarts at ``consumed_samples``. A
+stream (energon's loader, which shuffles within a buffer and deals shards to ranks and workers)
+can only be continued from its own state, which differs per data-parallel rank:
+
+    iter_XXXXXXX/loader_state/dp00001.json    DP rank 1's state, with the settings it was read
+                                              with and the SHA-256 of both
+
+Written once the save returns by the first tensor / context / pipeline rank of each DP rank
+(the others of a DP rank read the same stream). JSON with a checksum, like the token-budget plan
+(``plan_state.py``): an edited or damaged file, a missing one (a run killed between megatron's
+save and this write), or other settings (another DP size, worker count, micro-batch size or
+dataset) restart the stream from its beginning with a line saying why, instead of failing the
+resume; every other part of the checkpoint still resumes exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+from .files import iteration_dir, write_text_atomic
+
+STATE_DIR = "loader_state"
+
+_streams: dict = {}  # "train": the split behind this process's training iterator
+
+
+def tracked() -> bool:
+    return "train" in _streams
+
+
+def track(split) -> None:
+    """The training split; with virtual pipeline stages each stage has its own, all drawn alike."""
+    _streams.setdefault("train", split)
+
+
+def state_path(checkpoint_dir: str, dp_rank: int) -> str:
+    return os.path.join(checkpoint_dir, STATE_DIR, f"dp{dp_rank:05d}.json")
+
+
+def _digest(state: dict) -> str:
+    return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
+
+
+def write_state(checkpoint_dir: str, dp_rank: int, state: dict) -> bool:
+    """False when the checkpoint directory is not (yet) a local directory (an asynchronous save
+    still writing): that checkpoint then restarts the stream."""
+    if not os.path.isdir(checkpoint_dir):
+        return False
+    os.makedirs(os.path.join(checkpoint_dir, STATE_DIR), exist_ok=True)
+    write_text_atomic(state_path(checkpoint_dir, dp_rank), json.dumps({**state, "sha256": _digest(state)}))
+    return True
+
+
+def read_state(checkpoint_dir: str, dp_rank: int) -> dict | None:
+    """The stored state, or None without the file; ValueError when its content is not what was written."""
+    path = state_path(checkpoint_dir, dp_rank)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        state = json.load(f)
+    if not isinstance(state, dict) or state.pop("sha256", None) != _digest(state):
+        raise ValueError("its content does not match the checksum written with it (edited or damaged)")
+    return state
+
+
+def resume(split, load_dir: str | None, iteration: int, consumed_samples: int, settings: dict) -> str | None:
+    """Hand ``split`` its saved state when the checkpoint holds one for these ``settings``; one
+    line saying how the stream continues (None for a run that starts at step 0)."""
+    if not consumed_samples or not load_dir:
+        return None
+    checkpoint_dir = iteration_dir(load_dir, iteration)
+    path = state_path(checkpoint_dir, settings["dp_rank"])
+    try:
+        state = read_state(checkpoint_dir, settings["dp_rank"])
+        if state is None:
+            why = f"{path} does not exist"
+        elif state.get("settings") != settings:
+            old = state.get("settings") or {}
+            changed = ", ".join(f"{k} {old.get(k)!r} -> {v!r}" for k, v in settings.items() if old.get(k) != v)
+            why = f"it was saved with other settings ({changed})"
+        else:
+            split.restore_state(state)
+            return f"data loader: DP rank {settings['dp_rank']} continues from {path}"
+    except (ValueError, KeyError, TypeError, AttributeError) as err:  # a damaged file: restarting is still safe
+        why = f"{path} is not a loader state: {type(err).__name__}: {err}"
+    return f"data loader: DP rank {settings['dp_rank']} restarts its stream from the beginning ({why})"
+
+
+def first_of_dp_rank() -> bool:
+    """The process that writes (and speaks for) its DP rank's stream."""
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+            and ps.get_pipeline_model_parallel_rank() == 0)
+
+
+def with_loader_state(save_checkpoint, get_args):
+    """megatron.training's ``save_checkpoint``, followed by this DP rank's loader state."""
+    from megatron.core import parallel_state
+
+    def save(iteration, *args, **kwargs):
+        result = save_checkpoint(iteration, *args, **kwargs)
+        run = get_args()
+        split = _streams.get("train")
+        if split is not None and run.save and first_of_dp_rank():
+            state = split.save_state()
+            if state is not None:
+                write_state(iteration_dir(run.save, iteration), parallel_state.get_data_parallel_rank(), state)
+        return result
+
+    return save
+
+
+def install() -> None:
+    from megatron.training import get_args
+    from megatron.training import training as mt
+
+    mt.save_checkpoint = with_loader_state(mt.save_checkpoint, get_args)

@@ -1,0 +1,35 @@
+"""A rank killed with SIGKILL must take its data-loader workers with it (``loader.exit_with_parent``)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def assert_workers_die_with_rank(script: str, workers: int = 2) -> None:
+    """Run ``script`` (with the repository and tests/ importable) as a rank, wait until it has
+    ``workers`` children, SIGKILL it, and check that none of them outlives it by 10 s."""
+    import psutil
+
+    code = f"import sys\nsys.path[:0] = {[ROOT, os.path.join(ROOT, 'tests')]!r}\n{script}"
+    rank = subprocess.Popen([sys.executable, "-c", code])
+    children = []
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and len(psutil.Process(rank.pid).children()) < workers:
+            time.sleep(0.2)
+        children = psutil.Process(rank.pid).children()
+        assert len(children) >= workers, "the DataLoader workers did not start"
+        os.kill(rank.pid, signal.SIGKILL)
+        rank.wait()
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, f"workers outlived the killed rank: {[p.pid for p in alive]}"
+    finally:  # nothing of the test outlives it, whatever failed
+        for p in [*children, *psutil.Process().children(recursive=True)]:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
