@@ -86,6 +86,26 @@ def test_cu_seqlens_and_pad_values(multiple):
     assert torch.equal(batch["pixel_values"], torch.cat([s["pixel_values"] for s in samples]))
 
 
+@pytest.mark.parametrize("kind", ["image", "video"])
+@pytest.mark.parametrize("change", ["fewer", "more"])
+def test_grids_that_do_not_match_the_placeholder_runs_are_refused(kind, change):
+    """One grid too few or too many for the micro-batch's placeholder runs is one line naming the
+    field, never a silent shift of pixels onto other placeholders."""
+    samples = _samples(4, videos=True)
+    field = "image_grid_thw" if kind == "image" else "video_grid_thw"
+    i = next(j for j, s in enumerate(samples) if s[field].shape[0])
+    grids = samples[i][field]
+    extra = grids[:1].clone()
+    if kind == "video":
+        extra[:, 0] = 1  # one more frame
+    samples[i] = dict(samples[i], **{field: grids[1:] if change == "fewer" and kind == "image" else
+                                     torch.cat([grids[:, :1] - 1, grids[:, 1:]], 1) if change == "fewer" else
+                                     torch.cat([grids, extra])})
+    named = "image_grid_thw" if kind == "image" else "video frames in video_grid_thw"
+    with pytest.raises(ValueError, match=f"{kind}s: the micro-batch ha.* placeholder runs but {named} lists"):
+        pack_thd(samples, TOKENS, 1)
+
+
 def test_packed_positions_equal_padded_and_hf():
     samples = _samples(6)
     assert any(s["image_grid_thw"].shape[0] == 2 for s in samples), "want samples with two images"

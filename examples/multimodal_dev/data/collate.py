@@ -54,7 +54,14 @@ def _vision_inputs(samples, tokens_1T: torch.Tensor, tokens: VisionTokens):
     none = torch.zeros(0, 3, dtype=torch.long)
     images = fields["image_grid_thw"] if fields["image_grid_thw"] is not None else none
     frames = split_video_frames(fields["video_grid_thw"]) if fields["video_grid_thw"] is not None else none
-    runs, _, _ = run_grids(tokens_1T, images, frames, tokens.image, tokens.video, where="the micro-batch")
+    runs, n_img, n_vid = run_grids(tokens_1T, images, frames, tokens.image, tokens.video, where="the micro-batch")
+    # run_grids refuses too few grids; a grid left over would shift every later image's pixels
+    # onto the wrong placeholders of a later micro-batch's model call, so refuse too many too
+    for what, used, listed, field in (("images", n_img, len(images), "image_grid_thw"),
+                                      ("videos", n_vid, len(frames), "video frames in video_grid_thw")):
+        if listed > used:
+            raise ValueError(f"{what}: the micro-batch has {used} placeholder runs but {field} lists {listed}; "
+                             "the processor's token expansion and the grids disagree")
     return fields, runs
 
 
