@@ -139,3 +139,26 @@ def test_energon_path_refusals(tmp_path):
         energon.check_energon_path(str(tmp_path))
     with pytest.raises(DataError, match="no such file"):
         energon.check_energon_path(str(tmp_path / "nope"))
+
+
+def test_a_metadataset_blends_datasets_by_weight(example_data, tmp_path):
+    """An energon metadataset YAML (``DATA_PATH=blend.yaml``) blending two converted files 3:1: the
+    training stream draws from both at about that ratio (energon samples by weight)."""
+    data, _, _, _ = example_data
+    for name in ("messages", "sharegpt"):
+        jsonl_to_energon.convert(str(data / f"{name}.jsonl"), str(tmp_path / name), log=lambda line: None)
+    blend = tmp_path / "blend.yaml"
+    blend.write_text("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
+                     "      - weight: 3\n        path: messages\n      - weight: 1\n        path: sharegpt\n")
+    assert energon.check_energon_path(str(blend)) == str(blend)
+    assert energon.available_splits(str(blend)) == {"train"}
+    split = energon.EnergonSplit(str(blend), "train", None, None, SEQ, 1, 0, energon.DEFAULT_SHUFFLE_BUFFER,
+                                 energon.DEFAULT_MAX_SAMPLES_PER_SEQUENCE, "energon[train]")
+    from examples.multimodal_dev.data.loader import build_iterator
+
+    batches = build_iterator(split, 0, 4, 0, 1, None)
+    drawn = [json.loads(c.text)["source"] for _ in range(100) for c in next(batches)]
+    share = sum("messages.jsonl" in s for s in drawn) / len(drawn)
+    print(f"metadataset 3:1 blend: {share:.3f} of 400 conversations from the weight-3 dataset")
+    assert {"messages.jsonl", "sharegpt.jsonl"} == {os.path.basename(s.rsplit(":", 1)[0]) for s in drawn}
+    assert 0.68 < share < 0.82, share
