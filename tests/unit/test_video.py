@@ -288,3 +288,24 @@ def test_validate_sample_takes_a_video_with_or_without_its_enclosing_pair(jsonl_
     assert n_starts == 3  # the image's and the two frames' (now text runs): 2 more than one image allows
     with pytest.raises(ValueError, match="has 3 vision_start tokens for 1 images and 0 video frames: expected 1$"):
         validate_sample(image_only, t)
+
+
+class _Decoding(torch.utils.data.Dataset):
+    def __init__(self, path):
+        self.path = path
+
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, i):
+        return load_video(self.path, VideoSettings())[0].shape[0]
+
+
+def test_a_loader_worker_decodes_after_its_parent_did(tmp_path):
+    """PyAV keeps its frame scaler; one with a slice-thread pool, made when the parent process
+    decoded (a run with --num-workers 0 for one split, a benchmark), left a forked DataLoader
+    worker waiting forever on threads it never had. Decoding uses one scaler thread."""
+    path = write_video(str(tmp_path / "clip.mp4"), 24, 640, 360, fps=24)
+    assert load_video(path, VideoSettings())[0].shape[0] > 0
+    loader = torch.utils.data.DataLoader(_Decoding(path), batch_size=1, num_workers=1, timeout=20)
+    assert next(iter(loader)).item() > 0  # a RuntimeError "timed out" before the fix

@@ -245,7 +245,9 @@ def load_video(path, settings: VideoSettings):
             decoded = index + 1
             if index < wanted[len(frames)]:  # indices rise strictly: n <= total frames
                 continue
-            rgb_CHW = torch.from_numpy(frame.to_ndarray(format="rgb24")).permute(2, 0, 1)
+            # one swscale thread: PyAV keeps its scaler, and a scaler with a slice-thread pool made
+            # before a DataLoader forks leaves the worker waiting forever on threads it never had
+            rgb_CHW = torch.from_numpy(frame.to_ndarray(format="rgb24", threads=1)).permute(2, 0, 1)
             if tuple(rgb_CHW.shape[1:]) != (meta.height, meta.width):
                 raise BadSample("bad_video", f"{name}: frame {index} is {rgb_CHW.shape[2]}x{rgb_CHW.shape[1]}, "
                                 f"the stream {meta.width}x{meta.height}")
