@@ -1,55 +1,11 @@
-"""Tiny video files written with PyAV for tests (no downloads, no system FFmpeg).
-
-Every frame differs from its neighbours (a red level rising with the frame index and a bright
-column moving across), so a frame sampled at the wrong index changes the pixels."""
+"""Tiny media for tests (no downloads, no system FFmpeg): the video writer is the benchmarks'
+(``benchmarks/media_mix.py``); here, decoding every frame as a reference, and the README examples' media."""
 
 from __future__ import annotations
 
 import numpy as np
 
-# extension -> (container format, encoders in order of preference, pixel format)
-FORMATS = {
-    "mp4": ("mp4", ("libx264", "mpeg4"), "yuv420p"),
-    "webm": ("webm", ("libvpx", "libvpx-vp9"), "yuv420p"),
-    "mkv": ("matroska", ("libx264", "mpeg4"), "yuv420p"),
-    "gif": ("gif", ("gif",), "rgb8"),
-}
-
-
-def frame_rgb(index: int, n_frames: int, width: int, height: int) -> np.ndarray:
-    rgb = np.zeros((height, width, 3), np.uint8)
-    rgb[..., 0] = 40 + index * 200 // max(n_frames - 1, 1)
-    rgb[..., 1] = (np.arange(height) * 255 // height)[:, None]
-    rgb[..., 2] = (np.arange(width) * 255 // width)[None, :]
-    rgb[:, (index * 5) % width] = 255
-    return rgb
-
-
-def _encoder(names) -> str:
-    import av
-
-    for name in names:
-        try:
-            av.codec.Codec(name, "w")
-            return name
-        except Exception:  # this FFmpeg build lacks the encoder
-            continue
-    raise RuntimeError(f"none of the encoders {names} is available in PyAV's FFmpeg")
-
-
-def write_video(path: str, n_frames: int, width: int, height: int, fps: int = 10, codec: str | None = None) -> str:
-    """A video at ``path`` whose container follows the extension (mp4, webm, mkv, gif)."""
-    import av
-
-    fmt, encoders, pix_fmt = FORMATS[str(path).rsplit(".", 1)[-1]]
-    with av.open(str(path), "w", format=fmt) as container:
-        stream = container.add_stream(codec or _encoder(encoders), rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, pix_fmt
-        for i in range(n_frames):
-            frame = av.VideoFrame.from_ndarray(frame_rgb(i, n_frames, width, height), format="rgb24")
-            container.mux(stream.encode(frame))
-        container.mux(stream.encode())  # flush the encoder's delayed frames
-    return str(path)
+from examples.multimodal_dev.benchmarks.media_mix import write_video  # noqa: F401  (the tests import it from here)
 
 
 def decode_all_tchw(path: str):

@@ -1,6 +1,7 @@
 """The benchmark tools at toy sizes: every contender must compute the same thing before its time
 means anything (same outputs, gradients and losses), and each tool must run end to end."""
 
+import pytest
 import torch
 
 from examples.multimodal_dev.benchmarks import (
@@ -71,6 +72,18 @@ def test_bench_loader_runs_the_engine_pipeline_with_workers(mcore, capsys):
     assert [r["workers"] for r in rows] == [0, 1]
     assert all(r["loader_per_s"] > 0 and r["step_per_s"] > 0 for r in rows)
     assert "| workers | pipeline (conversations/s)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dataset", ["jsonl", "energon"])
+def test_bench_loader_reads_a_written_mix_of_images_and_videos(mcore, capsys, tmp_path, dataset):
+    from tiny_processor import QWEN35_CHAT_TEMPLATE, build_processor
+
+    processor = build_processor(str(tmp_path / "processor"), chat_template=QWEN35_CHAT_TEMPLATE)
+    rows = bench_loader.main(["--dataset", dataset, "--hf-processor-path", processor, "--mix-conversations", "12",
+                              "--micro-batches", "1", "--workers", "0", "--budget", "4096", "--seq-length", "4096",
+                              "--micro-batch", "1"])
+    assert [r["workers"] for r in rows] == [0] and rows[0]["loader_per_s"] > 0 and rows[0]["step_per_s"] > 0
+    assert f"{dataset}, tiny, packing tokens" in capsys.readouterr().out
 
 
 def test_bench_balance_summary_skips_start_up_and_reads_the_metrics():

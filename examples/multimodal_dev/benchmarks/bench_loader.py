@@ -2,6 +2,12 @@
 
     python -m examples.multimodal_dev.benchmarks.bench_loader [--dataset mock_mix] [--workers 0 1 2]
     python -m examples.multimodal_dev.benchmarks.bench_loader --dataset cord_v2 --data-path DIR --hf-processor-path P
+    python -m examples.multimodal_dev.benchmarks.bench_loader --dataset jsonl|energon --hf-processor-path P
+                                                              [--data-path FILE_OR_SHARDS]
+
+``jsonl`` and ``energon`` without ``--data-path`` read a mix written on the spot
+(``media_mix.write_mix``: photo-sized JPEGs and 4 s mp4 clips, ``--mix-conversations`` of them;
+for energon, converted to shards with ``tools/jsonl_to_energon.py``).
 
 The pipeline is the engine's own (``data/loader.build_iterator``: the provider, the sampler or
 token-budget plan, the collate, ``--num-workers`` DataLoader workers with persistent workers).
@@ -18,6 +24,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -29,12 +36,14 @@ from examples.multimodal_dev.data.sample import VisionTokens
 from examples.multimodal_dev.data.token_budget import plan_factory
 from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
 
+PROCESSED = ("cord_v2", "jsonl", "energon")  # read through the model's HF processor
+
 
 def pipeline(args):
     """(shape, iterator factory ``workers -> iterator``) for the chosen dataset and packing."""
     shape = get_variant(args.variant, mtp=False)
     tokens = VisionTokens.from_shape(shape)
-    if args.dataset == "cord_v2":
+    if args.dataset in PROCESSED:
         from examples.multimodal_dev.data.processor import load_processor
 
         _, info = load_processor(args.hf_processor_path, args.min_pixels, args.max_pixels)
@@ -50,9 +59,25 @@ def pipeline(args):
     plan_fn, mbs, budget = None, args.micro_batch, None
     if args.packing == "tokens":
         mbs, budget = 1, args.budget
-        plan_fn = plan_factory(shape, budget, args.micro_batch, 1)
+        if hasattr(dataset, "pack_rows"):  # a stream (energon): each loader fills its own rows
+            dataset.pack_rows(budget, 1)
+        else:
+            plan_fn = plan_factory(shape, budget, args.micro_batch, 1)
     collate = Collator(tokens, row_length=budget)
     return shape, lambda workers: build_iterator(dataset, 0, mbs, 0, 1, collate, num_workers=workers, plan_fn=plan_fn)
+
+
+def written_mix(args, folder: str) -> str:
+    """``--data-path`` for ``args.dataset`` when none was given: the mix, as JSONL or energon shards."""
+    from examples.multimodal_dev.benchmarks.media_mix import write_mix
+
+    path = write_mix(folder, args.mix_conversations)
+    if args.dataset == "jsonl":
+        return path
+    from examples.multimodal_dev.tools.jsonl_to_energon import convert
+
+    convert(path, os.path.join(folder, "shards"), log=lambda line: None)
+    return os.path.join(folder, "shards")
 
 
 def loader_rate(make_iterator, workers: int, micro_batches: int) -> tuple[float, list[dict]]:
@@ -91,7 +116,7 @@ def consumption_rate(shape, batches: list[dict]) -> float:
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dataset", default="mock_mix", choices=("mock", "mock_mix", "cord_v2"))
+    parser.add_argument("--dataset", default="mock_mix", choices=("mock", "mock_mix", *PROCESSED))
     parser.add_argument("--data-path", default=None)
     parser.add_argument("--hf-processor-path", default=None)
     parser.add_argument("--min-pixels", type=int, default=None)
@@ -104,6 +129,8 @@ def main(argv=None) -> list[dict]:
                         help="conversations per micro-batch (samples), rows planned per step (tokens)")
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--mix-conversations", type=int, default=96,
+                        help="jsonl / energon without --data-path: conversations in the mix written")
     args = parser.parse_args(argv)
     for flag in ("seq_length", "budget", "micro_batch", "micro_batches"):
         if getattr(args, flag) < 1:
@@ -112,7 +139,15 @@ def main(argv=None) -> list[dict]:
         parser.error(f"--workers {args.workers}: counts must be >= 0")
     if args.dataset == "cord_v2" and not (args.data_path and args.hf_processor_path):
         parser.error("--dataset cord_v2 needs --data-path and --hf-processor-path")
+    if args.dataset in PROCESSED and not args.hf_processor_path:
+        parser.error(f"--dataset {args.dataset} needs --hf-processor-path (the model's processor)")
+    with tempfile.TemporaryDirectory(prefix="bench_loader_") as folder:
+        if args.dataset in ("jsonl", "energon") and not args.data_path:
+            args.data_path = written_mix(args, folder)
+        return measure(args)
 
+
+def measure(args) -> list[dict]:
     shape, make_iterator = pipeline(args)
     rates, batches = {}, None
     for workers in args.workers:  # before the model exists: workers fork a small process
