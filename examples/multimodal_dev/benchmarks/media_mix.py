@@ -97,3 +97,24 @@ def write_mix(folder: str, conversations: int = 48, seed: int = 0) -> str:
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     return path
+
+
+def main(argv=None) -> int:
+    """``python -m examples.multimodal_dev.benchmarks.media_mix OUT_DIR [--conversations N]``: the
+    benchmark's mix as a dataset to try ``DATASET=jsonl`` (or ``tools/jsonl_to_energon.py``) on."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="write the loader benchmark's image and video conversation mix")
+    parser.add_argument("out_dir")
+    parser.add_argument("--conversations", type=int, default=48)
+    args = parser.parse_args(argv)
+    if args.conversations < 1:
+        parser.error(f"--conversations {args.conversations} must be a positive integer")
+    if os.path.exists(args.out_dir) and os.listdir(args.out_dir):
+        parser.error(f"{args.out_dir} exists and is not empty; give a new folder")
+    print(write_mix(args.out_dir, args.conversations))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
