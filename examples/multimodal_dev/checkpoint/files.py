@@ -13,6 +13,8 @@ that dies midway leaves what was there before intact.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 
@@ -59,6 +61,27 @@ def write_text_atomic(path: str, text: str) -> None:
     with open(path + ".tmp", "w") as f:
         f.write(text)
     os.replace(path + ".tmp", path)
+
+
+def write_checked_json(path: str, state: dict) -> None:
+    """``state`` as JSON with the SHA-256 of its content (``read_checked_json``), written atomically."""
+    write_text_atomic(path, json.dumps({**state, "sha256": _digest(state)}))
+
+
+def read_checked_json(path: str) -> dict | None:
+    """What ``write_checked_json`` wrote, or None without the file; ValueError when the content is not
+    what was written (edited by hand or damaged on disk)."""
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        state = json.load(f)
+    if not isinstance(state, dict) or state.pop("sha256", None) != _digest(state):
+        raise ValueError("its content does not match the checksum written with it (edited or damaged)")
+    return state
+
+
+def _digest(state: dict) -> str:
+    return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
 
 
 def latest_iteration(root: str) -> int | None:

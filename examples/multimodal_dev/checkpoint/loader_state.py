@@ -18,11 +18,9 @@ resume; every other part of the checkpoint still resumes exactly.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 
-from .files import iteration_dir, write_text_atomic
+from .files import iteration_dir, read_checked_json, write_checked_json
 
 STATE_DIR = "loader_state"
 
@@ -42,30 +40,19 @@ def state_path(checkpoint_dir: str, dp_rank: int) -> str:
     return os.path.join(checkpoint_dir, STATE_DIR, f"dp{dp_rank:05d}.json")
 
 
-def _digest(state: dict) -> str:
-    return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
-
-
 def write_state(checkpoint_dir: str, dp_rank: int, state: dict) -> bool:
     """False when the checkpoint directory is not (yet) a local directory (an asynchronous save
     still writing): that checkpoint then restarts the stream."""
     if not os.path.isdir(checkpoint_dir):
         return False
     os.makedirs(os.path.join(checkpoint_dir, STATE_DIR), exist_ok=True)
-    write_text_atomic(state_path(checkpoint_dir, dp_rank), json.dumps({**state, "sha256": _digest(state)}))
+    write_checked_json(state_path(checkpoint_dir, dp_rank), state)
     return True
 
 
 def read_state(checkpoint_dir: str, dp_rank: int) -> dict | None:
     """The stored state, or None without the file; ValueError when its content is not what was written."""
-    path = state_path(checkpoint_dir, dp_rank)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        state = json.load(f)
-    if not isinstance(state, dict) or state.pop("sha256", None) != _digest(state):
-        raise ValueError("its content does not match the checksum written with it (edited or damaged)")
-    return state
+    return read_checked_json(state_path(checkpoint_dir, dp_rank))
 
 
 def resume(split, load_dir: str | None, iteration: int, consumed_samples: int, settings: dict) -> str | None:

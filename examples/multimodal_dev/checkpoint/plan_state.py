@@ -17,11 +17,9 @@ settings or data differ from the resumed run's, is resumed by replaying: slower,
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 
-from .files import iteration_dir, write_text_atomic
+from .files import iteration_dir, read_checked_json, write_checked_json
 
 PLAN_FILE = "token_budget_plan.json"
 
@@ -44,24 +42,13 @@ def write_state(checkpoint_dir: str, plan, consumed_rows: int) -> bool:
     state = plan.state(consumed_rows // plan.rows_per_step)
     if state is None or not os.path.isdir(checkpoint_dir):
         return False
-    write_text_atomic(os.path.join(checkpoint_dir, PLAN_FILE), json.dumps({**state, "sha256": _digest(state)}))
+    write_checked_json(os.path.join(checkpoint_dir, PLAN_FILE), state)
     return True
-
-
-def _digest(state: dict) -> str:
-    return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
 
 
 def read_state(checkpoint_dir: str) -> dict | None:
     """The stored state, or None without the file; ValueError when its content is not what was written."""
-    path = os.path.join(checkpoint_dir, PLAN_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        state = json.load(f)
-    if not isinstance(state, dict) or state.pop("sha256", None) != _digest(state):
-        raise ValueError("its content does not match the checksum written with it (edited or damaged)")
-    return state
+    return read_checked_json(os.path.join(checkpoint_dir, PLAN_FILE))
 
 
 def resume(plan, load_dir: str | None, iteration: int, consumed_rows: int) -> str | None:
