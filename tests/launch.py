@@ -40,10 +40,10 @@ NO_EVAL = ("--eval-iters", "0")
 
 
 def run_script(extra_args=(), timeout: int = 600, **env) -> Run:
-    """``bash run_qwen35_vl.sh extra_args`` with ``env``; a fault-injection variable of
-    ``tests/hooks/sitecustomize.py`` puts that folder on PYTHONPATH."""
+    """``bash run_qwen35_vl.sh extra_args`` with ``env``; a variable of ``tests/hooks/sitecustomize.py``
+    (fault injection, FLA's kernels) puts that folder on PYTHONPATH."""
     full_env = {**os.environ, **{k: str(v) for k, v in env.items()}}
-    if {"KILL_DURING_SAVE_AT", "RECORD_PIPELINE", "FULL_DISK_AT"} & set(env):
+    if {"KILL_DURING_SAVE_AT", "RECORD_PIPELINE", "FULL_DISK_AT", "MEGATRON_CPU_FLA"} & set(env):
         full_env["PYTHONPATH"] = HOOKS + os.pathsep + full_env.get("PYTHONPATH", "")
     with tempfile.TemporaryDirectory(prefix="run_metrics_") as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")

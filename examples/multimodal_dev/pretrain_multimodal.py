@@ -11,6 +11,7 @@ makes megatron's CUDA assumptions hold there (gloo, CPU tensors, torch GatedDelt
 from __future__ import annotations
 
 import functools
+import os
 
 from megatron.training import get_args
 
@@ -274,8 +275,14 @@ def main():
     import megatron.cpu
     from megatron.cpu import distrib_optimizer_fixes
 
-    if megatron.cpu.activate():
+    try:
+        on_cpu = megatron.cpu.activate()
+    except RuntimeError as err:  # MEGATRON_CPU_FLA=1 where FLA's kernels cannot run
+        raise SystemExit(f"pretrain_multimodal.py: {err}") from None
+    if on_cpu:
         megatron.cpu.tune_host()
+        if os.environ.get("RANK", "0") == "0":  # torchrun's rank: args are not parsed yet
+            print(f"pretrain_multimodal.py: {megatron.cpu.gdn_kernels_line()}", flush=True)
     elif not megatron.cpu.fla_available():
         print("pretrain_multimodal.py: flash-linear-attention does not import; Gated DeltaNet runs on the torch "
               "kernels of megatron.cpu (correct, slower; INSTALL_GPU_EXTRAS=1 installs FLA)", flush=True)

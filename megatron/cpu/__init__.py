@@ -1,18 +1,29 @@
 """The device layer that lets megatron.training and megatron-core run on a host without a GPU.
 
 ``activate()`` makes megatron's CUDA assumptions hold on the CPU (``device_compat``), binds
-the torch GatedDeltaNet kernels (``gdn_kernels``) where megatron-core looks for FLA's when FLA
-cannot be imported, and fixes what megatron.training's distributed optimizer needs without
-Apex / Transformer Engine (``training_compat``). On a CUDA host it does nothing.
+the torch GatedDeltaNet kernels (``gdn_kernels``) where megatron-core looks for FLA's, and
+fixes what megatron.training's distributed optimizer needs without Apex / Transformer Engine
+(``training_compat``). On a CUDA host it does nothing.
 ``tune_host()`` is separate: process-wide allocator / floating-point settings the CPU entry
 path asks for explicitly (``host_tuning``).
+
+GatedDeltaNet's kernels on a CPU host: the torch kernels, even where flash-linear-attention (FLA)
+imports, since FLA's Triton kernels find no GPU driver at their first call. ``MEGATRON_CPU_FLA=1``
+together with ``TRITON_INTERPRET=1`` keeps FLA's instead, run by Triton's interpreter (seconds a
+call): how tests/fla_cpu checks FLA against the torch kernels on a CPU host. The interpreter needs
+two changes to run FLA (tests/fla_cpu/triton_interpreter.py, which the tests install); it is a
+check of FLA, not a way to train. ``gdn_kernels_line()`` names the choice.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
+FLA_SWITCH = "MEGATRON_CPU_FLA"
 _active = False
+_fla_kept = False  # activate() kept FLA's kernels (MEGATRON_CPU_FLA=1)
 
 
 def fla_available() -> bool:
@@ -37,20 +48,45 @@ def register_torch_gdn_kernels() -> None:
     common.HAVE_FLA = True
 
 
+def keep_fla_on_cpu() -> bool:
+    """True when ``MEGATRON_CPU_FLA=1`` asks for FLA's kernels and they can run here; a request
+    they cannot meet is refused in one line naming what is missing."""
+    if os.environ.get(FLA_SWITCH, "0") in ("", "0"):
+        return False
+    if os.environ.get(FLA_SWITCH) != "1":
+        raise RuntimeError(f"{FLA_SWITCH}={os.environ[FLA_SWITCH]!r}: expected 1 (FLA's kernels) "
+                           "or 0 (the torch kernels)")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"{FLA_SWITCH}=1 needs TRITON_INTERPRET=1 on a host without CUDA: "
+                           "FLA's Triton kernels run there only under Triton's interpreter")
+    if not fla_available():
+        raise RuntimeError(f"{FLA_SWITCH}=1 but flash-linear-attention does not import (fla.ops.gated_delta_rule)")
+    return True
+
+
 def activate() -> bool:
     """Make megatron usable on this host. Returns True when running on CPU."""
-    global _active
+    global _active, _fla_kept
     if torch.cuda.is_available():
         return False
     if not _active:
         from . import device_compat, training_compat
 
+        _fla_kept = keep_fla_on_cpu()  # first: a refused request leaves the process as it was
         device_compat.install()
         training_compat.install()
-        if not fla_available():
+        if not _fla_kept:
             register_torch_gdn_kernels()
         _active = True
     return True
+
+
+def gdn_kernels_line() -> str:
+    """One line naming the GatedDeltaNet kernels ``activate()`` chose on this CPU host."""
+    if _fla_kept:
+        return f"Gated DeltaNet runs on flash-linear-attention's kernels under Triton's interpreter ({FLA_SWITCH}=1)"
+    return (f"Gated DeltaNet runs on the torch kernels of megatron.cpu (no CUDA; {FLA_SWITCH}=1 "
+            "TRITON_INTERPRET=1 runs FLA's, interpreted)")
 
 
 def tune_host() -> None:

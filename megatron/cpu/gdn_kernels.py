@@ -19,9 +19,15 @@ import torch.nn.functional as F
 __all__ = ["chunk_gated_delta_rule", "causal_conv1d", "l2norm"]
 
 
+def _compute(t: torch.Tensor) -> torch.Tensor:
+    """The dtype the kernels compute in: fp32, or float64 for float64 inputs (the float64 reference
+    tests compare FLA and these kernels against)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def l2norm(x: torch.Tensor, dim: int = -1, eps: float = 1e-6, output_dtype=None) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) along ``dim``, computed in fp32 (FLA's definition)."""
-    y = x.float() * torch.rsqrt(x.float().pow(2).sum(dim=dim, keepdim=True) + eps)
+    y = _compute(x) * torch.rsqrt(_compute(x).pow(2).sum(dim=dim, keepdim=True) + eps)
     return y.to(output_dtype or x.dtype)
 
 
@@ -50,7 +56,7 @@ def causal_conv1d(
         )
     batch, total, channels = x.shape
     width = weight.shape[-1]
-    x_f = x.float()
+    x_f = _compute(x)
     # The depthwise conv runs channels-first on a contiguous row (a transposed view is copied
     # inside conv1d anyway, and its backward is ~3x slower on a strided input).
     if cu_seqlens is None:
@@ -66,7 +72,7 @@ def causal_conv1d(
         row[0, :, dest] = x_f[0].T
         take = dest - (width - 1)
     # Output j covers row[j .. j + width - 1], i.e. the token at row position j + width - 1.
-    out = F.conv1d(row, weight.float()[:, None, :], None if bias is None else bias.float(), groups=channels)
+    out = F.conv1d(row, _compute(weight)[:, None, :], None if bias is None else _compute(bias), groups=channels)
     out = (out if take is None else out[:, :, take]).transpose(1, 2)
     if activation in ("silu", "swish"):
         out = F.silu(out)
@@ -132,13 +138,13 @@ def chunk_gated_delta_rule(
 
         S_t = exp(g_t) S_{t-1};  S_t += k_t (beta_t (v_t - S_t^T k_t))^T;  o_t = scale S_t^T q_t
 
-    Returns (o [B, T, H, V] in q's dtype, final state [N, H, K, V] fp32 or None), N = B or the
-    number of packed sequences.
+    Returns (o [B, T, H, V] in q's dtype, final state [N, H, K, V] fp32 (float64 for float64 inputs)
+    or None), N = B or the number of packed sequences.
     """
     out_dtype = q.dtype
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    q, k, v, g, beta = (_compute(t) for t in (q, k, v, g, beta))
     if use_qk_l2norm_in_kernel:
         q, k = l2norm(q), l2norm(k)
     batch, length = q.shape[:2]
@@ -148,7 +154,7 @@ def chunk_gated_delta_rule(
     elif batch != 1:
         raise ValueError(f"cu_seqlens requires a single packed row, got batch={batch}")
     layout = _StepMajorChunks(cu_seqlens, q.shape[1], chunk_size)
-    start = None if initial_state is None else initial_state.float()[layout.order]
+    start = None if initial_state is None else _compute(initial_state)[layout.order]
     o, final = _chunked_scan(*(layout.scatter(t) for t in (q, k, v, g, beta)), scale, start, layout.active)
     o = layout.gather(o).reshape(batch, length, o.shape[1], o.shape[-1])
     state = torch.empty_like(final)
@@ -157,7 +163,7 @@ def chunk_gated_delta_rule(
 
 
 def _chunked_scan(q, k, v, g, beta, scale, start_state, active):
-    """Step-major chunks [M, H, C, *] (fp32) -> (o [M, H, C, V], final states [S, H, K, V] of the
+    """Step-major chunks [M, H, C, *] (fp32 or float64) -> (o [M, H, C, V], final states [S, H, K, V] of the
     sequences longest first). ``active[j]``: sequences running at step j (non-increasing). Zero
     padding is inert: k = 0 and beta = 0 leave the state unchanged and g = 0 does not decay it."""
     chunk, dk, dv = q.shape[2], k.shape[-1], v.shape[-1]
@@ -207,7 +213,7 @@ def recurrent_gated_delta_rule_reference(q, k, v, g, beta, scale=None):
     """Token-by-token recurrence on dense [B, T, H, *] inputs: the definition the chunked kernel
     must reproduce. Slow; used by tests only."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    q, k, v, g, beta = (_compute(t) for t in (q, k, v, g, beta))
     b, t_len, h, dk = k.shape
     state = q.new_zeros(b, h, dk, v.shape[-1])
     outs = []

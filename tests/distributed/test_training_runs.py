@@ -38,6 +38,7 @@ def test_default_run_learns():
     assert "using 'tiny'" in run.output and "backend local" in run.output and 30 in run.validation
     assert ("packed (THD) attention: language model SDPA per packed sample (varlen attention needs a CUDA device); "
             "vision encoder SDPA per packed sample") in run.output, run.output[-3000:]
+    assert run.output.count("Gated DeltaNet runs on the torch kernels of megatron.cpu") == 1, run.output[-3000:]
 
 
 @pytest.mark.parametrize("setting", ["plain", "distributed, DP=2, token budget"])

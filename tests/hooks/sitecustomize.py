@@ -12,6 +12,11 @@ PYTHONPATH (``tests/launch.py`` puts it there only for a run that asks):
                             names of each model chunk it built, and the shape and dtype of every
                             tensor it sent to another pipeline stage.
 
+    MEGATRON_CPU_FLA=1 with TRITON_INTERPRET=1
+                            not a fault: FLA's kernels in a training run on a CPU host, with the two
+                            changes Triton's interpreter needs for them (tests/fla_cpu/triton_interpreter.py)
+                            made before any kernel runs.
+
 The training code itself carries no test hooks."""
 
 import os
@@ -93,3 +98,11 @@ if os.environ.get("RECORD_PIPELINE") and "RANK" in os.environ:  # training ranks
     p2p_communication.P2PCommunicator._communicate = _recording_communicate
     training.get_model = _recording_get_model
     atexit.register(_write)
+
+if os.environ.get("MEGATRON_CPU_FLA") == "1" and os.environ.get("TRITON_INTERPRET") == "1":
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fla_cpu"))
+    import triton_interpreter
+
+    triton_interpreter.install()

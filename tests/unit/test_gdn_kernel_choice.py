@@ -1,0 +1,90 @@
+"""GatedDeltaNet's kernels on a host without CUDA: ``megatron.cpu.activate()`` binds the torch kernels
+even where flash-linear-attention (FLA) imports (its Triton kernels die there at their first call,
+"0 active drivers"), keeps FLA's only for ``MEGATRON_CPU_FLA=1`` with ``TRITON_INTERPRET=1``, and
+refuses that switch in one line where it cannot be met. ``activate()`` runs in a process of its own,
+with a stand-in ``fla`` package importable (the three names megatron-core imports)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="activate() acts only without CUDA")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FAKE_FLA = {
+    "fla/__init__.py": "",
+    "fla/modules/__init__.py": "",
+    "fla/modules/convolution.py": "def causal_conv1d(*args, **kwargs):\n    raise RuntimeError('0 active drivers')\n",
+    "fla/modules/l2norm.py": "def l2norm(*args, **kwargs):\n    raise RuntimeError('0 active drivers')\n",
+    "fla/ops/__init__.py": "",
+    "fla/ops/gated_delta_rule/__init__.py":
+        "def chunk_gated_delta_rule(*args, **kwargs):\n    raise RuntimeError('0 active drivers')\n",
+}
+PROBE = """
+import json
+import megatron.cpu
+try:
+    megatron.cpu.activate()
+except RuntimeError as err:
+    print(json.dumps({"refused": str(err)}))
+    raise SystemExit(0)
+from megatron.core.ssm.gated_delta_net import common, gdn
+print(json.dumps({"modules": sorted({f.__module__ for f in (gdn.causal_conv1d, gdn.chunk_gated_delta_rule,
+                                                            common.causal_conv1d, common.l2norm)}),
+                  "line": megatron.cpu.gdn_kernels_line()}))
+"""
+
+
+def _activate(tmp_path, fla: bool, **env) -> dict:
+    if fla:
+        for name, text in FAKE_FLA.items():
+            (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name).write_text(text)
+    full_env = {k: v for k, v in os.environ.items() if k not in ("MEGATRON_CPU_FLA", "TRITON_INTERPRET")}
+    full_env["PYTHONPATH"] = os.pathsep.join(([str(tmp_path)] if fla else []) + [ROOT])
+    proc = subprocess.run([sys.executable, "-c", PROBE], env={**full_env, **env}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_torch_kernels_even_where_fla_imports(tmp_path):
+    got = _activate(tmp_path, fla=True)
+    assert got["modules"] == ["megatron.cpu.gdn_kernels"], got
+    assert got["line"].startswith("Gated DeltaNet runs on the torch kernels of megatron.cpu"), got
+
+
+def test_fla_kept_when_asked_under_the_interpreter(tmp_path):
+    got = _activate(tmp_path, fla=True, MEGATRON_CPU_FLA="1", TRITON_INTERPRET="1")
+    assert got["modules"] == ["fla.modules.convolution", "fla.modules.l2norm", "fla.ops.gated_delta_rule"], got
+    assert got["line"] == ("Gated DeltaNet runs on flash-linear-attention's kernels under Triton's interpreter "
+                           "(MEGATRON_CPU_FLA=1)"), got
+
+
+@pytest.mark.parametrize("env,fla,keep", [
+    ({}, True, False), ({"TRITON_INTERPRET": "1"}, True, False), ({"MEGATRON_CPU_FLA": "0"}, True, False),
+    ({"MEGATRON_CPU_FLA": "1", "TRITON_INTERPRET": "1"}, True, True),
+    ({"MEGATRON_CPU_FLA": "1"}, True, "MEGATRON_CPU_FLA=1 needs TRITON_INTERPRET=1 on a host without CUDA"),
+    ({"MEGATRON_CPU_FLA": "1", "TRITON_INTERPRET": "1"}, False,
+     "MEGATRON_CPU_FLA=1 but flash-linear-attention does not import"),
+    ({"MEGATRON_CPU_FLA": "yes"}, True, "MEGATRON_CPU_FLA='yes': expected 1"),
+], ids=["unset", "interpreter alone", "switch 0", "asked", "no interpreter", "no fla", "bad value"])
+def test_the_switch(monkeypatch, env, fla, keep):
+    """The decision activate() takes (what it binds for it is the two tests above): keep FLA's
+    kernels, bind the torch kernels, or refuse in one line naming what is missing."""
+    import megatron.cpu
+
+    for name in ("MEGATRON_CPU_FLA", "TRITON_INTERPRET"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(megatron.cpu, "fla_available", lambda: fla)
+    if isinstance(keep, bool):
+        assert megatron.cpu.keep_fla_on_cpu() is keep
+    else:
+        with pytest.raises(RuntimeError, match=keep.replace("(", r"\(")):
+            megatron.cpu.keep_fla_on_cpu()
