@@ -16,7 +16,7 @@ from __future__ import annotations
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
-from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -30,6 +30,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from ..common.gated_delta_net_fp32_decay import GatedDeltaNetFp32Decay
 from ..common.norms import HeadSharedNorm, TorchNorm
 from .configuration import FULL, LINEAR
 
@@ -96,7 +97,7 @@ def _mixer_spec(m: _Modules, layer_type: str):
     input_norm, first_linear = m.input_norm_and_linear()
     if layer_type == LINEAR:
         mixer = ModuleSpec(
-            module=GatedDeltaNet,
+            module=GatedDeltaNetFp32Decay,  # A_log / dt_bias in fp32, as the released checkpoints
             # out_norm: the project's head-shared norm on both backends (TP-correct weight grads)
             submodules=GatedDeltaNetSubmodules(in_proj=first_linear, out_norm=HeadSharedNorm, out_proj=m.row),
         )

@@ -1,0 +1,40 @@
+"""megatron-core's GatedDeltaNet with its decay parameters kept in fp32 under bf16 / fp16.
+
+Qwen3.5's released checkpoints store ``A_log`` and ``dt_bias`` in fp32 whatever the rest is in:
+the decay ``g = -exp(A_log) * softplus(a + dt_bias)`` is summed over up to 64 tokens a chunk
+inside the kernel, and in bf16 (8 significant bits) ``exp(A_log)`` alone is off by up to 0.4%.
+megatron-core creates both in ``params_dtype``, and ``Float16Module`` casts the whole model to
+bf16, so a GPU run would round them and train them in bf16. Here they are fp32 from construction,
+and stay fp32 through any later cast to half precision (``Float16Module``'s ``.bfloat16()``).
+megatron's DDP keeps a separate fp32 gradient buffer for them and its optimizers treat them as
+fp32 parameters (no separate main copy), as they do any fp32 parameter of a half-precision model.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+FP32_DECAY_PARAMS = ("A_log", "dt_bias")
+_HALF = (torch.bfloat16, torch.float16)
+
+
+class GatedDeltaNetFp32Decay(GatedDeltaNet):
+    def reset_parameters(self):
+        # megatron-core draws ``A`` in params_dtype (and writes dt_bias with ``out=``, which must
+        # match it); the values are kept as drawn, the same random stream, and only widened after.
+        super().reset_parameters()
+        self._widen_decay()
+
+    def _apply(self, fn, recurse=True):
+        # every dtype / device conversion of the model passes here (``Float16Module`` calls
+        # ``module.bfloat16()`` on the whole model, which applies to each child)
+        super()._apply(fn, recurse)
+        self._widen_decay()
+        return self
+
+    def _widen_decay(self) -> None:
+        for name in FP32_DECAY_PARAMS:
+            param = getattr(self, name, None)
+            if param is not None and param.dtype in _HALF:
+                param.data = param.data.float()  # the same Parameter: its TP attributes stay
