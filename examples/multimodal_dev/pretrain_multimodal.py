@@ -16,8 +16,8 @@ import os
 from megatron.training import get_args
 
 from examples.multimodal_dev.arguments import OWN_DATA_OPTIONS, VIDEO_OPTIONS, add_multimodal_args
-from examples.multimodal_dev.checkpoint import (finite_guard, loader_state, optimizer_format, optimizer_switch,
-                                               plan_state, rng_per_rank, safety, save_guard)
+from examples.multimodal_dev.checkpoint import (finite_guard, loader_state, mixed_dtype_optimizer, optimizer_format,
+                                               optimizer_switch, plan_state, rng_per_rank, safety, save_guard)
 from examples.multimodal_dev.checkpoint.integrity import check_resumable
 from examples.multimodal_dev.checkpoint.run_shape import check_checkpoint_matches, resolve_shape
 from examples.multimodal_dev.data import get_dataset_provider
@@ -294,6 +294,7 @@ def main():
     use_prebuilt_dataset_helpers()
     safety.install()  # a checkpoint directory is data: nothing in it may run code
     distrib_optimizer_fixes.install()  # torch Adam under the distributed optimizer (no Apex / TE)
+    mixed_dtype_optimizer.install()  # its checkpoint of a bf16 model with fp32 A_log / dt_bias
     optimizer_format.zero_padding()  # no uninitialised bytes in a dp_reshardable optimizer checkpoint
     optimizer_format.chain_across_ep()  # optimizer state saved at one EP resumes at another
     optimizer_switch.install()  # ... and with the other kind of optimizer (distributed <-> plain)

@@ -100,4 +100,9 @@ def test_bf16_optimizer_state_moves_between_the_two_optimizers(tmp_path):
     stayed, switched = branch("plain", "stay_plain", bf16, 4), branch("plain", "to_dist", dist, 4)
     _compare("bf16 plain -> distributed, iteration 4", switched, stayed, 4)
     stayed, switched = branch("to_dist", "stay_dist", dist, 6), branch("to_dist", "back", bf16, 6)
-    _compare("bf16 distributed -> plain, iteration 6", switched, stayed, 6)
+    # The model's fp32 A_log / dt_bias sit first in the distributed optimizer's groups and among
+    # the others in the plain one's, so the two sum the grad norm in another order and clip by
+    # factors a bit apart; a bf16 weight at a rounding boundary then rounds the other way after the
+    # update (measured: loss 7.8e-7, grad norm 1.8e-4, through the MoE router). A wrongly loaded
+    # main weight or moment moves the loss by far more than 1e-5.
+    _compare("bf16 distributed -> plain, iteration 6", switched, stayed, 6, grad_norm_rtol=1e-3)
