@@ -339,10 +339,23 @@ def load_megatron(megatron_path: str, hf_config_path: str | None = None):
     model = conversion_model(shape).eval()
     _read_checkpoint(megatron_path, load_model_weights, model, directory)
     stored = _read_checkpoint(megatron_path, _read_metadata, directory).state_dict_metadata
-    by_key = {k: m.properties.dtype for k, m in stored.items() if hasattr(m, "properties")}
+    by_key = _weight_dtypes(stored)
     common = max(set(by_key.values()), key=list(by_key.values()).count)
     dtypes = {name: by_key.get(getattr(sh, "key", None), common) for name, sh in model.sharded_state_dict().items()}
     return model, shape, config, dtypes
+
+
+def _weight_dtypes(stored: dict) -> dict:
+    """Checkpoint key -> dtype of the model weights (not the optimizer's: a training checkpoint holds
+    three fp32 optimizer tensors per bf16 weight). megatron-core stores GDN's fused ``in_proj`` /
+    ``conv1d`` as pieces (``KEY.query``, ``KEY.z`` ...); the whole tensor's key is added with the
+    pieces' dtype."""
+    weights = {k: m.properties.dtype for k, m in stored.items()
+               if hasattr(m, "properties") and not k.startswith("optimizer.")}
+    wholes: dict[str, set] = {}
+    for key, dtype in weights.items():
+        wholes.setdefault(key.rsplit(".", 1)[0], set()).add(dtype)
+    return {**{k: d.pop() for k, d in wholes.items() if len(d) == 1 and k not in weights}, **weights}
 
 
 def _processor_files(processor_dir: str) -> list[str]:
