@@ -37,7 +37,8 @@
 #                   [1 when HF_CONFIG has one, so an import's MTP weights are trained and kept; else 0]
 #   TRANSFORMER_IMPL  transformer_engine | local  [transformer_engine on a GPU host where it imports, else local]
 #   MASTER_PORT     rendezvous port [a free one, chosen by torchrun --standalone]
-#   DRY_RUN=1       print the command and exit (and, for 9b ... 397b_a17b, the recommended cluster layout)
+#   DRY_RUN=1       print the command and exit, and the layout tools/plan_layout.py plans for GPUS H100s
+#   GPUS            DRY_RUN only: the cluster's GPU count to plan for [9b ... 397b_a17b: the README's count]
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
@@ -251,9 +252,16 @@ if [[ -n "${MASTER_PORT:-}" ]]; then RDZV=(--master-port "$MASTER_PORT"); else R
 # the repository root: tools/bootstrap_env.sh), so no folder of the example shadows an installed package.
 LAUNCH=(torchrun --nproc-per-node "$NPROC" "${RDZV[@]}" --module examples.multimodal_dev.pretrain_multimodal)
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
-  # the released variants' cluster layouts (README, "Pipeline parallelism"); the command stays the last line
-  if LAYOUT_LINE=$("$PY" -m examples.multimodal_dev.training.pipeline_layout recommend "$MODEL_VARIANT" 2>/dev/null); then
-    echo "# recommended cluster layout: $LAYOUT_LINE"
+  # the layout planner's choice for a cluster of GPUS H100s (README, "Planning a cluster layout");
+  # without GPUS, only the variants with a default count; the command stays the last line
+  if [[ -n "$HF_CONFIG" ]]; then PLAN_MODEL=(--hf-config "$HF_CONFIG"); else PLAN_MODEL=("$MODEL_VARIANT"); fi
+  if [[ -n "${GPUS:-}" ]]; then
+    positive GPUS
+    PLAN_LINE=$("$PY" -m examples.multimodal_dev.tools.plan_layout "${PLAN_MODEL[@]}" --brief --gpus "$GPUS" 2>&1) \
+      || fail "GPUS=$GPUS: ${PLAN_LINE##*plan_layout: }"
+    echo "# planned cluster layout: $PLAN_LINE"
+  elif [[ -z "$HF_CONFIG" ]] && PLAN_LINE=$("$PY" -m examples.multimodal_dev.tools.plan_layout "$MODEL_VARIANT" --brief 2>/dev/null); then
+    echo "# planned cluster layout: $PLAN_LINE"
   fi
   printf '%q ' "${LAUNCH[@]}" "${ARGS[@]}" "$@"; echo
   exit 0

@@ -118,3 +118,12 @@ def test_bench_checkpoint_formats_reads_the_slowest_ranks_timer():
            "    save-checkpoint ................................: (900.00, 950.75)\n")
     assert bench_checkpoint_formats._timer(log, "save-checkpoint") == 950.75
     assert bench_checkpoint_formats._timer(log, "model-and-optimizer-setup") == 201.0
+
+
+def test_bench_plan_layout_runs_within_its_budget(capsys):
+    from examples.multimodal_dev.benchmarks import bench_plan_layout
+
+    # 2b has no recommended layout, so no meta build: those need a process without a default group
+    assert bench_plan_layout.main(["--variants", "2b", "--gpus", "8", "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| 2b | 8 |" in out and "budget 10 s: within" in out

@@ -229,14 +229,21 @@ def test_a_layer_on_two_stages_and_a_misplaced_shard_are_found(plans):
     assert any("layers.30.mlp.router.weight: main replica in 2 (pipeline, virtual) stages" in e for e in errors)
     assert any("layers.30.mlp.router.weight: 1 shard(s) written by more than one rank" in e for e in errors)
 
-    builds = _copy(plan.builds.values())  # expert shards of EP rank 3 written at EP rank 2's place
-    rank3 = next(b for b in builds if (b.coords["pp"], b.coords["ep"]) == (0, 3))
-    rank3.chunks[0].shards = [replace(s, global_offset=(s.global_offset[0] - 32, *s.global_offset[1:]))
-                              if ".experts.experts." in s.key else s for s in rank3.chunks[0].shards]
+    # the expert shards of the last EP rank written at the place of the one before it
+    lay, experts = plan.layout, plan.shape.text.num_experts
+    per_rank = experts // lay.ep
+    builds = _copy(plan.builds.values())
+    mover = next(b for b in builds if (b.coords["pp"], b.coords["ep"], b.coords["etp"]) == (0, lay.ep - 1, 0))
+    mover.chunks[0].shards = [replace(s, global_offset=(s.global_offset[0] - per_rank, *s.global_offset[1:]))
+                              if ".experts.experts." in s.key else s for s in mover.chunks[0].shards]
     errors = cov.coverage_errors(plan.expected, builds, plan.layout)
     fc2 = "language_model.decoder.layers.0.mlp.experts.experts.linear_fc2.weight"
-    assert f"{fc2}: 32 shard(s) written by more than one rank (cell (64, 0, 0): ranks [2, 3])" in errors
-    assert f"{fc2}: 32 of 256 shards of the grid (256, 1, 1) written by no rank" in errors
+    cell = (experts - 2 * per_rank, 0, 0)  # the first expert of the EP rank before it, TP slice 0
+    assert f"{fc2}: {per_rank} shard(s) written by more than one rank (cell {cell}: ranks " \
+           f"[{mover.rank - lay.etp}, {mover.rank}])" in errors, errors[:4]
+    grid = (experts, 1, lay.etp) if any(e.startswith(f"{fc2}: ") and f"grid ({experts}, 1, {lay.etp})" in e
+                                        for e in errors) else (experts, lay.etp, 1)
+    assert f"{fc2}: {per_rank} of {experts * lay.etp} shards of the grid {grid} written by no rank" in errors
 
 
 def test_a_shape_the_mapping_disagrees_with_is_found(plans):
@@ -291,3 +298,64 @@ def test_tied_embeddings_with_mtp_on_a_later_stage_are_refused_by_megatron_core(
     build = mb.rank_build(VARIANTS["4b"], layout, 4, shards=False)
     names = {p.name for p in build.params}
     assert {"language_model.output_layer.weight", "language_model.embedding.word_embeddings.weight"} <= names
+
+
+def _counted(shape, layout, pp_rank):
+    from examples.multimodal_dev.training.rank_params import stage_params
+
+    return stage_params(shape, layout, pp_rank)
+
+
+def _assert_counted_equals_built(shape, layout, build, label):
+    """The planner's count (``rank_params``, no build) is the build, parameter for parameter in
+    total per dtype and kind, and gives the same bytes of weights, gradients and optimizer state."""
+    counted = _counted(shape, layout, build.coords["pp"])
+    built = dict(dense=sum(p.numel for p in build.params if not p.expert and p.dtype == torch.bfloat16),
+                 fp32=sum(p.numel for p in build.params if p.dtype == torch.float32),
+                 expert=sum(p.numel for p in build.params if p.expert))
+    assert built == dict(dense=counted.dense, fp32=counted.fp32, expert=counted.expert), label
+    vision = sum(p.numel for p in build.params if p.name.startswith("vision_model."))
+    mtp = sum(p.numel for p in build.params if ".mtp." in p.name)
+    embedding_copy = sum(p.numel for c in build.chunks if c.post_process and not c.pre_process for p in c.params
+                         if p.name.startswith("language_model.embedding."))  # the MTP head's, on the last stage
+    assert vision == counted.vision and mtp + embedding_copy == counted.mtp, label
+    from examples.multimodal_dev.training.layout_cost import state_bytes
+
+    mem = mb.rank_memory(build, layout)
+    assert state_bytes(counted, layout) == (mem.weight_bytes, mem.grad_bytes, pytest.approx(mem.optimizer_bytes))
+
+
+@pytest.mark.parametrize("variant", list(LAYOUTS))
+def test_counted_parameters_equal_the_builds(plans, variant):
+    """Every rank built for the recommended layouts (all main-replica ranks of 9b / 27b / 35b_a3b)."""
+    plan = plans(variant)
+    for rank, build in plan.builds.items():
+        _assert_counted_equals_built(plan.shape, plan.layout, build, f"{variant} rank {rank}")
+
+
+@pytest.mark.parametrize("variant,layout", [
+    ("0.8b", mb.Layout(tp=2, cp=2, gpus=8)),  # tied embeddings, one stage: the output layer is the embedding
+    ("2b", mb.Layout(tp=2, pp=2, gpus=4)),  # tied embeddings over two stages: the last keeps a copy
+    ("35b_a3b", mb.Layout(tp=4, pp=4, vp=2, ep=4, etp=2, gpus=64)),  # ETP > 1, virtual stages
+    ("27b", mb.Layout(tp=8, pp=4, vp=2, first=14, last=14, gpus=32)),  # uneven split with virtual stages
+], ids=lambda v: v if isinstance(v, str) else v.describe())
+def test_counted_parameters_at_other_layouts(no_process_group, variant, layout):
+    for label, rank in mb.representative_ranks(layout).items():
+        build = mb.rank_build(VARIANTS[variant], layout, rank, shards=False)
+        _assert_counted_equals_built(VARIANTS[variant], layout, build, f"{variant} {label}")
+
+
+def test_a_miscounted_tensor_is_caught(plans, monkeypatch):
+    """The comparison can fail: one replicated norm too many per layer is seen."""
+    from examples.multimodal_dev.training import rank_params
+
+    plan = plans("9b")
+    real = rank_params._layer
+
+    def one_more(*args):
+        out = real(*args)
+        out.dense += 1
+        return out
+    monkeypatch.setattr(rank_params, "_layer", one_more)
+    with pytest.raises(AssertionError):
+        _assert_counted_equals_built(plan.shape, plan.layout, plan.builds[0], "9b rank 0")

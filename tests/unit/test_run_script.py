@@ -115,8 +115,17 @@ def test_pipeline_settings_reach_megatron_and_layouts_are_printed():
     assert flags["nproc_per_node"] == "2"
     rc, out, err = _script(MODEL_VARIANT="tiny", PP=2, PP_FIRST=1)
     assert _flags(out)["decoder_first_pipeline_num_layers"] == "1" and "decoder_last_pipeline_num_layers" not in _flags(out)
-    rc, out, err = _script(MODEL_VARIANT="122b_a10b")
-    assert rc == 0 and "# recommended cluster layout: 122b_a10b: TP=2 PP=8 CP=1 EP=16 ETP=1 VP=2 (DP=8) on 128 GPUs" in out
+    from examples.multimodal_dev.training.pipeline_layout import LAYOUTS
+
+    rc, out, err = _script(MODEL_VARIANT="122b_a10b")  # the planner's choice at the default count
+    tp, pp, vp, cp, ep, etp, first, last, gpus = LAYOUTS["122b_a10b"]
+    assert rc == 0 and f"# planned cluster layout: TP={tp} PP={pp} CP={cp} EP={ep} ETP={etp}" in out, out
+    assert f"on {gpus} GPUs" in out and out.strip().splitlines()[-1].startswith("torchrun")
+    rc, out, err = _script(MODEL_VARIANT="9b", GPUS=64)  # any count asked
+    assert rc == 0 and "on 64 GPUs" in out, err
+    rc, out, err = _script(MODEL_VARIANT="9b", GPUS=12)
+    assert rc != 0 and err.strip().splitlines()[-1] == \
+        "run_qwen35_vl.sh: GPUS=12: --gpus 12: not a whole number of nodes of --gpus-per-node 8", err
 
 
 def test_token_budget_packing_reaches_megatron_with_one_row_a_micro_batch():

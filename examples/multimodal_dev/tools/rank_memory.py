@@ -26,25 +26,17 @@ import sys
 import time
 from math import prod
 
-LAYOUT_KEYS = {"TP": "tp", "PP": "pp", "VP": "vp", "CP": "cp", "EP": "ep", "ETP": "etp", "FIRST": "first",
-               "LAST": "last", "GPUS": "gpus"}
 HEADER = ("| variant | layout | rank | parameters | weights GiB | gradients GiB | optimizer GiB | total GiB |\n"
           "| --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
-def _layout(text: str):
+def parse_layout(text: str, where: str = "rank_memory: --layout"):
     from examples.multimodal_dev.training.meta_builds import Layout
 
-    fields = {}
-    for item in text.replace(",", " ").split():
-        key, _, value = item.partition("=")
-        field = LAYOUT_KEYS.get(key.upper())
-        optional = field in ("vp", "first", "last")  # 0 = unset, as the run script's PP_FIRST=0
-        if field is None or not value.isdigit() or (int(value) == 0 and not optional):
-            raise SystemExit(f"rank_memory: --layout item {item!r}: expected KEY=N (N >= 1; 0 unsets VP, FIRST, "
-                             f"LAST) with KEY one of {', '.join(LAYOUT_KEYS)}")
-        fields[field] = int(value) or None
-    return Layout(**fields)
+    try:
+        return Layout.parse(text)
+    except ValueError as err:
+        raise SystemExit(f"{where} {err}")
 
 
 def table_rows(name, shape, layout, build=None) -> list[str]:
@@ -114,7 +106,7 @@ def main(argv=None) -> int:
     bad = [n for n in names if n not in valid]
     if bad:
         raise SystemExit(f"rank_memory: unknown variant {bad[0]!r}; valid: {', '.join(valid)}")
-    layout = _layout(args.layout) if args.layout else None
+    layout = parse_layout(args.layout) if args.layout else None
 
     # megatron-core logs a deprecation warning for every GPTModel built; hundreds of builds here
     logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)

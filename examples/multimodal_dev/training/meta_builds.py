@@ -46,6 +46,8 @@ from ..models.qwen35_vl.parallel import validate_parallel
 from .pipeline_layout import LAYOUTS, stage_layers
 
 GIB = 2 ** 30
+LAYOUT_KEYS = {"TP": "tp", "PP": "pp", "VP": "vp", "CP": "cp", "EP": "ep", "ETP": "etp", "FIRST": "first",
+               "LAST": "last", "GPUS": "gpus"}
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,21 @@ class Layout:
         if variant not in LAYOUTS:
             raise KeyError(f"no recommended layout for {variant!r}; have {', '.join(LAYOUTS)}")
         return cls(*LAYOUTS[variant])
+
+    @classmethod
+    def parse(cls, text: str) -> Layout:
+        """From "TP=2 PP=8 VP=2 ..." (keys of ``LAYOUT_KEYS``; unset ones 1, VP / FIRST / LAST
+        none; 0 unsets those three as the run script's PP_FIRST=0 does; a later key wins)."""
+        fields = {}
+        for item in text.replace(",", " ").split():
+            key, _, value = item.partition("=")
+            field = LAYOUT_KEYS.get(key.upper())
+            optional = field in ("vp", "first", "last")
+            if field is None or not value.isdigit() or (int(value) == 0 and not optional):
+                raise ValueError(f"item {item!r}: expected KEY=N (N >= 1; 0 unsets VP, FIRST, LAST) with KEY one "
+                                 f"of {', '.join(LAYOUT_KEYS)}")
+            fields[field] = int(value) or None
+        return cls(**fields)
 
     @property
     def stage_gpus(self) -> int:

@@ -1,5 +1,5 @@
 """Pipeline splits: which decoder layers each stage holds, refused by name when impossible, and
-the launch layouts recommended for the released variants.
+the launch layouts recommended for the released variants (the layout planner's choices).
 
 megatron-core's rule (``get_transformer_layer_offset`` / ``get_num_layers_to_build``): with
 ``--decoder-first/last-pipeline-num-layers`` those stages hold that many layers and the middle
@@ -10,8 +10,6 @@ building; ``stage_layers`` checks them first and says which setting is wrong.
 
     python -m examples.multimodal_dev.training.pipeline_layout check LAYERS PP VP FIRST LAST
                                             (0 = unset; the run script's check)
-    python -m examples.multimodal_dev.training.pipeline_layout recommend VARIANT
-                                            (the layout for a released variant)
 """
 
 from __future__ import annotations
@@ -68,29 +66,20 @@ def stage_layers(num_layers: int, pp: int, vp: int | None = None, first: int | N
              for v in range(vp)] for p in range(pp)]
 
 
-# Recommended launch layouts on 8-GPU H100 (80 GB) nodes. Why each, in the README's "Pipeline
-# parallelism" section: dense models stay within a node (TP over NVLink, PP only when a replica
-# does not fit); MoE models follow Megatron-Bridge's recipes (EP over nodes, PP with virtual
-# stages to shrink the bubble); the first stage holds fewer layers because it also runs the
-# vision tower. ETP: expert tensor parallelism (1: whole experts per rank, as in Bridge's recipes).
+# Recommended launch layouts: the layout planner's choice (``tools/plan_layout.py``,
+# ``training/layout_plan.py``) for each variant at this GPU count on 8-GPU H100 (80 GB) nodes,
+# 4096-token rows of ``mock_mix``'s conversations, GBS 512 rows, MBS 1; the README's "Planning a
+# cluster layout" shows why. ``test_layout_plan`` holds each row equal to the planner's current
+# choice, so a change to the cost model that moves one shows up there. ETP: expert tensor
+# parallelism (for a dense variant it is TP, as the run script sets it).
 LAYOUTS = {
     #             TP PP VP    CP EP  ETP FIRST LAST  GPUs
-    "9b":        (2, 1, None, 1, 1,  2,  None, None, 8),
-    "27b":       (4, 2, None, 1, 1,  4,  None, None, 16),
-    "35b_a3b":   (1, 2, None, 1, 8,  1,  17,   23,   16),
-    "122b_a10b": (2, 8, 2,    1, 16, 1,  None, None, 128),
-    "397b_a17b": (2, 8, 4,    1, 32, 1,  4,    8,    256),
+    "9b":        (1, 2, None, 2, 1,  1,  18,   14,   8),
+    "27b":       (2, 4, None, 2, 1,  2,  15,   11,   16),
+    "35b_a3b":   (2, 2, None, 1, 4,  2,  16,   24,   16),
+    "122b_a10b": (2, 4, None, 2, 4,  2,  7,    7,    128),
+    "397b_a17b": (1, 8, None, 2, 8,  1,  4,    2,    256),
 }
-
-
-def recommend(variant: str) -> str:
-    if variant not in LAYOUTS:
-        raise KeyError(f"MODEL_VARIANT={variant}: no recommended cluster layout (have {', '.join(LAYOUTS)})")
-    tp, pp, vp, cp, ep, etp, first, last, gpus = LAYOUTS[variant]
-    dp = gpus // (tp * pp * cp)
-    env = f"TP={tp} PP={pp} CP={cp}" + (f" EP={ep} ETP={etp}" if ep > 1 else "") + (f" VP={vp}" if vp else "") + \
-        (f" PP_FIRST={first} PP_LAST={last}" if first else "")
-    return f"{variant}: {env} (DP={dp}) on {gpus} GPUs = {gpus // 8} node(s) of 8"
 
 
 def _main(argv: list[str]) -> str:
@@ -98,9 +87,7 @@ def _main(argv: list[str]) -> str:
         layers, pp, vp, first, last = (int(a) for a in argv[1:])
         stage_layers(layers, pp, vp or None, first or None, last or None, names=ENV_NAMES)
         return ""
-    if argv[:1] == ["recommend"] and len(argv) == 2:
-        return recommend(argv[1])
-    raise SystemExit("usage: pipeline_layout.py check LAYERS PP VP FIRST LAST | recommend VARIANT")
+    raise SystemExit("usage: pipeline_layout.py check LAYERS PP VP FIRST LAST")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,258 @@
+"""Plan the parallel layout of a run: which TP / CP / PP / VP / EP / ETP and recompute fit the
+GPUs' memory and run a step fastest, predicted from the model's shape (no GPU needed).
+
+    python -m examples.multimodal_dev.tools.plan_layout VARIANT [--gpus N] [--gpu h100|h200|b200]
+        [--gpu-memory GIB] [--gpus-per-node 8] [--seq-len 4096] [--micro-batch 1]
+        [--global-batch 512] [--efficiency 0.5] [--peak-tflops F] [--nvlink-gbs B]
+        [--network-gbs B] [--recompute auto|none|full] [--no-distributed-optimizer] [--top 3]
+        [--data-path JSONL --hf-processor-path DIR [--media-root DIR] [--data-samples 512]] [--brief]
+        [--layout "TP=1 PP=2 EP=8 ..."] [--readme-table]
+
+VARIANT: a released variant or ``--hf-config config.json``. A micro-batch is ``--micro-batch``
+rows of ``--seq-len`` tokens packed from ``mock_mix``'s conversation mix, or from your JSONL's
+(``--data-path``, read as training reads it, no pixels decoded) (``--packing tokens``);
+``--global-batch`` counts rows. Memory is the busiest pipeline stage's rank; time is predicted
+(``training/layout_cost.py`` says what is counted and what is assumed hidden), at ``--efficiency``
+of the GPU's peak on the model's FLOPs. The figures are predictions, not measurements: memory
+parts are checked on CPU (weights, gradients and optimizer state exactly against meta-device
+builds; activations within 10 % of a CPU run), step times cannot be checked without GPUs.
+``--brief`` prints the best layout's run-script settings on one line (the run script's DRY_RUN).
+``--layout`` costs one given layout instead of searching (keys as ``tools/rank_memory``'s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from examples.multimodal_dev.training.layout_cost import GIB, HARDWARE, Hardware
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m examples.multimodal_dev.tools.plan_layout",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("variant", nargs="?", help="released variant (or give --hf-config)")
+    p.add_argument("--hf-config", help="a Hugging Face config.json instead of a variant")
+    p.add_argument("--gpus", type=int, help="GPUs of the cluster [9b ... 397b_a17b: the README's count]")
+    p.add_argument("--gpu", default="h100", choices=sorted(HARDWARE))
+    p.add_argument("--gpu-memory", type=float, help="GiB per GPU [the --gpu's]")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens of a packed row [4096]")
+    p.add_argument("--micro-batch", type=int, default=1, help="rows a micro-batch [1]")
+    p.add_argument("--global-batch", type=int, default=512, help="rows a step [512: 2M tokens of 4096]")
+    p.add_argument("--efficiency", type=float, default=0.5, help="of peak FLOP/s on the model's FLOPs [0.5]")
+    p.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per GPU [the --gpu's]")
+    p.add_argument("--nvlink-gbs", type=float, help="GB/s per GPU within a node [the --gpu's]")
+    p.add_argument("--network-gbs", type=float, help="GB/s per GPU across nodes [the --gpu's]")
+    p.add_argument("--data-path", help="your conversation JSONL (file, folder or blend): plan for its mix "
+                                       "instead of mock_mix's (needs --hf-processor-path)")
+    p.add_argument("--data-samples", type=int, default=512, help="conversations of --data-path to read [512]")
+    p.add_argument("--hf-processor-path", help="the processor that tokenizes --data-path")
+    p.add_argument("--media-root", help="where --data-path's relative media paths start")
+    p.add_argument("--reserve", type=float, default=0.1, help="share of GPU memory kept back [0.1]")
+    p.add_argument("--recompute", default="auto", choices=("auto", "none", "full"))
+    p.add_argument("--no-distributed-optimizer", action="store_true")
+    p.add_argument("--top", type=int, default=3, help="layouts to print [3]")
+    p.add_argument("--brief", action="store_true", help="one line: the best layout's run-script settings")
+    p.add_argument("--readme-table", action="store_true",
+                   help="the README's table: every variant with a default count, planned with these settings")
+    p.add_argument("--layout", help='cost this layout only, e.g. "TP=1 PP=2 EP=8 FIRST=16 LAST=24"')
+    return p
+
+
+# Megatron-Bridge's H100 BF16 performance recipes for Qwen3.5-VL (perf_recipes/qwen_vl/h100/
+# qwen35_vl.py), for the README's comparison; the dense variants have none.
+BRIDGE_H100 = {"35b_a3b": "TP=1 PP=2 EP=8 (16 + 24 layers), 16 GPUs, GBS 512",
+               "122b_a10b": "TP=2 PP=8 VP=2 EP=16, 128 GPUs", "397b_a17b": "TP=2 PP=8 VP=4 EP=32, 256 GPUs"}
+README_HEADER = ("| variant | GPUs | planned layout | fullest rank GiB: state + activations | step s | TFLOP/s per GPU "
+                 "| tokens/s per GPU | Megatron-Bridge recipe |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
+
+
+def readme_row(result) -> str:
+    """The README's row of a variant planned at its default count."""
+    req, best = result.request, result.plans[0]
+    m, t = best.busiest, best.time
+    tokens = req.global_batch * req.mix.seq_len / t.total / req.gpus
+    return (f"| `{req.name}` | {req.gpus} | {run_settings(best, flags=False)} | {(m.weights + m.grads + m.optimizer) / GIB:.1f} + "
+            f"{m.activations / GIB:.1f} = {m.total / GIB:.1f} | {t.total:.2f} | {best.tflops_per_gpu(req):.0f} | "
+            f"{tokens:,.0f} | {BRIDGE_H100.get(req.name, '-')} |")
+
+
+def _fail(message: str):
+    raise SystemExit(f"plan_layout: {message}")
+
+
+def request_from_args(args):
+    """The planner's Request, every setting checked (one line naming the flag otherwise)."""
+    from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS
+    from examples.multimodal_dev.training.layout_mix import Mix
+    from examples.multimodal_dev.training.layout_plan import MIN_CP_TOKENS, Request
+    from examples.multimodal_dev.training.pipeline_layout import LAYOUTS
+
+    if args.hf_config:
+        from examples.multimodal_dev.models.qwen35_vl.configuration import from_hf_config
+
+        try:
+            shape, name = from_hf_config(args.hf_config), args.hf_config
+        except (OSError, ValueError, KeyError) as err:
+            _fail(f"--hf-config {args.hf_config}: {err}")
+    elif args.variant in VARIANTS:
+        shape, name = VARIANTS[args.variant], args.variant
+    else:
+        _fail(f"variant {args.variant!r}: expected one of {', '.join(VARIANTS)} (or --hf-config)")
+    if args.gpus is None:
+        if name not in LAYOUTS:
+            _fail(f"--gpus: needed for {name} (a GPU count is given by default for {', '.join(LAYOUTS)} only)")
+        args.gpus = LAYOUTS[name][-1]
+    for flag, value, low in (("--gpus", args.gpus, 1), ("--gpus-per-node", args.gpus_per_node, 1),
+                             ("--micro-batch", args.micro_batch, 1), ("--global-batch", args.global_batch, 1),
+                             ("--top", args.top, 1), ("--data-samples", args.data_samples, 1), ("--seq-len", args.seq_len, MIN_CP_TOKENS // 8)):
+        if value < low:
+            _fail(f"{flag} {value}: must be at least {low}")
+    if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
+        _fail(f"--gpus {args.gpus}: not a whole number of nodes of --gpus-per-node {args.gpus_per_node}")
+    if not 0 < args.efficiency <= 1:
+        _fail(f"--efficiency {args.efficiency}: a share of peak, in (0, 1]")
+    if not 0 <= args.reserve < 1:
+        _fail(f"--reserve {args.reserve}: a share of the GPU's memory, in [0, 1)")
+    base = HARDWARE[args.gpu]
+    for flag, value in (("--gpu-memory", args.gpu_memory), ("--peak-tflops", args.peak_tflops),
+                        ("--nvlink-gbs", args.nvlink_gbs), ("--network-gbs", args.network_gbs)):
+        if value is not None and value <= 0:
+            _fail(f"{flag} {value}: must be positive")
+    hardware = Hardware(base.name, args.peak_tflops or base.peak_tflops, args.gpu_memory or base.memory_gib,
+                        args.nvlink_gbs or base.nvlink_gbs, args.network_gbs or base.network_gbs, args.gpus_per_node)
+    recompute = {"auto": (None, "full"), "none": (None,), "full": ("full",)}[args.recompute]
+    return Request(name, shape, args.gpus, hardware, _mix(args, shape), args.global_batch,
+                   args.micro_batch, args.efficiency, args.reserve, not args.no_distributed_optimizer, recompute)
+
+
+def _mix(args, shape):
+    from examples.multimodal_dev.training.layout_mix import Mix
+
+    if not args.data_path:
+        if args.hf_processor_path or args.media_root:
+            _fail("--hf-processor-path / --media-root: they describe --data-path, which is not given")
+        return Mix.mock_mix(shape, args.seq_len)
+    if not args.hf_processor_path:
+        _fail(f"--data-path {args.data_path}: needs --hf-processor-path (the tokenizer that counts its tokens)")
+    from examples.multimodal_dev.data.jsonl import build_datasets
+    from examples.multimodal_dev.data.sample import DataError
+
+    try:
+        train, _, _ = build_datasets(args.seq_len, (args.data_samples, 0, 0), data_path=args.data_path,
+                                     hf_processor_path=args.hf_processor_path, media_root=args.media_root)
+        return Mix.from_dataset(shape, args.seq_len, train, f"--data-path {args.data_path}", args.data_samples)
+    except (DataError, OSError, ValueError) as err:
+        _fail(" ".join(str(err).split()))
+
+
+def run_settings(plan, flags: bool = True) -> str:
+    """The run script's environment (and extra flags, or "recompute full") for a plan."""
+    lay = plan.candidate.layout
+    env = [f"TP={lay.tp}", f"PP={lay.pp}", f"CP={lay.cp}"]
+    env += [f"EP={lay.ep}", f"ETP={lay.etp}"] if lay.ep > 1 else []
+    env += [f"VP={lay.vp}"] if lay.vp else []
+    env += [f"PP_FIRST={lay.first}", f"PP_LAST={lay.last}"] if lay.first else []
+    env += [f"MBS={plan.candidate.mbs}"]
+    extra = ""
+    if plan.candidate.recompute:
+        extra = " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1" if flags \
+            else ", recompute full"
+    return " ".join(env) + f" (DP={lay.dp}){extra}"
+
+
+def describe(result, seconds: float) -> str:
+    req = result.request
+    hw, mix = req.hardware, req.mix
+    row = mix.mean_row
+    lines = [f"{req.name} on {req.gpus} x {hw.name} ({hw.gpus_per_node} a node): {req.usable_bytes / GIB:.1f} GiB "
+             f"usable a GPU ({req.reserve:.0%} of {hw.memory_gib:g} kept back); rows of {mix.seq_len} tokens from "
+             f"{mix.name} (median row: {len(row.lengths)} conversations, {len(row.grids)} images; vision "
+             f"{mix.vision_share():.0%} of the FLOPs), GBS {req.global_batch} rows, MBS {req.micro_batch}; compute "
+             f"at {req.efficiency:.0%} of {hw.peak_tflops:g} TFLOP/s, links {hw.nvlink_gbs:g} GB/s NVLink, "
+             f"{hw.network_gbs:g} GB/s network",
+             f"{result.examined} layouts in {seconds:.1f} s; refused: " +
+             (", ".join(f"{n} {why}" for why, n in sorted(result.refused.items(), key=lambda kv: -kv[1])) or "none")]
+    if not result.plans:
+        lines.append("no layout fits: raise --gpus, lower --seq-len / --micro-batch, or allow --recompute full")
+    for i, p in enumerate(result.plans, 1):
+        m, t = p.busiest, p.time
+        stage = p.memory.index(m)
+        tokens = req.global_batch * mix.seq_len / t.total / req.gpus
+        lines += [
+            f"#{i} {p.candidate.describe()}: step {t.total:.2f} s, {p.tflops_per_gpu(req):.0f} TFLOP/s and "
+            f"{tokens:,.0f} tokens/s per GPU, {p.micro_batches} micro-batches",
+            f"   memory GiB, stage {stage} of {len(p.memory)} (the fullest): weights {m.weights / GIB:.1f}, gradients "
+            f"{m.grads / GIB:.1f}, optimizer {m.optimizer / GIB:.1f}, activations {m.activations / GIB:.1f} "
+            f"({m.per_micro_batch / GIB:.2f} a micro-batch x {m.in_flight:g} in flight"
+            + (f"; recompute saves {m.recompute_saves / GIB:.1f}" if p.candidate.recompute else "") + ")"
+            + f" = {m.total / GIB:.1f} of {req.usable_bytes / GIB:.1f}; of which vision tower {m.vision / GIB:.1f}, "
+            f"MTP head {m.mtp / GIB:.1f}",
+            f"   step s: compute {t.compute:.2f}, TP/SP {t.tp:.2f}, CP {t.cp:.2f}, EP {t.ep:.2f}, PP {t.pp:.2f} "
+            f"(bubble {t.parts['bubble']:.2f}), DP not hidden {t.dp:.2f}, DP imbalance {t.imbalance:.2f}; "
+            f"busiest stage {t.parts['busiest_stage']}",
+            f"   run: {run_settings(p)}"]
+    return "\n".join(lines)
+
+
+def _one_layout(request, text: str):
+    """A Result holding the given layout (each recompute setting asked for), or its refusal."""
+    from examples.multimodal_dev.training.layout_cost import Candidate
+    from examples.multimodal_dev.training.layout_plan import Result, evaluate
+    from examples.multimodal_dev.training.meta_builds import Layout
+
+    try:
+        layout = Layout.parse(f"{text} GPUS={request.gpus}")  # the count is --gpus'
+        layout.check(request.shape)
+    except ValueError as err:
+        _fail(f"--layout {text}: " + " ".join(str(err).split()))
+    result = Result(request, [])
+    for rc in request.recompute:
+        p = evaluate(request, Candidate(layout, request.micro_batch, rc))
+        result.examined += 1
+        if p.refused:
+            result.refused[f"{p.candidate.describe()}: {p.refused}"] = 1
+        else:
+            result.plans.append(p)
+    result.plans.sort(key=lambda p: p.time.total)
+    return result
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.readme_table:
+        from examples.multimodal_dev.training.layout_plan import plan
+        from examples.multimodal_dev.training.pipeline_layout import LAYOUTS
+
+        print(README_HEADER)
+        for name in LAYOUTS:
+            args.variant, args.gpus = name, None
+            print(readme_row(plan(request_from_args(args), keep=1)), flush=True)
+        return 0
+    if not args.variant and not args.hf_config:
+        _fail("give a VARIANT or --hf-config")
+    from examples.multimodal_dev.training.layout_plan import plan
+
+    request = request_from_args(args)
+    start = time.perf_counter()
+    if args.layout:
+        result = _one_layout(request, args.layout)
+    else:
+        result = plan(request, keep=args.top)
+    seconds = time.perf_counter() - start
+    if args.brief:
+        if not result.plans:
+            _fail(f"{request.name}: no layout fits {args.gpus} GPUs of {request.hardware.memory_gib:g} GiB")
+        best = result.plans[0]
+        print(f"{run_settings(best)} on {args.gpus} GPUs: {best.busiest.total / GIB:.1f} GiB on the fullest rank, "
+              f"step {best.time.total:.2f} s, {best.tflops_per_gpu(request):.0f} TFLOP/s per GPU (predicted, "
+              f"{request.hardware.name})")
+        return 0
+    print(describe(result, seconds))
+    return 0 if result.plans else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

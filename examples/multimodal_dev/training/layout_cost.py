@@ -1,0 +1,250 @@
+"""What one launch layout costs: memory per rank of every pipeline stage and the time of a step.
+
+Memory of a rank (GiB), for a bf16 run with megatron's distributed optimizer:
+  weights, gradients, optimizer   ``rank_params.stage_params``, exact against the meta-device
+                                  builds (``meta_builds.rank_memory``'s rule: bf16 weights, fp32
+                                  gradient buffer, fp32 main copy + Adam moments sharded over
+                                  DP x CP, experts' over expert DP; unsharded without the
+                                  distributed optimizer)
+  activations                     ``activation_memory.micro_batch_activations`` of the mix's
+                                  median row, times the micro-batches a stage holds at the
+                                  schedule's peak: 1F1B keeps min(PP - p, m) on stage p; the
+                                  interleaved schedule (VP chunks) keeps min(m VP, 2 (PP - p - 1) +
+                                  (VP - 1) PP + 1) chunks of 1/VP of the stage (megatron's warm-up
+                                  count); recompute adds one layer's working set once. The GPU
+                                  kernels' terms (TE, FLA, flash attention), bf16
+  usable                          the GPU's memory less ``reserve`` (CUDA context, NCCL buffers,
+                                  allocator fragmentation)
+
+Time of a step (seconds), on the busiest stage, nothing assumed hidden unless said:
+  compute        the stage's training FLOPs of a micro-batch (``flops.py``; recompute adds the
+                 forward again) / (TP x CP) at ``efficiency`` of the GPU's peak
+  TP / SP        per decoder layer and micro-batch 4 all-gathers + 4 reduce-scatters (forward and
+                 backward) of the stage's [tokens / CP, H] activations (the vision tower's too)
+  CP             Gated DeltaNet's head all-to-alls (q, k, v in; output back; twice for the
+                 backward) and attention's K/V ring (P2P, CP - 1 hops, K/V and dK/dV)
+  EP             per MoE layer 4 all-to-alls (dispatch, combine; forward and backward) of the
+                 routed copies [tokens x top_k, H] of the rank's tokens
+  PP             one activation forward and one gradient back per micro-batch and stage boundary,
+                 and the bubble: (m + (PP - 1) / VP) micro-batch times of the busiest stage
+  DP             the distributed optimizer's reduce-scatter (fp32 gradients) and all-gather (bf16
+                 weights), overlapped with the last micro-batch's backward and the first's forward
+                 (``--overlap-grad-reduce --overlap-param-gather``): only what sticks out counts
+  imbalance      the pipeline time times the slowest DP rank's FLOPs over the mean
+                 (``layout_mix.Mix.imbalance``, the loader's dealing of rows by FLOPs)
+A collective over a group moves (n - 1) / n of its bytes per GPU at the group's link: NVLink when
+the group's ranks share a node (megatron's rank order: TP fastest, then CP, DP, PP; experts ETP,
+EP, expert DP), the network otherwise; an all-to-all splits its bytes by where its peers are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..models.qwen35_vl.configuration import FULL
+from ..models.qwen35_vl.flops import micro_batch_flops
+from .activation_memory import micro_batch_activations
+from .pipeline_layout import stage_layers
+from .rank_params import StageParams, stage_params
+
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Peak dense bf16 TFLOP/s, memory, and the bandwidth a collective achieves per GPU (GB/s, one
+    direction): NVLink within a node, the network across nodes (one NIC per GPU). Link figures are
+    80 % of the nominal ones, about what NCCL's bus bandwidth reaches at large messages."""
+    name: str
+    peak_tflops: float
+    memory_gib: float
+    nvlink_gbs: float
+    network_gbs: float
+    gpus_per_node: int = 8
+
+
+HARDWARE = {
+    # NVLink 4: 450 GB/s a direction; 8 x 400 Gb/s ConnectX-7 (50 GB/s a GPU)
+    "h100": Hardware("H100 SXM 80GB", 989.0, 80, 360.0, 40.0),
+    "h200": Hardware("H200 SXM 141GB", 989.0, 141, 360.0, 40.0),
+    # NVLink 5: 900 GB/s a direction; 400 Gb/s a GPU
+    "b200": Hardware("B200 180GB", 2250.0, 180, 720.0, 40.0),
+}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: object  # meta_builds.Layout
+    mbs: int = 1
+    recompute: str | None = None
+
+    def describe(self) -> str:
+        return self.layout.describe() + f", MBS={self.mbs}" + (f", recompute {self.recompute}" if self.recompute else "")
+
+
+@dataclass
+class StageMemory:
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float  # of the micro-batches in flight
+    per_micro_batch: float
+    in_flight: float
+    vision: float  # of weights + grads + optimizer + activations: the vision tower's
+    mtp: float  # the MTP head's
+    recompute_saves: float  # activations recompute leaves out (0 without it)
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+
+@dataclass
+class StepTime:
+    compute: float = 0.0
+    tp: float = 0.0
+    cp: float = 0.0
+    ep: float = 0.0
+    pp: float = 0.0  # point-to-point and bubble
+    dp: float = 0.0  # what the overlap leaves
+    imbalance: float = 0.0  # the slowest DP rank's extra time
+    parts: dict = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp + self.cp + self.ep + self.pp + self.dp + self.imbalance
+
+
+def _link(hw: Hardware, size: int, stride: int) -> float:
+    """Seconds per byte of a ring collective over ``size`` ranks ``stride`` apart."""
+    on_node = size * stride <= hw.gpus_per_node
+    return 1.0 / ((hw.nvlink_gbs if on_node else hw.network_gbs) * 1e9)
+
+
+def _all_to_all(hw: Hardware, size: int, stride: int) -> float:
+    """Seconds per byte sent by one rank of an all-to-all: peers on the node at NVLink, the rest on the network."""
+    per_node = max(1, min(size, hw.gpus_per_node // stride)) if stride < hw.gpus_per_node else 1
+    local = (per_node - 1) / (size - 1) if size > 1 else 1.0
+    return local / (hw.nvlink_gbs * 1e9) + (1 - local) / (hw.network_gbs * 1e9)
+
+
+def in_flight(layout, pp_rank: int, micro_batches: int) -> float:
+    """Micro-batches of a full stage whose activations stage ``pp_rank`` holds at its peak."""
+    pp, vp = layout.pp, layout.vp or 1
+    if vp == 1:
+        return min(pp - pp_rank, micro_batches)
+    chunks = min(micro_batches * vp, 2 * (pp - pp_rank - 1) + (vp - 1) * pp + 1)
+    return chunks / vp
+
+
+def state_bytes(params: StageParams, layout, distributed_optimizer: bool = True) -> tuple:
+    """(weights, gradients, optimizer state) bytes of a rank's parameters: bf16 weights (fp32 for
+    the fp32 ones), one fp32 gradient each, Adam's two fp32 moments plus an fp32 main copy of each
+    bf16 parameter, sharded over DP x CP (experts: expert DP) by the distributed optimizer."""
+    dense = layout.dense_shards if distributed_optimizer else 1
+    expert = layout.expert_dp if distributed_optimizer else 1
+    return (2 * (params.dense + params.expert) + 4 * params.fp32, 4 * params.total,
+            12 * params.dense / dense + 8 * params.fp32 / dense + 12 * params.expert / expert)
+
+
+def stage_memory(shape, cand: Candidate, rows, micro_batches: int, distributed_optimizer: bool = True):
+    """[StageMemory of every pipeline stage] for micro-batches of ``rows`` (``layout_mix.Row``s)."""
+    lay, t = cand.layout, shape.text
+    lengths = [n for r in rows for n in r.lengths]
+    grids = [g for r in rows for g in r.grids]
+    kw = dict(dtype_bytes=2, tp=lay.tp, sp=lay.tp > 1, cp=lay.cp, etp=lay.etp, kernels="gpu")
+    act = micro_batch_activations(shape, lengths, grids, recompute=cand.recompute, **kw)
+    plain = micro_batch_activations(shape, lengths, grids, recompute=None, **kw) if cand.recompute else act
+    out = []
+    for p, chunks in enumerate(stage_layers(t.num_layers, lay.pp, lay.vp, lay.first, lay.last)):
+        sp = stage_params(shape, lay, p)
+        layers = [i for c in chunks for i in c]
+        n_attn = sum(t.layer_types[i] == FULL for i in layers)
+        first, last = p == 0, p == lay.pp - 1
+        flight = in_flight(lay, p, micro_batches)
+        per_mb = act.stage(len(layers) - n_attn, n_attn, first, last)
+        saves = (plain.stage(len(layers) - n_attn, n_attn, first, last) - per_mb) * flight if cand.recompute else 0.0
+
+        w, g, o = state_bytes(sp, lay, distributed_optimizer)
+        vision = sum(state_bytes(StageParams(dense=sp.vision), lay, distributed_optimizer))
+        vision += act.vision * flight if first else 0.0
+        mtp_share = sp.mtp / sp.total if sp.total else 0.0
+        mtp = (w + g + o) * mtp_share + (act.mtp * flight if last else 0.0)  # its parameters' share
+        working = act.working(first, last) if cand.recompute else 0.0  # one layer recomputed at a time
+        activations = (per_mb - working) * flight + working
+        out.append(StageMemory(w, g, o, activations, per_mb, flight, vision, mtp, saves))
+    return out
+
+
+def step_time(shape, cand: Candidate, rows, micro_batches: int, dp_imbalance: float, hw: Hardware,
+              efficiency: float) -> StepTime:
+    """Seconds of one training step (``micro_batches`` micro-batches of ``rows`` per pipeline)."""
+    lay, t, h = cand.layout, shape.text, shape.text.hidden_size
+    lengths = [n for r in rows for n in r.lengths]
+    grids = [g for r in rows for g in r.grids]
+    tokens = sum(lengths)
+    fb = micro_batch_flops(shape, lengths, grids)
+    n_attn_all = sum(lt == FULL for lt in t.layer_types)
+    per_layer = {FULL: fb.attention / max(n_attn_all, 1), "gdn": fb.gdn / max(t.num_layers - n_attn_all, 1)}
+    mlp = fb.mlp / t.num_layers
+    flop_rate = hw.peak_tflops * 1e12 * efficiency
+    recompute = 4.0 / 3.0 if cand.recompute else 1.0  # the forward runs again in the backward
+
+    local_tokens = tokens / lay.cp  # a TP group's tokens (each TP rank 1/TP of them under SP)
+    act_bytes = local_tokens * h * 2
+    tp_link, cp_link = _link(hw, lay.tp, 1), _link(hw, lay.cp, lay.tp)
+    ep_link = _all_to_all(hw, lay.ep, lay.etp)
+    stage_span = lay.tp * lay.cp * lay.dp
+    pp_link = 1.0 / ((hw.nvlink_gbs if stage_span < hw.gpus_per_node else hw.network_gbs) * 1e9)
+    kd = t.linear_num_key_heads * t.linear_key_head_dim
+    vd = t.linear_num_value_heads * t.linear_value_head_dim
+    ring = (lay.tp - 1) / lay.tp
+    stages = []
+    for p, chunks in enumerate(stage_layers(t.num_layers, lay.pp, lay.vp, lay.first, lay.last)):
+        layers = [i for c in chunks for i in c]
+        n_attn = sum(t.layer_types[i] == FULL for i in layers)
+        n_gdn = len(layers) - n_attn
+        flops = (n_attn * per_layer[FULL] + n_gdn * per_layer["gdn"] + len(layers) * mlp) * 3 * recompute
+        vision_tokens = sum(tt * hh * ww for tt, hh, ww in grids)
+        if p == 0:
+            flops += fb.vision * 3 * recompute
+        if p == lay.pp - 1:
+            flops += (fb.output + fb.mtp) * 3
+        compute = flops / (lay.tp * lay.cp) / flop_rate
+        tp = 8 * ring * act_bytes * (len(layers) + (t.mtp_num_layers if p == lay.pp - 1 else 0)) * tp_link
+        if p == 0:
+            tp += 8 * ring * vision_tokens * shape.vision.hidden_size * 2 * shape.vision.depth * tp_link
+        cp = 0.0
+        if lay.cp > 1:
+            a2a = (lay.cp - 1) / lay.cp * _all_to_all(hw, lay.cp, lay.tp)
+            cp += n_gdn * 2 * local_tokens * (2 * kd + 2 * vd) / lay.tp * 2 * a2a
+            kv = local_tokens * 2 * t.num_kv_heads * t.head_dim / min(lay.tp, t.num_kv_heads) * 2
+            cp += n_attn * 3 * (lay.cp - 1) * kv * cp_link
+        ep = 0.0
+        if t.is_moe and lay.ep > 1:
+            moe_layers = len(layers) + (t.mtp_num_layers if p == lay.pp - 1 else 0)
+            ep = moe_layers * 4 * (lay.ep - 1) / lay.ep * local_tokens / lay.tp * t.moe_top_k * h * 2 * ep_link
+        p2p = 2 * act_bytes / lay.tp * pp_link * (lay.vp or 1) if lay.pp > 1 else 0.0
+        stages.append(dict(compute=compute, tp=tp, cp=cp, ep=ep, p2p=p2p))
+    busiest = max(stages, key=lambda s: sum(s.values()))
+    per_mb = sum(busiest.values())
+    out = StepTime()
+    for key in ("compute", "tp", "cp", "ep"):
+        setattr(out, key, busiest[key] * micro_batches)
+    bubble = (lay.pp - 1) / (lay.vp or 1) * per_mb if lay.pp > 1 else 0.0
+    out.pp = busiest["p2p"] * micro_batches + bubble
+    out.imbalance = (dp_imbalance - 1.0) * per_mb * micro_batches
+
+    # distributed optimizer: reduce-scatter fp32 grads, all-gather bf16 weights, per parameter group
+    dense_n, expert_n = lay.dense_shards, lay.expert_dp
+    heaviest = max((stage_params(shape, lay, p) for p in range(lay.pp)), key=lambda s: s.total)
+    dense_link = _link(hw, dense_n, lay.tp)
+    expert_link = _link(hw, expert_n, lay.etp * lay.ep)
+    dp_bytes = [(heaviest.dense + heaviest.fp32) * (dense_n - 1) / dense_n, heaviest.expert * (expert_n - 1) / expert_n]
+    reduce_scatter = 4 * (dp_bytes[0] * dense_link + dp_bytes[1] * expert_link)
+    all_gather = 2 * (dp_bytes[0] * dense_link + dp_bytes[1] * expert_link)
+    backward = per_mb * 2 / 3
+    out.dp = max(0.0, reduce_scatter - backward) + max(0.0, all_gather - (per_mb - backward))
+    out.parts = dict(busiest_stage=stages.index(busiest), bubble=bubble, flops=fb.training * micro_batches * lay.dp,
+                     vision_flops=fb.vision * 3 * micro_batches * lay.dp)
+    return out

@@ -1,0 +1,173 @@
+"""The layout planner (``training/layout_plan.py``, ``tools/plan_layout.py``): the recommended
+layouts are its choices, memory is refused by the part that is over, the schedule's micro-batches
+in flight are megatron's, the step time answers to what it counts, and bad settings are refused in
+one line. Weights, gradients and optimizer bytes are held to the meta-device builds in
+``test_meta_builds.py``; activations to a CPU run in ``test_activation_memory.py``."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS
+from examples.multimodal_dev.tools import plan_layout as tool
+from examples.multimodal_dev.training import layout_cost as cost
+from examples.multimodal_dev.training.layout_mix import Mix
+from examples.multimodal_dev.training.layout_plan import Request, balanced_split, evaluate, plan
+from examples.multimodal_dev.training.meta_builds import Layout
+from examples.multimodal_dev.training.pipeline_layout import LAYOUTS, stage_layers
+
+
+@pytest.fixture(scope="module")
+def mixes():
+    cache = {}
+
+    def get(name, seq_len=4096):
+        if (name, seq_len) not in cache:
+            cache[name, seq_len] = Mix.mock_mix(VARIANTS[name], seq_len)
+        return cache[name, seq_len]
+    return get
+
+
+def _request(mixes, name, gpus, **kw):
+    return Request(name, VARIANTS[name], gpus, cost.HARDWARE["h100"], mixes(name, kw.pop("seq_len", 4096)),
+                   kw.pop("global_batch", 512), **kw)
+
+
+@pytest.mark.parametrize("variant", list(LAYOUTS))
+def test_recommended_layouts_are_the_planners_choice(mixes, variant):
+    """``pipeline_layout.LAYOUTS`` (what the meta builds, the README and the run script use) is the
+    planner's best layout at the default count: a change to the cost model shows up here."""
+    best = plan(_request(mixes, variant, LAYOUTS[variant][-1]), keep=1).plans[0]
+    assert best.candidate.layout == Layout.recommended(variant), best.candidate.describe()
+
+
+def test_a_model_too_big_for_its_gpus_is_refused_by_its_weights(mixes):
+    result = plan(_request(mixes, "397b_a17b", 8))
+    assert not result.plans and set(result.refused) == {"over memory (weights + gradients + optimizer)"}
+    out = tool.describe(result, 0.0)
+    assert "no layout fits" in out
+
+
+def test_activations_over_memory_are_named(mixes):
+    """The 9b fits one 80 GB node as weights; 32k-token rows at MBS 4 do not fit as activations."""
+    req = _request(mixes, "9b", 8, seq_len=32768, micro_batch=4, global_batch=64, recompute=(None,))
+    refused = evaluate(req, cost.Candidate(Layout(tp=1, pp=1, gpus=8), 4)).refused
+    assert refused == "over memory (activations)"
+    assert evaluate(req, cost.Candidate(Layout(tp=8, pp=1, cp=1, gpus=8), 1)).refused in ("", "over memory (activations)")
+
+
+def test_global_batch_must_split_into_micro_batches(mixes):
+    req = _request(mixes, "9b", 8, global_batch=6)
+    p = evaluate(req, cost.Candidate(Layout(tp=2, gpus=8), 1))  # DP 4 does not divide 6 rows
+    assert p.refused.startswith("GBS 6 is not a multiple of DP x MBS = 4")
+
+
+@pytest.mark.parametrize("pp,vp,m", [(4, None, 8), (4, None, 2), (8, 4, 32), (4, 2, 3), (2, 3, 12)])
+def test_micro_batches_in_flight_are_megatrons_warm_up(pp, vp, m):
+    """At its peak a stage holds its warm-up forwards plus the one of the steady state: megatron's
+    own count (``get_pp_rank_microbatches``), in chunks of 1/VP of the stage."""
+    from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
+
+    for rank in range(pp):
+        comm = SimpleNamespace(pp_group=SimpleNamespace(size=lambda: pp, rank=lambda r=rank: r),
+                               virtual_pipeline_model_parallel_size=vp)
+        total, _, warmup, _ = get_pp_rank_microbatches(m, vp or 1, pp, p2p_communicator=comm)
+        chunks = min(warmup + 1, total)
+        assert cost.in_flight(Layout(pp=pp, vp=vp, gpus=pp), rank, m) == pytest.approx(chunks / (vp or 1))
+
+
+def test_balanced_split_gives_the_vision_stage_fewer_layers():
+    shape = VARIANTS["397b_a17b"]
+    first, last = balanced_split(shape, 8, None, vision_layers=2.0, head_layers=4.0)
+    assert first < 60 // 8 and last < 60 // 8
+    stage_layers(60, 8, None, first, last)  # a split megatron accepts
+    assert balanced_split(shape, 4, None, 0.0, 0.0) is None  # 15 layers a stage: nothing to balance
+    assert balanced_split(shape, 8, None, 0.0, 0.0)  # 60 do not split evenly over 8: a valid uneven split
+    first, last = balanced_split(VARIANTS["35b_a3b"], 2, None, 3.0, 9.0)
+    assert first + last == 40 and first > last
+
+
+def test_step_time_counts_what_it_says(mixes):
+    """Compute is the FLOPs at the stated rate; EP traffic appears only with EP; the pipeline
+    bubble is (PP - 1) / VP micro-batch times; DP imbalance is 0 with one replica."""
+    shape, mix = VARIANTS["35b_a3b"], mixes("35b_a3b")
+    rows = [mix.mean_row]
+    hw = cost.HARDWARE["h100"]
+    one = cost.step_time(shape, cost.Candidate(Layout(gpus=1)), rows, 4, 1.0, hw, 0.5)
+    from examples.multimodal_dev.models.qwen35_vl.flops import micro_batch_flops
+
+    flops = micro_batch_flops(shape, rows[0].lengths, rows[0].grids).training * 4
+    assert one.compute == pytest.approx(flops / (hw.peak_tflops * 1e12 * 0.5))
+    assert one.tp == one.cp == one.ep == one.pp == one.dp == one.imbalance == 0
+    ep = cost.step_time(shape, cost.Candidate(Layout(ep=8, gpus=8)), rows, 4, 1.0, hw, 0.5)
+    assert ep.ep > 0 and ep.compute == pytest.approx(one.compute)
+    piped = cost.step_time(shape, cost.Candidate(Layout(pp=4, vp=2, gpus=4)), rows, 8, 1.0, hw, 0.5)
+    per_mb = (piped.compute + piped.tp + piped.cp + piped.ep) / 8 + (piped.pp - piped.parts["bubble"]) / 8
+    assert piped.parts["bubble"] == pytest.approx(3 / 2 * per_mb)
+    uneven = cost.step_time(shape, cost.Candidate(Layout(gpus=8)), rows, 4, 1.25, hw, 0.5)
+    assert uneven.imbalance == pytest.approx(0.25 * (uneven.compute + uneven.tp + uneven.cp + uneven.ep))
+
+
+def test_mix_imbalance_is_one_for_one_replica_and_small_when_dealt(mixes):
+    mix = mixes("9b")
+    assert mix.imbalance(1, 8) == 1.0
+    assert 1.0 <= mix.imbalance(8, 8) < 1.05  # rows dealt by FLOPs even out
+    assert len(mix.rows) > 100 and all(r.tokens <= 4096 for r in mix.rows)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["9b", "--gpus", "12"], "--gpus 12: not a whole number of nodes"),
+    (["9b", "--gpus", "0"], "--gpus 0: must be at least 1"),
+    (["9b", "--gpus", "8", "--efficiency", "1.5"], r"--efficiency 1.5: a share of peak"),
+    (["9b", "--gpus", "8", "--gpu-memory", "-1"], "--gpu-memory -1.0: must be positive"),
+    (["nine", "--gpus", "8"], "variant 'nine': expected one of"),
+    (["tiny"], "--gpus: needed for tiny"),
+])
+def test_bad_settings_are_refused_in_one_line(argv, message):
+    with pytest.raises(SystemExit) as exc:
+        tool.main(argv)
+    text = str(exc.value)
+    assert "\n" not in text and message in text, text
+
+
+def test_the_tool_prints_the_memory_and_time_parts(capsys):
+    assert tool.main(["35b_a3b", "--gpus", "16", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n#") == 2 and "weights" in out and "optimizer" in out and "activations" in out
+    assert "EP" in out and "bubble" in out and "run: TP=" in out
+    assert tool.main(["35b_a3b", "--brief"]) == 0
+    brief = capsys.readouterr().out.strip()
+    tp, pp, vp, cp, ep, etp, first, last, gpus = LAYOUTS["35b_a3b"]
+    assert brief.startswith(f"TP={tp} PP={pp} CP={cp}") and f"on {gpus} GPUs" in brief and "\n" not in brief
+
+
+def test_the_mix_of_your_own_jsonl_is_what_its_dataset_describes(tmp_path, capsys):
+    """``--data-path``: the conversations' token counts and grids as the training loader reads them
+    (``describe``), packed into rows; the plan says whose mix it planned for."""
+    import json
+
+    from tiny_processor import build_processor, png_bytes
+
+    from examples.multimodal_dev.data.jsonl import build_datasets
+
+    processor = build_processor(str(tmp_path / "processor"))
+    (tmp_path / "cat.png").write_bytes(png_bytes((96, 64), (200, 10, 10)))
+    records = [{"messages": [{"role": "user", "content": "<image>" * (i % 3) + "describe " * (5 + 7 * i)},
+                             {"role": "assistant", "content": "ok " * (3 + i)}], "images": ["cat.png"] * (i % 3)}
+               for i in range(40)]
+    data = tmp_path / "mine.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    train, _, _ = build_datasets(1024, (40, 0, 0), data_path=str(data), hf_processor_path=processor)
+    mix = Mix.from_dataset(VARIANTS["9b"], 1024, train, "mine")
+    described = [train.describe(i) for i in range(40)]
+    assert sum(r.tokens for r in mix.rows) <= sum(n for n, _ in described)
+    from collections import Counter
+
+    assert not Counter(g for r in mix.rows for g in r.grids) - Counter(tuple(g) for _, gs in described for g in gs)
+    assert any(r.grids for r in mix.rows) and all(r.tokens <= 1024 for r in mix.rows)
+
+    assert tool.main(["9b", "--gpus", "8", "--seq-len", "1024", "--global-batch", "64", "--top", "1",
+                      "--data-path", str(data), "--hf-processor-path", processor]) == 0
+    assert f"from --data-path {data}" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="needs --hf-processor-path"):
+        tool.main(["9b", "--gpus", "8", "--data-path", str(data)])
