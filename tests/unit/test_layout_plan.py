@@ -4,6 +4,7 @@ in flight are megatron's, the step time answers to what it counts, and bad setti
 one line. Weights, gradients and optimizer bytes are held to the meta-device builds in
 ``test_meta_builds.py``; activations to a CPU run in ``test_activation_memory.py``."""
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +16,8 @@ from examples.multimodal_dev.training.layout_mix import Mix
 from examples.multimodal_dev.training.layout_plan import Request, balanced_split, evaluate, plan
 from examples.multimodal_dev.training.meta_builds import Layout
 from examples.multimodal_dev.training.pipeline_layout import LAYOUTS, stage_layers
+
+README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +39,13 @@ def _request(mixes, name, gpus, **kw):
 @pytest.mark.parametrize("variant", list(LAYOUTS))
 def test_recommended_layouts_are_the_planners_choice(mixes, variant):
     """``pipeline_layout.LAYOUTS`` (what the meta builds, the README and the run script use) is the
-    planner's best layout at the default count: a change to the cost model shows up here."""
-    best = plan(_request(mixes, variant, LAYOUTS[variant][-1]), keep=1).plans[0]
+    planner's best layout at the default count, and the README's planner table is its row: a change
+    to the cost model shows up here."""
+    result = plan(_request(mixes, variant, LAYOUTS[variant][-1]), keep=1)
+    best = result.plans[0]
     assert best.candidate.layout == Layout.recommended(variant), best.candidate.describe()
+    with open(README) as f:
+        assert tool.readme_row(result) in f.read(), "README: rerun tools/plan_layout --readme-table"
 
 
 def test_a_model_too_big_for_its_gpus_is_refused_by_its_weights(mixes):
@@ -134,7 +141,7 @@ def test_the_tool_prints_the_memory_and_time_parts(capsys):
     assert tool.main(["35b_a3b", "--gpus", "16", "--top", "2"]) == 0
     out = capsys.readouterr().out
     assert out.count("\n#") == 2 and "weights" in out and "optimizer" in out and "activations" in out
-    assert "EP" in out and "bubble" in out and "run: TP=" in out
+    assert "EP" in out and "bubble" in out and "\n   run (DP=" in out and "PACKING=tokens SEQ_LEN=4096 GBS=512 bash run_qwen35_vl.sh" in out
     assert tool.main(["35b_a3b", "--brief"]) == 0
     brief = capsys.readouterr().out.strip()
     tp, pp, vp, cp, ep, etp, first, last, gpus = LAYOUTS["35b_a3b"]

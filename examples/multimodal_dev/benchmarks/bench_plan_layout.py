@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     if args.reps < 1 or any(g < 1 for g in args.gpus):
         raise SystemExit("bench_plan_layout: --reps and --gpus must be positive")
     logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
-    from examples.multimodal_dev.tools.plan_layout import run_settings
+    from examples.multimodal_dev.tools.plan_layout import notes, run_settings
     from examples.multimodal_dev.training.pipeline_layout import LAYOUTS
 
     worst = 0.0
@@ -70,7 +70,8 @@ def main(argv=None) -> int:
         for gpus in args.gpus:
             mix_s, seconds, result = plan_seconds(name, gpus, args.reps)
             worst = max(worst, seconds + mix_s)
-            best = run_settings(result.plans[0]) if result.plans else "none fits"
+            best = (f"{run_settings(result.plans[0], result.request, data=False)} {notes(result.plans[0])}"
+                    if result.plans else "none fits")
             print(f"| {name} | {gpus} | {result.examined} | {seconds:.2f} | {mix_s:.2f} | {BUDGET_S / (seconds + mix_s):.1f}x "
                   f"| {best} |", flush=True)
         if name in LAYOUTS:

@@ -74,7 +74,7 @@ def readme_row(result) -> str:
     req, best = result.request, result.plans[0]
     m, t = best.busiest, best.time
     tokens = req.global_batch * req.mix.seq_len / t.total / req.gpus
-    return (f"| `{req.name}` | {req.gpus} | {run_settings(best, flags=False)} | {(m.weights + m.grads + m.optimizer) / GIB:.1f} + "
+    return (f"| `{req.name}` | {req.gpus} | {run_settings(best, req, data=False)} {notes(best)} | {(m.weights + m.grads + m.optimizer) / GIB:.1f} + "
             f"{m.activations / GIB:.1f} = {m.total / GIB:.1f} | {t.total:.2f} | {best.tflops_per_gpu(req):.0f} | "
             f"{tokens:,.0f} | {BRIDGE_H100.get(req.name, '-')} |")
 
@@ -148,19 +148,32 @@ def _mix(args, shape):
         _fail(" ".join(str(err).split()))
 
 
-def run_settings(plan, flags: bool = True) -> str:
-    """The run script's environment (and extra flags, or "recompute full") for a plan."""
-    lay = plan.candidate.layout
+RECOMPUTE_FLAGS = "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"
+
+
+def run_settings(plan, request, data: bool = True) -> str:
+    """The run script's environment for a plan. The rows are token-budget packed
+    (``PACKING=tokens``), where a micro-batch is one row: MBS rows of SEQ_LEN tokens become one row
+    of MBS x SEQ_LEN (``PACKED_SEQ_LENGTH``), the same tokens."""
+    lay, mbs, seq = plan.candidate.layout, plan.candidate.mbs, request.mix.seq_len
     env = [f"TP={lay.tp}", f"PP={lay.pp}", f"CP={lay.cp}"]
     env += [f"EP={lay.ep}", f"ETP={lay.etp}"] if lay.ep > 1 else []
     env += [f"VP={lay.vp}"] if lay.vp else []
     env += [f"PP_FIRST={lay.first}", f"PP_LAST={lay.last}"] if lay.first else []
-    env += [f"MBS={plan.candidate.mbs}"]
-    extra = ""
-    if plan.candidate.recompute:
-        extra = " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1" if flags \
-            else ", recompute full"
-    return " ".join(env) + f" (DP={lay.dp}){extra}"
+    if data:
+        env += ["PACKING=tokens", f"SEQ_LEN={seq}"] + ([f"PACKED_SEQ_LENGTH={mbs * seq}"] if mbs > 1 else [])
+        env += [f"GBS={request.global_batch // mbs}"]
+    return " ".join(env)
+
+
+def notes(plan) -> str:
+    """(DP=.., recompute full): what the settings imply or add."""
+    return f"(DP={plan.candidate.layout.dp}" + (", recompute full)" if plan.candidate.recompute else ")")
+
+
+def command(plan, request) -> str:
+    flags = f" {RECOMPUTE_FLAGS}" if plan.candidate.recompute else ""
+    return f"{run_settings(plan, request)} bash run_qwen35_vl.sh{flags}"
 
 
 def describe(result, seconds: float) -> str:
@@ -193,7 +206,7 @@ def describe(result, seconds: float) -> str:
             f"   step s: compute {t.compute:.2f}, TP/SP {t.tp:.2f}, CP {t.cp:.2f}, EP {t.ep:.2f}, PP {t.pp:.2f} "
             f"(bubble {t.parts['bubble']:.2f}), DP not hidden {t.dp:.2f}, DP imbalance {t.imbalance:.2f}; "
             f"busiest stage {t.parts['busiest_stage']}",
-            f"   run: {run_settings(p)}"]
+            f"   run {notes(p)}: {command(p, req)}"]
     return "\n".join(lines)
 
 
@@ -246,7 +259,7 @@ def main(argv=None) -> int:
         if not result.plans:
             _fail(f"{request.name}: no layout fits {args.gpus} GPUs of {request.hardware.memory_gib:g} GiB")
         best = result.plans[0]
-        print(f"{run_settings(best)} on {args.gpus} GPUs: {best.busiest.total / GIB:.1f} GiB on the fullest rank, "
+        print(f"{run_settings(best, request)} {notes(best)} on {args.gpus} GPUs: {best.busiest.total / GIB:.1f} GiB on the fullest rank, "
               f"step {best.time.total:.2f} s, {best.tflops_per_gpu(request):.0f} TFLOP/s per GPU (predicted, "
               f"{request.hardware.name})")
         return 0
