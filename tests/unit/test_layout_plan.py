@@ -63,6 +63,13 @@ def test_activations_over_memory_are_named(mixes):
     assert evaluate(req, cost.Candidate(Layout(tp=8, pp=1, cp=1, gpus=8), 1)).refused in ("", "over memory (activations)")
 
 
+def test_tied_embeddings_with_mtp_stay_on_one_pipeline_stage(mixes):
+    """megatron-core 0.19.2 cannot checkpoint them at PP > 1 (``test_meta_builds``): never planned."""
+    result = plan(_request(mixes, "2b", 16), keep=50)
+    assert result.plans and {p.candidate.layout.pp for p in result.plans} == {1}
+    assert any(p.candidate.layout.pp > 1 for p in plan(_request(mixes, "9b", 16), keep=50).plans)
+
+
 def test_global_batch_must_split_into_micro_batches(mixes):
     req = _request(mixes, "9b", 8, global_batch=6)
     p = evaluate(req, cost.Candidate(Layout(tp=2, gpus=8), 1))  # DP 4 does not divide 6 rows
@@ -129,6 +136,9 @@ def test_mix_imbalance_is_one_for_one_replica_and_small_when_dealt(mixes):
     (["9b", "--gpus", "8", "--gpu-memory", "-1"], "--gpu-memory -1.0: must be positive"),
     (["nine", "--gpus", "8"], "variant 'nine': expected one of"),
     (["tiny"], "--gpus: needed for tiny"),
+    (["9b", "--layout", "TP=3"], "--layout TP=3: invalid parallel settings: --tensor-model-parallel-size 3 must divide "
+                                 "num_attention_heads 16; "),
+    (["9b", "--layout", "XP=2"], "--layout XP=2: item 'XP=2': expected KEY=N"),
 ])
 def test_bad_settings_are_refused_in_one_line(argv, message):
     with pytest.raises(SystemExit) as exc:

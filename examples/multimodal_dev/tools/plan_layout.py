@@ -220,7 +220,7 @@ def _one_layout(request, text: str):
         layout = Layout.parse(f"{text} GPUS={request.gpus}")  # the count is --gpus'
         layout.check(request.shape)
     except ValueError as err:
-        _fail(f"--layout {text}: " + " ".join(str(err).split()))
+        _fail(f"--layout {text}: " + str(err).replace(":\n  ", ": ").replace("\n  ", "; "))
     result = Result(request, [])
     for rc in request.recompute:
         p = evaluate(request, Candidate(layout, request.micro_batch, rc))
