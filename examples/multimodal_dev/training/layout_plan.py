@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from ..models.qwen35_vl.configuration import FULL
 from ..models.qwen35_vl.flops import micro_batch_flops
 from ..models.qwen35_vl.parallel import validate_parallel
 from .layout_cost import GIB, Candidate, Hardware, stage_memory, step_time
