@@ -13,7 +13,8 @@ types. ``install()`` answers all of that with the CPU:
 - ``Tensor.type()`` answers ``torch.cuda.FloatTensor`` & co. (``clip_grads.py`` asserts it);
 - ``torch.accelerator.current_accelerator()`` answers None, so torch's optimizers do not ask
   a CUDA graph capture status;
-- ``all_reduce`` with ``ReduceOp.AVG`` sums and divides (older gloo builds lack AVG).
+- ``all_reduce`` with ``ReduceOp.AVG`` sums and divides (older gloo builds lack AVG);
+- a group asked for on ``backend='nccl'`` is made on the default backend (gloo).
 
 ``torch.cuda.is_available()`` stays False: that is how the project tells the hosts apart.
 Installed only there (``megatron.cpu.activate``); on a GPU host nothing here runs.
@@ -249,6 +250,21 @@ def _average_on_gloo(all_reduce):
     return average_capable_all_reduce
 
 
+def _groups_on_the_default_backend(new_group):
+    """megatron-core's bridge communicators (``models/mimo/comm``, ``pipeline_parallel``) create
+    their groups with ``backend='nccl'`` written in; a host without CUDA has no NCCL, so such a
+    group is made on the default backend (gloo), as every other group here."""
+
+    def new_group_here(*args, **kwargs):
+        if kwargs.get("backend") == "nccl":
+            kwargs["backend"] = None
+        elif len(args) > 2 and args[2] == "nccl":  # (ranks, timeout, backend, ...)
+            args = (*args[:2], None, *args[3:])
+        return new_group(*args, **kwargs)
+
+    return new_group_here
+
+
 def _patch_rng_tracker() -> None:
     """megatron-core's model-parallel RNG tracker forks the CUDA generator; on this host the
     forks are of the CPU generator, so dropout and init keep their determinism contract."""
@@ -278,6 +294,11 @@ def install() -> None:
         torch.accelerator.current_accelerator = _no_accelerator
     _patch_rng_tracker()
     torch.distributed.all_reduce = _average_on_gloo(torch.distributed.all_reduce)
+    # new_subgroups_by_enumeration calls the module's own new_group: patch it there, and the
+    # public name megatron calls directly
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.new_group = torch.distributed.new_group = _groups_on_the_default_backend(distributed_c10d.new_group)
     CudaToHostMode().__enter__()  # this thread, for the life of the process
     _enter_mode_in_threads()
     _installed = True

@@ -109,6 +109,19 @@ def test_avg_all_reduce_on_gloo(mcore):
     assert torch.distributed.all_reduce.__name__ == "average_capable_all_reduce"
 
 
+def test_groups_asked_for_on_nccl_are_made_on_gloo(mcore):
+    """megatron-core's bridge communicators write ``backend='nccl'`` in; here those groups are gloo
+    groups, by keyword or position, directly or through ``new_subgroups_by_enumeration``."""
+    dist = torch.distributed
+    subgroup, _ = dist.new_subgroups_by_enumeration([[0]], backend="nccl")
+    by_position = dist.new_group([0], None, "nccl")
+    for group in (subgroup, by_position, dist.new_group([0], backend="nccl")):
+        assert dist.get_backend(group) == "gloo"
+        value = torch.tensor([2.0])
+        dist.all_reduce(value, group=group)
+        assert value.tolist() == [2.0]
+
+
 def test_avg_is_a_sum_divided_by_the_group_size(monkeypatch):
     """The arithmetic of the AVG path for a group of 2, with the other rank holding [1, 5]."""
     ops = []
