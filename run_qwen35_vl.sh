@@ -11,7 +11,10 @@
 #   VP              virtual pipeline stages per pipeline rank: the interleaved schedule [1]
 #   PP_FIRST PP_LAST  decoder layers on the first / last pipeline stage (uneven split) [even]
 #   SP              1 = sequence parallelism (needs TP>1) [1 for MoE with TP>1, which megatron requires; else 0]
-#   NPROC           processes on this node [TP*CP*PP]
+#   VISION_TP       the vision tower's tensor parallel size, a divisor of TP (the rest is its data parallelism) [TP]
+#   VISION_NPROC    ranks 0..VISION_NPROC-1 run only the vision tower, the others only the language model
+#                   [0: it runs on the language model's first-stage ranks] (examples/multimodal_dev/training/vision_layout.py)
+#   NPROC           processes on this node [TP*CP*PP + VISION_NPROC]
 #   DATASET         mock | mock_mix (the length / image mix of a real SFT set) | mock_video (images and
 #                   videos) | cord_v2 | jsonl (your own conversations; README "Your own data") | energon
 #                   (Megatron-Energon shards, e.g. from tools/jsonl_to_energon.py) [mock];
@@ -66,6 +69,7 @@ source "$ROOT/tools/bootstrap_env.sh"
 # ROW: the numbers on stdout; on failure ROW_ERROR is megatron_args.py's one-line reason.
 shape_row() {
   local err; err="$(mktemp)"
+  SHAPE_ARGS=("$@")  # also for the vision heads below
   if ROW=$("$PY" -m examples.multimodal_dev.models.megatron_args shape-row "$@" 2>"$err"); then rm -f "$err"; return 0; fi
   ROW_ERROR="$(tail -n 1 "$err")"; ROW_ERROR="${ROW_ERROR#megatron_args.py: }"; rm -f "$err"; return 1
 }
@@ -89,9 +93,11 @@ positive() { local var; for var in "$@"; do [[ "${!var}" =~ ^[1-9][0-9]*$ ]] || 
 TP=${TP:-1}; CP=${CP:-1}; EP=${EP:-1}; PP=${PP:-1}
 positive TP CP EP PP
 ETP=${ETP:-$TP}; VP=${VP:-1}
+VISION_TP_GIVEN=${VISION_TP:+1}; VISION_TP=${VISION_TP:-$TP}; VISION_NPROC=${VISION_NPROC:-0}
+[[ "$VISION_NPROC" =~ ^(0|[1-9][0-9]*)$ ]] || fail "VISION_NPROC=$VISION_NPROC must be a non-negative integer"
 PP_FIRST=${PP_FIRST:-0}; PP_LAST=${PP_LAST:-0}
 SP=${SP:-$(( TP > 1 && EXPERTS > 0 ? 1 : 0 ))}
-NPROC=${NPROC:-$((TP * CP * PP))}
+NPROC=${NPROC:-$((TP * CP * PP + VISION_NPROC))}
 DATASET=${DATASET:-mock}
 PACKED=${PACKED:-1}
 PACKING=${PACKING:-samples}
@@ -103,7 +109,7 @@ else
   TRAIN_ITERS=${TRAIN_ITERS:-30}; MBS=${MBS:-2}; GBS=${GBS:-4}; SEQ_LEN=${SEQ_LEN:-1024}; LR=${LR:-2e-3}
 fi
 PACKED_SEQ_LENGTH=${PACKED_SEQ_LENGTH:-$SEQ_LEN}
-positive ETP VP NPROC TRAIN_ITERS MBS GBS SEQ_LEN PACKED_SEQ_LENGTH
+positive ETP VP VISION_TP NPROC TRAIN_ITERS MBS GBS SEQ_LEN PACKED_SEQ_LENGTH
 [[ -z "${SAVE_INTERVAL:-}" ]] || positive SAVE_INTERVAL
 for var in PP_FIRST PP_LAST; do
   [[ "${!var}" =~ ^[0-9]+$ ]] || fail "$var=${!var} must be a number of decoder layers"
@@ -126,13 +132,25 @@ awk -v lr="$LR" 'BEGIN { exit !(lr + 0 >= 0 && lr + 0 < 1e38) }' || fail "LR=$LR
 (( SP == 1 || TP == 1 || EXPERTS == 0 )) || fail "SP=0 with TP=$TP: megatron-core requires sequence parallelism for MoE with TP>1"
 (( EP == 1 || EXPERTS > 0 )) || fail "EP=$EP needs an MoE variant; MODEL_VARIANT=$MODEL_VARIANT is dense"
 (( EXPERTS == 0 || EXPERTS % EP == 0 )) || fail "EP=$EP does not divide the $EXPERTS experts of $MODEL_VARIANT"
-(( NPROC % (TP * CP * PP) == 0 )) || fail "NPROC=$NPROC is not divisible by TP*CP*PP=$((TP * CP * PP))"
-(( (NPROC / PP) % (EP * ETP) == 0 )) || fail "EP=$EP: NPROC/PP=$((NPROC / PP)) is not divisible by EP*ETP=$((EP * ETP))"
+# the language model's ranks: all but the VISION_NPROC that run only the vision tower
+LANG_NPROC=$((NPROC - VISION_NPROC)); LANG_NAME=$( (( VISION_NPROC > 0 )) && echo "(NPROC-VISION_NPROC)" || echo NPROC)
+(( LANG_NPROC > 0 )) || fail "VISION_NPROC=$VISION_NPROC leaves no ranks for the language model (NPROC=$NPROC)"
+(( LANG_NPROC % (TP * CP * PP) == 0 )) || fail "$LANG_NAME=$LANG_NPROC is not divisible by TP*CP*PP=$((TP * CP * PP))"
+(( (LANG_NPROC / PP) % (EP * ETP) == 0 )) || fail "EP=$EP: $LANG_NAME/PP=$((LANG_NPROC / PP)) is not divisible by EP*ETP=$((EP * ETP))"
 (( HEADS % TP == 0 )) || fail "TP=$TP does not divide the $HEADS attention heads of $MODEL_VARIANT"
 (( GDN_K % (TP * CP) == 0 && GDN_V % (TP * CP) == 0 )) \
   || fail "TP*CP=$((TP * CP)) does not divide the Gated DeltaNet heads ($GDN_K key, $GDN_V value) of $MODEL_VARIANT"
-(( GBS % (MBS * NPROC / (TP * CP * PP)) == 0 )) \
-  || fail "GBS=$GBS is not a multiple of MBS*DP=$((MBS * NPROC / (TP * CP * PP)))"
+(( GBS % (MBS * LANG_NPROC / (TP * CP * PP)) == 0 )) \
+  || fail "GBS=$GBS is not a multiple of MBS*DP=$((MBS * LANG_NPROC / (TP * CP * PP)))"
+# the vision tower's own ranks and TP/DP (training/vision_layout.py: refused by name when megatron-core
+# cannot run them)
+VISION_HEADS=$("$PY" -m examples.multimodal_dev.models.megatron_args vision-heads "${SHAPE_ARGS[@]}" 2>/dev/null) \
+  || fail "the vision heads of $MODEL_VARIANT could not be read"
+if ! VISION_TABLE=$("$PY" -m examples.multimodal_dev.training.vision_layout table "$NPROC" "$TP" "$CP" "$PP" "$VP" \
+                    "$VISION_TP" "$VISION_NPROC" "$VISION_HEADS" 2>&1); then
+  [[ -n "$VISION_TP_GIVEN" || "$VISION_TABLE" != *VISION_TP=* ]] || VISION_TABLE+=" (VISION_TP is TP unless set)"
+  fail "${VISION_TABLE#vision_layout.py: }"
+fi
 case "$DATASET" in
   mock|mock_mix|mock_video) ;;
   cord_v2|jsonl|energon)
@@ -188,6 +206,8 @@ fi
 [[ $PACKED == 1 ]] || ARGS+=(--no-packed-sequence)
 [[ $PACKING == samples ]] || ARGS+=(--packing tokens --packed-seq-length "$PACKED_SEQ_LENGTH")
 (( VP > 1 )) && ARGS+=(--num-virtual-stages-per-pipeline-rank "$VP")
+(( VISION_TP != TP )) && ARGS+=(--vision-tensor-parallel-size "$VISION_TP")
+(( VISION_NPROC > 0 )) && ARGS+=(--vision-nproc "$VISION_NPROC")
 (( PP_FIRST > 0 )) && ARGS+=(--decoder-first-pipeline-num-layers "$PP_FIRST")
 (( PP_LAST > 0 )) && ARGS+=(--decoder-last-pipeline-num-layers "$PP_LAST")
 (( SP == 1 )) && ARGS+=(--sequence-parallel)
@@ -254,6 +274,7 @@ LAUNCH=(torchrun --nproc-per-node "$NPROC" "${RDZV[@]}" --module examples.multim
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
   # the layout planner's choice for a cluster of GPUS H100s (README, "Planning a cluster layout");
   # without GPUS, only the variants with a default count; the command stays the last line
+  (( VISION_TP != TP || VISION_NPROC > 0 )) && echo "$VISION_TABLE"  # which ranks run which module
   if [[ -n "$HF_CONFIG" ]]; then PLAN_MODEL=(--hf-config "$HF_CONFIG"); else PLAN_MODEL=("$MODEL_VARIANT"); fi
   if [[ -n "${GPUS:-}" ]]; then
     positive GPUS
@@ -268,5 +289,7 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
 fi
 
 echo "run_qwen35_vl.sh: $MODEL_VARIANT, TP=$TP CP=$CP EP=$EP PP=$PP VP=$VP SP=$SP NPROC=$NPROC, dataset $DATASET, packing $PACKING, $TRAIN_ITERS iterations"
+(( VISION_TP != TP || VISION_NPROC > 0 )) && echo "$VISION_TABLE" | sed 's/^# /run_qwen35_vl.sh: /'
+
 # training/torchrun_launcher.py is torchrun without its own traceback when a rank fails (the rank has said why)
 exec "$PY" -m examples.multimodal_dev.training.torchrun_launcher "${LAUNCH[@]:1}" "${ARGS[@]}" "$@"

@@ -244,6 +244,7 @@ def checked_args():
                           args.energon_packing_buffer_size)
         elif args.data_path:
             resolve_source(data_path_value(args), "--data-path")
+        run_checks.check_vision_layout(args, model_shape().vision.num_heads)
         language, vision = model_configs()
         text = model_shape().text
         run_checks.check_memory_floor(args, text.hidden_size, text.num_layers, text.vocab_size)

@@ -84,3 +84,29 @@ def test_the_floor_follows_the_layout():
     with pytest.raises(ValueError, match=r"^--packed-seq-length 8192: .* of this GPU;"):
         run_checks.check_memory_floor(_run(packing="tokens", packed_seq_length=8192), 4096, 32, 248320,
                                       available=(1 << 30, "this GPU"))
+
+
+def _layout_args(**kw):
+    base = dict(world_size=2, tensor_model_parallel_size=2, context_parallel_size=1, pipeline_model_parallel_size=1,
+                virtual_pipeline_model_parallel_size=None, vision_tensor_parallel_size=1, vision_nproc=0,
+                use_distributed_optimizer=True, dist_ckpt_optim_dp_reshardable=False)
+    return SimpleNamespace(**{**base, **kw})
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(), None),
+    (dict(vision_tensor_parallel_size=None), None),  # the language model's TP
+    (dict(vision_tensor_parallel_size=3), r"--vision-tensor-parallel-size 3 does not divide the 16 vision attention"),
+    (dict(tensor_model_parallel_size=1, world_size=1, vision_tensor_parallel_size=2),
+     r"--vision-tensor-parallel-size 2 does not divide --tensor-model-parallel-size 1"),
+    (dict(world_size=3, vision_nproc=1), r"--vision-nproc 1: the vision tower on ranks of its own is not built yet"),
+    (dict(dist_ckpt_optim_dp_reshardable=True), r"--dist-ckpt-optim-dp-reshardable with --vision-tensor-parallel-size 1"),
+    (dict(dist_ckpt_optim_dp_reshardable=True, vision_tensor_parallel_size=2), None),  # the ordinary layout
+])
+def test_the_vision_layout_is_checked_by_flag(changes, message):
+    args = _layout_args(**changes)
+    if message is None:
+        run_checks.check_vision_layout(args, vision_heads=16)
+    else:
+        with pytest.raises(ValueError, match=message):
+            run_checks.check_vision_layout(args, vision_heads=16)

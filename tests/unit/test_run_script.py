@@ -99,6 +99,19 @@ def test_model_flag_mismatch_is_named():
     (dict(LR_WARMUP_ITERS=30), "LR_WARMUP_ITERS=30 must be smaller than the decay iterations \\(TRAIN_ITERS=30\\)"),
     (dict(LR_WARMUP_ITERS=5, LR_DECAY_ITERS=5), "LR_WARMUP_ITERS=5 must be smaller than the decay iterations "
                                                 "\\(LR_DECAY_ITERS=5\\)"),
+    (dict(VISION_TP=0), "VISION_TP=0 must be a positive integer"),
+    (dict(VISION_NPROC="-1"), "VISION_NPROC=-1 must be a non-negative integer"),
+    (dict(VISION_TP=3), "VISION_TP=3 does not divide the 2 vision attention heads$"),
+    (dict(TP=4), "VISION_TP=4 does not divide the 2 vision attention heads \\(VISION_TP is TP unless set\\)"),
+    (dict(VISION_TP=2), "VISION_TP=2 does not divide TP=1"),
+    (dict(TP=2, VISION_NPROC=1), "VISION_NPROC=1 is not divisible by VISION_TP=2"),
+    (dict(VISION_NPROC=2, NPROC=2), "VISION_NPROC=2 leaves no ranks for the language model \\(NPROC=2\\)"),
+    (dict(TP=2, VISION_TP=1, VISION_NPROC=1, NPROC=4), "\\(NPROC-VISION_NPROC\\)=3 is not divisible by TP\\*CP\\*PP=2"),
+    (dict(MOE=1, EP=2, ETP=2, VISION_NPROC=1, NPROC=3), "EP=2: \\(NPROC-VISION_NPROC\\)/PP=2 is not divisible by EP\\*ETP=4"),
+    (dict(VISION_NPROC=1, NPROC=3, GBS=2), "GBS=2 is not a multiple of MBS\\*DP=4"),  # DP counts the language ranks
+    (dict(CP=2, VISION_NPROC=1), "CP=2 with VISION_NPROC=1: megatron-core 0.19.2's bridge"),
+    (dict(PP=2, VP=2, VISION_NPROC=1), "VP=2 with VISION_NPROC=1: only the non-interleaved pipeline schedule"),
+    (dict(VISION_NPROC=3, NPROC=5), "VISION_NPROC=3 / VISION_TP=1 = 3 vision data-parallel ranks and 2 language"),
 ])
 def test_impossible_settings_fail_with_the_variable(env, message):
     import re
@@ -126,6 +139,23 @@ def test_pipeline_settings_reach_megatron_and_layouts_are_printed():
     rc, out, err = _script(MODEL_VARIANT="9b", GPUS=12)
     assert rc != 0 and err.strip().splitlines()[-1] == \
         "run_qwen35_vl.sh: GPUS=12: --gpus 12: not a whole number of nodes of --gpus-per-node 8", err
+
+
+def test_vision_layout_reaches_megatron_and_its_rank_table_is_printed():
+    rc, out, err = _script(MODEL_VARIANT="tiny", TP=2, VISION_TP=1, VISION_NPROC=1)
+    assert rc == 0, err
+    flags = _flags(out)
+    assert (flags["vision_nproc"], flags["vision_tensor_parallel_size"], flags["nproc_per_node"]) == ("1", "1", "3")
+    lines = out.strip().splitlines()
+    assert lines[-3:-1] == ["# ranks 0    vision tower    TP=1 DP=1", "# ranks 1-2  language model  TP=2 CP=1 DP=1 PP=1"]
+    assert lines[-1].startswith("torchrun")
+    rc, out, err = _script(MODEL_VARIANT="tiny", TP=2, VISION_TP=1)  # on the language model's ranks
+    flags = _flags(out)
+    assert rc == 0 and flags["vision_tensor_parallel_size"] == "1" and "vision_nproc" not in flags
+    assert flags["nproc_per_node"] == "2" and "# ranks 0-1  vision tower    TP=1 DP=2 (on the language model's ranks)" in out
+    rc, out, err = _script(MODEL_VARIANT="tiny", TP=2, VISION_TP=2)  # the default layout: no table, no flags
+    flags = _flags(out)
+    assert rc == 0 and "vision_tensor_parallel_size" not in flags and "vision_nproc" not in flags and "# ranks" not in out
 
 
 def test_token_budget_packing_reaches_megatron_with_one_row_a_micro_batch():

@@ -2,6 +2,7 @@
 what a checkpoint stores as ``args``, and the run script's per-variant columns.
 
     python -m examples.multimodal_dev.models.megatron_args shape-row --variant 9b   (the run script's)
+    python -m examples.multimodal_dev.models.megatron_args vision-heads --variant 9b
 
 The shape table (``qwen35_vl/configuration.py``) is the only copy of the numbers; everything here
 reads them from a shape.
@@ -71,11 +72,16 @@ def shape_row(shape) -> str:
     return " ".join(str(args[k] or 0) for k in SHAPE_ROW)
 
 
-def _shape_row_command(argv: list[str]) -> str:
+# the commands of ``python -m ...megatron_args``: what each prints of the shape it is given
+COMMANDS = {"shape-row": ("the run script's model numbers: " + " ".join(SHAPE_ROW), shape_row),
+            "vision-heads": ("the vision tower's attention heads", lambda shape: str(shape.vision.num_heads))}
+
+
+def _shape_command(command: str, argv: list[str]) -> str:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="megatron_args.py shape-row",
-                                     description="the run script's model numbers: " + " ".join(SHAPE_ROW))
+    description, output = COMMANDS[command]
+    parser = argparse.ArgumentParser(prog=f"megatron_args.py {command}", description=description)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--variant")
     source.add_argument("--hf-config")
@@ -84,16 +90,16 @@ def _shape_row_command(argv: list[str]) -> str:
     from .qwen35_vl.configuration import from_hf_config, get_variant
 
     if args.hf_config:
-        return shape_row(from_hf_config(args.hf_config))
-    return shape_row(get_variant(args.variant, moe=True if args.moe else None))
+        return output(from_hf_config(args.hf_config))
+    return output(get_variant(args.variant, moe=True if args.moe else None))
 
 
-if __name__ == "__main__":  # used by run_qwen35_vl.sh: -m examples.multimodal_dev.models.megatron_args shape-row (--variant V [--moe] | --hf-config C)
+if __name__ == "__main__":  # used by run_qwen35_vl.sh: -m examples.multimodal_dev.models.megatron_args shape-row|vision-heads (--variant V [--moe] | --hf-config C)
     import sys
 
-    if len(sys.argv) < 2 or sys.argv[1] != "shape-row":
-        raise SystemExit("usage: megatron_args.py shape-row (--variant NAME [--moe] | --hf-config CONFIG_JSON)")
+    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
+        raise SystemExit("usage: megatron_args.py shape-row|vision-heads (--variant NAME [--moe] | --hf-config CONFIG_JSON)")
     try:
-        print(_shape_row_command(sys.argv[2:]))
+        print(_shape_command(sys.argv[1], sys.argv[2:]))
     except (KeyError, ValueError, FileNotFoundError) as err:
         raise SystemExit(f"megatron_args.py: {err.args[0] if err.args else err}")

@@ -80,6 +80,23 @@ def check_memory_floor(args, hidden_size: int, num_layers: int, vocab_size: int,
                          f"than the {have / gib:.1f} GiB of {where}; shorten it, or raise TP / CP / PP")
 
 
+def check_vision_layout(args, vision_heads: int) -> None:
+    """The vision tower's own layout (``training/vision_layout.py``), refused by flag before any
+    process group exists. What this build runs: the tower colocated with its own TP size."""
+    from .vision_layout import plan
+
+    tp, vtp = args.tensor_model_parallel_size, args.vision_tensor_parallel_size or args.tensor_model_parallel_size
+    plan(args.world_size, tp, args.context_parallel_size, args.pipeline_model_parallel_size, vtp, args.vision_nproc,
+         vision_heads, vp=args.virtual_pipeline_model_parallel_size or 1)
+    if args.vision_nproc:
+        raise ValueError(f"--vision-nproc {args.vision_nproc}: the vision tower on ranks of its own is not built yet; "
+                         "run it on the language model's ranks with its own TP size (--vision-tensor-parallel-size)")
+    if vtp != tp and args.use_distributed_optimizer and args.dist_ckpt_optim_dp_reshardable:
+        raise ValueError(f"--dist-ckpt-optim-dp-reshardable with --vision-tensor-parallel-size {vtp}: that format "
+                         "numbers optimizer shards by the language model's groups only, and the vision tower's copies "
+                         "would each claim theirs; keep the default (fully reshardable)")
+
+
 def check_resume_lr(args) -> None:
     """megatron restores each optimizer group's learning rate with the optimizer state and matches
     the groups by it, so a resume with another ``--lr`` / ``--min-lr`` dies with "Could not find
