@@ -43,7 +43,8 @@ def run_script(extra_args=(), timeout: int = 600, **env) -> Run:
     """``bash run_qwen35_vl.sh extra_args`` with ``env``; a variable of ``tests/hooks/sitecustomize.py``
     (fault injection, FLA's kernels) puts that folder on PYTHONPATH."""
     full_env = {**os.environ, **{k: str(v) for k, v in env.items()}}
-    if {"KILL_DURING_SAVE_AT", "RECORD_PIPELINE", "FULL_DISK_AT", "MEGATRON_CPU_FLA"} & set(env):
+    if {"KILL_DURING_SAVE_AT", "RECORD_PIPELINE", "FULL_DISK_AT", "MEGATRON_CPU_FLA", "VISION_GRAD_NORMS",
+        "CUT_VISION_GRAD"} & set(env):
         full_env["PYTHONPATH"] = HOOKS + os.pathsep + full_env.get("PYTHONPATH", "")
     with tempfile.TemporaryDirectory(prefix="run_metrics_") as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")

@@ -11,6 +11,11 @@ PYTHONPATH (``tests/launch.py`` puts it there only for a run that asks):
     RECORD_PIPELINE=DIR     every rank writes DIR/rank<R>.json: its pipeline rank, the parameter
                             names of each model chunk it built, and the shape and dtype of every
                             tensor it sent to another pipeline stage.
+    VISION_GRAD_NORMS=FILE  rank 0 appends, after each step's gradient finalisation, the norm of
+                            its vision tower's gradients (the whole tower's when rank 0 holds it
+                            whole: one process, or a vision TP of 1).
+    CUT_VISION_GRAD=1       the vision bridge hands the language model detached features: no
+                            gradient reaches the tower (what a broken backward would do).
 
     MEGATRON_CPU_FLA=1 with TRITON_INTERPRET=1
                             not a fault: FLA's kernels in a training run on a CPU host, with the two
@@ -98,6 +103,37 @@ if os.environ.get("RECORD_PIPELINE") and "RANK" in os.environ:  # training ranks
     p2p_communication.P2PCommunicator._communicate = _recording_communicate
     training.get_model = _recording_get_model
     atexit.register(_write)
+
+if os.environ.get("VISION_GRAD_NORMS") and os.environ.get("RANK") == "0":
+    import json
+
+    import torch
+    from megatron.core.utils import unwrap_model
+    from megatron.training import training
+
+    from examples.multimodal_dev.models.common import vision_bridge
+
+    def _recording(finalize):
+        def finalize_and_record(model, *args, **kwargs):
+            finalize(model, *args, **kwargs)
+            squares = 0.0
+            for chunk in model:
+                tower = getattr(unwrap_model(chunk), "vision_model", None)
+                for p in tower.parameters() if tower is not None else ():
+                    squares += float(getattr(p, "main_grad", p.grad).double().pow(2).sum())
+            with open(os.environ["VISION_GRAD_NORMS"], "a") as f:
+                f.write(json.dumps(squares ** 0.5) + "\n")
+        return finalize_and_record
+
+    # the default finalisation, and the one a vision tower on its own layout installs
+    training.finalize_model_grads = _recording(training.finalize_model_grads)
+    vision_bridge.finalize_model_grads = _recording(vision_bridge.finalize_model_grads)
+
+if os.environ.get("CUT_VISION_GRAD") == "1" and "RANK" in os.environ:  # training ranks only
+    from megatron.core.models.mimo.comm.colocated_communicator import ColocatedBridgeCommunicator
+
+    _bridge_communicate = ColocatedBridgeCommunicator.communicate
+    ColocatedBridgeCommunicator.communicate = lambda self, tensor: _bridge_communicate(self, tensor.detach())
 
 if os.environ.get("MEGATRON_CPU_FLA") == "1" and os.environ.get("TRITON_INTERPRET") == "1":
     import sys

@@ -87,18 +87,38 @@ class VisionLanguageModel(MegatronModule):
                 out, tensor_parallel_output_grad=False, group=self.language_model.pg_collection.tp).transpose(0, 1)
         return out
 
+    def _encode(self, pixels, grids) -> torch.Tensor:
+        bridge = getattr(self.vision_model, "bridge", None)
+        if bridge is not None:  # its own tensor-parallel size: vision_bridge.py
+            return bridge.encode(self.vision_model, pixels, grids)
+        return vision_context_parallel.encode(self.vision_model, pixels, grids, self.language_model.pg_collection.cp)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """megatron-core's, except that a vision tower on its own layout numbers its copies by its
+        own data-parallel group: its replica ids then name one main copy of each shard."""
+        from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sharded_state_dict_default
+
+        bridge = getattr(self.vision_model, "bridge", None)
+        if bridge is None:
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        out = {}
+        for name, module in self.named_children():
+            own = {**metadata, "dp_cp_group": bridge.dp} if module is self.vision_model else metadata
+            out.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, own))
+        return out
+
     def embed(self, input_ids_BS, pixel_values=None, image_grid_thw=None,
               pixel_values_videos=None, video_grid_thw=None) -> torch.Tensor:
         """Decoder input [S, B, H] with vision features merged at placeholder tokens."""
         embeds_BSH = self._word_embeddings(input_ids_BS)
-        cp_group = self.language_model.pg_collection.cp
         if pixel_values is not None:
-            feats = vision_context_parallel.encode(self.vision_model, pixel_values, image_grid_thw, cp_group)
+            feats = self._encode(pixel_values, image_grid_thw)
             embeds_BSH = self._scatter_features(embeds_BSH, input_ids_BS, self.image_token_id, feats, "images")
         elif bool((input_ids_BS == self.image_token_id).any()):
             raise ValueError("the batch has image placeholder tokens but no pixel_values")
         if pixel_values_videos is not None:
-            feats = vision_context_parallel.encode(self.vision_model, pixel_values_videos, video_grid_thw, cp_group)
+            feats = self._encode(pixel_values_videos, video_grid_thw)
             embeds_BSH = self._scatter_features(embeds_BSH, input_ids_BS, self.video_token_id, feats, "videos")
         elif bool((input_ids_BS == self.video_token_id).any()):
             raise ValueError("the batch has video placeholder tokens but no pixel_values_videos")

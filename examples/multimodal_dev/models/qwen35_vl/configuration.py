@@ -332,8 +332,12 @@ def configs_from_args(args, shape: Qwen35VLShape, backend: str, given: dict[str,
     this shape laid over them (``given``: the flags typed on the command line)."""
     from ..common.config_from_args import transformer_configs
 
+    vision_tp = getattr(args, "vision_tensor_parallel_size", None)
     validate_parallel(shape, args.tensor_model_parallel_size, args.context_parallel_size,
-                      args.expert_model_parallel_size)
+                      args.expert_model_parallel_size, vision_tp)
     source = f"--hf-config-path {args.hf_config_path}" if args.hf_config_path else f"variant {args.model_variant!r}"
+    vision = vision_architecture(shape.vision)
+    if vision_tp:
+        vision["tensor_model_parallel_size"] = vision_tp
     return transformer_configs(args, language_architecture(shape.text), language_recipe(shape.text),
-                               vision_architecture(shape.vision), source, backend, given)
+                               vision, source, backend, given)

@@ -14,7 +14,7 @@ import dataclasses
 from megatron.core.models.gpt import GPTModel
 
 from ..base import VisionLanguageModel
-from ..common import mtp_context_parallel
+from ..common import mtp_context_parallel, vision_bridge
 from ..common.context_parallel import ContextParallelSplit
 from .configuration import Qwen35VLShape
 from .mrope import InterleavedMRoPE
@@ -83,6 +83,11 @@ class Qwen35VLModel(VisionLanguageModel):
         # interleaves them channel by channel. Same call signature, so it drops in.
         language_model.rotary_pos_emb = InterleavedMRoPE(
             text.head_dim, text.partial_rotary_factor, text.rope_theta, text.mrope_section)
-        vision_model = Qwen35VisionModel(vision_config, shape.vision, backend) if pre_process else None
+        bridge = None
+        if vision_config.tensor_model_parallel_size != language_config.tensor_model_parallel_size:
+            # its own groups, made by every rank (collectively), the vision tower only on the first stage
+            bridge = vision_bridge.for_layout(vision_config.tensor_model_parallel_size, language_model.pg_collection)
+            language_config.finalize_model_grads_func = vision_bridge.finalize_model_grads
+        vision_model = Qwen35VisionModel(vision_config, shape.vision, backend, bridge) if pre_process else None
         super().__init__(language_config, vision_model, language_model, shape.image_token_id, shape.video_token_id)
         self.shape = shape

@@ -50,16 +50,18 @@ def bilinear_taps(coord: torch.Tensor, size: torch.Tensor, side: int):
 
 
 class PatchMerger(MegatronModule):
-    def __init__(self, config, shape: VisionShape, backend: str):
+    def __init__(self, config, shape: VisionShape, backend: str, tp_group=None):
         super().__init__(config=config)
+        if tp_group is not None:  # its own layout; otherwise megatron's TP group, as the linears'
+            self.tp_group = tp_group
         column, row, _ = linear_classes(backend)
         self.merged_dim = shape.hidden_size * shape.spatial_merge_size ** 2
         self.patch_norm = nn.LayerNorm(shape.hidden_size, eps=1e-6, dtype=config.params_dtype)
         self.linear_fc1 = column(self.merged_dim, self.merged_dim, config=config, init_method=config.init_method,
-                                 bias=True, gather_output=False, skip_bias_add=False)
+                                 bias=True, gather_output=False, skip_bias_add=False, tp_group=tp_group)
         self.linear_fc2 = row(self.merged_dim, shape.out_hidden_size, config=config,
                               init_method=config.output_layer_init_method, bias=True, input_is_parallel=True,
-                              skip_bias_add=False)
+                              skip_bias_add=False, tp_group=tp_group)
 
     def forward(self, x_PD: torch.Tensor) -> torch.Tensor:
         x = self.patch_norm(x_PD).view(-1, self.merged_dim)
@@ -69,9 +71,15 @@ class PatchMerger(MegatronModule):
 
 
 class Qwen35VisionModel(MegatronModule):
-    def __init__(self, config, shape: VisionShape, backend: str = "local"):
+    def __init__(self, config, shape: VisionShape, backend: str = "local", bridge=None):
+        """``bridge``: a ``common.vision_bridge.VisionBridge`` when the tower runs on its own
+        tensor-parallel size; None: the language model's TP groups."""
         super().__init__(config=config)
         self.shape = shape
+        self.bridge = bridge
+        groups = bridge.process_groups() if bridge is not None else process_groups_without_context_parallel()
+        if bridge is not None:
+            self.tp_group = groups.tp  # the checkpoint's TP coordinate of the plain parameters
         kernel = (shape.temporal_patch_size, shape.patch_size, shape.patch_size)
         self.patch_embed = nn.Module()
         self.patch_embed.proj = nn.Conv3d(shape.in_channels, shape.hidden_size, kernel_size=kernel, stride=kernel,
@@ -85,8 +93,10 @@ class Qwen35VisionModel(MegatronModule):
         # its attention and rotary must not see the language model's CP group.
         self.decoder = TransformerBlock(config=config, spec=vision_block_spec(config, backend),
                                         pre_process=True, post_process=False, post_layer_norm=False,
-                                        pg_collection=process_groups_without_context_parallel())
-        self.merger = PatchMerger(config, shape, backend)
+                                        pg_collection=groups)
+        self.merger = PatchMerger(config, shape, backend, tp_group=groups.tp if bridge is not None else None)
+        if bridge is not None:
+            bridge.adopt(self)
 
     def item_flops(self, grid_thw) -> float:
         """Forward FLOPs of encoding one image or video of this (t, h, w) grid: what context
