@@ -11,9 +11,10 @@ PYTHONPATH (``tests/launch.py`` puts it there only for a run that asks):
     RECORD_PIPELINE=DIR     every rank writes DIR/rank<R>.json: its pipeline rank, the parameter
                             names of each model chunk it built, and the shape and dtype of every
                             tensor it sent to another pipeline stage.
-    VISION_GRAD_NORMS=FILE  rank 0 appends, after each step's gradient finalisation, the norm of
-                            its vision tower's gradients (the whole tower's when rank 0 holds it
-                            whole: one process, or a vision TP of 1).
+    VISION_GRAD_NORMS=FILE  every rank R appends to FILE.R, after each step's gradient finalisation,
+                            the squared norms of its vision tower's gradients, TP-split weights
+                            ("split") and the others ("whole"): the tower's norm is rank 0's whole
+                            plus the split of the ranks of its first vision TP group.
     CUT_VISION_GRAD=1       the vision bridge hands the language model detached features: no
                             gradient reaches the tower (what a broken backward would do).
 
@@ -104,10 +105,9 @@ if os.environ.get("RECORD_PIPELINE") and "RANK" in os.environ:  # training ranks
     training.get_model = _recording_get_model
     atexit.register(_write)
 
-if os.environ.get("VISION_GRAD_NORMS") and os.environ.get("RANK") == "0":
+if os.environ.get("VISION_GRAD_NORMS") and "RANK" in os.environ:  # training ranks only
     import json
 
-    import torch
     from megatron.core.utils import unwrap_model
     from megatron.training import training
 
@@ -116,13 +116,14 @@ if os.environ.get("VISION_GRAD_NORMS") and os.environ.get("RANK") == "0":
     def _recording(finalize):
         def finalize_and_record(model, *args, **kwargs):
             finalize(model, *args, **kwargs)
-            squares = 0.0
+            squares = {"split": 0.0, "whole": 0.0}  # TP-split weights, and the others
             for chunk in model:
                 tower = getattr(unwrap_model(chunk), "vision_model", None)
                 for p in tower.parameters() if tower is not None else ():
-                    squares += float(getattr(p, "main_grad", p.grad).double().pow(2).sum())
-            with open(os.environ["VISION_GRAD_NORMS"], "a") as f:
-                f.write(json.dumps(squares ** 0.5) + "\n")
+                    part = "split" if getattr(p, "tensor_model_parallel", False) else "whole"
+                    squares[part] += float(getattr(p, "main_grad", p.grad).double().pow(2).sum())
+            with open(f"{os.environ['VISION_GRAD_NORMS']}.{os.environ['RANK']}", "a") as f:
+                f.write(json.dumps(squares) + "\n")
         return finalize_and_record
 
     # the default finalisation, and the one a vision tower on its own layout installs

@@ -20,7 +20,8 @@ def build_model(shape: Qwen35VLShape, backend: str = "local", params_dtype=torch
         configs = (language_transformer_config(shape.text, params_dtype, **settings),
                    vision_transformer_config(shape.vision, params_dtype, **settings))
     language_config, vision_config = configs
-    validate_parallel(shape, language_config.tensor_model_parallel_size, language_config.context_parallel_size,
-                      language_config.expert_model_parallel_size)
+    tp, vision_tp = language_config.tensor_model_parallel_size, vision_config.tensor_model_parallel_size
+    validate_parallel(shape, tp, language_config.context_parallel_size, language_config.expert_model_parallel_size,
+                      vision_tp if vision_tp != tp else None)
     return Qwen35VLModel(shape, language_config, vision_config, backend, max_sequence_length,
                          pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
