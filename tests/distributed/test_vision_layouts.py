@@ -138,3 +138,15 @@ def test_resumes_exactly_and_in_the_ordinary_layout(parallel_start, tmp_path):
     loss, norm = _rel(ordinary.losses[3], straight.losses[3]), _rel(ordinary.grad_norms[3], straight.grad_norms[3])
     print(f"one process from the layout's step-2 checkpoint: step 3 loss rel {loss:.1e}, grad norm rel {norm:.1e}")
     assert loss < REL and norm < 5e-5  # TP=2's reductions move the norm's last fp32 bits (test_resume_layouts)
+
+
+def test_a_fresh_start_gives_every_copy_of_the_tower_the_same_weights(tmp_path):
+    """From no checkpoint the TP-split weights are drawn in each language TP rank's random stream, so
+    the two copies start apart unless rank 0's are handed to rank 1. A step at LR 0 from the fresh
+    start must then equal a step from its saved checkpoint (one copy, loaded into both)."""
+    common = dict(TRAIN_ITERS=1, LR=0, **LAYOUT)
+    fresh, _ = _run(tmp_path, "fresh", CKPT_SAVE=tmp_path / "fresh", **common)
+    again, _ = _run(tmp_path, "again", CKPT_LOAD=tmp_path / "fresh", **common)
+    print(f"fresh start: loss {fresh.losses[1]!r}, grad norm {fresh.grad_norms[1]!r}; from its checkpoint: "
+          f"{again.losses[1]!r}, {again.grad_norms[1]!r}")
+    assert fresh.losses[1] == again.losses[1] and fresh.grad_norms[1] == again.grad_norms[1]
