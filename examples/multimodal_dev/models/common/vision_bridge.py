@@ -30,7 +30,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
 from .context_parallel import _own_rank_group
-from .vision_context_parallel import deal
+from .vision_context_parallel import batch_order, deal
 
 _BRIDGES: dict[int, "VisionBridge"] = {}
 
@@ -111,14 +111,7 @@ class VisionBridge:
         gathered = self.comm.communicate(features)  # [slots * width, H], slot order
         if self.cp.size() > 1:  # each CP rank's gradient covers its own tokens: sum them
             gathered = copy_to_tensor_model_parallel_region(gathered, group=self.cp)
-        where = [0] * len(rows)
-        for slot, items in enumerate(owned):
-            offset = slot * width
-            for i in items:
-                where[i] = offset
-                offset += tokens[i]
-        index = torch.cat([torch.arange(where[i], where[i] + tokens[i]) for i in range(len(rows))])
-        return gathered.index_select(0, index.to(gathered.device))
+        return gathered.index_select(0, batch_order(owned, tokens, width).to(gathered.device))
 
     def reduce_copies(self, vision_model) -> None:
         """Sum the tower's gradients over ``copies`` (after DDP's reduction over DP x CP)."""

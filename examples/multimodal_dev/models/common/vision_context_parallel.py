@@ -47,12 +47,16 @@ def encode(vision_model, pixels: torch.Tensor, grids: torch.Tensor, cp_group) ->
     width = max(sum(tokens[i] for i in items) for items in owned)  # every rank sends as many rows
     features = torch.nn.functional.pad(features, (0, 0, 0, width - features.shape[0]))
     gathered = gather_from_sequence_parallel_region(features, tensor_parallel_output_grad=True, group=cp_group)
-    # item i sits in its owner's block, after the owner's earlier items
-    where = [0] * len(rows)
+    return gathered.index_select(0, batch_order(owned, tokens, width).to(gathered.device))
+
+
+def batch_order(owned: list[list[int]], tokens: list[int], width: int) -> torch.Tensor:
+    """Rows of a gather of ``width`` rows per rank (rank r's items in order, then padding) that put
+    the items back in batch order: item i sits in its owner's block, after the owner's earlier items."""
+    where = [0] * len(tokens)
     for r, items in enumerate(owned):
         offset = r * width
         for i in items:
             where[i] = offset
             offset += tokens[i]
-    index = torch.cat([torch.arange(where[i], where[i] + tokens[i]) for i in range(len(rows))])
-    return gathered.index_select(0, index.to(gathered.device))
+    return torch.cat([torch.arange(where[i], where[i] + tokens[i]) for i in range(len(tokens))])
