@@ -122,6 +122,8 @@ class VisionLanguageModel(MegatronModule):
             embeds_BSH = self._scatter_features(embeds_BSH, input_ids_BS, self.video_token_id, feats, "videos")
         elif bool((input_ids_BS == self.video_token_id).any()):
             raise ValueError("the batch has video placeholder tokens but no pixel_values_videos")
+        if pixel_values is None and pixel_values_videos is None and torch.is_grad_enabled() and self.vision_model is not None:
+            embeds_BSH = embeds_BSH + vision_context_parallel.joined_zero(self.vision_model).to(embeds_BSH)
         return embeds_BSH.transpose(0, 1).contiguous()
 
     def forward(self, input_ids, position_ids, attention_mask=None, labels=None, loss_mask=None,

@@ -60,3 +60,11 @@ def batch_order(owned: list[list[int]], tokens: list[int], width: int) -> torch.
             where[i] = offset
             offset += tokens[i]
     return torch.cat([torch.arange(where[i], where[i] + tokens[i]) for i in range(len(tokens))])
+
+
+def joined_zero(module: torch.nn.Module) -> torch.Tensor:
+    """0, computed from every trainable weight of ``module``: added where it did no work (a
+    text-only micro-batch, a rank with no image to encode), it gives each weight a zero gradient.
+    megatron's DDP with ``--overlap-grad-reduce`` starts a bucket's reduction when all its weights
+    have a gradient from the step's last micro-batch, and stops the run if one never gets one."""
+    return sum((p.sum() for p in module.parameters() if p.requires_grad), torch.zeros(())) * 0
