@@ -56,7 +56,7 @@ class Mix:
         return cls(shape, seq_len, full, name)
 
     @classmethod
-    def mock_mix(cls, shape, seq_len: int, seed: int = 1234) -> Mix:
+    def mock_mix(cls, shape, seq_len: int, seed: int = 1234, draw: int = DRAW) -> Mix:
         """Conversations drawn from ``mock_mix``'s profile as ``MockConversations`` lays them out
         (template tokens, each image as its merged patches between two vision markers, prompt and
         answer), counted without building the token ids."""
@@ -67,7 +67,7 @@ class Mix:
         profile, merge = RealisticProfile(), shape.vision.spatial_merge_size
         gen = torch.Generator().manual_seed(seed)
         docs = []
-        for _ in range(DRAW):
+        for _ in range(draw):
             grids = [(1, *profile.grid(gen, merge)) for _ in range(profile.n_images(gen))]
             vision = sum(h * w // merge ** 2 + 2 for _, h, w in grids)
             prompt, answer = profile.text_lengths(gen, seq_len - vision - TEMPLATE)
