@@ -49,15 +49,11 @@ def total_flops(shape, rows):
 
 
 def stage_language_flops(shape, fb, layers, last: bool) -> float:
-    """The language model's share of ``fb`` on a stage holding decoder ``layers``: each layer its
-    kind's mean, the MLP's mean, and the output layer with the MTP head on the last stage."""
-    from examples.multimodal_dev.models.qwen35_vl.configuration import FULL, LINEAR
+    """The language model's share of ``fb`` on a stage holding decoder ``layers``, with the output
+    layer and the MTP head on the last stage."""
+    from examples.multimodal_dev.training.layout_cost import decoder_layer_flops
 
-    kinds = shape.text.layer_types
-    n_full = sum(k == FULL for k in kinds)
-    per_layer = {FULL: fb.attention / max(n_full, 1), LINEAR: fb.gdn / max(len(kinds) - n_full, 1)}
-    flops = sum(per_layer[kinds[i]] + fb.mlp / len(kinds) for i in layers)
-    return flops + (fb.output + fb.mtp if last else 0.0)
+    return decoder_layer_flops(shape, fb, layers) + (fb.output + fb.mtp if last else 0.0)
 
 
 def vision_share(name, shape, mix) -> Share:

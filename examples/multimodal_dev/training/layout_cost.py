@@ -176,6 +176,16 @@ def stage_memory(shape, cand: Candidate, rows, micro_batches: int, distributed_o
     return out
 
 
+def decoder_layer_flops(shape, fb, layers) -> float:
+    """Forward FLOPs of these decoder ``layers`` out of a micro-batch's ``FlopsBreakdown``: each
+    layer its kind's mean of the attention or Gated DeltaNet FLOPs, and the MLP's mean."""
+    t = shape.text
+    n_attn_all = sum(lt == FULL for lt in t.layer_types)
+    attention, gdn = fb.attention / max(n_attn_all, 1), fb.gdn / max(t.num_layers - n_attn_all, 1)
+    n_attn = sum(t.layer_types[i] == FULL for i in layers)
+    return n_attn * attention + (len(layers) - n_attn) * gdn + len(layers) * (fb.mlp / t.num_layers)
+
+
 def step_time(shape, cand: Candidate, rows, micro_batches: int, dp_imbalance: float, hw: Hardware,
               efficiency: float) -> StepTime:
     """Seconds of one training step (``micro_batches`` micro-batches of ``rows`` per pipeline)."""
@@ -184,9 +194,6 @@ def step_time(shape, cand: Candidate, rows, micro_batches: int, dp_imbalance: fl
     grids = [g for r in rows for g in r.grids]
     tokens = sum(lengths)
     fb = micro_batch_flops(shape, lengths, grids)
-    n_attn_all = sum(lt == FULL for lt in t.layer_types)
-    per_layer = {FULL: fb.attention / max(n_attn_all, 1), "gdn": fb.gdn / max(t.num_layers - n_attn_all, 1)}
-    mlp = fb.mlp / t.num_layers
     flop_rate = hw.peak_tflops * 1e12 * efficiency
     recompute = 4.0 / 3.0 if cand.recompute else 1.0  # the forward runs again in the backward
 
@@ -204,7 +211,7 @@ def step_time(shape, cand: Candidate, rows, micro_batches: int, dp_imbalance: fl
         layers = [i for c in chunks for i in c]
         n_attn = sum(t.layer_types[i] == FULL for i in layers)
         n_gdn = len(layers) - n_attn
-        flops = (n_attn * per_layer[FULL] + n_gdn * per_layer["gdn"] + len(layers) * mlp) * 3 * recompute
+        flops = decoder_layer_flops(shape, fb, layers) * 3 * recompute
         vision_tokens = sum(tt * hh * ww for tt, hh, ww in grids)
         if p == 0:
             flops += fb.vision * 3 * recompute
