@@ -207,7 +207,8 @@ fi
 [[ $PACKING == samples ]] || ARGS+=(--packing tokens --packed-seq-length "$PACKED_SEQ_LENGTH")
 (( VP > 1 )) && ARGS+=(--num-virtual-stages-per-pipeline-rank "$VP")
 (( VISION_TP != TP )) && ARGS+=(--vision-tensor-parallel-size "$VISION_TP")
-(( VISION_NPROC > 0 )) && ARGS+=(--vision-nproc "$VISION_NPROC")
+# the tower on ranks of its own sums its grad norm over the world's distributed-optimizer shards
+(( VISION_NPROC > 0 )) && ARGS+=(--vision-nproc "$VISION_NPROC" --use-distributed-optimizer)
 (( PP_FIRST > 0 )) && ARGS+=(--decoder-first-pipeline-num-layers "$PP_FIRST")
 (( PP_LAST > 0 )) && ARGS+=(--decoder-last-pipeline-num-layers "$PP_LAST")
 (( SP == 1 )) && ARGS+=(--sequence-parallel)

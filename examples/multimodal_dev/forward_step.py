@@ -86,10 +86,18 @@ def batch_loss(model, batch: dict):
 
 
 def forward_step(data_iterator, model, *_args, **_kwargs):
+    from megatron.core.utils import get_attr_wrapped_model
+
+    from examples.multimodal_dev.training import vision_ranks
+
     device = next(model.parameters()).device
     batch = batch_to_device(next(data_iterator), device)
+    if get_attr_wrapped_model(model, "vision_only"):  # the tower on ranks of its own: its features go on
+        return {"vision": model(**{k: batch.get(k) for k in FIRST_STAGE_ONLY})}, None
     batch = equalise_for_expert_dispatch(batch, model)
     output, loss_mask = run_model(model, batch)
+    if vision_ranks.active() and not get_attr_wrapped_model(model, "post_process"):
+        output = {"language": output}  # megatron's multi-module schedule moves a dict a module
     return output, partial(loss_func, loss_mask)
 
 

@@ -38,7 +38,7 @@ from examples.multimodal_dev.training.backend import (
     engine_defaults,
     use_prebuilt_dataset_helpers,
 )
-from examples.multimodal_dev.training import run_checks
+from examples.multimodal_dev.training import run_checks, vision_ranks
 from examples.multimodal_dev.training.pipeline_layout import stage_layers
 from examples.multimodal_dev.training.throughput import StepFlops, batch_flops, install_megatron_training_hooks
 
@@ -61,9 +61,15 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     args = get_args()
     entry = get_model_entry(args.model_arch)
     shape, backend = model_shape(), backend_of(args)
+    separate = vision_ranks.active()  # the vision tower on ranks of its own: this rank builds one module
+    if separate:
+        for config in model_configs():  # the features' shapes vary by micro-batch; both modules' gradients
+            config.variable_seq_lengths = True  # are finalised on their own groups, scaled by the world's tokens
+            config.finalize_model_grads_func = vision_ranks.finalize_model_grads
     model = entry.load("build_fn")(shape, backend=backend, max_sequence_length=args.seq_length, configs=model_configs(),
-                                   pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
-    for flag, part in (("freeze_vision", model.vision_model), ("freeze_language", model.language_model)):
+                                   pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+                                   module=separate and separate.role, groups=separate and separate.groups)
+    for flag, part in (("freeze_vision", model.vision_model), ("freeze_language", getattr(model, "language_model", None))):
         if getattr(args, flag) and part is not None:
             for p in part.parameters():
                 p.requires_grad_(False)
@@ -122,6 +128,9 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
     collate = Collator(tokens, packed=args.use_packed_sequence, pad_multiple=pad_multiple, row_length=budget)
     stage = (parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
              parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
+    separate = vision_ranks.active()
+    if separate:  # pixels for the tower's ranks, the rest for the language model's
+        stage = (True, False) if separate.on_vision else (False, stage[1])
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     common = dict(micro_batch_size=args.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
                   collate_fn=functools.partial(_collate_for_stage, collate, shape, stage),
@@ -199,7 +208,9 @@ def metered(provider, meter):
 
     def datasets(train_val_test_num_samples, vp_stage=None):
         train, valid, test = provider(train_val_test_num_samples, vp_stage=vp_stage)
-        return (meter.tap(train) if vp_stage in (None, 0) else train), valid, test
+        # the tower's own ranks draw their language replica's micro-batches again: they add no FLOPs
+        counted = not (vision_ranks.active() and vision_ranks.active().on_vision)
+        return (meter.tap(train, counted) if vp_stage in (None, 0) else train), valid, test
 
     datasets.is_distributed = provider.is_distributed
     return datasets
@@ -227,7 +238,8 @@ def checked_args():
         run_checks.check_finite_flags(given, typed)
         run_checks.check_lr_schedule(given)
         run_checks.check_sequence_length(given)
-        args = parse_and_validate_args(extra_args_provider=add_multimodal_args, args_defaults=engine_defaults())
+        with vision_ranks.language_world(given):  # megatron sizes data parallelism from the language model's ranks
+            args = parse_and_validate_args(extra_args_provider=add_multimodal_args, args_defaults=engine_defaults())
         run_checks.stop_at_first_nan(args, typed)
         optimizer_format.default_to_reshardable(args)
         check_backend(args)
@@ -244,7 +256,7 @@ def checked_args():
                           args.energon_packing_buffer_size)
         elif args.data_path:
             resolve_source(data_path_value(args), "--data-path")
-        run_checks.check_vision_layout(args, model_shape().vision.num_heads)
+        run_checks.check_vision_layout(args, model_shape().vision.num_heads, int(os.environ.get("WORLD_SIZE", "1")))
         language, vision = model_configs()
         text = model_shape().text
         run_checks.check_memory_floor(args, text.hidden_size, text.num_layers, text.vocab_size)
@@ -309,9 +321,14 @@ def main():
     finite_guard.install()  # outermost: a save of NaN weights writes nothing at all
     meter = StepFlops()
     install_megatron_training_hooks(meter)
+    grids = {}
+    if args.vision_nproc:  # both modules' process grids, made before megatron starts (vision_ranks.py)
+        layout = vision_ranks.setup(args)
+        grids = dict(pg_collection=layout.pg_collection, p2p_communicator=layout.communicator,
+                     skip_model_parallel_init=True)
     try:
         pretrain(pretrain_cfg_container_from_args(args), metered(datasets_provider, meter),
-                 ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+                 ModelType.encoder_or_decoder, forward_step, model_provider=model_provider, **grids)
     except DataError as err:  # the user's data, found unusable while the iterators are built or drawn
         raise SystemExit(f"pretrain_multimodal.py: {err}") from None
     except BaseException as err:

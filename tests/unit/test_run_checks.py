@@ -89,7 +89,8 @@ def test_the_floor_follows_the_layout():
 def _layout_args(**kw):
     base = dict(world_size=2, tensor_model_parallel_size=2, context_parallel_size=1, pipeline_model_parallel_size=1,
                 virtual_pipeline_model_parallel_size=None, vision_tensor_parallel_size=1, vision_nproc=0,
-                use_distributed_optimizer=True, dist_ckpt_optim_dp_reshardable=False)
+                use_distributed_optimizer=True, dist_ckpt_optim_dp_reshardable=False, calculate_per_token_loss=True,
+                save=None, load=None, finetune=False)
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -99,7 +100,15 @@ def _layout_args(**kw):
     (dict(vision_tensor_parallel_size=3), r"--vision-tensor-parallel-size 3 does not divide the 16 vision attention"),
     (dict(tensor_model_parallel_size=1, world_size=1, vision_tensor_parallel_size=2),
      r"--vision-tensor-parallel-size 2 does not divide --tensor-model-parallel-size 1"),
-    (dict(world_size=3, vision_nproc=1), r"--vision-nproc 1: the vision tower on ranks of its own is not built yet"),
+    (dict(world_size=3, vision_nproc=1), None),  # the tower on rank 0, the language model on 1-2
+    (dict(world_size=3, vision_nproc=1, load="ckpt", finetune=True), None),  # a checkpoint's weights
+    (dict(world_size=4, vision_nproc=2), r"--vision-nproc 2 with --vision-tensor-parallel-size 1: 2 vision "
+                                         r"data-parallel ranks for 1 language ones; this build runs them equal"),
+    (dict(world_size=3, vision_nproc=1, use_distributed_optimizer=False), r"--vision-nproc 1 needs --use-distributed"),
+    (dict(world_size=3, vision_nproc=1, calculate_per_token_loss=False), r"needs --calculate-per-token-loss"),
+    (dict(world_size=3, vision_nproc=1, save="out"), r"^--save out with --vision-nproc 1: checkpoints of this layout "
+                                                     r"are not built yet"),
+    (dict(world_size=3, vision_nproc=1, load="ckpt"), r"^--load ckpt \(without --finetune\) with --vision-nproc 1"),
     (dict(dist_ckpt_optim_dp_reshardable=True), r"--dist-ckpt-optim-dp-reshardable with --vision-tensor-parallel-size 1"),
     (dict(dist_ckpt_optim_dp_reshardable=True, vision_tensor_parallel_size=2), None),  # the ordinary layout
 ])

@@ -37,8 +37,11 @@ from .common.context_parallel import ContextParallelSplit
 
 
 class VisionLanguageModel(MegatronModule):
+    vision_only = False  # see VisionStage
+
     def __init__(self, config, vision_model, language_model, image_token_id: int, video_token_id: int):
-        """``vision_model`` is None on pipeline stages other than the first."""
+        """``vision_model`` is None on pipeline stages other than the first, and where the tower runs on
+        ranks of its own."""
         super().__init__(config=config)
         self.vision_model = vision_model
         self.language_model = language_model
@@ -59,6 +62,12 @@ class VisionLanguageModel(MegatronModule):
         return self.language_model.shared_embedding_or_output_weight()
 
     def set_input_tensor(self, input_tensor):
+        """With the vision tower on ranks of its own (training/vision_ranks.py) megatron's multi-module
+        schedule hands a dict a module: the tower's features ("vision", on the first stage) and the
+        previous stage's activations ("language")."""
+        if isinstance(input_tensor, list) and input_tensor and isinstance(input_tensor[0], dict):
+            self._received_features = input_tensor[0].get("vision")
+            input_tensor = [input_tensor[0].get("language")]
         self.language_model.set_input_tensor(input_tensor)
 
     def _scatter_features(self, embeds_BSH, input_ids_BS, token_id, features, what):
@@ -108,10 +117,29 @@ class VisionLanguageModel(MegatronModule):
             out.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, own))
         return out
 
+    def _merge_received(self, embeds_BSH, input_ids_BS, features) -> torch.Tensor:
+        """The features the tower's own ranks sent: the micro-batch's images, then its videos (at least
+        one row: a zero row when it has none). They join the graph even when no row is used, so
+        their gradient, sent back to the tower, always exists."""
+        counts = [int((input_ids_BS == token).sum()) for token in (self.image_token_id, self.video_token_id)]
+        if features.shape[0] != max(sum(counts), 1):
+            raise ValueError(f"the batch has {counts[0]} image and {counts[1]} video placeholder tokens but the vision "
+                             f"ranks sent {features.shape[0]} features")
+        image, video = features[:counts[0]], features[counts[0]:sum(counts)]
+        if counts[0]:
+            embeds_BSH = self._scatter_features(embeds_BSH, input_ids_BS, self.image_token_id, image, "images")
+        if counts[1]:
+            embeds_BSH = self._scatter_features(embeds_BSH, input_ids_BS, self.video_token_id, video, "videos")
+        return embeds_BSH + (features.sum() * 0).to(embeds_BSH.dtype)
+
     def embed(self, input_ids_BS, pixel_values=None, image_grid_thw=None,
               pixel_values_videos=None, video_grid_thw=None) -> torch.Tensor:
         """Decoder input [S, B, H] with vision features merged at placeholder tokens."""
         embeds_BSH = self._word_embeddings(input_ids_BS)
+        received = getattr(self, "_received_features", None)
+        if received is not None:  # encoded on the vision tower's own ranks
+            self._received_features = None
+            return self._merge_received(embeds_BSH, input_ids_BS, received).transpose(0, 1).contiguous()
         if pixel_values is not None:
             feats = self._encode(pixel_values, image_grid_thw)
             embeds_BSH = self._scatter_features(embeds_BSH, input_ids_BS, self.image_token_id, feats, "images")
@@ -166,3 +194,34 @@ class VisionLanguageModel(MegatronModule):
             packed_seq_params=packed_seq_params, padding_mask=padding_mask,
         )
         return (output, loss_mask) if return_loss_mask else output
+
+
+class VisionStage(MegatronModule):
+    """The vision tower alone, on ranks of its own (training/vision_ranks.py): a pipeline stage ahead
+    of the language model. Its output, the micro-batch's image features then its video features
+    ([N, H], at least one row), goes to the language model's first stage."""
+
+    vision_only = True
+
+    def __init__(self, config, vision_model, groups):
+        super().__init__(config=config)
+        self.vision_model = vision_model
+        self.groups = groups
+        self.pre_process, self.post_process, self.share_embeddings_and_output_weights = True, False, False
+
+    @property
+    def pg_collection(self):
+        return self.groups
+
+    def set_input_tensor(self, input_tensor):
+        """The first stage of the whole model: nothing arrives."""
+
+    def forward(self, pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None):
+        parts = [self.vision_model(pixels, grid) for pixels, grid in
+                 ((pixel_values, image_grid_thw), (pixel_values_videos, video_grid_thw)) if pixels is not None]
+        if not parts:  # nothing to encode: one zero row, joined to every weight (joined_zero says why)
+            weight = self.vision_model.patch_embed.proj.weight
+            zero = vision_context_parallel.joined_zero(self.vision_model).to(weight.dtype)
+            parts = [torch.zeros(1, self.vision_model.shape.out_hidden_size, dtype=weight.dtype,
+                                 device=weight.device) + zero]
+        return torch.cat(parts) if len(parts) > 1 else parts[0]

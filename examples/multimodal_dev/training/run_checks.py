@@ -80,21 +80,42 @@ def check_memory_floor(args, hidden_size: int, num_layers: int, vocab_size: int,
                          f"than the {have / gib:.1f} GiB of {where}; shorten it, or raise TP / CP / PP")
 
 
-def check_vision_layout(args, vision_heads: int) -> None:
+def check_vision_layout(args, vision_heads: int, world: int | None = None) -> None:
     """The vision tower's own layout (``training/vision_layout.py``), refused by flag before any
-    process group exists. What this build runs: the tower colocated with its own TP size."""
+    process group exists. ``world``: every rank, the vision tower's own included (megatron's
+    ``args.world_size`` counts the language model's)."""
     from .vision_layout import plan
 
     tp, vtp = args.tensor_model_parallel_size, args.vision_tensor_parallel_size or args.tensor_model_parallel_size
-    plan(args.world_size, tp, args.context_parallel_size, args.pipeline_model_parallel_size, vtp, args.vision_nproc,
-         vision_heads, vp=args.virtual_pipeline_model_parallel_size or 1)
+    layout = plan(world or args.world_size, tp, args.context_parallel_size, args.pipeline_model_parallel_size, vtp,
+                  args.vision_nproc, vision_heads, vp=args.virtual_pipeline_model_parallel_size or 1)
     if args.vision_nproc:
-        raise ValueError(f"--vision-nproc {args.vision_nproc}: the vision tower on ranks of its own is not built yet; "
-                         "run it on the language model's ranks with its own TP size (--vision-tensor-parallel-size)")
+        _check_separate_ranks(args, layout)
     if vtp != tp and args.use_distributed_optimizer and args.dist_ckpt_optim_dp_reshardable:
         raise ValueError(f"--dist-ckpt-optim-dp-reshardable with --vision-tensor-parallel-size {vtp}: that format "
                          "numbers optimizer shards by the language model's groups only, and the vision tower's copies "
                          "would each claim theirs; keep the default (fully reshardable)")
+
+
+def _check_separate_ranks(args, layout) -> None:
+    """What this build runs of the tower on ranks of its own (training/vision_ranks.py)."""
+    k = f"--vision-nproc {args.vision_nproc}"
+    if layout.vdp != layout.dp:
+        raise ValueError(f"{k} with --vision-tensor-parallel-size {layout.vtp}: {layout.vdp} vision data-parallel "
+                         f"ranks for {layout.dp} language ones; this build runs them equal (each vision replica "
+                         "serves one language replica)")
+    if not args.use_distributed_optimizer:
+        raise ValueError(f"{k} needs --use-distributed-optimizer: its gradient norm is summed over the world's "
+                         "shards, one module's on each rank")
+    if args.save or (args.load and not args.finetune):
+        flag = f"--save {args.save}" if args.save else f"--load {args.load} (without --finetune)"
+        raise ValueError(f"{flag} with {k}: checkpoints of this layout are not built yet (the two modules' RNG, "
+                         "data-loader and optimizer records would collide); start from a checkpoint's weights "
+                         "(--load with --finetune, CKPT_LOAD) and train without saving, or run the tower on the "
+                         "language model's ranks (--vision-tensor-parallel-size)")
+    if not args.calculate_per_token_loss:
+        raise ValueError(f"{k} needs --calculate-per-token-loss (the run script's default): the tower's gradients "
+                         "are scaled by the language model's token count")
 
 
 def check_resume_lr(args) -> None:

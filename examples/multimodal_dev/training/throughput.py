@@ -64,14 +64,18 @@ class StepFlops:
         self.window = dict.fromkeys(self._KEYS, 0.0)  # global sums over the iterations since the last log line
         self.window_iters = 0
         self.last = dict.fromkeys(self._KEYS, 0.0)  # global sums of the last iteration
+        self.counted = True  # this rank's micro-batches add to the sums (tap)
 
     @property
     def window_flops(self) -> float:
         return self.window["model_flops"]
 
-    def tap(self, iterator):
+    def tap(self, iterator, counted: bool = True):
+        """``iterator``'s micro-batches, their FLOPs added unless not ``counted`` (a rank that draws
+        another's micro-batches, still joining every iteration's sums)."""
+        self.counted = counted
         for batch in iterator:
-            stats = batch.get("stats", {})
+            stats = batch.get("stats", {}) if counted else {}
             for key in self._KEYS:
                 self.pending[key] += stats.get(key, 0.0)
             self.pending_batches += 1
@@ -83,13 +87,13 @@ class StepFlops:
         from megatron.core import parallel_state as ps
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        totals = torch.tensor([self.pending[k] for k in self._KEYS], dtype=torch.float64, device=device)
+        counting = float(self.counted)
+        totals = torch.tensor([self.pending[k] for k in self._KEYS] + [counting], dtype=torch.float64, device=device)
         busiest = torch.tensor([self.pending["model_flops"]], dtype=torch.float64, device=device)
-        world = 1
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             torch.distributed.all_reduce(totals)
             torch.distributed.all_reduce(busiest, op=torch.distributed.ReduceOp.MAX)
-            world = torch.distributed.get_world_size()
+        totals, world = totals[:-1], totals[-1].item()  # the ranks that count
         shared = (ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size()
                   * ps.get_pipeline_model_parallel_world_size())
         self.last = {k: v / shared for k, v in zip(self._KEYS, totals.tolist())}

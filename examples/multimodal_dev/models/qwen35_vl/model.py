@@ -57,9 +57,10 @@ class _LanguageModel(GPTModel):
 class Qwen35VLModel(VisionLanguageModel):
     def __init__(self, shape: Qwen35VLShape, language_config, vision_config, backend: str = "local",
                  max_sequence_length: int = 4096, pre_process: bool = True, post_process: bool = True,
-                 vp_stage: int | None = None):
+                 vp_stage: int | None = None, tower: bool = True):
         """One pipeline stage (the whole model by default): the vision tower only where
-        ``pre_process``; GPTModel places the output layer, loss and MTP head where ``post_process``."""
+        ``pre_process`` and ``tower`` (False: it runs on ranks of its own); GPTModel places the output
+        layer, loss and MTP head where ``post_process``."""
         text = shape.text
         if language_config.mtp_num_layers:
             if language_config.mtp_num_layers > 1 and language_config.context_parallel_size > 1:
@@ -84,10 +85,10 @@ class Qwen35VLModel(VisionLanguageModel):
         language_model.rotary_pos_emb = InterleavedMRoPE(
             text.head_dim, text.partial_rotary_factor, text.rope_theta, text.mrope_section)
         bridge = None
-        if vision_config.tensor_model_parallel_size != language_config.tensor_model_parallel_size:
+        if tower and vision_config.tensor_model_parallel_size != language_config.tensor_model_parallel_size:
             # its own groups, made by every rank (collectively), the vision tower only on the first stage
             bridge = vision_bridge.for_layout(vision_config.tensor_model_parallel_size, language_model.pg_collection)
             language_config.finalize_model_grads_func = vision_bridge.finalize_model_grads
-        vision_model = Qwen35VisionModel(vision_config, shape.vision, backend, bridge) if pre_process else None
+        vision_model = Qwen35VisionModel(vision_config, shape.vision, backend, bridge) if pre_process and tower else None
         super().__init__(language_config, vision_model, language_model, shape.image_token_id, shape.video_token_id)
         self.shape = shape

@@ -4,9 +4,11 @@ and the value (megatron-core would assert deep inside a layer, or split heads un
 from __future__ import annotations
 
 
-def validate_parallel(shape, tp: int = 1, cp: int = 1, ep: int = 1, vtp: int | None = None) -> None:
+def validate_parallel(shape, tp: int = 1, cp: int = 1, ep: int = 1, vtp: int | None = None,
+                      colocated: bool = True) -> None:
     """Refuse settings ``shape`` (a ``Qwen35VLShape``) cannot be split by, naming the flag and the value
-    (``vtp``: the vision tower's own tensor-parallel size, when it has one)."""
+    (``vtp``: the vision tower's own tensor-parallel size, when it has one; ``colocated``: on the
+    language model's ranks, not on ranks of its own)."""
     t, v = shape.text, shape.vision
     vision_tp = (f"--vision-tensor-parallel-size {vtp}" if vtp else f"--tensor-model-parallel-size {tp}", vtp or tp)
     checks = [
@@ -15,7 +17,7 @@ def validate_parallel(shape, tp: int = 1, cp: int = 1, ep: int = 1, vtp: int | N
         (t.linear_num_key_heads % tp == 0, f"--tensor-model-parallel-size {tp} must divide the Gated DeltaNet key heads {t.linear_num_key_heads}"),
         (t.linear_num_value_heads % tp == 0, f"--tensor-model-parallel-size {tp} must divide the Gated DeltaNet value heads {t.linear_num_value_heads}"),
         (v.num_heads % vision_tp[1] == 0, f"{vision_tp[0]} must divide the vision heads {v.num_heads}"),
-        (vtp is None or (vtp >= 1 and tp % vtp == 0),
+        (vtp is None or (vtp >= 1 and (tp % vtp == 0 or not colocated)),
          f"{vision_tp[0]} must divide --tensor-model-parallel-size {tp} (the vision tower's TP groups sit inside "
          "the language model's)"),
         ((t.linear_num_key_heads // tp) % cp == 0 and (t.linear_num_value_heads // tp) % cp == 0,

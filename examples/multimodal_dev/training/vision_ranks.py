@@ -1,0 +1,236 @@
+"""The vision tower on ranks of its own (``--vision-nproc k``): process groups, megatron's globals
+and the hooks megatron.training needs to run two modules on two process grids in one world.
+
+Ranks ``0..k-1`` hold only the tower (grid [VISION_TP, 1, VISION_DP, 1]); ranks ``k..N-1`` hold only
+the language model (grid [TP, CP, DP, PP] at offset k, plus its expert view). Both grids are
+megatron-core ``HyperCommGrid``s, and megatron-core's ``MultiModulePipelineCommunicator`` hands a
+micro-batch's features from the tower to the language model's first stage and their gradient back.
+Handed a ``MultiModuleProcessGroupCollection``, megatron.training picks the non-interleaved pipeline
+schedule, where the tower is one stage more: it runs ahead of the language model by the schedule's
+warm-up, as a pipeline stage does.
+
+megatron.training and megatron-core read ``parallel_state``'s getters in many places (the model's
+layers, DDP, the optimizer, checkpoints). Each rank fills those globals with its own module's
+groups before anything is built, so every getter answers for the module the rank holds. What is
+world-wide is said where it happens:
+
+* the grad norm and clipping: the distributed optimizer's grad-statistics group is the world, so
+  each rank adds its shards' squares once (TP duplicates dropped by its module's own TP rank);
+* per-token loss: the token count lives on the language model's last stage; every rank divides its
+  gradients by the world's count (``finalize_model_grads``);
+* the FLOPs meter: the tower's ranks join its all-reduce and add nothing (pretrain_multimodal.py).
+
+This build runs the tower's data-parallel size equal to the language model's: each vision replica
+reads the micro-batches of the language replica it serves (the same data-parallel rank and size),
+so the bridge neither splits nor gathers a batch. ``run_checks.check_vision_layout`` refuses the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+VISION, LANGUAGE = "vision", "language"
+_DIMS = ["tp", "cp", "dp", "pp"]
+_EXPERT_DIMS = ["expt_tp", "ep", "expt_dp", "pp"]
+_LAYOUT: "SeparateRanks | None" = None
+
+
+def active() -> "SeparateRanks | None":
+    """This run's layout, or None when the tower is on the language model's ranks."""
+    return _LAYOUT
+
+
+@dataclass
+class SeparateRanks:
+    role: str  # VISION or LANGUAGE: the module this rank holds
+    groups: object  # ProcessGroupCollection of that module
+    pg_collection: object  # the MultiModuleProcessGroupCollection megatron.training is handed
+    communicator: object  # MultiModulePipelineCommunicator
+
+    @property
+    def on_vision(self) -> bool:
+        return self.role == VISION
+
+
+@contextlib.contextmanager
+def language_world(given):
+    """megatron's argument checks size data parallelism, the micro-batch count and the batch from
+    WORLD_SIZE: under ``--vision-nproc k`` the language model's ranks are WORLD_SIZE - k. (Once
+    torch.distributed starts, megatron takes the world size from it again.)"""
+    import os
+
+    k, world = getattr(given, "vision_nproc", 0), os.environ.get("WORLD_SIZE")
+    if not k or world is None:
+        yield
+        return
+    os.environ["WORLD_SIZE"] = str(int(world) - k)
+    try:
+        yield
+    finally:
+        os.environ["WORLD_SIZE"] = world
+
+
+def _grid_groups(grid, expert_shape=None):
+    """Every group megatron reads of one module's grid (collective: every rank, in one order)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    g = ProcessGroupCollection()
+    g.tp, g.cp, g.dp, g.pp = (grid.create_pg(d) for d in ("tp", "cp", "dp", "pp"))
+    g.mp, g.tp_cp = grid.create_pg(["tp", "pp"]), grid.create_pg(["tp", "cp"])
+    g.dp_cp, g.tp_dp_cp, g.tp_dp = grid.create_pg(["dp", "cp"]), grid.create_pg(["tp", "cp", "dp"]), grid.create_pg(["tp", "dp"])
+    if expert_shape is None:  # the tower has no experts: its expert groups are its dense ones
+        g.ep, g.expt_tp, g.tp_ep, g.tp_ep_pp, g.expt_dp = g.cp, g.tp, g.tp, g.mp, g.dp
+    else:
+        grid.register_view("expert", expert_shape, _EXPERT_DIMS, shared_dims=["pp"])
+        g.expt_tp, g.ep, g.expt_dp = (grid.create_pg(d, view="expert") for d in ("expt_tp", "ep", "expt_dp"))
+        g.tp_ep = grid.create_pg(["expt_tp", "ep"], view="expert")
+        g.tp_ep_pp = grid.create_pg(["expt_tp", "ep", "pp"], view="expert")
+    g.intra_dp_cp, g.intra_expt_dp = g.dp_cp, g.expt_dp
+    g.dp_cp_gtp_remat, g.expt_dp_gtp_remat = g.dp_cp, g.expt_dp  # no fallback to the getters in checkpoints
+    g.intra_dist_opt = dist.group.WORLD  # the grad norm is the world's (module docstring)
+    return g
+
+
+def _embedding_groups(grid, groups) -> None:
+    """Tied / MTP-shared word embeddings: the first and last stage of each language pipeline."""
+    mine, pos = None, None
+    for ranks in grid.get_rank_enum("pp"):
+        embd = dist.new_group(sorted({ranks[0], ranks[-1]}))
+        position = dist.new_group([ranks[0]])
+        if dist.get_rank() in ranks:
+            mine, pos = embd, position
+    groups.embd, groups.pos_embd = mine, pos
+
+
+def _ranks(group):
+    return None if group is None else dist.get_process_group_ranks(group)
+
+
+def fill_parallel_state(g) -> None:
+    """parallel_state's globals from this rank's module groups ``g``: every getter megatron reads
+    then answers for that module. Left None: the GTP weight-remat groups, hierarchical CP, virtual
+    pipeline and the ``_MPU_*`` overrides (their readers accept None)."""
+    from megatron.core import parallel_state as ps
+
+    if ps._GLOBAL_MEMORY_BUFFER is None:
+        ps._set_global_memory_buffer()
+    ps._TENSOR_MODEL_PARALLEL_GROUP, ps._TENSOR_MODEL_PARALLEL_GLOBAL_RANKS = g.tp, _ranks(g.tp)
+    ps._MODEL_PARALLEL_GROUP, ps._MODEL_PARALLEL_GLOBAL_RANKS = g.mp, _ranks(g.mp)
+    ps._CONTEXT_PARALLEL_GROUP, ps._CONTEXT_PARALLEL_GLOBAL_RANKS = g.cp, _ranks(g.cp)
+    ps._PIPELINE_MODEL_PARALLEL_GROUP, ps._PIPELINE_GLOBAL_RANKS = g.pp, _ranks(g.pp)
+    ps._TENSOR_AND_CONTEXT_PARALLEL_GROUP = g.tp_cp
+    ps._DATA_PARALLEL_GROUP = ps._DATA_PARALLEL_GROUP_WITH_GTP_REMAT = g.dp
+    ps._DATA_PARALLEL_GLOBAL_RANKS = _ranks(g.dp)
+    ps._DATA_PARALLEL_GROUP_WITH_CP = ps._DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT = g.dp_cp
+    ps._DATA_PARALLEL_GLOBAL_RANKS_WITH_CP = _ranks(g.dp_cp)
+    ps._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP = g.intra_dp_cp
+    ps._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT = g.intra_dp_cp
+    ps._TENSOR_AND_DATA_PARALLEL_GROUP, ps._TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP = g.tp_dp, g.tp_dp_cp
+    ps._EMBEDDING_GROUP, ps._EMBEDDING_GLOBAL_RANKS = g.embd, _ranks(g.embd)
+    ps._POSITION_EMBEDDING_GROUP, ps._POSITION_EMBEDDING_GLOBAL_RANKS = g.pos_embd, _ranks(g.pos_embd)
+    ps._EXPERT_MODEL_PARALLEL_GROUP, ps._EXPERT_MODEL_PARALLEL_RANKS = g.ep, _ranks(g.ep)
+    ps._EXPERT_TENSOR_PARALLEL_GROUP = g.expt_tp
+    ps._EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP = g.tp_ep
+    ps._EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP = g.tp_ep_pp
+    ps._EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP = g.tp_ep_pp
+    ps._EXPERT_DATA_PARALLEL_GROUP = ps._EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT = g.expt_dp
+    ps._INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP = g.intra_expt_dp
+    ps._INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT = g.intra_expt_dp
+    ps._INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP = g.intra_dist_opt
+    # megatron's gloo twins of the data-parallel groups: on a CPU host the groups are gloo already
+    if dist.get_backend(g.dp) == "gloo":
+        ps._DATA_PARALLEL_GROUP_GLOO = g.dp
+        ps._DATA_PARALLEL_GROUP_WITH_CP_GLOO = ps._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO = g.dp_cp
+        ps._EXPERT_DATA_PARALLEL_GROUP_GLOO = ps._INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO = g.expt_dp
+
+
+def _pipeline_config(args):
+    """What megatron-core's communicators read of a config: the dtype of the tensors they move, and
+    shapes exchanged per micro-batch (packed rows and image counts vary)."""
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    return ModelParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
+                               pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+                               sequence_parallel=args.sequence_parallel, pipeline_dtype=dtype, params_dtype=dtype,
+                               bf16=args.bf16, fp16=args.fp16, variable_seq_lengths=True)
+
+
+def setup(args) -> SeparateRanks:
+    """Start torch.distributed, make both grids' groups, fill parallel_state and seed: before
+    ``pretrain`` (which then skips its own model-parallel set-up)."""
+    global _LAYOUT
+    from datetime import timedelta
+
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+    from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
+    from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
+    from megatron.training.initialize import _set_random_seed
+
+    import os
+
+    if not dist.is_initialized():  # the whole world: args.world_size counts the language model's ranks
+        dist.init_process_group(backend=args.distributed_backend, world_size=int(os.environ["WORLD_SIZE"]),
+                                rank=int(os.environ["RANK"]), timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    k, world = args.vision_nproc, dist.get_world_size()
+    tp, cp, pp = args.tensor_model_parallel_size, args.context_parallel_size, args.pipeline_model_parallel_size
+    dp = (world - k) // (tp * cp * pp)
+    vtp = args.vision_tensor_parallel_size or tp
+    etp, ep = args.expert_tensor_parallel_size or tp, args.expert_model_parallel_size
+    vision_grid = HyperCommGrid([vtp, 1, k // vtp, 1], _DIMS, rank_offset=0)
+    language_grid = HyperCommGrid([tp, cp, dp, pp], _DIMS, rank_offset=k)
+    vision = _grid_groups(vision_grid)
+    language = _grid_groups(language_grid, [etp, ep, tp * cp * dp // (etp * ep), pp])
+    _embedding_groups(language_grid, language)
+    vision.embd = vision.pos_embd = None
+    role = VISION if dist.get_rank() < k else LANGUAGE
+    groups = vision if role == VISION else language
+    fill_parallel_state(groups)
+    communicator = MultiModulePipelineCommunicator(
+        {VISION: vision_grid, LANGUAGE: language_grid}, {VISION: [LANGUAGE], LANGUAGE: []}, _pipeline_config(args),
+        dim_mapping={"s": 0, "b": 1, "h": 2}, module_output_ndim={VISION: 2})
+    pg_collection = MultiModuleProcessGroupCollection({role: groups}, LANGUAGE if role == LANGUAGE else None)
+    _set_random_seed(args.seed, args.data_parallel_random_init, args.te_rng_tracker, args.inference_rng_tracker,
+                     use_cudagraphable_rng=args.cuda_graph_impl != "none", pp_group=groups.pp, dp_group=groups.dp,
+                     tp_group=groups.tp, ep_group=groups.ep, etp_group=groups.expt_tp)
+    _LAYOUT = SeparateRanks(role, groups, pg_collection, communicator)
+    _install(_LAYOUT)
+    return _LAYOUT
+
+
+def _install(layout: SeparateRanks) -> None:
+    """megatron.training's get_model reads ``pg_collection.pp`` off the collection it is handed: give
+    it this rank's module groups (the schedule keeps the multi-module collection)."""
+    from megatron.training import training
+
+    get_model = training.get_model
+
+    @functools.wraps(get_model)
+    def module_get_model(model_provider_func, model_type, wrap_with_ddp=True, config=None, pg_collection=None):
+        return get_model(model_provider_func, model_type, wrap_with_ddp, config, layout.groups)
+
+    training.get_model = module_get_model
+
+
+def finalize_model_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
+    """megatron-core's gradient finalisation on this rank's module groups, then the per-token
+    scaling by the world's token count: the tower's ranks count no tokens themselves. The count is
+    the language model's last stage's, once per data-parallel replica (its TP rank 0)."""
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads as finalize
+
+    layout = active()
+    finalize(model, None, pg_collection=layout.groups, force_all_reduce=force_all_reduce)
+    if num_tokens is None:
+        return
+    g = layout.groups
+    counts = layout.role == LANGUAGE and g.pp.rank() == g.pp.size() - 1 and g.tp.rank() == 0
+    total = (num_tokens if counts else torch.zeros_like(num_tokens)).to(torch.float32)
+    dist.all_reduce(total)
+    scaling = 1.0 / total.clamp(min=1)
+    for chunk in model:
+        chunk.scale_gradients(scaling)
