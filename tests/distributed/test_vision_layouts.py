@@ -1,12 +1,14 @@
 """The vision tower on its own tensor-parallel size, on the language model's ranks: VISION_TP=1 under
 TP=2 (2 processes; each rank encodes its share of a micro-batch's images with a whole tower, and
-megatron-core's colocated bridge gathers the shares), through ``run_qwen35_vl.sh``.
+megatron-core's colocated bridge gathers the shares), through ``run_qwen35_vl.sh``; and the tower
+alone on a rank of its own, VISION_NPROC=1 with the language model at TP=2 (3 processes).
 
 - Against one process from the same checkpoint (``parallel_start``: the tiny MoE model with its MTP
   head, THD micro-batches of 4 samples with two images in three of them, or of one sample): the lm
   loss, the grad norm and the vision tower's own grad norm of the first step within 1e-5 relative,
   the later losses within 1e-4 (see ``test_parallelism.py`` for why), the same token counts; also
-  VISION_TP=2 under TP=4, and VISION_TP=1 under TP=2 x CP=2 (4 processes).
+  VISION_TP=2 under TP=4, and VISION_TP=1 under TP=2 x CP=2 (4 processes); the separate ranks with
+  4 samples and with 1 sample a micro-batch (micro-batches without an image).
   The vision norm is compared on its own because it is 3% of the total: a gradient that never
   reached the tower would move the total by 0.04% only. ``CUT_VISION_GRAD`` detaches the
   features at the bridge, and that comparison fails.
@@ -26,6 +28,7 @@ from launch import NO_EVAL, PARALLEL_MODEL, run_script
 
 MODEL = dict(PARALLEL_MODEL, MBS=4, GBS=8)
 LAYOUT = dict(TP=2, VISION_TP=1)
+SEPARATE = dict(LAYOUT, VISION_NPROC=1)
 REL = 1e-5
 pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPU cores")
 
@@ -86,6 +89,11 @@ SETTINGS = {
     # the feature gradients of the two CP ranks are summed before the bridge keeps a slot's
     "VISION_TP=1 TP=2 CP=2": (dict(LAYOUT, CP=2), 1, "TP=1 DP=4 (on the language model's ranks)", dict(TP=2, CP=2),
                               ()),
+    # the tower alone on rank 0, the language model on ranks 1-2 (3 processes): the features cross through
+    # megatron-core's multi-module communicator, one pipeline stage ahead (training/vision_ranks.py)
+    "VISION_NPROC=1 TP=2": (SEPARATE, 3, "ranks 0    vision tower    TP=1 DP=1", None, ()),
+    # ... with micro-batches that have no image: the tower sends one zero row joined to its weights
+    "VISION_NPROC=1 TP=2, MBS=1": (dict(SEPARATE, MBS=1), 2, "ranks 0    vision tower    TP=1 DP=1", None, ()),
 }
 
 
@@ -110,9 +118,10 @@ def test_the_layout_matches_one_process(name, parallel_start, single, single_per
     assert ref_norms[1] > 0.01 * ref.grad_norms[1]  # the tower's share is big enough to see
 
 
-def test_a_cut_gradient_path_to_the_tower_is_caught(parallel_start, single, tmp_path):
+@pytest.mark.parametrize("layout", [LAYOUT, SEPARATE], ids=["colocated", "separate ranks"])
+def test_a_cut_gradient_path_to_the_tower_is_caught(layout, parallel_start, single, tmp_path):
     ref, ref_norms = single
-    run, norms = _run(tmp_path, "cut", CKPT_LOAD=parallel_start, TRAIN_ITERS=1, CUT_VISION_GRAD=1, **LAYOUT)
+    run, norms = _run(tmp_path, "cut", CKPT_LOAD=parallel_start, TRAIN_ITERS=1, CUT_VISION_GRAD=1, **layout)
     differences = _first_step_agrees(run, norms, ref, ref_norms)
     print(f"features detached at the bridge: vision grad norm {norms[1]!r}; first step {differences}")
     assert differences["lm loss"] < REL  # the forward is untouched

@@ -15,8 +15,9 @@ PYTHONPATH (``tests/launch.py`` puts it there only for a run that asks):
                             the squared norms of its vision tower's gradients, TP-split weights
                             ("split") and the others ("whole"): the tower's norm is rank 0's whole
                             plus the split of the ranks of its first vision TP group.
-    CUT_VISION_GRAD=1       the vision bridge hands the language model detached features: no
-                            gradient reaches the tower (what a broken backward would do).
+    CUT_VISION_GRAD=1       the vision bridge, or the tower on ranks of its own, hands the language
+                            model detached features: no gradient reaches the tower (what a broken
+                            backward would do).
 
     MEGATRON_CPU_FLA=1 with TRITON_INTERPRET=1
                             not a fault: FLA's kernels in a training run on a CPU host, with the two
@@ -112,6 +113,7 @@ if os.environ.get("VISION_GRAD_NORMS") and "RANK" in os.environ:  # training ran
     from megatron.training import training
 
     from examples.multimodal_dev.models.common import vision_bridge
+    from examples.multimodal_dev.training import vision_ranks
 
     def _recording(finalize):
         def finalize_and_record(model, *args, **kwargs):
@@ -126,15 +128,21 @@ if os.environ.get("VISION_GRAD_NORMS") and "RANK" in os.environ:  # training ran
                 f.write(json.dumps(squares) + "\n")
         return finalize_and_record
 
-    # the default finalisation, and the one a vision tower on its own layout installs
+    # the default finalisation, and the ones a vision tower on its own layout or ranks installs
     training.finalize_model_grads = _recording(training.finalize_model_grads)
     vision_bridge.finalize_model_grads = _recording(vision_bridge.finalize_model_grads)
+    vision_ranks.finalize_model_grads = _recording(vision_ranks.finalize_model_grads)
 
 if os.environ.get("CUT_VISION_GRAD") == "1" and "RANK" in os.environ:  # training ranks only
     from megatron.core.models.mimo.comm.colocated_communicator import ColocatedBridgeCommunicator
 
     _bridge_communicate = ColocatedBridgeCommunicator.communicate
     ColocatedBridgeCommunicator.communicate = lambda self, tensor: _bridge_communicate(self, tensor.detach())
+
+    from examples.multimodal_dev.models.base import VisionStage  # the tower on ranks of its own
+
+    _stage_forward = VisionStage.forward
+    VisionStage.forward = lambda self, *args, **kwargs: _stage_forward(self, *args, **kwargs).detach()
 
 if os.environ.get("MEGATRON_CPU_FLA") == "1" and os.environ.get("TRITON_INTERPRET") == "1":
     import sys
