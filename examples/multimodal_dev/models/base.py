@@ -67,7 +67,8 @@ class VisionLanguageModel(MegatronModule):
         previous stage's activations ("language")."""
         if isinstance(input_tensor, list) and input_tensor and isinstance(input_tensor[0], dict):
             self._received_features = input_tensor[0].get("vision")
-            input_tensor = [input_tensor[0].get("language")]
+            activations = input_tensor[0].get("language")  # [tensor] from megatron's p2p communicator
+            input_tensor = activations if isinstance(activations, list) else [activations]
         self.language_model.set_input_tensor(input_tensor)
 
     def _scatter_features(self, embeds_BSH, input_ids_BS, token_id, features, what):

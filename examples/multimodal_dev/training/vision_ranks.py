@@ -98,12 +98,12 @@ def _grid_groups(grid, expert_shape=None):
 
 def _embedding_groups(grid, groups) -> None:
     """Tied / MTP-shared word embeddings: the first and last stage of each language pipeline."""
-    mine, pos = None, None
+    mine, pos, rank = None, None, dist.get_rank()  # None where this rank is not a member, as megatron's
     for ranks in grid.get_rank_enum("pp"):
-        embd = dist.new_group(sorted({ranks[0], ranks[-1]}))
-        position = dist.new_group([ranks[0]])
-        if dist.get_rank() in ranks:
-            mine, pos = embd, position
+        embd, position = sorted({ranks[0], ranks[-1]}), [ranks[0]]
+        made = dist.new_group(embd), dist.new_group(position)
+        mine = made[0] if rank in embd else mine
+        pos = made[1] if rank in position else pos
     groups.embd, groups.pos_embd = mine, pos
 
 
