@@ -8,7 +8,8 @@ alone on a rank of its own, VISION_NPROC=1 with the language model at TP=2 (3 pr
   loss, the grad norm and the vision tower's own grad norm of the first step within 1e-5 relative,
   the later losses within 1e-4 (see ``test_parallelism.py`` for why), the same token counts; also
   VISION_TP=2 under TP=4, and VISION_TP=1 under TP=2 x CP=2 (4 processes); the separate ranks with
-  4 samples and with 1 sample a micro-batch (micro-batches without an image).
+  4 samples and with 1 sample a micro-batch (micro-batches without an image), and ahead of a language
+  model at PP=2.
   The vision norm is compared on its own because it is 3% of the total: a gradient that never
   reached the tower would move the total by 0.04% only. ``CUT_VISION_GRAD`` detaches the
   features at the bridge, and that comparison fails.
@@ -94,6 +95,9 @@ SETTINGS = {
     "VISION_NPROC=1 TP=2": (SEPARATE, 3, "ranks 0    vision tower    TP=1 DP=1", None, ()),
     # ... with micro-batches that have no image: the tower sends one zero row joined to its weights
     "VISION_NPROC=1 TP=2, MBS=1": (dict(SEPARATE, MBS=1), 2, "ranks 0    vision tower    TP=1 DP=1", None, ()),
+    # ... ahead of a two-stage language model: the tower is three stages from the loss (warm-up 2)
+    "VISION_NPROC=1 PP=2": (dict(PP=2, VISION_NPROC=1), 2, "ranks 1-2  language model  TP=1 CP=1 DP=1 PP=2", None,
+                            ()),
 }
 
 
