@@ -221,8 +221,5 @@ class VisionStage(MegatronModule):
         parts = [self.vision_model(pixels, grid) for pixels, grid in
                  ((pixel_values, image_grid_thw), (pixel_values_videos, video_grid_thw)) if pixels is not None]
         if not parts:  # nothing to encode: one zero row, joined to every weight (joined_zero says why)
-            weight = self.vision_model.patch_embed.proj.weight
-            zero = vision_context_parallel.joined_zero(self.vision_model).to(weight.dtype)
-            parts = [torch.zeros(1, self.vision_model.shape.out_hidden_size, dtype=weight.dtype,
-                                 device=weight.device) + zero]
+            parts = [vision_context_parallel.idle_features(self.vision_model, 1)]
         return torch.cat(parts) if len(parts) > 1 else parts[0]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -62,8 +63,6 @@ def language_world(given):
     """megatron's argument checks size data parallelism, the micro-batch count and the batch from
     WORLD_SIZE: under ``--vision-nproc k`` the language model's ranks are WORLD_SIZE - k. (Once
     torch.distributed starts, megatron takes the world size from it again.)"""
-    import os
-
     k, world = getattr(given, "vision_nproc", 0), os.environ.get("WORLD_SIZE")
     if not k or world is None:
         yield
@@ -96,6 +95,21 @@ def _grid_groups(grid, expert_shape=None):
     return g
 
 
+def _gloo_twins(grid, expert_shape=None) -> dict:
+    """megatron's gloo copies of the data-parallel groups (the distributed optimizer's checkpoint
+    reads them), from a gloo grid of the same shape: made on every host alike, collectively."""
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+
+    twin = HyperCommGrid(grid.shape, grid.dim_names, rank_offset=grid.rank_offset, backend="gloo")
+    out = {"dp": twin.create_pg("dp"), "dp_cp": twin.create_pg(["dp", "cp"])}
+    if expert_shape is None:
+        out["expt_dp"] = out["dp"]
+    else:
+        twin.register_view("expert", expert_shape, _EXPERT_DIMS, shared_dims=["pp"])
+        out["expt_dp"] = twin.create_pg("expt_dp", view="expert")
+    return out
+
+
 def _embedding_groups(grid, groups) -> None:
     """Tied / MTP-shared word embeddings: the first and last stage of each language pipeline."""
     mine, pos, rank = None, None, dist.get_rank()  # None where this rank is not a member, as megatron's
@@ -111,10 +125,10 @@ def _ranks(group):
     return None if group is None else dist.get_process_group_ranks(group)
 
 
-def fill_parallel_state(g) -> None:
-    """parallel_state's globals from this rank's module groups ``g``: every getter megatron reads
-    then answers for that module. Left None: the GTP weight-remat groups, hierarchical CP, virtual
-    pipeline and the ``_MPU_*`` overrides (their readers accept None)."""
+def fill_parallel_state(g, gloo: dict) -> None:
+    """parallel_state's globals from this rank's module groups ``g`` (and their ``gloo`` twins):
+    every getter megatron reads then answers for that module. Left None: the GTP weight-remat
+    groups, hierarchical CP, virtual pipeline and the ``_MPU_*`` overrides (their readers accept None)."""
     from megatron.core import parallel_state as ps
 
     if ps._GLOBAL_MEMORY_BUFFER is None:
@@ -142,11 +156,9 @@ def fill_parallel_state(g) -> None:
     ps._INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP = g.intra_expt_dp
     ps._INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT = g.intra_expt_dp
     ps._INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP = g.intra_dist_opt
-    # megatron's gloo twins of the data-parallel groups: on a CPU host the groups are gloo already
-    if dist.get_backend(g.dp) == "gloo":
-        ps._DATA_PARALLEL_GROUP_GLOO = g.dp
-        ps._DATA_PARALLEL_GROUP_WITH_CP_GLOO = ps._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO = g.dp_cp
-        ps._EXPERT_DATA_PARALLEL_GROUP_GLOO = ps._INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO = g.expt_dp
+    ps._DATA_PARALLEL_GROUP_GLOO = gloo["dp"]
+    ps._DATA_PARALLEL_GROUP_WITH_CP_GLOO = ps._INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO = gloo["dp_cp"]
+    ps._EXPERT_DATA_PARALLEL_GROUP_GLOO = ps._INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO = gloo["expt_dp"]
 
 
 def _pipeline_config(args):
@@ -172,8 +184,6 @@ def setup(args) -> SeparateRanks:
     from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
     from megatron.training.initialize import _set_random_seed
 
-    import os
-
     if not dist.is_initialized():  # the whole world: args.world_size counts the language model's ranks
         dist.init_process_group(backend=args.distributed_backend, world_size=int(os.environ["WORLD_SIZE"]),
                                 rank=int(os.environ["RANK"]), timeout=timedelta(minutes=args.distributed_timeout_minutes))
@@ -184,13 +194,14 @@ def setup(args) -> SeparateRanks:
     etp, ep = args.expert_tensor_parallel_size or tp, args.expert_model_parallel_size
     vision_grid = HyperCommGrid([vtp, 1, k // vtp, 1], _DIMS, rank_offset=0)
     language_grid = HyperCommGrid([tp, cp, dp, pp], _DIMS, rank_offset=k)
-    vision = _grid_groups(vision_grid)
-    language = _grid_groups(language_grid, [etp, ep, tp * cp * dp // (etp * ep), pp])
+    expert_shape = [etp, ep, tp * cp * dp // (etp * ep), pp]
+    vision, language = _grid_groups(vision_grid), _grid_groups(language_grid, expert_shape)
+    gloo = {VISION: _gloo_twins(vision_grid), LANGUAGE: _gloo_twins(language_grid, expert_shape)}
     _embedding_groups(language_grid, language)
     vision.embd = vision.pos_embd = None
     role = VISION if dist.get_rank() < k else LANGUAGE
     groups = vision if role == VISION else language
-    fill_parallel_state(groups)
+    fill_parallel_state(groups, gloo[role])
     communicator = MultiModulePipelineCommunicator(
         {VISION: vision_grid, LANGUAGE: language_grid}, {VISION: [LANGUAGE], LANGUAGE: []}, _pipeline_config(args),
         dim_mapping={"s": 0, "b": 1, "h": 2}, module_output_ndim={VISION: 2})

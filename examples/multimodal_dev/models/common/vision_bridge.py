@@ -30,7 +30,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
 from .context_parallel import _own_rank_group
-from .vision_context_parallel import batch_order, deal, joined_zero
+from .vision_context_parallel import batch_order, deal, idle_features
 
 _BRIDGES: dict[int, "VisionBridge"] = {}
 
@@ -104,9 +104,7 @@ class VisionBridge:
             features = vision_model(own_pixels, grids[mine])
             features = torch.nn.functional.pad(features, (0, 0, 0, width - features.shape[0]))
         else:  # nothing to encode: zeros, joined to every weight (joined_zero says why)
-            dtype = vision_model.patch_embed.proj.weight.dtype
-            features = torch.zeros(width, vision_model.shape.out_hidden_size, dtype=dtype,
-                                   device=pixels.device) + joined_zero(vision_model).to(dtype)
+            features = idle_features(vision_model, width)
         gathered = self.comm.communicate(features)  # [slots * width, H], slot order
         if self.cp.size() > 1:  # each CP rank's gradient covers its own tokens: sum them
             gathered = copy_to_tensor_model_parallel_region(gathered, group=self.cp)

@@ -68,3 +68,11 @@ def joined_zero(module: torch.nn.Module) -> torch.Tensor:
     megatron's DDP with ``--overlap-grad-reduce`` starts a bucket's reduction when all its weights
     have a gradient from the step's last micro-batch, and stops the run if one never gets one."""
     return sum((p.sum() for p in module.parameters() if p.requires_grad), torch.zeros(())) * 0
+
+
+def idle_features(vision_model, rows: int) -> torch.Tensor:
+    """[rows, H] zeros in the tower's dtype, joined to every weight: what a tower with nothing to
+    encode hands on where features must go (a gather needs equal sizes, a bridge at least a row)."""
+    weight = vision_model.patch_embed.proj.weight
+    zeros = torch.zeros(rows, vision_model.shape.out_hidden_size, dtype=weight.dtype, device=weight.device)
+    return zeros + joined_zero(vision_model).to(weight.dtype)
