@@ -4,7 +4,9 @@ Engine (every CPU host, and GPU hosts that train on the local backend). Two path
 
 - ``state_dict()`` reads Adam's per-parameter ``step`` and asserts one value; loading a
   checkpoint into a fresh optimizer (no state yet) asks for it before the state exists. The
-  state is created first, with the placeholder values megatron itself loads into.
+  state is created first, with the placeholder values megatron itself loads into; an optimizer
+  with no parameter on the rank has no step, and its groups are written without one, as the
+  fused path does.
 - ``_set_main_param_and_optimizer_states`` copies loaded values in place into the fp32 main
   parameter, a leaf that requires grad; torch refuses that outside ``no_grad``. It also expects
   every tensor of torch Adam's state in the checkpoint, and the fully reshardable format stores
@@ -40,6 +42,21 @@ class _AbsentIsNone(dict):
         return None
 
 
+def _stepless_state_dict(optimizer) -> dict:
+    """The state dict of a distributed optimizer with no parameter on this rank, as megatron writes
+    it under a fused Adam (whose path allows no step): its param groups' settings. megatron builds
+    such an optimizer where a rank holds none of a kind of parameter, so that the rank still joins
+    the grad-norm reductions: the expert optimizer of a rank that holds only the vision tower, when
+    the language model's experts are split over EP ranks (training/vision_ranks.py)."""
+    inner = optimizer.optimizer.state_dict()
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in inner["param_groups"]]
+    state = {"optimizer": {**{k: v for k, v in inner.items() if k not in ("state", "param_groups")},
+                           "param_groups": groups}}
+    if optimizer.grad_scaler:
+        state["grad_scaler"] = optimizer.grad_scaler.state_dict()
+    return state
+
+
 def install() -> bool:
     """Returns True when the fixes are in place (torch Adam under the distributed optimizer)."""
     global _installed
@@ -61,6 +78,8 @@ def install() -> bool:
     def state_dict_with_state(self):
         if not self.optimizer.state:
             self._init_optimizer_states_with_dummy_values()
+        if not self.optimizer.state:  # no parameter of this optimizer on this rank: no step to read
+            return _stepless_state_dict(self)
         return state_dict(self)
 
     @functools.wraps(set_states)
@@ -74,6 +93,8 @@ def install() -> bool:
     def load_state_dict_keeping_step(self, checkpoint):
         groups = (checkpoint.get("optimizer") or {}).get("param_groups", [])
         steps = {g["step"] for g in groups if "step" in g}
+        if not any(group["params"] for group in self.optimizer.param_groups):
+            return checkpoint  # no parameter on this rank: no state to load (_stepless_state_dict)
         result = load_state_dict(self, checkpoint)
         if len(steps) == 1:
             import torch

@@ -180,6 +180,27 @@ def test_distrib_optimizer_fixes_install_is_idempotent(mcore):
     assert again == patched  # not wrapped twice
 
 
+def test_an_optimizer_with_no_parameter_on_the_rank_saves_and_loads_its_groups(mcore):
+    """megatron builds an empty distributed optimizer where a rank holds none of a kind of parameter
+    (the expert optimizer of a rank that holds only the vision tower): torch Adam has no step to read
+    there, and megatron's own state_dict asserts one. Its groups are written without a step, as the
+    fused path writes them, and a load has no state to fill."""
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer import distrib_optimizer as do
+
+    distrib_optimizer_fixes.install()
+    inits = []
+    empty = SimpleNamespace(optimizer=torch.optim.Adam([{"params": [], "wd_mult": 1.0}], lr=0.5), grad_scaler=None,
+                            _init_optimizer_states_with_dummy_values=lambda: inits.append(1))
+    saved = do.DistributedOptimizer.state_dict(empty)
+    assert inits == [1]  # a state was asked for first, as for any fresh optimizer
+    assert [{k: g[k] for k in ("wd_mult", "lr")} for g in saved["optimizer"]["param_groups"]] == [{"wd_mult": 1.0,
+                                                                                                  "lr": 0.5}]
+    assert all("params" not in g and "step" not in g for g in saved["optimizer"]["param_groups"])
+    assert do.DistributedOptimizer.load_state_dict(empty, saved) is saved and not empty.optimizer.state
+
+
 def test_expect_names_a_changed_signature():
     def load_state_dict(self, state_dict, strict):
         pass
