@@ -7,7 +7,9 @@
   import trains directly at PP>1) whose step leaves the weights untouched (LR=0), export that
   sharded checkpoint (the converter loads it at TP=PP=1): every tensor bitwise equal to the
   original, which is what the import, saved at PP=1, exports. The same from TP=2 with the vision
-  tower at its own TP of 1 (two copies of it, one the checkpoint's).
+  tower at its own TP of 1 (two copies of it, one the checkpoint's), and with the tower alone on a
+  rank of its own ahead of the language model's two (VISION_NPROC=1: each module's ranks write
+  their own shards, the language model the common state).
 """
 
 import os
@@ -60,8 +62,9 @@ def test_training_resumes_from_an_import_with_the_hf_loss(tmp_path, mcore):
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPU cores for two ranks")
-@pytest.mark.parametrize("layout", [dict(TP=2), dict(PP=2, VP=2), dict(TP=2, VISION_TP=1)],
-                         ids=["TP=2", "PP=2 VP=2", "TP=2 VISION_TP=1"])
+@pytest.mark.parametrize("layout", [dict(TP=2), dict(PP=2, VP=2), dict(TP=2, VISION_TP=1),
+                                    dict(TP=2, VISION_TP=1, VISION_NPROC=1)],
+                         ids=["TP=2", "PP=2 VP=2", "TP=2 VISION_TP=1", "VISION_NPROC=1 TP=2"])
 def test_export_of_a_sharded_checkpoint_is_bitwise(layout, tmp_path, mcore):
     hf_path, ckpt, tp_ckpt, out = (tmp_path / n for n in ("hf", "imported", "sharded", "out"))
     write_hf_checkpoint(hf_path, get_variant("tiny", moe=False, mtp=True), dtype=torch.float32)

@@ -16,6 +16,8 @@ alone on a rank of its own, VISION_NPROC=1 with the language model at TP=2 (3 pr
 - With the distributed optimizer, a run stopped after step 2 and resumed equals a straight one
   bitwise (losses, grad norms, every tensor of the final checkpoint); the step-2 checkpoint
   resumes in one process (the ordinary layout), optimizer state included, onto the same step 3.
+  In both layouts: VISION_TP=1 under TP=2, and the tower on a rank of its own ahead of a language
+  model at TP=2 with its experts over EP=2.
 """
 
 import json
@@ -132,9 +134,13 @@ def test_a_cut_gradient_path_to_the_tower_is_caught(layout, parallel_start, sing
     assert differences["vision grad norm"] > REL and norms[1] == 0.0
 
 
-def test_resumes_exactly_and_in_the_ordinary_layout(parallel_start, tmp_path):
+# The separate ranks' case splits the language model's experts over its two ranks (EP=2, ETP=1): the tower's
+# ranks then hold an expert optimizer with no parameter (megatron's, for the grad-norm reductions), whose
+# param groups have no step, and the checkpoint's common state must be the language model's.
+@pytest.mark.parametrize("layout", [LAYOUT, dict(SEPARATE, EP=2, ETP=1)], ids=["colocated", "separate ranks, EP=2"])
+def test_resumes_exactly_and_in_the_ordinary_layout(layout, parallel_start, tmp_path):
     flags = ("--use-distributed-optimizer", *NO_EVAL)
-    common = dict(CKPT_LOAD=parallel_start, TRAIN_ITERS=3, **LAYOUT)
+    common = dict(CKPT_LOAD=parallel_start, TRAIN_ITERS=3, **layout)
     straight, _ = _run(tmp_path, "straight", flags, CKPT_SAVE=tmp_path / "straight", **common)
     first, _ = _run(tmp_path, "first", (*flags, "--exit-interval", "2"), CKPT_RESUME=tmp_path / "resumed", **common)
     shutil.copytree(tmp_path / "resumed", tmp_path / "ordinary")

@@ -106,9 +106,8 @@ def _layout_args(**kw):
                                          r"data-parallel ranks for 1 language ones; this build runs them equal"),
     (dict(world_size=3, vision_nproc=1, use_distributed_optimizer=False), r"--vision-nproc 1 needs --use-distributed"),
     (dict(world_size=3, vision_nproc=1, calculate_per_token_loss=False), r"needs --calculate-per-token-loss"),
-    (dict(world_size=3, vision_nproc=1, save="out"), r"^--save out with --vision-nproc 1: checkpoints of this layout "
-                                                     r"are not built yet"),
-    (dict(world_size=3, vision_nproc=1, load="ckpt"), r"^--load ckpt \(without --finetune\) with --vision-nproc 1"),
+    (dict(world_size=3, vision_nproc=1, save="out", load="out"), None),  # saves and resumes
+    (dict(world_size=2, vision_nproc=1, tensor_model_parallel_size=1, dist_ckpt_optim_dp_reshardable=True), r"^--dist-ckpt-optim-dp-reshardable with --vision-nproc 1: that format"),
     (dict(dist_ckpt_optim_dp_reshardable=True), r"--dist-ckpt-optim-dp-reshardable with --vision-tensor-parallel-size 1"),
     (dict(dist_ckpt_optim_dp_reshardable=True, vision_tensor_parallel_size=2), None),  # the ordinary layout
 ])

@@ -79,9 +79,15 @@ def resume(split, load_dir: str | None, iteration: int, consumed_samples: int, s
 
 
 def first_of_dp_rank() -> bool:
-    """The process that writes (and speaks for) its DP rank's stream."""
+    """The process that writes (and speaks for) its DP rank's stream. With the vision tower on ranks
+    of its own, the tower's replica reads the stream of the language replica it serves, whose
+    first rank writes it."""
     from megatron.core import parallel_state as ps
 
+    from examples.multimodal_dev.training import vision_ranks
+
+    if vision_ranks.active() is not None and vision_ranks.active().on_vision:
+        return False
     return (ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
             and ps.get_pipeline_model_parallel_rank() == 0)
 

@@ -203,6 +203,7 @@ class VisionStage(MegatronModule):
     ([N, H], at least one row), goes to the language model's first stage."""
 
     vision_only = True
+    rng_state_key_prefix = "vision."  # megatron.training's checkpoints: the tower's RNG states apart from the LM's
 
     def __init__(self, config, vision_model, groups):
         super().__init__(config=config)

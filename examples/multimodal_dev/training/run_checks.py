@@ -91,10 +91,11 @@ def check_vision_layout(args, vision_heads: int, world: int | None = None) -> No
                   args.vision_nproc, vision_heads, vp=args.virtual_pipeline_model_parallel_size or 1)
     if args.vision_nproc:
         _check_separate_ranks(args, layout)
-    if vtp != tp and args.use_distributed_optimizer and args.dist_ckpt_optim_dp_reshardable:
-        raise ValueError(f"--dist-ckpt-optim-dp-reshardable with --vision-tensor-parallel-size {vtp}: that format "
-                         "numbers optimizer shards by the language model's groups only, and the vision tower's copies "
-                         "would each claim theirs; keep the default (fully reshardable)")
+    if (vtp != tp or args.vision_nproc) and args.use_distributed_optimizer and args.dist_ckpt_optim_dp_reshardable:
+        own = f"--vision-nproc {args.vision_nproc}" if args.vision_nproc else f"--vision-tensor-parallel-size {vtp}"
+        raise ValueError(f"--dist-ckpt-optim-dp-reshardable with {own}: that format numbers optimizer shards by "
+                         "data-parallel group only, and the vision tower's would claim the language model's; keep "
+                         "the default (fully reshardable)")
 
 
 def _check_separate_ranks(args, layout) -> None:
@@ -107,12 +108,6 @@ def _check_separate_ranks(args, layout) -> None:
     if not args.use_distributed_optimizer:
         raise ValueError(f"{k} needs --use-distributed-optimizer: its gradient norm is summed over the world's "
                          "shards, one module's on each rank")
-    if args.save or (args.load and not args.finetune):
-        flag = f"--save {args.save}" if args.save else f"--load {args.load} (without --finetune)"
-        raise ValueError(f"{flag} with {k}: checkpoints of this layout are not built yet (the two modules' RNG, "
-                         "data-loader and optimizer records would collide); start from a checkpoint's weights "
-                         "(--load with --finetune, CKPT_LOAD) and train without saving, or run the tower on the "
-                         "language model's ranks (--vision-tensor-parallel-size)")
     if not args.calculate_per_token_loss:
         raise ValueError(f"{k} needs --calculate-per-token-loss (the run script's default): the tower's gradients "
                          "are scaled by the language model's token count")

@@ -18,7 +18,10 @@ world-wide is said where it happens:
   each rank adds its shards' squares once (TP duplicates dropped by its module's own TP rank);
 * per-token loss: the token count lives on the language model's last stage; every rank divides its
   gradients by the world's count (``finalize_model_grads``);
-* the FLOPs meter: the tower's ranks join its all-reduce and add nothing (pretrain_multimodal.py).
+* the FLOPs meter: the tower's ranks join its all-reduce and add nothing (pretrain_multimodal.py);
+* checkpoints: each module's ranks write their own shards of the ordinary layout's keys, the
+  tower's RNG states under ``vision.rng_state`` (``VisionStage.rng_state_key_prefix``), and the
+  common state is the language model's (``language_common``).
 
 This build runs the tower's data-parallel size equal to the language model's: each vision replica
 reads the micro-batches of the language replica it serves (the same data-parallel rank and size),
@@ -52,6 +55,7 @@ class SeparateRanks:
     groups: object  # ProcessGroupCollection of that module
     pg_collection: object  # the MultiModuleProcessGroupCollection megatron.training is handed
     communicator: object  # MultiModulePipelineCommunicator
+    first_language: int  # the world rank of the language model's first rank (the tower's ranks come before)
 
     @property
     def on_vision(self) -> bool:
@@ -209,23 +213,49 @@ def setup(args) -> SeparateRanks:
     _set_random_seed(args.seed, args.data_parallel_random_init, args.te_rng_tracker, args.inference_rng_tracker,
                      use_cudagraphable_rng=args.cuda_graph_impl != "none", pp_group=groups.pp, dp_group=groups.dp,
                      tp_group=groups.tp, ep_group=groups.ep, etp_group=groups.expt_tp)
-    _LAYOUT = SeparateRanks(role, groups, pg_collection, communicator)
+    _LAYOUT = SeparateRanks(role, groups, pg_collection, communicator, k)
     _install(_LAYOUT)
     return _LAYOUT
 
 
 def _install(layout: SeparateRanks) -> None:
     """megatron.training's get_model reads ``pg_collection.pp`` off the collection it is handed: give
-    it this rank's module groups (the schedule keeps the multi-module collection)."""
-    from megatron.training import training
+    it this rank's module groups (the schedule keeps the multi-module collection). A checkpoint's
+    common state is the language model's (``language_common``)."""
+    from megatron.training import checkpointing, training
 
-    get_model = training.get_model
+    get_model, generate_state_dict = training.get_model, checkpointing.generate_state_dict
 
     @functools.wraps(get_model)
     def module_get_model(model_provider_func, model_type, wrap_with_ddp=True, config=None, pg_collection=None):
         return get_model(model_provider_func, model_type, wrap_with_ddp, config, layout.groups)
 
+    @functools.wraps(generate_state_dict)
+    def with_language_common(*args, **kwargs):
+        state = generate_state_dict(*args, **kwargs)
+        # a save passes the iteration; a load's template has none, and its common state comes from the file
+        return language_common(state, layout) if kwargs.get("iteration") is not None else state
+
     training.get_model = module_get_model
+    checkpointing.generate_state_dict = with_language_common
+
+
+def language_common(state: dict, layout: SeparateRanks) -> dict:
+    """A checkpoint's state with the language model's common part on every rank (collective).
+
+    dist_checkpointing keeps what is not sharded (the arguments, the iteration, the scheduler, the
+    optimizer's param groups) once, from world rank 0, which holds the tower here. The tower's
+    param groups are a subset of the language model's (the same settings; no expert groups), and
+    megatron's optimizer matches groups by their settings on load, so the language model's common
+    part serves both modules, in this layout and in the ordinary one. The first language rank
+    sends it; each vision rank keeps its own sharded tensors and objects under it."""
+    from megatron.core.dist_checkpointing.dict_utils import merge
+    from megatron.core.dist_checkpointing.utils import extract_sharded_base
+
+    sharded, common = extract_sharded_base(state)
+    sent = [common if dist.get_rank() == layout.first_language else None]
+    dist.broadcast_object_list(sent, src=layout.first_language)
+    return merge(sent[0], sharded) if layout.on_vision else state
 
 
 def finalize_model_grads(model, num_tokens=None, pg_collection=None, force_all_reduce=False):
