@@ -90,7 +90,7 @@ def _layout_args(**kw):
     base = dict(world_size=2, tensor_model_parallel_size=2, context_parallel_size=1, pipeline_model_parallel_size=1,
                 virtual_pipeline_model_parallel_size=None, vision_tensor_parallel_size=1, vision_nproc=0,
                 use_distributed_optimizer=True, dist_ckpt_optim_dp_reshardable=False, calculate_per_token_loss=True,
-                save=None, load=None, finetune=False)
+                save=None, load=None, finetune=False, ckpt_format="torch_dist")
     return SimpleNamespace(**{**base, **kw})
 
 
@@ -107,6 +107,8 @@ def _layout_args(**kw):
     (dict(world_size=3, vision_nproc=1, use_distributed_optimizer=False), r"--vision-nproc 1 needs --use-distributed"),
     (dict(world_size=3, vision_nproc=1, calculate_per_token_loss=False), r"needs --calculate-per-token-loss"),
     (dict(world_size=3, vision_nproc=1, save="out", load="out"), None),  # saves and resumes
+    (dict(world_size=3, vision_nproc=1, save="out", ckpt_format="torch"),
+     r"^--ckpt-format torch with --vision-nproc 1: only torch_dist checkpoints"),
     (dict(world_size=2, vision_nproc=1, tensor_model_parallel_size=1, dist_ckpt_optim_dp_reshardable=True), r"^--dist-ckpt-optim-dp-reshardable with --vision-nproc 1: that format"),
     (dict(dist_ckpt_optim_dp_reshardable=True), r"--dist-ckpt-optim-dp-reshardable with --vision-tensor-parallel-size 1"),
     (dict(dist_ckpt_optim_dp_reshardable=True, vision_tensor_parallel_size=2), None),  # the ordinary layout

@@ -108,6 +108,10 @@ def _check_separate_ranks(args, layout) -> None:
     if not args.use_distributed_optimizer:
         raise ValueError(f"{k} needs --use-distributed-optimizer: its gradient norm is summed over the world's "
                          "shards, one module's on each rank")
+    if (args.save or args.load) and args.ckpt_format != "torch_dist":
+        raise ValueError(f"--ckpt-format {args.ckpt_format} with {k}: only torch_dist checkpoints hold the two "
+                         "modules' shards apart (the other formats name their files by TP and PP rank, which "
+                         "a vision rank and a language rank share); keep the default torch_dist")
     if not args.calculate_per_token_loss:
         raise ValueError(f"{k} needs --calculate-per-token-loss (the run script's default): the tower's gradients "
                          "are scaled by the language model's token count")
