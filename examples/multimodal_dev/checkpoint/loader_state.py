@@ -78,15 +78,22 @@ def resume(split, load_dir: str | None, iteration: int, consumed_samples: int, s
     return f"data loader: DP rank {settings['dp_rank']} restarts its stream from the beginning ({why})"
 
 
+_READS_ONLY = False  # this process reads a stream that another one writes (reads_only)
+
+
+def reads_only() -> None:
+    """This process reads its DP rank's stream but never writes or speaks for it: a rank of the
+    vision tower on ranks of its own reads the stream of the language replica it serves, whose
+    first rank writes it (training/vision_ranks.py)."""
+    global _READS_ONLY
+    _READS_ONLY = True
+
+
 def first_of_dp_rank() -> bool:
-    """The process that writes (and speaks for) its DP rank's stream. With the vision tower on ranks
-    of its own, the tower's replica reads the stream of the language replica it serves, whose
-    first rank writes it."""
+    """The process that writes (and speaks for) its DP rank's stream."""
     from megatron.core import parallel_state as ps
 
-    from examples.multimodal_dev.training import vision_ranks
-
-    if vision_ranks.active() is not None and vision_ranks.active().on_vision:
+    if _READS_ONLY:
         return False
     return (ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
             and ps.get_pipeline_model_parallel_rank() == 0)

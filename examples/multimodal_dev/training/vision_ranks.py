@@ -215,6 +215,10 @@ def setup(args) -> SeparateRanks:
                      tp_group=groups.tp, ep_group=groups.ep, etp_group=groups.expt_tp)
     _LAYOUT = SeparateRanks(role, groups, pg_collection, communicator, k)
     _install(_LAYOUT)
+    if role == VISION:  # the language replica's first rank writes the stream both read
+        from examples.multimodal_dev.checkpoint import loader_state
+
+        loader_state.reads_only()
     return _LAYOUT
 
 
