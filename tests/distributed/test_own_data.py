@@ -6,8 +6,6 @@
 - Under token-budget packing at DP=2 with dropout, a stopped and resumed run equals a straight one.
 - The same files converted to Megatron-Energon shards train at DP=2, and a stopped and resumed
   run equals a straight one: the loader's position per DP rank comes back from the checkpoint.
-  The same with the vision tower on a rank of its own (VISION_NPROC=1, the language model at
-  TP=2), whose loader reads the stream of the language replica it serves.
 """
 
 import dataclasses
@@ -138,13 +136,3 @@ def test_energon_shards_train_and_resume_exactly_at_dp2(tmp_path):
     assert last < first - 0.5, losses
     assert 8 in straight.validation
 
-
-def test_energon_resumes_exactly_with_the_tower_on_its_own_rank(tmp_path):
-    """VISION_NPROC=1 ahead of a language model at TP=2 (3 processes): the tower's rank reads the
-    language replica's stream, so its features are the ones that replica's rows hold (a different
-    count stops the run), and only the language model's first rank writes the stream's position."""
-    env = dict(_energon_shards(tmp_path), TP=2, VISION_TP=1, VISION_NPROC=1)
-    flags = ("--hidden-dropout", "0.1", "--num-workers", "2", "--eval-iters", "0")
-    straight, states = _stopped_and_resumed_equal_straight(tmp_path, flags, env, stop=2, last=4)
-    assert states == ["dp00000.json"], states
-    print(f"energon, the tower on its own rank: losses {straight.losses}")
