@@ -84,55 +84,42 @@ def test_own_jsonl_resumes_exactly_under_token_budget_packing(tmp_path):
     assert second.validation == straight.validation
 
 
-def _energon_shards(tmp_path) -> dict:
-    """The example files as energon shards (a val split held out): the run's data settings."""
-    import subprocess
-    import sys
-
-    folder, processor, config = _example_data(tmp_path)
-    converted = subprocess.run([sys.executable, "-m", "examples.multimodal_dev.tools.jsonl_to_energon", folder,
-                                str(tmp_path / "shards"), "--valid-fraction", "0.2"],
-                               capture_output=True, text=True, cwd=ROOT)
-    assert converted.returncode == 0, converted.stderr[-3000:]
-    return dict(DATASET="energon", DATA_PATH=tmp_path / "shards", HF_PROCESSOR_PATH=processor, HF_CONFIG=config,
-                GBS=4, SEQ_LEN=1024, PACKING="tokens")
-
-
-def _stopped_and_resumed_equal_straight(tmp_path, flags, env, stop: int, last: int):
-    """(straight run, loader-state files of the stop): a run stopped after ``stop`` iterations and
-    resumed to ``last`` equals a straight one bitwise (tokens, losses, grad norms, final checkpoint)."""
-    from checkpoint_diff import entries, state_differences
-
-    straight = run_script(flags, CKPT_SAVE=tmp_path / "straight", TRAIN_ITERS=last, **env).check()
-    stopped = run_script((*flags, "--exit-interval", str(stop)), CKPT_RESUME=tmp_path / "resumed", TRAIN_ITERS=last,
-                         **env).check()
-    states = sorted(os.listdir(tmp_path / "resumed" / f"iter_{stop:07d}" / "loader_state"))
-    resumed = run_script(flags, CKPT_RESUME=tmp_path / "resumed", TRAIN_ITERS=last, **env).check()
-    state = tmp_path / "resumed" / f"iter_{stop:07d}" / "loader_state" / "dp00000.json"
-    assert f"data loader: DP rank 0 continues from {state}" in resumed.output, resumed.output[-3000:]
-    assert "restarts its stream" not in resumed.output, resumed.output[-3000:]  # said by any DP rank
-    assert {**stopped.tokens, **resumed.tokens} == straight.tokens
-    assert {**stopped.losses, **resumed.losses} == straight.losses
-    assert {**stopped.grad_norms, **resumed.grad_norms} == straight.grad_norms
-    differing = state_differences(entries(tmp_path / "straight" / f"iter_{last:07d}", tmp_path),
-                                  entries(tmp_path / "resumed" / f"iter_{last:07d}", tmp_path))
-    assert not differing, differing
-    return straight, states
-
-
 def test_energon_shards_train_and_resume_exactly_at_dp2(tmp_path):
     """tools/jsonl_to_energon.py writes the example files as Megatron-Energon shards (media inside,
     a val split held out); DATASET=energon reads them with energon's loader, a part per DP rank, two
     loader workers each, packing rows of 1024 tokens (PACKING=tokens). 8 iterations straight learn;
     4, stop, and 4 resumed from the checkpoint's loader states (packing buffers included) give the
     same losses, grad norms and final checkpoint, bitwise (dropout 0.1)."""
-    env = dict(_energon_shards(tmp_path), NPROC=2)
+    import subprocess
+    import sys
+
+    from checkpoint_diff import entries, state_differences
+
+    folder, processor, config = _example_data(tmp_path)
+    converted = subprocess.run([sys.executable, "-m", "examples.multimodal_dev.tools.jsonl_to_energon", folder,
+                                str(tmp_path / "shards"), "--valid-fraction", "0.2"],
+                               capture_output=True, text=True, cwd=ROOT)
+    assert converted.returncode == 0, converted.stderr[-3000:]
+    env = dict(DATASET="energon", DATA_PATH=tmp_path / "shards", HF_PROCESSOR_PATH=processor, HF_CONFIG=config,
+               TRAIN_ITERS=8, GBS=4, SEQ_LEN=1024, PACKING="tokens", NPROC=2)
     flags = ("--hidden-dropout", "0.1", "--num-workers", "2")
-    straight, states = _stopped_and_resumed_equal_straight(tmp_path, flags, env, stop=4, last=8)
-    assert states == ["dp00000.json", "dp00001.json"], states
+    straight = run_script(flags, CKPT_SAVE=tmp_path / "straight", **env).check()
     losses = [straight.losses[i] for i in range(1, 9)]
     first, last = sum(losses[:2]) / 2, sum(losses[-2:]) / 2
     print(f"energon: first-2 mean loss {first:.3f}, last-2 mean {last:.3f}, validation {straight.validation}")
     assert last < first - 0.5, losses
     assert 8 in straight.validation
 
+    stopped = run_script((*flags, "--exit-interval", "4"), CKPT_RESUME=tmp_path / "resumed", **env).check()
+    states = sorted(os.listdir(tmp_path / "resumed" / "iter_0000004" / "loader_state"))
+    assert states == ["dp00000.json", "dp00001.json"], states
+    resumed = run_script(flags, CKPT_RESUME=tmp_path / "resumed", **env).check()
+    state = tmp_path / "resumed" / "iter_0000004" / "loader_state" / "dp00000.json"
+    assert f"data loader: DP rank 0 continues from {state}" in resumed.output, resumed.output[-3000:]
+    assert "restarts its stream" not in resumed.output, resumed.output[-3000:]  # said by any DP rank
+    assert {**stopped.tokens, **resumed.tokens} == straight.tokens
+    assert {**stopped.losses, **resumed.losses} == straight.losses
+    assert {**stopped.grad_norms, **resumed.grad_norms} == straight.grad_norms
+    differing = state_differences(entries(tmp_path / "straight" / "iter_0000008", tmp_path),
+                                  entries(tmp_path / "resumed" / "iter_0000008", tmp_path))
+    assert not differing, differing
