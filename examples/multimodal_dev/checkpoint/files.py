@@ -20,6 +20,8 @@ import shutil
 
 import torch
 
+from . import write_queue
+
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
@@ -37,6 +39,7 @@ def save_model_checkpoint(args, iteration: int, model) -> str:
     names) is stored for ``--use-checkpoint-args`` and megatron's checkpoint checks."""
     from megatron.core import dist_checkpointing
 
+    write_queue.install()
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     final = iteration_dir(args.save, iteration)
     partial = final + ".partial"
