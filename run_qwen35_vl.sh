@@ -11,7 +11,9 @@
 #   VP              virtual pipeline stages per pipeline rank: the interleaved schedule [1]
 #   PP_FIRST PP_LAST  decoder layers on the first / last pipeline stage (uneven split) [even]
 #   SP              1 = sequence parallelism (needs TP>1) [1 for MoE with TP>1, which megatron requires; else 0]
-#   VISION_TP       the vision tower's tensor parallel size, a divisor of TP (the rest is its data parallelism) [TP]
+#   VISION_TP       the vision tower's tensor parallel size (the rest of its ranks is its data parallelism); on
+#                   the language model's ranks a divisor of TP [TP; with VISION_NPROC: VISION_NPROC / the language
+#                   model's DP, a vision replica for each language one]
 #   VISION_NPROC    ranks 0..VISION_NPROC-1 run only the vision tower, the others only the language model
 #                   [0: it runs on the language model's first-stage ranks] (examples/multimodal_dev/training/vision_layout.py)
 #   NPROC           processes on this node [TP*CP*PP + VISION_NPROC]
@@ -93,7 +95,7 @@ positive() { local var; for var in "$@"; do [[ "${!var}" =~ ^[1-9][0-9]*$ ]] || 
 TP=${TP:-1}; CP=${CP:-1}; EP=${EP:-1}; PP=${PP:-1}
 positive TP CP EP PP
 ETP=${ETP:-$TP}; VP=${VP:-1}
-VISION_TP_GIVEN=${VISION_TP:+1}; VISION_TP=${VISION_TP:-$TP}; VISION_NPROC=${VISION_NPROC:-0}
+VISION_TP=${VISION_TP:-}; VISION_NPROC=${VISION_NPROC:-0}  # VISION_TP unset: training/vision_layout.py's default
 [[ "$VISION_NPROC" =~ ^(0|[1-9][0-9]*)$ ]] || fail "VISION_NPROC=$VISION_NPROC must be a non-negative integer"
 PP_FIRST=${PP_FIRST:-0}; PP_LAST=${PP_LAST:-0}
 SP=${SP:-$(( TP > 1 && EXPERTS > 0 ? 1 : 0 ))}
@@ -109,7 +111,8 @@ else
   TRAIN_ITERS=${TRAIN_ITERS:-30}; MBS=${MBS:-2}; GBS=${GBS:-4}; SEQ_LEN=${SEQ_LEN:-1024}; LR=${LR:-2e-3}
 fi
 PACKED_SEQ_LENGTH=${PACKED_SEQ_LENGTH:-$SEQ_LEN}
-positive ETP VP VISION_TP NPROC TRAIN_ITERS MBS GBS SEQ_LEN PACKED_SEQ_LENGTH
+positive ETP VP NPROC TRAIN_ITERS MBS GBS SEQ_LEN PACKED_SEQ_LENGTH
+[[ -z "$VISION_TP" ]] || positive VISION_TP
 [[ -z "${SAVE_INTERVAL:-}" ]] || positive SAVE_INTERVAL
 for var in PP_FIRST PP_LAST; do
   [[ "${!var}" =~ ^[0-9]+$ ]] || fail "$var=${!var} must be a number of decoder layers"
@@ -147,10 +150,11 @@ LANG_NPROC=$((NPROC - VISION_NPROC)); LANG_NAME=$( (( VISION_NPROC > 0 )) && ech
 VISION_HEADS=$("$PY" -m examples.multimodal_dev.models.megatron_args vision-heads "${SHAPE_ARGS[@]}" 2>/dev/null) \
   || fail "the vision heads of $MODEL_VARIANT could not be read"
 if ! VISION_TABLE=$("$PY" -m examples.multimodal_dev.training.vision_layout table "$NPROC" "$TP" "$CP" "$PP" "$VP" \
-                    "$VISION_TP" "$VISION_NPROC" "$VISION_HEADS" 2>&1); then
-  [[ -n "$VISION_TP_GIVEN" || "$VISION_TABLE" != *VISION_TP=* ]] || VISION_TABLE+=" (VISION_TP is TP unless set)"
+                    "${VISION_TP:-0}" "$VISION_NPROC" "$VISION_HEADS" 2>&1); then
   fail "${VISION_TABLE#vision_layout.py: }"
 fi
+# a layout of the tower's own: its rank table is printed, and a VISION_TP set is passed on
+OWN_VISION_LAYOUT=$(( VISION_NPROC > 0 || ${VISION_TP:-$TP} != TP ))
 case "$DATASET" in
   mock|mock_mix|mock_video) ;;
   cord_v2|jsonl|energon)
@@ -206,7 +210,7 @@ fi
 [[ $PACKED == 1 ]] || ARGS+=(--no-packed-sequence)
 [[ $PACKING == samples ]] || ARGS+=(--packing tokens --packed-seq-length "$PACKED_SEQ_LENGTH")
 (( VP > 1 )) && ARGS+=(--num-virtual-stages-per-pipeline-rank "$VP")
-(( VISION_TP != TP )) && ARGS+=(--vision-tensor-parallel-size "$VISION_TP")
+[[ -n "$VISION_TP" ]] && (( OWN_VISION_LAYOUT )) && ARGS+=(--vision-tensor-parallel-size "$VISION_TP")
 # the tower on ranks of its own sums its grad norm over the world's distributed-optimizer shards
 (( VISION_NPROC > 0 )) && ARGS+=(--vision-nproc "$VISION_NPROC" --use-distributed-optimizer)
 (( PP_FIRST > 0 )) && ARGS+=(--decoder-first-pipeline-num-layers "$PP_FIRST")
@@ -275,7 +279,7 @@ LAUNCH=(torchrun --nproc-per-node "$NPROC" "${RDZV[@]}" --module examples.multim
 if [[ "${DRY_RUN:-0}" == 1 ]]; then
   # the layout planner's choice for a cluster of GPUS H100s (README, "Planning a cluster layout");
   # without GPUS, only the variants with a default count; the command stays the last line
-  (( VISION_TP != TP || VISION_NPROC > 0 )) && echo "$VISION_TABLE"  # which ranks run which module
+  (( OWN_VISION_LAYOUT )) && echo "$VISION_TABLE"  # which ranks run which module
   if [[ -n "$HF_CONFIG" ]]; then PLAN_MODEL=(--hf-config "$HF_CONFIG"); else PLAN_MODEL=("$MODEL_VARIANT"); fi
   if [[ -n "${GPUS:-}" ]]; then
     positive GPUS
@@ -290,7 +294,7 @@ if [[ "${DRY_RUN:-0}" == 1 ]]; then
 fi
 
 echo "run_qwen35_vl.sh: $MODEL_VARIANT, TP=$TP CP=$CP EP=$EP PP=$PP VP=$VP SP=$SP NPROC=$NPROC, dataset $DATASET, packing $PACKING, $TRAIN_ITERS iterations"
-(( VISION_TP != TP || VISION_NPROC > 0 )) && echo "$VISION_TABLE" | sed 's/^# /run_qwen35_vl.sh: /'
+(( OWN_VISION_LAYOUT )) && echo "$VISION_TABLE" | sed 's/^# /run_qwen35_vl.sh: /'
 
 # training/torchrun_launcher.py is torchrun without its own traceback when a rank fails (the rank has said why)
 exec "$PY" -m examples.multimodal_dev.training.torchrun_launcher "${LAUNCH[@]:1}" "${ARGS[@]}" "$@"

@@ -120,3 +120,21 @@ def test_the_vision_layout_is_checked_by_flag(changes, message):
     else:
         with pytest.raises(ValueError, match=message):
             run_checks.check_vision_layout(args, vision_heads=16)
+
+
+
+@pytest.mark.parametrize("changes,vtp", [
+    (dict(world_size=3, vision_nproc=1), 1),  # one vision replica for the one language replica at TP=2
+    (dict(world_size=4, vision_nproc=2, tensor_model_parallel_size=2), 2),
+    (dict(world_size=6, vision_nproc=2, tensor_model_parallel_size=2), 1),  # two language replicas, two vision ones
+])
+def test_an_unset_vision_tp_on_ranks_of_its_own_gives_a_vision_replica_a_language_one(changes, vtp):
+    args = _layout_args(**changes, vision_tensor_parallel_size=None)
+    run_checks.check_vision_layout(args, vision_heads=16)
+    assert args.vision_tensor_parallel_size == vtp
+
+
+def test_an_unset_vision_tp_that_cannot_pair_the_replicas_is_refused_by_name():
+    args = _layout_args(world_size=5, vision_nproc=1, vision_tensor_parallel_size=None)  # 1 rank, 2 language replicas
+    with pytest.raises(ValueError, match=r"^--vision-nproc 1 is not divisible by --vision-tensor-parallel-size 2"):
+        run_checks.check_vision_layout(args, vision_heads=16)

@@ -104,14 +104,16 @@ def test_model_flag_mismatch_is_named():
     (dict(VISION_TP=3), "VISION_TP=3 does not divide the 2 vision attention heads$"),
     (dict(TP=4), "VISION_TP=4 does not divide the 2 vision attention heads \\(VISION_TP is TP unless set\\)"),
     (dict(VISION_TP=2), "VISION_TP=2 does not divide TP=1"),
-    (dict(TP=2, VISION_NPROC=1), "VISION_NPROC=1 is not divisible by VISION_TP=2"),
+    (dict(TP=2, VISION_TP=2, VISION_NPROC=1), "VISION_NPROC=1 is not divisible by VISION_TP=2"),
     (dict(VISION_NPROC=2, NPROC=2), "VISION_NPROC=2 leaves no ranks for the language model \\(NPROC=2\\)"),
     (dict(TP=2, VISION_TP=1, VISION_NPROC=1, NPROC=4), "\\(NPROC-VISION_NPROC\\)=3 is not divisible by TP\\*CP\\*PP=2"),
     (dict(MOE=1, EP=2, ETP=2, VISION_NPROC=1, NPROC=3), "EP=2: \\(NPROC-VISION_NPROC\\)/PP=2 is not divisible by EP\\*ETP=4"),
     (dict(VISION_NPROC=1, NPROC=3, GBS=2), "GBS=2 is not a multiple of MBS\\*DP=4"),  # DP counts the language ranks
     (dict(CP=2, VISION_NPROC=1), "CP=2 with VISION_NPROC=1: megatron-core 0.19.2's bridge"),
     (dict(PP=2, VP=2, VISION_NPROC=1), "VP=2 with VISION_NPROC=1: only the non-interleaved pipeline schedule"),
-    (dict(VISION_NPROC=3, NPROC=5), "VISION_NPROC=3 / VISION_TP=1 = 3 vision data-parallel ranks and 2 language"),
+    (dict(VISION_NPROC=3, NPROC=5), "VISION_NPROC=3 / VISION_TP=1 = 3 vision data-parallel ranks and 2 language .* "
+                                    "\\(VISION_TP unset: VISION_NPROC / the language model's DP where that divides, "
+                                    "else TP\\)$"),
 ])
 def test_impossible_settings_fail_with_the_variable(env, message):
     import re
@@ -150,6 +152,14 @@ def test_vision_layout_reaches_megatron_and_its_rank_table_is_printed():
     lines = out.strip().splitlines()
     assert lines[-3:-1] == ["# ranks 0    vision tower    TP=1 DP=1", "# ranks 1-2  language model  TP=2 CP=1 DP=1 PP=1"]
     assert lines[-1].startswith("torchrun")
+    # unset, VISION_TP gives the tower a replica for each of the language model's: VISION_NPROC / DP
+    rc, out, err = _script(MODEL_VARIANT="tiny", TP=2, VISION_NPROC=1)
+    assert rc == 0 and "vision_tensor_parallel_size" not in _flags(out), err  # the training script's default
+    assert "# ranks 0    vision tower    TP=1 DP=1" in out
+    rc, out, err = _script(MODEL_VARIANT="tiny", VISION_NPROC=2)
+    assert rc == 0 and "# ranks 0-1  vision tower    TP=2 DP=1" in out, err
+    rc, out, err = _script(MODEL_VARIANT="tiny", VISION_TP=1, VISION_NPROC=2, NPROC=3)  # set, it is passed on
+    assert rc == 0 and _flags(out)["vision_tensor_parallel_size"] == "1" and "TP=1 DP=2" in out, err
     rc, out, err = _script(MODEL_VARIANT="tiny", TP=2, VISION_TP=1)  # on the language model's ranks
     flags = _flags(out)
     assert rc == 0 and flags["vision_tensor_parallel_size"] == "1" and "vision_nproc" not in flags

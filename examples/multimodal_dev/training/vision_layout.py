@@ -15,14 +15,15 @@ Two layouts:
   offset by k). The embeddings cross between the two through megatron-core's bridge communicator,
   which splits or gathers the batch between the two data-parallel sizes (so one divides the other)
   and in megatron-core 0.19.2 asserts context parallel size 1; only the non-interleaved pipeline
-  schedule takes the multi-module communicator, so VP=1.
+  schedule takes the multi-module communicator, so VP=1. Unset, VISION_TP is k / the language DP
+  there (``default_vision_tp``).
 
 Either way VISION_TP divides the vision attention heads (its MLP and merger widths are multiples of
 them). ``plan`` checks all of this and names the setting; ``VisionLayout.groups`` enumerates the
 process groups so a run's own can be compared with them.
 
     python -m examples.multimodal_dev.training.vision_layout table NPROC TP CP PP VP VISION_TP VISION_NPROC VISION_HEADS
-                                            (the run script's check; prints the rank table)
+                                            (the run script's check; prints the rank table; VISION_TP 0: the default)
 """
 
 from __future__ import annotations
@@ -94,6 +95,19 @@ class VisionLayout:
         return [f"ranks {_span(ranks):<{width}}  {module:<14}  {sizes}" for ranks, module, sizes in rows]
 
 
+def default_vision_tp(world: int, tp: int, cp: int, pp: int, vnproc: int) -> int:
+    """VISION_TP when it is not set: TP on the language model's ranks. On ranks of its own, the size
+    that gives the tower one replica for each of the language model's (the only pairing this build
+    runs, ``run_checks``): VISION_NPROC / the language DP, where that divides; else TP, and ``plan``
+    names what does not fit."""
+    language, replica = world - vnproc, tp * cp * pp
+    if vnproc and language > 0 and language % replica == 0:
+        dp = language // replica
+        if vnproc % dp == 0:
+            return vnproc // dp
+    return tp
+
+
 def plan(world: int, tp: int, cp: int, pp: int, vtp: int, vnproc: int, vision_heads: int, vp: int = 1,
          names: dict = FLAG_NAMES) -> VisionLayout:
     """The layout of these settings, or ValueError naming the one that cannot run."""
@@ -142,9 +156,19 @@ def plan(world: int, tp: int, cp: int, pp: int, vtp: int, vnproc: int, vision_he
 def _main(argv: list[str]) -> str:
     if argv[:1] == ["table"] and len(argv) == 9:
         world, tp, cp, pp, vp, vtp, vnproc, heads = (int(a) for a in argv[1:])
-        layout = plan(world, tp, cp, pp, vtp, vnproc, heads, vp=vp, names=ENV_NAMES)
+        given = vtp > 0  # 0: not set
+        vtp = vtp if given else default_vision_tp(world, tp, cp, pp, vnproc)
+        try:
+            layout = plan(world, tp, cp, pp, vtp, vnproc, heads, vp=vp, names=ENV_NAMES)
+        except ValueError as err:
+            if given or "VISION_TP=" not in err.args[0]:
+                raise
+            hint = ("VISION_TP unset: VISION_NPROC / the language model's DP where that divides, else TP" if vnproc
+                    else "VISION_TP is TP unless set")
+            raise ValueError(f"{err.args[0]} ({hint})") from None
         return "\n".join("# " + line for line in layout.table())
-    raise SystemExit("usage: vision_layout.py table NPROC TP CP PP VP VISION_TP VISION_NPROC VISION_HEADS")
+    raise SystemExit("usage: vision_layout.py table NPROC TP CP PP VP VISION_TP VISION_NPROC VISION_HEADS (VISION_TP 0: "
+                     "the default)")
 
 
 if __name__ == "__main__":
