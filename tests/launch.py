@@ -37,6 +37,8 @@ HOOKS = os.path.join(ROOT, "tests", "hooks")
 # those runs compare training steps only, so they skip the closing evaluation.
 PARALLEL_MODEL = dict(MOE=1, MTP=1, SEQ_LEN=512)
 NO_EVAL = ("--eval-iters", "0")
+# ... with the layouts' batches: THD micro-batches of 4 samples, 8 a step
+LAYOUT_MODEL = dict(PARALLEL_MODEL, MBS=4, GBS=8)
 
 
 def run_script(extra_args=(), timeout: int = 600, **env) -> Run:
@@ -56,3 +58,15 @@ def run_script(extra_args=(), timeout: int = 600, **env) -> Run:
             with open(metrics) as f:
                 records = [json.loads(line) for line in f if line.strip()]
     return Run(proc, records)
+
+
+def run_recording_vision_norms(directory, name, flags=NO_EVAL, **env):
+    """A run that records the vision tower's grad norms (``tests/hooks``): (run, the tower's grad norm
+    by iteration). Ranks 0 .. VISION_TP-1 hold one copy of the tower: its TP-split weights' squares
+    from each, the others' from rank 0."""
+    record = directory / f"{name}.vision_norms"
+    run = run_script(flags, VISION_GRAD_NORMS=record, **env).check()
+    ranks = range(int(env.get("VISION_TP", env.get("TP", 1))))
+    steps = [[json.loads(line) for line in open(f"{record}.{r}")] for r in ranks]
+    squares = [steps[0][i]["whole"] + sum(rank[i]["split"] for rank in steps) for i in range(len(steps[0]))]
+    return run, {i + 1: sq ** 0.5 for i, sq in enumerate(squares)}

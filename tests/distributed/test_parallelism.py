@@ -29,9 +29,9 @@ import subprocess
 import sys
 
 import pytest
-from launch import NO_EVAL, PARALLEL_MODEL, ROOT, run_script
+from launch import LAYOUT_MODEL as MODEL
+from launch import NO_EVAL, ROOT, run_script
 
-MODEL = dict(PARALLEL_MODEL, MBS=4, GBS=8)
 REL = 1e-5
 REL_LATER_STEPS = 1e-4
 
@@ -63,10 +63,9 @@ def start(parallel_start):
 
 
 @pytest.fixture(scope="module")
-def single(start):
-    """Single-process references: THD for 3 steps, BSHD for 1."""
-    return {"thd": run_script(NO_EVAL, CKPT_LOAD=start, TRAIN_ITERS=3, **MODEL).check(),
-            "bshd": run_script(NO_EVAL, CKPT_LOAD=start, TRAIN_ITERS=1, PACKED=0, **MODEL).check()}
+def single(start, one_process):
+    """Single-process references: THD for 3 steps (shared with test_vision_layouts), BSHD for 1."""
+    return {"thd": one_process[0], "bshd": run_script(NO_EVAL, CKPT_LOAD=start, TRAIN_ITERS=1, PACKED=0, **MODEL).check()}
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPU cores")

@@ -57,8 +57,8 @@ def _rel(a: float, b: float) -> float:
 
 
 @pytest.fixture(scope="module")
-def single(parallel_start):
-    return run_script(NO_EVAL, CKPT_LOAD=parallel_start, TRAIN_ITERS=ITERS, **MODEL).check()
+def single(one_process_per_sample):
+    return one_process_per_sample[0]  # the same model, batches and ITERS steps (conftest.py)
 
 
 def test_first_batch_mixes_micro_batches_with_and_without_images():

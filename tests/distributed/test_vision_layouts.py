@@ -20,16 +20,15 @@ alone on a rank of its own, VISION_NPROC=1 with the language model at TP=2 (3 pr
   model at TP=2 with its experts over EP=2.
 """
 
-import json
 import os
 import shutil
 
 import pytest
 import torch
 from checkpoint_diff import entries, state_differences
-from launch import NO_EVAL, PARALLEL_MODEL, run_script
+from launch import LAYOUT_MODEL as MODEL
+from launch import NO_EVAL, run_recording_vision_norms
 
-MODEL = dict(PARALLEL_MODEL, MBS=4, GBS=8)
 LAYOUT = dict(TP=2, VISION_TP=1)
 SEPARATE = dict(LAYOUT, VISION_NPROC=1)
 REL = 1e-5
@@ -41,31 +40,14 @@ def _rel(a: float, b: float) -> float:
 
 
 def _run(tmp_path, name, flags=NO_EVAL, **env):
-    """A run that records its vision grad norms (``tests/hooks``): (run, the tower's grad norm by
-    iteration). Ranks 0 .. VISION_TP-1 hold one copy of the tower: its TP-split weights' squares
-    from each, the others' from rank 0."""
-    record = tmp_path / f"{name}.vision_norms"
-    run = run_script(flags, VISION_GRAD_NORMS=record, **{**MODEL, **env}).check()
-    ranks = range(int(env.get("VISION_TP", env.get("TP", 1))))
-    steps = [[json.loads(line) for line in open(f"{record}.{r}")] for r in ranks]
-    squares = [steps[0][i]["whole"] + sum(rank[i]["split"] for rank in steps) for i in range(len(steps[0]))]
-    return run, {i + 1: sq ** 0.5 for i, sq in enumerate(squares)}
+    """(run, the tower's grad norm by iteration) of the layouts' model with ``env`` over it."""
+    return run_recording_vision_norms(tmp_path, name, flags, **{**MODEL, **env})
 
 
 def _first_step_agrees(run, norms, ref, ref_norms) -> dict:
     """Relative differences of the first step's figures: lm loss, grad norm, vision grad norm."""
     return {"lm loss": _rel(run.losses[1], ref.losses[1]), "grad norm": _rel(run.grad_norms[1], ref.grad_norms[1]),
             "vision grad norm": _rel(norms[1], ref_norms[1])}
-
-
-@pytest.fixture(scope="module")
-def single(parallel_start, tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("single"), "single", CKPT_LOAD=parallel_start, TRAIN_ITERS=3)
-
-
-@pytest.fixture(scope="module")
-def single_per_sample(parallel_start, tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("single_mbs1"), "single", CKPT_LOAD=parallel_start, TRAIN_ITERS=2, MBS=1)
 
 
 # name -> (environment, iterations, the table line the run prints, the ordinary layout whose vision grad
@@ -104,9 +86,9 @@ SETTINGS = {
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
-def test_the_layout_matches_one_process(name, parallel_start, single, single_per_sample, tmp_path):
+def test_the_layout_matches_one_process(name, parallel_start, one_process, one_process_per_sample, tmp_path):
     env, iterations, table, ordinary, flags = SETTINGS[name]
-    ref, ref_norms = single_per_sample if env.get("MBS") == 1 else single
+    ref, ref_norms = one_process_per_sample if env.get("MBS") == 1 else one_process
     run, norms = _run(tmp_path, "layout", (*flags, *NO_EVAL), CKPT_LOAD=parallel_start, TRAIN_ITERS=iterations, **env)
     differences = _first_step_agrees(run, norms, ref, ref_norms)
     if ordinary is not None:
@@ -125,8 +107,8 @@ def test_the_layout_matches_one_process(name, parallel_start, single, single_per
 
 
 @pytest.mark.parametrize("layout", [LAYOUT, SEPARATE], ids=["colocated", "separate ranks"])
-def test_a_cut_gradient_path_to_the_tower_is_caught(layout, parallel_start, single, tmp_path):
-    ref, ref_norms = single
+def test_a_cut_gradient_path_to_the_tower_is_caught(layout, parallel_start, one_process, tmp_path):
+    ref, ref_norms = one_process
     run, norms = _run(tmp_path, "cut", CKPT_LOAD=parallel_start, TRAIN_ITERS=1, CUT_VISION_GRAD=1, **layout)
     differences = _first_step_agrees(run, norms, ref, ref_norms)
     print(f"features detached at the bridge: vision grad norm {norms[1]!r}; first step {differences}")
