@@ -111,6 +111,9 @@ def test_model_flag_mismatch_is_named():
     (dict(VISION_NPROC=1, NPROC=3, GBS=2), "GBS=2 is not a multiple of MBS\\*DP=4"),  # DP counts the language ranks
     (dict(CP=2, VISION_NPROC=1), "CP=2 with VISION_NPROC=1: megatron-core 0.19.2's bridge"),
     (dict(PP=2, VP=2, VISION_NPROC=1), "VP=2 with VISION_NPROC=1: only the non-interleaved pipeline schedule"),
+    # DRY_RUN refuses what the training script would: a vision replica for each language one
+    (dict(VISION_TP=1, VISION_NPROC=2, NPROC=3), "VISION_NPROC=2 with VISION_TP=1: 2 vision data-parallel ranks for 1 "
+                                                 "language ones; this build runs them equal"),
     (dict(VISION_NPROC=3, NPROC=5), "VISION_NPROC=3 / VISION_TP=1 = 3 vision data-parallel ranks and 2 language .* "
                                     "\\(VISION_TP unset: VISION_NPROC / the language model's DP where that divides, "
                                     "else TP\\)$"),
@@ -158,8 +161,8 @@ def test_vision_layout_reaches_megatron_and_its_rank_table_is_printed():
     assert "# ranks 0    vision tower    TP=1 DP=1" in out
     rc, out, err = _script(MODEL_VARIANT="tiny", VISION_NPROC=2)
     assert rc == 0 and "# ranks 0-1  vision tower    TP=2 DP=1" in out, err
-    rc, out, err = _script(MODEL_VARIANT="tiny", VISION_TP=1, VISION_NPROC=2, NPROC=3)  # set, it is passed on
-    assert rc == 0 and _flags(out)["vision_tensor_parallel_size"] == "1" and "TP=1 DP=2" in out, err
+    rc, out, err = _script(MODEL_VARIANT="tiny", TP=2, VISION_TP=2, VISION_NPROC=2)  # set, it is passed on
+    assert rc == 0 and _flags(out)["vision_tensor_parallel_size"] == "2" and "TP=2 DP=1" in out, err
     rc, out, err = _script(MODEL_VARIANT="tiny", TP=2, VISION_TP=1)  # on the language model's ranks
     flags = _flags(out)
     assert rc == 0 and flags["vision_tensor_parallel_size"] == "1" and "vision_nproc" not in flags

@@ -105,11 +105,10 @@ def check_vision_layout(args, vision_heads: int, world: int | None = None) -> No
 
 def _check_separate_ranks(args, layout) -> None:
     """What this build runs of the tower on ranks of its own (training/vision_ranks.py)."""
+    from .vision_layout import check_runnable_here
+
+    check_runnable_here(layout)
     k = f"--vision-nproc {args.vision_nproc}"
-    if layout.vdp != layout.dp:
-        raise ValueError(f"{k} with --vision-tensor-parallel-size {layout.vtp}: {layout.vdp} vision data-parallel "
-                         f"ranks for {layout.dp} language ones; this build runs them equal (each vision replica "
-                         "serves one language replica)")
     if not args.use_distributed_optimizer:
         raise ValueError(f"{k} needs --use-distributed-optimizer: its gradient norm is summed over the world's "
                          "shards, one module's on each rank")

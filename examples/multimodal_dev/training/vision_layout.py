@@ -38,6 +38,12 @@ ENV_NAMES = {"world": "NPROC=", "tp": "TP=", "cp": "CP=", "pp": "PP=", "vp": "VP
              "vnproc": "VISION_NPROC="}
 
 
+def _named(names: dict, key: str, value) -> str:
+    """``--tensor-model-parallel-size 2`` (FLAG_NAMES) or ``TP=2`` (ENV_NAMES)."""
+    sep = "" if names[key].endswith("=") else " "
+    return f"{names[key]}{sep}{value}"
+
+
 def _span(ranks: range) -> str:
     """``0``, ``0-1``, ``2-5``."""
     return str(ranks.start) if len(ranks) == 1 else f"{ranks.start}-{ranks.stop - 1}"
@@ -112,8 +118,7 @@ def plan(world: int, tp: int, cp: int, pp: int, vtp: int, vnproc: int, vision_he
          names: dict = FLAG_NAMES) -> VisionLayout:
     """The layout of these settings, or ValueError naming the one that cannot run."""
     def name(key, value):
-        sep = "" if names[key].endswith("=") else " "
-        return f"{names[key]}{sep}{value}"
+        return _named(names, key, value)
 
     for key, value in (("world", world), ("tp", tp), ("cp", cp), ("pp", pp), ("vp", vp), ("vtp", vtp)):
         if value < 1:
@@ -153,6 +158,16 @@ def plan(world: int, tp: int, cp: int, pp: int, vtp: int, vnproc: int, vision_he
     return VisionLayout(world, tp, cp, pp, dp, vtp, vdp, vnproc)
 
 
+def check_runnable_here(layout: VisionLayout, names: dict = FLAG_NAMES) -> None:
+    """What this build runs of the layouts ``plan`` accepts: on ranks of its own, one vision replica
+    for each language replica (training/vision_ranks.py reads each vision replica the micro-batches
+    of the one it serves; the bridge's split and gather between unequal sizes is not used yet)."""
+    if not layout.colocated and layout.vdp != layout.dp:
+        raise ValueError(f"{_named(names, 'vnproc', layout.vnproc)} with {_named(names, 'vtp', layout.vtp)}: "
+                         f"{layout.vdp} vision data-parallel ranks for {layout.dp} language ones; this build runs "
+                         "them equal (each vision replica serves one language replica)")
+
+
 def _main(argv: list[str]) -> str:
     if argv[:1] == ["table"] and len(argv) == 9:
         world, tp, cp, pp, vp, vtp, vnproc, heads = (int(a) for a in argv[1:])
@@ -160,6 +175,7 @@ def _main(argv: list[str]) -> str:
         vtp = vtp if given else default_vision_tp(world, tp, cp, pp, vnproc)
         try:
             layout = plan(world, tp, cp, pp, vtp, vnproc, heads, vp=vp, names=ENV_NAMES)
+            check_runnable_here(layout, names=ENV_NAMES)
         except ValueError as err:
             if given or "VISION_TP=" not in err.args[0]:
                 raise
