@@ -63,10 +63,16 @@ def run_script(extra_args=(), timeout: int = 600, **env) -> Run:
 def run_recording_vision_norms(directory, name, flags=NO_EVAL, **env):
     """A run that records the vision tower's grad norms (``tests/hooks``): (run, the tower's grad norm
     by iteration). Ranks 0 .. VISION_TP-1 hold one copy of the tower: its TP-split weights' squares
-    from each, the others' from rank 0."""
+    from each, the others' from rank 0; where the distributed optimizer shards the tower's gradients
+    over its data-parallel ranks (the tower on VISION_NPROC ranks of its own), every rank's shard."""
     record = directory / f"{name}.vision_norms"
     run = run_script(flags, VISION_GRAD_NORMS=record, **env).check()
-    ranks = range(int(env.get("VISION_TP", env.get("TP", 1))))
-    steps = [[json.loads(line) for line in open(f"{record}.{r}")] for r in ranks]
-    squares = [steps[0][i]["whole"] + sum(rank[i]["split"] for rank in steps) for i in range(len(steps[0]))]
+    vtp, vnproc = int(env.get("VISION_TP", env.get("TP", 1))), int(env.get("VISION_NPROC", 0))
+    steps = [[json.loads(line) for line in open(f"{record}.{r}")] for r in range(max(vtp, vnproc))]
+    if steps[0][0]["sharded"]:  # each rank's shard: every rank's split, the whole weights of TP rank 0s
+        if not vnproc:
+            raise NotImplementedError("the tower's sharded gradients on the language model's ranks")
+        return run, {i + 1: sum(rank[i]["split"] + (rank[i]["whole"] if r % vtp == 0 else 0.0)
+                                for r, rank in enumerate(steps)) ** 0.5 for i in range(len(steps[0]))}
+    squares = [steps[0][i]["whole"] + sum(rank[i]["split"] for rank in steps[:vtp]) for i in range(len(steps[0]))]
     return run, {i + 1: sq ** 0.5 for i, sq in enumerate(squares)}

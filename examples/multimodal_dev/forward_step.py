@@ -31,12 +31,16 @@ TENSOR_KEYS = ("tokens", "labels", "loss_mask", "padding_mask", "position_ids", 
 
 
 FIRST_STAGE_ONLY = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+PIXELS = ("pixel_values", "pixel_values_videos")
 LAST_STAGE_ONLY = ("labels", "loss_mask")
 
 
-def for_stage(batch: dict, pre_process: bool, post_process: bool) -> dict:
-    """The batch without the tensors this pipeline stage never reads (None in their place)."""
-    dropped = (() if pre_process else FIRST_STAGE_ONLY) + (() if post_process else LAST_STAGE_ONLY)
+def for_stage(batch: dict, pre_process, post_process: bool) -> dict:
+    """The batch without the tensors this pipeline stage never reads (None in their place).
+    ``pre_process="grids"``: a first stage whose vision features come from ranks of their own in
+    shares, which it orders by the grids (training/vision_ranks.py)."""
+    first = PIXELS if pre_process == "grids" else () if pre_process else FIRST_STAGE_ONLY
+    dropped = first + (() if post_process else LAST_STAGE_ONLY)
     return {k: (None if k in dropped else v) for k, v in batch.items()}
 
 

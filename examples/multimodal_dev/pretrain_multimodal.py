@@ -74,6 +74,11 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     model = entry.load("build_fn")(shape, backend=backend, max_sequence_length=args.seq_length, configs=model_configs(),
                                    pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
                                    module=separate and separate.role, groups=separate and separate.groups)
+    if separate and separate.fan_in > 1:  # several vision replicas serve one language replica
+        if separate.on_vision:
+            model.shares, model.share = separate.fan_in, separate.share
+        else:
+            model.received_shares = separate.fan_in
     for flag, part in (("freeze_vision", model.vision_model), ("freeze_language", getattr(model, "language_model", None))):
         if getattr(args, flag) and part is not None:
             for p in part.parameters():
@@ -134,9 +139,12 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
     stage = (parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
              parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
     separate = vision_ranks.active()
-    if separate:  # pixels for the tower's ranks, the rest for the language model's
-        stage = (True, False) if separate.on_vision else (False, stage[1])
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    if separate:  # pixels for the tower's ranks, the rest for the language model's (grids too under fan-in,
+        # to put the shares in order), each reading the micro-batches of the language replica it serves
+        grids = separate.fan_in > 1 and stage[0]
+        stage = (True, False) if separate.on_vision else ("grids" if grids else False, stage[1])
+        dp_rank, dp_size = separate.data_rank, separate.data_size
     common = dict(micro_batch_size=args.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
                   collate_fn=functools.partial(_collate_for_stage, collate, shape, stage),
                   num_workers=args.num_workers)

@@ -8,8 +8,8 @@ alone on a rank of its own, VISION_NPROC=1 with the language model at TP=2 (3 pr
   loss, the grad norm and the vision tower's own grad norm of the first step within 1e-5 relative,
   the later losses within 1e-4 (see ``test_parallelism.py`` for why), the same token counts; also
   VISION_TP=2 under TP=4, and VISION_TP=1 under TP=2 x CP=2 (4 processes); the separate ranks with
-  4 samples and with 1 sample a micro-batch (micro-batches without an image), and ahead of a language
-  model at PP=2.
+  4 samples and with 1 sample a micro-batch (micro-batches without an image), ahead of a language
+  model at PP=2, and two vision replicas serving one language replica (fan-in).
   The vision norm is compared on its own because it is 3% of the total: a gradient that never
   reached the tower would move the total by 0.04% only. ``CUT_VISION_GRAD`` detaches the
   features at the bridge, and that comparison fails.
@@ -79,6 +79,15 @@ SETTINGS = {
     "VISION_NPROC=1 TP=2": (SEPARATE, 3, "ranks 0    vision tower    TP=1 DP=1", None, ()),
     # ... with micro-batches that have no image: the tower sends one zero row joined to its weights
     "VISION_NPROC=1 TP=2, MBS=1": (dict(SEPARATE, MBS=1), 2, "ranks 0    vision tower    TP=1 DP=1", None, ()),
+    # two vision replicas for the one language replica (fan-in, 4 processes): each encodes its share of every
+    # micro-batch's images, dealt by FLOPs and padded to the larger share; the bridge joins the two shares and
+    # the language model puts the features back in batch order from the grids
+    "VISION_NPROC=2 TP=2, fan-in": (dict(LAYOUT, VISION_NPROC=2), 2, "ranks 0-1  vision tower    TP=1 DP=2", None,
+                                    ()),
+    # ... a sample a micro-batch (3 processes): one share or both with nothing to encode, some micro-batches
+    # with every image in one share
+    "VISION_NPROC=2, fan-in, MBS=1": (dict(VISION_TP=1, VISION_NPROC=2, MBS=1), 2,
+                                      "ranks 0-1  vision tower    TP=1 DP=2", None, ()),
     # ... ahead of a two-stage language model: the tower is three stages from the loss (warm-up 2)
     "VISION_NPROC=1 PP=2": (dict(PP=2, VISION_NPROC=1), 2, "ranks 1-2  language model  TP=1 CP=1 DP=1 PP=2", None,
                             ()),
@@ -119,7 +128,9 @@ def test_a_cut_gradient_path_to_the_tower_is_caught(layout, parallel_start, one_
 # The separate ranks' case splits the language model's experts over its two ranks (EP=2, ETP=1): the tower's
 # ranks then hold an expert optimizer with no parameter (megatron's, for the grad-norm reductions), whose
 # param groups have no step, and the checkpoint's common state must be the language model's.
-@pytest.mark.parametrize("layout", [LAYOUT, dict(SEPARATE, EP=2, ETP=1)], ids=["colocated", "separate ranks, EP=2"])
+# The fan-in case shards the tower's optimizer state over its two data-parallel ranks.
+@pytest.mark.parametrize("layout", [LAYOUT, dict(SEPARATE, EP=2, ETP=1), dict(VISION_TP=1, VISION_NPROC=2)],
+                         ids=["colocated", "separate ranks, EP=2", "separate ranks, fan-in"])
 def test_resumes_exactly_and_in_the_ordinary_layout(layout, parallel_start, tmp_path):
     flags = ("--use-distributed-optimizer", *NO_EVAL)
     common = dict(CKPT_LOAD=parallel_start, TRAIN_ITERS=3, **layout)

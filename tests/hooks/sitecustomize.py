@@ -14,7 +14,9 @@ PYTHONPATH (``tests/launch.py`` puts it there only for a run that asks):
     VISION_GRAD_NORMS=FILE  every rank R appends to FILE.R, after each step's gradient finalisation,
                             the squared norms of its vision tower's gradients, TP-split weights
                             ("split") and the others ("whole"): the tower's norm is rank 0's whole
-                            plus the split of the ranks of its first vision TP group.
+                            plus the split of the ranks of its first vision TP group. Under the
+                            distributed optimizer with more than one data-parallel rank ("sharded"),
+                            of the rank's shard only: the sum over the tower's ranks (tests/launch.py).
     CUT_VISION_GRAD=1       the vision bridge, or the tower on ranks of its own, hands the language
                             model detached features: no gradient reaches the tower (what a broken
                             backward would do).
@@ -115,15 +117,37 @@ if os.environ.get("VISION_GRAD_NORMS") and "RANK" in os.environ:  # training ran
     from examples.multimodal_dev.models.common import vision_bridge
     from examples.multimodal_dev.training import vision_ranks
 
+    def _reduced_parts(chunk, tower):
+        """(param, the part of its gradient this rank holds reduced): all of it, or under the
+        distributed optimizer over more than one rank, what lies in this rank's shard of its bucket
+        (the reduce-scatter leaves the rest partial)."""
+        for group in getattr(chunk, "bucket_groups", ()):
+            size = getattr(group, "intra_distributed_optimizer_instance_size", 1)
+            if not group.ddp_config.use_distributed_optimizer or size == 1:
+                continue
+            rank = group.intra_distributed_optimizer_instance_rank
+            for bucket in group.buckets:
+                shard = bucket.grad_data.numel() // size
+                low, high = rank * shard, (rank + 1) * shard
+                for p, (start, end) in bucket.param_to_index.items():
+                    if p in tower and max(start, low) < min(end, high):
+                        yield p, p.main_grad.view(-1)[max(start, low) - start:min(end, high) - start]
+            return
+        for p in tower:
+            yield p, getattr(p, "main_grad", p.grad)
+
     def _recording(finalize):
         def finalize_and_record(model, *args, **kwargs):
             finalize(model, *args, **kwargs)
-            squares = {"split": 0.0, "whole": 0.0}  # TP-split weights, and the others
+            squares = {"split": 0.0, "whole": 0.0, "sharded": False}  # TP-split weights, and the others
             for chunk in model:
                 tower = getattr(unwrap_model(chunk), "vision_model", None)
-                for p in tower.parameters() if tower is not None else ():
+                tower = set(tower.parameters()) if tower is not None else set()
+                squares["sharded"] |= any(getattr(g, "intra_distributed_optimizer_instance_size", 1) > 1 and
+                                          g.ddp_config.use_distributed_optimizer for g in getattr(chunk, "bucket_groups", ()))
+                for p, grad in _reduced_parts(chunk, tower):
                     part = "split" if getattr(p, "tensor_model_parallel", False) else "whole"
-                    squares[part] += float(getattr(p, "main_grad", p.grad).double().pow(2).sum())
+                    squares[part] += float(grad.double().pow(2).sum())
             with open(f"{os.environ['VISION_GRAD_NORMS']}.{os.environ['RANK']}", "a") as f:
                 f.write(json.dumps(squares) + "\n")
         return finalize_and_record

@@ -102,8 +102,9 @@ def _layout_args(**kw):
      r"--vision-tensor-parallel-size 2 does not divide --tensor-model-parallel-size 1"),
     (dict(world_size=3, vision_nproc=1), None),  # the tower on rank 0, the language model on 1-2
     (dict(world_size=3, vision_nproc=1, load="ckpt", finetune=True), None),  # a checkpoint's weights
-    (dict(world_size=4, vision_nproc=2), r"--vision-nproc 2 with --vision-tensor-parallel-size 1: 2 vision "
-                                         r"data-parallel ranks for 1 language ones; this build runs them equal"),
+    (dict(world_size=4, vision_nproc=2), None),  # fan-in: two vision replicas serve the one language replica
+    (dict(world_size=5, vision_nproc=1), r"--vision-nproc 1 with --vision-tensor-parallel-size 1: 1 vision "
+                                         r"data-parallel ranks for 2 language ones; this build needs at least one"),
     (dict(world_size=3, vision_nproc=1, use_distributed_optimizer=False), r"--vision-nproc 1 needs --use-distributed"),
     (dict(world_size=3, vision_nproc=1, calculate_per_token_loss=False), r"needs --calculate-per-token-loss"),
     (dict(world_size=3, vision_nproc=1, save="out", load="out"), None),  # saves and resumes

@@ -103,9 +103,9 @@ class VisionLayout:
 
 def default_vision_tp(world: int, tp: int, cp: int, pp: int, vnproc: int) -> int:
     """VISION_TP when it is not set: TP on the language model's ranks. On ranks of its own, the size
-    that gives the tower one replica for each of the language model's (the only pairing this build
-    runs, ``run_checks``): VISION_NPROC / the language DP, where that divides; else TP, and ``plan``
-    names what does not fit."""
+    that gives the tower one replica for each of the language model's (no fan-in; VISION_TP=1 with
+    more vision ranks than language replicas asks for it): VISION_NPROC / the language DP, where
+    that divides; else TP, and ``plan`` names what does not fit."""
     language, replica = world - vnproc, tp * cp * pp
     if vnproc and language > 0 and language % replica == 0:
         dp = language // replica
@@ -159,13 +159,13 @@ def plan(world: int, tp: int, cp: int, pp: int, vtp: int, vnproc: int, vision_he
 
 
 def check_runnable_here(layout: VisionLayout, names: dict = FLAG_NAMES) -> None:
-    """What this build runs of the layouts ``plan`` accepts: on ranks of its own, one vision replica
-    for each language replica (training/vision_ranks.py reads each vision replica the micro-batches
-    of the one it serves; the bridge's split and gather between unequal sizes is not used yet)."""
-    if not layout.colocated and layout.vdp != layout.dp:
+    """What this build runs of the layouts ``plan`` accepts: on ranks of its own, one or more vision
+    replicas for each language replica (fan-in: training/vision_ranks.py); not one vision replica
+    serving several (fan-out: it would read several replicas' micro-batches a step)."""
+    if not layout.colocated and layout.vdp < layout.dp:
         raise ValueError(f"{_named(names, 'vnproc', layout.vnproc)} with {_named(names, 'vtp', layout.vtp)}: "
-                         f"{layout.vdp} vision data-parallel ranks for {layout.dp} language ones; this build runs "
-                         "them equal (each vision replica serves one language replica)")
+                         f"{layout.vdp} vision data-parallel ranks for {layout.dp} language ones; this build needs "
+                         "at least one vision replica for each language replica (a multiple of the language DP)")
 
 
 def _main(argv: list[str]) -> str:

@@ -23,9 +23,14 @@ world-wide is said where it happens:
   tower's RNG states under ``vision.rng_state`` (``VisionStage.rng_state_key_prefix``), and the
   common state is the language model's (``language_common``).
 
-This build runs the tower's data-parallel size equal to the language model's: each vision replica
-reads the micro-batches of the language replica it serves (the same data-parallel rank and size),
-so the bridge neither splits nor gathers a batch. ``run_checks.check_vision_layout`` refuses the rest.
+Data parallelism: the tower's DP is the language model's or a multiple m of it (fan-in). The
+bridge hands language replica i the features of vision replicas ``i*m .. i*m+m-1`` joined in that
+order, and its gradient back in m equal parts. Each of those m replicas reads replica i's
+micro-batches and encodes a share of their images and videos, dealt by vision FLOPs
+(``vision_context_parallel.shares_of``, which the language side computes again from the grids to
+put the features in batch order), padded to the largest share. A tower DP smaller than the
+language model's (fan-out: one replica reading several replicas' micro-batches) is refused
+(``vision_layout.check_runnable_here``).
 """
 
 from __future__ import annotations
@@ -56,6 +61,14 @@ class SeparateRanks:
     pg_collection: object  # the MultiModuleProcessGroupCollection megatron.training is handed
     communicator: object  # MultiModulePipelineCommunicator
     first_language: int  # the world rank of the language model's first rank (the tower's ranks come before)
+    fan_in: int = 1  # vision replicas per language replica
+    data_rank: int = 0  # the language data-parallel rank whose micro-batches this rank reads
+    data_size: int = 1  # the language model's data-parallel size
+
+    @property
+    def share(self) -> int:
+        """Which of the ``fan_in`` shares of a micro-batch's items this vision replica encodes."""
+        return self.groups.dp.rank() % self.fan_in if self.on_vision else 0
 
     @property
     def on_vision(self) -> bool:
@@ -213,7 +226,9 @@ def setup(args) -> SeparateRanks:
     _set_random_seed(args.seed, args.data_parallel_random_init, args.te_rng_tracker, args.inference_rng_tracker,
                      use_cudagraphable_rng=args.cuda_graph_impl != "none", pp_group=groups.pp, dp_group=groups.dp,
                      tp_group=groups.tp, ep_group=groups.ep, etp_group=groups.expt_tp)
-    _LAYOUT = SeparateRanks(role, groups, pg_collection, communicator, k)
+    fan_in = (k // vtp) // dp
+    data_rank = groups.dp.rank() // fan_in if role == VISION else groups.dp.rank()
+    _LAYOUT = SeparateRanks(role, groups, pg_collection, communicator, k, fan_in, data_rank, dp)
     _install(_LAYOUT)
     if role == VISION:  # the language replica's first rank writes the stream both read
         from examples.multimodal_dev.checkpoint import loader_state

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
 from .context_parallel import _own_rank_group
-from .vision_context_parallel import batch_order, deal, idle_features
+from .vision_context_parallel import batch_order, idle_features, shares_of, take_items
 
 _BRIDGES: dict[int, "VisionBridge"] = {}
 
@@ -92,16 +92,11 @@ class VisionBridge:
     def encode(self, vision_model, pixels: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
         """Vision features [N, H] of all items of the micro-batch, in its order; this slot encodes
         its share (``grids`` [n, 3] (t, h, w), ``pixels`` their patch rows in order)."""
-        rows = [t * h * w for t, h, w in grids.tolist()]
-        tokens = [n // vision_model.shape.spatial_merge_size ** 2 for n in rows]
-        owned = deal([vision_model.item_flops(g) for g in grids.tolist()], self.slots)
+        owned, tokens, width = shares_of(grids.tolist(), vision_model.item_flops,
+                                         vision_model.shape.spatial_merge_size, self.slots)
         mine = owned[self.slot]
-        # every slot sends as many rows (the gather needs equal sizes), at least one
-        width = max(1, *(sum(tokens[i] for i in items) for items in owned))
-        if mine:
-            starts = torch.tensor([0, *rows]).cumsum(0).tolist()
-            own_pixels = torch.cat([pixels[starts[i]:starts[i] + rows[i]] for i in mine])
-            features = vision_model(own_pixels, grids[mine])
+        if mine:  # every slot sends ``width`` rows: the gather needs equal sizes
+            features = vision_model(take_items(pixels, grids, mine), grids[mine])
             features = torch.nn.functional.pad(features, (0, 0, 0, width - features.shape[0]))
         else:  # nothing to encode: zeros, joined to every weight (joined_zero says why)
             features = idle_features(vision_model, width)

@@ -30,22 +30,33 @@ def deal(costs: list[float], ranks: int) -> list[list[int]]:
     return [sorted(items) for items in owned]
 
 
+def shares_of(grids: list, item_flops, merge: int, count: int) -> tuple[list[list[int]], list[int], int]:
+    """A micro-batch's items (``grids`` [(t, h, w)]) dealt to ``count`` encoders by ``item_flops``:
+    (each encoder's items, each item's feature rows, the rows every encoder sends: its largest share,
+    padded, for a gather or a bridge's equal split, at least one). Both ends of a hand-over compute
+    it from the grids alone, so no index list travels with the features."""
+    tokens = [t * h * w // merge ** 2 for t, h, w in grids]
+    owned = deal([item_flops(g) for g in grids], count)
+    return owned, tokens, max(1, *(sum(tokens[i] for i in items) for items in owned))
+
+
+def take_items(pixels: torch.Tensor, grids: torch.Tensor, items: list[int]) -> torch.Tensor:
+    """The patch rows of ``items`` (``pixels`` holds the rows of every item of ``grids``, in order)."""
+    rows = [t * h * w for t, h, w in grids.tolist()]
+    starts = torch.tensor([0, *rows]).cumsum(0).tolist()
+    return torch.cat([pixels[starts[i]:starts[i] + rows[i]] for i in items])
+
+
 def encode(vision_model, pixels: torch.Tensor, grids: torch.Tensor, cp_group) -> torch.Tensor:
     """Vision features [N, H] of all items (``grids`` [n, 3] (t, h, w), ``pixels`` their patch rows
     in order), each item encoded on one rank of ``cp_group``."""
     cp = cp_group.size() if cp_group is not None else 1
     if cp == 1 or grids.shape[0] < cp:
         return vision_model(pixels, grids)
-    rows = [t * h * w for t, h, w in grids.tolist()]
-    tokens = [n // vision_model.shape.spatial_merge_size ** 2 for n in rows]
-    owned = deal([vision_model.item_flops(g) for g in grids.tolist()], cp)
-    rank = cp_group.rank()
-    starts = torch.tensor([0, *rows]).cumsum(0).tolist()
-    mine = owned[rank]
-    own_pixels = torch.cat([pixels[starts[i]:starts[i] + rows[i]] for i in mine])
-    features = vision_model(own_pixels, grids[mine])  # [tokens of my items, H]
-    width = max(sum(tokens[i] for i in items) for items in owned)  # every rank sends as many rows
-    features = torch.nn.functional.pad(features, (0, 0, 0, width - features.shape[0]))
+    owned, tokens, width = shares_of(grids.tolist(), vision_model.item_flops, vision_model.shape.spatial_merge_size, cp)
+    mine = owned[cp_group.rank()]
+    features = vision_model(take_items(pixels, grids, mine), grids[mine])  # [tokens of my items, H]
+    features = torch.nn.functional.pad(features, (0, 0, 0, width - features.shape[0]))  # every rank sends as many
     gathered = gather_from_sequence_parallel_region(features, tensor_parallel_output_grad=True, group=cp_group)
     return gathered.index_select(0, batch_order(owned, tokens, width).to(gathered.device))
 

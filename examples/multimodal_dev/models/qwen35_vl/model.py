@@ -17,6 +17,7 @@ from ..base import VisionLanguageModel
 from ..common import mtp_context_parallel, vision_bridge
 from ..common.context_parallel import ContextParallelSplit
 from .configuration import Qwen35VLShape
+from .flops import vision_flops
 from .mrope import InterleavedMRoPE
 from .specs import decoder_block_spec, mtp_block_spec
 from .vision_encoder import Qwen35VisionModel
@@ -92,3 +93,6 @@ class Qwen35VLModel(VisionLanguageModel):
         vision_model = Qwen35VisionModel(vision_config, shape.vision, backend, bridge) if pre_process and tower else None
         super().__init__(language_config, vision_model, language_model, shape.image_token_id, shape.video_token_id)
         self.shape = shape
+
+    def vision_item_flops(self, grid_thw) -> float:
+        return vision_flops(self.shape.vision, self.shape.vision.out_hidden_size, [tuple(grid_thw)])
