@@ -97,12 +97,25 @@ def forward_step(data_iterator, model, *_args, **_kwargs):
     device = next(model.parameters()).device
     batch = batch_to_device(next(data_iterator), device)
     if get_attr_wrapped_model(model, "vision_only"):  # the tower on ranks of its own: its features go on
-        return {"vision": model(**{k: batch.get(k) for k in FIRST_STAGE_ONLY})}, None
+        return {"vision": vision_features(model, batch, device)}, None
     batch = equalise_for_expert_dispatch(batch, model)
     output, loss_mask = run_model(model, batch)
     if vision_ranks.active() and not get_attr_wrapped_model(model, "post_process"):
         output = {"language": output}  # megatron's multi-module schedule moves a dict a module
     return output, partial(loss_func, loss_mask)
+
+
+def vision_features(model, batch: dict, device) -> torch.Tensor:
+    """The tower's features of a micro-batch, or under fan-out (``{"served": [...]}``, one micro-batch
+    of each language replica this rank serves, training/vision_ranks.py) of each, joined in that
+    order; megatron-core's bridge sends each replica its rows by ``_mimo_bridge_split_sizes``."""
+    if "served" not in batch:
+        return model(**{k: batch.get(k) for k in FIRST_STAGE_ONLY})
+    parts = [model(**{k: b.get(k) for k in FIRST_STAGE_ONLY})
+             for b in (batch_to_device(served, device) for served in batch["served"])]
+    features = torch.cat(parts)
+    features._mimo_bridge_split_sizes = [part.shape[0] for part in parts]
+    return features
 
 
 def equalise_for_expert_dispatch(batch: dict, model) -> dict:

@@ -125,14 +125,13 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
     budget = args.packed_seq_length if args.packing == "tokens" else None
     if budget:  # megatron counts rows; a row holds at most `budget` conversations (the stream is virtual)
         num_samples = tuple(n * budget for n in num_samples)
-    datasets = build(tokens=tokens, vocab_size=shape.text.vocab_size,
-                     patch_dim=shape.vision.patch_dim,
-                     seq_length=args.seq_length, num_samples=num_samples,
-                     seed=args.seed, data_path=data_path_value(args),
-                     hf_processor_path=args.hf_processor_path, min_pixels=args.min_pixels,
-                     max_pixels=args.max_pixels, mean_text_tokens=args.mock_text_tokens,
-                     valid_data_path=args.eval_data_path,
-                     **{name: getattr(args, name) for name in OWN_DATA_OPTIONS + VIDEO_OPTIONS if name != "eval_data_path"})
+    build_splits = functools.partial(
+        build, tokens=tokens, vocab_size=shape.text.vocab_size, patch_dim=shape.vision.patch_dim,
+        seq_length=args.seq_length, num_samples=num_samples, seed=args.seed, data_path=data_path_value(args),
+        hf_processor_path=args.hf_processor_path, min_pixels=args.min_pixels, max_pixels=args.max_pixels,
+        mean_text_tokens=args.mock_text_tokens, valid_data_path=args.eval_data_path,
+        **{name: getattr(args, name) for name in OWN_DATA_OPTIONS + VIDEO_OPTIONS if name != "eval_data_path"})
+    datasets = build_splits()
     check_tokens_agree(datasets, tokens, args)
     pad_multiple = pad_multiple_for(args.context_parallel_size, args.tensor_model_parallel_size, args.sequence_parallel)
     collate = Collator(tokens, packed=args.use_packed_sequence, pad_multiple=pad_multiple, row_length=budget)
@@ -140,31 +139,49 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
              parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
     separate = vision_ranks.active()
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    served = 1
     if separate:  # pixels for the tower's ranks, the rest for the language model's (grids too under fan-in,
-        # to put the shares in order), each reading the micro-batches of the language replica it serves
+        # to put the shares in order), each reading the micro-batches of the language replicas it serves
         grids = separate.fan_in > 1 and stage[0]
         stage = (True, False) if separate.on_vision else ("grids" if grids else False, stage[1])
-        dp_rank, dp_size = separate.data_rank, separate.data_size
-    common = dict(micro_batch_size=args.micro_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+        dp_rank, dp_size, served = separate.data_rank, separate.data_size, separate.fan_out
+    common = dict(micro_batch_size=args.micro_batch_size, dp_size=dp_size,
                   collate_fn=functools.partial(_collate_for_stage, collate, shape, stage),
                   num_workers=args.num_workers)
     train = dict(common)
-    streams = hasattr(datasets[0], "build_iterator")  # energon: each rank's loader packs its own rows
-    if budget and streams:
-        for split in datasets:
-            if split is not None:
-                split.pack_rows(budget, pad_multiple)
-    elif budget:
+    if budget and not hasattr(datasets[0], "build_iterator"):  # energon streams pack their own rows
         common["plan_fn"] = plan_factory(shape, budget, args.global_batch_size, dp_size, pad_multiple,
                                          args.packing_window)
         train["plan_fn"] = functools.partial(_resumed_plan, common["plan_fn"], args)
     if datasets[1] is None:
         _no_validation(args)
+    # under fan-out a vision replica reads the micro-batches of each language replica it serves, from
+    # splits of its own (a stream holds one position)
+    replicas = [_replica_iterators(datasets if q == 0 else build_splits(), args, dp_rank + q, budget, pad_multiple,
+                                   common, train) for q in range(served)]
+    return replicas[0] if served == 1 else tuple(_served_together([r[i] for r in replicas]) for i in range(3))
+
+
+def _replica_iterators(datasets, args, dp_rank: int, budget, pad_multiple: int, common: dict, train: dict):
+    """(train, valid, test) iterators of data-parallel rank ``dp_rank``'s micro-batches."""
+    streams = hasattr(datasets[0], "build_iterator")  # energon: each rank's loader packs its own rows
+    if budget and streams:
+        for split in datasets:
+            if split is not None:
+                split.pack_rows(budget, pad_multiple)
     if streams:  # its position comes from the checkpoint
-        _resume_stream(datasets[0], args, dp_rank, dp_size)
-    return (build_iterator(datasets[0], args.consumed_train_samples, **train),
-            build_iterator(datasets[1], args.consumed_valid_samples, cyclic=True, **common),
-            build_iterator(datasets[2], 0, **common))
+        _resume_stream(datasets[0], args, dp_rank, common["dp_size"])
+    return (build_iterator(datasets[0], args.consumed_train_samples, dp_rank=dp_rank, **train),
+            build_iterator(datasets[1], args.consumed_valid_samples, dp_rank=dp_rank, cyclic=True, **common),
+            build_iterator(datasets[2], 0, dp_rank=dp_rank, **common))
+
+
+def _served_together(iterators):
+    """One micro-batch of each served language replica at a time, ``{"served": [...]}``
+    (forward_step.vision_features)."""
+    if any(it is None for it in iterators):
+        return None
+    return ({"served": list(batches)} for batches in zip(*iterators))
 
 
 def _no_validation(args) -> None:

@@ -9,7 +9,8 @@ alone on a rank of its own, VISION_NPROC=1 with the language model at TP=2 (3 pr
   the later losses within 1e-4 (see ``test_parallelism.py`` for why), the same token counts; also
   VISION_TP=2 under TP=4, and VISION_TP=1 under TP=2 x CP=2 (4 processes); the separate ranks with
   4 samples and with 1 sample a micro-batch (micro-batches without an image), ahead of a language
-  model at PP=2, and two vision replicas serving one language replica (fan-in).
+  model at PP=2, two vision replicas serving one language replica (fan-in) and one serving two
+  (fan-out).
   The vision norm is compared on its own because it is 3% of the total: a gradient that never
   reached the tower would move the total by 0.04% only. ``CUT_VISION_GRAD`` detaches the
   features at the bridge, and that comparison fails.
@@ -88,6 +89,13 @@ SETTINGS = {
     # with every image in one share
     "VISION_NPROC=2, fan-in, MBS=1": (dict(VISION_TP=1, VISION_NPROC=2, MBS=1), 2,
                                       "ranks 0-1  vision tower    TP=1 DP=2", None, ()),
+    # one vision replica for two language replicas (fan-out, 3 processes): it reads a micro-batch of each,
+    # and the bridge splits its features between them by their rows
+    "VISION_NPROC=1 DP=2, fan-out": (dict(VISION_TP=1, VISION_NPROC=1, NPROC=3), 2,
+                                     "ranks 1-2  language model  TP=1 CP=1 DP=2 PP=1", None, ()),
+    # ... a sample a micro-batch: one replica's micro-batch, or both, without an image (a zero row each)
+    "VISION_NPROC=1 DP=2, fan-out, MBS=1": (dict(VISION_TP=1, VISION_NPROC=1, NPROC=3, MBS=1), 2,
+                                            "ranks 1-2  language model  TP=1 CP=1 DP=2 PP=1", None, ()),
     # ... ahead of a two-stage language model: the tower is three stages from the loss (warm-up 2)
     "VISION_NPROC=1 PP=2": (dict(PP=2, VISION_NPROC=1), 2, "ranks 1-2  language model  TP=1 CP=1 DP=1 PP=2", None,
                             ()),

@@ -103,8 +103,10 @@ def _layout_args(**kw):
     (dict(world_size=3, vision_nproc=1), None),  # the tower on rank 0, the language model on 1-2
     (dict(world_size=3, vision_nproc=1, load="ckpt", finetune=True), None),  # a checkpoint's weights
     (dict(world_size=4, vision_nproc=2), None),  # fan-in: two vision replicas serve the one language replica
-    (dict(world_size=5, vision_nproc=1), r"--vision-nproc 1 with --vision-tensor-parallel-size 1: 1 vision "
-                                         r"data-parallel ranks for 2 language ones; this build needs at least one"),
+    (dict(world_size=5, vision_nproc=1), None),  # fan-out: one vision replica serves the two language replicas
+    (dict(world_size=5, vision_nproc=2, tensor_model_parallel_size=1),
+     r"--vision-nproc 2 / --vision-tensor-parallel-size 1 = 2 vision data-parallel ranks and 3 language .*: one must "
+     r"divide the other"),
     (dict(world_size=3, vision_nproc=1, use_distributed_optimizer=False), r"--vision-nproc 1 needs --use-distributed"),
     (dict(world_size=3, vision_nproc=1, calculate_per_token_loss=False), r"needs --calculate-per-token-loss"),
     (dict(world_size=3, vision_nproc=1, save="out", load="out"), None),  # saves and resumes

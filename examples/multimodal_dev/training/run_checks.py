@@ -92,10 +92,10 @@ def check_vision_layout(args, vision_heads: int, world: int | None = None) -> No
     if args.vision_nproc and args.vision_tensor_parallel_size is None:  # every later reader sees the default
         args.vision_tensor_parallel_size = default_vision_tp(world, tp, cp, pp, args.vision_nproc)
     vtp = args.vision_tensor_parallel_size or tp
-    layout = plan(world, tp, cp, pp, vtp, args.vision_nproc, vision_heads,
+    plan(world, tp, cp, pp, vtp, args.vision_nproc, vision_heads,
                   vp=args.virtual_pipeline_model_parallel_size or 1)
     if args.vision_nproc:
-        _check_separate_ranks(args, layout)
+        _check_separate_ranks(args)
     if (vtp != tp or args.vision_nproc) and args.use_distributed_optimizer and args.dist_ckpt_optim_dp_reshardable:
         own = f"--vision-nproc {args.vision_nproc}" if args.vision_nproc else f"--vision-tensor-parallel-size {vtp}"
         raise ValueError(f"--dist-ckpt-optim-dp-reshardable with {own}: that format numbers optimizer shards by "
@@ -103,11 +103,8 @@ def check_vision_layout(args, vision_heads: int, world: int | None = None) -> No
                          "the default (fully reshardable)")
 
 
-def _check_separate_ranks(args, layout) -> None:
+def _check_separate_ranks(args) -> None:
     """What this build runs of the tower on ranks of its own (training/vision_ranks.py)."""
-    from .vision_layout import check_runnable_here
-
-    check_runnable_here(layout)
     k = f"--vision-nproc {args.vision_nproc}"
     if not args.use_distributed_optimizer:
         raise ValueError(f"{k} needs --use-distributed-optimizer: its gradient norm is summed over the world's "

@@ -158,16 +158,6 @@ def plan(world: int, tp: int, cp: int, pp: int, vtp: int, vnproc: int, vision_he
     return VisionLayout(world, tp, cp, pp, dp, vtp, vdp, vnproc)
 
 
-def check_runnable_here(layout: VisionLayout, names: dict = FLAG_NAMES) -> None:
-    """What this build runs of the layouts ``plan`` accepts: on ranks of its own, one or more vision
-    replicas for each language replica (fan-in: training/vision_ranks.py); not one vision replica
-    serving several (fan-out: it would read several replicas' micro-batches a step)."""
-    if not layout.colocated and layout.vdp < layout.dp:
-        raise ValueError(f"{_named(names, 'vnproc', layout.vnproc)} with {_named(names, 'vtp', layout.vtp)}: "
-                         f"{layout.vdp} vision data-parallel ranks for {layout.dp} language ones; this build needs "
-                         "at least one vision replica for each language replica (a multiple of the language DP)")
-
-
 def _main(argv: list[str]) -> str:
     if argv[:1] == ["table"] and len(argv) == 9:
         world, tp, cp, pp, vp, vtp, vnproc, heads = (int(a) for a in argv[1:])
@@ -175,7 +165,6 @@ def _main(argv: list[str]) -> str:
         vtp = vtp if given else default_vision_tp(world, tp, cp, pp, vnproc)
         try:
             layout = plan(world, tp, cp, pp, vtp, vnproc, heads, vp=vp, names=ENV_NAMES)
-            check_runnable_here(layout, names=ENV_NAMES)
         except ValueError as err:
             if given or "VISION_TP=" not in err.args[0]:
                 raise

@@ -23,14 +23,18 @@ world-wide is said where it happens:
   tower's RNG states under ``vision.rng_state`` (``VisionStage.rng_state_key_prefix``), and the
   common state is the language model's (``language_common``).
 
-Data parallelism: the tower's DP is the language model's or a multiple m of it (fan-in). The
-bridge hands language replica i the features of vision replicas ``i*m .. i*m+m-1`` joined in that
-order, and its gradient back in m equal parts. Each of those m replicas reads replica i's
-micro-batches and encodes a share of their images and videos, dealt by vision FLOPs
-(``vision_context_parallel.shares_of``, which the language side computes again from the grids to
-put the features in batch order), padded to the largest share. A tower DP smaller than the
-language model's (fan-out: one replica reading several replicas' micro-batches) is refused
-(``vision_layout.check_runnable_here``).
+Data parallelism: the tower's DP is a multiple or a divisor of the language model's.
+
+* fan-in (m vision replicas a language replica): megatron-core's bridge hands language replica i
+  the features of vision replicas ``i*m .. i*m+m-1`` joined in that order, and its gradient back in
+  m equal parts. Each of those m replicas reads replica i's micro-batches and encodes a share of
+  their images and videos, dealt by vision FLOPs (``vision_context_parallel.shares_of``, which the
+  language side computes again from the grids to put the features in batch order), padded to the
+  largest share.
+* fan-out (a vision replica for r language replicas): vision replica j reads a micro-batch of each
+  of replicas ``j*r .. j*r+r-1`` (splits of its own for each), encodes them and sends them joined,
+  with the rows of each (``forward_step.vision_features``); the bridge splits them by those sizes
+  and joins the gradients coming back in the same order.
 """
 
 from __future__ import annotations
@@ -62,7 +66,8 @@ class SeparateRanks:
     communicator: object  # MultiModulePipelineCommunicator
     first_language: int  # the world rank of the language model's first rank (the tower's ranks come before)
     fan_in: int = 1  # vision replicas per language replica
-    data_rank: int = 0  # the language data-parallel rank whose micro-batches this rank reads
+    fan_out: int = 1  # language replicas per vision replica (on the tower's ranks: the micro-batches it reads at once)
+    data_rank: int = 0  # the (first) language data-parallel rank whose micro-batches this rank reads
     data_size: int = 1  # the language model's data-parallel size
 
     @property
@@ -226,9 +231,11 @@ def setup(args) -> SeparateRanks:
     _set_random_seed(args.seed, args.data_parallel_random_init, args.te_rng_tracker, args.inference_rng_tracker,
                      use_cudagraphable_rng=args.cuda_graph_impl != "none", pp_group=groups.pp, dp_group=groups.dp,
                      tp_group=groups.tp, ep_group=groups.ep, etp_group=groups.expt_tp)
-    fan_in = (k // vtp) // dp
-    data_rank = groups.dp.rank() // fan_in if role == VISION else groups.dp.rank()
-    _LAYOUT = SeparateRanks(role, groups, pg_collection, communicator, k, fan_in, data_rank, dp)
+    vdp = k // vtp
+    fan_in, fan_out = max(vdp // dp, 1), max(dp // vdp, 1)
+    data_rank = groups.dp.rank() // fan_in * fan_out if role == VISION else groups.dp.rank()
+    _LAYOUT = SeparateRanks(role, groups, pg_collection, communicator, k, fan_in, fan_out if role == VISION else 1,
+                            data_rank, dp)
     _install(_LAYOUT)
     if role == VISION:  # the language replica's first rank writes the stream both read
         from examples.multimodal_dev.checkpoint import loader_state
