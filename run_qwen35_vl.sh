@@ -13,8 +13,8 @@
 #   SP              1 = sequence parallelism (needs TP>1) [1 for MoE with TP>1, which megatron requires; else 0]
 #   VISION_TP       the vision tower's tensor parallel size (the rest of its ranks is its data parallelism); on
 #                   the language model's ranks a divisor of TP [TP; with VISION_NPROC: VISION_NPROC / the language
-#                   model's DP, a vision replica for each language one; its DP may be a multiple (fan-in) or
-#                   a divisor (fan-out) of the language model's]
+#                   model's DP, a vision replica for each language one, else 1 where VISION_NPROC divides that DP];
+#                   with VISION_NPROC its DP is a multiple (fan-in) or a divisor (fan-out) of the language model's
 #   VISION_NPROC    ranks 0..VISION_NPROC-1 run only the vision tower, the others only the language model
 #                   [0: it runs on the language model's first-stage ranks] (examples/multimodal_dev/training/vision_layout.py)
 #   NPROC           processes on this node [TP*CP*PP + VISION_NPROC]

@@ -268,8 +268,9 @@ def checked_args():
         run_checks.check_finite_flags(given, typed)
         run_checks.check_lr_schedule(given)
         run_checks.check_sequence_length(given)
+        defaults = {**engine_defaults(), **run_checks.vision_defaults(given, int(os.environ.get("WORLD_SIZE", "1")))}
         with vision_ranks.language_world(given):  # megatron sizes data parallelism from the language model's ranks
-            args = parse_and_validate_args(extra_args_provider=add_multimodal_args, args_defaults=engine_defaults())
+            args = parse_and_validate_args(extra_args_provider=add_multimodal_args, args_defaults=defaults)
         run_checks.stop_at_first_nan(args, typed)
         optimizer_format.default_to_reshardable(args)
         check_backend(args)

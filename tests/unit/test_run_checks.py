@@ -130,6 +130,7 @@ def test_the_vision_layout_is_checked_by_flag(changes, message):
     (dict(world_size=3, vision_nproc=1), 1),  # one vision replica for the one language replica at TP=2
     (dict(world_size=4, vision_nproc=2, tensor_model_parallel_size=2), 2),
     (dict(world_size=6, vision_nproc=2, tensor_model_parallel_size=2), 1),  # two language replicas, two vision ones
+    (dict(world_size=5, vision_nproc=1), 1),  # one vision rank for two language replicas: a whole tower, fan-out
 ])
 def test_an_unset_vision_tp_on_ranks_of_its_own_gives_a_vision_replica_a_language_one(changes, vtp):
     args = _layout_args(**changes, vision_tensor_parallel_size=None)
@@ -138,6 +139,15 @@ def test_an_unset_vision_tp_on_ranks_of_its_own_gives_a_vision_replica_a_languag
 
 
 def test_an_unset_vision_tp_that_cannot_pair_the_replicas_is_refused_by_name():
-    args = _layout_args(world_size=5, vision_nproc=1, vision_tensor_parallel_size=None)  # 1 rank, 2 language replicas
-    with pytest.raises(ValueError, match=r"^--vision-nproc 1 is not divisible by --vision-tensor-parallel-size 2"):
+    # 2 vision ranks, 3 language replicas: neither DP divides the other at any VISION_TP
+    args = _layout_args(world_size=5, vision_nproc=2, tensor_model_parallel_size=1, vision_tensor_parallel_size=None)
+    with pytest.raises(ValueError, match=r"^--vision-nproc 2 / --vision-tensor-parallel-size 1 = 2 vision data-parallel "
+                                         r"ranks and 3 language"):
         run_checks.check_vision_layout(args, vision_heads=16)
+
+
+def test_megatron_is_handed_the_vision_tp_default_it_prints():
+    given = _layout_args(world_size=5, vision_nproc=1, vision_tensor_parallel_size=None)
+    assert run_checks.vision_defaults(given, 5) == {"vision_tensor_parallel_size": 1}
+    assert run_checks.vision_defaults(_layout_args(vision_tensor_parallel_size=None), 2) == {}  # colocated: TP
+    assert run_checks.vision_defaults(_layout_args(world_size=5, vision_nproc=1, vision_tensor_parallel_size=2), 5) == {}

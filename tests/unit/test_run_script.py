@@ -113,7 +113,7 @@ def test_model_flag_mismatch_is_named():
     (dict(PP=2, VP=2, VISION_NPROC=1), "VP=2 with VISION_NPROC=1: only the non-interleaved pipeline schedule"),
     (dict(VISION_NPROC=3, NPROC=5), "VISION_NPROC=3 / VISION_TP=1 = 3 vision data-parallel ranks and 2 language .* "
                                     "\\(VISION_TP unset: VISION_NPROC / the language model's DP where that divides, "
-                                    "else TP\\)$"),
+                                    "else 1 where VISION_NPROC divides that DP, else TP\\)$"),
 ])
 def test_impossible_settings_fail_with_the_variable(env, message):
     import re

@@ -80,6 +80,18 @@ def check_memory_floor(args, hidden_size: int, num_layers: int, vocab_size: int,
                          f"than the {have / gib:.1f} GiB of {where}; shorten it, or raise TP / CP / PP")
 
 
+def vision_defaults(given, world: int) -> dict:
+    """``args_defaults`` for megatron's parse: VISION_TP unset under ``--vision-nproc`` is its default
+    (``vision_layout.default_vision_tp``) before megatron prints the arguments, not after."""
+    from .vision_layout import default_vision_tp
+
+    if not given.vision_nproc or given.vision_tensor_parallel_size is not None:
+        return {}
+    return {"vision_tensor_parallel_size": default_vision_tp(
+        world, given.tensor_model_parallel_size, given.context_parallel_size, given.pipeline_model_parallel_size,
+        given.vision_nproc)}
+
+
 def check_vision_layout(args, vision_heads: int, world: int | None = None) -> None:
     """The vision tower's own layout (``training/vision_layout.py``), refused by flag before any
     process group exists. ``world``: every rank, the vision tower's own included (megatron's

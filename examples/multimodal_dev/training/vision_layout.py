@@ -103,14 +103,17 @@ class VisionLayout:
 
 def default_vision_tp(world: int, tp: int, cp: int, pp: int, vnproc: int) -> int:
     """VISION_TP when it is not set: TP on the language model's ranks. On ranks of its own, the size
-    that gives the tower one replica for each of the language model's (no fan-in; VISION_TP=1 with
-    more vision ranks than language replicas asks for it): VISION_NPROC / the language DP, where
-    that divides; else TP, and ``plan`` names what does not fit."""
+    that gives the tower one replica for each of the language model's, VISION_NPROC / the language
+    DP, where that divides (VISION_TP=1 with more vision ranks asks for fan-in); else 1 where the
+    language DP is a multiple of VISION_NPROC (fan-out, a whole tower on each vision rank); else TP,
+    and ``plan`` names what does not fit."""
     language, replica = world - vnproc, tp * cp * pp
     if vnproc and language > 0 and language % replica == 0:
         dp = language // replica
         if vnproc % dp == 0:
             return vnproc // dp
+        if dp % vnproc == 0:
+            return 1
     return tp
 
 
@@ -168,7 +171,8 @@ def _main(argv: list[str]) -> str:
         except ValueError as err:
             if given or "VISION_TP=" not in err.args[0]:
                 raise
-            hint = ("VISION_TP unset: VISION_NPROC / the language model's DP where that divides, else TP" if vnproc
+            hint = ("VISION_TP unset: VISION_NPROC / the language model's DP where that divides, else 1 where "
+                    "VISION_NPROC divides that DP, else TP" if vnproc
                     else "VISION_TP is TP unless set")
             raise ValueError(f"{err.args[0]} ({hint})") from None
         return "\n".join("# " + line for line in layout.table())
