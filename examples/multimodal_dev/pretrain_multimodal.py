@@ -149,16 +149,17 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
                   collate_fn=functools.partial(_collate_for_stage, collate, shape, stage),
                   num_workers=args.num_workers)
     train = dict(common)
-    if budget and not hasattr(datasets[0], "build_iterator"):  # energon streams pack their own rows
+    streams = hasattr(datasets[0], "build_iterator")  # energon: each rank's loader packs its own rows
+    if budget and not streams:
         common["plan_fn"] = plan_factory(shape, budget, args.global_batch_size, dp_size, pad_multiple,
                                          args.packing_window)
         train["plan_fn"] = functools.partial(_resumed_plan, common["plan_fn"], args)
     if datasets[1] is None:
         _no_validation(args)
-    # under fan-out a vision replica reads the micro-batches of each language replica it serves, from
-    # splits of its own (a stream holds one position)
-    replicas = [_replica_iterators(datasets if q == 0 else build_splits(), args, dp_rank + q, budget, pad_multiple,
-                                   common, train) for q in range(served)]
+    # under fan-out a vision replica reads the micro-batches of each language replica it serves; a stream
+    # holds one position, so each replica's from splits of its own
+    replicas = [_replica_iterators(build_splits() if q and streams else datasets, args, dp_rank + q, budget,
+                                   pad_multiple, common, train) for q in range(served)]
     return replicas[0] if served == 1 else tuple(_served_together([r[i] for r in replicas]) for i in range(3))
 
 

@@ -117,24 +117,26 @@ if os.environ.get("VISION_GRAD_NORMS") and "RANK" in os.environ:  # training ran
     from examples.multimodal_dev.models.common import vision_bridge
     from examples.multimodal_dev.training import vision_ranks
 
+    def _sharded(chunk) -> bool:
+        """The distributed optimizer reduce-scatters ``chunk``'s gradients over more than one rank
+        (else every rank holds them reduced whole)."""
+        return any(group.ddp_config.use_distributed_optimizer and group.intra_distributed_optimizer_instance_size > 1
+                   for group in getattr(chunk, "bucket_groups", ()))
+
     def _reduced_parts(chunk, tower):
-        """(param, the part of its gradient this rank holds reduced): all of it, or under the
-        distributed optimizer over more than one rank, what lies in this rank's shard of its bucket
-        (the reduce-scatter leaves the rest partial)."""
-        for group in getattr(chunk, "bucket_groups", ()):
-            size = getattr(group, "intra_distributed_optimizer_instance_size", 1)
-            if not group.ddp_config.use_distributed_optimizer or size == 1:
-                continue
-            rank = group.intra_distributed_optimizer_instance_rank
+        """(param, the part of its gradient this rank holds reduced): all of it, or where the gradients
+        are sharded, what lies in this rank's shard of its bucket (the rest is a partial sum)."""
+        if not _sharded(chunk):
+            yield from ((p, getattr(p, "main_grad", p.grad)) for p in tower)
+            return
+        for group in chunk.bucket_groups:
+            size, rank = group.intra_distributed_optimizer_instance_size, group.intra_distributed_optimizer_instance_rank
             for bucket in group.buckets:
                 shard = bucket.grad_data.numel() // size
                 low, high = rank * shard, (rank + 1) * shard
                 for p, (start, end) in bucket.param_to_index.items():
                     if p in tower and max(start, low) < min(end, high):
                         yield p, p.main_grad.view(-1)[max(start, low) - start:min(end, high) - start]
-            return
-        for p in tower:
-            yield p, getattr(p, "main_grad", p.grad)
 
     def _recording(finalize):
         def finalize_and_record(model, *args, **kwargs):
@@ -143,8 +145,7 @@ if os.environ.get("VISION_GRAD_NORMS") and "RANK" in os.environ:  # training ran
             for chunk in model:
                 tower = getattr(unwrap_model(chunk), "vision_model", None)
                 tower = set(tower.parameters()) if tower is not None else set()
-                squares["sharded"] |= any(getattr(g, "intra_distributed_optimizer_instance_size", 1) > 1 and
-                                          g.ddp_config.use_distributed_optimizer for g in getattr(chunk, "bucket_groups", ()))
+                squares["sharded"] |= _sharded(chunk)
                 for p, grad in _reduced_parts(chunk, tower):
                     part = "split" if getattr(p, "tensor_model_parallel", False) else "whole"
                     squares[part] += float(grad.double().pow(2).sum())

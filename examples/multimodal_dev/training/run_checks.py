@@ -97,15 +97,13 @@ def check_vision_layout(args, vision_heads: int, world: int | None = None) -> No
     process group exists. ``world``: every rank, the vision tower's own included (megatron's
     ``args.world_size`` counts the language model's). Under ``--vision-nproc`` an unset
     ``--vision-tensor-parallel-size`` takes its default here (``vision_layout.default_vision_tp``)."""
-    from .vision_layout import default_vision_tp, plan
+    from .vision_layout import plan
 
     world, tp, cp, pp = (world or args.world_size, args.tensor_model_parallel_size, args.context_parallel_size,
                          args.pipeline_model_parallel_size)
-    if args.vision_nproc and args.vision_tensor_parallel_size is None:  # every later reader sees the default
-        args.vision_tensor_parallel_size = default_vision_tp(world, tp, cp, pp, args.vision_nproc)
+    vars(args).update(vision_defaults(args, world))  # every later reader sees the default
     vtp = args.vision_tensor_parallel_size or tp
-    plan(world, tp, cp, pp, vtp, args.vision_nproc, vision_heads,
-                  vp=args.virtual_pipeline_model_parallel_size or 1)
+    plan(world, tp, cp, pp, vtp, args.vision_nproc, vision_heads, vp=args.virtual_pipeline_model_parallel_size or 1)
     if args.vision_nproc:
         _check_separate_ranks(args)
     if (vtp != tp or args.vision_nproc) and args.use_distributed_optimizer and args.dist_ckpt_optim_dp_reshardable:
