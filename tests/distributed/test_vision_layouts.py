@@ -10,7 +10,8 @@ alone on a rank of its own, VISION_NPROC=1 with the language model at TP=2 (3 pr
   VISION_TP=2 under TP=4, and VISION_TP=1 under TP=2 x CP=2 (4 processes); the separate ranks with
   4 samples and with 1 sample a micro-batch (micro-batches without an image), ahead of a language
   model at PP=2, two vision replicas serving one language replica (fan-in) and one serving two
-  (fan-out).
+  (fan-out); and every image of a step on one encoder (one image a micro-batch at most), the
+  other idle through the step, colocated and under fan-in.
   The vision norm is compared on its own because it is 3% of the total: a gradient that never
   reached the tower would move the total by 0.04% only. ``CUT_VISION_GRAD`` detaches the
   features at the bridge, and that comparison fails.
@@ -164,6 +165,58 @@ def test_resumes_exactly_and_in_the_ordinary_layout(layout, parallel_start, tmp_
     loss, norm = _rel(ordinary.losses[3], straight.losses[3]), _rel(ordinary.grad_norms[3], straight.grad_norms[3])
     print(f"one process from the layout's step-2 checkpoint: step 3 loss rel {loss:.1e}, grad norm rel {norm:.1e}")
     assert loss < REL and norm < 5e-5  # TP=2's reductions move the norm's last fp32 bits (test_resume_layouts)
+
+
+def _samples_of_the_mock(seed: int, count: int) -> list[tuple[int, int]]:
+    """(images, tokens) of the first ``count`` training samples the layouts' runs read at ``--seed seed``
+    (the mock's training split through the same skips and truncation)."""
+    from examples.multimodal_dev.data.mock import build_datasets
+    from examples.multimodal_dev.data.sample import VisionTokens
+    from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
+
+    shape = get_variant("tiny", moe=True, mtp=True)
+    train, _, _ = build_datasets(VisionTokens.from_shape(shape), shape.text.vocab_size, shape.vision.patch_dim,
+                                 MODEL["SEQ_LEN"], (count, 1, 1), seed=seed)
+    return [(int(s["image_grid_thw"].shape[0]), int(s["input_ids"].numel())) for s in (train[i] for i in range(count))]
+
+
+# A sample a micro-batch, 4 a step, 2 steps, at the first mock seed whose 8 samples hold at most one image
+# each and at least two a step: the tower's deal hands a micro-batch's one image to its first encoder, so
+# every image of a step lands on one rank and the other encoder idles through the whole step.
+STEPS, PER_STEP = 2, 4
+
+
+@pytest.fixture(scope="module")
+def one_image_a_micro_batch(parallel_start, tmp_path_factory):
+    """(seed, (images, tokens) of each sample read, the flags and settings of the runs, one process's
+    (run, vision grad norms))."""
+    def at_most_one_image(samples):
+        steps = [[n for n, _ in samples[i:i + PER_STEP]] for i in range(0, len(samples), PER_STEP)]
+        return all(max(images) <= 1 and sum(images) >= 2 for images in steps)
+
+    seed = next(s for s in range(1, 1000) if at_most_one_image(_samples_of_the_mock(s, STEPS * PER_STEP)))
+    common = dict(CKPT_LOAD=parallel_start, TRAIN_ITERS=STEPS, MBS=1, GBS=PER_STEP)
+    flags = ("--seed", str(seed), *NO_EVAL)
+    reference = _run(tmp_path_factory.mktemp("one_image"), "one process", flags, **common)
+    return seed, _samples_of_the_mock(seed, STEPS * PER_STEP), flags, common, reference
+
+
+@pytest.mark.parametrize("layout", [LAYOUT, dict(VISION_TP=1, VISION_NPROC=2)],
+                         ids=["colocated", "separate ranks, fan-in"])
+def test_every_image_of_a_step_on_one_rank(layout, one_image_a_micro_batch, tmp_path):
+    from examples.multimodal_dev.models.common.vision_context_parallel import deal
+
+    seed, samples, flags, common, (ref, ref_norms) = one_image_a_micro_batch
+    assert all(deal([1.0] * n, 2) == [list(range(n)), []] for n, _ in samples)  # one image: the first encoder's
+    run, norms = _run(tmp_path, "layout", flags, **common, **layout)
+    differences = _first_step_agrees(run, norms, ref, ref_norms)
+    print(f"seed {seed}, (images, tokens) of the samples {samples}: losses {run.losses} vs {ref.losses}; "
+          f"first step {differences}")
+    tokens = [sum(t for _, t in samples[i:i + PER_STEP]) for i in range(0, len(samples), PER_STEP)]
+    assert [run.tokens[i] for i in (1, 2)] == [ref.tokens[i] for i in (1, 2)] == tokens  # read just these samples
+    assert all(rel < REL for rel in differences.values()), differences
+    assert _rel(run.losses[2], ref.losses[2]) < 1e-4  # after AdamW's first update: test_parallelism.py says why
+    assert ref_norms[1] > 0.01 * ref.grad_norms[1]
 
 
 def test_a_fresh_start_gives_every_copy_of_the_tower_the_same_weights(tmp_path):
