@@ -63,11 +63,11 @@ def test_activations_over_memory_are_named(mixes):
     assert evaluate(req, cost.Candidate(Layout(tp=8, pp=1, cp=1, gpus=8), 1)).refused in ("", "over memory (activations)")
 
 
-def test_tied_embeddings_with_mtp_stay_on_one_pipeline_stage(mixes):
-    """megatron-core 0.19.2 cannot checkpoint them at PP > 1 (``test_meta_builds``): never planned."""
-    result = plan(_request(mixes, "2b", 16), keep=50)
-    assert result.plans and {p.candidate.layout.pp for p in result.plans} == {1}
-    assert any(p.candidate.layout.pp > 1 for p in plan(_request(mixes, "9b", 16), keep=50).plans)
+def test_tied_embeddings_with_mtp_are_planned_over_stages(mixes):
+    """Their later last stage checkpoints (``test_meta_builds``), so PP > 1 is a candidate for them too;
+    its output layer holds no weight of its own (the MTP head's copy of the embeddings serves)."""
+    plans = plan(_request(mixes, "2b", 16), keep=200).plans
+    assert any(p.candidate.layout.pp > 1 for p in plans)
 
 
 def test_global_batch_must_split_into_micro_batches(mixes):

@@ -5,9 +5,7 @@ predicted time of a step (``layout_cost``).
 Candidates (megatron-core's constraints, the run script's names):
   TP      powers of two up to a node, dividing the attention, GDN and vision heads
   CP      1, 2, 4, 8 (a rank keeps at least 2048 tokens of a row), dividing the GDN heads a TP rank has
-  PP      divisors of GPUs / (TP x CP), at least one decoder layer a stage (none above 1 for tied
-          embeddings with an MTP head: megatron-core 0.19.2 cannot checkpoint those, see
-          ``test_meta_builds``); for each, the even split
+  PP      divisors of GPUs / (TP x CP), at least one decoder layer a stage; for each, the even split
           and a balanced one: the first stage gives up layers for the vision tower's time, the
           last for the output layer's and the MTP head's (``PP_FIRST`` / ``PP_LAST``)
   VP      none, or 2 ... 8 chunks of every stage
@@ -127,8 +125,6 @@ def candidates(request: Request):
             for pp in _divisors(gpus // (tp * cp)):
                 if pp > t.num_layers:
                     break
-                if pp > 1 and t.tie_word_embeddings and t.mtp_num_layers:
-                    continue  # megatron-core 0.19.2 cannot checkpoint tied embeddings with MTP on a later stage
                 for vp in [None] + [v for v in range(2, 9) if pp > 1]:
                     splits = [(None, None)]
                     uneven = balanced_split(shape, pp, vp, vision_layers, head_layers)

@@ -101,8 +101,9 @@ def stage_params(shape: Qwen35VLShape, layout, pp_rank: int) -> StageParams:
         out.dense += out.vision + embedding
     if last:
         # megatron builds an output layer on the last stage even when tied (pp > 1), a copy
-        # kept equal by the embedding group's all-reduce; with one stage it is the embedding itself
-        out.dense += h + (0 if t.tie_word_embeddings and first else embedding)
+        # kept equal by the embedding group's all-reduce; with one stage it is the embedding itself,
+        # and with the MTP head the head's copy of the embeddings (below)
+        out.dense += h + (0 if t.tie_word_embeddings and (first or t.mtp_num_layers) else embedding)
         if t.mtp_num_layers:
             mtp = StageParams()
             _add(mtp, kinds.get(FULL) or _layer(shape, FULL, tp, layout.ep, layout.etp), t.mtp_num_layers)

@@ -34,6 +34,15 @@ class _LanguageModel(GPTModel):
     fills in. The MTP layer's attention over the padded segment is causal, so real tokens never
     see the tail."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.share_embeddings_and_output_weights and self.mtp_process and self.post_process and not self.pre_process:
+            # A later last stage with tied embeddings and the MTP head: megatron-core 0.19.2 computes its
+            # logits with the stage's copy of the word embeddings (the head needs one; the embedding group
+            # keeps it equal to the first stage's), yet allocates the output layer's weight too, unused,
+            # and its checkpointing asserts that weight is absent: loading or saving such a stage stopped.
+            self.output_layer.weight = None
+
     def _preprocess(self, *args, position_ids=None, packed_seq_params=None, **kwargs):
         """Under context parallelism a THD row's ``position_ids`` arrive already split (every
         per-token tensor is split once, by the VLM). megatron-core's THD rotary, however, slices
