@@ -123,6 +123,20 @@ def test_training_flags_take_effect(mcore):
     assert decoder.recompute_granularity is None
 
 
+def test_a_standalone_build_gives_the_tower_the_settings_training_gives_it(mcore):
+    """Tools and tests build the model from TransformerConfig fields (``factory.build_model(**settings)``):
+    the tower takes recompute and TP as a training run gives them, and no pipeline split."""
+    flags = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    _, trained, _ = configs([*flags, "--tensor-model-parallel-size", "2"], world_size=2)
+    shape = configuration.get_variant("tiny")
+    standalone = configuration.vision_transformer_config(
+        shape.vision, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+        tensor_model_parallel_size=2, pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=1)
+    fields = ("recompute_granularity", "recompute_method", "recompute_num_layers", "tensor_model_parallel_size",
+              "pipeline_model_parallel_size", "num_layers_in_first_pipeline_stage", "num_layers")
+    assert {f: getattr(standalone, f) for f in fields} == {f: getattr(trained, f) for f in fields}
+
+
 def test_moe_tiny_configs(mcore):
     decoder, vision, _ = configs(model=MOE)
     assert decoder.num_moe_experts == 4 and vision.num_moe_experts is None

@@ -95,12 +95,18 @@ def transformer_configs(args, architecture: dict, recipe: dict, vision_architect
     return language, vision
 
 
+# Decoder-only settings that would not validate for the vision tower's shape, and their values for
+# it: the tower is whole on the first pipeline stage (no pipeline split of its own layers). It
+# shares every other setting (precision, TP, recompute, ...).
+VISION_PIPELINE = {"pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
+                   "num_layers_in_first_pipeline_stage": None, "num_layers_in_last_pipeline_stage": None,
+                   "pipeline_model_parallel_layout": None}
+
+
 def _vision_neutral(base) -> dict:
-    """Decoder-only settings that would not validate for the vision tower's shape. The tower is
-    whole on the first pipeline stage: no pipeline split of its own layers."""
-    neutral = {"pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None}
-    for field in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
-                  "pipeline_model_parallel_layout"):
-        if getattr(base, field, None) is not None:
-            neutral[field] = None
-    return neutral
+    return {k: v for k, v in VISION_PIPELINE.items() if getattr(base, k, None) not in (None, v)}
+
+
+def vision_settings(settings: dict) -> dict:
+    """The decoder's ``settings`` (TransformerConfig fields) as the vision tower takes them."""
+    return {**settings, **{k: v for k, v in VISION_PIPELINE.items() if k in settings}}

@@ -323,8 +323,11 @@ def language_transformer_config(text: TextShape, params_dtype=None, **settings):
 
 
 def vision_transformer_config(vision: VisionShape, params_dtype=None, **settings):
-    settings = {k: v for k, v in settings.items() if k.startswith("tensor_model_parallel") or k == "use_cpu_initialization"}
-    return _standalone_config(vision_architecture(vision), params_dtype, settings)
+    """The vision tower's TransformerConfig built outside megatron.training: the decoder's ``settings``
+    as a training run gives them to the tower (recompute and TP included, no pipeline split)."""
+    from ..common.config_from_args import vision_settings
+
+    return _standalone_config(vision_architecture(vision), params_dtype, vision_settings(settings))
 
 
 def configs_from_args(args, shape: Qwen35VLShape, backend: str, given: dict[str, str]):
