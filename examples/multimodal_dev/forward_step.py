@@ -108,12 +108,19 @@ def forward_step(data_iterator, model, *_args, **_kwargs):
 def vision_features(model, batch: dict, device) -> torch.Tensor:
     """The tower's features of a micro-batch, or under fan-out (``{"served": [...]}``, one micro-batch
     of each language replica this rank serves, training/vision_ranks.py) of each, joined in that
-    order; megatron-core's bridge sends each replica its rows by ``_mimo_bridge_split_sizes``."""
+    order; megatron-core's bridge sends each replica its rows by ``_mimo_bridge_split_sizes``.
+
+    In the pipeline dtype: megatron-core's bridge receives tensors of that dtype, but under --bf16
+    megatron's Float16Module hands the output of a last pipeline stage (the tower alone is one)
+    back in fp32, whose twice-as-many bytes stopped the receiving rank (bf16 -> fp32 -> bf16 is exact)."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    dtype = get_attr_wrapped_model(model, "config").pipeline_dtype
     if "served" not in batch:
-        return model(**{k: batch.get(k) for k in FIRST_STAGE_ONLY})
+        return model(**{k: batch.get(k) for k in FIRST_STAGE_ONLY}).to(dtype)
     parts = [model(**{k: b.get(k) for k in FIRST_STAGE_ONLY})
              for b in (batch_to_device(served, device) for served in batch["served"])]
-    features = torch.cat(parts)
+    features = torch.cat(parts).to(dtype)
     features._mimo_bridge_split_sizes = [part.shape[0] for part in parts]
     return features
 

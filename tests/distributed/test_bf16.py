@@ -11,7 +11,8 @@ at DP=2). Every later step starts from weights that differ by the previous steps
 Adam's update is about lr * sign(g), so a step moves the two runs apart by independent sign flips of
 the gradient components within bf16's rounding of zero, and the loss difference grows as a random
 walk, u * sqrt(k) after k steps. The bound is twice that, 2 u sqrt(k). Measured over 20 iterations:
-at most 0.82 u sqrt(k) at DP=2 (iteration 18) and 1.02 u sqrt(k) at TP=2 (iteration 20). It is tight
+at most 0.82 u sqrt(k) at DP=2 (iteration 18) and 1.02 u sqrt(k) at TP=2 (iteration 20); the vision tower on a rank of its
+own ahead of TP=2, against TP=2's fp32 run, at most 1.01 u sqrt(k) (iteration 20). It is tight
 enough to see a training change: an fp32 run at 1.5 x the learning rate leaves it from iteration 6
 (17% apart by iteration 20).
 
@@ -35,7 +36,13 @@ U = 2.0 ** -8  # bf16 unit roundoff: 8 significant bits, round to nearest
 ITERS = 20
 COMMON = dict(MOE=1, MTP=1, SEQ_LEN=512, GBS=4, TRAIN_ITERS=ITERS)
 LAYOUTS = {"DP=2 distributed optimizer": (("--use-distributed-optimizer",), dict(NPROC=2)),
-           "TP=2": ((), dict(TP=2))}
+           "TP=2": ((), dict(TP=2)),
+           # the tower on a rank of its own (3 processes): megatron hands its output back in fp32 under
+           # --bf16, and the bridge to the language ranks moves the pipeline dtype (forward_step.vision_features)
+           "VISION_NPROC=1 TP=2": ((), dict(TP=2, VISION_TP=1, VISION_NPROC=1))}
+# A layout held to another's fp32 run: where the tower runs moves fp32 figures by 1e-5 (test_vision_layouts),
+# far inside the bf16 bound
+REFERENCE = {"VISION_NPROC=1 TP=2": "TP=2"}
 
 
 def bound(iteration: int) -> float:
@@ -73,7 +80,7 @@ def _train(hub, layout, bf16, name=None, extra=(), **env):
 
 @pytest.fixture(scope="module")
 def fp32_runs(hub):
-    return {layout: _train(hub, layout, bf16=False) for layout in LAYOUTS}
+    return {layout: _train(hub, layout, bf16=False) for layout in LAYOUTS if layout not in REFERENCE}
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +93,7 @@ def bf16_dp2(hub):
 def test_bf16_follows_the_fp32_loss(hub, fp32_runs, bf16_dp2, layout):
     run = bf16_dp2 if layout.startswith("DP=2") else _train(hub, layout, bf16=True)
     assert sorted(run.losses) == list(range(1, ITERS + 1)), run.output[-3000:]
-    assert not outside_bound(run, fp32_runs[layout])
+    assert not outside_bound(run, fp32_runs[REFERENCE.get(layout, layout)])
     assert all(math.isfinite(g) for g in run.grad_norms.values())
 
 
