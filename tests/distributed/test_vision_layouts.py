@@ -19,7 +19,8 @@ alone on a rank of its own, VISION_NPROC=1 with the language model at TP=2 (3 pr
   bitwise (losses, grad norms, every tensor of the final checkpoint); the step-2 checkpoint
   resumes in one process (the ordinary layout), optimizer state included, onto the same step 3.
   In both layouts: VISION_TP=1 under TP=2, and the tower on a rank of its own ahead of a language
-  model at TP=2 with its experts over EP=2.
+  model at TP=2 with its experts over EP=2. The other way too: one process's step-2 checkpoint
+  resumes in each layout onto the same step 3.
 """
 
 import os
@@ -138,9 +139,18 @@ def test_a_cut_gradient_path_to_the_tower_is_caught(layout, parallel_start, one_
 # ranks then hold an expert optimizer with no parameter (megatron's, for the grad-norm reductions), whose
 # param groups have no step, and the checkpoint's common state must be the language model's.
 # The fan-in case shards the tower's optimizer state over its two data-parallel ranks.
+@pytest.fixture(scope="module")
+def ordinary_step_2(parallel_start, tmp_path_factory):
+    """A checkpoint of one process (the ordinary layout) stopped after step 2 of 3."""
+    path = tmp_path_factory.mktemp("ordinary") / "step2"
+    _run(path.parent, "ordinary step 2", ("--use-distributed-optimizer", "--exit-interval", "2", *NO_EVAL),
+         CKPT_LOAD=parallel_start, CKPT_RESUME=path, TRAIN_ITERS=3)
+    return path
+
+
 @pytest.mark.parametrize("layout", [LAYOUT, dict(SEPARATE, EP=2, ETP=1), dict(VISION_TP=1, VISION_NPROC=2)],
                          ids=["colocated", "separate ranks, EP=2", "separate ranks, fan-in"])
-def test_resumes_exactly_and_in_the_ordinary_layout(layout, parallel_start, tmp_path):
+def test_resumes_exactly_and_in_the_ordinary_layout(layout, parallel_start, ordinary_step_2, tmp_path):
     flags = ("--use-distributed-optimizer", *NO_EVAL)
     common = dict(CKPT_LOAD=parallel_start, TRAIN_ITERS=3, **layout)
     straight, _ = _run(tmp_path, "straight", flags, CKPT_SAVE=tmp_path / "straight", **common)
@@ -165,6 +175,17 @@ def test_resumes_exactly_and_in_the_ordinary_layout(layout, parallel_start, tmp_
     loss, norm = _rel(ordinary.losses[3], straight.losses[3]), _rel(ordinary.grad_norms[3], straight.grad_norms[3])
     print(f"one process from the layout's step-2 checkpoint: step 3 loss rel {loss:.1e}, grad norm rel {norm:.1e}")
     assert loss < REL and norm < 5e-5  # TP=2's reductions move the norm's last fp32 bits (test_resume_layouts)
+
+    # and the other way: one process's step-2 checkpoint resumes in the layout (a separate-ranks run
+    # reads no tower random state from it, says so, and its experts' empty optimizer on the tower's
+    # ranks reads the saved groups alone)
+    shutil.copytree(ordinary_step_2, tmp_path / "from_ordinary")
+    moved, _ = _run(tmp_path, "from_ordinary", flags, CKPT_RESUME=tmp_path / "from_ordinary", **common)
+    assert sorted(moved.losses) == [3]
+    loss, norm = _rel(moved.losses[3], straight.losses[3]), _rel(moved.grad_norms[3], straight.grad_norms[3])
+    print(f"the layout from one process's step-2 checkpoint: step 3 loss rel {loss:.1e}, grad norm rel {norm:.1e}")
+    assert loss < REL and norm < 5e-5
+    assert ("start their random state from the seed" in moved.output) == bool(layout.get("VISION_NPROC"))
 
 
 def _samples_of_the_mock(seed: int, count: int) -> list[tuple[int, int]]:

@@ -66,3 +66,19 @@ def test_each_dp_rank_reads_its_own_saved_rng_state():
     other_dp = {"rng_state": ["rank0", "rank1"]}  # saved at DP=2, resumed at DP=4: rank 0's for all
     assert not own_entry_first(other_dp, 3, 4) and other_dp["rng_state"][0] == "rank0"
     assert not own_entry_first(None, 0, 2)
+
+
+def test_groups_saved_by_one_optimizer_reach_every_member_of_a_chain():
+    """A checkpoint of one optimizer (EP=1) loaded by a chain (EP>1): each member gets its sharded state
+    and the saved groups with their expert twins; a member with no parameter on this rank (the experts'
+    optimizer on the vision tower's own ranks) has no sharded state and gets the groups alone."""
+    groups = [{"params": [0, 1], "wd_mult": 1.0, "is_expert_parallel": False}]
+    loaded = {0: {"param": "dense shards"}, "optimizer": {"param_groups": groups},
+              "param_state_sharding_type": "fully_reshardable"}
+    chain = optimizer_format._regroup(loaded, 2)
+    assert sorted(chain) == [0, 1] and chain[0]["param"] == "dense shards" and "param" not in chain[1]
+    for member in chain.values():
+        saved = member["optimizer"]["param_groups"]
+        assert [g["is_expert_parallel"] for g in saved] == [False, True]
+        assert member["param_state_sharding_type"] == "fully_reshardable"
+    assert optimizer_format._regroup({**loaded, 2: {}}, 2) is None  # a member the chain does not have

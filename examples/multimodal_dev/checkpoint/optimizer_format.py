@@ -91,10 +91,12 @@ def _regroup(state_dict, parts: int):
     or None when it already has it."""
     indexed = sorted(k for k in state_dict if isinstance(k, int))
     flat = all(k in state_dict for k in _COMMON)
-    if parts > 1 and flat and len(indexed) == parts:  # saved by one optimizer, loaded by a chain
+    if parts > 1 and flat and indexed and indexed[-1] < parts:  # saved by one optimizer, loaded by a chain
+        # a member of the chain with no parameter on this rank (the experts' optimizer on the vision
+        # tower's own ranks, training/vision_ranks.py) has no sharded state: it reads the groups alone
         groups = _with_expert_twins(state_dict["optimizer"]["param_groups"])
         common = {"optimizer": {"param_groups": groups}, "param_state_sharding_type": state_dict["param_state_sharding_type"]}
-        return {i: {**state_dict[i], **common} for i in indexed}
+        return {i: {**state_dict.get(i, {}), **common} for i in range(parts)}
     if parts == 1 and not flat and indexed and all(isinstance(state_dict[i], dict) and "optimizer" in state_dict[i]
                                                    for i in indexed):  # saved by a chain, loaded by one
         groups = [g for i in indexed for g in state_dict[i]["optimizer"]["param_groups"]]

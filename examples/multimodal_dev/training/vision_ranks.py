@@ -241,7 +241,33 @@ def setup(args) -> SeparateRanks:
         from examples.multimodal_dev.checkpoint import loader_state
 
         loader_state.reads_only()
+        args.no_load_rng = args.no_load_rng or not _tower_rng_resumes(args, vtp)
     return _LAYOUT
+
+
+def _tower_rng_resumes(args, vtp: int) -> bool:
+    """Whether ``--load`` holds the tower's random states for this layout of its ranks: a checkpoint
+    written with the same VISION_NPROC and VISION_TP. One of the ordinary layout has none (the tower
+    was part of the language model's ranks) and one of another split stores them in another shape;
+    from those the tower's ranks start from the seed, as megatron does at another TP or PP, and the
+    language model's ranks resume theirs."""
+    from examples.multimodal_dev.checkpoint.files import checkpoint_directory, latest_iteration, stored_args
+
+    if not args.load or args.finetune or args.no_load_rng or latest_iteration(args.load) is None:
+        return True
+    stored = stored_args(checkpoint_directory(args.load))
+    if stored is None:
+        return True
+    saved = (getattr(stored, "vision_nproc", 0) or 0,
+             getattr(stored, "vision_tensor_parallel_size", None) or stored.tensor_model_parallel_size)
+    if saved == (args.vision_nproc, vtp):
+        return True
+    if dist.get_rank() == 0:
+        where = f"VISION_NPROC={saved[0]} VISION_TP={saved[1]}" if saved[0] else "the ordinary layout"
+        print(f"pretrain_multimodal.py: --load {args.load} was written with {where}: the vision tower's ranks "
+              f"(VISION_NPROC={args.vision_nproc} VISION_TP={vtp}) start their random state from the seed",
+              flush=True)
+    return False
 
 
 def _install(layout: SeparateRanks) -> None:
