@@ -135,10 +135,6 @@ def test_a_cut_gradient_path_to_the_tower_is_caught(layout, parallel_start, one_
     assert differences["vision grad norm"] > REL and norms[1] == 0.0
 
 
-# The separate ranks' case splits the language model's experts over its two ranks (EP=2, ETP=1): the tower's
-# ranks then hold an expert optimizer with no parameter (megatron's, for the grad-norm reductions), whose
-# param groups have no step, and the checkpoint's common state must be the language model's.
-# The fan-in case shards the tower's optimizer state over its two data-parallel ranks.
 @pytest.fixture(scope="module")
 def ordinary_step_2(parallel_start, tmp_path_factory):
     """A checkpoint of one process (the ordinary layout) stopped after step 2 of 3."""
@@ -148,6 +144,10 @@ def ordinary_step_2(parallel_start, tmp_path_factory):
     return path
 
 
+# The separate ranks' case splits the language model's experts over its two ranks (EP=2, ETP=1): the tower's
+# ranks then hold an expert optimizer with no parameter (megatron's, for the grad-norm reductions), whose
+# param groups have no step, and the checkpoint's common state must be the language model's.
+# The fan-in case shards the tower's optimizer state over its two data-parallel ranks.
 @pytest.mark.parametrize("layout", [LAYOUT, dict(SEPARATE, EP=2, ETP=1), dict(VISION_TP=1, VISION_NPROC=2)],
                          ids=["colocated", "separate ranks, EP=2", "separate ranks, fan-in"])
 def test_resumes_exactly_and_in_the_ordinary_layout(layout, parallel_start, ordinary_step_2, tmp_path):
@@ -215,11 +215,14 @@ def one_image_a_micro_batch(parallel_start, tmp_path_factory):
         steps = [[n for n, _ in samples[i:i + PER_STEP]] for i in range(0, len(samples), PER_STEP)]
         return all(max(images) <= 1 and sum(images) >= 2 for images in steps)
 
-    seed = next(s for s in range(1, 1000) if at_most_one_image(_samples_of_the_mock(s, STEPS * PER_STEP)))
+    for seed in range(1, 1000):
+        samples = _samples_of_the_mock(seed, STEPS * PER_STEP)
+        if at_most_one_image(samples):
+            break
     common = dict(CKPT_LOAD=parallel_start, TRAIN_ITERS=STEPS, MBS=1, GBS=PER_STEP)
     flags = ("--seed", str(seed), *NO_EVAL)
     reference = _run(tmp_path_factory.mktemp("one_image"), "one process", flags, **common)
-    return seed, _samples_of_the_mock(seed, STEPS * PER_STEP), flags, common, reference
+    return seed, samples, flags, common, reference
 
 
 @pytest.mark.parametrize("layout", [LAYOUT, dict(VISION_TP=1, VISION_NPROC=2)],

@@ -253,7 +253,7 @@ def _tower_rng_resumes(args, vtp: int) -> bool:
     language model's ranks resume theirs."""
     from examples.multimodal_dev.checkpoint.files import checkpoint_directory, latest_iteration, stored_args
 
-    if not args.load or args.finetune or args.no_load_rng or latest_iteration(args.load) is None:
+    if not args.load or args.finetune or latest_iteration(args.load) is None:
         return True
     stored = stored_args(checkpoint_directory(args.load))
     if stored is None:
