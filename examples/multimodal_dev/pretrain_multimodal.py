@@ -332,6 +332,10 @@ def main():
         print("pretrain_multimodal.py: flash-linear-attention does not import; Gated DeltaNet runs on the torch "
               "kernels of megatron.cpu (correct, slower; INSTALL_GPU_EXTRAS=1 installs FLA)", flush=True)
         megatron.cpu.register_torch_gdn_kernels()
+    elif reason := megatron.cpu.fla_unusable_reason():
+        print(f"pretrain_multimodal.py: Gated DeltaNet runs on the torch kernels of megatron.cpu (correct, slower), "
+              f"not flash-linear-attention's: {reason}", flush=True)
+        megatron.cpu.register_torch_gdn_kernels()
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args

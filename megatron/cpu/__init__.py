@@ -34,6 +34,41 @@ def fla_available() -> bool:
     return True
 
 
+# Triton from 3.4.0 up to 3.7.1 compiles FLA's gated chunk backward (chunk_bwd_dqkwg) wrongly on Hopper
+# (FLA issue #640): FLA 0.6 raises at the first backward there unless its TileLang backend takes the
+# kernel, and older FLA computes wrong gradients silently. torch 2.11 pins Triton 3.6.0.
+TRITON_HOPPER_BUG = ("3.4.0", "3.7.1")
+
+
+def fla_unusable_reason() -> str | None:
+    """Why FLA's GatedDeltaNet kernels must not train on this CUDA device, or None where they may."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        return None
+    try:
+        import triton
+        from packaging.version import Version
+    except ImportError:
+        return None
+    low, high = (Version(v) for v in TRITON_HOPPER_BUG)
+    if not low <= Version(Version(triton.__version__).base_version) < high:
+        return None
+    if _fla_tilelang_usable():
+        return None
+    return (f"Triton {triton.__version__} on a Hopper GPU compiles FLA's gated chunk backward wrongly (FLA issue "
+            f"#640; Triton >= {high} or FLA's TileLang backend, pip install tilelang, fixes it)")
+
+
+def _fla_tilelang_usable() -> bool:
+    try:
+        from fla.backends import TileLangBackend
+    except Exception:  # noqa: BLE001 - an FLA without that backend cannot avoid the bug
+        return False
+    try:
+        return bool(TileLangBackend.is_available())
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def register_torch_gdn_kernels() -> None:
     """Bind the torch kernels to the names megatron-core's GatedDeltaNet imports from FLA.
     ``gdn.py`` copies the names at import time, so both modules are patched."""

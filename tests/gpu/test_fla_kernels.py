@@ -29,6 +29,7 @@ if not torch.cuda.is_available():
 
 import gpu_results
 from gpu_measure import errors, median_ms
+import megatron.cpu
 from megatron.cpu import gdn_kernels as torch_gdn
 
 CHECK = "fla kernels"
@@ -65,6 +66,25 @@ def _precision(name: str) -> str:
 
 def _cu_seqlens():
     return torch.nn.functional.pad(torch.tensor(LENGTHS).cumsum(0), (1, 0)).to("cuda", torch.int32)
+
+
+def _compare_forward(record, case, dtype_name, fla_fn, torch_fn, inputs: dict, why_not_backward: str, extra=None):
+    """Forward only, where FLA's backward must not run on this device (``megatron.cpu.fla_unusable_reason``):
+    the forward is still what the model-parity check runs on FLA."""
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        out_fla = fla_fn(**inputs)
+        torch.cuda.synchronize()
+        first_call_s = time.perf_counter() - t0
+        fwd = errors([out_fla], {"out": torch_fn(**{n: t.float() for n, t in inputs.items()})})
+        fla_fwd, torch_fwd = median_ms(lambda: fla_fn(**inputs)), median_ms(lambda: torch_fn(**inputs))
+    ok = fwd["rel"] <= FP32_REL if dtype_name == "fp32" else fwd["rms"] <= BF16_RMS
+    metrics = {"fwd max rel": fwd["rel"], "fwd rms": fwd["rms"], "fla fwd ms": fla_fwd, "torch fwd ms": torch_fwd,
+               "fla first call s": first_call_s, **(extra or {})}
+    note = "; ".join(x for x in (f"forward only: {why_not_backward}; training binds the torch kernels here",
+                                 _precision(dtype_name)) if x)
+    record(f"{case} {dtype_name} (forward)", "pass" if ok else "fail", metrics, note)
+    assert ok, f"{case} {dtype_name}: {metrics} ({note})"
 
 
 def _compare(record, case, dtype_name, fla_fn, torch_fn, inputs: dict, grad_out, extra=None):
@@ -135,8 +155,14 @@ def test_chunk_gated_delta_rule(fla, dtype_name, record):
         return lambda q, k, v, g, beta: kernel(q, k, v, g, beta, initial_state=None, output_final_state=False,
                                                use_qk_l2norm_in_kernel=False, cu_seqlens=cu)[0]
 
+    extra = {"tokens": total, "sequences": len(LENGTHS)}
+    why = megatron.cpu.fla_unusable_reason()
+    if why:
+        _compare_forward(record, "chunk_gated_delta_rule", dtype_name, call(fla.chunk),
+                         call(torch_gdn.chunk_gated_delta_rule), inputs, why, extra)
+        return
     _compare(record, "chunk_gated_delta_rule", dtype_name, call(fla.chunk), call(torch_gdn.chunk_gated_delta_rule),
-             inputs, randn(1, total, HEADS, VDIM), {"tokens": total, "sequences": len(LENGTHS)})
+             inputs, randn(1, total, HEADS, VDIM), extra)
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
