@@ -11,6 +11,9 @@
 #                           PATH or under pyenv, and install requirements.txt into it.
 #   INSTALL_GPU_EXTRAS=1    also install requirements-gpu.txt (CUDA hosts only).
 #   BOOTSTRAP_MIN_FREE_GIB  free disk required before installing (default 8; 0 skips the check).
+#   BOOTSTRAP_WHEELS_ONLY=1 install every wheel of WHEELHOUSE as it is (no resolution, no stamp) where
+#                           the requirements would go, and stop: a wheelhouse brought in parts (a GPU
+#                           machine that takes 64 MiB a call) lands part by part, the last one normally.
 #
 # Exports PY (the interpreter to use) and PYTHONPATH (repository root first, so that the
 # namespace package megatron.cpu sits beside megatron.core; then PYDEPS_DIR when used).
@@ -105,8 +108,18 @@ for pin in wanted.values():
   [ "${#pins[@]}" -eq 0 ] || _pip install -q --no-deps --upgrade --target "$PYDEPS" "$@" "${pins[@]}"
 }
 
+_install_wheels_only() {
+  local wheels=()
+  [ -n "${WHEELHOUSE:-}" ] || { echo "[bootstrap] BOOTSTRAP_WHEELS_ONLY=1 needs WHEELHOUSE" >&2; exit 1; }
+  shopt -s nullglob; wheels=("$WHEELHOUSE"/*.whl); shopt -u nullglob
+  [ "${#wheels[@]}" -gt 0 ] || { echo "[bootstrap] WHEELHOUSE=$WHEELHOUSE holds no wheels" >&2; exit 1; }
+  echo "[bootstrap] installing the ${#wheels[@]} wheels of $WHEELHOUSE as they are${PYDEPS:+ into $PYDEPS}" >&2
+  "$PY" -m pip --disable-pip-version-check install -q --no-index --no-deps ${PYDEPS:+--target "$PYDEPS"} "${wheels[@]}"
+}
+
 _install_requirements() {
   local stamp="$1" want
+  if [ "${BOOTSTRAP_WHEELS_ONLY:-0}" = "1" ]; then _install_wheels_only; return; fi
   want="$(_requirements_hash)"
   # What the folder must hold depends on the interpreter beside it (its torch, its packages), so a
   # different PYTHON re-checks it even with the same requirements.

@@ -208,8 +208,20 @@ def test_read_only_prefix_installs_only_the_missing_into_pydeps(wheelhouse, scra
         assert proc.returncode == 1 and len(errors) == 1 and f"WHEELHOUSE={empty}" in errors[0], proc.stderr
         assert "ERROR" not in proc.stderr, proc.stderr  # pip's own screenful is replaced by that line
 
+        # The wheelhouse in two parts, as a machine that takes a limited size a call receives it: the
+        # transformers wheel alone first (installed as it is), then the rest, whose resolution sees it.
+        parts = {"first": scratch / "first", "rest": scratch / "rest"}
+        for folder in parts.values():
+            folder.mkdir()
+        for wheel in wheels.glob("*.whl"):
+            shutil.copy(wheel, parts["first" if _canonical(wheel.name.split("-")[0]) == "transformers" else "rest"])
+        proc = _bootstrap(_offline_env(PYTHON=python, WHEELHOUSE=parts["first"], PYDEPS_DIR=pydeps,
+                                       BOOTSTRAP_WHEELS_ONLY=1))
+        assert proc.returncode == 0 and "installing the 1 wheels" in proc.stderr, proc.stderr[-4000:]
+        assert not (pydeps / ".requirements.sha256").exists()  # the requirements are not all in yet
+
         show = '"$PY" -c "import megatron.core, transformers, numpy; print(transformers.__file__, numpy.__file__)"'
-        env = _offline_env(PYTHON=python, WHEELHOUSE=wheels, PYDEPS_DIR=pydeps)
+        env = _offline_env(PYTHON=python, WHEELHOUSE=parts["rest"], PYDEPS_DIR=pydeps)
         proc = _bootstrap(env, then=show)
         assert proc.returncode == 0, proc.stderr[-4000:]
         assert f"into {pydeps}" in proc.stderr, proc.stderr
