@@ -4,6 +4,7 @@ profiler trace, and the parameter count the 35b_a3b cut is sized with."""
 
 import gzip
 import json
+import os
 from dataclasses import replace
 
 import gpu_results
@@ -108,3 +109,28 @@ def test_35b_cut_sizing_and_config(tmp_path):
     assert shape.text.layer_types == ("linear_attention", "full_attention")
     assert shape.text.num_experts == 256 and shape.text.mtp_num_layers == 0
     assert shape == replace(two)
+
+
+def test_readme_gpu_table_is_the_newest_committed_results():
+    """README.md's GPU table is made from the newest committed results folder (meta.json + each run's
+    results.json); after a new GPU run: python tests/gpu/gpu_results.py readme."""
+    folder = gpu_results.newest_results_folder()
+    with open(os.path.join(gpu_results.ROOT, "README.md")) as f:
+        block = gpu_results.readme_block(f.read())
+    assert block == gpu_results.readme_table(folder), "README.md's GPU table is stale: python tests/gpu/gpu_results.py readme"
+    rows = block.count("\n| run")  # one line per row of every run, after the header
+    assert rows >= 1 and os.path.basename(folder) in block
+
+
+def test_readme_gpu_table_changes_with_the_results(tmp_path):
+    """The comparison above can fail: a changed row gives another table."""
+    import shutil
+
+    folder = tmp_path / "2099-01-01-gpu"
+    shutil.copytree(gpu_results.newest_results_folder(), folder)
+    result_file = next(folder.glob("*/results.json"))
+    data = json.loads(result_file.read_text())
+    data["rows"][0]["status"] = "pass" if data["rows"][0]["status"] != "pass" else "fail"
+    result_file.write_text(json.dumps(data))
+    assert gpu_results.readme_table(str(folder)) != gpu_results.readme_table(gpu_results.newest_results_folder())
+    assert gpu_results.newest_results_folder(str(tmp_path)) == str(folder)
