@@ -98,7 +98,14 @@ def test_bf16_optimizer_state_moves_between_the_two_optimizers(tmp_path):
 
     run_script(bf16, TRAIN_ITERS=2, CKPT_SAVE=tmp_path / "plain", **common).check()
     stayed, switched = branch("plain", "stay_plain", bf16, 4), branch("plain", "to_dist", dist, 4)
-    _compare("bf16 plain -> distributed, iteration 4", switched, stayed, 4)
+    # Iteration 3 runs the loaded weights: only the two optimizers' grad-norm sums differ (fp32 order).
+    # Its clip factor then differs in the last bits, and whether that flips a bf16 weight at a
+    # rounding boundary in the update depends on the host's kernels: with ATEN_CPU_CAPABILITY=default
+    # (no SIMD) iteration 3 differs by 8.4e-8 and iteration 4's grad norm by 9.0e-5 with the loss
+    # equal; on an AVX-512 host both are equal. So iteration 4's grad norm gets the bound of iteration
+    # 6 below, and the loss (a dropped step or moment moves it far more than 1e-5) stays the sharp check.
+    _compare("bf16 plain -> distributed, iteration 3", switched, stayed, 3, grad_norm_rtol=1e-6)
+    _compare("bf16 plain -> distributed, iteration 4", switched, stayed, 4, grad_norm_rtol=1e-3)
     stayed, switched = branch("to_dist", "stay_dist", dist, 6), branch("to_dist", "back", bf16, 6)
     # The model's fp32 A_log / dt_bias sit first in the distributed optimizer's groups and among
     # the others in the plain one's, so the two sum the grad norm in another order and clip by
