@@ -328,10 +328,6 @@ def main():
         megatron.cpu.tune_host()
         if os.environ.get("RANK", "0") == "0":  # torchrun's rank: args are not parsed yet
             print(f"pretrain_multimodal.py: {megatron.cpu.gdn_kernels_line()}", flush=True)
-    elif not megatron.cpu.fla_available():
-        print("pretrain_multimodal.py: flash-linear-attention does not import; Gated DeltaNet runs on the torch "
-              "kernels of megatron.cpu (correct, slower; INSTALL_GPU_EXTRAS=1 installs FLA)", flush=True)
-        megatron.cpu.register_torch_gdn_kernels()
     elif reason := megatron.cpu.fla_unusable_reason():
         print(f"pretrain_multimodal.py: Gated DeltaNet runs on the torch kernels of megatron.cpu (correct, slower), "
               f"not flash-linear-attention's: {reason}", flush=True)

@@ -41,8 +41,13 @@ TRITON_HOPPER_BUG = ("3.4.0", "3.7.1")
 
 
 def fla_unusable_reason() -> str | None:
-    """Why FLA's GatedDeltaNet kernels must not train on this CUDA device, or None where they may."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+    """Why FLA's GatedDeltaNet kernels cannot or must not train on this CUDA host, or None where they
+    may (the one test every GPU entry path makes before binding the torch kernels)."""
+    if not torch.cuda.is_available():
+        return None
+    if not fla_available():
+        return "flash-linear-attention does not import (INSTALL_GPU_EXTRAS=1 installs it)"
+    if torch.cuda.get_device_capability()[0] != 9:
         return None
     try:
         import triton

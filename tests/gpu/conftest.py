@@ -42,7 +42,7 @@ def megatron_gpu():
             torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
-    if not megatron.cpu.fla_available() or megatron.cpu.fla_unusable_reason():
+    if megatron.cpu.fla_unusable_reason():
         megatron.cpu.register_torch_gdn_kernels()
     model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)

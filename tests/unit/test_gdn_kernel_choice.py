@@ -93,22 +93,26 @@ def test_the_switch(monkeypatch, env, fla, keep):
 @pytest.mark.parametrize("capability,triton_version,tilelang,refused", [
     ((9, 0), "3.6.0", False, True), ((9, 0), "3.4.0", False, True), ((9, 0), "3.7.0+git1234", False, True),
     ((9, 0), "3.7.1", False, False), ((9, 0), "3.3.1", False, False), ((8, 0), "3.6.0", False, False),
-    ((10, 0), "3.6.0", False, False), ((9, 0), "3.6.0", True, False),
+    ((10, 0), "3.6.0", False, False), ((9, 0), "3.6.0", True, False), ((8, 0), "3.6.0", False, "no fla"),
 ], ids=["hopper 3.6", "hopper 3.4", "hopper 3.7.0 build", "hopper 3.7.1", "hopper 3.3", "ampere", "blackwell",
-        "hopper with tilelang"])
+        "hopper with tilelang", "fla does not import"])
 def test_fla_refused_where_triton_miscompiles_its_backward(monkeypatch, capability, triton_version, tilelang, refused):
-    """On a GPU, FLA's kernels train unless Triton 3.4.0 up to 3.7.1 meets a Hopper GPU without FLA's
-    TileLang backend (FLA issue #640: wrong gradients; FLA 0.6 raises at the first backward)."""
+    """On a GPU, FLA's kernels train where FLA imports, unless Triton 3.4.0 up to 3.7.1 meets a Hopper GPU
+    without FLA's TileLang backend (FLA issue #640: wrong gradients; FLA 0.6 raises at the first backward)."""
     import types
 
     import megatron.cpu
+
+    monkeypatch.setattr(megatron.cpu, "fla_available", lambda: refused != "no fla")
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
     monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__=triton_version))
     monkeypatch.setattr(megatron.cpu, "_fla_tilelang_usable", lambda: tilelang)
     reason = megatron.cpu.fla_unusable_reason()
-    if refused:
+    if refused == "no fla":
+        assert reason.startswith("flash-linear-attention does not import"), reason
+    elif refused:
         assert f"Triton {triton_version} on a Hopper GPU" in reason and "#640" in reason, reason
     else:
         assert reason is None, reason
