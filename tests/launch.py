@@ -12,6 +12,8 @@ import re
 import subprocess
 import tempfile
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
 
@@ -39,6 +41,9 @@ PARALLEL_MODEL = dict(MOE=1, MTP=1, SEQ_LEN=512)
 NO_EVAL = ("--eval-iters", "0")
 # ... with the layouts' batches: THD micro-batches of 4 samples, 8 a step
 LAYOUT_MODEL = dict(PARALLEL_MODEL, MBS=4, GBS=8)
+# The files whose runs are held to the single-process runs of tests/distributed/conftest.py: on one
+# pytest-xdist worker, which builds those session fixtures once (tests/conftest.py)
+ONE_PROCESS_REFERENCE = pytest.mark.xdist_group("one_process_reference")
 
 
 def run_script(extra_args=(), timeout: int = 600, **env) -> Run:
@@ -76,3 +81,4 @@ def run_recording_vision_norms(directory, name, flags=NO_EVAL, **env):
                                 for r, rank in enumerate(steps)) ** 0.5 for i in range(len(steps[0]))}
     squares = [steps[0][i]["whole"] + sum(rank[i]["split"] for rank in steps[:vtp]) for i in range(len(steps[0]))]
     return run, {i + 1: sq ** 0.5 for i, sq in enumerate(squares)}
+

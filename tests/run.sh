@@ -7,4 +7,17 @@ source "$REPO_ROOT/tools/bootstrap_env.sh"
 # when it cannot be installed those tests skip with the reason and the rest of the suite runs.
 "$PY" "$REPO_ROOT/tests/fla_cpu/fla_install.py" || true
 cd "$REPO_ROOT"
+# TEST_WORKERS pytest-xdist workers [2]: an engine test's launch leaves cores idle while its processes
+# import or wait on a collective, and the other worker's test takes them. A file's tests share a
+# worker (tests/conftest.py). One thread a process (torchrun's own choice for several ranks): two
+# workers' OpenMP pools on two cores would wait on each other. TEST_WORKERS=1: no workers, which is
+# the default with -s (a worker's prints do not reach the terminal).
+WORKERS=2
+for arg in "$@"; do [[ "$arg" == -s || "$arg" == --capture=no ]] && WORKERS=1; done
+WORKERS=${TEST_WORKERS:-$WORKERS}
+[[ "$WORKERS" =~ ^[1-9][0-9]*$ ]] || { echo "tests/run.sh: TEST_WORKERS=$WORKERS must be a positive integer" >&2; exit 2; }
+if (( WORKERS > 1 )); then
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+  exec "$PY" -m pytest -n "$WORKERS" --dist loadgroup "$@"
+fi
 exec "$PY" -m pytest "$@"
