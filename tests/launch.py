@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 
@@ -81,4 +82,14 @@ def run_recording_vision_norms(directory, name, flags=NO_EVAL, **env):
                                 for r, rank in enumerate(steps)) ** 0.5 for i in range(len(steps[0]))}
     squares = [steps[0][i]["whole"] + sum(rank[i]["split"] for rank in steps[:vtp]) for i in range(len(steps[0]))]
     return run, {i + 1: sq ** 0.5 for i, sq in enumerate(squares)}
+
+
+def stopped_at(saved, target, iteration: int):
+    """A copy of the checkpoint directory ``saved`` that ends at its checkpoint of ``iteration``, as a run
+    stopped there leaves it: a straight run that also saved that step stands in for the stopped run."""
+    later = [p.name for p in saved.glob("iter_*") if int(p.name[len("iter_"):]) > iteration]
+    assert (saved / f"iter_{iteration:07d}").is_dir(), f"{saved} has no checkpoint of iteration {iteration}"
+    shutil.copytree(saved, target, ignore=lambda folder, names: later if folder == str(saved) else [])
+    (target / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return target
 

@@ -26,7 +26,7 @@ import math
 import pytest
 import torch
 from hf_checkpoints import write_hf_checkpoint
-from launch import NO_EVAL, run_script
+from launch import NO_EVAL, run_script, stopped_at
 
 from examples.multimodal_dev.checkpoint.hf_conversion import export_hf, import_hf
 from examples.multimodal_dev.checkpoint.hf_safetensors import HFTensorSource
@@ -137,14 +137,10 @@ def test_a_bf16_checkpoint_exports_with_the_hub_dtypes(hub, bf16_dp2, tmp_path):
 def test_bf16_resumes_exactly(hub, bf16_dp2, tmp_path):
     """Stopped at the halfway checkpoint and resumed: the same losses and grad norms, bitwise, and
     the same final checkpoint, optimizer state included."""
-    import shutil
-
     from checkpoint_diff import entries, state_differences
 
     half = ITERS // 2
-    shutil.copytree(hub / "bf16_dp2", tmp_path / "resumed")
-    shutil.rmtree(tmp_path / "resumed" / f"iter_{ITERS:07d}")
-    (tmp_path / "resumed" / "latest_checkpointed_iteration.txt").write_text(str(half))
+    stopped_at(hub / "bf16_dp2", tmp_path / "resumed", half)
     flags, sizes = LAYOUTS["DP=2 distributed optimizer"]
     second = run_script(("--bf16", *flags, *NO_EVAL), CKPT_RESUME=tmp_path / "resumed",
                         **{**COMMON, **sizes}).check()

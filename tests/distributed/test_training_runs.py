@@ -145,23 +145,34 @@ def test_checkpoint_resaved_by_the_rerun_state_machine_still_loads(tmp_path):
     assert "pretrain_multimodal.py: iteration 2: found NaN" in resumed.output, resumed.output[-3000:]
 
 
-def test_a_starting_checkpoint_with_an_empty_resume_directory_is_loaded(tmp_path):
+# The dense model with its MTP head, one step: a saved start, and one process's first step from it
+DENSE_STEP = dict(TRAIN_ITERS=1, SEQ_LEN=512, MTP=1)
+
+
+@pytest.fixture(scope="module")
+def dense_start(tmp_path_factory):
+    start = tmp_path_factory.mktemp("dense") / "start"
+    run_script(NO_EVAL, CKPT_SAVE=start, **DENSE_STEP).check()
+    return start
+
+
+@pytest.fixture(scope="module")
+def dense_single(dense_start):
+    return run_script(NO_EVAL, CKPT_LOAD=dense_start, **DENSE_STEP).check()
+
+
+def test_a_starting_checkpoint_with_an_empty_resume_directory_is_loaded(dense_start, dense_single, tmp_path):
     """CKPT_LOAD with CKPT_RESUME on an empty directory starts from CKPT_LOAD's weights: the first
     loss equals the plain CKPT_LOAD run's (it used to start from random weights)."""
-    start, common = tmp_path / "start", dict(TRAIN_ITERS=1, SEQ_LEN=256)
-    run_script(NO_EVAL, CKPT_SAVE=start, **common).check()
-    loaded = run_script(NO_EVAL, CKPT_LOAD=start, **common).check()
-    both = run_script(NO_EVAL, CKPT_LOAD=start, CKPT_RESUME=tmp_path / "run", **common).check()
-    assert both.losses[1] == loaded.losses[1] and both.grad_norms[1] == loaded.grad_norms[1]
+    both = run_script(NO_EVAL, CKPT_LOAD=dense_start, CKPT_RESUME=tmp_path / "run", **DENSE_STEP).check()
+    assert both.losses[1] == dense_single.losses[1] and both.grad_norms[1] == dense_single.grad_norms[1]
     assert (tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPU cores for two ranks")
-def test_tensor_parallel_matches_single_process(tmp_path):
-    start, common = tmp_path / "start", dict(TRAIN_ITERS=1, SEQ_LEN=512, MTP=1)
-    run_script(NO_EVAL, CKPT_SAVE=start, **common).check()
-    single = run_script(NO_EVAL, CKPT_LOAD=start, **common).check()
-    tp2 = run_script(NO_EVAL, CKPT_LOAD=start, TP=2, **common).check()
+def test_tensor_parallel_matches_single_process(dense_start, dense_single):
+    single = dense_single
+    tp2 = run_script(NO_EVAL, CKPT_LOAD=dense_start, TP=2, **DENSE_STEP).check()
     rel = abs(tp2.losses[1] - single.losses[1]) / single.losses[1]
     rel_mtp = abs(tp2.mtp_losses[1] - single.mtp_losses[1]) / single.mtp_losses[1]
     rel_norm = abs(tp2.grad_norms[1] - single.grad_norms[1]) / single.grad_norms[1]

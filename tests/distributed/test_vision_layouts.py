@@ -15,7 +15,7 @@ alone on a rank of its own, VISION_NPROC=1 with the language model at TP=2 (3 pr
   The vision norm is compared on its own because it is 3% of the total: a gradient that never
   reached the tower would move the total by 0.04% only. ``CUT_VISION_GRAD`` detaches the
   features at the bridge, and that comparison fails.
-- With the distributed optimizer, a run stopped after step 2 and resumed equals a straight one
+- With the distributed optimizer, a straight run's step-2 checkpoint resumed equals that run
   bitwise (losses, grad norms, every tensor of the final checkpoint); the step-2 checkpoint
   resumes in one process (the ordinary layout), optimizer state included, onto the same step 3.
   In both layouts: VISION_TP=1 under TP=2, and the tower on a rank of its own ahead of a language
@@ -30,7 +30,7 @@ import pytest
 import torch
 from checkpoint_diff import entries, state_differences
 from launch import LAYOUT_MODEL as MODEL
-from launch import NO_EVAL, ONE_PROCESS_REFERENCE, run_recording_vision_norms
+from launch import NO_EVAL, ONE_PROCESS_REFERENCE, run_recording_vision_norms, stopped_at
 
 LAYOUT = dict(TP=2, VISION_TP=1)
 SEPARATE = dict(LAYOUT, VISION_NPROC=1)
@@ -153,15 +153,16 @@ def ordinary_step_2(parallel_start, tmp_path_factory):
 def test_resumes_exactly_and_in_the_ordinary_layout(layout, parallel_start, ordinary_step_2, tmp_path):
     flags = ("--use-distributed-optimizer", *NO_EVAL)
     common = dict(CKPT_LOAD=parallel_start, TRAIN_ITERS=3, **layout)
-    straight, _ = _run(tmp_path, "straight", flags, CKPT_SAVE=tmp_path / "straight", **common)
-    first, _ = _run(tmp_path, "first", (*flags, "--exit-interval", "2"), CKPT_RESUME=tmp_path / "resumed", **common)
+    # the straight run also saves step 2, as a run stopped there would (test_training_runs.py stops one
+    # with --exit-interval); that checkpoint resumes in a process of its own
+    straight, _ = _run(tmp_path, "straight", flags, CKPT_SAVE=tmp_path / "straight", SAVE_INTERVAL=2, **common)
+    stopped_at(tmp_path / "straight", tmp_path / "resumed", 2)
     shutil.copytree(tmp_path / "resumed", tmp_path / "ordinary")
     second, _ = _run(tmp_path, "second", flags, CKPT_RESUME=tmp_path / "resumed", **common)
-    assert sorted(first.losses) == [1, 2] and sorted(second.losses) == [3]
-    print("straight:", straight.losses, straight.grad_norms, "\nresumed:", {**first.losses, **second.losses},
-          {**first.grad_norms, **second.grad_norms})
-    assert {**first.losses, **second.losses} == straight.losses  # full-precision floats, bitwise
-    assert {**first.grad_norms, **second.grad_norms} == straight.grad_norms
+    assert sorted(straight.losses) == [1, 2, 3] and sorted(second.losses) == [3]
+    print("straight:", straight.losses, straight.grad_norms, "\nresumed at step 3:", second.losses, second.grad_norms)
+    assert second.losses[3] == straight.losses[3]  # full-precision floats, bitwise
+    assert second.grad_norms[3] == straight.grad_norms[3]
     a = entries(tmp_path / "straight" / "iter_0000003", tmp_path)
     b = entries(tmp_path / "resumed" / "iter_0000003", tmp_path)
     assert [k for k in a if "optimizer" in k and torch.is_tensor(a[k])] and any(k.startswith("vision_model") or
