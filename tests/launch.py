@@ -92,4 +92,3 @@ def stopped_at(saved, target, iteration: int):
     shutil.copytree(saved, target, ignore=lambda folder, names: later if folder == str(saved) else [])
     (target / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     return target
-
