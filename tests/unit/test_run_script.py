@@ -2,6 +2,7 @@
 (and ``check_model_flags`` accepts them); impossible settings fail naming the variable."""
 
 import os
+import re
 import shlex
 import subprocess
 
@@ -206,6 +207,30 @@ def test_resume_with_a_starting_checkpoint_loads_it_while_the_resume_directory_i
     flags = _flags(out)
     assert rc == 0 and flags["pretrained_checkpoint"] == str(tmp_path / "start")
     assert flags["load"] == flags["save"] == str(tmp_path / "run") and "finetune" not in flags
+
+
+@pytest.mark.parametrize("value, cuda, nproc, forks", [
+    (None, False, 2, True), (None, True, 2, False), (None, False, 1, False), ("0", False, 4, False),
+    ("1", False, 1, True), ("0", True, 2, False)])
+def test_ranks_fork_from_the_preloaded_engine_only_without_cuda(monkeypatch, value, cuda, nproc, forks):
+    from examples.multimodal_dev.training.torchrun_launcher import forks_ranks
+
+    if value is None:
+        monkeypatch.delenv("FORK_RANKS", raising=False)
+    else:
+        monkeypatch.setenv("FORK_RANKS", value)
+    assert forks_ranks(cuda, nproc) is forks
+
+
+@pytest.mark.parametrize("value, cuda, message", [
+    ("1", True, "FORK_RANKS=1 needs a host without CUDA"),
+    ("yes", False, "FORK_RANKS=yes: expected 0 (fresh interpreters) or 1 (fork)")])
+def test_a_rank_start_that_cannot_work_is_refused_by_name(monkeypatch, value, cuda, message):
+    from examples.multimodal_dev.training.torchrun_launcher import forks_ranks
+
+    monkeypatch.setenv("FORK_RANKS", value)
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        forks_ranks(cuda, 2)
 
 
 def test_a_mistake_found_by_the_training_script_is_one_line_without_tracebacks(tmp_path):

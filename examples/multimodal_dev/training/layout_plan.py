@@ -22,7 +22,7 @@ from functools import lru_cache
 from ..models.qwen35_vl.flops import micro_batch_flops
 from ..models.qwen35_vl.parallel import validate_parallel
 from .layout_cost import GIB, Candidate, Hardware, stage_memory, step_time
-from .meta_builds import Layout
+from .launch_layout import Layout
 from .pipeline_layout import stage_layers
 
 MIN_CP_TOKENS = 2048  # context parallelism is for long rows: below this a rank's GEMMs are too short to run at speed

@@ -1,22 +1,99 @@
-"""``torchrun`` for ``run_qwen35_vl.sh``, without the launcher's own traceback when a rank fails.
+"""``torchrun`` for ``run_qwen35_vl.sh``: its arguments, without the launcher's own traceback when a
+rank fails, and on a host without CUDA with the ranks forked from one process that imported the
+engine once.
 
 A rank that stops on a user's mistake prints one line naming it (``pretrain_multimodal.py: ...``)
 and exits non-zero; torchrun then raises ``ChildFailedError`` and Python prints a traceback of the
 launcher itself, which buries that line. Here the failure becomes one more line (which rank, its
-exit code or signal) and the exit status 1. Arguments are torchrun's.
+exit code or signal) and the exit status 1.
+
+Rank start (``FORK_RANKS``): torchrun starts every rank as a fresh interpreter, which spends about
+6 s of CPU importing torch, megatron-core (dynamo and inductor through its ``torch.compile``
+decorators) and transformers (megatron builds every tokenizer through it) before it reads an
+argument. A CPU host's ranks share a few cores, so there this is most of a short run. With
+``FORK_RANKS=1`` (the default without CUDA, for more than one rank) torchrun runs ``rank_main`` instead, through its own
+function entry point and forkserver start method: the forkserver imports ``PRELOAD`` once and every
+rank forks from it, then runs the training module as ``python -m`` would. With CUDA every rank stays
+a fresh interpreter: a process forked after CUDA was initialised cannot use it, and importing
+megatron-core probes the device.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+
+# What every rank imports before its first line of work: megatron.training (torch, megatron-core) and
+# the tokenizer libraries megatron's build_tokenizer imports (transformers)
+PRELOAD = ("megatron.training", "megatron.core.tokenizers.text")
+FORK_SWITCH = "FORK_RANKS"
+
+
+def forks_ranks(cuda: bool, nproc: int) -> bool:
+    """Whether the ranks fork from a preloaded process: ``FORK_RANKS``, by default where there is no CUDA
+    and more than one rank (one rank gains nothing: the forkserver's import replaces the rank's)."""
+    value = os.environ.get(FORK_SWITCH, "0" if cuda or nproc < 2 else "1")
+    if value not in ("0", "1"):
+        raise SystemExit(f"torchrun: {FORK_SWITCH}={value}: expected 0 (fresh interpreters) or 1 (fork)")
+    if value == "1" and cuda:
+        raise SystemExit(f"torchrun: {FORK_SWITCH}=1 needs a host without CUDA (a forked process cannot use "
+                         f"CUDA once its parent has initialised it)")
+    return value == "1"
+
+
+def rank_main(module: str, *argv: str) -> None:
+    """One rank: ``python -m module argv`` in this forked process."""
+    import atexit
+    import multiprocessing
+    import runpy
+
+    multiprocessing.set_start_method(None, force=True)  # the rank's own workers start as a fresh interpreter's do
+    sys.argv = [module, *argv]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as stop:
+        if stop.code not in (None, 0):
+            raise  # its exit status, as the interpreter would end
+    except BaseException:  # as the interpreter reports an uncaught exception: on stderr, status 1
+        sys.excepthook(*sys.exc_info())
+        raise SystemExit(1) from None
+    finally:
+        atexit._run_exitfuncs()  # a forked process ends without the interpreter's exit handlers
+
+
+def _launch_forked(args) -> None:
+    import logging
+    import multiprocessing
+    import uuid
+
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args
+
+    if args.standalone:  # as torch.distributed.run.run: a c10d rendezvous on a free port of this host
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    config, _, _ = config_from_args(args)
+    config.start_method = "forkserver"
+    os.environ["PYTHONUNBUFFERED"] = "1"  # the forkserver's streams, hence the ranks': torchrun runs python -u
+    multiprocessing.set_forkserver_preload(list(PRELOAD))
+    # its report of a failed rank is a traceback of the launcher; main() says which rank in one line
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    elastic_launch(config, rank_main)(args.training_script, *args.training_script_args)
 
 
 def main() -> int:
+    import torch
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import main as torchrun
+    from torch.distributed.run import parse_args, run
 
+    args = parse_args(sys.argv[1:])
     try:
-        torchrun()
+        nproc = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else 2  # "auto", "gpu", ...
+        if args.module and forks_ranks(torch.cuda.is_available(), nproc):
+            _launch_forked(args)
+        else:
+            run(args)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
