@@ -4,7 +4,7 @@
   clearly below the first 5;
 - exact resume, with megatron's plain optimizer, and with the distributed optimizer at DP=2 under
   token-budget packing: 8 iterations straight == 4, stop (--exit-interval), resume, 4 more (the
-  stopped run's ranks started the other way, forked or fresh interpreters): the
+  stopped run's ranks forked from the preloaded engine, the others' fresh interpreters): the
   same tokens, loss and grad norm at every iteration (metrics file, full precision), the same
   validation loss, and a bitwise-equal final checkpoint (weights and optimizer state);
 - a process killed (SIGKILL) while writing a checkpoint leaves the previous one loadable, and
@@ -54,12 +54,12 @@ def test_exact_resume(tmp_path, setting):
     if setting != "plain":
         flags += ["--use-distributed-optimizer"]
         common.update(NPROC=2, PACKING="tokens", PACKED_SEQ_LENGTH=256, GBS=4)
-    straight = run_script(flags, CKPT_SAVE=tmp_path / "straight", **common).check()
-    # the stopped run starts its ranks the other way than the default (training/torchrun_launcher.py): one
-    # rank forked from the preloaded engine, two as fresh interpreters; the same figures either way
-    first = run_script([*flags, "--exit-interval", "4"], CKPT_RESUME=tmp_path / "resumed",
-                       FORK_RANKS=1 if setting == "plain" else 0, **common).check()
-    second = run_script(flags, CKPT_RESUME=tmp_path / "resumed", **common).check()
+    # the stopped run's ranks fork from the preloaded engine, the others' are fresh interpreters
+    # (training/torchrun_launcher.py): the same figures either way
+    straight = run_script(flags, CKPT_SAVE=tmp_path / "straight", FORK_RANKS=0, **common).check()
+    first = run_script([*flags, "--exit-interval", "4"], CKPT_RESUME=tmp_path / "resumed", FORK_RANKS=1,
+                       **common).check()
+    second = run_script(flags, CKPT_RESUME=tmp_path / "resumed", FORK_RANKS=0, **common).check()
     assert sorted(first.losses) == [1, 2, 3, 4] and sorted(second.losses) == [5, 6, 7, 8]
     resumed = {**first.losses, **second.losses}
     print(f"{setting}\nstraight:", straight.losses, "\nresumed: ", resumed, "\ntokens:", straight.tokens)

@@ -29,6 +29,12 @@ PYTHONPATH (``tests/launch.py`` puts it there only for a run that asks):
 The training code itself carries no test hooks."""
 
 import os
+import sys
+
+# A training rank: torchrun's fresh interpreter for one (it sets RANK), or the forkserver every rank forks from
+# where the launcher forks them (examples/multimodal_dev/training/torchrun_launcher.py); the rank reads RANK
+# when it records
+_RANK_PROCESS = "RANK" in os.environ or any("multiprocessing.forkserver" in arg for arg in sys.orig_argv)
 
 if os.environ.get("KILL_DURING_SAVE_AT"):
     import re
@@ -76,7 +82,7 @@ if os.environ.get("FULL_DISK_AT"):
 
     filesystem_async.open = _open_on_a_full_disk  # the writer's module-level name for open()
 
-if os.environ.get("RECORD_PIPELINE") and "RANK" in os.environ:  # training ranks only (torchrun sets RANK)
+if os.environ.get("RECORD_PIPELINE") and _RANK_PROCESS:  # training ranks only
     import atexit
     import json
 
@@ -101,6 +107,8 @@ if os.environ.get("RECORD_PIPELINE") and "RANK" in os.environ:  # training ranks
         return model
 
     def _write():
+        if "RANK" not in os.environ:  # the forkserver's own exit: not a rank
+            return
         with open(os.path.join(os.environ["RECORD_PIPELINE"], f"rank{os.environ['RANK']}.json"), "w") as f:
             json.dump(_record, f)
 
@@ -108,7 +116,7 @@ if os.environ.get("RECORD_PIPELINE") and "RANK" in os.environ:  # training ranks
     training.get_model = _recording_get_model
     atexit.register(_write)
 
-if os.environ.get("VISION_GRAD_NORMS") and "RANK" in os.environ:  # training ranks only
+if os.environ.get("VISION_GRAD_NORMS") and _RANK_PROCESS:  # training ranks only
     import json
 
     from megatron.core.utils import unwrap_model
@@ -158,7 +166,7 @@ if os.environ.get("VISION_GRAD_NORMS") and "RANK" in os.environ:  # training ran
     vision_bridge.finalize_model_grads = _recording(vision_bridge.finalize_model_grads)
     vision_ranks.finalize_model_grads = _recording(vision_ranks.finalize_model_grads)
 
-if os.environ.get("CUT_VISION_GRAD") == "1" and "RANK" in os.environ:  # training ranks only
+if os.environ.get("CUT_VISION_GRAD") == "1" and _RANK_PROCESS:  # training ranks only
     from megatron.core.models.mimo.comm.colocated_communicator import ColocatedBridgeCommunicator
 
     _bridge_communicate = ColocatedBridgeCommunicator.communicate

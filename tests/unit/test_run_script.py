@@ -210,16 +210,17 @@ def test_resume_with_a_starting_checkpoint_loads_it_while_the_resume_directory_i
 
 
 @pytest.mark.parametrize("value, cuda, nproc, forks", [
-    (None, False, 2, True), (None, True, 2, False), (None, False, 1, False), ("0", False, 4, False),
+    (None, False, 3, True), (None, True, 3, False), (None, False, 2, False), ("0", False, 4, False),
     ("1", False, 1, True), ("0", True, 2, False)])
 def test_ranks_fork_from_the_preloaded_engine_only_without_cuda(monkeypatch, value, cuda, nproc, forks):
+    """By default where there is no CUDA and the ranks outnumber the cores (2 here)."""
     from examples.multimodal_dev.training.torchrun_launcher import forks_ranks
 
     if value is None:
         monkeypatch.delenv("FORK_RANKS", raising=False)
     else:
         monkeypatch.setenv("FORK_RANKS", value)
-    assert forks_ranks(cuda, nproc) is forks
+    assert forks_ranks(cuda, nproc, 2) is forks
 
 
 @pytest.mark.parametrize("value, cuda, message", [
@@ -230,7 +231,7 @@ def test_a_rank_start_that_cannot_work_is_refused_by_name(monkeypatch, value, cu
 
     monkeypatch.setenv("FORK_RANKS", value)
     with pytest.raises(SystemExit, match=re.escape(message)):
-        forks_ranks(cuda, 2)
+        forks_ranks(cuda, 2, 2)
 
 
 def test_a_mistake_found_by_the_training_script_is_one_line_without_tracebacks(tmp_path):
