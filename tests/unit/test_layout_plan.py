@@ -14,7 +14,7 @@ from examples.multimodal_dev.tools import plan_layout as tool
 from examples.multimodal_dev.training import layout_cost as cost
 from examples.multimodal_dev.training.layout_mix import Mix
 from examples.multimodal_dev.training.layout_plan import Request, balanced_split, evaluate, plan
-from examples.multimodal_dev.training.meta_builds import Layout
+from examples.multimodal_dev.training.launch_layout import Layout
 from examples.multimodal_dev.training.pipeline_layout import LAYOUTS, stage_layers
 
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")

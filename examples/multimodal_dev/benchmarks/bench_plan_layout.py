@@ -42,7 +42,8 @@ def plan_seconds(name: str, gpus: int, reps: int):
 
 def meta_build_seconds(name: str) -> float:
     from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS
-    from examples.multimodal_dev.training.meta_builds import Layout, rank_build, representative_ranks
+    from examples.multimodal_dev.training.launch_layout import Layout
+    from examples.multimodal_dev.training.meta_builds import rank_build, representative_ranks
 
     layout = Layout.recommended(name)
     start = time.perf_counter()

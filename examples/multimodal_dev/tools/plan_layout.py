@@ -214,7 +214,7 @@ def _one_layout(request, text: str):
     """A Result holding the given layout (each recompute setting asked for), or its refusal."""
     from examples.multimodal_dev.training.layout_cost import Candidate
     from examples.multimodal_dev.training.layout_plan import Result, evaluate
-    from examples.multimodal_dev.training.meta_builds import Layout
+    from examples.multimodal_dev.training.launch_layout import Layout
 
     try:
         layout = Layout.parse(f"{text} GPUS={request.gpus}")  # the count is --gpus'

@@ -31,7 +31,7 @@ HEADER = ("| variant | layout | rank | parameters | weights GiB | gradients GiB 
 
 
 def parse_layout(text: str, where: str = "rank_memory: --layout"):
-    from examples.multimodal_dev.training.meta_builds import Layout
+    from examples.multimodal_dev.training.launch_layout import Layout
 
     try:
         return Layout.parse(text)
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
 
     # megatron-core logs a deprecation warning for every GPTModel built; hundreds of builds here
     logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
-    from examples.multimodal_dev.training.meta_builds import Layout
+    from examples.multimodal_dev.training.launch_layout import Layout
 
     print(HEADER, flush=True)
     ok = True

@@ -57,7 +57,7 @@ def stage_language_flops(shape, fb, layers, last: bool) -> float:
 
 
 def vision_share(name, shape, mix) -> Share:
-    from examples.multimodal_dev.training.meta_builds import Layout
+    from examples.multimodal_dev.training.launch_layout import Layout
     from examples.multimodal_dev.training.pipeline_layout import LAYOUTS, stage_layers
     from examples.multimodal_dev.training.rank_params import stage_params
 

@@ -43,7 +43,8 @@ import torch
 from ..models.qwen35_vl.configuration import FULL, LINEAR, Qwen35VLShape
 from ..models.qwen35_vl.hf_mapping import MG_LM, MG_VIS, mapping_rules
 from ..models.qwen35_vl.specs import FUSED_NORM_KEYS
-from .meta_builds import Layout, RankBuild, main_replica_ranks
+from .launch_layout import Layout
+from .meta_builds import RankBuild, main_replica_ranks
 
 # Qwen3.5 model cards (Qwen/Qwen3.5-*): total and activated parameters, in billions as published
 # (whole numbers; a dense card gives one figure).

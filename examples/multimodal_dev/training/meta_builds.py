@@ -42,7 +42,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..models.qwen35_vl.configuration import Qwen35VLShape
-from .launch_layout import LAYOUT_KEYS, Layout  # noqa: F401 (here for the planner's callers)
+from .launch_layout import Layout
 
 GIB = 2 ** 30
 @dataclass(frozen=True)

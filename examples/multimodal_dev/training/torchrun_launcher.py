@@ -11,10 +11,11 @@ Rank start (``FORK_RANKS``): torchrun starts every rank as a fresh interpreter, 
 6 s of CPU importing torch, megatron-core (dynamo and inductor through its ``torch.compile``
 decorators) and transformers (megatron builds every tokenizer through it) before it reads an
 argument. Where a CPU host's ranks outnumber its cores, this is most of a short run. With
-``FORK_RANKS=1`` (the default without CUDA where the ranks outnumber the cores) torchrun runs ``rank_main`` instead, through its own
-function entry point and forkserver start method: the forkserver imports ``PRELOAD`` once and every
-rank forks from it, then runs the training module as ``python -m`` would. With CUDA every rank stays
-a fresh interpreter: a process forked after CUDA was initialised cannot use it, and importing
+``FORK_RANKS=1`` (the default without CUDA where the ranks outnumber the cores) torchrun runs
+``rank_main`` instead, through its own function entry point and forkserver start method: the
+forkserver imports ``PRELOAD`` once and every rank forks from it, then runs the training module as
+``python -m`` would. The engine each rank runs is the same either way. With CUDA every rank stays a
+fresh interpreter: a process forked after CUDA was initialised cannot use it, and importing
 megatron-core probes the device.
 """
 
@@ -91,7 +92,8 @@ def main() -> int:
 
     args = parse_args(sys.argv[1:])
     try:
-        nproc = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else 2  # "auto", "gpu", ...
+        # "auto", "cpu", "gpu": a rank a device or core, never more ranks than cores
+        nproc = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else 0
         if args.module and forks_ranks(torch.cuda.is_available(), nproc, len(os.sched_getaffinity(0))):
             _launch_forked(args)
         else:
