@@ -15,6 +15,16 @@ if ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
 import pytest
 
 
+@pytest.fixture(autouse=True)
+def fresh_moe_metrics():
+    """megatron-core keeps one MoE metrics tracker a process, sized by the first MoE model that records into
+    it; the tests sharing a worker build models of other layer counts (an index past its size otherwise)."""
+    yield
+    logging_module = sys.modules.get("megatron.core.transformer.moe.moe_logging")
+    if logging_module is not None:
+        logging_module.destroy_moe_metrics_tracker()
+
+
 @pytest.fixture(scope="session")
 def mcore():
     """megatron-core initialised for a single CPU process (gloo, world size 1)."""
