@@ -24,6 +24,9 @@ Resume: the training loader's state goes into each checkpoint per DP rank
 (``checkpoint/loader_state.py``, as JSON: ``energon_state.py``) and comes back through
 ``EnergonSplit.restore_state``, so a resumed run reads what the straight run would have read.
 
+A dataset is data: ``energon_configs`` refuses any of its YAML that names code (energon's typed
+converter would import and call it) before energon reads it, and guards energon's resolver too.
+
 Bad samples are skipped (energon's ``SkipSample``) with a warning naming the conversation's
 JSONL origin and shard key; counts reach the run's total through the batches like the map-style
 providers' (``loader.SKIPS_KEY``). ``--strict-data`` stops at the first one.
@@ -44,6 +47,7 @@ from megatron.energon.edataclass import edataclass
 from megatron.energon.errors import reraise_exception
 
 from . import energon_state
+from .energon_configs import check_dataset, refuse_code_in_energon
 from .loader import SKIPS_KEY, exit_with_parent, summing_skips
 from .sample import BadSample, DataError, fit_to_budget, validate_sample
 from .skipping import RunSkipTotals, format_counts
@@ -60,8 +64,9 @@ RESTORE_KEY = "__restore_key__"  # energon's name for it in a dict sample
 
 
 def check_energon_path(value: str | None, flag: str = "--data-path") -> str:
-    """A prepared dataset folder or a metadataset YAML file; a ``DataError`` naming ``flag`` otherwise.
-    Reads no shard: cheap enough to call before launch."""
+    """A prepared dataset folder or a metadataset YAML file whose configs name no code
+    (``energon_configs``); a ``DataError`` naming ``flag`` or the file otherwise. Reads no shard:
+    cheap enough to call before launch."""
     if not value or not value.strip():
         raise DataError(f"{flag} is required for --dataset-provider energon (a folder prepared by energon, e.g. by "
                         "tools/jsonl_to_energon.py, or an energon metadataset .yaml)")
@@ -74,6 +79,7 @@ def check_energon_path(value: str | None, flag: str = "--data-path") -> str:
             raise DataError(f"{flag} {value!r}: a file here must be an energon metadataset .yaml")
     else:
         raise DataError(f"{flag} {value!r}: no such file or directory")
+    check_dataset(value)
     return value
 
 
@@ -199,6 +205,7 @@ def open_dataset(path: str, split: str, config, encoder, batch_size: int | None,
                  packing_buffer_size: int | None = None):
     """energon's dataset over ``split`` of ``path`` for one rank: training shuffles and (``repeat``) loops;
     ``packing_buffer_size``: rows packed by ``encoder`` from that many conversations at a time."""
+    refuse_code_in_energon()
     if training:
         return get_train_dataset(path, split_part=split, worker_config=config, batch_size=batch_size,
                                  shuffle_buffer_size=shuffle_buffer_size,
