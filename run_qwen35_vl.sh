@@ -23,7 +23,8 @@
 #                   (Megatron-Energon shards, e.g. from tools/jsonl_to_energon.py) [mock];
 #                   DATA_PATH, HF_PROCESSOR_PATH for cord_v2, jsonl and energon
 #   jsonl only:     VALID_DATA_PATH (else VALID_FRACTION of DATA_PATH [0]), MEDIA_ROOT, STRICT_DATA=1,
-#                   REMOTE_MEDIA=1 (fetch http(s) media), VIDEO_FPS [2], VIDEO_MAX_FRAMES [768],
+#                   REMOTE_MEDIA=1 (fetch http(s) media), MEDIA_ANYWHERE=1 (media outside the JSONL's
+#                   folder or MEDIA_ROOT), VIDEO_FPS [2], VIDEO_MAX_FRAMES [768],
 #                   VIDEO_MAX_PIXELS (one frame's area after resizing)
 #   TRAIN_ITERS MBS GBS SEQ_LEN LR    [30 2 4 1024 2e-3 on CPU; 20 1 8 4096 1e-4 on GPU]
 #   CKPT_LOAD       checkpoint to start from (with --finetune semantics: weights only)
@@ -167,7 +168,7 @@ case "$DATASET" in
   *) fail "DATASET=$DATASET must be mock, mock_mix, mock_video, cord_v2, jsonl or energon";;
 esac
 OWN_DATA=()  # DATASET=jsonl: the user's records and media (arguments.py, "your own data")
-for var in STRICT_DATA REMOTE_MEDIA; do
+for var in STRICT_DATA REMOTE_MEDIA MEDIA_ANYWHERE; do
   [[ "${!var:-0}" == 0 || "${!var:-0}" == 1 ]] || fail "$var=${!var}: expected 0 or 1"
 done
 [[ -z "${VALID_FRACTION:-}" || "$VALID_FRACTION" =~ ^0?\.[0-9]+$|^0$ ]] || fail "VALID_FRACTION=$VALID_FRACTION: expected a fraction below 1, such as 0.02"
@@ -179,14 +180,15 @@ done
 [[ -n "${MEDIA_ROOT:-}" ]] && OWN_DATA+=(--media-root "$MEDIA_ROOT")
 [[ "${STRICT_DATA:-0}" == 1 ]] && OWN_DATA+=(--strict-data)
 [[ "${REMOTE_MEDIA:-0}" == 1 ]] && OWN_DATA+=(--allow-remote-media)
+[[ "${MEDIA_ANYWHERE:-0}" == 1 ]] && OWN_DATA+=(--allow-media-anywhere)
 [[ -n "${VIDEO_FPS:-}" ]] && OWN_DATA+=(--video-fps "$VIDEO_FPS")
 [[ -n "${VIDEO_MAX_FRAMES:-}" ]] && OWN_DATA+=(--video-max-frames "$VIDEO_MAX_FRAMES")
 [[ -n "${VIDEO_MAX_PIXELS:-}" ]] && OWN_DATA+=(--video-max-pixels "$VIDEO_MAX_PIXELS")
 if (( ${#OWN_DATA[@]} > 0 )) && [[ "$DATASET" != jsonl && "$DATASET" != energon ]]; then
-  fail "VALID_DATA_PATH, VALID_FRACTION, MEDIA_ROOT, STRICT_DATA, REMOTE_MEDIA and VIDEO_* apply to DATASET=jsonl (and energon) only (DATASET=$DATASET)"
+  fail "VALID_DATA_PATH, VALID_FRACTION, MEDIA_ROOT, STRICT_DATA, REMOTE_MEDIA, MEDIA_ANYWHERE and VIDEO_* apply to DATASET=jsonl (and energon) only (DATASET=$DATASET)"
 fi
 if [[ "$DATASET" == energon ]]; then  # the shards hold the media; validation is the dataset's val split
-  for var in VALID_DATA_PATH VALID_FRACTION MEDIA_ROOT REMOTE_MEDIA; do
+  for var in VALID_DATA_PATH VALID_FRACTION MEDIA_ROOT REMOTE_MEDIA MEDIA_ANYWHERE; do
     [[ -z "${!var:-}" || "${!var}" == 0 ]] || fail "$var applies to DATASET=jsonl; an energon dataset carries its media and its val split"
   done
 fi

@@ -28,6 +28,9 @@ def _add_own_data_args(group):
                        help="relative image and video paths resolve here (default: the JSONL file's folder)")
     group.add_argument("--allow-remote-media", action="store_true",
                        help="fetch http(s) images and videos named in the records (refused otherwise)")
+    group.add_argument("--allow-media-anywhere", action="store_true",
+                       help="read media paths outside the JSONL file's folder (or --media-root); refused otherwise, "
+                            "so a dataset cannot name the host's files")
     group.add_argument("--strict-data", action="store_true",
                        help="the first bad record stops the run in one line, instead of a counted skip")
     group.add_argument("--video-fps", type=float, default=None, help="frames sampled per second of video [2.0]")
@@ -52,8 +55,8 @@ def _add_energon_args(group):
                             "rows from [64]")
 
 
-OWN_DATA_OPTIONS = ("eval_data_path", "valid_fraction", "media_root", "allow_remote_media", "strict_data",
-                    "energon_shuffle_buffer_size", "energon_max_samples_per_sequence", "energon_packing_buffer_size")
+OWN_DATA_OPTIONS = ("eval_data_path", "valid_fraction", "media_root", "allow_remote_media", "allow_media_anywhere",
+                    "strict_data", "energon_shuffle_buffer_size", "energon_max_samples_per_sequence", "energon_packing_buffer_size")
 VIDEO_OPTIONS = ("video_fps", "video_max_frames", "video_min_frames", "video_max_pixels", "video_min_pixels",
                  "video_total_pixels")
 

@@ -8,10 +8,11 @@ import os
 
 import pytest
 import torch
+from tiny_processor import png_bytes
 
 from examples.multimodal_dev.data import energon, get_dataset_provider
 from examples.multimodal_dev.data.jsonl import build_datasets as jsonl_datasets
-from examples.multimodal_dev.data.sample import FIELDS, DataError
+from examples.multimodal_dev.data.sample import FIELDS, BadSample, DataError
 from examples.multimodal_dev.tools import jsonl_to_energon
 
 OPTIONS = dict(min_pixels=32 * 32, max_pixels=128 * 128, video_min_pixels=32 * 32, video_max_pixels=64 * 64)
@@ -103,6 +104,8 @@ def test_valid_fraction_holds_out_the_jsonl_rule(example_data, tmp_path):
     ("no_assistant", "bad.jsonl:1: no_assistant_turn"),
     ("out_exists", "exists; give a new folder"),
     ("bad_shard_size", "--shard-size 0"),
+    ("host_file", "bad.jsonl:1: media_outside_root: '/etc/hostname' lies outside"),
+    ("not_an_image", "bad.jsonl:1: bad_image: cannot read image 'notes.png'"),
 ])
 def test_converter_refuses_bad_input_in_one_line(tmp_path, capsys, fault, message):
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
@@ -110,8 +113,13 @@ def test_converter_refuses_bad_input_in_one_line(tmp_path, capsys, fault, messag
              "missing_image": [json.dumps({**good, "images": ["nowhere.png"],
                                            "messages": [{"role": "user", "content": "<image>hi"},
                                                         {"role": "assistant", "content": "x"}]})],
+             "host_file": [json.dumps({**good, "images": ["/etc/hostname"], "messages": [
+                 {"role": "user", "content": "<image>hi"}, {"role": "assistant", "content": "x"}]})],
+             "not_an_image": [json.dumps({**good, "images": ["notes.png"], "messages": [
+                 {"role": "user", "content": "<image>hi"}, {"role": "assistant", "content": "x"}]})],
              "no_assistant": [json.dumps({"messages": [{"role": "user", "content": "hi"}]})]}.get(fault,
                                                                                                [json.dumps(good)])
+    (tmp_path / "notes.png").write_text("a text file named as an image")
     source = tmp_path / ("bad.txt" if fault == "not_jsonl" else "bad.jsonl")
     if fault != "missing_input":
         source.write_text("\n".join(lines) + "\n")
@@ -124,6 +132,39 @@ def test_converter_refuses_bad_input_in_one_line(tmp_path, capsys, fault, messag
     assert len(err.splitlines()) == 1 and message in err, err
     assert os.listdir(out) == [] if fault == "out_exists" else not out.exists()
     assert not [p for p in os.listdir(tmp_path) if ".partial-" in p]
+
+
+def test_a_host_file_is_packed_only_when_allowed_and_only_if_it_decodes(tmp_path, capsys):
+    image = tmp_path / "elsewhere" / "red.png"
+    image.parent.mkdir()
+    image.write_bytes(png_bytes((16, 16), (255, 0, 0)))
+    record = {"messages": [{"role": "user", "content": "<image>hi"}, {"role": "assistant", "content": "x"}]}
+    source = tmp_path / "data" / "a.jsonl"
+    source.parent.mkdir()
+    source.write_text(json.dumps({**record, "images": [str(image)]}) + "\n")
+    assert jsonl_to_energon.main([str(source), str(tmp_path / "refused")]) == 2
+    assert "media_outside_root" in capsys.readouterr().err
+    assert jsonl_to_energon.main([str(source), str(tmp_path / "out"), "--allow-media-anywhere"]) == 0
+    assert conversations(tmp_path / "out")[0].media["img0.png"] == image.read_bytes()
+
+
+def test_a_shard_sample_reads_media_only_from_its_own_members(example_data, tmp_path):
+    """However a shard's record names an image (the ``path`` key, a top-level ``images`` list), it
+    must be one of the sample's members: a host path in a shard is a skip, never opened."""
+    _, out, _, processor = example_data
+    train, _, _ = get_dataset_provider("energon")(seq_length=SEQ, num_samples=(1, 0, 0), data_path=str(out),
+                                                   hf_processor_path=processor, **OPTIONS)
+    host = tmp_path / "host.png"
+    host.write_bytes(png_bytes((16, 16), (0, 0, 255)))
+    answer = {"role": "assistant", "content": "x"}
+    records = [{"messages": [{"role": "user", "content": [{"type": "image", "path": str(host)}]}, answer]},
+               {"messages": [{"role": "user", "content": "<image>hi"}, answer], "images": [str(host)]}]
+    for i, record in enumerate(records):
+        conversation = energon.cook_conversation({"__key__": f"k{i}", "__restore_key__": (), "json":
+                                                  json.dumps({**record, "source": f"planted:{i}"}).encode()})
+        with pytest.raises(BadSample, match=rf"missing_image: planted:{i} \(energon sample k{i}\): no member "
+                                            f"'{host}' in the shard sample"):
+            energon.conversation_sample(train.produce, conversation, train.tokens, SEQ, train.patch_dim)
 
 
 def test_skip_bad_leaves_bad_records_out_and_counts_them(tmp_path):

@@ -50,6 +50,8 @@ FAULTS = [
     ("missing_video", qa("<video>What moves?", "A bar.", videos=["nowhere.mp4"])),
     ("bad_video", qa("<video>What moves?", "A bar.", videos=["broken.mp4"])),
     ("media_in_answer", as_parts([("user", "Draw it."), ("assistant", "Here: <image>")], ["red.png"])),
+    ("media_outside_root", qa("<image>Colour?", "Red.", images=["../red.png"])),
+    ("media_outside_root", qa("<image>Colour?", "Red.", images=["/etc/hostname"])),
 ]
 
 
@@ -129,6 +131,24 @@ def test_remote_media_are_fetched_only_when_allowed(processor_path, tmp_path):
             train_split(processor_path, missing, allow_remote_media=True).produce(0)
     finally:
         server.shutdown()
+
+
+def test_media_outside_the_folder_are_read_only_when_allowed(processor_path, tmp_path):
+    """A record may name only media inside its JSONL's folder (or --media-root); ``allow_media_anywhere``
+    lifts that, and a path that is no regular file (``/dev/zero``) is then a bad image, not a missing one."""
+    write_images(str(tmp_path))
+    data = write_jsonl(str(tmp_path / "sub" / "d.jsonl"), [qa("<image>Colour?", "Red.", images=["../red.png"]),
+                                                          qa("<image>Colour?", "Red.", images=["/dev/zero"])])
+    with pytest.raises(BadSample, match=r"media_outside_root: .*d.jsonl:1: '../red.png' lies outside .*sub'.*"
+                                        "--allow-media-anywhere"):
+        train_split(processor_path, data).produce(0)
+    anywhere = train_split(processor_path, data, allow_media_anywhere=True)
+    assert anywhere.produce(0)["pixel_values"].numel()
+    with pytest.raises(BadSample, match="bad_image: .*d.jsonl:2: '/dev/zero' is not a regular file"):
+        anywhere.produce(1)
+    rooted = train_split(processor_path, data, media_root=str(tmp_path / "sub" / ".."))  # "../red.png" now leaves it
+    with pytest.raises(BadSample, match="media_outside_root"):
+        rooted.produce(0)
 
 
 def test_data_path_errors_are_one_line_naming_the_flag(processor_path, tmp_path):

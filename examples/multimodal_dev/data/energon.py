@@ -59,7 +59,6 @@ SPLIT_PARTS = ("train", "val", "test")
 DEFAULT_SHUFFLE_BUFFER = 100
 DEFAULT_MAX_SAMPLES_PER_SEQUENCE = 100
 DEFAULT_PACKING_BUFFER = 64
-PART_KEYS = {"image": "image", "video": "video"}
 RESTORE_KEY = "__restore_key__"  # energon's name for it in a dict sample
 
 
@@ -177,18 +176,23 @@ class PackedRow:
 
 
 def conversation_sample(produce, conversation, tokens, seq_length: int, patch_dim: int | None) -> dict:
-    """The contract sample of a cooked ``Conversation``, through the jsonl provider's own code."""
-    record = json.loads(conversation.text)
-    where = f"{record.get('source', '?')} (energon sample {conversation.__key__})"
-    for message in record.get("messages") or ():
-        for part in message.get("content") if isinstance(message.get("content"), list) else ():
-            key = PART_KEYS.get(part.get("type")) if isinstance(part, dict) else None
-            if key and isinstance(part.get(key), str):
-                data = conversation.media.get(part[key])
-                if data is None:
-                    raise BadSample(f"missing_{key}", f"{where}: no member {part[key]!r} in the shard sample")
-                part[key] = "data:application/octet-stream;base64," + base64.b64encode(data).decode()
-    sample = produce.conversation_sample(json.dumps(record), "", where)
+    """The contract sample of a cooked ``Conversation``, through the jsonl provider's own code. Every
+    image and video it names, in whatever format and key, is one of the sample's own members: a
+    shard never reaches a host path or URL."""
+    try:
+        record = json.loads(conversation.text)
+        source = record.get("source", "?") if isinstance(record, dict) else "?"
+    except ValueError:
+        source = "?"  # the jsonl provider's own parse names the fault
+    where = f"{source} (energon sample {conversation.__key__})"
+
+    def member(media) -> str:
+        data = conversation.media.get(media.ref)
+        if data is None:
+            raise BadSample(f"missing_{media.kind}", f"no member {media.ref!r} in the shard sample")
+        return "data:application/octet-stream;base64," + base64.b64encode(data).decode()
+
+    sample = produce.conversation_sample(conversation.text, "", where, locate_media=member)
     return validate_sample(fit_to_budget(sample, tokens, seq_length), tokens, patch_dim)
 
 

@@ -6,6 +6,7 @@ conversations with images and videos, in any of the formats ``conversations.py``
                            is held out (none by default); --test-data-path likewise, never implied
     --media-root           the folder relative media paths start from (default: each JSONL's own)
     --allow-remote-media   fetch http(s) media (refused by default)
+    --allow-media-anywhere media paths outside the JSONL's folder (or --media-root); refused by default
     --strict-data          stop at the first bad record instead of skipping it
 
 A sample is the whole conversation as the processor's chat template renders it (system turn
@@ -33,7 +34,7 @@ import torch
 
 from .answer_spans import answer_char_spans, answer_token_mask
 from .conversations import normalise
-from .jsonl_media import ImageSizing, VideoOptions, image_size, locate, media_settings, open_image
+from .jsonl_media import ImageSizing, MediaAccess, VideoOptions, image_size, media_settings, open_image
 from .jsonl_source import Blend, Records, check_data_path, hold_out
 from .processor import VISION_TOKEN_TEXT, load_processor
 from .sample import BadSample, DataError, build_conversation_sample, fit_to_budget
@@ -46,11 +47,9 @@ class JsonlConversations:
     """``produce(index)`` for ``SkippingDataset``: row ``index`` of a blend of JSONL records."""
 
     def __init__(self, rows: Blend, processor, info, sizing: ImageSizing, seq_length: int, source: str,
-                 media_root: str | None = None, allow_remote: bool = False, strict: bool = False,
-                 videos: VideoOptions | None = None):
+                 access: MediaAccess = MediaAccess(), strict: bool = False, videos: VideoOptions | None = None):
         self.rows, self.processor, self.info, self.sizing = rows, processor, info, sizing
-        self.seq_length, self.source, self.media_root = seq_length, source, media_root
-        self.allow_remote, self.strict = allow_remote, strict
+        self.seq_length, self.source, self.access, self.strict = seq_length, source, access, strict
         self.videos = videos or VideoOptions(processor)
 
     def __call__(self, index: int) -> dict:
@@ -65,16 +64,18 @@ class JsonlConversations:
         path, line = records.where(i)
         return self.conversation_sample(records.read(i), os.path.dirname(path), f"{path}:{line}", make)
 
-    def conversation_sample(self, line: bytes | str, base_dir: str, where: str, make=None) -> dict:
+    def conversation_sample(self, line: bytes | str, base_dir: str, where: str, make=None,
+                            locate_media=None) -> dict:
         """The sample of one conversation given as JSON text (any format ``conversations.py`` reads):
         relative media paths start from ``base_dir`` (or ``media_root``); ``where`` starts a skip's
-        message. ``make``: ``_produce`` (the default) or ``_describe``. The energon provider calls it
-        too, so both providers build a conversation's sample in this one place."""
+        message. ``make``: ``_produce`` (the default) or ``_describe``; ``locate_media``: a ``Media``'s
+        location instead of ``self.access``'s (energon: the shard sample's own members). The energon
+        provider calls it too, so both providers build a conversation's sample in this one place."""
         make = make or self._produce
+        locate_media = locate_media or (lambda media: self.access.locate(media.ref, base_dir))
         try:
             turns = self._turns(line)
-            media = [(m, locate(m.ref, base_dir, self.media_root, self.allow_remote))
-                     for t in turns for m in t.media]
+            media = [(m, locate_media(m)) for t in turns for m in t.media]
             text, spans = answer_char_spans(self.processor, turns)
             return fit_to_budget(make(text, spans, media), self.info.tokens, self.seq_length)
         except BadSample as bad:
@@ -154,8 +155,8 @@ def load_rows(value: str, flag: str) -> tuple[list[Records], list[float] | None]
 def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path: str | None = None,
                    hf_processor_path: str | None = None, valid_data_path: str | None = None,
                    test_data_path: str | None = None, valid_fraction: float = 0.0, media_root: str | None = None,
-                   allow_remote_media: bool = False, strict_data: bool = False, min_pixels: int | None = None,
-                   max_pixels: int | None = None, **options):
+                   allow_remote_media: bool = False, allow_media_anywhere: bool = False, strict_data: bool = False,
+                   min_pixels: int | None = None, max_pixels: int | None = None, **options):
     """(train, valid, test) ``SkippingDataset``s over the JSONL records; None for a split with no
     records or no samples asked for. ``video_*``: ``VideoSettings`` fields (None: its default);
     a video part's own keys override them."""
@@ -190,8 +191,8 @@ def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path
         if not n or rows is None or len(rows) == 0:
             out.append(None)
             continue
-        produce = JsonlConversations(rows, processor, info, sizing, seq_length, source, media_root,
-                                     allow_remote_media, strict_data, videos)
+        access = MediaAccess(media_root, allow_remote_media, allow_media_anywhere)
+        produce = JsonlConversations(rows, processor, info, sizing, seq_length, source, access, strict_data, videos)
         out.append(SkippingDataset(produce, len(rows), n, info.tokens, seq_length, info.patch_dim,
                                    name=f"jsonl[{split}]", source=source))
     return tuple(out)

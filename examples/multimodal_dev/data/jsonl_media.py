@@ -2,8 +2,11 @@
 the sample) or reading only its header (for ``describe``), and an image's patch grid.
 
 A reference is a path relative to the JSONL file's folder (or to ``media_root`` when given), an
-absolute path, a ``file://`` path, a ``data:`` URI (images), or an http(s) URL -- refused unless
-``allow_remote`` (``--allow-remote-media``): a run should not depend on hosts it cannot see.
+absolute or ``file://`` path, a ``data:`` URI, or an http(s) URL. A dataset is data, so what it
+may reach is bounded (``MediaAccess``): a path must lie inside that folder (as written, ``..``
+resolved; symlinks the folder holds are followed, as a Hugging Face snapshot's are) unless
+``anywhere`` (``--allow-media-anywhere``), and a URL is refused unless ``allow_remote``
+(``--allow-remote-media``): a run should not depend on hosts it cannot see.
 
 Sizing follows Qwen's two resizes, as ``cord_v2`` does: qwen_vl_utils' ``fetch_image`` with the
 part's own ``min_pixels`` / ``max_pixels`` / ``resized_height`` + ``resized_width`` (else
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import functools
 import io
 import os
@@ -26,15 +30,29 @@ REMOTE_SCHEMES = ("http://", "https://")
 FETCH_TIMEOUT_S = 30
 
 
-def locate(ref: str, base_dir: str, media_root: str | None, allow_remote: bool) -> str:
-    if ref.startswith(REMOTE_SCHEMES):
-        if not allow_remote:
-            raise BadSample("remote_media", f"{ref!r} is a URL; pass --allow-remote-media to fetch remote media")
-        return ref
-    if ref.startswith("data:"):
-        return ref
-    path = os.path.expanduser(ref.removeprefix("file://"))
-    return path if os.path.isabs(path) else os.path.join(media_root or base_dir, path)
+@dataclasses.dataclass(frozen=True)
+class MediaAccess:
+    """Where a record's media may come from (the ``--media-root`` / ``--allow-*-media`` flags)."""
+
+    media_root: str | None = None
+    allow_remote: bool = False
+    anywhere: bool = False
+
+    def locate(self, ref: str, base_dir: str) -> str:
+        """The location of ``ref`` for a record read from ``base_dir``; ``BadSample`` where it may not go."""
+        if ref.startswith(REMOTE_SCHEMES):
+            if not self.allow_remote:
+                raise BadSample("remote_media", f"{ref!r} is a URL; pass --allow-remote-media to fetch remote media")
+            return ref
+        if ref.startswith("data:"):
+            return ref
+        root = os.path.abspath(self.media_root or base_dir)
+        path = os.path.normpath(os.path.join(root, os.path.expanduser(ref.removeprefix("file://"))))
+        if not self.anywhere and os.path.commonpath([path, root]) != root:
+            raise BadSample("media_outside_root", f"{_short(ref)} lies outside {root!r}, the folder media may come "
+                                                  "from (set --media-root to the folder holding it, or pass "
+                                                  "--allow-media-anywhere)")
+        return path
 
 
 def fetch(location: str, kind: str):
@@ -53,8 +71,24 @@ def fetch(location: str, kind: str):
         except ValueError as err:
             raise BadSample(f"bad_{kind}", f"a data: URI that is not base64: {err}") from err
     if not os.path.isfile(location):
+        if os.path.exists(location):  # a device, a fifo, a folder: nothing a record may name
+            raise BadSample(f"bad_{kind}", f"{location!r} is not a regular file")
         raise BadSample(f"missing_{kind}", f"no such {kind} file {location!r}")
     return location
+
+
+def check_decodes(data: bytes, kind: str, name: str) -> None:
+    """``bad_<kind>`` unless ``data`` decodes as the kind it claims (an image's pixels, a video's first
+    frame): a converter packs nothing else, so a record cannot smuggle the host's files into shards."""
+    if kind == "image":
+        from PIL import Image
+
+        with _unreadable_is_bad_image(name), Image.open(io.BytesIO(data)) as image:
+            image.load()
+    else:
+        from .video import check_video
+
+        check_video(io.BytesIO(data), name)
 
 
 @contextlib.contextmanager

@@ -231,6 +231,14 @@ def video_header(path, settings: VideoSettings) -> VideoHeader:
         return _header(container, _name(path), settings)
 
 
+def check_video(source, name: str) -> None:
+    """``bad_video`` unless ``source`` (a path or a binary file object) holds a video stream whose
+    first frame decodes."""
+    with _container(source) as container:
+        if next(container.decode(video=0), None) is None:
+            raise BadSample("bad_video", f"{name}: no frame decodes")
+
+
 def load_video(path, settings: VideoSettings):
     """(frames_TCHW uint8 of the sampled frames, resized; their ``VideoMetadata``). Frames are
     decoded in order up to the last sampled one; only sampled frames are converted and resized."""

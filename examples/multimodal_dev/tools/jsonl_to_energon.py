@@ -1,7 +1,7 @@
 """Conversations in JSONL -> a Megatron-Energon dataset (WebDataset tar shards plus ``.nv-meta``).
 
     python -m examples.multimodal_dev.tools.jsonl_to_energon IN.jsonl OUT_DIR \
-        [--shard-size 1000] [--media-root DIR] [--valid-fraction 0.01] [--skip-bad]
+        [--shard-size 1000] [--media-root DIR] [--allow-media-anywhere] [--valid-fraction 0.01] [--skip-bad]
 
 IN is what ``--data-path`` takes for the jsonl provider (a file, a folder of them, or a comma-
 separated list; weights belong in an energon metadataset instead). Every record is read in any
@@ -12,6 +12,10 @@ format ``data/conversations.py`` knows; a sample of the shards is one conversati
                       naming the member below; per-media settings kept
     <key>.img<j>.<ext>  the j-th image's bytes, as found (``data/jsonl_media.py`` locates them)
     <key>.vid<j>.<ext>  the j-th video's bytes
+
+Shards are often handed on, so nothing else goes in: a member must decode as the image or video
+it claims to be (``bad_image`` / ``bad_video`` otherwise), and paths outside the JSONL's folder
+(or ``--media-root``) are refused unless ``--allow-media-anywhere``, as training refuses them.
 
 Shards are ``train-NNNNNN.tar`` and ``val-NNNNNN.tar``; ``--valid-fraction f`` holds out the
 last of every 1/f records of each file, the rule of the jsonl provider's ``--valid-fraction``.
@@ -38,7 +42,7 @@ import time
 from collections import Counter
 
 from examples.multimodal_dev.data.conversations import Media, normalise
-from examples.multimodal_dev.data.jsonl_media import fetch, locate
+from examples.multimodal_dev.data.jsonl_media import MediaAccess, check_decodes, fetch
 from examples.multimodal_dev.data.jsonl_source import Records, check_data_path, hold_out
 from examples.multimodal_dev.data.sample import BadSample, DataError
 
@@ -71,12 +75,16 @@ def _extension(ref: str) -> str:
     return ext if _EXT.match(ext) else "bin"
 
 
-def read_bytes(media: Media, base_dir: str, media_root: str | None) -> bytes:
-    found = fetch(locate(media.ref, base_dir, media_root, allow_remote=False), media.kind)
+def read_bytes(media: Media, base_dir: str, access: MediaAccess) -> bytes:
+    """The media's bytes, once they decode as the kind the record claims."""
+    found = fetch(access.locate(media.ref, base_dir), media.kind)
     if hasattr(found, "read"):
-        return found.read()
-    with open(found, "rb") as f:
-        return f.read()
+        data = found.read()
+    else:
+        with open(found, "rb") as f:
+            data = f.read()
+    check_decodes(data, media.kind, media.ref)
+    return data
 
 
 class ShardWriter:
@@ -106,7 +114,7 @@ class ShardWriter:
 
 
 def convert(data_path: str, out_dir: str, shard_size: int = 1000, media_root: str | None = None,
-            valid_fraction: float = 0.0, skip_bad: bool = False, log=print) -> dict:
+            valid_fraction: float = 0.0, skip_bad: bool = False, log=print, media_anywhere: bool = False) -> dict:
     """Write the dataset; returns {"train": n, "val": n, "skipped": {reason: n}}. DataError for a bad
     input (or the first bad record without ``skip_bad``); OUT_DIR is then left as it was."""
     specs = check_data_path(data_path, "IN")
@@ -127,7 +135,8 @@ def convert(data_path: str, out_dir: str, shard_size: int = 1000, media_root: st
     partial = os.path.join(parent, f".{os.path.basename(os.path.abspath(out_dir))}.partial-{os.getpid()}")
     os.makedirs(partial)
     try:
-        counts = _write_shards(specs, partial, shard_size, media_root, valid_fraction, skip_bad, log)
+        access = MediaAccess(media_root, allow_remote=False, anywhere=media_anywhere)
+        counts = _write_shards(specs, partial, shard_size, access, valid_fraction, skip_bad, log)
         _prepare(partial, counts)
         os.rename(partial, out_dir)
     except BaseException:
@@ -136,7 +145,7 @@ def convert(data_path: str, out_dir: str, shard_size: int = 1000, media_root: st
     return counts
 
 
-def _write_shards(specs, folder, shard_size, media_root, valid_fraction, skip_bad, log) -> dict:
+def _write_shards(specs, folder, shard_size, access, valid_fraction, skip_bad, log) -> dict:
     writers = {split: ShardWriter(folder, split, shard_size) for split in SPLIT_PATTERNS}
     skipped, done, started, last = Counter(), 0, time.monotonic(), time.monotonic()
     try:
@@ -146,7 +155,7 @@ def _write_shards(specs, folder, shard_size, media_root, valid_fraction, skip_ba
             for i in range(len(records)):
                 path, line = records.where(i)
                 try:
-                    files = _sample_files(records.read(i), path, line, media_root)
+                    files = _sample_files(records.read(i), path, line, access)
                 except BadSample as bad:
                     if not skip_bad:
                         raise DataError(f"{path}:{line}: {bad.reason}: {bad.detail} (--skip-bad leaves such records "
@@ -170,7 +179,7 @@ def _write_shards(specs, folder, shard_size, media_root, valid_fraction, skip_ba
             "shards": {split: w.shards for split, w in writers.items()}}
 
 
-def _sample_files(line: bytes, path: str, number: int, media_root: str | None) -> dict[str, bytes]:
+def _sample_files(line: bytes, path: str, number: int, access: MediaAccess) -> dict[str, bytes]:
     try:
         record = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -178,7 +187,7 @@ def _sample_files(line: bytes, path: str, number: int, media_root: str | None) -
     stored, members = stored_record(normalise(record), f"{path}:{number}")
     files = {"json": json.dumps(stored, ensure_ascii=False).encode()}
     for name, media in members.items():
-        files[name] = read_bytes(media, os.path.dirname(path), media_root)
+        files[name] = read_bytes(media, os.path.dirname(path), access)
     return files
 
 
@@ -202,13 +211,16 @@ def main(argv=None) -> int:
     parser.add_argument("out_dir", metavar="OUT_DIR", help="a new folder for the energon dataset")
     parser.add_argument("--shard-size", type=int, default=1000, help="conversations per tar shard (default 1000)")
     parser.add_argument("--media-root", help="the folder relative media paths start from (default: each JSONL's own)")
+    parser.add_argument("--allow-media-anywhere", action="store_true",
+                        help="pack media paths outside each JSONL's folder (or --media-root); refused otherwise")
     parser.add_argument("--valid-fraction", type=float, default=0.0,
                         help="share of the records held out in the val split (the last of every 1/f)")
     parser.add_argument("--skip-bad", action="store_true", help="leave bad records out (counted) instead of stopping")
     args = parser.parse_args(argv)
     try:
         counts = convert(args.data_path, args.out_dir, args.shard_size, args.media_root, args.valid_fraction,
-                         args.skip_bad, log=lambda line: print(line, file=sys.stderr, flush=True))
+                         args.skip_bad, log=lambda line: print(line, file=sys.stderr, flush=True),
+                         media_anywhere=args.allow_media_anywhere)
     except DataError as err:
         print(f"jsonl_to_energon: {err}", file=sys.stderr)
         return 2

@@ -50,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--data-samples", type=int, default=512, help="conversations of --data-path to read [512]")
     p.add_argument("--hf-processor-path", help="the processor that tokenizes --data-path")
     p.add_argument("--media-root", help="where --data-path's relative media paths start")
+    p.add_argument("--allow-media-anywhere", action="store_true",
+                   help="read media outside --data-path's folder (or --media-root), as training's flag")
     p.add_argument("--reserve", type=float, default=0.1, help="share of GPU memory kept back [0.1]")
     p.add_argument("--recompute", default="auto", choices=("auto", "none", "full"))
     p.add_argument("--no-distributed-optimizer", action="store_true")
@@ -132,8 +134,9 @@ def _mix(args, shape):
     from examples.multimodal_dev.training.layout_mix import Mix
 
     if not args.data_path:
-        if args.hf_processor_path or args.media_root:
-            _fail("--hf-processor-path / --media-root: they describe --data-path, which is not given")
+        if args.hf_processor_path or args.media_root or args.allow_media_anywhere:
+            _fail("--hf-processor-path / --media-root / --allow-media-anywhere: they describe --data-path, which is "
+                  "not given")
         return Mix.mock_mix(shape, args.seq_len)
     if not args.hf_processor_path:
         _fail(f"--data-path {args.data_path}: needs --hf-processor-path (the tokenizer that counts its tokens)")
@@ -142,7 +145,8 @@ def _mix(args, shape):
 
     try:
         train, _, _ = build_datasets(args.seq_len, (args.data_samples, 0, 0), data_path=args.data_path,
-                                     hf_processor_path=args.hf_processor_path, media_root=args.media_root)
+                                     hf_processor_path=args.hf_processor_path, media_root=args.media_root,
+                                     allow_media_anywhere=args.allow_media_anywhere)
         return Mix.from_dataset(shape, args.seq_len, train, f"--data-path {args.data_path}", args.data_samples)
     except (DataError, OSError, ValueError) as err:
         _fail(" ".join(str(err).split()))
