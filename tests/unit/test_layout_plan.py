@@ -133,7 +133,17 @@ def test_mix_imbalance_is_one_for_one_replica_and_small_when_dealt(mixes):
     (["9b", "--gpus", "12"], "--gpus 12: not a whole number of nodes"),
     (["9b", "--gpus", "0"], "--gpus 0: must be at least 1"),
     (["9b", "--gpus", "8", "--efficiency", "1.5"], r"--efficiency 1.5: a share of peak"),
-    (["9b", "--gpus", "8", "--gpu-memory", "-1"], "--gpu-memory -1.0: must be positive"),
+    (["9b", "--gpus", "8", "--gpu-memory", "-1"], "--gpu-memory -1.0: must be a positive finite number"),
+    (["9b", "--gpu-memory", "nan"], "--gpu-memory nan: must be a positive finite number"),
+    (["9b", "--gpu-memory", "inf"], "--gpu-memory inf: must be a positive finite number"),
+    (["9b", "--peak-tflops", "nan"], "--peak-tflops nan: must be a positive finite number"),
+    (["9b", "--network-gbs", "nan"], "--network-gbs nan: must be a positive finite number"),
+    (["9b", "--efficiency", "nan"], "--efficiency nan: a share of peak"),
+    (["9b", "--global-batch", str(10 ** 15)], f"--global-batch {10 ** 15}: at most 1048576 rows a step"),
+    (["9b", "--layout", "TP=2 TP=4"], "--layout TP=2 TP=4: item 'TP=4': TP is given twice"),
+    (["9b", "--layout", "TP=2 GPUS=16"], "GPUS=16 disagrees with --gpus 8; give the count once"),
+    (["9b", "--gpus", "1000000", "--brief"], "--global-batch 512 is not a multiple of any layout's DP x MBS on "
+                                             "1000000 GPUs; raise --global-batch or lower --gpus"),
     (["nine", "--gpus", "8"], "variant 'nine': expected one of"),
     (["tiny"], "--gpus: needed for tiny"),
     (["9b", "--layout", "TP=3"], "--layout TP=3: invalid parallel settings: --tensor-model-parallel-size 3 must divide "

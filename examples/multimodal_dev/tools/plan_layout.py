@@ -23,6 +23,8 @@ builds; activations within 10 % of a CPU run), step times cannot be checked with
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import sys
 import time
 
@@ -81,6 +83,9 @@ def readme_row(result) -> str:
             f"{tokens:,.0f} | {BRIDGE_H100.get(req.name, '-')} |")
 
 
+MAX_GLOBAL_BATCH = 1 << 20  # rows a step: 4T tokens of 4096; the planner draws a row per sample
+
+
 def _fail(message: str):
     raise SystemExit(f"plan_layout: {message}")
 
@@ -114,6 +119,8 @@ def request_from_args(args):
             _fail(f"{flag} {value}: must be at least {low}")
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
         _fail(f"--gpus {args.gpus}: not a whole number of nodes of --gpus-per-node {args.gpus_per_node}")
+    if args.global_batch > MAX_GLOBAL_BATCH:
+        _fail(f"--global-batch {args.global_batch}: at most {MAX_GLOBAL_BATCH} rows a step")
     if not 0 < args.efficiency <= 1:
         _fail(f"--efficiency {args.efficiency}: a share of peak, in (0, 1]")
     if not 0 <= args.reserve < 1:
@@ -121,8 +128,8 @@ def request_from_args(args):
     base = HARDWARE[args.gpu]
     for flag, value in (("--gpu-memory", args.gpu_memory), ("--peak-tflops", args.peak_tflops),
                         ("--nvlink-gbs", args.nvlink_gbs), ("--network-gbs", args.network_gbs)):
-        if value is not None and value <= 0:
-            _fail(f"{flag} {value}: must be positive")
+        if value is not None and not (0 < value < math.inf):
+            _fail(f"{flag} {value}: must be a positive finite number")
     hardware = Hardware(base.name, args.peak_tflops or base.peak_tflops, args.gpu_memory or base.memory_gib,
                         args.nvlink_gbs or base.nvlink_gbs, args.network_gbs or base.network_gbs, args.gpus_per_node)
     recompute = {"auto": (None, "full"), "none": (None,), "full": ("full",)}[args.recompute]
@@ -180,6 +187,15 @@ def command(plan, request) -> str:
     return f"{run_settings(plan, request)} bash run_qwen35_vl.sh{flags}"
 
 
+def no_fit_advice(result) -> str:
+    """What to change when every layout was refused: memory wants more GPUs, a batch that no layout's
+    data parallelism divides wants fewer GPUs or a larger --global-batch."""
+    if result.refused and all(why.startswith("GBS") for why in result.refused):
+        return (f"no layout fits: --global-batch {result.request.global_batch} is not a multiple of any layout's DP x "
+                f"MBS on {result.request.gpus} GPUs; raise --global-batch or lower --gpus")
+    return "no layout fits: raise --gpus, lower --seq-len / --micro-batch, or allow --recompute full"
+
+
 def describe(result, seconds: float) -> str:
     req = result.request
     hw, mix = req.hardware, req.mix
@@ -193,7 +209,7 @@ def describe(result, seconds: float) -> str:
              f"{result.examined} layouts in {seconds:.1f} s; refused: " +
              (", ".join(f"{n} {why}" for why, n in sorted(result.refused.items(), key=lambda kv: -kv[1])) or "none")]
     if not result.plans:
-        lines.append("no layout fits: raise --gpus, lower --seq-len / --micro-batch, or allow --recompute full")
+        lines.append(no_fit_advice(result))
     for i, p in enumerate(result.plans, 1):
         m, t = p.busiest, p.time
         stage = p.memory.index(m)
@@ -221,7 +237,10 @@ def _one_layout(request, text: str):
     from examples.multimodal_dev.training.launch_layout import Layout
 
     try:
-        layout = Layout.parse(f"{text} GPUS={request.gpus}")  # the count is --gpus'
+        layout = Layout.parse(text)
+        if "GPUS=" in text.upper() and layout.gpus != request.gpus:
+            raise ValueError(f"GPUS={layout.gpus} disagrees with --gpus {request.gpus}; give the count once")
+        layout = dataclasses.replace(layout, gpus=request.gpus)  # the count is --gpus'
         layout.check(request.shape)
     except ValueError as err:
         _fail(f"--layout {text}: " + str(err).replace(":\n  ", ": ").replace("\n  ", "; "))
@@ -261,7 +280,7 @@ def main(argv=None) -> int:
     seconds = time.perf_counter() - start
     if args.brief:
         if not result.plans:
-            _fail(f"{request.name}: no layout fits {args.gpus} GPUs of {request.hardware.memory_gib:g} GiB")
+            _fail(f"{request.name} on {args.gpus} GPUs of {request.hardware.memory_gib:g} GiB: {no_fit_advice(result)}")
         best = result.plans[0]
         print(f"{run_settings(best, request)} {notes(best)} on {args.gpus} GPUs: {best.busiest.total / GIB:.1f} GiB on the fullest rank, "
               f"step {best.time.total:.2f} s, {best.tflops_per_gpu(request):.0f} TFLOP/s per GPU (predicted, "

@@ -36,7 +36,7 @@ class Layout:
     @classmethod
     def parse(cls, text: str) -> Layout:
         """From "TP=2 PP=8 VP=2 ..." (keys of ``LAYOUT_KEYS``; unset ones 1, VP / FIRST / LAST
-        none; 0 unsets those three as the run script's PP_FIRST=0 does; a later key wins)."""
+        none; 0 unsets those three as the run script's PP_FIRST=0 does; a key given twice is refused)."""
         fields = {}
         for item in text.replace(",", " ").split():
             key, _, value = item.partition("=")
@@ -45,6 +45,8 @@ class Layout:
             if field is None or not value.isdigit() or (int(value) == 0 and not optional):
                 raise ValueError(f"item {item!r}: expected KEY=N (N >= 1; 0 unsets VP, FIRST, LAST) with KEY one "
                                  f"of {', '.join(LAYOUT_KEYS)}")
+            if field in fields:
+                raise ValueError(f"item {item!r}: {key.upper()} is given twice")
             fields[field] = int(value) or None
         return cls(**fields)
 
