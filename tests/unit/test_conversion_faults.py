@@ -189,6 +189,35 @@ def test_export_names_an_invalid_hf_config_path(ckpt, tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["bad.json"]
 
 
+def test_export_names_a_config_of_another_model(ckpt, tmp_path, capsys):
+    from examples.multimodal_dev.models.qwen35_vl.configuration import to_hf_config_dict
+
+    (tmp_path / "other.json").write_text(json.dumps(to_hf_config_dict(get_variant("tiny", moe=True, mtp=False))))
+    assert main(["export", "--megatron-path", ckpt, "--hf-path", str(tmp_path / "out"),
+                 "--hf-config-path", str(tmp_path / "other.json")]) == 2
+    line = _one_error_line(capsys, "export")
+    assert f"--hf-config-path {tmp_path / 'other.json'}" in line and "does not describe" in line, line
+    assert sorted(os.listdir(tmp_path)) == ["other.json"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["import", "--hf-path", "HF", "--megatron-path", "OUT", "--tp", "0"], "--tp 0: must be at least 1"),
+    (["import", "--hf-path", "HF", "--megatron-path", "OUT", "--ep", "-2"], "--ep -2: must be at least 1"),
+    (["import", "--hf-path", "FILE", "--megatron-path", "OUT"], "--hf-path FILE: a file; give the Hugging Face"),
+    (["export", "--megatron-path", "CKPT", "--hf-path", "OUT", "--max-shard-size-gb", "nan"],
+     "--max-shard-size-gb nan: must be a positive finite number"),
+    (["verify", "--hf-path", "HF", "--megatron-path", "CKPT", "--atol", "-1"], "--atol -1.0: must be a finite number"),
+    (["verify", "--hf-path", "HF", "--megatron-path", "CKPT", "--atol", "nan"], "--atol nan: must be a finite number"),
+])
+def test_numbers_that_cannot_work_are_refused_before_any_work(hf_dense, ckpt, tmp_path, capsys, argv, says):
+    (tmp_path / "FILE").write_text("{}")
+    paths = {"HF": hf_dense, "CKPT": ckpt, "OUT": str(tmp_path / "out"), "FILE": str(tmp_path / "FILE")}
+    assert main([paths.get(a, a) for a in argv]) == 2
+    line = _one_error_line(capsys, argv[0])
+    assert says.replace("FILE", paths["FILE"]) in line, line
+    assert sorted(os.listdir(tmp_path)) == ["FILE"]
+
+
 # ---------------------------------------------------------------------- 6: a damaged tracker file
 
 def test_export_names_a_damaged_tracker(ckpt, tmp_path, capsys):

@@ -337,12 +337,29 @@ def load_megatron(megatron_path: str, hf_config_path: str | None = None):
     shape, config = checkpoint_shape(megatron_path, hf_config_path)
     directory = checkpoint_directory(megatron_path)
     model = conversion_model(shape).eval()
-    _read_checkpoint(megatron_path, load_model_weights, model, directory)
     stored = _read_checkpoint(megatron_path, _read_metadata, directory).state_dict_metadata
+    described_by = f"--hf-config-path {hf_config_path}" if hf_config_path else f"the shape recorded in {megatron_path}"
+    check_model_matches(model, stored, described_by)
+    _read_checkpoint(megatron_path, load_model_weights, model, directory)
     by_key = _weight_dtypes(stored)
     common = max(set(by_key.values()), key=list(by_key.values()).count)
     dtypes = {name: by_key.get(getattr(sh, "key", None), common) for name, sh in model.sharded_state_dict().items()}
     return model, shape, config, dtypes
+
+
+def check_model_matches(model, stored: dict, described_by: str) -> None:
+    """``ValueError`` naming the first tensor of ``model`` that the checkpoint lacks or holds at
+    another shape (a config of another model), before DCP's load fails with a list of every key."""
+    for name, sharded in model.sharded_state_dict().items():
+        key = getattr(sharded, "key", None)
+        if key is None or "_extra_state" in key:
+            continue
+        if key not in stored and not any(k.startswith(key + ".") for k in stored):
+            raise ValueError(f"{described_by} does not describe the checkpoint's model: it has no tensor {key}")
+        size, want = getattr(stored.get(key), "size", None), getattr(sharded, "global_shape", None)
+        if size is not None and want is not None and tuple(size) != tuple(want):
+            raise ValueError(f"{described_by} does not describe the checkpoint's model: {key} is "
+                             f"{tuple(size)} there, {tuple(want)} here")
 
 
 def _weight_dtypes(stored: dict) -> dict:

@@ -24,6 +24,7 @@ model, not a GPU.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -69,9 +70,24 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_args(args) -> None:
+    """Sizes and tolerances that cannot work, and a file given where a folder is meant: ``ValueError``
+    naming the flag, before any file is read."""
+    for flag, value in (("--tp", getattr(args, "tp", 1)), ("--ep", getattr(args, "ep", 1))):
+        if value < 1:
+            raise ValueError(f"{flag} {value}: must be at least 1")
+    if args.command == "export" and not 0 < args.max_shard_size_gb < math.inf:
+        raise ValueError(f"--max-shard-size-gb {args.max_shard_size_gb}: must be a positive finite number")
+    if args.command == "verify" and not 0 <= args.atol < math.inf:
+        raise ValueError(f"--atol {args.atol}: must be a finite number at least 0")
+    if args.command != "export" and os.path.isfile(args.hf_path):
+        raise ValueError(f"--hf-path {args.hf_path}: a file; give the Hugging Face model's folder")
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
+        check_args(args)
         if args.command == "import":
             info = import_hf(args.hf_path, args.megatron_path, args.tp, args.ep, args.overwrite,
                              args.allow_mixed_dtypes)
