@@ -81,6 +81,8 @@ def test_the_state_file_is_tagged_json(saved_state):
     ("edited", "does not match the checksum"),
     ("planted class", "'posix.system' is not an energon state class"),
     ("missing", "does not exist"),
+    ("nested file", "is not a loader state: RecursionError"),
+    ("nested state", "not an energon loader state: RecursionError"),
 ])
 def test_an_unusable_state_restarts_the_stream_saying_why(saved_state, change, why):
     out, checkpoint_dir = saved_state
@@ -95,6 +97,12 @@ def test_an_unusable_state_restarts_the_stream_saying_why(saved_state, change, w
     elif change == "planted class":  # a valid checksum over a state that names other code
         stored.pop("sha256")
         stored["loader"] = json.dumps({"$dataclass": "posix.system", "fields": {"command": "touch /tmp/owned"}})
+        loader_state.write_state(str(checkpoint_dir), 0, stored)
+    elif change == "nested file":  # brackets nested past Python's JSON reader
+        open(path, "w").write("[" * 100_000 + "]" * 100_000)
+    elif change == "nested state":  # the same inside a file whose checksum is right
+        stored.pop("sha256")
+        stored["loader"] = "[" * 100_000 + "]" * 100_000
         loader_state.write_state(str(checkpoint_dir), 0, stored)
     else:
         (checkpoint_dir / loader_state.STATE_DIR / "dp00000.json").unlink()

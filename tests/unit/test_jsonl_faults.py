@@ -52,6 +52,17 @@ FAULTS = [
     ("media_in_answer", as_parts([("user", "Draw it."), ("assistant", "Here: <image>")], ["red.png"])),
     ("media_outside_root", qa("<image>Colour?", "Red.", images=["../red.png"])),
     ("media_outside_root", qa("<image>Colour?", "Red.", images=["/etc/hostname"])),
+    ("bad_record", {"messages": [{"role": "user", "content": [{"type": "image", "image": "red.png",
+                                                              "min_pixels": float("inf")}]},
+                                 {"role": "assistant", "content": "Red."}]}),
+    ("bad_record", {"messages": [{"role": "user", "content": [{"type": "image", "image": "red.png",
+                                                              "min_pixels": 4e10}]},
+                                 {"role": "assistant", "content": "Red."}]}),
+    ("video_options", {"messages": [{"role": "user", "content": [{"type": "video", "video": "broken.mp4",
+                                                                  "total_pixels": 1e300}]},
+                                    {"role": "assistant", "content": "A bar."}]}),
+    ("bad_json", "[" * 100_000 + "]" * 100_000),
+    ("line_too_long", json.dumps(qa("Long? " + "x" * (8 << 20), "Yes."))),
 ]
 
 

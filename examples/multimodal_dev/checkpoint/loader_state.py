@@ -73,7 +73,8 @@ def resume(split, load_dir: str | None, iteration: int, consumed_samples: int, s
         else:
             split.restore_state(state)
             return f"data loader: DP rank {settings['dp_rank']} continues from {path}"
-    except (ValueError, KeyError, TypeError, AttributeError) as err:  # a damaged file: restarting is still safe
+    # a damaged or planted file (RecursionError: brackets nested past Python's JSON reader): restarting is still safe
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         why = f"{path} is not a loader state: {type(err).__name__}: {err}"
     return f"data loader: DP rank {settings['dp_rank']} restarts its stream from the beginning ({why})"
 

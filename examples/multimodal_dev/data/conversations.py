@@ -35,7 +35,10 @@ PLACEHOLDERS = {"<image>": "image", "<video>": "video"}
 _PLACEHOLDER_RE = re.compile("(" + "|".join(re.escape(p) for p in PLACEHOLDERS) + ")")
 # Keys that may name a part's media; the rest of an image or video part are its settings.
 _REF_KEYS = {"image": ("image", "image_url", "url", "path"), "video": ("video", "url", "path")}
-IMAGE_OPTIONS = ("min_pixels", "max_pixels", "resized_height", "resized_width")
+# A part's own image settings and their largest values: an image of 8192 x 8192 pixels, a side of
+# 32768. Past them a record asks for more memory than any image needs (min_pixels 4e10 ended in a
+# MemoryError, Infinity in an OverflowError).
+IMAGE_OPTIONS = {"min_pixels": 1 << 26, "max_pixels": 1 << 26, "resized_height": 1 << 15, "resized_width": 1 << 15}
 
 
 @dataclass(frozen=True)
@@ -211,7 +214,17 @@ def _part(item):
     if not isinstance(ref, str) or not ref:
         raise BadSample("bad_record", f"a {kind} part needs a path or URL in one of {list(_REF_KEYS[kind])}")
     options = {k: v for k, v in item.items() if k not in ("type", key)}
-    if kind == "image" and set(options) - set(IMAGE_OPTIONS):
+    if kind == "image":
+        _check_image_options(options)
+    return Media(kind, ref, options)
+
+
+def _check_image_options(options: dict) -> None:
+    if set(options) - set(IMAGE_OPTIONS):
         raise BadSample("bad_record", f"unknown image setting(s) {sorted(set(options) - set(IMAGE_OPTIONS))}; "
                                       f"an image part takes {list(IMAGE_OPTIONS)}")
-    return Media(kind, ref, options)
+    for name, value in options.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= IMAGE_OPTIONS[name] \
+                or value != int(value):
+            raise BadSample("bad_record", f"image setting {name} {value!r}: expected a whole number from 1 to "
+                                          f"{IMAGE_OPTIONS[name]}")

@@ -182,7 +182,7 @@ def conversation_sample(produce, conversation, tokens, seq_length: int, patch_di
     try:
         record = json.loads(conversation.text)
         source = record.get("source", "?") if isinstance(record, dict) else "?"
-    except ValueError:
+    except (ValueError, RecursionError):
         source = "?"  # the jsonl provider's own parse names the fault
     where = f"{source} (energon sample {conversation.__key__})"
 

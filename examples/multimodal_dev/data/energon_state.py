@@ -52,7 +52,7 @@ def dumps(state) -> str:
 def loads(text: str):
     try:
         return _decode(json.loads(text), "state")
-    except (KeyError, TypeError, AttributeError, ValueError) as err:
+    except (KeyError, TypeError, AttributeError, ValueError, RecursionError) as err:
         if isinstance(err, StateFormatError):
             raise
         raise StateFormatError(f"not an energon loader state: {type(err).__name__}: {err}") from None

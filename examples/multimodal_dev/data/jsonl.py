@@ -27,7 +27,6 @@ pixels do not is found only when the sample is made.
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
@@ -35,7 +34,7 @@ import torch
 from .answer_spans import answer_char_spans, answer_token_mask
 from .conversations import normalise
 from .jsonl_media import ImageSizing, MediaAccess, VideoOptions, image_size, media_settings, open_image
-from .jsonl_source import Blend, Records, check_data_path, hold_out
+from .jsonl_source import Blend, Records, check_data_path, hold_out, parse_record
 from .processor import VISION_TOKEN_TEXT, load_processor
 from .sample import BadSample, DataError, build_conversation_sample, fit_to_budget
 from .skipping import SkippingDataset
@@ -86,11 +85,7 @@ class JsonlConversations:
             raise BadSample(bad.reason, f"{where}: {detail}") from None
 
     def _turns(self, line: bytes | str):
-        try:
-            record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise BadSample("bad_json", f"not a JSON line: {err}") from None
-        turns = normalise(record)
+        turns = normalise(parse_record(line))
         for turn in turns:
             for token in VISION_TOKEN_TEXT.values():
                 if token in turn.text:

@@ -24,6 +24,7 @@ records -- and trains no more.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -31,13 +32,16 @@ from functools import reduce
 
 import numpy as np
 
-from .sample import DataError
+from .sample import BadSample, DataError
 
 EXTENSION = ".jsonl"
 CHUNK_BYTES = 1 << 22  # 4 MB reads: 1.4 s and ~90 MB of peak memory for a million 360-byte lines
 MAX_PERIOD = 1_000_000  # rows in one blend period with whole-number weights
 FRACTION_PERIOD = 10_000  # rows in one blend period with fractional weights
 _WHITESPACE = np.array([9, 10, 13, 32], dtype=np.uint8)
+# One record's bytes at most: a conversation is kilobytes; a longer line is read no further (a 50 MB
+# line drove a loader worker to 21 GB) and is a ``line_too_long`` skip (``parse_record``).
+MAX_LINE_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -133,9 +137,24 @@ class Records:
         return self.files[self.file_ids[i]], int(self.lines[i])
 
     def read(self, i: int) -> bytes:
+        """Record ``i``'s line, at most ``MAX_LINE_BYTES + 1`` bytes of it (``parse_record`` refuses more)."""
         with open(self.files[self.file_ids[i]], "rb") as f:
             f.seek(int(self.offsets[i]))
-            return f.readline().removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark some editors write
+            return f.readline(MAX_LINE_BYTES + 1).removeprefix(b"\xef\xbb\xbf")  # a BOM some editors write
+
+
+def parse_record(line: bytes | str):
+    """The JSON value of one line; ``BadSample`` for a line over ``MAX_LINE_BYTES``, one that is not
+    JSON, or one nested deeper than Python's JSON reader goes."""
+    if len(line) > MAX_LINE_BYTES:
+        raise BadSample("line_too_long", f"a line over {MAX_LINE_BYTES >> 20} MiB; a conversation is far shorter "
+                                         "(store large media as files next to the JSONL)")
+    try:
+        return json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise BadSample("bad_json", f"not a JSON line: {err}") from None
+    except RecursionError:
+        raise BadSample("bad_json", "JSON nested deeper than Python's reader goes") from None
 
 
 def hold_out(n: int, fraction: float) -> np.ndarray:

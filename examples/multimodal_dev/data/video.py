@@ -62,7 +62,11 @@ if TYPE_CHECKING:
 # do_sample_frames: load_video sampled already; do_resize: a second, whole-clip Qwen3-VL
 # smart_resize (size.longest_edge over all frames) would shrink the frames again.
 PROCESSOR_VIDEO_KWARGS = {"do_sample_frames": False, "do_resize": False}
-OVERRIDE_KEYS = ("fps", "nframes", "min_frames", "max_frames", "min_pixels", "max_pixels", "total_pixels")
+# A video part's own settings and their largest values: past them a record asks for more frames or
+# pixels than any video needs (a frame of 8192 x 8192, 16384 frames, 2^34 pixels in all).
+OVERRIDE_LIMITS = {"fps": 240, "nframes": 1 << 14, "min_frames": 1 << 14, "max_frames": 1 << 14,
+                   "min_pixels": 1 << 26, "max_pixels": 1 << 26, "total_pixels": 1 << 34}
+OVERRIDE_KEYS = tuple(OVERRIDE_LIMITS)
 UNSUPPORTED_KEYS = ("video_start", "video_end", "resized_height", "resized_width")
 
 
@@ -110,8 +114,9 @@ class VideoSettings:
         if "fps" in given and "nframes" in given:
             raise BadSample("video_options", "a video part gives both fps and nframes; give one")
         for key, value in given.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-                raise BadSample("video_options", f"video part key {key!r} must be a positive number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= OVERRIDE_LIMITS[key]:
+                raise BadSample("video_options", f"video part key {key!r} must be a positive number up to "
+                                                 f"{OVERRIDE_LIMITS[key]}, got {value!r}")
             if key != "fps" and value != int(value):
                 raise BadSample("video_options", f"video part key {key!r} must be a whole number, got {value!r}")
             given[key] = float(value) if key == "fps" else int(value)

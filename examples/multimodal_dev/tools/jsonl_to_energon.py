@@ -43,7 +43,7 @@ from collections import Counter
 
 from examples.multimodal_dev.data.conversations import Media, normalise
 from examples.multimodal_dev.data.jsonl_media import MediaAccess, check_decodes, fetch
-from examples.multimodal_dev.data.jsonl_source import Records, check_data_path, hold_out
+from examples.multimodal_dev.data.jsonl_source import Records, check_data_path, hold_out, parse_record
 from examples.multimodal_dev.data.sample import BadSample, DataError
 
 SPLIT_PATTERNS = {"train": "train-[0-9]+[.]tar$", "val": "val-[0-9]+[.]tar$"}  # no backslashes: energon brace-expands them
@@ -180,11 +180,7 @@ def _write_shards(specs, folder, shard_size, access, valid_fraction, skip_bad, l
 
 
 def _sample_files(line: bytes, path: str, number: int, access: MediaAccess) -> dict[str, bytes]:
-    try:
-        record = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise BadSample("bad_json", f"not a JSON line: {err}") from None
-    stored, members = stored_record(normalise(record), f"{path}:{number}")
+    stored, members = stored_record(normalise(parse_record(line)), f"{path}:{number}")
     files = {"json": json.dumps(stored, ensure_ascii=False).encode()}
     for name, media in members.items():
         files[name] = read_bytes(media, os.path.dirname(path), access)
