@@ -162,6 +162,19 @@ def test_media_outside_the_folder_are_read_only_when_allowed(processor_path, tmp
         rooted.produce(0)
 
 
+def test_a_folder_counts_each_file_once_through_symlinks(tmp_path):
+    """Links to the folder itself or its parent (a cycle) are walked once: no file counts twice, and
+    the walk ends."""
+    data = tmp_path / "data"
+    write_jsonl(str(data / "a.jsonl"), [GOOD])
+    write_jsonl(str(data / "sub" / "b.jsonl"), [GOOD])
+    os.symlink("..", data / "sub" / "up")
+    os.symlink(".", data / "here")
+    os.symlink(".", data / "again")
+    (spec,) = check_data_path(str(data))
+    assert [os.path.relpath(f, data) for f in spec.files] == ["a.jsonl", "sub/b.jsonl"]
+
+
 def test_data_path_errors_are_one_line_naming_the_flag(processor_path, tmp_path):
     good = write_jsonl(str(tmp_path / "good.jsonl"), [GOOD])
     (tmp_path / "empty_folder").mkdir()

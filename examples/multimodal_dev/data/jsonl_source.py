@@ -79,8 +79,7 @@ def _spec(item: str, value: str, flag: str) -> SourceSpec:
             if not math.isfinite(weight) or weight <= 0:
                 raise DataError(f"{flag} {value!r}: the weight of {path!r} must be a positive number, got {tail!r}")
     if os.path.isdir(path):
-        files = sorted(os.path.join(root, name) for root, _, names in os.walk(path, followlinks=True)
-                       for name in names if name.endswith(EXTENSION))
+        files = jsonl_files(path)
         if not files:
             raise DataError(f"{flag} {value!r}: the folder {path!r} holds no {EXTENSION} files")
     elif os.path.isfile(path):
@@ -90,6 +89,28 @@ def _spec(item: str, value: str, flag: str) -> SourceSpec:
     else:
         raise DataError(f"{flag} {value!r}: {path!r}: no such file or directory")
     return SourceSpec(item, path, weight, tuple(files))
+
+
+def jsonl_files(folder: str) -> list[str]:
+    """The ``.jsonl`` files under ``folder`` in path order, each once: symlinked folders are followed,
+    but a folder already walked (a link to ``.`` or to a parent) is not walked again, and a file
+    reached by two paths counts at its first. (A link to the parent made one file count 41 times;
+    two links to ``.`` walked forever.)"""
+    walked, found = set(), []
+    for root, dirs, names in os.walk(folder, followlinks=True):
+        real = os.path.realpath(root)
+        if real in walked:
+            dirs[:] = []
+            continue
+        walked.add(real)
+        dirs.sort()  # which of two paths to one folder is walked: the same on every host
+        found += [os.path.join(root, name) for name in names if name.endswith(EXTENSION)]
+    seen, files = set(), []
+    for path in sorted(found):
+        if os.path.realpath(path) not in seen:
+            seen.add(os.path.realpath(path))
+            files.append(path)
+    return files
 
 
 def index_lines(path: str) -> tuple[np.ndarray, np.ndarray]:
