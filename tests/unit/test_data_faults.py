@@ -228,10 +228,11 @@ def test_an_all_bad_split_stops_in_one_line_from_a_worker():
                               "check the data and --seq-length")
 
 
-def test_a_long_run_of_bad_rows_stops_in_one_line():
-    """A split larger than the skip limit is not read to its end: the run of bad rows is reported."""
-    dataset = SkippingDataset(_ForcedBad(bad_every=1), num_source=10, length=30, tokens=TOKENS, max_length=64,
-                              max_consecutive_skips=3, name="cord_v2[train]", source="--data-path 'x'")
-    with pytest.raises(ValueError, match=r"^--data-path 'x': 3 consecutive rows of cord_v2\[train\] from row 2 were "
-                                         r"skipped \(forced=3\); check the data and --seq-length$"):
-        dataset[12]
+def test_a_long_run_of_bad_rows_is_skipped_to_the_next_good_row(caplog):
+    """The run stops only when no usable row is left: 100 bad rows in a row (more than any fixed
+    limit would allow) lead to the good row after them, every one counted."""
+    bad, forced, good = set(range(900, 1000)) | set(range(100)), _ForcedBad(bad_every=1), _ForcedBad()
+    dataset = SkippingDataset(lambda i: forced(i) if i in bad else good(1), num_source=1000, length=10,
+                              tokens=TOKENS, max_length=64, name="cord_v2[train]", source="--data-path 'x'")
+    assert dataset[900]["input_ids"].tolist() == [1, 2, 3, 4, 5]
+    assert dataset.skip_counts == {"forced": 200}

@@ -2,9 +2,10 @@
 
 A provider implements ``produce(index) -> sample`` and raises ``BadSample`` for anything that
 cannot be trained on. ``SkippingDataset[i]`` then tries ``i+1, i+2, ...`` (deterministically,
-so resumed runs see the same samples), logs a warning per skipped sample, and validates every
-sample it returns against the contract. A split whose every row is unusable stops the run with
-one line giving the count per reason.
+so resumed runs see the same samples, wrapping at the end), logs a warning per skipped sample, and
+validates every sample it returns against the contract. However long a run of bad rows, the next
+usable row is found: only a split whose every row is unusable stops the run, in one line giving
+the count per reason.
 
 Skip counts: each DataLoader worker holds its own copy of the dataset, so ``skip_counts`` is
 this process's count only. ``new_skips()`` hands over what this process skipped since it was
@@ -46,13 +47,12 @@ class RunSkipTotals:
 
 class SkippingDataset(RunSkipTotals, Dataset):
     def __init__(self, produce, num_source: int, length: int, tokens: VisionTokens, max_length: int,
-                 patch_dim: int | None = None, max_consecutive_skips: int = 64, name: str = "dataset",
-                 source: str | None = None):
+                 patch_dim: int | None = None, name: str = "dataset", source: str | None = None):
         if num_source <= 0:
             raise ValueError(f"{name}: the source has no samples")
         self.produce, self.num_source, self.length = produce, num_source, length
         self.tokens, self.max_length, self.patch_dim = tokens, max_length, patch_dim
-        self.max_consecutive_skips, self.name = max_consecutive_skips, name
+        self.name = name
         self.source = source  # the flag and value the rows come from, for the user's error line
         self.skip_counts: Counter = Counter()      # skipped in this process
         self._handed_over: Counter = Counter()     # the part of skip_counts new_skips() returned
@@ -78,9 +78,8 @@ class SkippingDataset(RunSkipTotals, Dataset):
         return dict(delta)
 
     def _first_usable(self, index: int, produce, count: bool) -> dict:
-        attempts = min(self.max_consecutive_skips, self.num_source)
         reasons: Counter = Counter()
-        for attempt in range(attempts):
+        for attempt in range(self.num_source):
             source_index = (index + attempt) % self.num_source
             try:
                 sample = fit_to_budget(produce(source_index), self.tokens, self.max_length)
@@ -92,9 +91,6 @@ class SkippingDataset(RunSkipTotals, Dataset):
                     # A worker knows only its own count; the run's total is logged by add_run_skips.
                     log.warning("%s: skipped sample %d (%s); skipped so far in this process: %s", self.name,
                                 source_index, bad, format_counts(self.skip_counts))
-        where = f"{self.source}: " if self.source else ""
-        if attempts == self.num_source:  # tried every row once: trying again cannot help
-            raise DataError(f"{where}every one of the {self.num_source} rows of {self.name} was skipped "
-                            f"({format_counts(reasons)}); check the data and --seq-length")
-        raise DataError(f"{where}{attempts} consecutive rows of {self.name} from row {index % self.num_source} were "
-                        f"skipped ({format_counts(reasons)}); check the data and --seq-length")
+        where = f"{self.source}: " if self.source else ""  # tried every row once: trying again cannot help
+        raise DataError(f"{where}every one of the {self.num_source} rows of {self.name} was skipped "
+                        f"({format_counts(reasons)}); check the data and --seq-length")
