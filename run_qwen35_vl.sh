@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Train Qwen3.5-VL with Megatron-Core: bash run_qwen35_vl.sh [extra megatron flags]
+# (a flag that a variable below sets, such as --tensor-model-parallel-size for TP, is refused: set the variable)
 #
 # Environment (defaults in brackets):
 #   MODEL_VARIANT   tiny | proxy | 0.8b | 2b | 4b | 9b | 27b | 35b_a3b | 122b_a10b | 397b_a17b
@@ -53,6 +54,21 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
 fail() { echo "run_qwen35_vl.sh: $*" >&2; exit 2; }
+
+# Extra flags come last and win in megatron's parser, but the script sizes the processes, the LR
+# schedule and its tables from these variables: a flag that replaces one would run a layout other
+# than the one checked and printed (--vision-nproc 1 left no rank for the language model).
+declare -A VARIABLE_OF=(
+  [--tensor-model-parallel-size]=TP [--context-parallel-size]=CP [--expert-model-parallel-size]=EP
+  [--expert-tensor-parallel-size]=ETP [--pipeline-model-parallel-size]=PP [--num-virtual-stages-per-pipeline-rank]=VP
+  [--decoder-first-pipeline-num-layers]=PP_FIRST [--decoder-last-pipeline-num-layers]=PP_LAST [--sequence-parallel]=SP
+  [--vision-tensor-parallel-size]=VISION_TP [--vision-nproc]=VISION_NPROC [--micro-batch-size]=MBS
+  [--global-batch-size]=GBS [--seq-length]=SEQ_LEN [--train-iters]=TRAIN_ITERS [--lr]=LR [--packing]=PACKING
+  [--packed-seq-length]=PACKED_SEQ_LENGTH [--dataset-provider]=DATASET [--transformer-impl]=TRANSFORMER_IMPL)
+for arg in "$@"; do
+  flag=${arg%%=*}
+  [[ -z "${VARIABLE_OF[$flag]:-}" ]] || fail "$flag: set ${VARIABLE_OF[$flag]} instead (the script sizes the run from it)"
+done
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then HAS_GPU=1; else HAS_GPU=0; fi
 HF_CONFIG=${HF_CONFIG:-}

@@ -115,6 +115,9 @@ def _layout_args(**kw):
     (dict(world_size=2, vision_nproc=1, tensor_model_parallel_size=1, dist_ckpt_optim_dp_reshardable=True), r"^--dist-ckpt-optim-dp-reshardable with --vision-nproc 1: that format"),
     (dict(dist_ckpt_optim_dp_reshardable=True), r"--dist-ckpt-optim-dp-reshardable with --vision-tensor-parallel-size 1"),
     (dict(dist_ckpt_optim_dp_reshardable=True, vision_tensor_parallel_size=2), None),  # the ordinary layout
+    (dict(world_size=1, vision_nproc=1, tensor_model_parallel_size=1, vision_tensor_parallel_size=None),
+     r"^--vision-nproc 1: of the 1 ranks it must leave at least one to the language model"),
+    (dict(world_size=2, vision_nproc=-1), r"^--vision-nproc -1: of the 2 ranks"),
 ])
 def test_the_vision_layout_is_checked_by_flag(changes, message):
     args = _layout_args(**changes)

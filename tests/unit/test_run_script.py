@@ -123,6 +123,18 @@ def test_impossible_settings_fail_with_the_variable(env, message):
     assert rc != 0 and re.search(message, err), err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--vision-nproc", "1"], "--vision-nproc: set VISION_NPROC instead"),
+    (["--vision-tensor-parallel-size=2"], "--vision-tensor-parallel-size: set VISION_TP instead"),
+    (["--seed", "3", "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size: set TP instead"),
+])
+def test_a_flag_that_would_replace_a_variable_is_refused(flags, message):
+    """Extra flags win in megatron's parser, but the script sized the run and printed its layout
+    from the variable: the two would disagree."""
+    rc, _, err = _script(*flags, MODEL_VARIANT="tiny")
+    assert rc == 2 and err.strip() == f"run_qwen35_vl.sh: {message} (the script sizes the run from it)", err
+
+
 def test_pipeline_settings_reach_megatron_and_layouts_are_printed():
     rc, out, err = _script(MODEL_VARIANT="tiny", PP=2, VP=2)
     assert rc == 0, err

@@ -85,6 +85,9 @@ def vision_defaults(given, world: int) -> dict:
     (``vision_layout.default_vision_tp``) before megatron prints the arguments, not after."""
     from .vision_layout import default_vision_tp
 
+    if given.vision_nproc and not 0 < given.vision_nproc < world:
+        raise ValueError(f"--vision-nproc {given.vision_nproc}: of the {world} ranks it must leave at least one to the "
+                         "language model (run_qwen35_vl.sh: set VISION_NPROC, which sizes NPROC too)")
     if not given.vision_nproc or given.vision_tensor_parallel_size is not None:
         return {}
     return {"vision_tensor_parallel_size": default_vision_tp(
