@@ -246,6 +246,20 @@ def test_videos_equal_apply_chat_template_and_the_processor(processor_path, tmp_
     assert_describe_matches(train, 2)
 
 
+def test_a_video_over_the_budget_is_skipped_from_its_header(processor_path, tmp_path, monkeypatch):
+    """The header counts the video's tokens: over --seq-length, it is skipped without a frame decoded."""
+    from examples.multimodal_dev.data import video
+
+    video_conversation(processor_path, tmp_path)  # writes the clip and videos.jsonl
+    train = train_split(processor_path, str(tmp_path / "videos.jsonl"), seq_length=6, **VIDEO_OPTIONS)
+    decoded = []
+    monkeypatch.setattr(video, "load_video", lambda *a: decoded.append(a))
+    with pytest.raises(BadSample, match=r"over_budget: .*videos.jsonl:1: its videos alone are \d+ tokens > "
+                                        "--seq-length 6"):
+        train.produce(0)
+    assert not decoded
+
+
 def test_the_video_processor_notice_is_silenced_by_the_call_not_globally(processor_path, caplog):
     """The notice exists (PROCESSOR_VIDEO_KWARGS alone logs it, so the test above can fail) and the
     provider's ``videos_kwargs`` avoid it without touching the processor or the logger."""
