@@ -198,3 +198,13 @@ def test_the_mix_of_your_own_jsonl_is_what_its_dataset_describes(tmp_path, capsy
     assert f"from --data-path {data}" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="needs --hf-processor-path"):
         tool.main(["9b", "--gpus", "8", "--data-path", str(data)])
+    # records training would skip are left out and counted; a file with none usable is refused
+    bad = {"messages": [{"role": "user", "content": "<image>?"}, {"role": "assistant", "content": "x"}],
+           "images": ["missing.png"]}
+    data.write_text("\n".join(json.dumps(r) for r in [bad, records[1], bad]) + "\n")
+    train, _, _ = build_datasets(1024, (3, 0, 0), data_path=str(data), hf_processor_path=processor)
+    mix = Mix.from_dataset(VARIANTS["9b"], 1024, train, "mine")
+    assert mix.name == "mine (1 of 3 conversations; skipped missing_image=2)" and len(mix.rows) == 1
+    data.write_text(json.dumps(bad) + "\n")
+    with pytest.raises(SystemExit, match=r"none of the 1 conversations read would train \(missing_image=1\)$"):
+        tool.main(["9b", "--gpus", "8", "--data-path", str(data), "--hf-processor-path", processor])

@@ -64,11 +64,12 @@ class SkippingDataset(RunSkipTotals, Dataset):
     def __getitem__(self, index: int) -> dict:
         return self._first_usable(index, self.produce, count=True)
 
-    def describe(self, index: int) -> tuple[int, list]:
+    def describe(self, index: int, skip: bool = True) -> tuple[int, list]:
         """(tokens, vision grids: images, then videos) of ``self[index]``, through the same skips
         and truncation, from the provider's ``describe`` when it has one (no pixels), else from
-        the sample itself."""
-        sample = self._first_usable(index, getattr(self.produce, "describe", self.produce), count=False)
+        the sample itself. ``skip=False``: source row ``index`` itself, or its ``BadSample``."""
+        produce = getattr(self.produce, "describe", self.produce)
+        sample = self._first_usable(index, produce, count=False) if skip else self._usable(produce, index)
         return sample["input_ids"].numel(), [g for _, _, grids in VISION_KINDS for g in sample[grids].tolist()]
 
     def new_skips(self) -> dict:
@@ -77,13 +78,16 @@ class SkippingDataset(RunSkipTotals, Dataset):
         self._handed_over = Counter(self.skip_counts)
         return dict(delta)
 
+    def _usable(self, produce, source_index: int) -> dict:
+        sample = fit_to_budget(produce(source_index), self.tokens, self.max_length)
+        return validate_sample(sample, self.tokens, self.patch_dim)
+
     def _first_usable(self, index: int, produce, count: bool) -> dict:
         reasons: Counter = Counter()
         for attempt in range(self.num_source):
             source_index = (index + attempt) % self.num_source
             try:
-                sample = fit_to_budget(produce(source_index), self.tokens, self.max_length)
-                return validate_sample(sample, self.tokens, self.patch_dim)
+                return self._usable(produce, source_index)
             except BadSample as bad:
                 reasons[bad.reason] += 1
                 if count:

@@ -13,6 +13,8 @@ that dealing: ``imbalance(dp, rows_per_rank)`` simulates it over a few steps of 
 
 from __future__ import annotations
 
+from collections import Counter
+
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -78,9 +80,23 @@ class Mix:
     def from_dataset(cls, shape, seq_len: int, dataset, name: str, limit: int = 512) -> Mix:
         """The first ``limit`` conversations of a dataset with ``describe`` (ids and grids, no
         pixels; about 70 ms a conversation with images, so a few hundred): each source record once
-        (``num_source``; the dataset's length repeats them over epochs)."""
+        (``num_source``; the dataset's length repeats them over epochs). Records training would skip
+        are left out and counted in the name; ``DataError`` when none is usable."""
+        from ..data.sample import BadSample, DataError  # torch: only when a dataset is read
+        from ..data.skipping import format_counts
+
         n = min(getattr(dataset, "num_source", len(dataset)), len(dataset), limit)
-        return cls.from_documents(shape, seq_len, (dataset.describe(i) for i in range(n)), name)
+        documents, skipped = [], Counter()
+        for i in range(n):
+            try:
+                documents.append(dataset.describe(i, skip=False))
+            except BadSample as bad:
+                skipped[bad.reason] += 1
+        if not documents:
+            raise DataError(f"{name}: none of the {n} conversations read would train ({format_counts(skipped)})")
+        if skipped:
+            name = f"{name} ({len(documents)} of {n} conversations; skipped {format_counts(skipped)})"
+        return cls.from_documents(shape, seq_len, iter(documents), name)
 
     @property
     def mean_row(self) -> Row:
