@@ -125,3 +125,24 @@ def test_a_deeply_nested_or_unreadable_config_is_one_line(example_data, tmp_path
         energon.check_energon_path(str(planted(example_data, tmp_path / "a", deep)))
     with pytest.raises(DataError, match="dataset.yaml: not readable YAML/JSON"):
         energon.check_energon_path(str(planted(example_data, tmp_path / "b", "a: [1, 2\nb: {")))
+
+
+@pytest.mark.parametrize("file, text, says", [
+    ("split.yaml", "split_parts: 5\n", "split.yaml: split_parts must be a mapping, got int"),
+    ("split.yaml", "- a\n- b\n", "split.yaml: the file must be a mapping, got list"),
+    ("split.yaml", "split_parts:\n  train:\n  - nope-000000.tar\nexclude: []\n",
+     "energon cannot read this dataset's metadata (KeyError: 'nope-000000.tar')"),
+    (".info.json", '{"shard_counts": {"train-000000.tar": 4}}',
+     "energon cannot read this dataset's metadata (KeyError: 'train-000001.tar')"),
+    (".info.json", '{"shard_counts": 5}', "energon cannot read this dataset's metadata (JsonValueError: "),
+    ("dataset.yaml", CRUDE + "foo: 1\n", "unexpected keyword argument 'foo'"),
+])
+def test_tampered_metadata_is_one_line_naming_the_dataset(example_data, tmp_path, file, text, says):
+    folder = planted(example_data, tmp_path, CRUDE)
+    (folder / ".nv-meta" / file).write_text(text)
+    with pytest.raises(DataError) as refused:
+        energon.check_energon_path(str(folder))
+        energon.available_splits(str(folder))
+        config = energon.worker_config(0, 1, 0)
+        energon.open_dataset(str(folder), "train", config, energon.ConversationEncoder(), None, True)
+    assert says in str(refused.value) and "\n" not in str(refused.value), refused.value

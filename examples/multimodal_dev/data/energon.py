@@ -35,6 +35,7 @@ providers' (``loader.SKIPS_KEY``). ``--strict-data`` stops at the first one.
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import json
 import logging
@@ -83,16 +84,34 @@ def check_energon_path(value: str | None, flag: str = "--data-path") -> str:
 
 
 def available_splits(path: str) -> set[str]:
-    """The split parts ``path`` holds with at least one shard (metadataset: the splits it names)."""
-    import yaml
+    """The split parts ``path`` holds with at least one shard (metadataset: the splits it names);
+    ``DataError`` naming the file where it does not say."""
+    from .energon_configs import read_config
 
     if os.path.isdir(path):
-        with open(os.path.join(path, ".nv-meta", "split.yaml")) as f:
-            parts = (yaml.safe_load(f) or {}).get("split_parts") or {}
+        file = os.path.join(path, ".nv-meta", "split.yaml")
+        parts = _mapping(_mapping(read_config(file), file, "the file").get("split_parts") or {}, file, "split_parts")
         return {name for name, shards in parts.items() if shards}
-    with open(path) as f:
-        meta = yaml.safe_load(f) or {}
-    return set((meta.get("splits") or {}) if isinstance(meta, dict) else ())
+    return set(_mapping(_mapping(read_config(path), path, "the file").get("splits") or {}, path, "splits"))
+
+
+def _mapping(value, file: str, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise DataError(f"energon config {file}: {what} must be a mapping, got {type(value).__name__}")
+    return value
+
+
+@contextlib.contextmanager
+def energon_metadata_errors(path: str):
+    """energon's own errors on a dataset's metadata (a tampered split.yaml, .info.json or
+    dataset.yaml: KeyError, TypeError, its JsonValueError, ...) as one line naming the dataset."""
+    try:
+        yield
+    except DataError:
+        raise
+    except (KeyError, TypeError, AttributeError, AssertionError, ValueError) as err:
+        raise DataError(f"--data-path {path}: energon cannot read this dataset's metadata "
+                        f"({type(err).__name__}: {err})") from None
 
 
 @edataclass
@@ -210,13 +229,14 @@ def open_dataset(path: str, split: str, config, encoder, batch_size: int | None,
     """energon's dataset over ``split`` of ``path`` for one rank: training shuffles and (``repeat``) loops;
     ``packing_buffer_size``: rows packed by ``encoder`` from that many conversations at a time."""
     refuse_code_in_energon()
-    if training:
-        return get_train_dataset(path, split_part=split, worker_config=config, batch_size=batch_size,
-                                 shuffle_buffer_size=shuffle_buffer_size,
-                                 max_samples_per_sequence=max_samples_per_sequence, task_encoder=encoder,
-                                 repeat=repeat, packing_buffer_size=packing_buffer_size)
-    return get_val_dataset(path, split_part=split, worker_config=config, batch_size=batch_size, task_encoder=encoder,
-                           packing_buffer_size=packing_buffer_size)
+    with energon_metadata_errors(path):
+        if training:
+            return get_train_dataset(path, split_part=split, worker_config=config, batch_size=batch_size,
+                                     shuffle_buffer_size=shuffle_buffer_size,
+                                     max_samples_per_sequence=max_samples_per_sequence, task_encoder=encoder,
+                                     repeat=repeat, packing_buffer_size=packing_buffer_size)
+        return get_val_dataset(path, split_part=split, worker_config=config, batch_size=batch_size,
+                               task_encoder=encoder, packing_buffer_size=packing_buffer_size)
 
 
 class EnergonSplit(RunSkipTotals):
