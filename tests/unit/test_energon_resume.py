@@ -112,6 +112,25 @@ def test_an_unusable_state_restarts_the_stream_saying_why(saved_state, change, w
     assert split._restore is None
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_state_with_positions_the_data_lacks_restarts_the_stream(example_data, workers, caplog):
+    """Positions edited past the data and the checksum recomputed: the state reads, energon's first
+    draw fails (IndexError, in a worker or here), and the stream starts again from its beginning."""
+    import re
+
+    _, out, _, _ = example_data
+    saved = _split(out)
+    batches = build_iterator(saved, 0, MBS, 0, 1, None, num_workers=workers)
+    _keys(batches, 3)
+    state = saved.save_state()
+    state["loader"] = re.sub(r'("index": )\d+', r"\g<1>1000000000", state["loader"])
+    resumed = _split(out)
+    resumed.restore_state(state)
+    fresh = _keys(build_iterator(_split(out), 0, MBS, 0, 1, None, num_workers=workers), 4)
+    assert _keys(build_iterator(resumed, 3 * MBS, MBS, 0, 1, None, num_workers=workers), 4) == fresh
+    assert "the saved loader state does not fit this dataset (IndexError" in caplog.text
+
+
 def test_token_budget_rows_fill_the_budget_and_resume_exactly(example_data, tmp_path):
     """PACKING=tokens with energon: every micro-batch one row of at most ROW tokens (conversations
     padded to 4), several conversations a row, and a restored loader continues the rows (its

@@ -309,12 +309,33 @@ class EnergonSplit(RunSkipTotals):
             self._settings = self.stream_settings(micro_batch_size, dp_rank, dp_size, num_workers)
             if self._restore is not None:
                 self.loader.restore_state_rank(self._restore)
-            elif consumed_samples:
+                return summing_skips(self._restored(lambda: self.build_iterator(
+                    consumed_samples, micro_batch_size, dp_rank, dp_size, collate_fn, num_workers)), self)
+            if consumed_samples:
                 log.warning("%s: resuming after %d samples without a loader state: energon's stream starts again "
                             "from its beginning", self.name, consumed_samples)
             return summing_skips(iter(self.loader), self)
         self.loader = _as_ranks_need(get_loader(dataset))
         return summing_skips(_passes(self.loader, self.name) if cyclic else iter(self.loader), self)
+
+
+    def _restored(self, restart):
+        """The restored loader's batches; when its first draw fails with what energon raises on
+        positions the dataset does not have (a state edited, checksum recomputed: IndexError in a
+        worker), the stream restarts from its beginning, as for any unusable state."""
+        batches = iter(self.loader)
+        try:
+            first = next(batches)
+        except DataError:
+            raise
+        except (IndexError, KeyError, ValueError, TypeError, AssertionError) as err:
+            log.warning("%s: the saved loader state does not fit this dataset (%s: %s); the stream restarts from "
+                        "its beginning", self.name, type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+            self._restore = None
+            batches = restart()
+            first = next(batches)
+        yield first
+        yield from batches
 
 
 def _as_ranks_need(loader):
