@@ -205,6 +205,15 @@ def test_data_path_errors_are_one_line_naming_the_flag(processor_path, tmp_path)
     assert [s.weight for s in check_data_path(f"{good}:3,{good}:0.5")] == [3.0, 0.5]
 
 
+@pytest.mark.parametrize("option, value", [("video_fps", 0.0), ("video_max_frames", -2), ("video_min_pixels", 0),
+                                           ("video_total_pixels", 1e300)])
+def test_a_video_flag_that_cannot_work_is_one_line_naming_it(processor_path, tmp_path, option, value):
+    good = write_jsonl(str(tmp_path / "good.jsonl"), [GOOD])
+    flag = "--" + option.replace("_", "-")
+    with pytest.raises(DataError, match=rf"^{flag} {value}: must be a positive number up to \d+$"):
+        train_split(processor_path, good, **{option: value})
+
+
 # --- videos (data/video.py) and the example files -------------------------------------------
 
 def test_videos_equal_apply_chat_template_and_the_processor(processor_path, tmp_path, caplog):

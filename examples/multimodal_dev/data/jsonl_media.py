@@ -180,8 +180,14 @@ class VideoOptions:
     the frames; 4.57 replaced the whole triple. ``validate_sample`` accepts both layouts."""
 
     def __init__(self, processor, **settings):
+        from .video import OVERRIDE_LIMITS
+
         self.processor, self._base = processor, None
         self.settings = {k: v for k, v in settings.items() if v is not None}
+        for key, value in self.settings.items():  # the --video-* flags (the run script's VIDEO_*)
+            if key in OVERRIDE_LIMITS and not 0 < value <= OVERRIDE_LIMITS[key]:
+                raise DataError(f"--video-{key.replace('_', '-')} {value}: must be a positive number up to "
+                                f"{OVERRIDE_LIMITS[key]}")
         if "nframes" in self.settings:
             self.settings.setdefault("fps", None)  # a frame count instead of the default rate
         if self.settings:  # flags given: a bad value stops the run before the first step
