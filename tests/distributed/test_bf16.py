@@ -10,11 +10,12 @@ loss is a mean over ~1000 tokens in fp32, so its error stays within one u (measu
 at DP=2). Every later step starts from weights that differ by the previous steps' bf16 gradients:
 Adam's update is about lr * sign(g), so a step moves the two runs apart by independent sign flips of
 the gradient components within bf16's rounding of zero, and the loss difference grows as a random
-walk, u * sqrt(k) after k steps. The bound is twice that, 2 u sqrt(k). Measured over 20 iterations:
-at most 0.82 u sqrt(k) at DP=2 (iteration 18) and 1.02 u sqrt(k) at TP=2 (iteration 20); the vision tower on a rank of its
-own ahead of TP=2, against TP=2's fp32 run, at most 1.01 u sqrt(k) (iteration 20). It is tight
-enough to see a training change: an fp32 run at 1.5 x the learning rate leaves it from iteration 6
-(17% apart by iteration 20).
+walk, u * sqrt(k) after k steps. The bound is twice that, 2 u sqrt(k). Measured over 10 iterations
+(CPU): at most 0.88 u sqrt(k) at DP=2 and 0.39 u sqrt(k) at TP=2 (both at iteration 7); the vision
+tower on a rank of its own ahead of TP=2, against TP=2's fp32 run, at most 1.12 u sqrt(k) (iteration
+7). (Over 20 iterations, at an earlier commit: 0.82, 1.02 and 1.01.) It is tight enough to see a
+training change: an fp32 run at 1.5 x the learning rate leaves it from iteration 8 (3.8 u sqrt(k),
+4.3% apart), and stays out through iteration 10.
 
 The DP=2 run saves with the distributed optimizer a model holding both bf16 and fp32 parameters,
 which megatron-core 0.19.2 could not do (``checkpoint/mixed_dtype_optimizer.py``); without that
@@ -33,7 +34,7 @@ from examples.multimodal_dev.checkpoint.hf_safetensors import HFTensorSource
 from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
 
 U = 2.0 ** -8  # bf16 unit roundoff: 8 significant bits, round to nearest
-ITERS = 20
+ITERS = 10
 COMMON = dict(MOE=1, MTP=1, SEQ_LEN=512, GBS=4, TRAIN_ITERS=ITERS)
 LAYOUTS = {"DP=2 distributed optimizer": (("--use-distributed-optimizer",), dict(NPROC=2)),
            "TP=2": ((), dict(TP=2)),

@@ -74,7 +74,7 @@ def test_optimizer_state_moves_to_the_plain_optimizer_and_back(saved, same_layou
 
 
 def test_another_learning_rate_is_refused_in_one_line(saved):
-    run = _resume(saved, "lr", LR="1e-3")
+    run = _resume(saved, "lr", LR="1e-3", NPROC=1)  # refused while loading: one rank says it
     assert run.returncode != 0 and "Traceback" not in run.output, run.output[-3000:]
     assert ("--lr 0.001 --min-lr 0.0001: the checkpoint under --load" in run.output
             and "trained with --lr 0.002 --min-lr 0.0002, which its optimizer state keeps" in run.output), run.output[-3000:]

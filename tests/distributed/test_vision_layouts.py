@@ -1,7 +1,8 @@
 """The vision tower on its own tensor-parallel size, on the language model's ranks: VISION_TP=1 under
 TP=2 (2 processes; each rank encodes its share of a micro-batch's images with a whole tower, and
 megatron-core's colocated bridge gathers the shares), through ``run_qwen35_vl.sh``; and the tower
-alone on a rank of its own, VISION_NPROC=1 with the language model at TP=2 (3 processes).
+alone on a rank of its own, VISION_NPROC=1 with the language model at TP=2 (3 processes; its experts
+over EP=2).
 
 - Against one process from the same checkpoint (``parallel_start``: the tiny MoE model with its MTP
   head, THD micro-batches of 4 samples with two images in three of them, or of one sample): the lm
@@ -20,7 +21,8 @@ alone on a rank of its own, VISION_NPROC=1 with the language model at TP=2 (3 pr
   resumes in one process (the ordinary layout), optimizer state included, onto the same step 3.
   In both layouts: VISION_TP=1 under TP=2, and the tower on a rank of its own ahead of a language
   model at TP=2 with its experts over EP=2. The other way too: one process's step-2 checkpoint
-  resumes in each layout onto the same step 3.
+  resumes in each layout onto the same step 3. The straight runs of the colocated and separate-ranks
+  cases are also those cases' layout checks above: one launch each.
 """
 
 import os
@@ -78,8 +80,9 @@ SETTINGS = {
     "VISION_TP=1 TP=2 CP=2": (dict(LAYOUT, CP=2), 1, "TP=1 DP=4 (on the language model's ranks)", dict(TP=2, CP=2),
                               ()),
     # the tower alone on rank 0, the language model on ranks 1-2 (3 processes): the features cross through
-    # megatron-core's multi-module communicator, one pipeline stage ahead (training/vision_ranks.py)
-    "VISION_NPROC=1 TP=2": (SEPARATE, 3, "ranks 0    vision tower    TP=1 DP=1", None, ()),
+    # megatron-core's multi-module communicator, one pipeline stage ahead (training/vision_ranks.py); its
+    # experts over EP=2 (ETP=1), as the resume test below runs it
+    "VISION_NPROC=1 TP=2 EP=2": (dict(SEPARATE, EP=2, ETP=1), 3, "ranks 0    vision tower    TP=1 DP=1", None, ()),
     # ... with micro-batches that have no image: the tower sends one zero row joined to its weights
     "VISION_NPROC=1 TP=2, MBS=1": (dict(SEPARATE, MBS=1), 2, "ranks 0    vision tower    TP=1 DP=1", None, ()),
     # two vision replicas for the one language replica (fan-in, 4 processes): each encodes its share of every
@@ -104,11 +107,40 @@ SETTINGS = {
 }
 
 
+# The resume test's straight runs: 3 steps from parallel_start with the distributed optimizer, saving
+# steps 2 and 3. Two of them are also layouts above (the distributed optimizer at the language model's
+# DP=1 changes no number): one launch serves both tests.
+STRAIGHT = {"colocated": LAYOUT, "separate ranks, EP=2": dict(SEPARATE, EP=2, ETP=1),
+            "separate ranks, fan-in": dict(VISION_TP=1, VISION_NPROC=2)}
+STRAIGHT_OF_SETTING = {"VISION_TP=1 TP=2": "colocated", "VISION_NPROC=1 TP=2 EP=2": "separate ranks, EP=2"}
+
+
+@pytest.fixture(scope="module")
+def straight_runs(parallel_start, tmp_path_factory):
+    """layout id of ``STRAIGHT`` -> (run, the tower's grad norms, its checkpoint folder), each run once."""
+    runs = {}
+
+    def straight(layout_id):
+        if layout_id not in runs:
+            folder = tmp_path_factory.mktemp("straight")
+            run, norms = _run(folder, "straight", ("--use-distributed-optimizer", *NO_EVAL), CKPT_LOAD=parallel_start,
+                              TRAIN_ITERS=3, CKPT_SAVE=folder / "ckpt", SAVE_INTERVAL=2, **STRAIGHT[layout_id])
+            runs[layout_id] = run, norms, folder / "ckpt"
+        return runs[layout_id]
+
+    return straight
+
+
 @pytest.mark.parametrize("name", list(SETTINGS))
-def test_the_layout_matches_one_process(name, parallel_start, one_process, one_process_per_sample, tmp_path):
+def test_the_layout_matches_one_process(name, parallel_start, one_process, one_process_per_sample, straight_runs,
+                                        tmp_path):
     env, iterations, table, ordinary, flags = SETTINGS[name]
     ref, ref_norms = one_process_per_sample if env.get("MBS") == 1 else one_process
-    run, norms = _run(tmp_path, "layout", (*flags, *NO_EVAL), CKPT_LOAD=parallel_start, TRAIN_ITERS=iterations, **env)
+    if name in STRAIGHT_OF_SETTING:
+        run, norms, _ = straight_runs(STRAIGHT_OF_SETTING[name])
+    else:
+        run, norms = _run(tmp_path, "layout", (*flags, *NO_EVAL), CKPT_LOAD=parallel_start, TRAIN_ITERS=iterations,
+                          **env)
     differences = _first_step_agrees(run, norms, ref, ref_norms)
     if ordinary is not None:
         _, same_split = _run(tmp_path, "ordinary", CKPT_LOAD=parallel_start, TRAIN_ITERS=1, **ordinary)
@@ -148,22 +180,22 @@ def ordinary_step_2(parallel_start, tmp_path_factory):
 # ranks then hold an expert optimizer with no parameter (megatron's, for the grad-norm reductions), whose
 # param groups have no step, and the checkpoint's common state must be the language model's.
 # The fan-in case shards the tower's optimizer state over its two data-parallel ranks.
-@pytest.mark.parametrize("layout", [LAYOUT, dict(SEPARATE, EP=2, ETP=1), dict(VISION_TP=1, VISION_NPROC=2)],
-                         ids=["colocated", "separate ranks, EP=2", "separate ranks, fan-in"])
-def test_resumes_exactly_and_in_the_ordinary_layout(layout, parallel_start, ordinary_step_2, tmp_path):
-    flags = ("--use-distributed-optimizer", *NO_EVAL)
+@pytest.mark.parametrize("layout_id", list(STRAIGHT))
+def test_resumes_exactly_and_in_the_ordinary_layout(layout_id, parallel_start, ordinary_step_2, straight_runs,
+                                                    tmp_path):
+    flags, layout = ("--use-distributed-optimizer", *NO_EVAL), STRAIGHT[layout_id]
     common = dict(CKPT_LOAD=parallel_start, TRAIN_ITERS=3, **layout)
     # the straight run also saves step 2, as a run stopped there would (test_training_runs.py stops one
     # with --exit-interval); that checkpoint resumes in a process of its own
-    straight, _ = _run(tmp_path, "straight", flags, CKPT_SAVE=tmp_path / "straight", SAVE_INTERVAL=2, **common)
-    stopped_at(tmp_path / "straight", tmp_path / "resumed", 2)
+    straight, _, saved = straight_runs(layout_id)
+    stopped_at(saved, tmp_path / "resumed", 2)
     shutil.copytree(tmp_path / "resumed", tmp_path / "ordinary")
     second, _ = _run(tmp_path, "second", flags, CKPT_RESUME=tmp_path / "resumed", **common)
     assert sorted(straight.losses) == [1, 2, 3] and sorted(second.losses) == [3]
     print("straight:", straight.losses, straight.grad_norms, "\nresumed at step 3:", second.losses, second.grad_norms)
     assert second.losses[3] == straight.losses[3]  # full-precision floats, bitwise
     assert second.grad_norms[3] == straight.grad_norms[3]
-    a = entries(tmp_path / "straight" / "iter_0000003", tmp_path)
+    a = entries(saved / "iter_0000003", tmp_path)
     b = entries(tmp_path / "resumed" / "iter_0000003", tmp_path)
     assert [k for k in a if "optimizer" in k and torch.is_tensor(a[k])] and any(k.startswith("vision_model") or
                                                                                   ".vision_model." in k for k in a)
