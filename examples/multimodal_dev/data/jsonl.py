@@ -95,10 +95,11 @@ class JsonlConversations:
         return turns
 
     def _produce(self, text: str, spans, media) -> dict:
-        self._videos_fit(media)
+        opened = [(m, *self.videos.opened(m, location)) for m, location in media if m.kind == "video"]
+        self._videos_fit([header for _, _, header in opened])
         images = [self.sizing.resize(open_image(location), m.options, location) for m, location in media
                   if m.kind == "image"]
-        videos = [self.videos.load(m, location) for m, location in media if m.kind == "video"]
+        videos = [self.videos.load(m, source, header) for m, source, header in opened]
         video_inputs = {}
         if videos:
             frames, metadata = zip(*videos)
@@ -110,12 +111,11 @@ class JsonlConversations:
                             enc.get("pixel_values"), enc.get("image_grid_thw"), enc.get("pixel_values_videos"),
                             enc.get("video_grid_thw"))
 
-    def _videos_fit(self, media) -> None:
+    def _videos_fit(self, headers) -> None:
         """``over_budget`` when the videos alone, counted from their headers, exceed ``--seq-length``:
         a long video is not decoded (1.36 GB over 90 s) only to be skipped afterwards."""
         merge = self.processor.video_processor.merge_size ** 2
-        tokens = sum(math.prod(self.videos.header(m, location).grid_thw) // merge for m, location in media
-                     if m.kind == "video")
+        tokens = sum(math.prod(header.grid_thw) // merge for header in headers)
         if tokens > self.seq_length:
             raise BadSample("over_budget", f"its videos alone are {tokens} tokens > --seq-length {self.seq_length}")
 

@@ -210,15 +210,20 @@ class VideoOptions:
     def of(self, media):
         return self.base().with_overrides(media.options) if media.options else self.base()
 
-    def load(self, media, location):
-        from .video import load_video
-
-        return load_video(fetch(location, "video"), self.of(media))
-
-    def header(self, media, location):
+    def opened(self, media, location):
+        """(the video's file, or its fetched bytes, and its header): a URL is fetched once for both."""
         from .video import video_header
 
-        return video_header(fetch(location, "video"), self.of(media))
+        source = fetch(location, "video")
+        return source, video_header(source, self.of(media))
+
+    def load(self, media, source, header):
+        from .video import load_video
+
+        return load_video(source, self.of(media), header)
+
+    def header(self, media, location):
+        return self.opened(media, location)[1]
 
 
 def processor_video_kwargs(processor) -> dict:

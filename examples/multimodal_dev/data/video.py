@@ -244,13 +244,14 @@ def check_video(source, name: str) -> None:
             raise BadSample("bad_video", f"{name}: no frame decodes")
 
 
-def load_video(path, settings: VideoSettings):
+def load_video(path, settings: VideoSettings, header: VideoHeader | None = None):
     """(frames_TCHW uint8 of the sampled frames, resized; their ``VideoMetadata``). Frames are
-    decoded in order up to the last sampled one; only sampled frames are converted and resized."""
+    decoded in order up to the last sampled one; only sampled frames are converted and resized.
+    ``header``: ``video_header(path, settings)`` when the caller has read it already."""
     from torchvision.transforms import InterpolationMode
     from torchvision.transforms import functional as tvF
 
-    header, name = video_header(path, settings), _name(path)
+    header, name = header or video_header(path, settings), _name(path)
     meta = header.metadata
     wanted, frames, decoded = meta.frames_indices, [], 0
     with _container(path) as container:
