@@ -48,7 +48,7 @@ from megatron.energon.edataclass import edataclass
 from megatron.energon.errors import reraise_exception
 
 from . import energon_state
-from .energon_configs import check_dataset, refuse_code_in_energon
+from .energon_configs import check_dataset, read_config, refuse_code_in_energon
 from .loader import SKIPS_KEY, exit_with_parent, summing_skips
 from .sample import BadSample, DataError, fit_to_budget, validate_sample
 from .skipping import RunSkipTotals, format_counts
@@ -86,8 +86,6 @@ def check_energon_path(value: str | None, flag: str = "--data-path") -> str:
 def available_splits(path: str) -> set[str]:
     """The split parts ``path`` holds with at least one shard (metadataset: the splits it names);
     ``DataError`` naming the file where it does not say."""
-    from .energon_configs import read_config
-
     if os.path.isdir(path):
         file = os.path.join(path, ".nv-meta", "split.yaml")
         parts = _mapping(_mapping(read_config(file), file, "the file").get("split_parts") or {}, file, "split_parts")
