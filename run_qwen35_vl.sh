@@ -46,8 +46,10 @@
 #   TRANSFORMER_IMPL  transformer_engine | local  [transformer_engine on a GPU host where it imports, else local]
 #   MASTER_PORT     rendezvous port [a free one, chosen by torchrun --standalone]
 #   FORK_RANKS      1: the ranks fork from one process that imported the engine once; 0: each is a fresh
-#                   interpreter [1 without CUDA where NPROC exceeds the cores, else 0]
+#                   interpreter [1 without CUDA where NPROC exceeds the cores or on a warm engine, else 0]
 #                   (examples/multimodal_dev/training/torchrun_launcher.py)
+#   ENGINE_SERVER   CPU hosts: the socket of a warm engine that imported the engine once; the launch forks
+#                   from it [unset] (examples/multimodal_dev/training/warm_engine.py)
 #   DRY_RUN=1       print the command and exit, and the layout tools/plan_layout.py plans for GPUS H100s
 #   GPUS            DRY_RUN only: the cluster's GPU count to plan for [9b ... 397b_a17b: the README's count]
 set -euo pipefail

@@ -6,12 +6,14 @@ precision), not from the log's 6-digit loss and 3-decimal grad norm.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
 import shutil
 import subprocess
 import tempfile
+import time
 
 import pytest
 
@@ -47,9 +49,47 @@ LAYOUT_MODEL = dict(PARALLEL_MODEL, MBS=4, GBS=8)
 ONE_PROCESS_REFERENCE = pytest.mark.xdist_group("one_process_reference")
 
 
+class WarmEngine:
+    """This test process's warm engine (``training/warm_engine.py``), started at its first launch: every
+    launch forks from it rather than import torch and megatron-core again (about 8 s of CPU a rank).
+    It lives as long as this process (it stops when its stdin closes)."""
+
+    address = None
+
+    @classmethod
+    def get(cls) -> str:
+        if cls.address is None:
+            folder = tempfile.mkdtemp(prefix="warm_engine_")
+            address, log = os.path.join(folder, "socket"), open(os.path.join(folder, "log"), "w")
+            # started as run_qwen35_vl.sh starts its launcher: the environment tools/bootstrap_env.sh makes
+            cls.server = subprocess.Popen(
+                ["bash", "-c", 'source tools/bootstrap_env.sh && exec "$PY" -u -m '
+                               'examples.multimodal_dev.training.warm_engine "$0"', address],
+                cwd=ROOT, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + 300
+            while not os.path.exists(address):
+                if cls.server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the warm engine did not start:\n{open(log.name).read()[-3000:]}")
+                time.sleep(0.1)
+            cls.address = address
+            atexit.register(cls._stop, folder)
+        return cls.address
+
+    @classmethod
+    def _stop(cls, folder: str) -> None:
+        cls.server.stdin.close()  # the server's signal to end
+        try:
+            cls.server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            cls.server.kill()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def run_script(extra_args=(), timeout: int = 600, **env) -> Run:
-    """``bash run_qwen35_vl.sh extra_args`` with ``env``; a variable of ``tests/hooks/sitecustomize.py``
-    (fault injection, FLA's kernels) puts that folder on PYTHONPATH."""
+    """``bash run_qwen35_vl.sh extra_args`` with ``env``, forked from this process's warm engine unless
+    ``ENGINE_SERVER=""`` (a cold start); a variable of ``tests/hooks/sitecustomize.py`` (fault injection,
+    FLA's kernels) puts that folder on PYTHONPATH."""
+    env.setdefault("ENGINE_SERVER", WarmEngine.get())
     full_env = {**os.environ, **{k: str(v) for k, v in env.items()}}
     if {"KILL_DURING_SAVE_AT", "RECORD_PIPELINE", "FULL_DISK_AT", "MEGATRON_CPU_FLA", "VISION_GRAD_NORMS",
         "CUT_VISION_GRAD"} & set(env):

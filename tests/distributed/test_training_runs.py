@@ -3,8 +3,8 @@
 - the default run (tiny, mock, packed) learns: mean loss of the last 5 of 30 iterations is
   clearly below the first 5;
 - exact resume, with megatron's plain optimizer, and with the distributed optimizer at DP=2 under
-  token-budget packing: 8 iterations straight == 4, stop (--exit-interval), resume, 4 more (the
-  stopped run's ranks forked from the preloaded engine, the others' fresh interpreters): the
+  token-budget packing: 8 iterations straight == 4, stop (--exit-interval), resume, 4 more (fresh
+  interpreters, ranks forked from a cold launcher's forkserver, and from the warm engine): the
   same tokens, loss and grad norm at every iteration (metrics file, full precision), the same
   validation loss, and a bitwise-equal final checkpoint (weights and optimizer state);
 - a process killed (SIGKILL) while writing a checkpoint leaves the previous one loadable, and
@@ -31,7 +31,7 @@ from launch import NO_EVAL, run_script
 
 
 def test_default_run_learns():
-    run = run_script().check()
+    run = run_script(ENGINE_SERVER="").check()  # as a user starts it: a cold launcher, a fresh interpreter
     losses = [run.losses[i] for i in range(1, 31)]
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     print(f"default run: first-5 mean loss {first:.3f}, last-5 mean {last:.3f}, validation {run.validation}")
@@ -54,12 +54,14 @@ def test_exact_resume(tmp_path, setting):
     if setting != "plain":
         flags += ["--use-distributed-optimizer"]
         common.update(NPROC=2, PACKING="tokens", PACKED_SEQ_LENGTH=256, GBS=4)
-    # the stopped run's ranks fork from the preloaded engine, the others' are fresh interpreters
-    # (training/torchrun_launcher.py): the same figures either way
+    # Three ways to start the ranks, the same figures from each (training/torchrun_launcher.py): the
+    # straight run's are fresh interpreters; the stopped run's fork from the forkserver of a cold
+    # launcher, which imports the engine; the resumed run's fork from the warm engine
+    # (training/warm_engine.py) that the tests launch on
     straight = run_script(flags, CKPT_SAVE=tmp_path / "straight", FORK_RANKS=0, **common).check()
     first = run_script([*flags, "--exit-interval", "4"], CKPT_RESUME=tmp_path / "resumed", FORK_RANKS=1,
-                       **common).check()
-    second = run_script(flags, CKPT_RESUME=tmp_path / "resumed", FORK_RANKS=0, **common).check()
+                       ENGINE_SERVER="", **common).check()
+    second = run_script(flags, CKPT_RESUME=tmp_path / "resumed", **common).check()
     assert sorted(first.losses) == [1, 2, 3, 4] and sorted(second.losses) == [5, 6, 7, 8]
     resumed = {**first.losses, **second.losses}
     print(f"{setting}\nstraight:", straight.losses, "\nresumed: ", resumed, "\ntokens:", straight.tokens)

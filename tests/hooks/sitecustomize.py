@@ -32,9 +32,11 @@ import os
 import sys
 
 # A training rank: torchrun's fresh interpreter for one (it sets RANK), or the forkserver every rank forks from
-# where the launcher forks them (examples/multimodal_dev/training/torchrun_launcher.py); the rank reads RANK
-# when it records
-_RANK_PROCESS = "RANK" in os.environ or any("multiprocessing.forkserver" in arg for arg in sys.orig_argv)
+# where the launcher forks them (examples/multimodal_dev/training/torchrun_launcher.py), or the warm engine's
+# launcher, which holds the engine and which that forkserver forks from (training/warm_engine.py runs this
+# file there); the rank reads RANK when it records
+_RANK_PROCESS = ("RANK" in os.environ or any("multiprocessing.forkserver" in arg for arg in sys.orig_argv)
+                 or "megatron.training" in sys.modules)
 
 if os.environ.get("KILL_DURING_SAVE_AT"):
     import re

@@ -7,6 +7,7 @@ import shlex
 import subprocess
 
 import pytest
+from launch import WarmEngine
 
 from examples.multimodal_dev.models.megatron_args import check_model_flags
 from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS, get_variant
@@ -221,18 +222,20 @@ def test_resume_with_a_starting_checkpoint_loads_it_while_the_resume_directory_i
     assert flags["load"] == flags["save"] == str(tmp_path / "run") and "finetune" not in flags
 
 
-@pytest.mark.parametrize("value, cuda, nproc, forks", [
-    (None, False, 3, True), (None, True, 3, False), (None, False, 2, False), ("0", False, 4, False),
-    ("1", False, 1, True), ("0", True, 2, False)])
-def test_ranks_fork_from_the_preloaded_engine_only_without_cuda(monkeypatch, value, cuda, nproc, forks):
-    """By default where there is no CUDA and the ranks outnumber the cores (2 here)."""
+@pytest.mark.parametrize("value, cuda, nproc, warm, forks", [
+    (None, False, 3, False, True), (None, True, 3, False, False), (None, False, 2, False, False),
+    (None, False, 1, True, True), ("0", False, 4, False, False), ("0", False, 1, True, False),
+    ("1", False, 1, False, True), ("0", True, 2, False, False)])
+def test_ranks_fork_from_the_preloaded_engine_only_without_cuda(monkeypatch, value, cuda, nproc, warm, forks):
+    """By default where there is no CUDA and the ranks outnumber the cores (2 here), or the launcher
+    holds the engine already (the warm engine's)."""
     from examples.multimodal_dev.training.torchrun_launcher import forks_ranks
 
     if value is None:
         monkeypatch.delenv("FORK_RANKS", raising=False)
     else:
         monkeypatch.setenv("FORK_RANKS", value)
-    assert forks_ranks(cuda, nproc, 2) is forks
+    assert forks_ranks(cuda, nproc, 2, warm) is forks
 
 
 @pytest.mark.parametrize("value, cuda, message", [
@@ -256,9 +259,7 @@ def test_a_mistake_found_by_the_training_script_is_one_line_without_tracebacks(t
     assert f"pretrain_multimodal.py: --data-path '{tmp_path / 'nothing'}': no such file or directory" in output
     assert "Traceback" not in output, output[-3000:]
     assert output.strip().splitlines()[-1] == "torchrun: rank 0 stopped (exit code 1); its output above says why"
-    rc, out, err = _script(DRY_RUN=0, PACKING="tokens", MBS=2, TRAIN_ITERS=1)
-    assert rc == 1 and "pretrain_multimodal.py: --micro-batch-size 2: with --packing tokens a micro-batch is one row" \
-        in out + err and "Traceback" not in out + err
-    rc, out, err = _script("--attention-backend", "flash", DRY_RUN=0, TRAIN_ITERS=1)
+    # (--packing tokens with MBS=2, on a warm engine and cold: tests/unit/test_warm_engine.py)
+    rc, out, err = _script("--attention-backend", "flash", DRY_RUN=0, TRAIN_ITERS=1, ENGINE_SERVER=WarmEngine.get())
     assert rc == 1 and "pretrain_multimodal.py: --attention-backend flash on the local backend: varlen attention " \
         "needs a CUDA device" in out + err and "Traceback" not in out + err, (out + err)[-3000:]

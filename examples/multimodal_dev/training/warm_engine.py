@@ -1,0 +1,225 @@
+"""A warm engine: one process imports the engine once, and every launch forks from it.
+
+    python -m examples.multimodal_dev.training.warm_engine SOCKET &    # serves until stdin closes or SIGTERM
+    ENGINE_SERVER=SOCKET bash run_qwen35_vl.sh ...
+
+A launch on a host without CUDA spends most of a short run importing: about 2 s of CPU for torchrun's
+launcher, about 6 s for each fresh rank (torch, megatron-core with dynamo and inductor, transformers).
+With ``ENGINE_SERVER`` set, the launcher (``training/torchrun_launcher.py``) hands its arguments,
+environment, working directory and standard streams to this server instead of importing anything;
+the server forks a child that takes them on and runs the launcher's ``main`` there, and the ranks fork
+from that child (``FORK_RANKS``'s path, with nothing left to import). The engine each rank runs is
+the one a fresh interpreter runs; what a fork cannot inherit is refused, and the launcher then starts
+cold as it would without the server:
+
+- a variable that torch, Triton or Python read while importing (``IMPORT_TIME``) set otherwise than
+  in the server's own environment;
+- a host with CUDA (a process forked after CUDA was initialised cannot use it).
+
+A ``sitecustomize`` that the launch's ``PYTHONPATH`` adds runs in the child, as a fresh interpreter
+would run it at start. The child is a session of its own: the job's processes are one process group,
+as ``run_qwen35_vl.sh``'s are, and it ends with the launcher that asked for it (a launcher killed
+mid-run takes its job with it). The launcher exits with the child's status.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+
+from examples.multimodal_dev.training.engine_handover import receive, send
+# Read while torch, Triton, OpenMP or the interpreter start: a forked child keeps the server's values
+IMPORT_TIME = ("PYTHON", "TORCH", "PYTORCH", "TRITON", "OMP_", "MKL_", "CUDA", "NCCL", "LD_", "MEGATRON_CPU_FLA")
+# ... PYTHONPATH, which the child applies itself; PYTHONUNBUFFERED, which the server's streams honour already
+APPLIED_BY_THE_CHILD = ("PYTHONPATH", "PYTHONUNBUFFERED")
+GRACE_S = 10  # a job whose launcher vanished: SIGTERM, then SIGKILL after this long
+# The server's environment before it imported anything (torch's inductor sets TORCHINDUCTOR_CACHE_DIR
+# while importing, as it would in a fresh launch)
+_START_ENV = dict(os.environ)
+
+
+def import_time_differences(launch_env: dict, server_env: dict) -> list[str]:
+    """The import-time variables that ``launch_env`` sets otherwise than ``server_env``."""
+    names = {k for k in (*launch_env, *server_env) if k.startswith(IMPORT_TIME) and k not in APPLIED_BY_THE_CHILD}
+    return sorted(k for k in names if launch_env.get(k) != server_env.get(k))
+
+
+# --- the server's side -----------------------------------------------------------------------------
+
+def _refusal(env: dict) -> str | None:
+    differing = import_time_differences(env, _START_ENV)
+    if differing:
+        return f"{', '.join(differing)} differ from the server's, and are read at import"
+    return None
+
+
+def _take_on(request: dict, fds: list[int]) -> None:
+    """In the forked child: become the launch that asked (streams, session, environment, directory,
+    PYTHONPATH and its sitecustomize), then run the launcher; never returns."""
+    import atexit
+    import runpy
+
+    code = 1
+    try:
+        os.setsid()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        added = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+        sys.path[:0] = added
+        for folder in added:
+            if os.path.isfile(os.path.join(folder, "sitecustomize.py")):
+                runpy.run_path(os.path.join(folder, "sitecustomize.py"), run_name="sitecustomize")
+        from examples.multimodal_dev.training import torchrun_launcher
+
+        sys.argv = [torchrun_launcher.__file__, *request["argv"]]
+        code = torchrun_launcher.main(request["argv"])
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        if not isinstance(stop.code, (int, type(None))):
+            print(stop.code, file=sys.stderr)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+    finally:
+        try:
+            atexit._run_exitfuncs()  # as the launcher's interpreter would at its end
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+class _Server:
+    def __init__(self, address: str):
+        import selectors
+
+        self.listener = socket.socket(socket.AF_UNIX)
+        self.listener.bind(address)
+        os.chmod(address, 0o600)
+        self.listener.listen()
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+        self.selector.register(sys.stdin, selectors.EVENT_READ, "stdin")
+        self.jobs: dict[int, socket.socket] = {}  # child pid -> its launcher's connection
+        self.dropped: dict[int, float] = {}  # child pid -> when its launcher vanished
+
+    def serve(self) -> None:
+        import time
+
+        while True:
+            for key, _ in self.selector.select(timeout=0.2):
+                if key.data == "stdin":
+                    if not os.read(sys.stdin.fileno(), 4096):
+                        return  # whoever started the server is gone
+                elif key.data == "accept":
+                    self._accept()
+                else:  # a launcher's connection became readable: it closed (it sends nothing more)
+                    self._drop(key.data, time.monotonic())
+            self._reap()
+            for pid, since in list(self.dropped.items()):
+                if time.monotonic() - since > GRACE_S:
+                    self._signal_job(pid, signal.SIGKILL)
+
+    def _accept(self) -> None:
+        import selectors
+
+        conn, _ = self.listener.accept()
+        conn.settimeout(30)
+        try:
+            _, fds, _, _ = socket.recv_fds(conn, 1, 3)
+            request = receive(conn)
+        except OSError:
+            conn.close()
+            return
+        if request is None or len(fds) != 3:
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            return
+        refusal = _refusal(request["env"])
+        if refusal:
+            send(conn, {"refused": refusal})
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            return
+        send(conn, {"running": True})
+        pid = os.fork()
+        if pid == 0:
+            self.selector.close()
+            self.listener.close()
+            for other in (conn, *self.jobs.values()):
+                other.close()
+            _take_on(request, fds)
+        for fd in fds:
+            os.close(fd)
+        self.jobs[pid] = conn
+        self.selector.register(conn, selectors.EVENT_READ, pid)
+
+    def _drop(self, pid: int, now: float) -> None:
+        self.selector.unregister(self.jobs[pid])
+        self.dropped[pid] = now
+        self._signal_job(pid, signal.SIGTERM)
+
+    def _signal_job(self, pid: int, sig: int) -> None:
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _reap(self) -> None:
+        while self.jobs:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.jobs.pop(pid)
+            if self.dropped.pop(pid, None) is None:
+                self.selector.unregister(conn)
+                try:
+                    send(conn, {"exit": os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1,
+                                 "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0})
+                except OSError:
+                    pass
+            conn.close()
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m examples.multimodal_dev.training.warm_engine SOCKET", file=sys.stderr)
+        return 2
+    import importlib
+
+    import torch
+
+    from examples.multimodal_dev.training import torchrun_launcher
+
+    if torch.cuda.is_available():
+        print("warm_engine.py: this host has CUDA; a process forked after CUDA was initialised cannot use it "
+              "(launch without ENGINE_SERVER)", file=sys.stderr)
+        return 2
+    for module in (*torchrun_launcher.PRELOAD, "torch.distributed.run", "torch.distributed.launcher.api"):
+        importlib.import_module(module)
+    server = _Server(argv[0])
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    print(f"warm_engine.py: serving {argv[0]}", file=sys.stderr, flush=True)
+    try:
+        server.serve()
+    finally:
+        for pid in list(server.jobs):
+            server._signal_job(pid, signal.SIGKILL)
+        os.unlink(argv[0])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,66 @@
+"""The warm engine (``training/warm_engine.py``): what it refuses, what a launch on it says and returns,
+and that a launcher killed mid-run takes its job with it. That a run forked from it trains as a cold
+one does is held by every engine test: they launch on it (``tests/launch.py``), and
+``test_training_runs.py::test_exact_resume`` compares the three starts bitwise."""
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from launch import ROOT, WarmEngine, run_script
+
+from examples.multimodal_dev.training.engine_handover import hand_over
+from examples.multimodal_dev.training.warm_engine import import_time_differences
+
+
+@pytest.mark.parametrize("launch, server, differing", [
+    ({"A": "1", "PYTHONPATH": "/x"}, {"A": "2", "PYTHONPATH": "/y"}, []),  # not read at import, or applied by the child
+    ({"TRITON_INTERPRET": "1"}, {}, ["TRITON_INTERPRET"]),
+    ({}, {"OMP_NUM_THREADS": "1"}, ["OMP_NUM_THREADS"]),
+    ({"TORCH_LOGS": "+dynamo", "MEGATRON_CPU_FLA": "1"}, {"TORCH_LOGS": "+dynamo"}, ["MEGATRON_CPU_FLA"])])
+def test_only_what_is_read_at_import_must_match(launch, server, differing):
+    assert import_time_differences(launch, server) == differing
+
+
+def test_without_a_server_the_launch_starts_cold_saying_so(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("ENGINE_SERVER", str(tmp_path / "nothing"))
+    assert hand_over(["--help"]) is None
+    assert f"torchrun: ENGINE_SERVER={tmp_path / 'nothing'}: no warm engine answers" in capsys.readouterr().err
+    monkeypatch.setenv("ENGINE_SERVER", "")
+    assert hand_over(["--help"]) is None
+
+
+def test_a_refused_launch_starts_cold_and_a_failed_one_says_which_rank():
+    """An import-time variable set otherwise: the launch runs cold, saying why; a mistake only the
+    training script sees: one line from the rank, one from the launcher, status 1, as a cold launch."""
+    refused = run_script(TRAIN_ITERS=1, TORCH_SHOW_CPP_STACKTRACES="0", PACKING="tokens", MBS=2)
+    failed = run_script(TRAIN_ITERS=1, PACKING="tokens", MBS=2)
+    assert "does not run this launch (TORCH_SHOW_CPP_STACKTRACES differ from the server's" in refused.output
+    assert "does not run this launch" not in failed.output
+    for run in (refused, failed):
+        assert run.returncode == 1 and "Traceback" not in run.output, run.output[-3000:]
+        assert "pretrain_multimodal.py: --micro-batch-size 2: with --packing tokens a micro-batch is one row" \
+            in run.output
+        assert run.output.strip().splitlines()[-1] == "torchrun: rank 0 stopped (exit code 1); its output above says why"
+
+
+def test_a_launcher_killed_mid_run_ends_its_job(tmp_path):
+    """The launcher (the process run_qwen35_vl.sh execs) is killed: the job it asked for, which runs in
+    the warm engine's child, is ended too (SIGTERM, then SIGKILL); its output stops growing."""
+    log = tmp_path / "log"
+    env = {**os.environ, "ENGINE_SERVER": WarmEngine.get(), "TRAIN_ITERS": "100000", "SEQ_LEN": "256"}
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(["bash", os.path.join(ROOT, "run_qwen35_vl.sh"), "--eval-iters", "0"], env=env,
+                                    cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while " iteration        2/" not in log.read_text():
+        assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    launcher.send_signal(signal.SIGKILL)
+    launcher.wait()
+    time.sleep(3)  # SIGTERM reaches torchrun's agent and its rank within the engine's 0.2 s poll
+    size = log.stat().st_size
+    time.sleep(3)  # a job still running logs an iteration every fraction of a second
+    assert log.stat().st_size == size, log.read_text()[-2000:]
