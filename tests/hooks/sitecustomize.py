@@ -37,8 +37,11 @@ import sys
 # file there); the rank reads RANK when it records
 _RANK_PROCESS = ("RANK" in os.environ or any("multiprocessing.forkserver" in arg for arg in sys.orig_argv)
                  or "megatron.training" in sys.modules)
+# Every hook is for the ranks alone: the run script's helpers (shape-row, the layout checks) and the
+# launcher start with this folder on PYTHONPATH too, and a hook's imports (megatron-core, Triton) would
+# cost each of them seconds
 
-if os.environ.get("KILL_DURING_SAVE_AT"):
+if os.environ.get("KILL_DURING_SAVE_AT") and _RANK_PROCESS:
     import re
     import signal
 
@@ -55,7 +58,7 @@ if os.environ.get("KILL_DURING_SAVE_AT"):
 
     dist_checkpointing.save = _save_then_die
 
-if os.environ.get("FULL_DISK_AT"):
+if os.environ.get("FULL_DISK_AT") and _RANK_PROCESS:
     import builtins
     import errno
     import io
@@ -179,7 +182,7 @@ if os.environ.get("CUT_VISION_GRAD") == "1" and _RANK_PROCESS:  # training ranks
     _stage_forward = VisionStage.forward
     VisionStage.forward = lambda self, *args, **kwargs: _stage_forward(self, *args, **kwargs).detach()
 
-if os.environ.get("MEGATRON_CPU_FLA") == "1" and os.environ.get("TRITON_INTERPRET") == "1":
+if os.environ.get("MEGATRON_CPU_FLA") == "1" and os.environ.get("TRITON_INTERPRET") == "1" and _RANK_PROCESS:
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fla_cpu"))
