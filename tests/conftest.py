@@ -33,18 +33,11 @@ def mcore():
     init_single_process()
 
 
-# bash tests/run.sh runs the suite on two pytest-xdist workers (--dist loadgroup). A file's tests stay
-# on one worker, so its module fixtures (a saved checkpoint, an import, a straight run) are built
-# once; files marked with a shared xdist_group (those holding layouts to the single-process runs of
-# tests/distributed/conftest.py) share a worker and its session fixtures.
 # The engine tests (marker ``engine``) are the folder tests/distributed.
 ENGINE_TESTS = os.path.join(ROOT, "tests", "distributed") + os.sep
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if str(item.path).startswith(ENGINE_TESTS):
             item.add_marker(pytest.mark.engine)
-        if next(item.iter_markers("xdist_group"), None) is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))

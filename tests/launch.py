@@ -44,9 +44,6 @@ PARALLEL_MODEL = dict(MOE=1, MTP=1, SEQ_LEN=512)
 NO_EVAL = ("--eval-iters", "0")
 # ... with the layouts' batches: THD micro-batches of 4 samples, 8 a step
 LAYOUT_MODEL = dict(PARALLEL_MODEL, MBS=4, GBS=8)
-# The files whose runs are held to the single-process runs of tests/distributed/conftest.py: on one
-# pytest-xdist worker, which builds those session fixtures once (tests/conftest.py)
-ONE_PROCESS_REFERENCE = pytest.mark.xdist_group("one_process_reference")
 
 
 class WarmEngine:
@@ -61,11 +58,13 @@ class WarmEngine:
         if cls.address is None:
             folder = tempfile.mkdtemp(prefix="warm_engine_")
             address, log = os.path.join(folder, "socket"), open(os.path.join(folder, "log"), "w")
-            # started as run_qwen35_vl.sh starts its launcher: the environment tools/bootstrap_env.sh makes
+            cls.log = log.name
+            # started as run_qwen35_vl.sh starts its launcher: the environment tools/bootstrap_env.sh makes;
+            # a session of its own, out of reach of a test that signals its own process group
             cls.server = subprocess.Popen(
                 ["bash", "-c", 'source tools/bootstrap_env.sh && exec "$PY" -u -m '
                                'examples.multimodal_dev.training.warm_engine "$0"', address],
-                cwd=ROOT, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT)
+                cwd=ROOT, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             deadline = time.monotonic() + 300
             while not os.path.exists(address):
                 if cls.server.poll() is not None or time.monotonic() > deadline:
@@ -74,6 +73,12 @@ class WarmEngine:
             cls.address = address
             atexit.register(cls._stop, folder)
         return cls.address
+
+    @classmethod
+    def log_tail(cls) -> str:
+        """The end of the server's own output (what it said while starting or failing)."""
+        with open(cls.log) as f:
+            return f.read()[-3000:]
 
     @classmethod
     def _stop(cls, folder: str) -> None:

@@ -30,9 +30,8 @@ import sys
 
 import pytest
 from launch import LAYOUT_MODEL as MODEL
-from launch import NO_EVAL, ONE_PROCESS_REFERENCE, ROOT, run_script
+from launch import NO_EVAL, ROOT, run_script
 
-pytestmark = ONE_PROCESS_REFERENCE
 REL = 1e-5
 REL_LATER_STEPS = 1e-4
 

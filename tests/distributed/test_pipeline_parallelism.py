@@ -34,14 +34,13 @@ import os
 import pytest
 import torch
 from hf_checkpoints import write_hf_checkpoint
-from launch import NO_EVAL, ONE_PROCESS_REFERENCE, PARALLEL_MODEL, run_script
+from launch import NO_EVAL, PARALLEL_MODEL, run_script
 
 from examples.multimodal_dev.data import get_dataset_provider
 from examples.multimodal_dev.data.sample import VisionTokens
 from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
 from examples.multimodal_dev.checkpoint.hf_conversion import import_hf
 
-pytestmark = ONE_PROCESS_REFERENCE
 MODEL = dict(PARALLEL_MODEL, MBS=1, GBS=8)
 REL, REL_LATER_STEPS = 1e-5, 1e-4
 ITERS = 3

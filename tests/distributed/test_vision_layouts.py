@@ -32,12 +32,12 @@ import pytest
 import torch
 from checkpoint_diff import entries, state_differences
 from launch import LAYOUT_MODEL as MODEL
-from launch import NO_EVAL, ONE_PROCESS_REFERENCE, run_recording_vision_norms, stopped_at
+from launch import NO_EVAL, run_recording_vision_norms, stopped_at
 
 LAYOUT = dict(TP=2, VISION_TP=1)
 SEPARATE = dict(LAYOUT, VISION_NPROC=1)
 REL = 1e-5
-pytestmark = [ONE_PROCESS_REFERENCE, pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPU cores")]
+pytestmark = [pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPU cores")]
 
 
 def _rel(a: float, b: float) -> float:

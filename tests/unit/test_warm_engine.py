@@ -37,8 +37,9 @@ def test_a_refused_launch_starts_cold_and_a_failed_one_says_which_rank():
     training script sees: one line from the rank, one from the launcher, status 1, as a cold launch."""
     refused = run_script(TRAIN_ITERS=1, TORCH_SHOW_CPP_STACKTRACES="0", PACKING="tokens", MBS=2)
     failed = run_script(TRAIN_ITERS=1, PACKING="tokens", MBS=2)
-    assert "does not run this launch (TORCH_SHOW_CPP_STACKTRACES differ from the server's" in refused.output
-    assert "does not run this launch" not in failed.output
+    assert "does not run this launch (TORCH_SHOW_CPP_STACKTRACES differ from the server's" in refused.output, \
+        refused.output[:3000] + "\nthe server:\n" + WarmEngine.log_tail()
+    assert "warm engine" not in failed.output, failed.output[:3000]
     for run in (refused, failed):
         assert run.returncode == 1 and "Traceback" not in run.output, run.output[-3000:]
         assert "pretrain_multimodal.py: --micro-batch-size 2: with --packing tokens a micro-batch is one row" \

@@ -182,7 +182,9 @@ class _Server:
                 return
             if pid == 0:
                 return
-            conn = self.jobs.pop(pid)
+            conn = self.jobs.pop(pid, None)
+            if conn is None:  # a child of the server's own (none is expected): reaped, nothing to tell
+                continue
             if self.dropped.pop(pid, None) is None:
                 self.selector.unregister(conn)
                 try:
