@@ -41,3 +41,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if str(item.path).startswith(ENGINE_TESTS):
             item.add_marker(pytest.mark.engine)
+    # The tests that wait on the package index go first: a worker that waits on a download lends its
+    # core to the other's tests, where at the end of the run it would leave that core idle
+    items.sort(key=lambda item: item.get_closest_marker("network") is None)

@@ -1,6 +1,7 @@
 """torchrun worker: the language model alone on a text-only packed batch, at any TP (+SP).
 
     torchrun --nproc-per-node N language_model_worker.py CHECKPOINT_DIR TP SP
+    (or ``--module language_model_worker`` with this folder on PYTHONPATH, as test_parallelism.py runs it)
 
 Loads the tiny MoE+MTP checkpoint into the model at this layout, then on three text-only mock
 samples (THD) runs

@@ -30,7 +30,7 @@ import sys
 
 import pytest
 from launch import LAYOUT_MODEL as MODEL
-from launch import NO_EVAL, ROOT, run_script
+from launch import NO_EVAL, ROOT, WarmEngine, run_script
 
 REL = 1e-5
 REL_LATER_STEPS = 1e-4
@@ -88,10 +88,14 @@ def test_parallel_run_matches_single_process(name, start, single):
 
 
 def _language_model_alone(checkpoint, tp: int, sp: bool) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--standalone",
-           os.path.join(ROOT, "tests", "distributed", "language_model_worker.py"), str(checkpoint), str(tp),
-           str(int(sp))]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    """The worker's ``RESULT``, through the project's torchrun launcher on the tests' warm engine (the
+    worker a module on PYTHONPATH, so that its ranks fork from the engine)."""
+    cmd = [sys.executable, "-m", "examples.multimodal_dev.training.torchrun_launcher", "--nproc-per-node", str(tp),
+           "--standalone", "--module", "language_model_worker", str(checkpoint), str(tp), str(int(sp))]
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "ENGINE_SERVER": WarmEngine.get(),
+           "PYTHONPATH": os.pathsep.join((here, os.environ.get("PYTHONPATH", "")))}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(lines[-1][len("RESULT "):])

@@ -3,7 +3,7 @@
 - the default run (tiny, mock, packed) learns: mean loss of the last 5 of 30 iterations is
   clearly below the first 5;
 - exact resume, with megatron's plain optimizer, and with the distributed optimizer at DP=2 under
-  token-budget packing: 8 iterations straight == 4, stop (--exit-interval), resume, 4 more (fresh
+  token-budget packing: 6 iterations straight == 3, stop (--exit-interval), resume, 3 more (fresh
   interpreters, ranks forked from a cold launcher's forkserver, and from the warm engine): the
   same tokens, loss and grad norm at every iteration (metrics file, full precision), the same
   validation loss, and a bitwise-equal final checkpoint (weights and optimizer state);
@@ -50,7 +50,7 @@ def test_exact_resume(tmp_path, setting):
     # megatron alone would restore rank 0's on both (checkpoint/rng_per_rank.py). Token-budget
     # packing continues its plan from the checkpoint's plan state: the same rows, dealt to the same
     # ranks.
-    flags, common = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"], dict(TRAIN_ITERS=8, SEQ_LEN=512)
+    flags, common = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"], dict(TRAIN_ITERS=6, SEQ_LEN=512)
     if setting != "plain":
         flags += ["--use-distributed-optimizer"]
         common.update(NPROC=2, PACKING="tokens", PACKED_SEQ_LENGTH=256, GBS=4)
@@ -59,23 +59,23 @@ def test_exact_resume(tmp_path, setting):
     # launcher, which imports the engine; the resumed run's fork from the warm engine
     # (training/warm_engine.py) that the tests launch on
     straight = run_script(flags, CKPT_SAVE=tmp_path / "straight", FORK_RANKS=0, **common).check()
-    first = run_script([*flags, "--exit-interval", "4"], CKPT_RESUME=tmp_path / "resumed", FORK_RANKS=1,
+    first = run_script([*flags, "--exit-interval", "3"], CKPT_RESUME=tmp_path / "resumed", FORK_RANKS=1,
                        ENGINE_SERVER="", **common).check()
     second = run_script(flags, CKPT_RESUME=tmp_path / "resumed", **common).check()
-    assert sorted(first.losses) == [1, 2, 3, 4] and sorted(second.losses) == [5, 6, 7, 8]
+    assert sorted(first.losses) == [1, 2, 3] and sorted(second.losses) == [4, 5, 6]
     resumed = {**first.losses, **second.losses}
     print(f"{setting}\nstraight:", straight.losses, "\nresumed: ", resumed, "\ntokens:", straight.tokens)
     assert {**first.tokens, **second.tokens} == straight.tokens
     if setting != "plain":  # 4 rows of exactly 256 tokens a step (one static shape)
-        assert all(straight.records[i]["padded_tokens"] == 4 * 256 for i in range(1, 9))
-        # the plan continued from the checkpoint's plan state, not by replaying steps 0-3
-        plan_file = tmp_path / "resumed" / "iter_0000004" / "token_budget_plan.json"
-        assert f"token-budget plan: continues at step 4 from {plan_file}" in second.output, second.output[-3000:]
+        assert all(straight.records[i]["padded_tokens"] == 4 * 256 for i in range(1, 7))
+        # the plan continued from the checkpoint's plan state, not by replaying steps 0-2
+        plan_file = tmp_path / "resumed" / "iter_0000003" / "token_budget_plan.json"
+        assert f"token-budget plan: continues at step 3 from {plan_file}" in second.output, second.output[-3000:]
     assert resumed == straight.losses  # full-precision floats, bitwise
     assert {**first.grad_norms, **second.grad_norms} == straight.grad_norms
     assert second.validation == straight.validation
-    a = entries(tmp_path / "straight" / "iter_0000008", tmp_path)
-    b = entries(tmp_path / "resumed" / "iter_0000008", tmp_path)
+    a = entries(tmp_path / "straight" / "iter_0000006", tmp_path)
+    b = entries(tmp_path / "resumed" / "iter_0000006", tmp_path)
     optimizer_keys = [k for k in a if "optimizer" in k and torch.is_tensor(a[k])]
     rng_keys = [k for k in a if "rng_state" in k]
     print(f"{len(a)} entries in the final checkpoint, {len(optimizer_keys)} optimizer tensors, RNG: {rng_keys}")
