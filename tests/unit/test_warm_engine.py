@@ -5,6 +5,7 @@ one does is held by every engine test: they launch on it (``tests/launch.py``), 
 
 import os
 import signal
+import socket
 import subprocess
 import time
 
@@ -12,7 +13,7 @@ import pytest
 from launch import ROOT, WarmEngine, run_script
 
 from examples.multimodal_dev.training.engine_handover import hand_over
-from examples.multimodal_dev.training.warm_engine import import_time_differences
+from examples.multimodal_dev.training.warm_engine import _listen, import_time_differences
 
 
 @pytest.mark.parametrize("launch, server, differing", [
@@ -30,6 +31,21 @@ def test_without_a_server_the_launch_starts_cold_saying_so(monkeypatch, tmp_path
     assert f"torchrun: ENGINE_SERVER={tmp_path / 'nothing'}: no warm engine answers" in capsys.readouterr().err
     monkeypatch.setenv("ENGINE_SERVER", "")
     assert hand_over(["--help"]) is None
+
+
+def test_a_socket_file_left_by_a_dead_server_is_replaced_and_a_live_one_refused(tmp_path):
+    address = str(tmp_path / "socket")
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(address)
+    dead.close()  # its file stays, nobody listens
+    live = _listen(address)
+    try:
+        with pytest.raises(SystemExit, match=f"warm_engine.py: {address}: a warm engine serves there already"):
+            _listen(address)
+    finally:
+        live.close()
+    with pytest.raises(SystemExit, match="No such file or directory"):
+        _listen(str(tmp_path / "no" / "socket"))
 
 
 def test_a_refused_launch_starts_cold_and_a_failed_one_says_which_rank():

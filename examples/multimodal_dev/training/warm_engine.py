@@ -1,6 +1,7 @@
 """A warm engine: one process imports the engine once, and every launch forks from it.
 
-    python -m examples.multimodal_dev.training.warm_engine SOCKET &    # serves until stdin closes or SIGTERM
+    python -m examples.multimodal_dev.training.warm_engine SOCKET &    # serves until SIGTERM or ^C
+                                       # (started with its stdin a pipe: until that closes too)
     ENGINE_SERVER=SOCKET bash run_qwen35_vl.sh ...
 
 A launch on a host without CUDA spends most of a short run importing: about 2 s of CPU for torchrun's
@@ -27,9 +28,11 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import stat
 import sys
 
 from examples.multimodal_dev.training.engine_handover import receive, send
+
 # Read while torch, Triton, OpenMP or the interpreter start: a forked child keeps the server's values
 IMPORT_TIME = ("PYTHON", "TORCH", "PYTORCH", "TRITON", "OMP_", "MKL_", "CUDA", "NCCL", "LD_", "MEGATRON_CPU_FLA")
 # ... PYTHONPATH, which the child applies itself; PYTHONUNBUFFERED, which the server's streams honour already
@@ -96,17 +99,39 @@ def _take_on(request: dict, fds: list[int]) -> None:
             os._exit(code)
 
 
+def _listen(address: str) -> socket.socket:
+    """A listening socket at ``address``; a socket file left by a server that died is replaced, one that
+    a server answers on is refused in one line."""
+    listener = socket.socket(socket.AF_UNIX)
+    try:
+        listener.bind(address)
+    except OSError as err:
+        probe = socket.socket(socket.AF_UNIX)
+        try:
+            probe.connect(address)
+        except ConnectionRefusedError:  # nobody listens: what a dead server left
+            os.unlink(address)
+            listener.bind(address)
+        except OSError:
+            raise SystemExit(f"warm_engine.py: {address}: {err.strerror}") from None
+        else:
+            raise SystemExit(f"warm_engine.py: {address}: a warm engine serves there already")
+        finally:
+            probe.close()
+    os.chmod(address, 0o600)
+    listener.listen()
+    return listener
+
+
 class _Server:
     def __init__(self, address: str):
         import selectors
 
-        self.listener = socket.socket(socket.AF_UNIX)
-        self.listener.bind(address)
-        os.chmod(address, 0o600)
-        self.listener.listen()
+        self.listener = _listen(address)
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.listener, selectors.EVENT_READ, "accept")
-        self.selector.register(sys.stdin, selectors.EVENT_READ, "stdin")
+        if stat.S_ISFIFO(os.fstat(sys.stdin.fileno()).st_mode):  # started by a program: it ends when that does
+            self.selector.register(sys.stdin, selectors.EVENT_READ, "stdin")
         self.jobs: dict[int, socket.socket] = {}  # child pid -> its launcher's connection
         self.dropped: dict[int, float] = {}  # child pid -> when its launcher vanished
 
@@ -216,6 +241,8 @@ def main(argv: list[str]) -> int:
     print(f"warm_engine.py: serving {argv[0]}", file=sys.stderr, flush=True)
     try:
         server.serve()
+    except KeyboardInterrupt:  # ^C where it runs in the foreground: the same end as SIGTERM
+        pass
     finally:
         for pid in list(server.jobs):
             server._signal_job(pid, signal.SIGKILL)
