@@ -111,7 +111,7 @@ else
 fi
 [[ "${MOE:-0}" == 0 || "${MOE:-0}" == 1 ]] || fail "MOE=$MOE: expected 0 or 1"
 read -r LAYERS HIDDEN HEADS KV HEAD_DIM FFN VOCAB EXPERTS TOPK MOE_FFN GDN_K GDN_V SHAPE_MTP <<<"$ROW"
-[[ -n "$HF_CONFIG" ]] && HF_MTP=$SHAPE_MTP
+HF_MTP=0; [[ -n "$HF_CONFIG" ]] && HF_MTP=$SHAPE_MTP  # the MTP layers of HF_CONFIG, never read from the environment
 
 # Every number is checked before bash arithmetic sees it (set -u would report "abc: unbound variable").
 positive() { local var; for var in "$@"; do [[ "${!var}" =~ ^[1-9][0-9]*$ ]] || fail "$var=${!var} must be a positive integer"; done; }
@@ -242,7 +242,7 @@ fi
 (( SP == 1 )) && ARGS+=(--sequence-parallel)
 # gloo runs the allgather token dispatcher; GPUs use alltoall (uneven per-rank token counts, less traffic)
 (( EXPERTS > 0 && HAS_GPU == 1 )) && ARGS+=(--moe-token-dispatcher-type alltoall)
-MTP=${MTP:-$(( ${HF_MTP:-0} > 0 ? 1 : 0 ))}
+MTP=${MTP:-$(( HF_MTP > 0 ? 1 : 0 ))}
 case "$MTP" in
   0) ;;
   # megatron's argument check admits MTP only with rotary positions; the model's interleaved

@@ -69,6 +69,53 @@ def test_model_flag_mismatch_is_named():
         check_model_flags(Args(), get_variant("tiny"), "variant 'tiny'")
 
 
+# The user's-data variables and the flags they become (run_qwen35_vl.sh, OWN_DATA)
+OWN_DATA_FLAGS = {"VALID_DATA_PATH": ("/data/valid.jsonl", "eval_data_path", "/data/valid.jsonl"),
+                  "VALID_FRACTION": ("0.02", "valid_fraction", "0.02"), "MEDIA_ROOT": ("/media", "media_root", "/media"),
+                  "STRICT_DATA": ("1", "strict_data", True), "REMOTE_MEDIA": ("1", "allow_remote_media", True),
+                  "MEDIA_ANYWHERE": ("1", "allow_media_anywhere", True), "VIDEO_FPS": ("1.5", "video_fps", "1.5"),
+                  "VIDEO_MAX_FRAMES": ("64", "video_max_frames", "64"),
+                  "VIDEO_MAX_PIXELS": ("50176", "video_max_pixels", "50176")}
+
+
+@pytest.mark.parametrize("variable", list(OWN_DATA_FLAGS))
+def test_each_own_data_variable_reaches_its_flag(variable):
+    value, flag, expected = OWN_DATA_FLAGS[variable]
+    jsonl = dict(DATASET="jsonl", DATA_PATH="/data/train.jsonl", HF_PROCESSOR_PATH="/processor")
+    rc, out, err = _script(**jsonl, **{variable: value})
+    assert rc == 0, err
+    flags = _flags(out)
+    assert flags.get(flag) == expected, (variable, flags.get(flag))
+    assert not {f for _, f, _ in OWN_DATA_FLAGS.values() if f != flag} & set(flags)  # and no other
+    if expected is True:  # a switch: 0 leaves it out
+        rc, out, err = _script(**jsonl, **{variable: "0"})
+        assert rc == 0 and flag not in _flags(out), err
+
+
+# Read by the launcher (training/torchrun_launcher.py, training/engine_handover.py), not the script
+LAUNCHER_VARIABLES = {"FORK_RANKS": "torchrun_launcher.py", "ENGINE_SERVER": "engine_handover.py"}
+
+
+def _documented_variables() -> set:
+    """The variables of README.md's table of run_qwen35_vl.sh's variables (``| variable | default | meaning |``)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        lines = f.read().split("| variable | default | meaning |\n", 1)[1].splitlines()[1:]
+    rows = lines[:next(i for i, line in enumerate(lines) if not line.startswith("|"))]
+    return {name for row in rows for name in re.findall(r"`([A-Z][A-Z_0-9]*)`", row.split(" | ")[0])}
+
+
+def test_every_variable_the_launch_reads_is_in_the_readme_table():
+    """Every environment variable run_qwen35_vl.sh reads (with a default: ``${NAME:-...}``) or the
+    launcher reads is a row of README's table, and every row names one of them."""
+    with open(os.path.join(ROOT, "run_qwen35_vl.sh")) as f:
+        read = set(re.findall(r"\$\{([A-Z][A-Z_0-9]*):[-+=]", f.read()))
+    for name, module in LAUNCHER_VARIABLES.items():
+        with open(os.path.join(ROOT, "examples", "multimodal_dev", "training", module)) as f:
+            assert f'"{name}"' in f.read(), (name, module)
+    documented = _documented_variables()
+    assert read | set(LAUNCHER_VARIABLES) == documented, (sorted(read - documented), sorted(documented - read))
+
+
 @pytest.mark.parametrize("env,message", [
     (dict(EP=2), "EP=2 needs an MoE variant"),
     (dict(MODEL_VARIANT="35b_a3b", EP=3, NPROC=3), "EP=3 does not divide the 256 experts"),
