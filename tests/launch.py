@@ -17,6 +17,8 @@ import time
 
 import pytest
 
+from examples.multimodal_dev.training.warm_engine import IMPORT_TIME
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
 
@@ -108,7 +110,13 @@ def run_script(extra_args=(), timeout: int = 600, **env) -> Run:
         if os.path.exists(metrics):
             with open(metrics) as f:
                 records = [json.loads(line) for line in f if line.strip()]
-    return Run(proc, records)
+    run = Run(proc, records)
+    # a launch the warm engine refuses starts cold, slower but otherwise the same: only one that sets an
+    # import-time variable of its own may (a refusal of any other says the tests' engine has drifted)
+    if "does not run this launch" in run.output and not any(k.startswith(IMPORT_TIME) for k in env):
+        raise AssertionError(f"the warm engine refused a launch that sets no import-time variable:\n"
+                             f"{run.output[:3000]}")
+    return run
 
 
 def run_recording_vision_norms(directory, name, flags=NO_EVAL, **env):

@@ -25,6 +25,15 @@ def test_only_what_is_read_at_import_must_match(launch, server, differing):
     assert import_time_differences(launch, server) == differing
 
 
+def test_what_the_engines_imports_set_is_no_difference():
+    """torch's inductor sets TORCHINDUCTOR_CACHE_DIR while importing: a launch from a process that
+    imported the engine carries it, the server's start environment does not, its imported one does."""
+    launch, start, imported = {"TORCHINDUCTOR_CACHE_DIR": "/tmp/i"}, {}, {"TORCHINDUCTOR_CACHE_DIR": "/tmp/i"}
+    assert import_time_differences(launch, start, imported) == []
+    assert import_time_differences({}, start, imported) == []  # a launch that imported nothing
+    assert import_time_differences({"TORCHINDUCTOR_CACHE_DIR": "/x"}, start, imported) == ["TORCHINDUCTOR_CACHE_DIR"]
+
+
 def test_without_a_server_the_launch_starts_cold_saying_so(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("ENGINE_SERVER", str(tmp_path / "nothing"))
     assert hand_over(["--help"]) is None

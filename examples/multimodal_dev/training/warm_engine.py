@@ -38,21 +38,25 @@ IMPORT_TIME = ("PYTHON", "TORCH", "PYTORCH", "TRITON", "OMP_", "MKL_", "CUDA", "
 # ... PYTHONPATH, which the child applies itself; PYTHONUNBUFFERED, which the server's streams honour already
 APPLIED_BY_THE_CHILD = ("PYTHONPATH", "PYTHONUNBUFFERED")
 GRACE_S = 10  # a job whose launcher vanished: SIGTERM, then SIGKILL after this long
-# The server's environment before it imported anything (torch's inductor sets TORCHINDUCTOR_CACHE_DIR
-# while importing, as it would in a fresh launch)
+# The server's environment before it imported anything, and (main) after: what the engine's imports set
+# themselves (torch's inductor sets TORCHINDUCTOR_CACHE_DIR) is what a fresh interpreter would set too, so
+# a launch from a process that imported the engine already carries it without differing
 _START_ENV = dict(os.environ)
+_IMPORTED_ENV: dict = {}
 
 
-def import_time_differences(launch_env: dict, server_env: dict) -> list[str]:
-    """The import-time variables that ``launch_env`` sets otherwise than ``server_env``."""
-    names = {k for k in (*launch_env, *server_env) if k.startswith(IMPORT_TIME) and k not in APPLIED_BY_THE_CHILD}
-    return sorted(k for k in names if launch_env.get(k) != server_env.get(k))
+def import_time_differences(launch_env: dict, *server_envs: dict) -> list[str]:
+    """The import-time variables that ``launch_env`` sets otherwise than each of ``server_envs`` (the
+    server's environment before and after its imports)."""
+    names = {k for env in (launch_env, *server_envs) for k in env
+             if k.startswith(IMPORT_TIME) and k not in APPLIED_BY_THE_CHILD}
+    return sorted(k for k in names if all(launch_env.get(k) != env.get(k) for env in server_envs))
 
 
 # --- the server's side -----------------------------------------------------------------------------
 
 def _refusal(env: dict) -> str | None:
-    differing = import_time_differences(env, _START_ENV)
+    differing = import_time_differences(env, _START_ENV, _IMPORTED_ENV or _START_ENV)
     if differing:
         return f"{', '.join(differing)} differ from the server's, and are read at import"
     return None
@@ -236,6 +240,7 @@ def main(argv: list[str]) -> int:
         return 2
     for module in (*torchrun_launcher.PRELOAD, "torch.distributed.run", "torch.distributed.launcher.api"):
         importlib.import_module(module)
+    _IMPORTED_ENV.update(os.environ)
     server = _Server(argv[0])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(f"warm_engine.py: serving {argv[0]}", file=sys.stderr, flush=True)
