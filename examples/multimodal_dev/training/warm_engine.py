@@ -42,6 +42,7 @@ GRACE_S = 10  # a job whose launcher vanished: SIGTERM, then SIGKILL after this 
 # themselves (torch's inductor sets TORCHINDUCTOR_CACHE_DIR) is what a fresh interpreter would set too, so
 # a launch from a process that imported the engine already carries it without differing
 _START_ENV = dict(os.environ)
+_START_PARENT = os.getppid()  # before the imports, which take seconds
 _IMPORTED_ENV: dict = {}
 
 
@@ -134,7 +135,10 @@ class _Server:
         self.listener = _listen(address)
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.listener, selectors.EVENT_READ, "accept")
-        if stat.S_ISFIFO(os.fstat(sys.stdin.fileno()).st_mode):  # started by a program: it ends when that does
+        # started by a program (stdin a pipe): it ends when that program does, seen as the pipe's end or,
+        # where a process the program forked holds the pipe open, as a new parent
+        self.parent = _START_PARENT if stat.S_ISFIFO(os.fstat(sys.stdin.fileno()).st_mode) else None
+        if self.parent is not None:
             self.selector.register(sys.stdin, selectors.EVENT_READ, "stdin")
         self.jobs: dict[int, socket.socket] = {}  # child pid -> its launcher's connection
         self.dropped: dict[int, float] = {}  # child pid -> when its launcher vanished
@@ -152,6 +156,8 @@ class _Server:
                 else:  # a launcher's connection became readable: it closed (it sends nothing more)
                     self._drop(key.data, time.monotonic())
             self._reap()
+            if self.parent is not None and os.getppid() != self.parent:
+                return
             for pid, since in list(self.dropped.items()):
                 if time.monotonic() - since > GRACE_S:
                     self._signal_job(pid, signal.SIGKILL)
