@@ -20,9 +20,8 @@ if __name__ == "__main__":  # a run: the imports make ~0.8M objects and little g
 from megatron.training import get_args
 
 from examples.multimodal_dev.arguments import OWN_DATA_OPTIONS, VIDEO_OPTIONS, add_multimodal_args
-from examples.multimodal_dev.checkpoint import (finite_guard, loader_state, mixed_dtype_optimizer, optimizer_format,
-                                               optimizer_switch, plan_state, rng_per_rank, safety, save_guard,
-                                               write_queue)
+from examples.multimodal_dev import megatron_changes
+from examples.multimodal_dev.checkpoint import loader_state, optimizer_format, plan_state, safety, save_guard, write_queue
 from examples.multimodal_dev.checkpoint.integrity import check_resumable
 from examples.multimodal_dev.checkpoint.run_shape import check_checkpoint_matches, resolve_shape
 from examples.multimodal_dev.data import get_dataset_provider
@@ -41,11 +40,10 @@ from examples.multimodal_dev.training.backend import (
     check_attention_backend,
     check_backend,
     engine_defaults,
-    use_prebuilt_dataset_helpers,
 )
 from examples.multimodal_dev.training import run_checks, vision_ranks
 from examples.multimodal_dev.training.pipeline_layout import stage_layers
-from examples.multimodal_dev.training.throughput import StepFlops, batch_flops, install_megatron_training_hooks
+from examples.multimodal_dev.training.throughput import StepFlops, batch_flops
 
 
 @functools.lru_cache(maxsize=None)
@@ -318,7 +316,6 @@ def check_checkpoints(args) -> None:
 
 def main():
     import megatron.cpu
-    from megatron.cpu import distrib_optimizer_fixes
 
     try:
         on_cpu = megatron.cpu.activate()
@@ -338,25 +335,19 @@ def main():
 
     gc.freeze()  # what the imports made lives for the whole run: no collection need walk it again
     gc.enable()
-    use_prebuilt_dataset_helpers()
-    safety.install()  # a checkpoint directory is data: nothing in it may run code
-    distrib_optimizer_fixes.install()  # torch Adam under the distributed optimizer (no Apex / TE)
-    mixed_dtype_optimizer.install()  # its checkpoint of a bf16 model with fp32 A_log / dt_bias
-    optimizer_format.zero_padding()  # no uninitialised bytes in a dp_reshardable optimizer checkpoint
-    optimizer_format.chain_across_ep()  # optimizer state saved at one EP resumes at another
-    optimizer_switch.install()  # ... and with the other kind of optimizer (distributed <-> plain)
-    rng_per_rank.install()  # every DP rank's RNG state saved and restored: dropout resumes exactly
+    megatron_changes.apply("checkpoints-are-data")  # before the arguments: --load's stored args are read
     args = checked_args()
     for line in save_guard.clear_incomplete_saves(args.save):
         print(f"pretrain_multimodal.py: {line}", flush=True)
-    plan_state.install()  # under save_guard: a full disk while writing the plan is one line too
-    loader_state.install()  # ... and while writing a stream's position
-    save_guard.install()
-    finite_guard.install()  # outermost: a save of NaN weights writes nothing at all
+    meter = StepFlops()
+    try:
+        lines = megatron_changes.install(args, meter)  # every change to megatron: megatron_changes/table.py
+    except megatron_changes.MegatronChangeError as err:
+        raise SystemExit(f"pretrain_multimodal.py: {err}") from None
+    for line in lines if os.environ.get("RANK", "0") == "0" else ():
+        print(f"pretrain_multimodal.py: {line}", flush=True)
     if args.save:
         write_queue.install()  # the writer's queue from a fork now, not a spawned interpreter at the first save
-    meter = StepFlops()
-    install_megatron_training_hooks(meter)
     grids = {}
     if args.vision_nproc:  # both modules' process grids, made before megatron starts (vision_ranks.py)
         layout = vision_ranks.setup(args)

@@ -16,17 +16,16 @@ Engine (every CPU host, and GPU hosts that train on the local backend). Two path
   resume used the wrong bias correction, silently (grad norm 3.9773 vs 3.9858 two steps after a
   resume of the tiny model). The step is put back after the whole load.
 
-``install`` is a no-op where Apex or TE provide the fused optimizer, and checks the patched
-methods still have the signatures these fixes were written against.
+Each fix is a factory ``fix(original) -> replacement`` that checks the method still has the
+signature it was written against. The project's table of changes to megatron
+(``examples/multimodal_dev/megatron_changes``) applies them on every host without Apex or TE (where
+those provide the fused optimizer, nothing is replaced).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-
-_installed = False
-
 
 def _expect(fn, params: tuple[str, ...]) -> None:
     have = tuple(inspect.signature(fn).parameters)
@@ -57,22 +56,9 @@ def _stepless_state_dict(optimizer) -> dict:
     return state
 
 
-def install() -> bool:
-    """Returns True when the fixes are in place (torch Adam under the distributed optimizer)."""
-    global _installed
-    from megatron.core.optimizer import distrib_optimizer as do
-
-    if do.HAVE_APEX_OR_TE:
-        return False
-    if _installed:
-        return True
-    cls = do.DistributedOptimizer
-    _expect(cls.state_dict, ("self",))
-    _expect(cls._set_main_param_and_optimizer_states, ("self", "model_param", "tensors"))
-    _expect(cls._init_optimizer_states_with_dummy_values, ("self",))
-    _expect(cls.load_state_dict, ("self", "state_dict"))
-    state_dict, set_states = cls.state_dict, cls._set_main_param_and_optimizer_states
-    load_state_dict = cls.load_state_dict
+def state_dict_with_state(state_dict, run=None):
+    """``state_dict`` that creates the state first, and writes the groups alone with no parameter here."""
+    _expect(state_dict, ("self",))
 
     @functools.wraps(state_dict)
     def state_dict_with_state(self):
@@ -82,12 +68,29 @@ def install() -> bool:
             return _stepless_state_dict(self)
         return state_dict(self)
 
+    return state_dict_with_state
+
+
+def set_states_without_grad(set_states, run=None):
+    """``_set_main_param_and_optimizer_states`` under ``no_grad``, absent entries left as they are."""
+    _expect(set_states, ("self", "model_param", "tensors"))
+
     @functools.wraps(set_states)
     def set_states_without_grad(self, model_param, tensors):
         import torch
 
         with torch.no_grad():
             return set_states(self, model_param, _AbsentIsNone(tensors))
+
+    return set_states_without_grad
+
+
+def load_state_dict_keeping_step(load_state_dict, run=None):
+    """``load_state_dict`` that puts the checkpoint's Adam step back after the whole load."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    _expect(load_state_dict, ("self", "state_dict"))
+    _expect(DistributedOptimizer._init_optimizer_states_with_dummy_values, ("self",))
 
     @functools.wraps(load_state_dict)
     def load_state_dict_keeping_step(self, checkpoint):
@@ -105,8 +108,4 @@ def install() -> bool:
                     state["step"] = torch.tensor(step, dtype=torch.float32)
         return result
 
-    cls.state_dict = state_dict_with_state
-    cls.load_state_dict = load_state_dict_keeping_step
-    cls._set_main_param_and_optimizer_states = set_states_without_grad
-    _installed = True
-    return True
+    return load_state_dict_keeping_step

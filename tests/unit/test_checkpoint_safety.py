@@ -13,6 +13,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from examples.multimodal_dev.checkpoint import safety as checkpoint_safety
+from examples.multimodal_dev.megatron_changes import apply
 
 
 class _Plant:
@@ -30,7 +31,7 @@ def _save(directory, state):
 
 
 def _load(directory, state):
-    checkpoint_safety.install()
+    apply("checkpoints-are-data")
     dcp.load(state, checkpoint_id=str(directory), no_dist=True)
     return state
 

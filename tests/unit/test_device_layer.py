@@ -164,17 +164,19 @@ def test_rng_tracker_forks_the_cpu_generator(mcore):
     assert not torch.equal(a_first, c_first)
 
 
-def test_distrib_optimizer_fixes_install_is_idempotent(mcore):
+def test_distrib_optimizer_fixes_wrap_megatrons_methods_once(mcore):
     from megatron.core.optimizer import distrib_optimizer as do
 
+    from examples.multimodal_dev.megatron_changes import apply
+
     assert not do.HAVE_APEX_OR_TE
-    assert distrib_optimizer_fixes.install() is True
+    apply("torch-adam-distributed-optimizer")
     patched = (do.DistributedOptimizer.state_dict, do.DistributedOptimizer.load_state_dict,
                do.DistributedOptimizer._set_main_param_and_optimizer_states)
     # functools.wraps keeps the names; the code is the fix's, wrapping megatron-core's method once
     assert all(fn.__code__.co_filename == distrib_optimizer_fixes.__file__ for fn in patched)
     assert all(fn.__wrapped__.__code__.co_filename == do.__file__ for fn in patched)
-    assert distrib_optimizer_fixes.install() is True
+    apply("torch-adam-distributed-optimizer")
     again = (do.DistributedOptimizer.state_dict, do.DistributedOptimizer.load_state_dict,
              do.DistributedOptimizer._set_main_param_and_optimizer_states)
     assert again == patched  # not wrapped twice
@@ -189,7 +191,9 @@ def test_an_optimizer_with_no_parameter_on_the_rank_saves_and_loads_its_groups(m
 
     from megatron.core.optimizer import distrib_optimizer as do
 
-    distrib_optimizer_fixes.install()
+    from examples.multimodal_dev.megatron_changes import apply
+
+    apply("torch-adam-distributed-optimizer")
     inits = []
     empty = SimpleNamespace(optimizer=torch.optim.Adam([{"params": [], "wd_mult": 1.0}], lr=0.5), grad_scaler=None,
                             _init_optimizer_states_with_dummy_values=lambda: inits.append(1))

@@ -72,11 +72,11 @@ def test_energons_resolver_refuses_code_the_walk_never_saw(example_data, tmp_pat
 def test_energons_python_file_loader_is_refused(tmp_path):
     from megatron.energon.module_loader import ModuleLoader
 
-    from examples.multimodal_dev.data.energon_configs import refuse_code_in_energon
+    from examples.multimodal_dev.megatron_changes import apply
 
     marker = tmp_path / "MARKER"
     (tmp_path / "loader.py").write_text(f"open({str(marker)!r}, 'w')\ndef sample_loader(raw):\n    return raw\n")
-    refuse_code_in_energon()
+    apply("energon-refuses-code")
     with pytest.raises(DataError, match="asks to run the Python file .*loader.py"):
         ModuleLoader().get_function("loader.py:sample_loader", relative_path=tmp_path)
     assert not marker.exists()

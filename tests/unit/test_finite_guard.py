@@ -1,10 +1,11 @@
 """A save with NaN or inf weights is refused, naming the tensor and the checkpoint that stays the
-latest; a save with finite weights goes through untouched."""
+latest; a save with finite weights goes through untouched (the save hooks, as the training loop
+calls them)."""
 
 import pytest
 import torch
 
-from examples.multimodal_dev.checkpoint import finite_guard
+from examples.multimodal_dev.checkpoint import finite_guard, save_hooks
 
 
 class Args:
@@ -18,7 +19,8 @@ def _chunks():
 
 def test_finite_weights_are_saved():
     saved = []
-    guarded = finite_guard.refuse_nonfinite(lambda it, model, *a, **k: saved.append((it, a, k)) or "done", lambda: Args)
+    guarded = save_hooks.with_save_hooks(lambda it, model, *a, **k: saved.append((it, a, k)) or "done",
+                                         get_args=lambda: Args)
     assert guarded(3, _chunks(), "optimizer", checkpointing_context={}) == "done"
     assert saved == [(3, ("optimizer",), {"checkpointing_context": {}})]
 
@@ -33,7 +35,7 @@ def test_a_nonfinite_weight_stops_the_save(tmp_path, bad):
     saved = []
     with pytest.raises(SystemExit, match=r"iteration 5 has NaN or inf weights \(1 tensor\(s\) on this rank, e\.g\. "
                                          r"bias\); not saved: iteration 4 stays the latest checkpoint"):
-        finite_guard.refuse_nonfinite(lambda *a, **k: saved.append(a), lambda: Args)(5, chunks)
+        save_hooks.with_save_hooks(lambda *a, **k: saved.append(a), get_args=lambda: Args)(5, chunks)
     assert saved == []
     assert finite_guard.nonfinite_parameters(chunks) == ["bias"]
     assert finite_guard.nonfinite_parameters(_chunks()) == []

@@ -31,13 +31,11 @@ def test_padding_entries_are_zeroed_and_real_state_is_not():
     assert torch.equal(pad_entry["param"].data, torch.zeros(5)) and torch.equal(pad_entry["exp_avg"].data, torch.zeros(5))
 
 
-def test_zero_padding_wraps_megatrons_method_once():
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    optimizer_format.zero_padding()
-    wrapped = DistributedOptimizer.sharded_param_state_dp_reshardable
-    optimizer_format.zero_padding()
-    assert DistributedOptimizer.sharded_param_state_dp_reshardable is wrapped and wrapped._zeroes_padding
+def test_zeroed_padding_zeroes_what_megatrons_method_returns():
+    state = {0: [{"param": _tensor("p", torch.full((2,), float("nan"))), "padding": LocalNonpersistentObject(True)}]}
+    wrapped = optimizer_format.zeroed_padding(lambda self, *args, **kwargs: state)
+    assert wrapped(None, "model_sharded_state_dict") is state
+    assert torch.equal(state[0][0]["param"].data, torch.zeros(2))
 
 
 @pytest.mark.parametrize("dist,dp_flag,fully_flag,expected", [

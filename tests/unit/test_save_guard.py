@@ -20,15 +20,10 @@ def test_failed_save_removes_only_its_own_directory(tmp_path):
     (tmp_path / "iter_0000002").mkdir()
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
 
-    class Args:
-        save = str(tmp_path)
-
-    def full(iteration, *args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
     with pytest.raises(SystemExit, match=r"no space left on .* while saving iteration 2: removed the partial .*"
                                          r"iter_0000002; the last complete checkpoint is iteration 1"):
-        save_guard.guarded(full, lambda: Args)(2)
+        with save_guard.full_disk_in_one_line(str(tmp_path), 2):
+            raise OSError(errno.ENOSPC, "No space left on device")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
 
 
@@ -64,25 +59,48 @@ def test_a_full_disk_is_recognised_from_what_the_writer_logged(tmp_path):
 
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
 
-    class Args:
-        save = str(tmp_path)
-
-    def writer_fails(iteration, *args, **kwargs):
+    def writer_fails():
         (tmp_path / "iter_0000002").mkdir()
         logging.getLogger(save_guard._WriterErrors.LOGGER).error(
             "Local worker 0 encountered an error: [Errno 28] No space left on device")
         raise RuntimeError("Worker failure: An error is caught while starting worker 0, error: <class 'OSError'>")
 
-    def other_failure(iteration, *args, **kwargs):
+    def other_failure():
         raise RuntimeError("Worker failure: An error is caught while starting worker 0, error: <class 'OSError'>")
 
     logger = logging.getLogger(save_guard._WriterErrors.LOGGER)
-    logger.addHandler(save_guard._writer_errors)
+    save_guard.listen_to_the_writer()
+    save_guard.listen_to_the_writer()
+    assert logger.handlers.count(save_guard._writer_errors) == 1
     try:
         with pytest.raises(SystemExit, match=r"while saving iteration 2: removed the partial"):
-            save_guard.guarded(writer_fails, lambda: Args)(2)
+            with save_guard.full_disk_in_one_line(str(tmp_path), 2):
+                writer_fails()
         assert not (tmp_path / "iter_0000002").exists()
         with pytest.raises(RuntimeError, match="Worker failure"):  # the log of an earlier save does not count
-            save_guard.guarded(other_failure, lambda: Args)(3)
+            with save_guard.full_disk_in_one_line(str(tmp_path), 3):
+                other_failure()
     finally:
         logger.removeHandler(save_guard._writer_errors)
+
+
+def test_the_save_hooks_run_in_order_and_a_full_disk_after_the_save_is_one_line(tmp_path, monkeypatch):
+    """save_hooks.py: before-hooks, megatron's save, after-hooks, all inside the full-disk guard."""
+    from examples.multimodal_dev.checkpoint import save_hooks
+
+    calls = []
+
+    class Args:
+        save = str(tmp_path)
+
+    def after(iteration, args):
+        calls.append(("after", iteration, args.save))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(save_hooks, "BEFORE", (lambda iteration, model, args: calls.append(("before", model)),))
+    monkeypatch.setattr(save_hooks, "AFTER", (after,))
+    save = save_hooks.with_save_hooks(lambda iteration, model: calls.append(("save", iteration)), get_args=lambda: Args)
+    with pytest.raises(SystemExit, match=r"while saving iteration 3: removed the partial .*iter_0000003; the last "
+                                         r"complete checkpoint is none"):
+        save(3, "model")
+    assert calls == [("before", "model"), ("save", 3), ("after", 3, str(tmp_path))]

@@ -206,19 +206,18 @@ def test_capture_mtp_losses_keeps_the_iteration_and_adds_to_the_log_sums():
         "loss_scale", "iteration", "writer", "wandb_writer", "total_loss_dict")
 
 
-def test_hooks_install_into_megatron_training(monkeypatch):
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+def test_the_rows_replace_megatron_trainings_functions():
+    """The three rows of megatron_changes' group step-flops-and-log build the meter's functions, and
+    train() looks both module functions up by name at call time, so the replacement takes effect."""
     from megatron.training import training as mt
 
-    for name in ("num_floating_point_operations", "training_log"):
-        monkeypatch.setattr(mt, name, getattr(mt, name))  # restored after the test
-        # train() must look both up by name at call time for the replacement to take effect
-        assert f"{name}(" in inspect.getsource(mt.train)
-    monkeypatch.setattr(MTPLossLoggingHelper, "track_mtp_metrics", MTPLossLoggingHelper.track_mtp_metrics)
-    import megatron.training
+    from examples.multimodal_dev.megatron_changes.applier import load
+    from examples.multimodal_dev.megatron_changes.table import CHANGES
 
-    monkeypatch.setattr(megatron.training, "get_args", lambda: SimpleNamespace(metrics_file=None))
-    throughput.install_megatron_training_hooks(StepFlops())
-    assert mt.num_floating_point_operations.__module__ == throughput.__name__
-    assert mt.training_log.__module__ == throughput.__name__
-    assert MTPLossLoggingHelper.track_mtp_metrics.__module__ == throughput.__name__
+    for name in ("num_floating_point_operations", "training_log"):
+        assert f"{name}(" in inspect.getsource(mt.train)
+    run = SimpleNamespace(args=SimpleNamespace(metrics_file=None), meter=StepFlops())
+    rows = [c for c in CHANGES if c.group == "step-flops-and-log"]
+    assert len(rows) == 3
+    for row in rows:
+        assert load(row.replacement)(load(row.target), run).__module__ == throughput.__name__

@@ -112,9 +112,9 @@ def stored_args(directory: str):
     read as data only (``safety.py``)."""
     from megatron.core import dist_checkpointing
 
-    from .safety import install
+    from ..megatron_changes import apply
 
-    install()
+    apply("checkpoints-are-data")
     return dist_checkpointing.load_common_state_dict(directory).get("args")
 
 
@@ -123,8 +123,8 @@ def load_model_weights(model, directory: str) -> None:
     Nothing in the directory is unpickled beyond checkpoint data (``safety.py``)."""
     from megatron.core import dist_checkpointing
 
-    from .safety import install
+    from ..megatron_changes import apply
 
-    install()
+    apply("checkpoints-are-data")
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)
     model.load_state_dict(state["model"])

@@ -3,8 +3,8 @@
 megatron checks gradients for NaN / inf before the optimizer steps (``--check-for-nan-in-loss-and-grad``,
 on by default), but not the weights after the step: an infinite or NaN learning rate turns finite
 gradients into NaN weights, and the next interval save would make that the latest checkpoint, the
-one a resume picks. ``install()`` wraps the training loop's ``save_checkpoint`` (every save goes
-through it: interval, exit, signal, end of training): each rank sums each of its parameters in fp32
+one a resume picks. ``refuse_nonfinite`` runs before every save the training loop makes
+(``save_hooks.py``: interval, exit, signal, end of training): each rank sums each of its parameters in fp32
 (a NaN or inf anywhere makes the sum non-finite; one pass over the weights, cheap beside writing
 them), the ranks agree by an all-reduce, and a save with any non-finite weight is refused on every
 rank at once with one line naming the tensors and the checkpoint that stays the latest.
@@ -35,26 +35,17 @@ def _any_rank(count: int, device) -> int:
     return int(flag.item())
 
 
-def refuse_nonfinite(save_checkpoint, get_args):
-    def save(iteration, model, *args, **kwargs):
-        chunks = model if isinstance(model, (list, tuple)) else [model]
-        bad = nonfinite_parameters(chunks)
-        device = next(chunks[0].parameters()).device
-        if _any_rank(len(bad), device):
-            save_dir = get_args().save
-            latest = latest_iteration(save_dir) if save_dir and os.path.isdir(save_dir) else None
-            kept = f"iteration {latest} stays the latest checkpoint in {save_dir}" if latest is not None \
-                else "no earlier checkpoint exists"
-            mine = f" ({len(bad)} tensor(s) on this rank, e.g. {bad[0]})" if bad else ""
-            raise SystemExit(f"pretrain_multimodal.py: iteration {iteration} has NaN or inf weights{mine}; not saved: "
-                             f"{kept} (a non-finite learning rate or a diverged step: resume from it with a lower LR)")
-        return save_checkpoint(iteration, model, *args, **kwargs)
-
-    return save
-
-
-def install() -> None:
-    from megatron.training import get_args
-    from megatron.training import training as mt
-
-    mt.save_checkpoint = refuse_nonfinite(mt.save_checkpoint, get_args)
+def refuse_nonfinite(iteration: int, model, args) -> None:
+    """Before a save (``save_hooks.py``): stop on every rank at once when any rank holds a non-finite weight."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    bad = nonfinite_parameters(chunks)
+    device = next(chunks[0].parameters()).device
+    if not _any_rank(len(bad), device):
+        return
+    save_dir = args.save
+    latest = latest_iteration(save_dir) if save_dir and os.path.isdir(save_dir) else None
+    kept = f"iteration {latest} stays the latest checkpoint in {save_dir}" if latest is not None \
+        else "no earlier checkpoint exists"
+    mine = f" ({len(bad)} tensor(s) on this rank, e.g. {bad[0]})" if bad else ""
+    raise SystemExit(f"pretrain_multimodal.py: iteration {iteration} has NaN or inf weights{mine}; not saved: "
+                     f"{kept} (a non-finite learning rate or a diverged step: resume from it with a lower LR)")

@@ -48,7 +48,8 @@ from examples.multimodal_dev.models.qwen35_vl.parallel import validate_parallel
 from .files import TRACKER, checkpoint_directory, iteration_dir, load_model_weights, save_model_checkpoint, stored_args
 from .hf_models import hf_classes
 from .hf_safetensors import INDEX, HFTensorSource, ShardedWriter, per_expert, read_config
-from .safety import check_tracker, install, refusal
+from ..megatron_changes import apply
+from .safety import check_tracker, refusal
 from .run_shape import resolve_shape
 
 HF_CONFIG = "hf_config.json"  # the source config.json, kept next to the converted checkpoint
@@ -315,7 +316,7 @@ def check_checkpoint_dir(megatron_path: str) -> None:
 def _read_metadata(directory: str):
     from torch.distributed.checkpoint import FileSystemReader
 
-    install()
+    apply("checkpoints-are-data")
     return FileSystemReader(directory).read_metadata()
 
 

@@ -21,7 +21,8 @@ def damage(directory: str) -> str | None:
     """What is wrong with one iteration directory, or None when it is whole."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from .safety import install, refusal
+    from ..megatron_changes import apply
+    from .safety import refusal
 
     legacy = [n for n in os.listdir(directory) if n.startswith("mp_rank_") or n == "common.pt"]
     if legacy and not os.path.exists(os.path.join(directory, ".metadata")):
@@ -30,7 +31,7 @@ def damage(directory: str) -> str | None:
     for name in ("metadata.json", ".metadata"):
         if not os.path.isfile(os.path.join(directory, name)):
             return f"{os.path.join(directory, name)} is missing"
-    install()
+    apply("checkpoints-are-data")
     index = os.path.join(directory, ".metadata")
     try:
         storage = FileSystemReader(directory).read_metadata().storage_data

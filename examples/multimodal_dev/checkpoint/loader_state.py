@@ -100,25 +100,12 @@ def first_of_dp_rank() -> bool:
             and ps.get_pipeline_model_parallel_rank() == 0)
 
 
-def with_loader_state(save_checkpoint, get_args):
-    """megatron.training's ``save_checkpoint``, followed by this DP rank's loader state."""
+def write_after_save(iteration: int, args) -> None:
+    """After a save (``save_hooks.py``): this DP rank's loader state, by the rank that speaks for it."""
     from megatron.core import parallel_state
 
-    def save(iteration, *args, **kwargs):
-        result = save_checkpoint(iteration, *args, **kwargs)
-        run = get_args()
-        split = _streams.get("train")
-        if split is not None and run.save and first_of_dp_rank():
-            state = split.save_state()
-            if state is not None:
-                write_state(iteration_dir(run.save, iteration), parallel_state.get_data_parallel_rank(), state)
-        return result
-
-    return save
-
-
-def install() -> None:
-    from megatron.training import get_args
-    from megatron.training import training as mt
-
-    mt.save_checkpoint = with_loader_state(mt.save_checkpoint, get_args)
+    split = _streams.get("train")
+    if split is not None and args.save and first_of_dp_rank():
+        state = split.save_state()
+        if state is not None:
+            write_state(iteration_dir(args.save, iteration), parallel_state.get_data_parallel_rank(), state)

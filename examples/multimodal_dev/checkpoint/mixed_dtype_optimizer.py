@@ -19,7 +19,7 @@ a half-precision one, an fp32 parameter being its own main weight. Its checkpoin
 weight for every parameter, as the distributed optimizer's does, so the two still load each
 other's state (``optimizer_switch.py``).
 
-``install()`` rebuilds the distributed optimizer's map in the optimizer's own order after
+Three rows of ``megatron_changes`` (group ``mixed-dtype-optimizer``) rebuild the distributed optimizer's map in the optimizer's own order after
 construction, and wraps the plain one's save and load. With one kind of parameter per group (every
 fp32 run, a bf16 model without fp32 parameters) both are exactly megatron's.
 """
@@ -59,7 +59,8 @@ def every_parameter_as_half(optimizer):
         optimizer.float16_groups, optimizer.fp32_from_float16_groups = kept
 
 
-def _within(method):
+def every_parameter_as_half_around(method, run=None):
+    """A plain optimizer's checkpoint method run with every parameter listed as half (megatron_changes row)."""
     @functools.wraps(method)
     def wrapped(self, *args, **kwargs):
         with every_parameter_as_half(self):
@@ -67,19 +68,12 @@ def _within(method):
     return wrapped
 
 
-def install() -> None:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params as Plain
-
-    original = DistributedOptimizer.__init__
-    if getattr(original, "_orders_mixed_dtypes", False):
-        return
-    Plain.sharded_state_dict, Plain.load_state_dict = _within(Plain.sharded_state_dict), _within(Plain.load_state_dict)
-
-    @functools.wraps(original)
+def ordered_index_map(init, run=None):
+    """The distributed optimizer's ``__init__``, then its group index map in the optimizer's own
+    order (megatron_changes row)."""
+    @functools.wraps(init)
     def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
+        init(self, *args, **kwargs)
         self.model_param_group_index_map = optimizer_order_index(self)
 
-    __init__._orders_mixed_dtypes = True
-    DistributedOptimizer.__init__ = __init__
+    return __init__

@@ -14,11 +14,11 @@ megatron saves the distributed optimizer's state in one of two layouts (``--ckpt
 With experts split over EP ranks megatron chains two optimizers (dense and expert parameters); at
 EP=1 one optimizer holds both. Its fully reshardable tensors load across that change, but the
 common part (each optimizer's parameter groups) keeps the saving layout's nesting, and megatron
-0.19.2 stops ("Expected 2 entries in state dict, but got 4"); ``chain_across_ep`` hands each
+0.19.2 stops ("Expected 2 entries in state dict, but got 4"); ``regrouped`` hands each
 optimizer the saved groups in the nesting it reads (groups are matched by their identifiers).
 
 This playground saves ``fully_reshardable`` unless ``--dist-ckpt-optim-dp-reshardable`` asks for
-megatron's default (``default_to_reshardable``); ``zero_padding`` makes a ``dp_reshardable`` save deterministic; and
+megatron's default (``default_to_reshardable``); ``zeroed_padding`` makes a ``dp_reshardable`` save deterministic; and
 ``check_layout_change`` refuses, in one line and before loading, a ``dp_reshardable`` checkpoint
 resumed at another layout or with the plain optimizer, naming what to run instead, and hands a
 checkpoint of the other kind of optimizer to ``optimizer_switch``.
@@ -65,22 +65,16 @@ def _zero_padding_entries(node) -> None:
             _zero_padding_entries(value)
 
 
-def zero_padding() -> None:
-    """``sharded_param_state_dp_reshardable`` with its padding tensors zeroed instead of uninitialised."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    original = DistributedOptimizer.sharded_param_state_dp_reshardable
-    if getattr(original, "_zeroes_padding", False):
-        return
-
+def zeroed_padding(original, run=None):
+    """``sharded_param_state_dp_reshardable`` with its padding tensors zeroed instead of uninitialised
+    (megatron_changes row)."""
     @functools.wraps(original)
     def sharded_param_state_dp_reshardable(self, *args, **kwargs):
         state = original(self, *args, **kwargs)
         _zero_padding_entries(state)
         return state
 
-    sharded_param_state_dp_reshardable._zeroes_padding = True
-    DistributedOptimizer.sharded_param_state_dp_reshardable = sharded_param_state_dp_reshardable
+    return sharded_param_state_dp_reshardable
 
 
 _COMMON = ("optimizer", "param_state_sharding_type")
@@ -119,23 +113,17 @@ def _with_expert_twins(groups: list[dict]) -> list[dict]:
     return groups + [t for t in twins if key(t) not in have]
 
 
-def chain_across_ep() -> None:
-    """ChainedOptimizer.load_state_dict (and DistributedOptimizer's, for a chain saved at EP>1 and
-    loaded at EP=1) reading the saved groups in the nesting of the saving layout."""
-    from megatron.core.optimizer.optimizer import ChainedOptimizer
-
-    original = ChainedOptimizer.load_state_dict
-    if getattr(original, "_regroups", False):
-        return
-
+def regrouped(original, run=None):
+    """ChainedOptimizer.load_state_dict reading the saved groups in the nesting of the saving layout
+    (megatron_changes row)."""
     @functools.wraps(original)
     def load_state_dict(self, state_dict):
         if isinstance(state_dict, dict):
             state_dict = _regroup(state_dict, len(self.chained_optimizers)) or state_dict
         return original(self, state_dict)
 
-    load_state_dict._regroups = True
-    ChainedOptimizer.load_state_dict = load_state_dict
+    return load_state_dict
+
 
 
 def _layout(args) -> dict[str, int]:

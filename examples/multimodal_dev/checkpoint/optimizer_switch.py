@@ -145,13 +145,11 @@ def _saved_by_other(state_dict: dict, distributed: bool) -> bool:
     return "param_state_sharding_type" in state_dict
 
 
-# --- installation ----------------------------------------------------------------------------------
+# --- the replacements (rows of megatron_changes, group optimizer-switch) -------------------------------
 
-def _wrap(cls, distributed: bool, half: bool) -> None:
-    original_request, original_load = cls.sharded_state_dict, cls.load_state_dict
-    if getattr(original_request, "_switches", False):
-        return
-
+def switching_request(original_request, run=None, *, distributed: bool, half: bool):
+    """An optimizer's ``sharded_state_dict``: loading a checkpoint of the other kind, it asks for what
+    that checkpoint holds (megatron_changes row)."""
     @functools.wraps(original_request)
     def sharded_state_dict(self, model_sharded_state_dict, is_loading=False, metadata=None, **kwargs):
         if not (is_loading and _pending(distributed)):
@@ -163,6 +161,12 @@ def _wrap(cls, distributed: bool, half: bool) -> None:
         return _distributed_request_for_plain(original_request(self, model_sharded_state_dict, is_loading,
                                                                metadata=metadata, **kwargs))
 
+    return sharded_state_dict
+
+
+def switching_load(original_load, run=None, *, distributed: bool, half: bool):
+    """An optimizer's ``load_state_dict``: a checkpoint of the other kind is translated first
+    (megatron_changes row)."""
     @functools.wraps(original_load)
     def load_state_dict(self, state_dict):
         global _saved
@@ -176,14 +180,4 @@ def _wrap(cls, distributed: bool, half: bool) -> None:
         _saved = None
         return original_load(self, translated)
 
-    sharded_state_dict._switches = load_state_dict._switches = True
-    cls.sharded_state_dict, cls.load_state_dict = sharded_state_dict, load_state_dict
-
-
-def install() -> None:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from megatron.core.optimizer.optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params
-
-    _wrap(DistributedOptimizer, distributed=True, half=False)
-    _wrap(FP32Optimizer, distributed=False, half=False)
-    _wrap(Float16OptimizerWithFloat16Params, distributed=False, half=True)
+    return load_state_dict

@@ -73,23 +73,10 @@ def resume(plan, load_dir: str | None, iteration: int, consumed_rows: int) -> st
     return f"token-budget plan: replaying {step} steps from the start ({why})"
 
 
-def with_plan_state(save_checkpoint, get_args):
-    """megatron.training's ``save_checkpoint``, followed by this rank's plan state (global rank 0)."""
+def write_after_save(iteration: int, args) -> None:
+    """After a save (``save_hooks.py``): the training plan's state, written by global rank 0."""
     import torch
 
-    def save(iteration, *args, **kwargs):
-        result = save_checkpoint(iteration, *args, **kwargs)
-        run = get_args()
-        plan = _plans.get("train")
-        if plan is not None and run.save and torch.distributed.get_rank() == 0:
-            write_state(iteration_dir(run.save, iteration), plan, run.consumed_train_samples)
-        return result
-
-    return save
-
-
-def install() -> None:
-    from megatron.training import get_args
-    from megatron.training import training as mt
-
-    mt.save_checkpoint = with_plan_state(mt.save_checkpoint, get_args)
+    plan = _plans.get("train")
+    if plan is not None and args.save and torch.distributed.get_rank() == 0:
+        write_state(iteration_dir(args.save, iteration), plan, args.consumed_train_samples)

@@ -9,7 +9,7 @@ step (7.7180 against 7.7130 at DP=2, dropout 0.1).
 megatron already knows how to keep every rank's state: with ``--data-parallel-random-init`` it
 gathers the states over the DP group, saves the list, and each DP rank takes its own entry on
 load. That flag also changes the seeds and broadcasts the initial weights, though, so it is not
-turned on; ``install`` only makes the save read it as set, and the load hand each rank its own:
+turned on; two rows of ``megatron_changes`` (group ``per-rank-rng``) only make the save read it as set, and the load hand each rank its own:
 
 - a save always stores the list of every DP rank's state;
 - a load puts this rank's entry first, where megatron reads, when the checkpoint has one per rank
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-
 
 
 @contextlib.contextmanager
@@ -44,13 +43,10 @@ def own_entry_first(state_dict: dict, dp_rank: int, dp_size: int) -> bool:
     return True
 
 
-def install() -> None:
-    from megatron.core import parallel_state
-    from megatron.training import checkpointing, get_args
-
-    if getattr(checkpointing.get_rng_state, "_per_rank", False):
-        return
-    get_rng_state, load_base = checkpointing.get_rng_state, checkpointing._load_base_checkpoint
+def every_rank_state(get_rng_state, run=None):
+    """``get_rng_state`` read as if ``--data-parallel-random-init`` were set: the list of every DP
+    rank's state (megatron_changes row)."""
+    from megatron.training import get_args
 
     @functools.wraps(get_rng_state)
     def every_rank_state(*args, **kwargs):
@@ -60,6 +56,14 @@ def install() -> None:
         with _reading_as_random_init(megatron_args):  # the flag is back before the arguments are saved
             return get_rng_state(*args, **kwargs)
 
+    return every_rank_state
+
+
+def own_rank_first(load_base, run=None):
+    """``_load_base_checkpoint`` that puts this DP rank's RNG state first (megatron_changes row)."""
+    from megatron.core import parallel_state
+    from megatron.training import get_args
+
     @functools.wraps(load_base)
     def own_rank_first(*args, **kwargs):
         loaded = load_base(*args, **kwargs)
@@ -68,6 +72,4 @@ def install() -> None:
                             parallel_state.get_data_parallel_world_size())
         return loaded
 
-    every_rank_state._per_rank = True
-    checkpointing.get_rng_state = every_rank_state
-    checkpointing._load_base_checkpoint = own_rank_first
+    return own_rank_first

@@ -3,7 +3,8 @@
 A torch_dist checkpoint is read by ``torch.distributed.checkpoint`` (DCP), which unpickles two
 things: the ``.metadata`` index (plain ``pickle.load``) and every non-tensor entry (args, RNG
 states, optimizer hyper-parameters: ``torch.load(weights_only=False)``). A checkpoint directory
-from anywhere could therefore run arbitrary code on load. ``install()`` narrows both:
+from anywhere could therefore run arbitrary code on load. Two rows of ``megatron_changes``
+(group ``checkpoints-are-data``) narrow both:
 
 - ``.metadata``: an unpickler that resolves only classes of DCP's own modules (plain dataclasses
   and enums), ``torch.Size``, torch dtypes and layouts, and builtin containers; any other global
@@ -14,7 +15,7 @@ from anywhere could therefore run arbitrary code on load. ``install()`` narrows 
   (``Call``, ``Caller``: a message string, a rank, a sequence number). weights_only rebuilds an
   allowed class from its stored fields only, so admitting a plain named tuple runs no code.
 
-Installed by the training entry point and the checkpoint tools, on every host.
+Applied by every training run and by the checkpoint tools before they read, on every host.
 """
 
 from __future__ import annotations
@@ -117,26 +118,25 @@ def check_tracker(load_dir: str | None, flag: str = "--load") -> None:
                          "directory into it)")
 
 
-_INSTALLED = False
-
-
-def install() -> None:
-    global _INSTALLED
-    if _INSTALLED:
-        return
-    import inspect
-
+def restricted_pickle(original, run):
+    """``filesystem.py``'s ``pickle`` (megatron_changes row): the same module, but ``load`` reads DCP's
+    metadata only. Also admits the two named tuples megatron's rerun state machine stores, which
+    ``megatron.core.safe_globals`` leaves out."""
     import megatron.core  # noqa: F401  (registers megatron's safe classes: Namespace, numpy RNG state, enums)
     import torch
-    from torch.distributed.checkpoint import default_planner, filesystem
+    from megatron.core.rerun_state_machine import Call, Caller
 
-    source = inspect.getsource(default_planner.DefaultLoadPlanner.load_bytes)
+    torch.serialization.add_safe_globals([Call, Caller])
+    return _safe_pickle_module(original)
+
+
+def weights_only_load_bytes(original, run):
+    """``DefaultLoadPlanner.load_bytes`` with ``weights_only=True`` (megatron_changes row), once
+    the original is checked to be the one this was written against."""
+    import inspect
+
+    source = inspect.getsource(original)
     if "torch.load" not in source or "flatten_state_dict" not in source:
         raise RuntimeError("torch.distributed.checkpoint's DefaultLoadPlanner.load_bytes changed; "
                            "checkpoint/safety.py needs updating for this torch")
-    from megatron.core.rerun_state_machine import Call, Caller
-
-    torch.serialization.add_safe_globals([Call, Caller])  # megatron.core.safe_globals leaves these two out
-    filesystem.pickle = _safe_pickle_module(pickle)
-    default_planner.DefaultLoadPlanner.load_bytes = load_bytes_weights_only
-    _INSTALLED = True
+    return load_bytes_weights_only

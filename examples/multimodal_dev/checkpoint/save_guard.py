@@ -3,9 +3,9 @@
 megatron.training writes ``iter_XXXXXXX/`` and only then points ``latest_checkpointed_iteration.txt``
 at it, so a failed save never replaces the previous checkpoint; but the failure surfaced as the
 writer's own text (``unexpected pos ...``, ``basic_ios::clear``, a DCP exception) and left the
-half-written directory. ``install()`` wraps the training loop's ``save_checkpoint``: when a save
-fails for lack of space, the half-written directory of that iteration is removed and the run stops
-with one line naming the place.
+half-written directory. ``full_disk_in_one_line`` is around every save the training loop makes
+(``save_hooks.py``): when a save fails for lack of space, the half-written directory of that
+iteration is removed and the run stops with one line naming the place.
 
 Directories newer than the tracker found at start are leftovers of a save that did not finish:
 ``clear_incomplete_saves`` removes those that are certainly incomplete (no ``.metadata``, the
@@ -16,6 +16,7 @@ overwritten when training reaches that iteration again.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -81,29 +82,27 @@ def clear_incomplete_saves(save_dir: str | None) -> list[str]:
     return lines
 
 
-def guarded(save_checkpoint, get_args):
-    def save(iteration, *args, **kwargs):
-        _writer_errors.lines.clear()
-        try:
-            return save_checkpoint(iteration, *args, **kwargs)
-        except BaseException as err:
-            if not (out_of_space(err) or any(_OUT_OF_SPACE.search(line) for line in _writer_errors.lines)):
-                raise
-            save_dir = get_args().save
-            partial = iteration_dir(save_dir, iteration)
-            latest = latest_iteration(save_dir)
-            if latest != iteration:
-                shutil.rmtree(partial, ignore_errors=True)
-            kept = f"iteration {latest}" if latest is not None else "none"
-            raise SystemExit(f"pretrain_multimodal.py: no space left on {save_dir} while saving iteration "
-                             f"{iteration}: removed the partial {partial}; the last complete checkpoint is {kept}") from None
-
-    return save
+def listen_to_the_writer() -> None:
+    """Keep the checkpoint writer's error lines (idempotent: one handler)."""
+    logger = logging.getLogger(_WriterErrors.LOGGER)
+    if _writer_errors not in logger.handlers:
+        logger.addHandler(_writer_errors)
 
 
-def install() -> None:
-    from megatron.training import get_args
-    from megatron.training import training as mt
-
-    mt.save_checkpoint = guarded(mt.save_checkpoint, get_args)
-    logging.getLogger(_WriterErrors.LOGGER).addHandler(_writer_errors)
+@contextlib.contextmanager
+def full_disk_in_one_line(save_dir: str, iteration: int):
+    """Around a save (``save_hooks.py``): a save that fails for lack of space removes its partial
+    directory and stops the run with one line; any other failure goes on unchanged."""
+    _writer_errors.lines.clear()
+    try:
+        yield
+    except BaseException as err:
+        if not (out_of_space(err) or any(_OUT_OF_SPACE.search(line) for line in _writer_errors.lines)):
+            raise
+        partial = iteration_dir(save_dir, iteration)
+        latest = latest_iteration(save_dir)
+        if latest != iteration:
+            shutil.rmtree(partial, ignore_errors=True)
+        kept = f"iteration {latest}" if latest is not None else "none"
+        raise SystemExit(f"pretrain_multimodal.py: no space left on {save_dir} while saving iteration "
+                         f"{iteration}: removed the partial {partial}; the last complete checkpoint is {kept}") from None

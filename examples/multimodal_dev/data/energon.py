@@ -48,7 +48,8 @@ from megatron.energon.edataclass import edataclass
 from megatron.energon.errors import reraise_exception
 
 from . import energon_state
-from .energon_configs import check_dataset, read_config, refuse_code_in_energon
+from ..megatron_changes import apply
+from .energon_configs import check_dataset, read_config
 from .loader import SKIPS_KEY, exit_with_parent, summing_skips
 from .sample import BadSample, DataError, fit_to_budget, validate_sample
 from .skipping import RunSkipTotals, format_counts
@@ -226,7 +227,7 @@ def open_dataset(path: str, split: str, config, encoder, batch_size: int | None,
                  packing_buffer_size: int | None = None):
     """energon's dataset over ``split`` of ``path`` for one rank: training shuffles and (``repeat``) loops;
     ``packing_buffer_size``: rows packed by ``encoder`` from that many conversations at a time."""
-    refuse_code_in_energon()
+    apply("energon-refuses-code")
     with energon_metadata_errors(path):
         if training:
             return get_train_dataset(path, split_part=split, worker_config=config, batch_size=batch_size,

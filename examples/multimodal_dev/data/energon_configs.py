@@ -13,7 +13,8 @@ host. A dataset someone hands over is data, so two guards stand between it and e
   named only at the top of a file and only as one of ``ALLOWED_CLASSES`` of ``megatron.energon``;
   ``__function__`` and ``CODE_KEYS`` are refused; ``dataset_config`` / ``split_config`` must be
   plain file names. A refusal is a ``DataError`` naming the file and the key.
-- ``refuse_code_in_energon()``: energon's object resolver refuses every object outside
+- two rows of ``megatron_changes`` (group ``energon-refuses-code``, applied by ``energon.py``
+  before it opens a dataset): energon's object resolver refuses every object outside
   ``ALLOWED_CLASSES`` and its Python-file loader refuses every file, so whatever a file the walk
   did not foresee names still cannot run.
 """
@@ -135,25 +136,20 @@ def _dataset_paths(node):
             yield from _dataset_paths(value)
 
 
-def refuse_code_in_energon() -> None:
-    """energon's resolver refuses objects outside ``ALLOWED_CLASSES``; its Python-file loader refuses
-    all files. Idempotent."""
-    from megatron.energon.module_loader import ModuleLoader
-    from megatron.energon.typed_converter import JsonParser
-
-    if getattr(JsonParser._resolve_object, "refuses_code", False):
-        return
-    resolve_object = JsonParser._resolve_object
-
+def allowed_objects_only(resolve_object, run=None):
+    """energon's object resolver, refusing every object outside ``ALLOWED_CLASSES`` (megatron_changes row)."""
     def guarded_resolve(self, module_name, object_name, *args, **kwargs):
         if not allowed(module_name, object_name):
             raise DataError(f"an energon config names {module_name}.{object_name}; a dataset's YAML is data, it may "
                             f"name only {', '.join(sorted(ALLOWED_CLASSES))} of {ENERGON_MODULE}")
         return resolve_object(self, module_name, object_name, *args, **kwargs)
 
+    return guarded_resolve
+
+
+def no_python_files(load_module, run=None):
+    """energon's Python-file loader, refusing every file (megatron_changes row)."""
     def refuse_module(self, path):
         raise DataError(f"an energon config asks to run the Python file {path}; a dataset's YAML is data, not code")
 
-    guarded_resolve.refuses_code = True
-    JsonParser._resolve_object = guarded_resolve
-    ModuleLoader._load_module = refuse_module
+    return refuse_module

@@ -59,14 +59,12 @@ def check_attention_backend(args) -> None:
                          "(torch varlen attention) or fused / unfused (SDPA per packed sample)")
 
 
-def use_prebuilt_dataset_helpers() -> None:
+def prebuilt_helpers(compile_helpers, run=None):
     """megatron.training's start-up compiles megatron-core's dataset index helpers with ``make``
     in the installed package, which the wheel ships without a Makefile (``sys.exit(1)``) but with
-    ``helpers_cpp`` already built. Use the built one when it imports."""
-    from megatron.core.datasets import utils
+    ``helpers_cpp`` already built: nothing to compile (megatron_changes row, applied when the
+    built helpers import)."""
+    def compile_nothing():
+        return None
 
-    try:
-        from megatron.core.datasets import helpers_cpp  # noqa: F401
-    except ImportError:
-        return  # a source checkout: let megatron build it
-    utils.compile_helpers = lambda: None
+    return compile_nothing

@@ -65,6 +65,7 @@ class StepFlops:
         self.window_iters = 0
         self.last = dict.fromkeys(self._KEYS, 0.0)  # global sums of the last iteration
         self.counted = True  # this rank's micro-batches add to the sums (tap)
+        self.side_losses: dict = {}  # this iteration's auxiliary (MTP) losses, for the metrics file
 
     @property
     def window_flops(self) -> float:
@@ -229,23 +230,31 @@ def peak_for_args(args) -> float | None:
     return device_peak_tflops(name, getattr(args, "peak_tflops", None))
 
 
-def install_megatron_training_hooks(meter: StepFlops) -> None:
-    """Route megatron.training's FLOPs count and its log through ``meter``."""
+def _expect_parameters(function, needed: tuple[str, ...]) -> None:
+    if not all(p in inspect.signature(function).parameters for p in needed):
+        raise RuntimeError(f"megatron.training.training.{function.__name__} no longer takes {needed}; "
+                           "the throughput rows of megatron_changes need updating for this megatron-core")
+
+
+# megatron_changes rows (group step-flops-and-log): ``run`` holds the run's args and its StepFlops meter.
+
+def counted_flops(original, run):
+    """megatron.training's FLOPs count of a step, from ``run.meter``."""
+    _expect_parameters(original, ("args", "batch_size"))
+    return flops_function(run.meter)
+
+
+def logged_step(original, run):
+    """megatron.training's ``training_log`` with the throughput line and the metrics file."""
     from megatron.training import get_args, get_tensorboard_writer, get_timers
-    from megatron.training import training as mt
     from megatron.training.utils import print_rank_last
 
-    for name, needed in (("num_floating_point_operations", ("args", "batch_size")), ("training_log", ("iteration",))):
-        params = inspect.signature(getattr(mt, name)).parameters
-        if not all(p in params for p in needed):
-            raise RuntimeError(f"megatron.training.training.{name} no longer takes {needed}; "
-                               "the throughput hooks need updating for this megatron-core")
-    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+    _expect_parameters(original, ("iteration",))
+    return log_wrapper(original, run.meter, peak_for_args, get_args, get_timers, print_rank_last,
+                       MetricsFile(getattr(run.args, "metrics_file", None)), run.meter.side_losses,
+                       get_tensorboard_writer)
 
-    side_losses: dict = {}
-    mt.num_floating_point_operations = flops_function(meter)
-    mt.training_log = log_wrapper(mt.training_log, meter, peak_for_args, get_args, get_timers, print_rank_last,
-                                  MetricsFile(getattr(get_args(), "metrics_file", None)), side_losses,
-                                  get_tensorboard_writer)
-    MTPLossLoggingHelper.track_mtp_metrics = staticmethod(
-        capture_mtp_losses(MTPLossLoggingHelper.track_mtp_metrics, side_losses))
+
+def captured_mtp_losses(original, run):
+    """MTPLossLoggingHelper's ``track_mtp_metrics`` that also keeps the iteration's MTP losses."""
+    return capture_mtp_losses(original, run.meter.side_losses)

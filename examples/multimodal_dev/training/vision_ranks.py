@@ -47,6 +47,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from examples.multimodal_dev.megatron_changes import apply as apply_changes
+
 VISION, LANGUAGE = "vision", "language"
 _DIMS = ["tp", "cp", "dp", "pp"]
 _EXPERT_DIMS = ["expt_tp", "ep", "expt_dp", "pp"]
@@ -236,7 +238,7 @@ def setup(args) -> SeparateRanks:
     data_rank = groups.dp.rank() // fan_in * fan_out if role == VISION else groups.dp.rank()
     _LAYOUT = SeparateRanks(role, groups, pg_collection, communicator, k, fan_in, fan_out if role == VISION else 1,
                             data_rank, dp)
-    _install(_LAYOUT)
+    apply_changes("vision-ranks", _LAYOUT)  # get_model and the checkpoint's common state
     if role == VISION:  # the language replica's first rank writes the stream both read
         from examples.multimodal_dev.checkpoint import loader_state
 
@@ -270,26 +272,27 @@ def _tower_rng_resumes(args, vtp: int) -> bool:
     return False
 
 
-def _install(layout: SeparateRanks) -> None:
+def module_get_model(get_model, layout: SeparateRanks):
     """megatron.training's get_model reads ``pg_collection.pp`` off the collection it is handed: give
-    it this rank's module groups (the schedule keeps the multi-module collection). A checkpoint's
-    common state is the language model's (``language_common``)."""
-    from megatron.training import checkpointing, training
-
-    get_model, generate_state_dict = training.get_model, checkpointing.generate_state_dict
-
+    it this rank's module groups (the schedule keeps the multi-module collection). A megatron_changes
+    row, applied by ``setup``."""
     @functools.wraps(get_model)
     def module_get_model(model_provider_func, model_type, wrap_with_ddp=True, config=None, pg_collection=None):
         return get_model(model_provider_func, model_type, wrap_with_ddp, config, layout.groups)
 
+    return module_get_model
+
+
+def with_language_common(generate_state_dict, layout: SeparateRanks):
+    """A saved checkpoint's common state is the language model's (``language_common``). A
+    megatron_changes row, applied by ``setup``."""
     @functools.wraps(generate_state_dict)
     def with_language_common(*args, **kwargs):
         state = generate_state_dict(*args, **kwargs)
         # a save passes the iteration; a load's template has none, and its common state comes from the file
         return language_common(state, layout) if kwargs.get("iteration") is not None else state
 
-    training.get_model = module_get_model
-    checkpointing.generate_state_dict = with_language_common
+    return with_language_common
 
 
 def language_common(state: dict, layout: SeparateRanks) -> dict:

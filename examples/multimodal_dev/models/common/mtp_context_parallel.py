@@ -8,7 +8,8 @@ micro-batch's do not: the MTP gradient then depends on the split (tiny MoE + MTP
 norm vs one process: 1.3e-4 relative at CP=2, 2.7e-4 at CP=4; without the MTP head, bitwise
 equal).
 
-``install()`` wraps the module's ``roll_tensor`` so that, for a loss mask rolled under CP, the
+A row of ``megatron_changes`` (``mtp-under-cp``, applied when a model has an MTP head) wraps the
+module's ``roll_tensor`` so that, for a loss mask rolled under CP, the
 count it returns makes each rank's ratio the CP group's ratio:
 ``local_before / returned == group_before / group_after``. Only the count changes, never the
 rolled tensor. The ratio is exact for the first MTP layer, whose input mask is the unrolled one;
@@ -21,10 +22,9 @@ import functools
 
 import torch
 
-_installed = False
-
-
-def _group_consistent_count(roll_tensor):
+def group_consistent_count(roll_tensor, run=None):
+    """``roll_tensor`` with the count of a rolled float mask made consistent over the CP group
+    (megatron_changes row, group mtp-under-cp)."""
     @functools.wraps(roll_tensor)
     def roll(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):
         rolled, rolled_sum = roll_tensor(tensor, shifts=shifts, dims=dims, cp_group=cp_group,
@@ -43,12 +43,3 @@ def _group_consistent_count(roll_tensor):
     return roll
 
 
-def install() -> None:
-    """Idempotent."""
-    global _installed
-    if _installed:
-        return
-    from megatron.core.transformer import multi_token_prediction as mtp
-
-    mtp.roll_tensor = _group_consistent_count(mtp.roll_tensor)
-    _installed = True

@@ -14,7 +14,8 @@ import dataclasses
 from megatron.core.models.gpt import GPTModel
 
 from ..base import VisionLanguageModel
-from ..common import mtp_context_parallel, vision_bridge
+from ...megatron_changes import apply
+from ..common import vision_bridge
 from ..common.context_parallel import ContextParallelSplit
 from .configuration import Qwen35VLShape
 from .flops import vision_flops
@@ -77,7 +78,7 @@ class Qwen35VLModel(VisionLanguageModel):
                 raise ValueError(f"--mtp-num-layers {language_config.mtp_num_layers} with --context-parallel-size "
                                  f"{language_config.context_parallel_size}: the MTP loss is split-independent for "
                                  "one MTP layer only (Qwen3.5 has one)")
-            mtp_context_parallel.install()
+            apply("mtp-under-cp")
         language_model = _LanguageModel(
             config=language_config,
             transformer_layer_spec=decoder_block_spec(language_config, text.layer_types, backend, vp_stage),
