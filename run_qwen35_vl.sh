@@ -145,8 +145,8 @@ for var in LR_WARMUP_ITERS LR_DECAY_ITERS; do
 done
 (( ${LR_WARMUP_ITERS:-0} < ${LR_DECAY_ITERS:-$TRAIN_ITERS} )) || fail "LR_WARMUP_ITERS=$LR_WARMUP_ITERS must be smaller" \
   "than the decay iterations ($([[ -n "${LR_DECAY_ITERS:-}" ]] && echo "LR_DECAY_ITERS=$LR_DECAY_ITERS" || echo "TRAIN_ITERS=$TRAIN_ITERS"))"
-# the split of the decoder over pipeline stages (training/pipeline_layout.py: megatron-core's rule, checked by name)
-SPLIT_ERROR=$("$PY" -m examples.multimodal_dev.training.pipeline_layout check "$LAYERS" "$PP" "$VP" "$PP_FIRST" "$PP_LAST" 2>&1) \
+# the split of the decoder over pipeline stages (planner/pipeline_layout.py: megatron-core's rule, checked by name)
+SPLIT_ERROR=$("$PY" -m examples.multimodal_dev.planner.pipeline_layout check "$LAYERS" "$PP" "$VP" "$PP_FIRST" "$PP_LAST" 2>&1) \
   || fail "${SPLIT_ERROR#pipeline_layout.py: }"
 [[ "$SP" == 0 || "$SP" == 1 ]] || fail "SP=$SP: expected 0 or 1"
 [[ "$PACKED" == 0 || "$PACKED" == 1 ]] || fail "PACKED=$PACKED: expected 0 (padded BSHD) or 1 (THD packing)"

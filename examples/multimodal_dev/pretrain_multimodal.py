@@ -36,6 +36,7 @@ from examples.multimodal_dev.forward_step import for_stage, forward_step
 from examples.multimodal_dev.models import get_model_entry
 from examples.multimodal_dev.models.common.config_from_args import given_flags, megatron_parser
 from examples.multimodal_dev.models.common.varlen_attention import describe_thd_kernels
+from examples.multimodal_dev.planner.pipeline_layout import stage_layers
 from examples.multimodal_dev.training.backend import (
     backend_of,
     check_attention_backend,
@@ -44,7 +45,6 @@ from examples.multimodal_dev.training.backend import (
     use_prebuilt_dataset_helpers,
 )
 from examples.multimodal_dev.training import run_checks, vision_ranks
-from examples.multimodal_dev.training.pipeline_layout import stage_layers
 from examples.multimodal_dev.training.throughput import StepFlops, batch_flops, install_megatron_training_hooks
 
 

@@ -191,7 +191,7 @@ def test_pipeline_settings_reach_megatron_and_layouts_are_printed():
     assert flags["nproc_per_node"] == "2"
     rc, out, err = _script(MODEL_VARIANT="tiny", PP=2, PP_FIRST=1)
     assert _flags(out)["decoder_first_pipeline_num_layers"] == "1" and "decoder_last_pipeline_num_layers" not in _flags(out)
-    from examples.multimodal_dev.training.pipeline_layout import LAYOUTS
+    from examples.multimodal_dev.planner.pipeline_layout import LAYOUTS
 
     rc, out, err = _script(MODEL_VARIANT="122b_a10b")  # the planner's choice at the default count
     tp, pp, vp, cp, ep, etp, first, last, gpus = LAYOUTS["122b_a10b"]

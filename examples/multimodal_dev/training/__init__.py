@@ -1,2 +1,3 @@
-"""Training glue between the entry point and megatron.training: module backend, throughput and
-FLOPs logging, the pipeline layout, and the launcher."""
+"""Engine glue between the entry point and megatron.training: module backend, throughput and
+FLOPs logging, settings refused before launch, and the launcher (with its warm engine). The
+layout planner and the pipeline splits live in ``planner/``."""
