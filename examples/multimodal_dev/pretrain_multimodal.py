@@ -44,8 +44,9 @@ from examples.multimodal_dev.training.backend import (
     engine_defaults,
     use_prebuilt_dataset_helpers,
 )
-from examples.multimodal_dev.training import run_checks, vision_ranks
+from examples.multimodal_dev.training import run_checks
 from examples.multimodal_dev.training.throughput import StepFlops, batch_flops, install_megatron_training_hooks
+from examples.multimodal_dev.vision_ranks import groups as vision_ranks
 
 
 @functools.lru_cache(maxsize=None)
@@ -358,7 +359,7 @@ def main():
     meter = StepFlops()
     install_megatron_training_hooks(meter)
     grids = {}
-    if args.vision_nproc:  # both modules' process grids, made before megatron starts (vision_ranks.py)
+    if args.vision_nproc:  # both modules' process grids, made before megatron starts (vision_ranks/groups.py)
         layout = vision_ranks.setup(args)
         grids = dict(pg_collection=layout.pg_collection, p2p_communicator=layout.communicator,
                      skip_model_parallel_init=True)
