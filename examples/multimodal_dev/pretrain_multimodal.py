@@ -199,7 +199,7 @@ def _no_validation(args) -> None:
 
 
 def _resumed_plan(plan_fn, args, dataset, cyclic):
-    """The training plan, continued from the checkpoint the run resumed from (data/plan_state.py)."""
+    """The training plan, continued from the checkpoint the run resumed from (checkpoint/plan_state.py)."""
     import torch
 
     plan = plan_fn(dataset, cyclic)
