@@ -17,7 +17,7 @@
 #                   model's DP, a vision replica for each language one, else 1 where VISION_NPROC divides that DP];
 #                   with VISION_NPROC its DP is a multiple (fan-in) or a divisor (fan-out) of the language model's
 #   VISION_NPROC    ranks 0..VISION_NPROC-1 run only the vision tower, the others only the language model
-#                   [0: it runs on the language model's first-stage ranks] (examples/multimodal_dev/training/vision_layout.py)
+#                   [0: it runs on the language model's first-stage ranks] (examples/multimodal_dev/vision_ranks/layout.py)
 #   NPROC           processes on this node [TP*CP*PP + VISION_NPROC]
 #   DATASET         mock | mock_mix (the length / image mix of a real SFT set) | mock_video (images and
 #                   videos) | cord_v2 | jsonl (your own conversations; README "Your own data") | energon
@@ -118,7 +118,7 @@ positive() { local var; for var in "$@"; do [[ "${!var}" =~ ^[1-9][0-9]*$ ]] || 
 TP=${TP:-1}; CP=${CP:-1}; EP=${EP:-1}; PP=${PP:-1}
 positive TP CP EP PP
 ETP=${ETP:-$TP}; VP=${VP:-1}
-VISION_TP=${VISION_TP:-}; VISION_NPROC=${VISION_NPROC:-0}  # VISION_TP unset: training/vision_layout.py's default
+VISION_TP=${VISION_TP:-}; VISION_NPROC=${VISION_NPROC:-0}  # VISION_TP unset: vision_ranks/layout.py's default
 [[ "$VISION_NPROC" =~ ^(0|[1-9][0-9]*)$ ]] || fail "VISION_NPROC=$VISION_NPROC must be a non-negative integer"
 PP_FIRST=${PP_FIRST:-0}; PP_LAST=${PP_LAST:-0}
 SP=${SP:-$(( TP > 1 && EXPERTS > 0 ? 1 : 0 ))}
@@ -145,8 +145,8 @@ for var in LR_WARMUP_ITERS LR_DECAY_ITERS; do
 done
 (( ${LR_WARMUP_ITERS:-0} < ${LR_DECAY_ITERS:-$TRAIN_ITERS} )) || fail "LR_WARMUP_ITERS=$LR_WARMUP_ITERS must be smaller" \
   "than the decay iterations ($([[ -n "${LR_DECAY_ITERS:-}" ]] && echo "LR_DECAY_ITERS=$LR_DECAY_ITERS" || echo "TRAIN_ITERS=$TRAIN_ITERS"))"
-# the split of the decoder over pipeline stages (training/pipeline_layout.py: megatron-core's rule, checked by name)
-SPLIT_ERROR=$("$PY" -m examples.multimodal_dev.training.pipeline_layout check "$LAYERS" "$PP" "$VP" "$PP_FIRST" "$PP_LAST" 2>&1) \
+# the split of the decoder over pipeline stages (planner/pipeline_layout.py: megatron-core's rule, checked by name)
+SPLIT_ERROR=$("$PY" -m examples.multimodal_dev.planner.pipeline_layout check "$LAYERS" "$PP" "$VP" "$PP_FIRST" "$PP_LAST" 2>&1) \
   || fail "${SPLIT_ERROR#pipeline_layout.py: }"
 [[ "$SP" == 0 || "$SP" == 1 ]] || fail "SP=$SP: expected 0 or 1"
 [[ "$PACKED" == 0 || "$PACKED" == 1 ]] || fail "PACKED=$PACKED: expected 0 (padded BSHD) or 1 (THD packing)"
@@ -168,13 +168,13 @@ LANG_NPROC=$((NPROC - VISION_NPROC)); LANG_NAME=$( (( VISION_NPROC > 0 )) && ech
   || fail "TP*CP=$((TP * CP)) does not divide the Gated DeltaNet heads ($GDN_K key, $GDN_V value) of $MODEL_VARIANT"
 (( GBS % (MBS * LANG_NPROC / (TP * CP * PP)) == 0 )) \
   || fail "GBS=$GBS is not a multiple of MBS*DP=$((MBS * LANG_NPROC / (TP * CP * PP)))"
-# the vision tower's own ranks and TP/DP (training/vision_layout.py: refused by name when megatron-core
+# the vision tower's own ranks and TP/DP (vision_ranks/layout.py: refused by name when megatron-core
 # cannot run them)
 VISION_HEADS=$("$PY" -m examples.multimodal_dev.models.megatron_args vision-heads "${SHAPE_ARGS[@]}" 2>/dev/null) \
   || fail "the vision heads of $MODEL_VARIANT could not be read"
-if ! VISION_TABLE=$("$PY" -m examples.multimodal_dev.training.vision_layout table "$NPROC" "$TP" "$CP" "$PP" "$VP" \
+if ! VISION_TABLE=$("$PY" -m examples.multimodal_dev.vision_ranks.layout table "$NPROC" "$TP" "$CP" "$PP" "$VP" \
                     "${VISION_TP:-0}" "$VISION_NPROC" "$VISION_HEADS" 2>&1); then
-  fail "${VISION_TABLE#vision_layout.py: }"
+  fail "${VISION_TABLE#vision_ranks/layout.py: }"
 fi
 # a layout of the tower's own: its rank table is printed, and a VISION_TP set is passed on
 OWN_VISION_LAYOUT=$(( VISION_NPROC > 0 || ${VISION_TP:-$TP} != TP ))

@@ -97,10 +97,10 @@ def add_multimodal_args(parser):
     group.add_argument("--vision-tensor-parallel-size", type=int, default=None,
                        help="tensor-parallel size of the vision tower (default: --tensor-model-parallel-size); "
                             "smaller, it runs on the same ranks with a larger data-parallel size, each rank "
-                            "encoding its share of the images (training/vision_layout.py)")
+                            "encoding its share of the images (vision_ranks/layout.py)")
     group.add_argument("--vision-nproc", type=int, default=0,
                        help="ranks 0..N-1 run only the vision tower, the others only the language model "
-                            "(training/vision_layout.py; 0: every rank runs both)")
+                            "(vision_ranks/layout.py; 0: every rank runs both)")
     group.add_argument("--freeze-vision", action="store_true", help="do not train the vision tower")
     group.add_argument("--freeze-language", action="store_true", help="do not train the language model")
     group.add_argument("--peak-tflops", type=_non_negative, default=None,

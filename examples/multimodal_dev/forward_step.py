@@ -38,7 +38,7 @@ LAST_STAGE_ONLY = ("labels", "loss_mask")
 def for_stage(batch: dict, pre_process, post_process: bool) -> dict:
     """The batch without the tensors this pipeline stage never reads (None in their place).
     ``pre_process="grids"``: a first stage whose vision features come from ranks of their own in
-    shares, which it orders by the grids (training/vision_ranks.py)."""
+    shares, which it orders by the grids (vision_ranks/groups.py)."""
     first = PIXELS if pre_process == "grids" else () if pre_process else FIRST_STAGE_ONLY
     dropped = first + (() if post_process else LAST_STAGE_ONLY)
     return {k: (None if k in dropped else v) for k, v in batch.items()}
@@ -92,7 +92,7 @@ def batch_loss(model, batch: dict):
 def forward_step(data_iterator, model, *_args, **_kwargs):
     from megatron.core.utils import get_attr_wrapped_model
 
-    from examples.multimodal_dev.training import vision_ranks
+    from examples.multimodal_dev.vision_ranks import groups as vision_ranks
 
     device = next(model.parameters()).device
     batch = batch_to_device(next(data_iterator), device)
@@ -107,7 +107,7 @@ def forward_step(data_iterator, model, *_args, **_kwargs):
 
 def vision_features(model, batch: dict, device) -> torch.Tensor:
     """The tower's features of a micro-batch, or under fan-out (``{"served": [...]}``, one micro-batch
-    of each language replica this rank serves, training/vision_ranks.py) of each, joined in that
+    of each language replica this rank serves, vision_ranks/groups.py) of each, joined in that
     order; megatron-core's bridge sends each replica its rows by ``_mimo_bridge_split_sizes``.
 
     In the pipeline dtype: megatron-core's bridge receives tensors of that dtype, but under --bf16

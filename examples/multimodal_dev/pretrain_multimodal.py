@@ -35,15 +35,16 @@ from examples.multimodal_dev.forward_step import for_stage, forward_step
 from examples.multimodal_dev.models import get_model_entry
 from examples.multimodal_dev.models.common.config_from_args import given_flags, megatron_parser
 from examples.multimodal_dev.models.common.varlen_attention import describe_thd_kernels
+from examples.multimodal_dev.planner.pipeline_layout import stage_layers
 from examples.multimodal_dev.training.backend import (
     backend_of,
     check_attention_backend,
     check_backend,
     engine_defaults,
 )
-from examples.multimodal_dev.training import run_checks, vision_ranks
-from examples.multimodal_dev.training.pipeline_layout import stage_layers
+from examples.multimodal_dev.training import run_checks
 from examples.multimodal_dev.training.throughput import StepFlops, batch_flops
+from examples.multimodal_dev.vision_ranks import groups as vision_ranks
 
 
 @functools.lru_cache(maxsize=None)
@@ -196,7 +197,7 @@ def _no_validation(args) -> None:
 
 
 def _resumed_plan(plan_fn, args, dataset, cyclic):
-    """The training plan, continued from the checkpoint the run resumed from (data/plan_state.py)."""
+    """The training plan, continued from the checkpoint the run resumed from (checkpoint/plan_state.py)."""
     import torch
 
     plan = plan_fn(dataset, cyclic)
@@ -349,7 +350,7 @@ def main():
     if args.save:
         write_queue.install()  # the writer's queue from a fork now, not a spawned interpreter at the first save
     grids = {}
-    if args.vision_nproc:  # both modules' process grids, made before megatron starts (vision_ranks.py)
+    if args.vision_nproc:  # both modules' process grids, made before megatron starts (vision_ranks/groups.py)
         layout = vision_ranks.setup(args)
         grids = dict(pg_collection=layout.pg_collection, p2p_communicator=layout.communicator,
                      skip_model_parallel_init=True)

@@ -46,7 +46,7 @@ def _stepless_state_dict(optimizer) -> dict:
     it under a fused Adam (whose path allows no step): its param groups' settings. megatron builds
     such an optimizer where a rank holds none of a kind of parameter, so that the rank still joins
     the grad-norm reductions: the expert optimizer of a rank that holds only the vision tower, when
-    the language model's experts are split over EP ranks (training/vision_ranks.py)."""
+    the language model's experts are split over EP ranks (vision_ranks/groups.py)."""
     inner = optimizer.optimizer.state_dict()
     groups = [{k: v for k, v in group.items() if k != "params"} for group in inner["param_groups"]]
     state = {"optimizer": {**{k: v for k, v in inner.items() if k not in ("state", "param_groups")},

@@ -80,7 +80,7 @@ SETTINGS = {
     "VISION_TP=1 TP=2 CP=2": (dict(LAYOUT, CP=2), 1, "TP=1 DP=4 (on the language model's ranks)", dict(TP=2, CP=2),
                               ()),
     # the tower alone on rank 0, the language model on ranks 1-2 (3 processes): the features cross through
-    # megatron-core's multi-module communicator, one pipeline stage ahead (training/vision_ranks.py); its
+    # megatron-core's multi-module communicator, one pipeline stage ahead (vision_ranks/groups.py); its
     # experts over EP=2 (ETP=1), as the resume test below runs it
     "VISION_NPROC=1 TP=2 EP=2": (dict(SEPARATE, EP=2, ETP=1), 3, "ranks 0    vision tower    TP=1 DP=1", None, ()),
     # ... with micro-batches that have no image: the tower sends one zero row joined to its weights

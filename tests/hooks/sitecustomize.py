@@ -128,7 +128,7 @@ if os.environ.get("VISION_GRAD_NORMS") and _RANK_PROCESS:  # training ranks only
     from megatron.training import training
 
     from examples.multimodal_dev.models.common import vision_bridge
-    from examples.multimodal_dev.training import vision_ranks
+    from examples.multimodal_dev.vision_ranks import groups as vision_ranks
 
     def _sharded(chunk) -> bool:
         """The distributed optimizer reduce-scatters ``chunk``'s gradients over more than one rank

@@ -1,4 +1,4 @@
-"""``training/activation_memory.py`` against what a CPU run saves for backward, part by part.
+"""``planner/activation_memory.py`` against what a CPU run saves for backward, part by part.
 
 Measured: every tensor autograd saves during the forward of one micro-batch through the training
 path (``forward_step.batch_loss``: collate -> PackedSeqParams -> model -> per-token loss), caught by
@@ -39,7 +39,7 @@ from examples.multimodal_dev.forward_step import batch_loss
 from examples.multimodal_dev.models.qwen35_vl.configuration import (
     FULL, LINEAR, get_variant, language_transformer_config, vision_transformer_config)
 from examples.multimodal_dev.models.qwen35_vl.factory import build_model
-from examples.multimodal_dev.training.activation_memory import micro_batch_activations
+from examples.multimodal_dev.planner.activation_memory import micro_batch_activations
 
 RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 TOLERANCE = 0.10

@@ -1,13 +1,15 @@
 """The package's layers (README, "Layout"): every import of every module, including the ones inside
 functions, runs down the stack, and no two modules import each other, directly or round a circle.
 
-    entry        pretrain_multimodal.py, arguments.py, forward_step.py
-    training/    engine glue: backend, throughput, pipeline layout, launcher
-    checkpoint/  formats and safety, HF <-> Megatron conversion
-    data/        providers, collate, packing
-    models/      registry, model code, MRoPE, FLOPs
+    entry         pretrain_multimodal.py, arguments.py, forward_step.py
+    training/     engine glue: backend, throughput, run checks, launcher
+    vision_ranks/ the vision tower's own layout, and its own ranks' process groups
+    planner/      the layout planner: per-rank memory and step time of launch layouts, pipeline splits
+    checkpoint/   formats and safety, HF <-> Megatron conversion
+    data/         providers, collate, packing
+    models/       registry, model code, MRoPE, FLOPs
     megatron_changes/  the table of changes to megatron: imports nothing of the project (names by path)
-    megatron/cpu the device layer
+    megatron/cpu  the device layer
     tools/, benchmarks/   commands: they import the layers; nothing imports them
 """
 
@@ -19,8 +21,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = "examples.multimodal_dev"
 # lowest first; a module may import its own layer and the layers before it
-LAYERS = ("megatron.cpu", f"{PACKAGE}.megatron_changes", f"{PACKAGE}.models", f"{PACKAGE}.data", f"{PACKAGE}.checkpoint", f"{PACKAGE}.training",
-          f"{PACKAGE}.entry", f"{PACKAGE}.commands")
+LAYERS = ("megatron.cpu", f"{PACKAGE}.megatron_changes", f"{PACKAGE}.models", f"{PACKAGE}.data",
+          f"{PACKAGE}.checkpoint", f"{PACKAGE}.planner", f"{PACKAGE}.vision_ranks", f"{PACKAGE}.training", f"{PACKAGE}.entry", f"{PACKAGE}.commands")
 ENTRY = {f"{PACKAGE}.{name}" for name in ("pretrain_multimodal", "arguments", "forward_step")}
 COMMANDS = (f"{PACKAGE}.tools", f"{PACKAGE}.benchmarks")
 

@@ -1,4 +1,4 @@
-"""The layout planner (``training/layout_plan.py``, ``tools/plan_layout.py``): the recommended
+"""The layout planner (``planner/layout_plan.py``, ``tools/plan_layout.py``): the recommended
 layouts are its choices, memory is refused by the part that is over, the schedule's micro-batches
 in flight are megatron's, the step time answers to what it counts, and bad settings are refused in
 one line. Weights, gradients and optimizer bytes are held to the meta-device builds in
@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 
 from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS
+from examples.multimodal_dev.planner import layout_cost as cost
+from examples.multimodal_dev.planner.layout_mix import Mix
+from examples.multimodal_dev.planner.layout_plan import Request, balanced_split, evaluate, plan
+from examples.multimodal_dev.planner.launch_layout import Layout
+from examples.multimodal_dev.planner.pipeline_layout import LAYOUTS, stage_layers
 from examples.multimodal_dev.tools import plan_layout as tool
-from examples.multimodal_dev.training import layout_cost as cost
-from examples.multimodal_dev.training.layout_mix import Mix
-from examples.multimodal_dev.training.layout_plan import Request, balanced_split, evaluate, plan
-from examples.multimodal_dev.training.launch_layout import Layout
-from examples.multimodal_dev.training.pipeline_layout import LAYOUTS, stage_layers
 
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 

@@ -62,8 +62,9 @@ def report() -> None:
     again = _behaviour()
     # a module imported meanwhile (a submodule the conditions import) is new, not a change
     known = {k.partition(":")[0] for k in before}
-    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) is not after.get(k)
-                     and k.partition(":")[0] in known and not (k not in before and isinstance(after[k], types.ModuleType)))
+    new_module = {k for k in after.keys() - before.keys() if isinstance(after[k], types.ModuleType)}
+    changed = sorted(k for k in before.keys() | after.keys() - new_module
+                     if before.get(k) is not after.get(k) and k.partition(":")[0] in known)
     print(json.dumps({"changed": changed, "changed_again": sorted(k for k in after if after[k] is not again.get(k)),
                       "applied": len(megatron_changes.applied())}))
 

@@ -1,7 +1,7 @@
 """The released variants at their recommended layouts (``pipeline_layout.LAYOUTS``), built rank by
-rank on the meta device in this process (``training/meta_builds.py``): what each rank holds, and
+rank on the meta device in this process (``planner/meta_builds.py``): what each rank holds, and
 whether the ranks' checkpoint shards cover the converter's mapping exactly once
-(``training/mapping_coverage.py``).
+(``planner/mapping_coverage.py``).
 
 Which ranks are built (the file stays near a minute on two cores): for ``9b``, ``27b`` and
 ``35b_a3b`` every main-replica rank (every other rank holds a copy of one of theirs), so every
@@ -28,10 +28,10 @@ from megatron.core.dist_checkpointing.mapping import is_main_replica
 
 from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS
 from examples.multimodal_dev.models.qwen35_vl.hf_mapping import mapping_rules
+from examples.multimodal_dev.planner import mapping_coverage as cov
+from examples.multimodal_dev.planner import meta_builds as mb
+from examples.multimodal_dev.planner.pipeline_layout import LAYOUTS
 from examples.multimodal_dev.tools import rank_memory as tool
-from examples.multimodal_dev.training import mapping_coverage as cov
-from examples.multimodal_dev.training import meta_builds as mb
-from examples.multimodal_dev.training.pipeline_layout import LAYOUTS
 
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 FULLY_BUILT = ("9b", "27b", "35b_a3b")
@@ -300,7 +300,7 @@ def test_tied_embeddings_with_mtp_on_a_later_stage_checkpoint(no_process_group):
 
 
 def _counted(shape, layout, pp_rank):
-    from examples.multimodal_dev.training.rank_params import stage_params
+    from examples.multimodal_dev.planner.rank_params import stage_params
 
     return stage_params(shape, layout, pp_rank)
 
@@ -318,7 +318,7 @@ def _assert_counted_equals_built(shape, layout, build, label):
     embedding_copy = sum(p.numel for c in build.chunks if c.post_process and not c.pre_process for p in c.params
                          if p.name.startswith("language_model.embedding."))  # the MTP head's, on the last stage
     assert vision == counted.vision and mtp + embedding_copy == counted.mtp, label
-    from examples.multimodal_dev.training.layout_cost import state_bytes
+    from examples.multimodal_dev.planner.layout_cost import state_bytes
 
     mem = mb.rank_memory(build, layout)
     assert state_bytes(counted, layout) == (mem.weight_bytes, mem.grad_bytes, pytest.approx(mem.optimizer_bytes))
@@ -346,7 +346,7 @@ def test_counted_parameters_at_other_layouts(no_process_group, variant, layout):
 
 def test_a_miscounted_tensor_is_caught(plans, monkeypatch):
     """The comparison can fail: one replicated norm too many per layer is seen."""
-    from examples.multimodal_dev.training import rank_params
+    from examples.multimodal_dev.planner import rank_params
 
     plan = plans("9b")
     real = rank_params._layer

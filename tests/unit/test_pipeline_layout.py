@@ -9,7 +9,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
-from examples.multimodal_dev.training.pipeline_layout import LAYOUTS, stage_layers
+from examples.multimodal_dev.planner.pipeline_layout import LAYOUTS, stage_layers
 
 SPLITS = [(4, 2, None, None, None), (4, 2, 2, None, None), (4, 2, None, 1, 3), (4, 4, None, None, None),
           (8, 2, 2, 2, None), (8, 2, 2, None, 2), (48, 8, 2, None, None), (60, 8, 4, 4, 8), (40, 2, None, 17, 23), (12, 3, 2, 4, None)]

@@ -191,7 +191,7 @@ def test_pipeline_settings_reach_megatron_and_layouts_are_printed():
     assert flags["nproc_per_node"] == "2"
     rc, out, err = _script(MODEL_VARIANT="tiny", PP=2, PP_FIRST=1)
     assert _flags(out)["decoder_first_pipeline_num_layers"] == "1" and "decoder_last_pipeline_num_layers" not in _flags(out)
-    from examples.multimodal_dev.training.pipeline_layout import LAYOUTS
+    from examples.multimodal_dev.planner.pipeline_layout import LAYOUTS
 
     rc, out, err = _script(MODEL_VARIANT="122b_a10b")  # the planner's choice at the default count
     tp, pp, vp, cp, ep, etp, first, last, gpus = LAYOUTS["122b_a10b"]
@@ -209,7 +209,7 @@ def test_vision_layout_reaches_megatron_and_its_rank_table_is_printed():
     assert rc == 0, err
     flags = _flags(out)
     assert (flags["vision_nproc"], flags["vision_tensor_parallel_size"], flags["nproc_per_node"]) == ("1", "1", "3")
-    assert "use_distributed_optimizer" in flags  # the tower's ranks share the grad norm's shards (vision_ranks.py)
+    assert "use_distributed_optimizer" in flags  # the tower's ranks share the grad norm's shards (vision_ranks/groups.py)
     lines = out.strip().splitlines()
     assert lines[-3:-1] == ["# ranks 0    vision tower    TP=1 DP=1", "# ranks 1-2  language model  TP=2 CP=1 DP=1 PP=1"]
     assert lines[-1].startswith("torchrun")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from examples.multimodal_dev.training.vision_layout import plan
+from examples.multimodal_dev.vision_ranks.layout import plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -119,7 +119,7 @@ def test_data_parallel_sizes_dividing_one_another_either_way_are_accepted():
 
 def test_command_line_prints_the_table_or_one_line_naming_the_variable():
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "examples.multimodal_dev.training.vision_layout", *map(str, args)],
+        return subprocess.run([sys.executable, "-m", "examples.multimodal_dev.vision_ranks.layout", *map(str, args)],
                               capture_output=True, text=True, cwd=ROOT)
 
     proc = run("table", 3, 2, 1, 1, 1, 1, 1, 2)
@@ -127,9 +127,9 @@ def test_command_line_prints_the_table_or_one_line_naming_the_variable():
         "# ranks 0    vision tower    TP=1 DP=1", "# ranks 1-2  language model  TP=2 CP=1 DP=1 PP=1"], proc.stderr
     proc = run("table", 3, 2, 2, 1, 1, 1, 1, 2)
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.strip() == ("vision_layout.py: NPROC=3 with VISION_NPROC=1 leaves 2 ranks to the language "
+    assert proc.stderr.strip() == ("vision_ranks/layout.py: NPROC=3 with VISION_NPROC=1 leaves 2 ranks to the language "
                                    "model, not divisible by TP=2 * CP=2 * PP=1 = 4")
     proc = run("table", 4, 2, 1, 1, 1, 3, 0, 16)
     assert proc.returncode == 2 and proc.stderr.strip() == \
-        "vision_layout.py: VISION_TP=3 does not divide the 16 vision attention heads"
-    assert run("table", 2).returncode != 0 and "usage: vision_layout.py table" in run("table", 2).stderr
+        "vision_ranks/layout.py: VISION_TP=3 does not divide the 16 vision attention heads"
+    assert run("table", 2).returncode != 0 and "usage: vision_ranks/layout.py table" in run("table", 2).stderr

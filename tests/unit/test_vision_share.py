@@ -7,9 +7,9 @@ import os
 import pytest
 
 from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS
+from examples.multimodal_dev.planner.layout_mix import Mix
+from examples.multimodal_dev.planner.pipeline_layout import LAYOUTS, stage_layers
 from examples.multimodal_dev.tools import vision_share as tool
-from examples.multimodal_dev.training.layout_mix import Mix
-from examples.multimodal_dev.training.pipeline_layout import LAYOUTS, stage_layers
 
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 

@@ -23,9 +23,9 @@ BUDGET_S = 10.0
 
 def plan_seconds(name: str, gpus: int, reps: int):
     from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS
-    from examples.multimodal_dev.training.layout_cost import HARDWARE
-    from examples.multimodal_dev.training.layout_mix import Mix
-    from examples.multimodal_dev.training.layout_plan import Request, plan
+    from examples.multimodal_dev.planner.layout_cost import HARDWARE
+    from examples.multimodal_dev.planner.layout_mix import Mix
+    from examples.multimodal_dev.planner.layout_plan import Request, plan
 
     start = time.perf_counter()
     mix = Mix.mock_mix(VARIANTS[name], 4096)
@@ -42,8 +42,8 @@ def plan_seconds(name: str, gpus: int, reps: int):
 
 def meta_build_seconds(name: str) -> float:
     from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS
-    from examples.multimodal_dev.training.launch_layout import Layout
-    from examples.multimodal_dev.training.meta_builds import rank_build, representative_ranks
+    from examples.multimodal_dev.planner.launch_layout import Layout
+    from examples.multimodal_dev.planner.meta_builds import rank_build, representative_ranks
 
     layout = Layout.recommended(name)
     start = time.perf_counter()
@@ -62,8 +62,8 @@ def main(argv=None) -> int:
     if args.reps < 1 or any(g < 1 for g in args.gpus):
         raise SystemExit("bench_plan_layout: --reps and --gpus must be positive")
     logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
+    from examples.multimodal_dev.planner.pipeline_layout import LAYOUTS
     from examples.multimodal_dev.tools.plan_layout import notes, run_settings
-    from examples.multimodal_dev.training.pipeline_layout import LAYOUTS
 
     worst = 0.0
     print("| variant | GPUs | layouts | plan s (median) | mix s | budget / plan | best |\n| --- | --- | --- | --- | --- | --- | --- |")

@@ -85,7 +85,7 @@ _READS_ONLY = False  # this process reads a stream that another one writes (read
 def reads_only() -> None:
     """This process reads its DP rank's stream but never writes or speaks for it: a rank of the
     vision tower on ranks of its own reads the stream of the language replica it serves, whose
-    first rank writes it (training/vision_ranks.py)."""
+    first rank writes it (vision_ranks/groups.py)."""
     global _READS_ONLY
     _READS_ONLY = True
 

@@ -19,9 +19,10 @@ a half-precision one, an fp32 parameter being its own main weight. Its checkpoin
 weight for every parameter, as the distributed optimizer's does, so the two still load each
 other's state (``optimizer_switch.py``).
 
-Three rows of ``megatron_changes`` (group ``mixed-dtype-optimizer``) rebuild the distributed optimizer's map in the optimizer's own order after
-construction, and wraps the plain one's save and load. With one kind of parameter per group (every
-fp32 run, a bf16 model without fp32 parameters) both are exactly megatron's.
+Three rows of ``megatron_changes`` (group ``mixed-dtype-optimizer``) rebuild the distributed
+optimizer's map in the optimizer's own order after construction, and wrap the plain one's save
+and load. With one kind of parameter per group (every fp32 run, a bf16 model without fp32
+parameters) both are exactly megatron's.
 """
 
 from __future__ import annotations

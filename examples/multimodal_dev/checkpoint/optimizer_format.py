@@ -87,7 +87,7 @@ def _regroup(state_dict, parts: int):
     flat = all(k in state_dict for k in _COMMON)
     if parts > 1 and flat and indexed and indexed[-1] < parts:  # saved by one optimizer, loaded by a chain
         # a member of the chain with no parameter on this rank (the experts' optimizer on the vision
-        # tower's own ranks, training/vision_ranks.py) has no sharded state: it reads the groups alone
+        # tower's own ranks, vision_ranks/groups.py) has no sharded state: it reads the groups alone
         groups = _with_expert_twins(state_dict["optimizer"]["param_groups"])
         common = {"optimizer": {"param_groups": groups}, "param_state_sharding_type": state_dict["param_state_sharding_type"]}
         return {i: {**state_dict.get(i, {}), **common} for i in range(parts)}

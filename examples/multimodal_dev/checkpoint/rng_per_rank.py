@@ -9,7 +9,8 @@ step (7.7180 against 7.7130 at DP=2, dropout 0.1).
 megatron already knows how to keep every rank's state: with ``--data-parallel-random-init`` it
 gathers the states over the DP group, saves the list, and each DP rank takes its own entry on
 load. That flag also changes the seeds and broadcasts the initial weights, though, so it is not
-turned on; two rows of ``megatron_changes`` (group ``per-rank-rng``) only make the save read it as set, and the load hand each rank its own:
+turned on; two rows of ``megatron_changes`` (group ``per-rank-rng``) only make the save read it
+as set, and the load hand each rank its own:
 
 - a save always stores the list of every DP rank's state;
 - a load puts this rank's entry first, where megatron reads, when the checkpoint has one per rank

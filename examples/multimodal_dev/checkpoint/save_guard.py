@@ -104,5 +104,5 @@ def full_disk_in_one_line(save_dir: str, iteration: int):
         if latest != iteration:
             shutil.rmtree(partial, ignore_errors=True)
         kept = f"iteration {latest}" if latest is not None else "none"
-        raise SystemExit(f"pretrain_multimodal.py: no space left on {save_dir} while saving iteration "
-                         f"{iteration}: removed the partial {partial}; the last complete checkpoint is {kept}") from None
+        raise SystemExit(f"pretrain_multimodal.py: no space left on {save_dir} while saving iteration {iteration}: "
+                         f"removed the partial {partial}; the last complete checkpoint is {kept}") from None

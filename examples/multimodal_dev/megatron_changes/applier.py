@@ -35,14 +35,13 @@ def load(path: str):
 def _owner(change: Change):
     module, _, attribute = change.target.partition(":")
     owner_path, _, name = attribute.rpartition(".")
+    re_port = f"the change '{change.group}' was written for megatron-core {WRITTEN_FOR} and needs re-porting"
     try:
         owner = load(f"{module}:{owner_path}")
     except (ImportError, AttributeError) as err:
-        raise MegatronChangeError(f"{change.target}: not in this megatron-core / torch ({err}); the change "
-                                  f"'{change.group}' was written for megatron-core {WRITTEN_FOR} and needs re-porting") from None
+        raise MegatronChangeError(f"{change.target}: not in this megatron-core / torch ({err}); {re_port}") from None
     if not hasattr(owner, name):
-        raise MegatronChangeError(f"{change.target}: not in this megatron-core / torch; the change '{change.group}' "
-                                  f"was written for megatron-core {WRITTEN_FOR} and needs re-porting")
+        raise MegatronChangeError(f"{change.target}: not in this megatron-core / torch; {re_port}")
     return owner, name
 
 

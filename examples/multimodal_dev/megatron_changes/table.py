@@ -15,7 +15,7 @@ what the group's caller hands ``apply``), except in the device layer's rows, whi
     megatron.cpu: ...         the device layer applies it (a CPU host; torch GDN kernels)
 
 Not in the table, because they change no behaviour of megatron: the process groups the vision
-tower's own ranks set as megatron's ``parallel_state`` globals (``vision_ranks``: state megatron
+tower's own ranks set as megatron's ``parallel_state`` globals (``vision_ranks/groups.py``: state megatron
 reads, like ``initialize_model_parallel`` sets), the checkpoint writer's results queue made early
 by megatron's own function (``checkpoint/write_queue.py``), and the device layer's stubs of
 ``torch.cuda`` (``megatron/cpu/device_compat.py``).
@@ -56,8 +56,8 @@ _GDN = "megatron.core.ssm.gated_delta_net."
 def _switch(cls: str, distributed: bool, half: bool) -> tuple[Change, ...]:
     opts = (("distributed", distributed), ("half", half))
     why = "a checkpoint of the other kind of optimizer (distributed <-> plain) resumes: its state is translated"
-    return (Change("optimizer-switch", f"{cls}.sharded_state_dict", f"{_P}checkpoint.optimizer_switch:switching_request",
-                   why, options=opts),
+    return (Change("optimizer-switch", f"{cls}.sharded_state_dict",
+                   f"{_P}checkpoint.optimizer_switch:switching_request", why, options=opts),
             Change("optimizer-switch", f"{cls}.load_state_dict", f"{_P}checkpoint.optimizer_switch:switching_load",
                    why, options=opts))
 
@@ -143,10 +143,10 @@ CHANGES: tuple[Change, ...] = (
     Change("energon-refuses-code", "megatron.energon.module_loader:ModuleLoader._load_module",
            f"{_P}data.energon_configs:no_python_files", "a dataset's YAML may not run a Python file", ON_USE),
     # The vision tower on ranks of its own (vision_ranks/).
-    Change("vision-ranks", "megatron.training.training:get_model", f"{_P}training.vision_ranks:module_get_model",
-           "get_model builds this rank's module on its own process groups (applied by vision_ranks' setup "
+    Change("vision-ranks", "megatron.training.training:get_model", f"{_P}vision_ranks.groups:module_get_model",
+           "get_model builds this rank's module on its own process groups (applied by vision_ranks/groups.py's setup "
            "under --vision-nproc)", ON_USE),
-    Change("vision-ranks", f"{_CKPT}generate_state_dict", f"{_P}training.vision_ranks:with_language_common",
+    Change("vision-ranks", f"{_CKPT}generate_state_dict", f"{_P}vision_ranks.groups:with_language_common",
            "a checkpoint's common state is the language model's, on the tower's ranks too", ON_USE),
     # The device layer (megatron/cpu/): megatron.training on a host without CUDA.
     Change("cpu-host", "megatron.core.tensor_parallel.random:_get_cuda_rng_state",

@@ -62,7 +62,7 @@ class VisionLanguageModel(MegatronModule):
         return self.language_model.shared_embedding_or_output_weight()
 
     def set_input_tensor(self, input_tensor):
-        """With the vision tower on ranks of its own (training/vision_ranks.py) megatron's multi-module
+        """With the vision tower on ranks of its own (vision_ranks/groups.py) megatron's multi-module
         schedule hands a dict a module: the tower's features ("vision", on the first stage) and the
         previous stage's activations ("language")."""
         if isinstance(input_tensor, list) and input_tensor and isinstance(input_tensor[0], dict):
@@ -119,7 +119,7 @@ class VisionLanguageModel(MegatronModule):
         return out
 
     # With the tower on ranks of its own, how many of its replicas each encode a share of one
-    # micro-batch's items and send it (training/vision_ranks.py's fan-in; 1: one replica sends all).
+    # micro-batch's items and send it (vision_ranks/groups.py's fan-in; 1: one replica sends all).
     received_shares = 1
 
     def vision_item_flops(self, grid_thw) -> float:
@@ -222,7 +222,7 @@ class VisionLanguageModel(MegatronModule):
 
 
 class VisionStage(MegatronModule):
-    """The vision tower alone, on ranks of its own (training/vision_ranks.py): a pipeline stage ahead
+    """The vision tower alone, on ranks of its own (vision_ranks/groups.py): a pipeline stage ahead
     of the language model. Its output, the micro-batch's image features then its video features
     ([N, H], at least one row), goes to the language model's first stage."""
 
@@ -242,7 +242,7 @@ class VisionStage(MegatronModule):
     def set_input_tensor(self, input_tensor):
         """The first stage of the whole model: nothing arrives."""
 
-    # Under fan-in (training/vision_ranks.py) ``shares`` replicas of the tower serve one language
+    # Under fan-in (vision_ranks/groups.py) ``shares`` replicas of the tower serve one language
     # replica: each encodes share ``share`` of a micro-batch's items, dealt by FLOPs.
     shares, share = 1, 0
 

@@ -12,7 +12,7 @@ VARIANT: a released variant or ``--hf-config config.json``. A micro-batch is ``-
 rows of ``--seq-len`` tokens packed from ``mock_mix``'s conversation mix, or from your JSONL's
 (``--data-path``, read as training reads it, no pixels decoded) (``--packing tokens``);
 ``--global-batch`` counts rows. Memory is the busiest pipeline stage's rank; time is predicted
-(``training/layout_cost.py`` says what is counted and what is assumed hidden), at ``--efficiency``
+(``planner/layout_cost.py`` says what is counted and what is assumed hidden), at ``--efficiency``
 of the GPU's peak on the model's FLOPs. The figures are predictions, not measurements: memory
 parts are checked on CPU (weights, gradients and optimizer state exactly against meta-device
 builds; activations within 10 % of a CPU run), step times cannot be checked without GPUs.
@@ -28,7 +28,7 @@ import math
 import sys
 import time
 
-from examples.multimodal_dev.training.layout_cost import GIB, HARDWARE, Hardware
+from examples.multimodal_dev.planner.layout_cost import GIB, HARDWARE, Hardware
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -93,9 +93,9 @@ def _fail(message: str):
 def request_from_args(args):
     """The planner's Request, every setting checked (one line naming the flag otherwise)."""
     from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS
-    from examples.multimodal_dev.training.layout_mix import Mix
-    from examples.multimodal_dev.training.layout_plan import MIN_CP_TOKENS, Request
-    from examples.multimodal_dev.training.pipeline_layout import LAYOUTS
+    from examples.multimodal_dev.planner.layout_mix import Mix
+    from examples.multimodal_dev.planner.layout_plan import MIN_CP_TOKENS, Request
+    from examples.multimodal_dev.planner.pipeline_layout import LAYOUTS
 
     if args.hf_config:
         from examples.multimodal_dev.models.qwen35_vl.configuration import from_hf_config
@@ -138,7 +138,7 @@ def request_from_args(args):
 
 
 def _mix(args, shape):
-    from examples.multimodal_dev.training.layout_mix import Mix
+    from examples.multimodal_dev.planner.layout_mix import Mix
 
     if not args.data_path:
         if args.hf_processor_path or args.media_root or args.allow_media_anywhere:
@@ -232,9 +232,9 @@ def describe(result, seconds: float) -> str:
 
 def _one_layout(request, text: str):
     """A Result holding the given layout (each recompute setting asked for), or its refusal."""
-    from examples.multimodal_dev.training.layout_cost import Candidate
-    from examples.multimodal_dev.training.layout_plan import Result, evaluate
-    from examples.multimodal_dev.training.launch_layout import Layout
+    from examples.multimodal_dev.planner.layout_cost import Candidate
+    from examples.multimodal_dev.planner.layout_plan import Result, evaluate
+    from examples.multimodal_dev.planner.launch_layout import Layout
 
     try:
         layout = Layout.parse(text)
@@ -259,8 +259,8 @@ def _one_layout(request, text: str):
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.readme_table:
-        from examples.multimodal_dev.training.layout_plan import plan
-        from examples.multimodal_dev.training.pipeline_layout import LAYOUTS
+        from examples.multimodal_dev.planner.layout_plan import plan
+        from examples.multimodal_dev.planner.pipeline_layout import LAYOUTS
 
         print(README_HEADER)
         for name in LAYOUTS:
@@ -269,7 +269,7 @@ def main(argv=None) -> int:
         return 0
     if not args.variant and not args.hf_config:
         _fail("give a VARIANT or --hf-config")
-    from examples.multimodal_dev.training.layout_plan import plan
+    from examples.multimodal_dev.planner.layout_plan import plan
 
     request = request_from_args(args)
     start = time.perf_counter()

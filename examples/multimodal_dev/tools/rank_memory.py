@@ -13,7 +13,7 @@ Assumptions (``meta_builds``): bf16 weights, fp32 gradient buffers, distributed 
 main parameters + two Adam moments) sharded over each parameter's data-parallel group.
 
 ``--check`` also builds every main-replica rank of the layout and checks that their checkpoint
-shards cover the converter's mapping exactly once (``training/mapping_coverage.py``), and prints
+shards cover the converter's mapping exactly once (``planner/mapping_coverage.py``), and prints
 the whole model's total and active parameters against the published figures; ~1.5 minutes for
 all five variants on two CPU cores.
 """
@@ -31,7 +31,7 @@ HEADER = ("| variant | layout | rank | parameters | weights GiB | gradients GiB 
 
 
 def parse_layout(text: str, where: str = "rank_memory: --layout"):
-    from examples.multimodal_dev.training.launch_layout import Layout
+    from examples.multimodal_dev.planner.launch_layout import Layout
 
     try:
         return Layout.parse(text)
@@ -42,7 +42,7 @@ def parse_layout(text: str, where: str = "rank_memory: --layout"):
 def table_rows(name, shape, layout, build=None) -> list[str]:
     """The README table's rows of one variant: its representative ranks (``build(rank)``: a
     ``RankBuild``, by default built here)."""
-    from examples.multimodal_dev.training.meta_builds import GIB, rank_build, rank_memory, representative_ranks
+    from examples.multimodal_dev.planner.meta_builds import GIB, rank_build, rank_memory, representative_ranks
 
     build = build or (lambda rank: rank_build(shape, layout, rank, shards=False))
     rows = []
@@ -57,14 +57,14 @@ def table_rows(name, shape, layout, build=None) -> list[str]:
 def _check(name, shape, layout) -> bool:
     from megatron.core.dist_checkpointing.mapping import is_main_replica
 
-    from examples.multimodal_dev.training.mapping_coverage import (
+    from examples.multimodal_dev.planner.mapping_coverage import (
         PUBLISHED,
         coverage_errors,
         expected_keys,
         parameter_counts,
         within_published_rounding,
     )
-    from examples.multimodal_dev.training.meta_builds import main_replica_ranks, rank_build
+    from examples.multimodal_dev.planner.meta_builds import main_replica_ranks, rank_build
 
     start = time.perf_counter()
     expected = expected_keys(shape)
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS
-    from examples.multimodal_dev.training.pipeline_layout import LAYOUTS
+    from examples.multimodal_dev.planner.pipeline_layout import LAYOUTS
 
     names = args.variants or list(LAYOUTS)
     valid = list(VARIANTS) if args.layout else list(LAYOUTS)
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
 
     # megatron-core logs a deprecation warning for every GPTModel built; hundreds of builds here
     logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
-    from examples.multimodal_dev.training.launch_layout import Layout
+    from examples.multimodal_dev.planner.launch_layout import Layout
 
     print(HEADER, flush=True)
     ok = True

@@ -3,10 +3,10 @@
     python -m examples.multimodal_dev.tools.vision_share [--seq-len 4096] [--samples 4096] [--readme-table]
 
 Rows of ``--seq-len`` tokens packed from ``--samples`` conversations of ``mock_mix``'s profile
-(``training/layout_mix.py``, the planner's mix); FLOPs (``models/qwen35_vl/flops.py``) summed over
+(``planner/layout_mix.py``, the planner's mix); FLOPs (``models/qwen35_vl/flops.py``) summed over
 the rows. Columns:
 
-  vision tower parameters   the whole tower, from the shape (``training/rank_params.py``)
+  vision tower parameters   the whole tower, from the shape (``planner/rank_params.py``)
   vision share of FLOPs     the tower's FLOPs over the model's (``Mix.vision_share``)
   planned layout            ``pipeline_layout.LAYOUTS``: TP, PP, CP and the layers of the first
                             stage; a variant without one is shown on one stage
@@ -51,15 +51,15 @@ def total_flops(shape, rows):
 def stage_language_flops(shape, fb, layers, last: bool) -> float:
     """The language model's share of ``fb`` on a stage holding decoder ``layers``, with the output
     layer and the MTP head on the last stage."""
-    from examples.multimodal_dev.training.layout_cost import decoder_layer_flops
+    from examples.multimodal_dev.planner.layout_cost import decoder_layer_flops
 
     return decoder_layer_flops(shape, fb, layers) + (fb.output + fb.mtp if last else 0.0)
 
 
 def vision_share(name, shape, mix) -> Share:
-    from examples.multimodal_dev.training.launch_layout import Layout
-    from examples.multimodal_dev.training.pipeline_layout import LAYOUTS, stage_layers
-    from examples.multimodal_dev.training.rank_params import stage_params
+    from examples.multimodal_dev.planner.launch_layout import Layout
+    from examples.multimodal_dev.planner.pipeline_layout import LAYOUTS, stage_layers
+    from examples.multimodal_dev.planner.rank_params import stage_params
 
     n, lay = shape.text.num_layers, Layout.recommended(name) if name in LAYOUTS else Layout()
     first = [i for chunk in stage_layers(n, lay.pp, lay.vp, lay.first, lay.last)[0] for i in chunk]
@@ -73,7 +73,7 @@ def mixes(names, seq_len: int, samples: int) -> dict:
     """The planner's mix for each variant. ``mock_mix`` reads the shape only for its spatial merge,
     so the rows are drawn once for each merge size and costed for each variant."""
     from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS
-    from examples.multimodal_dev.training import layout_mix
+    from examples.multimodal_dev.planner import layout_mix
 
     drawn, out = {}, {}
     for name in names:
@@ -86,13 +86,13 @@ def mixes(names, seq_len: int, samples: int) -> dict:
 
 def table(seq_len: int = 4096, samples: int | None = None, names=VARIANT_NAMES) -> list[Share]:
     from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS
-    from examples.multimodal_dev.training.layout_mix import DRAW
+    from examples.multimodal_dev.planner.layout_mix import DRAW
 
     return [vision_share(n, VARIANTS[n], mix) for n, mix in mixes(names, seq_len, samples or DRAW).items()]
 
 
 def main(argv=None) -> int:
-    from examples.multimodal_dev.training.layout_mix import DRAW
+    from examples.multimodal_dev.planner.layout_mix import DRAW
 
     parser = argparse.ArgumentParser(prog="python -m examples.multimodal_dev.tools.vision_share",
                                      description=__doc__.split("\n\n")[0])
@@ -101,7 +101,7 @@ def main(argv=None) -> int:
                         help=f"conversations drawn for the rows [{DRAW}, the planner's draw]")
     parser.add_argument("--readme-table", action="store_true", help="the README's Markdown table")
     args = parser.parse_args(argv)
-    from examples.multimodal_dev.training.layout_plan import MIN_CP_TOKENS
+    from examples.multimodal_dev.planner.layout_plan import MIN_CP_TOKENS
 
     for flag, value, low in (("--seq-len", args.seq_len, MIN_CP_TOKENS // 8), ("--samples", args.samples, 1)):
         if value < low:  # the planner's bound on the row length

@@ -82,8 +82,8 @@ def check_memory_floor(args, hidden_size: int, num_layers: int, vocab_size: int,
 
 def vision_defaults(given, world: int) -> dict:
     """``args_defaults`` for megatron's parse: VISION_TP unset under ``--vision-nproc`` is its default
-    (``vision_layout.default_vision_tp``) before megatron prints the arguments, not after."""
-    from .vision_layout import default_vision_tp
+    (``vision_ranks.layout.default_vision_tp``) before megatron prints the arguments, not after."""
+    from ..vision_ranks.layout import default_vision_tp
 
     if given.vision_nproc and not 0 < given.vision_nproc < world:
         raise ValueError(f"--vision-nproc {given.vision_nproc}: of the {world} ranks it must leave at least one to the "
@@ -96,11 +96,11 @@ def vision_defaults(given, world: int) -> dict:
 
 
 def check_vision_layout(args, vision_heads: int, world: int | None = None) -> None:
-    """The vision tower's own layout (``training/vision_layout.py``), refused by flag before any
+    """The vision tower's own layout (``vision_ranks/layout.py``), refused by flag before any
     process group exists. ``world``: every rank, the vision tower's own included (megatron's
     ``args.world_size`` counts the language model's). Under ``--vision-nproc`` an unset
-    ``--vision-tensor-parallel-size`` takes its default here (``vision_layout.default_vision_tp``)."""
-    from .vision_layout import plan
+    ``--vision-tensor-parallel-size`` takes its default here (``vision_ranks.layout.default_vision_tp``)."""
+    from ..vision_ranks.layout import plan
 
     world, tp, cp, pp = (world or args.world_size, args.tensor_model_parallel_size, args.context_parallel_size,
                          args.pipeline_model_parallel_size)
@@ -117,7 +117,7 @@ def check_vision_layout(args, vision_heads: int, world: int | None = None) -> No
 
 
 def _check_separate_ranks(args) -> None:
-    """What this build runs of the tower on ranks of its own (training/vision_ranks.py)."""
+    """What this build runs of the tower on ranks of its own (vision_ranks/groups.py)."""
     k = f"--vision-nproc {args.vision_nproc}"
     if not args.use_distributed_optimizer:
         raise ValueError(f"{k} needs --use-distributed-optimizer: its gradient norm is summed over the world's "

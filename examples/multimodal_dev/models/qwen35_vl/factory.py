@@ -19,7 +19,7 @@ def build_model(shape: Qwen35VLShape, backend: str = "local", params_dtype=torch
     tensor_model_parallel_size) for tests, conversion and benchmarks. ``pre_process`` /
     ``post_process`` / ``vp_stage``: the pipeline stage to build (megatron.training's get_model).
     ``module``: "vision" or "language" where the tower runs on ranks of its own
-    (training/vision_ranks.py), the tower alone as a ``VisionStage`` on its process ``groups`` or the
+    (vision_ranks/groups.py), the tower alone as a ``VisionStage`` on its process ``groups`` or the
     language model without it."""
     if configs is None:
         configs = (language_transformer_config(shape.text, params_dtype, **settings),

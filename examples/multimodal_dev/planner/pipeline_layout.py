@@ -8,7 +8,7 @@ stage's layers are cut into ``vp`` equal chunks, and the model runs round by rou
 every rank in rank order, then chunk v+1 (so a rank's chunks are not contiguous). megatron asserts these with a traceback, deep in argument validation or model
 building; ``stage_layers`` checks them first and says which setting is wrong.
 
-    python -m examples.multimodal_dev.training.pipeline_layout check LAYERS PP VP FIRST LAST
+    python -m examples.multimodal_dev.planner.pipeline_layout check LAYERS PP VP FIRST LAST
                                             (0 = unset; the run script's check)
 """
 
@@ -67,7 +67,7 @@ def stage_layers(num_layers: int, pp: int, vp: int | None = None, first: int | N
 
 
 # Recommended launch layouts: the layout planner's choice (``tools/plan_layout.py``,
-# ``training/layout_plan.py``) for each variant at this GPU count on 8-GPU H100 (80 GB) nodes,
+# ``planner/layout_plan.py``) for each variant at this GPU count on 8-GPU H100 (80 GB) nodes,
 # 4096-token rows of ``mock_mix``'s conversations, GBS 512 rows, MBS 1; the README's "Planning a
 # cluster layout" shows why. ``test_layout_plan`` holds each row equal to the planner's current
 # choice, so a change to the cost model that moves one shows up there. ETP: expert tensor

@@ -22,7 +22,7 @@ Either way VISION_TP divides the vision attention heads (its MLP and merger widt
 them). ``plan`` checks all of this and names the setting; ``VisionLayout.groups`` enumerates the
 process groups so a run's own can be compared with them.
 
-    python -m examples.multimodal_dev.training.vision_layout table NPROC TP CP PP VP VISION_TP VISION_NPROC VISION_HEADS
+    python -m examples.multimodal_dev.vision_ranks.layout table NPROC TP CP PP VP VISION_TP VISION_NPROC VISION_HEADS
                                             (the run script's check; prints the rank table; VISION_TP 0: the default)
 """
 
@@ -176,7 +176,7 @@ def _main(argv: list[str]) -> str:
                     else "VISION_TP is TP unless set")
             raise ValueError(f"{err.args[0]} ({hint})") from None
         return "\n".join("# " + line for line in layout.table())
-    raise SystemExit("usage: vision_layout.py table NPROC TP CP PP VP VISION_TP VISION_NPROC VISION_HEADS (VISION_TP 0: "
+    raise SystemExit("usage: vision_ranks/layout.py table NPROC TP CP PP VP VISION_TP VISION_NPROC VISION_HEADS (VISION_TP 0: "
                      "the default)")
 
 
@@ -186,6 +186,6 @@ if __name__ == "__main__":
     try:
         out = _main(sys.argv[1:])
     except ValueError as err:
-        print(f"vision_layout.py: {err.args[0]}", file=sys.stderr)
+        print(f"vision_ranks/layout.py: {err.args[0]}", file=sys.stderr)
         raise SystemExit(2)
     print(out)

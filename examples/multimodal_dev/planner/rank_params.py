@@ -1,6 +1,6 @@
 """Parameters a rank of a launch layout holds, counted from the shape alone (no build): the
 layout planner weighs thousands of layouts a second with it. ``meta_builds.rank_build`` builds the
-same ranks on the meta device; ``tests/unit/test_rank_params.py`` holds the two equal, parameter
+same ranks on the meta device; ``tests/unit/test_meta_builds.py`` holds the two equal, parameter
 for parameter in total, at every rank kind of several layouts.
 
 How megatron-core 0.19.2 splits each tensor (TP = tensor parallel, ETP = expert tensor parallel,
