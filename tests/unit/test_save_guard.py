@@ -13,6 +13,9 @@ def test_out_of_space_is_recognised_through_wrapping():
     wrapped.__cause__ = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4160 vs 4054")
     assert save_guard.out_of_space(wrapped)
     assert not save_guard.out_of_space(OSError(errno.EACCES, "Permission denied"))
+    dcp = BaseException("CheckpointException ranks:dict_keys([0])")  # DCP keeps the writers' errors in failures
+    dcp.failures = {0: (OSError(errno.ENOSPC, "No space left on device"), "traceback")}
+    assert save_guard.out_of_space(dcp)
 
 
 def test_failed_save_removes_only_its_own_directory(tmp_path):
@@ -61,14 +64,14 @@ def test_a_full_disk_is_recognised_from_what_the_writer_logged(tmp_path):
 
     def writer_fails():
         (tmp_path / "iter_0000002").mkdir()
-        logging.getLogger(save_guard._WriterErrors.LOGGER).error(
+        logging.getLogger(save_guard.WriterLog.LOGGER).error(
             "Local worker 0 encountered an error: [Errno 28] No space left on device")
         raise RuntimeError("Worker failure: An error is caught while starting worker 0, error: <class 'OSError'>")
 
     def other_failure():
         raise RuntimeError("Worker failure: An error is caught while starting worker 0, error: <class 'OSError'>")
 
-    logger = logging.getLogger(save_guard._WriterErrors.LOGGER)
+    logger = logging.getLogger(save_guard.WriterLog.LOGGER)
     save_guard.listen_to_the_writer()
     save_guard.listen_to_the_writer()
     assert logger.handlers.count(save_guard._writer_errors) == 1

@@ -30,7 +30,6 @@ Conversion runs on the CPU: it needs host memory for one copy of the model, not 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import shutil
@@ -49,8 +48,9 @@ from .files import TRACKER, checkpoint_directory, iteration_dir, load_model_weig
 from .hf_models import hf_classes
 from .hf_safetensors import INDEX, HFTensorSource, ShardedWriter, per_expert, read_config
 from ..megatron_changes import apply
-from .safety import check_tracker, refusal
 from .run_shape import resolve_shape
+from .safety import check_tracker, refusal
+from .writer_errors import WriterLog, causes
 
 HF_CONFIG = "hf_config.json"  # the source config.json, kept next to the converted checkpoint
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -194,47 +194,13 @@ def _save_import(megatron_path: str, config: dict, shape, model) -> None:
     os.replace(final_config + ".partial", final_config)
 
 
-class _WriterErrors(logging.Handler):
-    """Collects what megatron's torch_dist writer logs while a save runs. Its worker turns an
-    OSError into ``RuntimeError("... error: <class 'OSError'>")``: the cause ("No space left on
-    device") survives only in its log line. Those lines are kept out of the terminal (the failure is
-    reported once, in one line)."""
-
-    LOGGER = "megatron.core.dist_checkpointing"
-
-    def __init__(self):
-        super().__init__(logging.ERROR)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-    def __enter__(self):
-        logger = logging.getLogger(self.LOGGER)
-        self._propagate, logger.propagate = logger.propagate, False
-        logger.addHandler(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        logger = logging.getLogger(self.LOGGER)
-        logger.removeHandler(self)
-        logger.propagate = self._propagate
-
-
 def _os_error_cause(err: BaseException, logged: list[str]) -> str | None:
     """The file system's reason for ``err`` ("No space left on device (PATH)"), or None when the
     failure is not the file system's. DCP wraps writer errors in its CheckpointException (a
     BaseException whose ``failures`` hold them), so the chain is searched, then the writer's log."""
-    seen, queue = set(), [err]
-    while queue:
-        e = queue.pop(0)
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
+    for e in causes(err):
         if isinstance(e, OSError) and e.strerror:
             return e.strerror + (f" ({e.filename})" if e.filename else "")
-        queue += [e.__cause__, e.__context__]
-        queue += [pair[0] if isinstance(pair, tuple) else pair for pair in (getattr(e, "failures", None) or {}).values()]
     for text in [*logged, str(err)]:
         found = re.search(r"\[Errno \d+\] ([^:'\"\n]+)(?:: '([^']*)')?", text)
         if found:
@@ -249,7 +215,7 @@ def _write_import(megatron_path: str, config: dict, shape, model) -> None:
                   iteration_dir(megatron_path, 0), iteration_dir(megatron_path, 0) + ".partial",
                   os.path.join(megatron_path, TRACKER), os.path.join(megatron_path, TRACKER + ".tmp")]
     existed = {p for p in candidates if os.path.lexists(p)}
-    writer_log = _WriterErrors()
+    writer_log = WriterLog()
     try:
         with writer_log:
             _save_import(megatron_path, config, shape, model)
@@ -261,7 +227,7 @@ def _write_import(megatron_path: str, config: dict, shape, model) -> None:
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 os.unlink(path)
-        cause = _os_error_cause(err, writer_log.messages)
+        cause = _os_error_cause(err, writer_log.lines)
         if cause is None:
             raise
         raise ImportWriteError(f"--megatron-path {megatron_path}: cannot write the checkpoint: {cause}; nothing "

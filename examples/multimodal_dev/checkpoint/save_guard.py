@@ -18,45 +18,23 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import os
 import re
 import shutil
 
 from .files import TRACKER, iteration_dir, latest_iteration
+from .writer_errors import WriterLog, causes
 
 # What the writers say when the disk is full: the OS error, and the C++ stream errors torch's
 # serialisation raises on a short write.
 _OUT_OF_SPACE = re.compile(r"No space left on device|ENOSPC|errno 28|unexpected pos|basic_ios::clear", re.I)
 
 
-class _WriterErrors(logging.Handler):
-    """megatron's checkpoint writer turns a worker's exception into "Worker failure: An error is
-    caught while starting worker 0, error: <class 'OSError'>" (the type alone) and logs the text
-    itself ("Local worker 0 encountered an error: [Errno 28] No space left on device"); keep
-    those lines, so the save that failed can be told apart from other failures."""
-
-    LOGGER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
-
-    def __init__(self):
-        super().__init__(logging.ERROR)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
-_writer_errors = _WriterErrors()
+_writer_errors = WriterLog()
 
 
 def out_of_space(err: BaseException) -> bool:
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, OSError) and err.errno == errno.ENOSPC or _OUT_OF_SPACE.search(str(err)):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
+    return any(isinstance(e, OSError) and e.errno == errno.ENOSPC or _OUT_OF_SPACE.search(str(e)) for e in causes(err))
 
 
 def stale_directories(save_dir: str | None) -> list[str]:
@@ -83,10 +61,8 @@ def clear_incomplete_saves(save_dir: str | None) -> list[str]:
 
 
 def listen_to_the_writer() -> None:
-    """Keep the checkpoint writer's error lines (idempotent: one handler)."""
-    logger = logging.getLogger(_WriterErrors.LOGGER)
-    if _writer_errors not in logger.handlers:
-        logger.addHandler(_writer_errors)
+    """Keep the checkpoint writer's error lines for the life of the run (idempotent)."""
+    _writer_errors.attach()
 
 
 @contextlib.contextmanager
