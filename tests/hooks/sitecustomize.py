@@ -37,7 +37,7 @@ import sys
 # file there); the rank reads RANK when it records
 _RANK_PROCESS = ("RANK" in os.environ or any("multiprocessing.forkserver" in arg for arg in sys.orig_argv)
                  or "megatron.training" in sys.modules)
-# Every hook is for the ranks alone: the run script's helpers (shape-row, the layout checks) and the
+# Every hook is for the ranks alone: the run script's launcher (training/launch.py) and the
 # launcher start with this folder on PYTHONPATH too, and a hook's imports (megatron-core, Triton) would
 # cost each of them seconds
 

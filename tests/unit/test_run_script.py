@@ -1,4 +1,5 @@
-"""``run_qwen35_vl.sh``: DRY_RUN prints, for every variant, model flags equal to the variant table
+"""``run_qwen35_vl.sh`` (``training/launch.py`` behind it): DRY_RUN prints, for every variant, model
+flags equal to the variant table
 (and ``check_model_flags`` accepts them); impossible settings fail naming the variable."""
 
 import os
@@ -11,6 +12,7 @@ from launch import WarmEngine
 
 from examples.multimodal_dev.models.megatron_args import check_model_flags
 from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS, get_variant
+from examples.multimodal_dev.training import launch, run_variables
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -92,28 +94,27 @@ def test_each_own_data_variable_reaches_its_flag(variable):
         assert rc == 0 and flag not in _flags(out), err
 
 
-# Read by the launcher (training/torchrun_launcher.py, training/engine_handover.py), not the script
+# Read by the processes the launch starts (training/torchrun_launcher.py, training/engine_handover.py)
 LAUNCHER_VARIABLES = {"FORK_RANKS": "torchrun_launcher.py", "ENGINE_SERVER": "engine_handover.py"}
 
 
-def _documented_variables() -> set:
-    """The variables of README.md's table of run_qwen35_vl.sh's variables (``| variable | default | meaning |``)."""
+def test_the_readme_variable_table_is_the_launchers_table():
     with open(os.path.join(ROOT, "README.md")) as f:
-        lines = f.read().split("| variable | default | meaning |\n", 1)[1].splitlines()[1:]
-    rows = lines[:next(i for i, line in enumerate(lines) if not line.startswith("|"))]
-    return {name for row in rows for name in re.findall(r"`([A-Z][A-Z_0-9]*)`", row.split(" | ")[0])}
+        assert run_variables.markdown() in f.read(), "README.md's variable table differs from training/run_variables.py"
 
 
-def test_every_variable_the_launch_reads_is_in_the_readme_table():
-    """Every environment variable run_qwen35_vl.sh reads (with a default: ``${NAME:-...}``) or the
-    launcher reads is a row of README's table, and every row names one of them."""
-    with open(os.path.join(ROOT, "run_qwen35_vl.sh")) as f:
-        read = set(re.findall(r"\$\{([A-Z][A-Z_0-9]*):[-+=]", f.read()))
+def test_every_variable_in_the_table_is_read_by_a_launch(tmp_path):
+    """The launch reads the environment only through the table's names (``Settings.var`` refuses
+    others), and a few launches that reach every branch read every name of it."""
     for name, module in LAUNCHER_VARIABLES.items():
         with open(os.path.join(ROOT, "examples", "multimodal_dev", "training", module)) as f:
             assert f'"{name}"' in f.read(), (name, module)
-    documented = _documented_variables()
-    assert read | set(LAUNCHER_VARIABLES) == documented, (sorted(read - documented), sorted(documented - read))
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
+    read = set()
+    for environ in ({}, dict(DATASET="jsonl", DATA_PATH="/d", HF_PROCESSOR_PATH="/p", CKPT_RESUME=str(tmp_path),
+                             CKPT_SAVE="/s", MASTER_PORT="29500", DRY_RUN="1", GPUS="8", MODEL_VARIANT="9b")):
+        read |= set(launch.prepare(environ, [], False, launch.Launch()).read)
+    assert read | set(LAUNCHER_VARIABLES) == run_variables.NAMES, sorted(run_variables.NAMES - read)
 
 
 @pytest.mark.parametrize("env,message", [

@@ -2,15 +2,10 @@
 out by hand for the small layouts (and equal to megatron-core's own rank enumeration), and every
 impossible setting refused naming the flag and the value."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from examples.multimodal_dev.vision_ranks.layout import plan
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # (world, tp, cp, pp, vtp, vnproc) -> vision TP groups, vision DP groups, language first-stage TP groups, table
 LAYOUTS = [
@@ -117,19 +112,16 @@ def test_data_parallel_sizes_dividing_one_another_either_way_are_accepted():
     assert (plan(6, 1, 1, 1, 1, 4, 2).vdp, plan(6, 1, 1, 1, 1, 4, 2).dp) == (4, 2)
 
 
-def test_command_line_prints_the_table_or_one_line_naming_the_variable():
-    def run(*args):
-        return subprocess.run([sys.executable, "-m", "examples.multimodal_dev.vision_ranks.layout", *map(str, args)],
-                              capture_output=True, text=True, cwd=ROOT)
+def test_the_run_scripts_check_gives_the_table_or_names_the_variable():
+    from examples.multimodal_dev.vision_ranks.layout import env_table
 
-    proc = run("table", 3, 2, 1, 1, 1, 1, 1, 2)
-    assert proc.returncode == 0 and proc.stdout.splitlines() == [
-        "# ranks 0    vision tower    TP=1 DP=1", "# ranks 1-2  language model  TP=2 CP=1 DP=1 PP=1"], proc.stderr
-    proc = run("table", 3, 2, 2, 1, 1, 1, 1, 2)
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.strip() == ("vision_ranks/layout.py: NPROC=3 with VISION_NPROC=1 leaves 2 ranks to the language "
-                                   "model, not divisible by TP=2 * CP=2 * PP=1 = 4")
-    proc = run("table", 4, 2, 1, 1, 1, 3, 0, 16)
-    assert proc.returncode == 2 and proc.stderr.strip() == \
-        "vision_ranks/layout.py: VISION_TP=3 does not divide the 16 vision attention heads"
-    assert run("table", 2).returncode != 0 and "usage: vision_ranks/layout.py table" in run("table", 2).stderr
+    assert env_table(3, 2, 1, 1, 1, 1, 1, 2) == ["ranks 0    vision tower    TP=1 DP=1",
+                                                  "ranks 1-2  language model  TP=2 CP=1 DP=1 PP=1"]
+    with pytest.raises(ValueError, match=r"^NPROC=3 with VISION_NPROC=1 leaves 2 ranks to the language model, not "
+                                         r"divisible by TP=2 \* CP=2 \* PP=1 = 4$"):
+        env_table(3, 2, 2, 1, 1, 1, 1, 2)
+    with pytest.raises(ValueError, match=r"^VISION_TP=3 does not divide the 16 vision attention heads$"):
+        env_table(4, 2, 1, 1, 1, 3, 0, 16)
+    with pytest.raises(ValueError, match=r"^VISION_TP=4 does not divide the 2 vision attention heads \(VISION_TP is "
+                                         r"TP unless set\)$"):
+        env_table(4, 4, 1, 1, 1, None, 0, 2)

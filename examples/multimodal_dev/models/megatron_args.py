@@ -1,8 +1,6 @@
 """megatron.training's model flags as read from a model shape: the numbers a run's flags must equal,
-what a checkpoint stores as ``args``, and the run script's per-variant columns.
-
-    python -m examples.multimodal_dev.models.megatron_args shape-row --variant 9b   (the run script's)
-    python -m examples.multimodal_dev.models.megatron_args vision-heads --variant 9b
+what a checkpoint stores as ``args``, and the run script's per-variant numbers (``shape_row``, read
+by ``training/launch.py``).
 
 The shape table (``qwen35_vl/configuration.py``) is the only copy of the numbers; everything here
 reads them from a shape.
@@ -70,36 +68,3 @@ def shape_row(shape) -> str:
     args["ffn_hidden_size"] = 0 if t.is_moe else t.ffn_hidden_size
     args["mtp_num_layers"] = t.mtp_num_layers
     return " ".join(str(args[k] or 0) for k in SHAPE_ROW)
-
-
-# the commands of ``python -m ...megatron_args``: what each prints of the shape it is given
-COMMANDS = {"shape-row": ("the run script's model numbers: " + " ".join(SHAPE_ROW), shape_row),
-            "vision-heads": ("the vision tower's attention heads", lambda shape: str(shape.vision.num_heads))}
-
-
-def _shape_command(command: str, argv: list[str]) -> str:
-    import argparse
-
-    description, output = COMMANDS[command]
-    parser = argparse.ArgumentParser(prog=f"megatron_args.py {command}", description=description)
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--variant")
-    source.add_argument("--hf-config")
-    parser.add_argument("--moe", action="store_true", help="tiny only: its 4-expert MoE form")
-    args = parser.parse_args(argv)
-    from .qwen35_vl.configuration import from_hf_config, get_variant
-
-    if args.hf_config:
-        return output(from_hf_config(args.hf_config))
-    return output(get_variant(args.variant, moe=True if args.moe else None))
-
-
-if __name__ == "__main__":  # used by run_qwen35_vl.sh: -m examples.multimodal_dev.models.megatron_args shape-row|vision-heads (--variant V [--moe] | --hf-config C)
-    import sys
-
-    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
-        raise SystemExit("usage: megatron_args.py shape-row|vision-heads (--variant NAME [--moe] | --hf-config CONFIG_JSON)")
-    try:
-        print(_shape_command(sys.argv[1], sys.argv[2:]))
-    except (KeyError, ValueError, FileNotFoundError) as err:
-        raise SystemExit(f"megatron_args.py: {err.args[0] if err.args else err}")

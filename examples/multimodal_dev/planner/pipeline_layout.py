@@ -6,10 +6,8 @@ megatron-core's rule (``get_transformer_layer_offset`` / ``get_num_layers_to_bui
 stages share the rest evenly, otherwise all stages share evenly; with virtual stages every
 stage's layers are cut into ``vp`` equal chunks, and the model runs round by round: chunk v of
 every rank in rank order, then chunk v+1 (so a rank's chunks are not contiguous). megatron asserts these with a traceback, deep in argument validation or model
-building; ``stage_layers`` checks them first and says which setting is wrong.
-
-    python -m examples.multimodal_dev.planner.pipeline_layout check LAYERS PP VP FIRST LAST
-                                            (0 = unset; the run script's check)
+building; ``stage_layers`` checks them first and says which setting is wrong (``names=ENV_NAMES``:
+in the run script's variables, ``training/launch.py``).
 """
 
 from __future__ import annotations
@@ -80,22 +78,3 @@ LAYOUTS = {
     "122b_a10b": (2, 4, None, 2, 4,  2,  7,    7,    128),
     "397b_a17b": (1, 8, None, 2, 8,  1,  4,    2,    256),
 }
-
-
-def _main(argv: list[str]) -> str:
-    if argv[:1] == ["check"] and len(argv) == 6:
-        layers, pp, vp, first, last = (int(a) for a in argv[1:])
-        stage_layers(layers, pp, vp or None, first or None, last or None, names=ENV_NAMES)
-        return ""
-    raise SystemExit("usage: pipeline_layout.py check LAYERS PP VP FIRST LAST")
-
-
-if __name__ == "__main__":
-    import sys
-
-    try:
-        out = _main(sys.argv[1:])
-    except (KeyError, ValueError) as err:
-        raise SystemExit(f"pipeline_layout.py: {err.args[0]}")
-    if out:
-        print(out)

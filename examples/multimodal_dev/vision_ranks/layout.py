@@ -20,10 +20,8 @@ Two layouts:
 
 Either way VISION_TP divides the vision attention heads (its MLP and merger widths are multiples of
 them). ``plan`` checks all of this and names the setting; ``VisionLayout.groups`` enumerates the
-process groups so a run's own can be compared with them.
-
-    python -m examples.multimodal_dev.vision_ranks.layout table NPROC TP CP PP VP VISION_TP VISION_NPROC VISION_HEADS
-                                            (the run script's check; prints the rank table; VISION_TP 0: the default)
+process groups so a run's own can be compared with them; ``env_table`` is the run script's check
+(``training/launch.py``), in the variables' names.
 """
 
 from __future__ import annotations
@@ -161,31 +159,18 @@ def plan(world: int, tp: int, cp: int, pp: int, vtp: int, vnproc: int, vision_he
     return VisionLayout(world, tp, cp, pp, dp, vtp, vdp, vnproc)
 
 
-def _main(argv: list[str]) -> str:
-    if argv[:1] == ["table"] and len(argv) == 9:
-        world, tp, cp, pp, vp, vtp, vnproc, heads = (int(a) for a in argv[1:])
-        given = vtp > 0  # 0: not set
-        vtp = vtp if given else default_vision_tp(world, tp, cp, pp, vnproc)
-        try:
-            layout = plan(world, tp, cp, pp, vtp, vnproc, heads, vp=vp, names=ENV_NAMES)
-        except ValueError as err:
-            if given or "VISION_TP=" not in err.args[0]:
-                raise
-            hint = ("VISION_TP unset: VISION_NPROC / the language model's DP where that divides, else 1 where "
-                    "VISION_NPROC divides that DP, else TP" if vnproc
-                    else "VISION_TP is TP unless set")
-            raise ValueError(f"{err.args[0]} ({hint})") from None
-        return "\n".join("# " + line for line in layout.table())
-    raise SystemExit("usage: vision_ranks/layout.py table NPROC TP CP PP VP VISION_TP VISION_NPROC VISION_HEADS (VISION_TP 0: "
-                     "the default)")
-
-
-if __name__ == "__main__":
-    import sys
-
+def env_table(world: int, tp: int, cp: int, pp: int, vp: int, vtp: int | None, vnproc: int, heads: int) -> list[str]:
+    """The rank table of the run script's settings (``vtp`` None: VISION_TP unset), or ValueError
+    naming the variables."""
+    given = bool(vtp)
+    vtp = vtp if given else default_vision_tp(world, tp, cp, pp, vnproc)
     try:
-        out = _main(sys.argv[1:])
+        layout = plan(world, tp, cp, pp, vtp, vnproc, heads, vp=vp, names=ENV_NAMES)
     except ValueError as err:
-        print(f"vision_ranks/layout.py: {err.args[0]}", file=sys.stderr)
-        raise SystemExit(2)
-    print(out)
+        if given or "VISION_TP=" not in err.args[0]:
+            raise
+        hint = ("VISION_TP unset: VISION_NPROC / the language model's DP where that divides, else 1 where "
+                "VISION_NPROC divides that DP, else TP" if vnproc
+                else "VISION_TP is TP unless set")
+        raise ValueError(f"{err.args[0]} ({hint})") from None
+    return layout.table()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from .parallel import validate_parallel
 
 # torch is imported where a config is built, not here: the run script reads this module's variant
-# table (models/megatron_args.py shape-row) on every launch and dry run, and importing torch costs ~2 s.
+# table (training/launch.py) on every launch and dry run, and importing torch costs ~2 s.
 
 LINEAR, FULL = "linear_attention", "full_attention"
 
