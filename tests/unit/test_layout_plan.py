@@ -146,8 +146,8 @@ def test_mix_imbalance_is_one_for_one_replica_and_small_when_dealt(mixes):
                                              "1000000 GPUs; raise --global-batch or lower --gpus"),
     (["nine", "--gpus", "8"], "variant 'nine': expected one of"),
     (["tiny"], "--gpus: needed for tiny"),
-    (["9b", "--layout", "TP=3"], "--layout TP=3: invalid parallel settings: --tensor-model-parallel-size 3 must divide "
-                                 "num_attention_heads 16; "),
+    (["9b", "--layout", "TP=3"], "--layout TP=3: invalid parallel settings: --tensor-model-parallel-size 3 does not "
+                                 "divide the 16 attention heads; "),
     (["9b", "--layout", "XP=2"], "--layout XP=2: item 'XP=2': expected KEY=N"),
 ])
 def test_bad_settings_are_refused_in_one_line(argv, message):

@@ -121,7 +121,7 @@ def test_every_variable_in_the_table_is_read_by_a_launch(tmp_path):
     (dict(EP=2), "EP=2 needs an MoE variant"),
     (dict(MODEL_VARIANT="35b_a3b", EP=3, NPROC=3), "EP=3 does not divide the 256 experts"),
     (dict(TP=3), "TP=3 does not divide the 4 attention heads"),
-    (dict(TP=2, CP=4, MODEL_VARIANT="tiny"), "TP\\*CP=8 does not divide the Gated DeltaNet heads"),
+    (dict(TP=2, CP=4, MODEL_VARIANT="tiny"), "CP=4 does not divide the per-TP-rank Gated DeltaNet heads"),
     (dict(SP=1), "SP=1 needs TP>1"),
     (dict(TP=2, MOE=1, SP=0), "SP=0 with TP=2: megatron-core requires sequence parallelism for MoE"),
     (dict(TP=2, NPROC=3), "NPROC=3 is not divisible by TP\\*CP\\*PP=2"),

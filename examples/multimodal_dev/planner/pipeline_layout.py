@@ -12,10 +12,10 @@ in the run script's variables, ``training/launch.py``).
 
 from __future__ import annotations
 
-# How the run script and megatron name each setting, for messages.
-FLAG_NAMES = {"pp": "--pipeline-model-parallel-size", "vp": "--num-virtual-stages-per-pipeline-rank",
-              "first": "--decoder-first-pipeline-num-layers", "last": "--decoder-last-pipeline-num-layers"}
-ENV_NAMES = {"pp": "PP=", "vp": "VP=", "first": "PP_FIRST=", "last": "PP_LAST="}
+from ..models.setting_names import FLAGS, VARIABLES, named
+
+# How a message names each setting: FLAG_NAMES (the training script) or ENV_NAMES (the run script)
+FLAG_NAMES, ENV_NAMES = FLAGS, VARIABLES
 
 
 def stage_layers(num_layers: int, pp: int, vp: int | None = None, first: int | None = None,
@@ -23,8 +23,7 @@ def stage_layers(num_layers: int, pp: int, vp: int | None = None, first: int | N
     """Global decoder layer indices of every (pipeline rank, virtual stage), or ValueError naming
     the setting that cannot be split."""
     def name(key, value):
-        sep = "" if names[key].endswith("=") else " "
-        return f"{names[key]}{sep}{value}"
+        return named(names, key, value)
 
     vp = vp or 1
     if pp < 1 or vp < 1:

@@ -28,18 +28,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# How megatron / the playground and the run script name each setting, for messages.
-FLAG_NAMES = {"world": "the world size", "tp": "--tensor-model-parallel-size", "cp": "--context-parallel-size",
-              "pp": "--pipeline-model-parallel-size", "vp": "--num-virtual-stages-per-pipeline-rank",
-              "vtp": "--vision-tensor-parallel-size", "vnproc": "--vision-nproc"}
-ENV_NAMES = {"world": "NPROC=", "tp": "TP=", "cp": "CP=", "pp": "PP=", "vp": "VP=", "vtp": "VISION_TP=",
-             "vnproc": "VISION_NPROC="}
+from ..models.setting_names import FLAGS, VARIABLES, named
 
-
-def _named(names: dict, key: str, value) -> str:
-    """``--tensor-model-parallel-size 2`` (FLAG_NAMES) or ``TP=2`` (ENV_NAMES)."""
-    sep = "" if names[key].endswith("=") else " "
-    return f"{names[key]}{sep}{value}"
+# How a message names each setting: FLAG_NAMES (the training script) or ENV_NAMES (the run script)
+FLAG_NAMES, ENV_NAMES = FLAGS, VARIABLES
 
 
 def _span(ranks: range) -> str:
@@ -119,7 +111,7 @@ def plan(world: int, tp: int, cp: int, pp: int, vtp: int, vnproc: int, vision_he
          names: dict = FLAG_NAMES) -> VisionLayout:
     """The layout of these settings, or ValueError naming the one that cannot run."""
     def name(key, value):
-        return _named(names, key, value)
+        return named(names, key, value)
 
     for key, value in (("world", world), ("tp", tp), ("cp", cp), ("pp", pp), ("vp", vp), ("vtp", vtp)):
         if value < 1:
