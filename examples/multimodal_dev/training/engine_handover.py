@@ -18,6 +18,20 @@ SERVER_VARIABLE = "ENGINE_SERVER"
 _HEADER = struct.Struct("!Q")
 
 
+def private_listener(address: str) -> socket.socket:
+    """A Unix socket listening at ``address`` that only this user may connect to (the warm engine's
+    server, and the forkserver a warm launcher forks)."""
+    listener = socket.socket(socket.AF_UNIX)
+    try:
+        listener.bind(address)
+    except OSError:
+        listener.close()
+        raise
+    os.chmod(address, 0o600)
+    listener.listen()
+    return listener
+
+
 def send(sock: socket.socket, payload: dict) -> None:
     data = json.dumps(payload).encode()
     sock.sendall(_HEADER.pack(len(data)) + data)

@@ -104,15 +104,13 @@ def _fork_the_forkserver() -> None:
     ``ForkServer.ensure_running`` sets up, with ``os.fork`` in place of a fresh interpreter that would
     import the engine again. Before any thread of torchrun's starts: the forkserver is forked from a
     process of one Python thread, as the ranks are from it."""
-    import socket
     from multiprocessing import connection, forkserver, resource_tracker
 
+    from examples.multimodal_dev.training.engine_handover import private_listener
+
     resource_tracker.ensure_running()
-    listener = socket.socket(socket.AF_UNIX)
     address = connection.arbitrary_address("AF_UNIX")
-    listener.bind(address)
-    os.chmod(address, 0o600)
-    listener.listen()
+    listener = private_listener(address)
     alive_r, alive_w = os.pipe()
     pid = os.fork()
     if pid == 0:

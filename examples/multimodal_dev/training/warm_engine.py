@@ -31,7 +31,7 @@ import socket
 import stat
 import sys
 
-from examples.multimodal_dev.training.engine_handover import receive, send
+from examples.multimodal_dev.training.engine_handover import private_listener, receive, send
 
 # Read while torch, Triton, OpenMP or the interpreter start: a forked child keeps the server's values
 IMPORT_TIME = ("PYTHON", "TORCH", "PYTORCH", "TRITON", "OMP_", "MKL_", "CUDA", "NCCL", "LD_", "MEGATRON_CPU_FLA")
@@ -107,25 +107,21 @@ def _take_on(request: dict, fds: list[int]) -> None:
 def _listen(address: str) -> socket.socket:
     """A listening socket at ``address``; a socket file left by a server that died is replaced, one that
     a server answers on is refused in one line."""
-    listener = socket.socket(socket.AF_UNIX)
     try:
-        listener.bind(address)
+        return private_listener(address)
     except OSError as err:
         probe = socket.socket(socket.AF_UNIX)
         try:
             probe.connect(address)
         except ConnectionRefusedError:  # nobody listens: what a dead server left
             os.unlink(address)
-            listener.bind(address)
+            return private_listener(address)
         except OSError:
             raise SystemExit(f"warm_engine.py: {address}: {err.strerror}") from None
         else:
             raise SystemExit(f"warm_engine.py: {address}: a warm engine serves there already")
         finally:
             probe.close()
-    os.chmod(address, 0o600)
-    listener.listen()
-    return listener
 
 
 class _Server:
