@@ -158,3 +158,34 @@ def test_describe_matches_the_sample_without_decoding(paths):
         for i in range(len(ROWS)):
             sample = train[i]
             assert train.describe(i) == (sample["input_ids"].numel(), sample["image_grid_thw"].tolist()), i
+
+
+def test_with_qwen35s_template_receipts_are_trained_in_the_format_generation_asks_for(tmp_path):
+    """Qwen3.5's generation prompt opens a think block. A receipt is trained as the template renders a
+    finished turn (after an empty, closed think block), and generation's prompt (thinking off,
+    ``answer_spans.generation_prompt``) is exactly the text before the answer."""
+    import re
+
+    from tiny_processor import QWEN35_CHAT_TEMPLATE
+
+    from examples.multimodal_dev.data.answer_spans import generation_prompt
+    from examples.multimodal_dev.data.conversations import Media, Turn
+    from examples.multimodal_dev.data.cord_v2 import INSTRUCTION
+
+    processor_path = build_processor(str(tmp_path / "processor"), chat_template=QWEN35_CHAT_TEMPLATE)
+    data_path = build_cord_dataset(str(tmp_path / "cord"), ROWS[:1])
+    train, _, _ = build_datasets(seq_length=400, num_samples=(1, 0, 0), data_path=data_path,
+                                 hf_processor_path=processor_path, min_pixels=32 * 32, max_pixels=128 * 128)
+    processor, _ = load_processor(processor_path)
+    sample = train[0]
+    answer = json.dumps(json.loads(ROWS[0][1])["gt_parse"])
+    assert processor.tokenizer.decode(sample["labels"][sample["loss_mask"] > 0]) == answer + "<|im_end|>"
+    first_target = int(torch.nonzero(sample["loss_mask"])[0]) + 1
+    context = processor.tokenizer.decode(sample["input_ids"][:first_target])
+    context = re.sub(r"(<\|image_pad\|>)+", "<|image_pad|>", context)  # the prompt's one placeholder, expanded
+    user = [Turn("user", (Media("image", "receipt"), INSTRUCTION))]
+    assert context == generation_prompt(processor, user)
+    assert context.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": INSTRUCTION}]}]
+    thinking = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert thinking.endswith("<think>\n") and context != thinking  # what CORD-V2 samples used to be trained after

@@ -23,9 +23,13 @@ from __future__ import annotations
 import torch
 
 from .conversations import Turn, chat_messages
-from .sample import BadSample
+from .sample import BadSample, build_conversation_sample
 
 SENTINEL = "\ue000"  # a private-use character: no record's text, no template's markup
+# Training renders every answer as the template renders a finished turn; Qwen3.5's template puts an
+# empty think block before the last one. The matching prompt for generation is its generation prompt
+# with thinking off (with thinking on it ends in an open ``<think>``, a format never trained).
+THINKING = False
 
 
 def render(processor, messages: list[dict]) -> str:
@@ -56,6 +60,25 @@ def answer_char_spans(processor, turns: list[Turn], rewrite=None) -> tuple[str, 
             raise BadSample("empty_answer", f"assistant turn {index} renders no text")
         spans.append((start, end))
     return text, spans
+
+
+def generation_prompt(processor, turns: list[Turn]) -> str:
+    """The text that asks for the next assistant turn in the format training gave answers: every
+    character of a trained conversation before an answer's first character, for the turns before it."""
+    return processor.apply_chat_template(chat_messages(turns), tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=THINKING)
+
+
+def trained_sample(info, input_ids, offsets, replacements, spans, pixels=None, grids=None, video_pixels=None,
+                   video_grids=None) -> dict:
+    """The contract sample of a rendered conversation (``answer_char_spans``) as the processor
+    encoded it, with offsets: every assistant turn's tokens trained."""
+    tokens = info.tokens
+    is_answer = answer_token_mask(input_ids, offsets, spans, replacements, info.end_of_turn_id,
+                                  (*tokens.vision_ids, tokens.vision_start, tokens.vision_end))
+    if pixels is None:
+        pixels, grids = torch.zeros(0, info.patch_dim), torch.zeros(0, 3, dtype=torch.long)
+    return build_conversation_sample(input_ids, is_answer, pixels, grids, video_pixels, video_grids)
 
 
 def answer_token_mask(input_ids: torch.Tensor, offsets: torch.Tensor, char_spans: list[tuple[int, int]],

@@ -7,10 +7,12 @@ from its own files: a source without a validation or test split (or with an empt
 data and no iterator for it, never the train rows again. Columns: ``image`` and
 ``ground_truth`` (a JSON string whose ``gt_parse`` is the answer).
 
-Each sample: user turn = image + instruction, assistant turn = ``json.dumps(gt_parse)``. The
-prompt goes through the processor's chat template (with the generation prompt) and image
-expansion; the answer and its end-of-turn token are tokenized separately and appended, so
-the trained span is exactly the answer, whatever the template puts around it.
+Each sample: user turn = image + instruction, assistant turn = ``json.dumps(gt_parse)``, rendered
+by the processor's chat template as a finished conversation and trained on the answer's tokens and
+its end-of-turn token, found through the template (``answer_spans.py``), as for the user's own JSONL
+conversations. So a receipt is trained in the format a generation prompt asks for
+(``answer_spans.generation_prompt``): with Qwen3.5's template, after an empty think block, never
+inside an open one.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import json
 import torch
 
 from . import sources
+from .answer_spans import answer_char_spans, trained_sample
+from .conversations import Media, Turn
 from .processor import load_processor
-from .sample import BadSample, DataError, build_sft_sample
+from .sample import BadSample, DataError
 from .skipping import SkippingDataset
 
 INSTRUCTION = "Extract the receipt's contents as JSON."
@@ -122,40 +126,40 @@ class CordV2Conversations:
         return [{"role": "user", "content": [{"type": "image", "image": image, **self.pixel_budget},
                                              {"type": "text", "text": INSTRUCTION}]}]
 
-    def _answer_ids(self, row) -> torch.Tensor:
-        answer = _answer_text(row["ground_truth"])
-        answer_ids = self.processor.tokenizer(answer, add_special_tokens=False, return_tensors="pt").input_ids[0]
-        return torch.cat([answer_ids, torch.tensor([self.info.end_of_turn_id])])
+    def _conversation(self, row) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered conversation and its answer's characters."""
+        turns = [Turn("user", (Media("image", "receipt"), INSTRUCTION)),
+                 Turn("assistant", (_answer_text(row["ground_truth"]),))]
+        return answer_char_spans(self.processor, turns)
 
     def __call__(self, index: int) -> dict:
         from qwen_vl_utils import process_vision_info
 
         row = self.ds[index]
-        answer_ids = self._answer_ids(row)
-        messages = self._messages(_open_image(row["image"]))
-        prompt = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text, spans = self._conversation(row)
         with _aspect_ratio_is_bad_sample():
-            images, _ = process_vision_info(messages, image_patch_size=self.info.patch_size)
-            enc = self.processor(text=[prompt], images=images, return_tensors="pt")
-        return build_sft_sample(enc["input_ids"][0], answer_ids, enc["pixel_values"], enc["image_grid_thw"])
+            images, _ = process_vision_info(self._messages(_open_image(row["image"])),
+                                            image_patch_size=self.info.patch_size)
+            enc = self.processor(text=[text], images=images, return_tensors="pt", return_offsets_mapping=True,
+                                 return_text_replacement_offsets=True)
+        return trained_sample(self.info, enc["input_ids"][0], enc["offset_mapping"][0],
+                              enc["text_replacement_offsets"][0], spans, enc["pixel_values"], enc["image_grid_thw"])
 
     def describe(self, index: int) -> dict:
         """Sample ``index`` with its real token ids and grid but zero-stride pixels, from the
         image's header: the two resizes (qwen_vl_utils', then the image processor's) are computed,
         not performed. Token-budget packing plans with it; a test holds it to ``self(index)``."""
         row = self.ds[index]
-        answer_ids = self._answer_ids(row)
+        text, spans = self._conversation(row)
         width, height = _image_size(row["image"])
         with _aspect_ratio_is_bad_sample():
-            grid = self._grid(height, width)
-        n_tokens = grid[0] * grid[1] * grid[2] // self.info.tokens.spatial_merge ** 2
-        prompt = self.processor.apply_chat_template(self._messages(None), tokenize=False, add_generation_prompt=True)
-        ids = self.processor.tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids[0]
-        at = int(torch.nonzero(ids == self.info.tokens.image).flatten()[0])
-        ids = torch.cat([ids[:at], torch.full((n_tokens,), self.info.tokens.image), ids[at + 1:]])
-        n_patches = grid[0] * grid[1] * grid[2]
-        pixels = torch.zeros(1, self.info.patch_dim).expand(n_patches, self.info.patch_dim)
-        return build_sft_sample(ids, answer_ids, pixels, torch.tensor([grid]))
+            grid = torch.tensor([self._grid(height, width)])
+        image_text = [self.processor.replace_image_token({"image_grid_thw": grid}, 0)]
+        expanded, replacements = self.processor.get_text_with_replacements([text], image_text, [])
+        enc = self.processor.tokenizer(expanded, return_offsets_mapping=True, return_tensors="pt")
+        pixels = torch.zeros(1, self.info.patch_dim).expand(int(grid.prod()), self.info.patch_dim)
+        return trained_sample(self.info, enc["input_ids"][0], enc["offset_mapping"][0], replacements[0], spans,
+                              pixels, grid)
 
     def _grid(self, height: int, width: int) -> tuple[int, int, int]:
         from qwen_vl_utils import vision_process as qvu

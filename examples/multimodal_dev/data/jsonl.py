@@ -32,12 +32,12 @@ import os
 
 import torch
 
-from .answer_spans import answer_char_spans, answer_token_mask
+from .answer_spans import answer_char_spans, trained_sample
 from .conversations import normalise
 from .jsonl_media import ImageSizing, MediaAccess, VideoOptions, image_size, media_settings, open_image
 from .jsonl_source import Blend, Records, check_data_path, hold_out, parse_record
 from .processor import VISION_TOKEN_TEXT, load_processor
-from .sample import BadSample, DataError, build_conversation_sample, fit_to_budget
+from .sample import BadSample, DataError, fit_to_budget
 from .skipping import SkippingDataset
 
 SPLITS = ("train", "validation", "test")
@@ -107,9 +107,9 @@ class JsonlConversations:
                                 videos_kwargs=self.videos.call_kwargs)
         enc = self.processor(text=[text], images=images or None, **video_inputs, return_tensors="pt",
                              return_offsets_mapping=True, return_text_replacement_offsets=True)
-        return self._sample(enc["input_ids"][0], enc["offset_mapping"][0], enc["text_replacement_offsets"][0], spans,
-                            enc.get("pixel_values"), enc.get("image_grid_thw"), enc.get("pixel_values_videos"),
-                            enc.get("video_grid_thw"))
+        return trained_sample(self.info, enc["input_ids"][0], enc["offset_mapping"][0],
+                              enc["text_replacement_offsets"][0], spans, enc.get("pixel_values"),
+                              enc.get("image_grid_thw"), enc.get("pixel_values_videos"), enc.get("video_grid_thw"))
 
     def _videos_fit(self, headers) -> None:
         """``over_budget`` when the videos alone, counted from their headers, exceed ``--seq-length``:
@@ -129,22 +129,14 @@ class JsonlConversations:
         video_text = [self.processor.replace_video_token(video_inputs, j) for j in range(len(headers))]
         expanded, replacements = self.processor.get_text_with_replacements([text], image_text, video_text)
         enc = self.processor.tokenizer(expanded, return_offsets_mapping=True, return_tensors="pt")
-        return self._sample(enc["input_ids"][0], enc["offset_mapping"][0], replacements[0], spans,
-                            self._no_pixels(grids), grids, self._no_pixels(video_grids) if headers else None,
-                            video_grids if headers else None)
+        return trained_sample(self.info, enc["input_ids"][0], enc["offset_mapping"][0], replacements[0], spans,
+                              self._no_pixels(grids), grids, self._no_pixels(video_grids) if headers else None,
+                              video_grids if headers else None)
 
     def _no_pixels(self, grids: torch.Tensor) -> torch.Tensor:
         """Zero-stride pixels of the right shape: planning reads shapes only."""
         return torch.zeros(1, self.info.patch_dim).expand(int(grids.prod(-1).sum()), self.info.patch_dim)
 
-    def _sample(self, input_ids, offsets, replacements, spans, pixels=None, grids=None, video_pixels=None,
-                video_grids=None) -> dict:
-        tokens = self.info.tokens
-        is_answer = answer_token_mask(input_ids, offsets, spans, replacements, self.info.end_of_turn_id,
-                                      (*tokens.vision_ids, tokens.vision_start, tokens.vision_end))
-        if pixels is None:
-            pixels, grids = torch.zeros(0, self.info.patch_dim), torch.zeros(0, 3, dtype=torch.long)
-        return build_conversation_sample(input_ids, is_answer, pixels, grids, video_pixels, video_grids)
 
 
 def _grid_tensor(grids) -> torch.Tensor:
