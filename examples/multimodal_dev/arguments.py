@@ -1,8 +1,8 @@
 """The playground's command-line flags, added to megatron.training's parser.
 
-Megatron's own model flags (``--num-layers``, ``--hidden-size``, ...) stay required by its argument
-validation and must equal the chosen shape: ``models/megatron_args.py`` checks them, naming both
-values, and ``checkpoint/run_shape.py`` resolves the shape these flags describe.
+Megatron's own model flags (``--num-layers``, ``--hidden-size``, ...) default to the numbers of the
+shape ``--model-variant`` / ``--hf-config-path`` names (``models/megatron_args.py``'s
+``with_model_shape``); one given must equal the shape's, and a mismatch names both values.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from examples.multimodal_dev.arguments import OWN_DATA_OPTIONS, VIDEO_OPTIONS, a
 from examples.multimodal_dev import megatron_changes
 from examples.multimodal_dev.checkpoint import loader_state, optimizer_format, plan_state, safety, save_guard, write_queue
 from examples.multimodal_dev.checkpoint.integrity import check_resumable
-from examples.multimodal_dev.checkpoint.run_shape import check_checkpoint_matches, resolve_shape
+from examples.multimodal_dev.checkpoint.run_shape import check_checkpoint_matches, declared_shape, resolve_shape
 from examples.multimodal_dev.data import get_dataset_provider
 from examples.multimodal_dev.data.collate import Collator, pad_multiple_for
 from examples.multimodal_dev.data.jsonl_source import check_data_path
@@ -35,6 +35,7 @@ from examples.multimodal_dev.forward_step import for_stage, forward_step
 from examples.multimodal_dev.models import get_model_entry
 from examples.multimodal_dev.models.common.config_from_args import given_flags, megatron_parser
 from examples.multimodal_dev.models.common.varlen_attention import describe_thd_kernels
+from examples.multimodal_dev.models.megatron_args import with_model_shape
 from examples.multimodal_dev.planner.pipeline_layout import stage_layers
 from examples.multimodal_dev.training.backend import (
     backend_of,
@@ -261,7 +262,10 @@ def checked_args():
     from megatron.training.arguments import parse_and_validate_args, parse_args
 
     try:
-        given = parse_args(add_multimodal_args)
+        # the shape's numbers are the defaults of megatron's model flags (a flag given must agree)
+        named = parse_args(add_multimodal_args)
+        flags = with_model_shape(add_multimodal_args, declared_shape(named)[0], named.seq_length)
+        given = parse_args(flags)
         typed = given_flags(megatron_parser(add_multimodal_args))
         check_pipeline_split(given)  # before megatron asserts on these
         check_attention_backend(given)
@@ -270,7 +274,7 @@ def checked_args():
         run_checks.check_sequence_length(given)
         defaults = {**engine_defaults(), **run_checks.vision_defaults(given, int(os.environ.get("WORLD_SIZE", "1")))}
         with vision_ranks.language_world(given):  # megatron sizes data parallelism from the language model's ranks
-            args = parse_and_validate_args(extra_args_provider=add_multimodal_args, args_defaults=defaults)
+            args = parse_and_validate_args(extra_args_provider=flags, args_defaults=defaults)
         run_checks.stop_at_first_nan(args, typed)
         optimizer_format.default_to_reshardable(args)
         check_backend(args)

@@ -10,7 +10,10 @@ import subprocess
 import pytest
 from launch import WarmEngine
 
-from examples.multimodal_dev.models.megatron_args import check_model_flags
+from examples.multimodal_dev.arguments import add_multimodal_args
+from examples.multimodal_dev.checkpoint.run_shape import declared_shape
+from examples.multimodal_dev.models.common.config_from_args import megatron_parser
+from examples.multimodal_dev.models.megatron_args import check_model_flags, with_model_shape
 from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS, get_variant
 from examples.multimodal_dev.training import launch, run_variables
 
@@ -37,30 +40,34 @@ def _flags(command: str) -> dict:
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_dry_run_flags_match_variant(variant):
+def test_the_dry_run_command_gives_megatron_the_variants_numbers(variant):
+    """The command names the model; the training script's parser (``with_model_shape``) gives
+    megatron's model flags the variant's numbers, and ``check_model_flags`` accepts them."""
     rc, out, err = _script(MODEL_VARIANT=variant)
     assert rc == 0, err
-    flags = _flags(out)
+    words = shlex.split(out.strip().splitlines()[-1])
+    argv = words[words.index("examples.multimodal_dev.pretrain_multimodal") + 1:]
+    assert not {"--num-layers", "--hidden-size", "--num-experts", "--vocab-size"} & set(argv)  # said once: the table
+    named = megatron_parser(add_multimodal_args).parse_args(argv)
+    shape, source = declared_shape(named)
+    args = megatron_parser(with_model_shape(add_multimodal_args, shape, named.seq_length)).parse_args(argv)
     text = get_variant(variant).text
-    assert flags["model_variant"] == variant
-    assert int(flags["num_layers"]) == text.num_layers and int(flags["hidden_size"]) == text.hidden_size
-    assert int(flags["num_attention_heads"]) == text.num_attention_heads
-    assert int(flags["num_query_groups"]) == text.num_kv_heads and int(flags["kv_channels"]) == text.head_dim
-    assert int(flags["vocab_size"]) == text.vocab_size
+    assert shape == get_variant(variant) and args.model_variant == variant
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (text.num_layers, text.hidden_size,
+                                                                             text.num_attention_heads)
+    assert (args.num_query_groups, args.kv_channels, args.vocab_size) == (text.num_kv_heads, text.head_dim,
+                                                                          text.vocab_size)
+    assert args.group_query_attention and args.max_position_embeddings == args.seq_length
     if text.is_moe:
-        assert int(flags["num_experts"]) == text.num_experts and int(flags["moe_router_topk"]) == text.moe_top_k
-        assert int(flags["moe_ffn_hidden_size"]) == text.moe_ffn_hidden_size
+        assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size) == (
+            text.num_experts, text.moe_top_k, text.moe_ffn_hidden_size)
     else:
-        assert "num_experts" not in flags and int(flags["ffn_hidden_size"]) == text.ffn_hidden_size
-
-    class Args:  # what megatron would parse from these flags
-        pass
-
-    args = Args()
-    for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-                "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "ffn_hidden_size", "vocab_size"):
-        setattr(args, key, int(flags[key]) if key in flags else None)
-    check_model_flags(args, get_variant(variant), f"variant {variant}")
+        assert args.num_experts is None and args.ffn_hidden_size == text.ffn_hidden_size
+    check_model_flags(args, shape, source)
+    given = megatron_parser(with_model_shape(add_multimodal_args, shape, named.seq_length)).parse_args(
+        argv + ["--num-layers", str(text.num_layers + 1)])
+    with pytest.raises(ValueError, match=f"--num-layers {text.num_layers + 1} \\(the variant '{variant}' has "):
+        check_model_flags(given, shape, source)  # a flag given wins over the default, and must agree
 
 
 def test_model_flag_mismatch_is_named():

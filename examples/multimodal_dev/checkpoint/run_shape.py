@@ -17,14 +17,19 @@ from examples.multimodal_dev.models.megatron_args import SHAPE_FLAGS, check_mode
 from .files import TRACKER, checkpoint_directory, stored_args
 
 
-def resolve_shape(args):
-    """The model shape for these args, with the token ids of the processor when one is given."""
+def declared_shape(args):
+    """(shape, what named it): the variant of ``--model-variant`` / ``--variant-moe``, or the Hugging
+    Face config of ``--hf-config-path``; megatron's model flags are not read."""
     entry = get_model_entry(args.model_arch)
     if args.hf_config_path:
-        shape, source = entry.load("shape_from_hf")(args.hf_config_path), f"--hf-config-path {args.hf_config_path}"
-    else:
-        moe = {"auto": None, "on": True, "off": False}[args.variant_moe]
-        shape, source = entry.load("shape_fn")(args.model_variant, moe=moe), f"variant {args.model_variant!r}"
+        return entry.load("shape_from_hf")(args.hf_config_path), f"--hf-config-path {args.hf_config_path}"
+    moe = {"auto": None, "on": True, "off": False}[args.variant_moe]
+    return entry.load("shape_fn")(args.model_variant, moe=moe), f"variant {args.model_variant!r}"
+
+
+def resolve_shape(args):
+    """The model shape for these args, with the token ids of the processor when one is given."""
+    shape, source = declared_shape(args)
     # The MTP head is trained only when asked for (megatron's --mtp-num-layers), whatever the
     # checkpoint or variant carries; a converted checkpoint's mtp.* tensors are then left unused.
     shape = replace(shape, text=replace(shape.text, mtp_num_layers=args.mtp_num_layers or 0))

@@ -1,6 +1,6 @@
 """megatron.training's model flags as read from a model shape: the numbers a run's flags must equal,
-what a checkpoint stores as ``args``, and the run script's per-variant numbers (``shape_row``, read
-by ``training/launch.py``).
+what a checkpoint stores as ``args``, and the defaults of megatron's model flags that the training
+script takes from the shape (``with_model_shape``).
 
 The shape table (``qwen35_vl/configuration.py``) is the only copy of the numbers; everything here
 reads them from a shape.
@@ -53,18 +53,25 @@ def checkpoint_args(shape, **extra):
                      rotary_base=int(t.rope_theta), mtp_num_layers=t.mtp_num_layers or None, **extra)
 
 
-# The run script's per-variant columns, in its order; the shape table in configuration.py is the
-# only copy of the numbers.
-SHAPE_ROW = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-             "ffn_hidden_size", "vocab_size", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
-             "linear_num_key_heads", "linear_num_value_heads", "mtp_num_layers")
-
-
-def shape_row(shape) -> str:
-    """``SHAPE_ROW`` of a shape, space-separated, 0 for what the shape does not have."""
+def model_flag_defaults(shape, seq_length: int | None) -> dict:
+    """The values megatron's model flags take for ``shape`` when the command line does not give them:
+    the training script makes them its parser's defaults (``with_model_shape``), so the numbers reach
+    megatron from the one shape table, never typed twice. A flag given still wins, and must agree
+    (``check_model_flags``)."""
     t = shape.text
-    args = vars(checkpoint_args(shape, linear_num_key_heads=t.linear_num_key_heads,
-                                linear_num_value_heads=t.linear_num_value_heads))
-    args["ffn_hidden_size"] = 0 if t.is_moe else t.ffn_hidden_size
-    args["mtp_num_layers"] = t.mtp_num_layers
-    return " ".join(str(args[k] or 0) for k in SHAPE_ROW)
+    defaults = {flag: value_of(shape) for flag, value_of in SHAPE_FLAGS.items() if value_of(shape) is not None}
+    defaults.update(group_query_attention=True, vocab_size=t.vocab_size, tokenizer_type="NullTokenizer",
+                    ffn_hidden_size=t.moe_ffn_hidden_size if t.is_moe else t.ffn_hidden_size)
+    if seq_length is not None:  # megatron refuses positions beyond max_position_embeddings
+        defaults["max_position_embeddings"] = seq_length
+    return defaults
+
+
+def with_model_shape(extra_args_provider, shape, seq_length: int | None):
+    """``extra_args_provider`` for megatron's parser that also defaults its model flags to ``shape``."""
+    def provider(parser):
+        parser = extra_args_provider(parser)
+        parser.set_defaults(**model_flag_defaults(shape, seq_length))
+        return parser
+
+    return provider

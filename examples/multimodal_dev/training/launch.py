@@ -4,9 +4,9 @@ DRY_RUN view, and starts torchrun (``torchrun_launcher.py``).
 
     python -m examples.multimodal_dev.training.launch [extra megatron flags]   (what the script runs)
 
-The model's numbers come from the one variant table (``models/qwen35_vl/configuration.py``) or a
-Hugging Face config, through ``models/megatron_args.py``; megatron's model flags repeat them for its
-own argument checks, and the training script verifies they agree.
+The model is named (``--model-variant``, ``--hf-config-path``); its numbers come from the one variant
+table (``models/qwen35_vl/configuration.py``) or the Hugging Face config, and the training script
+makes them the defaults of megatron's model flags (``models/megatron_args.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-from ..models.megatron_args import shape_row
 from ..models.qwen35_vl.parallel import parallel_problems
 from ..models.setting_names import VARIABLES
 from ..planner.pipeline_layout import stage_layers
@@ -280,16 +279,12 @@ def data_flags(s: Settings) -> list[str]:
 
 
 def model_flags(s: Settings, shape, variant_flags: list[str], data: list[str], gpu: bool) -> list[str]:
-    """megatron's flags of the model, the layout, the schedule and the data."""
-    numbers = dict(zip(("layers", "hidden", "heads", "kv", "head_dim", "ffn", "vocab", "experts", "topk", "moe_ffn"),
-                       shape_row(shape).split()))
+    """megatron's flags of the layout, the schedule and the data, and the model's name: its numbers
+    (layers, widths, heads, experts, vocabulary) are the training script's defaults for megatron's
+    model flags, read from the same shape (``models/megatron_args.py``'s ``with_model_shape``)."""
     v = s.values
     train_iters, lr = s.int("TRAIN_ITERS"), v["LR"]
-    args = ["--model-arch", "qwen35_vl", "--model-variant", v["MODEL_VARIANT"],
-            "--num-layers", numbers["layers"], "--hidden-size", numbers["hidden"],
-            "--num-attention-heads", numbers["heads"], "--group-query-attention", "--num-query-groups", numbers["kv"],
-            "--kv-channels", numbers["head_dim"], "--seq-length", v["SEQ_LEN"], "--max-position-embeddings",
-            v["SEQ_LEN"], "--tokenizer-type", "NullTokenizer", "--vocab-size", numbers["vocab"],
+    args = ["--model-arch", "qwen35_vl", "--model-variant", v["MODEL_VARIANT"], "--seq-length", v["SEQ_LEN"],
             "--tensor-model-parallel-size", v["TP"], "--context-parallel-size", v["CP"],
             "--expert-model-parallel-size", v["EP"], "--expert-tensor-parallel-size", v["ETP"],
             "--pipeline-model-parallel-size", v["PP"], "--micro-batch-size", v["MBS"], "--global-batch-size", v["GBS"],
@@ -299,11 +294,6 @@ def model_flags(s: Settings, shape, variant_flags: list[str], data: list[str], g
             "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--clip-grad", "1.0", "--calculate-per-token-loss",
             "--log-interval", "1", "--eval-interval", str(train_iters), "--eval-iters", "2",
             "--dataset-provider", v["DATASET"], "--seed", "1234", *variant_flags, *data]
-    if shape.text.is_moe:
-        args += ["--num-experts", numbers["experts"], "--moe-router-topk", numbers["topk"],
-                 "--moe-ffn-hidden-size", numbers["moe_ffn"], "--ffn-hidden-size", numbers["moe_ffn"]]
-    else:
-        args += ["--ffn-hidden-size", numbers["ffn"]]
     args += [] if v["PACKED"] == "1" else ["--no-packed-sequence"]
     args += [] if v["PACKING"] == "samples" else ["--packing", "tokens", "--packed-seq-length", v["PACKED_SEQ_LENGTH"]]
     args += ["--num-virtual-stages-per-pipeline-rank", v["VP"]] if s.int("VP") > 1 else []
