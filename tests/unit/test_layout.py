@@ -9,6 +9,7 @@ functions, runs down the stack, and no two modules import each other, directly o
     data/         providers, collate, packing
     models/       registry, model code, MRoPE, FLOPs
     megatron_changes/  the table of changes to megatron: imports nothing of the project (names by path)
+    evaluation/   scoring generated answers (text and JSON metrics): imports nothing of the project
     megatron/cpu  the device layer
     tools/, benchmarks/   commands: they import the layers; nothing imports them
 """
@@ -21,7 +22,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = "examples.multimodal_dev"
 # lowest first; a module may import its own layer and the layers before it
-LAYERS = ("megatron.cpu", f"{PACKAGE}.megatron_changes", f"{PACKAGE}.models", f"{PACKAGE}.data",
+LAYERS = ("megatron.cpu", f"{PACKAGE}.megatron_changes", f"{PACKAGE}.evaluation", f"{PACKAGE}.models", f"{PACKAGE}.data",
           f"{PACKAGE}.checkpoint", f"{PACKAGE}.planner", f"{PACKAGE}.vision_ranks", f"{PACKAGE}.training", f"{PACKAGE}.entry", f"{PACKAGE}.commands")
 ENTRY = {f"{PACKAGE}.{name}" for name in ("pretrain_multimodal", "arguments", "forward_step")}
 COMMANDS = (f"{PACKAGE}.tools", f"{PACKAGE}.benchmarks")
