@@ -12,7 +12,7 @@ for path in (ROOT, os.path.dirname(os.path.abspath(__file__))):
 if ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
 
-import pytest
+import pytest  # noqa: E402  (after the paths above: the tests' helpers import from them)
 
 
 @pytest.fixture(autouse=True)

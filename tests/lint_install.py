@@ -11,8 +11,9 @@ import os
 
 from pinned_folder import PinnedFolder
 
-RUFF = PinnedFolder("ruff", ".lint", ("ruff==0.17.6",), "tests/lint_install.py",
-                    "lint and format checks of tests/unit/test_lint.py")
+RUFF = PinnedFolder(
+    "ruff", ".lint", ("ruff==0.17.6",), "tests/lint_install.py", "lint and format checks of tests/unit/test_lint.py"
+)
 BINARY = os.path.join(RUFF.lib, "bin", "ruff")
 
 if __name__ == "__main__":

@@ -51,8 +51,10 @@ class PinnedFolder:
         if self.installed():
             return None
         last = _read(self._failed)
-        return (f"{self.what} is not installed in {os.path.basename(self.folder)}/ (python {self.installer}; "
-                "bash tests/run.sh runs it)" + (f": {last}" if last else ""))
+        return (
+            f"{self.what} is not installed in {os.path.basename(self.folder)}/ (python {self.installer}; "
+            "bash tests/run.sh runs it)" + (f": {last}" if last else "")
+        )
 
     def install(self, python: str = sys.executable) -> str | None:
         """Install the pins into ``lib/`` unless there already; returns None or the failure's line."""
@@ -68,8 +70,23 @@ class PinnedFolder:
             wheelhouse = os.environ.get("WHEELHOUSE")
             source = ["--no-index", "--find-links", os.path.abspath(wheelhouse)] if wheelhouse else []
             # One retry and a short timeout: with no package index this fails in seconds, not minutes.
-            cmd = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
-                   "--retries", "1", "--timeout", "20", "--target", fresh, *source, *self.pins]
+            cmd = [
+                python,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--no-deps",
+                "--retries",
+                "1",
+                "--timeout",
+                "20",
+                "--target",
+                fresh,
+                *source,
+                *self.pins,
+            ]
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
                 failure = None if proc.returncode == 0 else _pip_error(proc.stderr)
@@ -77,8 +94,10 @@ class PinnedFolder:
                 failure = f"{type(err).__name__}: {err}"
             if failure:
                 shutil.rmtree(fresh, ignore_errors=True)
-                failure = (f"pip could not install {' '.join(self.pins)}"
-                           f"{' from ' + wheelhouse if wheelhouse else ''}: {failure}")
+                failure = (
+                    f"pip could not install {' '.join(self.pins)}"
+                    f"{' from ' + wheelhouse if wheelhouse else ''}: {failure}"
+                )
                 with open(self._failed, "w") as f:
                     f.write(failure + "\n")
                 return failure
@@ -94,8 +113,11 @@ class PinnedFolder:
         if self.installed():
             return
         tag = os.path.basename(self.folder).lstrip(".")
-        print(f"[{tag}] installing {' '.join(self.pins)} into {os.path.relpath(self.lib, ROOT)}/ ({self.purpose})",
-              file=sys.stderr, flush=True)
+        print(
+            f"[{tag}] installing {' '.join(self.pins)} into {os.path.relpath(self.lib, ROOT)}/ ({self.purpose})",
+            file=sys.stderr,
+            flush=True,
+        )
         failure = self.install()
         if failure:  # the tests that need it skip with this line; the rest of the suite runs
             print(f"[{tag}] {failure}", file=sys.stderr, flush=True)

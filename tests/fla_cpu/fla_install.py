@@ -17,8 +17,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from pinned_folder import ROOT, PinnedFolder  # noqa: E402, F401  (ROOT: for the tests of this folder)
 
-FLA = PinnedFolder("FLA", ".fla", ("fla-core==0.6.0", "flash-linear-attention==0.6.0", "einops==0.8.2"),
-                   "tests/fla_cpu/fla_install.py", "FLA's kernels checked on CPU under Triton's interpreter")
+FLA = PinnedFolder(
+    "FLA",
+    ".fla",
+    ("fla-core==0.6.0", "flash-linear-attention==0.6.0", "einops==0.8.2"),
+    "tests/fla_cpu/fla_install.py",
+    "FLA's kernels checked on CPU under Triton's interpreter",
+)
 FOLDER, LIB, PINS = FLA.folder, FLA.lib, FLA.pins
 installed, missing_reason, install = FLA.installed, FLA.missing_reason, FLA.install
 

@@ -15,6 +15,7 @@ RECEIPT = {"menu": [{"nm": "cake", "cnt": "2"}, {"nm": "juice", "cnt": "1"}], "t
 def _brute_force(a, b, insert, remove, update) -> float:
     """The textbook recursion over forests (rightmost roots), memoised: exponential without the
     memo, fine for trees of a few nodes."""
+
     @functools.lru_cache(maxsize=None)
     def forest(f, g):
         if not f and not g:
@@ -24,8 +25,11 @@ def _brute_force(a, b, insert, remove, update) -> float:
         if not f:
             return forest(f, g[:-1] + g[-1][1]) + insert(g[-1])
         v, w = f[-1], g[-1]
-        return min(forest(f[:-1] + v[1], g) + remove(v), forest(f, g[:-1] + w[1]) + insert(w),
-                   forest(v[1], w[1]) + forest(f[:-1], g[:-1]) + update(v, w))
+        return min(
+            forest(f[:-1] + v[1], g) + remove(v),
+            forest(f, g[:-1] + w[1]) + insert(w),
+            forest(v[1], w[1]) + forest(f[:-1], g[:-1]) + update(v, w),
+        )
 
     return forest((a,), (b,))
 
@@ -43,8 +47,10 @@ def _random_tree(rng, size):
 
 def test_tree_edit_distance_equals_the_brute_force_one():
     rng = random.Random(0)
-    costs = [(lambda n: 1, lambda n: 1, lambda a, b: int(a[0] != b[0])),
-             (lambda n: 1 + "abc".index(n[0]), lambda n: 2, lambda a, b: 3 * int(a[0] != b[0]))]
+    costs = [
+        (lambda n: 1, lambda n: 1, lambda a, b: int(a[0] != b[0])),
+        (lambda n: 1 + "abc".index(n[0]), lambda n: 2, lambda a, b: 3 * int(a[0] != b[0])),
+    ]
     for _ in range(150):
         a, b = _random_tree(rng, rng.randint(1, 7)), _random_tree(rng, rng.randint(1, 7))
         for insert, remove, update in costs:
@@ -79,7 +85,9 @@ def test_worked_examples_of_the_json_metrics():
     assert metrics.tree_accuracy({"total": "5.75"}, {"total": "5.75", "cash": "10"}) == pytest.approx(1 - 3 / 8)
     # normalisation: key order, numbers as strings, empty values dropped, a single value as a list
     assert metrics.normalise_json({"total": 5.75, "cash": "", "menu": {"nm": " cake "}}) == {
-        "menu": [{"nm": ["cake"]}], "total": ["5.75"]}
+        "menu": [{"nm": ["cake"]}],
+        "total": ["5.75"],
+    }
     assert metrics.tree_accuracy({"total": 5.75, "cash": ""}, {"total": ["5.75"]}) == 1.0
 
 

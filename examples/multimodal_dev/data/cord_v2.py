@@ -44,8 +44,9 @@ def load_split(data_path: str, split: str):
     if ds is None:
         return None
     if set(COLUMNS) - set(ds.column_names):
-        raise DataError(f"--data-path {data_path!r} ({split}): expected columns {list(COLUMNS)}, "
-                        f"found {ds.column_names}")
+        raise DataError(
+            f"--data-path {data_path!r} ({split}): expected columns {list(COLUMNS)}, found {ds.column_names}"
+        )
     # Decode images ourselves so one corrupt file is a skipped sample, not a crashed run.
     return ds.cast_column("image", datasets.Image(decode=False))
 
@@ -123,13 +124,22 @@ class CordV2Conversations:
         self.pixel_budget = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v}
 
     def _messages(self, image) -> list[dict]:
-        return [{"role": "user", "content": [{"type": "image", "image": image, **self.pixel_budget},
-                                             {"type": "text", "text": INSTRUCTION}]}]
+        return [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": image, **self.pixel_budget},
+                    {"type": "text", "text": INSTRUCTION},
+                ],
+            }
+        ]
 
     def _conversation(self, row) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and its answer's characters."""
-        turns = [Turn("user", (Media("image", "receipt"), INSTRUCTION)),
-                 Turn("assistant", (_answer_text(row["ground_truth"]),))]
+        turns = [
+            Turn("user", (Media("image", "receipt"), INSTRUCTION)),
+            Turn("assistant", (_answer_text(row["ground_truth"]),)),
+        ]
         return answer_char_spans(self.processor, turns)
 
     def __call__(self, index: int) -> dict:
@@ -138,12 +148,25 @@ class CordV2Conversations:
         row = self.ds[index]
         text, spans = self._conversation(row)
         with _aspect_ratio_is_bad_sample():
-            images, _ = process_vision_info(self._messages(_open_image(row["image"])),
-                                            image_patch_size=self.info.patch_size)
-            enc = self.processor(text=[text], images=images, return_tensors="pt", return_offsets_mapping=True,
-                                 return_text_replacement_offsets=True)
-        return trained_sample(self.info, enc["input_ids"][0], enc["offset_mapping"][0],
-                              enc["text_replacement_offsets"][0], spans, enc["pixel_values"], enc["image_grid_thw"])
+            images, _ = process_vision_info(
+                self._messages(_open_image(row["image"])), image_patch_size=self.info.patch_size
+            )
+            enc = self.processor(
+                text=[text],
+                images=images,
+                return_tensors="pt",
+                return_offsets_mapping=True,
+                return_text_replacement_offsets=True,
+            )
+        return trained_sample(
+            self.info,
+            enc["input_ids"][0],
+            enc["offset_mapping"][0],
+            enc["text_replacement_offsets"][0],
+            spans,
+            enc["pixel_values"],
+            enc["image_grid_thw"],
+        )
 
     def describe(self, index: int) -> dict:
         """Sample ``index`` with its real token ids and grid but zero-stride pixels, from the
@@ -158,8 +181,9 @@ class CordV2Conversations:
         expanded, replacements = self.processor.get_text_with_replacements([text], image_text, [])
         enc = self.processor.tokenizer(expanded, return_offsets_mapping=True, return_tensors="pt")
         pixels = torch.zeros(1, self.info.patch_dim).expand(int(grid.prod()), self.info.patch_dim)
-        return trained_sample(self.info, enc["input_ids"][0], enc["offset_mapping"][0], replacements[0], spans,
-                              pixels, grid)
+        return trained_sample(
+            self.info, enc["input_ids"][0], enc["offset_mapping"][0], replacements[0], spans, pixels, grid
+        )
 
     def _grid(self, height: int, width: int) -> tuple[int, int, int]:
         from qwen_vl_utils import vision_process as qvu
@@ -167,23 +191,38 @@ class CordV2Conversations:
 
         factor = self.info.patch_size * qvu.SPATIAL_MERGE_SIZE
         height, width = qvu.smart_resize(
-            height, width, factor=factor,
-            min_pixels=self.pixel_budget.get("min_pixels", qvu.IMAGE_MIN_TOKEN_NUM * factor ** 2),
-            max_pixels=self.pixel_budget.get("max_pixels", qvu.IMAGE_MAX_TOKEN_NUM * factor ** 2))
+            height,
+            width,
+            factor=factor,
+            min_pixels=self.pixel_budget.get("min_pixels", qvu.IMAGE_MIN_TOKEN_NUM * factor**2),
+            max_pixels=self.pixel_budget.get("max_pixels", qvu.IMAGE_MAX_TOKEN_NUM * factor**2),
+        )
         image_processor = self.processor.image_processor
-        height, width = smart_resize(height, width, factor=image_processor.patch_size * image_processor.merge_size,
-                                     min_pixels=image_processor.size["shortest_edge"],
-                                     max_pixels=image_processor.size["longest_edge"])
+        height, width = smart_resize(
+            height,
+            width,
+            factor=image_processor.patch_size * image_processor.merge_size,
+            min_pixels=image_processor.size["shortest_edge"],
+            max_pixels=image_processor.size["longest_edge"],
+        )
         return (1, height // image_processor.patch_size, width // image_processor.patch_size)
 
 
-def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path: str | None = None,
-                   hf_processor_path: str | None = None, min_pixels: int | None = None,
-                   max_pixels: int | None = None, **_unused):
+def build_datasets(
+    seq_length: int,
+    num_samples: tuple[int, int, int],
+    data_path: str | None = None,
+    hf_processor_path: str | None = None,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    **_unused,
+):
     """(train, valid, test) over the CORD-V2 splits, each repeated to the requested size."""
     if not data_path:
-        raise ValueError("--data-path is required for --dataset-provider cord_v2 (saved dataset, parquet files "
-                         "or hf://naver-clova-ix/cord-v2)")
+        raise ValueError(
+            "--data-path is required for --dataset-provider cord_v2 (saved dataset, parquet files "
+            "or hf://naver-clova-ix/cord-v2)"
+        )
     processor, info = load_processor(hf_processor_path, min_pixels, max_pixels)
     out = []
     for split, n in zip(SPLITS, num_samples):
@@ -195,6 +234,16 @@ def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path
             out.append(None)
             continue
         produce = CordV2Conversations(ds, processor, info, min_pixels, max_pixels)
-        out.append(SkippingDataset(produce, len(ds), n, info.tokens, seq_length, info.patch_dim,
-                                   name=f"cord_v2[{split}]", source=f"--data-path {data_path!r}"))
+        out.append(
+            SkippingDataset(
+                produce,
+                len(ds),
+                n,
+                info.tokens,
+                seq_length,
+                info.patch_dim,
+                name=f"cord_v2[{split}]",
+                source=f"--data-path {data_path!r}",
+            )
+        )
     return tuple(out)

@@ -98,8 +98,11 @@ def normalise_json(value):
     if isinstance(value, list):
         if all(isinstance(item, dict) for item in value):
             return [kept for kept in map(normalise_json, value) if kept]
-        return [str(item).strip() for item in value
-                if isinstance(item, (str, int, float)) and not isinstance(item, bool) and str(item).strip()]
+        return [
+            str(item).strip()
+            for item in value
+            if isinstance(item, (str, int, float)) and not isinstance(item, bool) and str(item).strip()
+        ]
     return [str(value).strip()]
 
 
@@ -138,7 +141,7 @@ def json_tree(value, label: str = "<root>"):
 
 
 def _text(node) -> str | None:
-    return node[0][len(LEAF):] if node[0].startswith(LEAF) else None
+    return node[0][len(LEAF) :] if node[0].startswith(LEAF) else None
 
 
 def _insert_or_remove(node) -> int:

@@ -30,8 +30,11 @@ def check_model_flags(args, shape, source: str) -> None:
             continue  # megatron defaults it to 2 even for dense models
         if given is not None and given != expected:
             wrong.append(f"--{flag.replace('_', '-')} {given} (the {source} has {expected})")
-    if getattr(args, "ffn_hidden_size", None) and not shape.text.is_moe \
-            and args.ffn_hidden_size != shape.text.ffn_hidden_size:
+    if (
+        getattr(args, "ffn_hidden_size", None)
+        and not shape.text.is_moe
+        and args.ffn_hidden_size != shape.text.ffn_hidden_size
+    ):
         wrong.append(f"--ffn-hidden-size {args.ffn_hidden_size} (the {source} has {shape.text.ffn_hidden_size})")
     if getattr(args, "vocab_size", None) and args.vocab_size != shape.text.vocab_size:
         wrong.append(f"--vocab-size {args.vocab_size} (the {source} has {shape.text.vocab_size})")
@@ -46,11 +49,20 @@ def checkpoint_args(shape, **extra):
 
     t = shape.text
     values = {flag: value_of(shape) for flag, value_of in SHAPE_FLAGS.items()}
-    return Namespace(**values, group_query_attention=True, vocab_size=t.vocab_size,
-                     ffn_hidden_size=t.ffn_hidden_size or t.moe_ffn_hidden_size,
-                     untie_embeddings_and_output_weights=not t.tie_word_embeddings, normalization="RMSNorm",
-                     swiglu=True, position_embedding_type="rope", rotary_percent=t.partial_rotary_factor,
-                     rotary_base=int(t.rope_theta), mtp_num_layers=t.mtp_num_layers or None, **extra)
+    return Namespace(
+        **values,
+        group_query_attention=True,
+        vocab_size=t.vocab_size,
+        ffn_hidden_size=t.ffn_hidden_size or t.moe_ffn_hidden_size,
+        untie_embeddings_and_output_weights=not t.tie_word_embeddings,
+        normalization="RMSNorm",
+        swiglu=True,
+        position_embedding_type="rope",
+        rotary_percent=t.partial_rotary_factor,
+        rotary_base=int(t.rope_theta),
+        mtp_num_layers=t.mtp_num_layers or None,
+        **extra,
+    )
 
 
 def model_flag_defaults(shape, seq_length: int | None) -> dict:
@@ -60,8 +72,12 @@ def model_flag_defaults(shape, seq_length: int | None) -> dict:
     (``check_model_flags``)."""
     t = shape.text
     defaults = {flag: value_of(shape) for flag, value_of in SHAPE_FLAGS.items() if value_of(shape) is not None}
-    defaults.update(group_query_attention=True, vocab_size=t.vocab_size, tokenizer_type="NullTokenizer",
-                    ffn_hidden_size=t.moe_ffn_hidden_size if t.is_moe else t.ffn_hidden_size)
+    defaults.update(
+        group_query_attention=True,
+        vocab_size=t.vocab_size,
+        tokenizer_type="NullTokenizer",
+        ffn_hidden_size=t.moe_ffn_hidden_size if t.is_moe else t.ffn_hidden_size,
+    )
     if seq_length is not None:  # megatron refuses positions beyond max_position_embeddings
         defaults["max_position_embeddings"] = seq_length
     return defaults
@@ -69,6 +85,7 @@ def model_flag_defaults(shape, seq_length: int | None) -> dict:
 
 def with_model_shape(extra_args_provider, shape, seq_length: int | None):
     """``extra_args_provider`` for megatron's parser that also defaults its model flags to ``shape``."""
+
     def provider(parser):
         parser = extra_args_provider(parser)
         parser.set_defaults(**model_flag_defaults(shape, seq_length))
