@@ -26,8 +26,19 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from examples.multimodal_dev.data.collate import pad_row_to
 
-TENSOR_KEYS = ("tokens", "labels", "loss_mask", "padding_mask", "position_ids", "pixel_values", "image_grid_thw",
-               "pixel_values_videos", "video_grid_thw", "cu_seqlens", "cu_seqlens_padded")
+TENSOR_KEYS = (
+    "tokens",
+    "labels",
+    "loss_mask",
+    "padding_mask",
+    "position_ids",
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
+    "cu_seqlens",
+    "cu_seqlens_padded",
+)
 
 
 FIRST_STAGE_ONLY = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
@@ -45,8 +56,7 @@ def for_stage(batch: dict, pre_process, post_process: bool) -> dict:
 
 
 def batch_to_device(batch: dict, device) -> dict:
-    return {k: (v.to(device, non_blocking=True) if k in TENSOR_KEYS and v is not None else v)
-            for k, v in batch.items()}
+    return {k: (v.to(device, non_blocking=True) if k in TENSOR_KEYS and v is not None else v) for k, v in batch.items()}
 
 
 def packed_seq_params(batch: dict) -> PackedSeqParams | None:
@@ -56,9 +66,12 @@ def packed_seq_params(batch: dict) -> PackedSeqParams | None:
     max_seqlen = torch.tensor(batch["max_seqlen"], dtype=torch.int32)  # mcore reads it with .item()
     return PackedSeqParams(
         qkv_format="thd",
-        cu_seqlens_q=batch["cu_seqlens"], cu_seqlens_kv=batch["cu_seqlens"],
-        cu_seqlens_q_padded=batch["cu_seqlens_padded"], cu_seqlens_kv_padded=batch["cu_seqlens_padded"],
-        max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
+        cu_seqlens_q=batch["cu_seqlens"],
+        cu_seqlens_kv=batch["cu_seqlens"],
+        cu_seqlens_q_padded=batch["cu_seqlens_padded"],
+        cu_seqlens_kv_padded=batch["cu_seqlens_padded"],
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
     )
 
 
@@ -75,11 +88,18 @@ def run_model(model, batch: dict):
     """(per-token losses [B, S_local], their loss mask [B, S_local]) of one collated batch
     (already on the model's device); S_local = S without context parallelism."""
     return model(
-        input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=None,
-        labels=batch["labels"], loss_mask=batch["loss_mask"], padding_mask=batch.get("padding_mask"),
-        pixel_values=batch.get("pixel_values"), image_grid_thw=batch.get("image_grid_thw"),
-        pixel_values_videos=batch.get("pixel_values_videos"), video_grid_thw=batch.get("video_grid_thw"),
-        packed_seq_params=packed_seq_params(batch), return_loss_mask=True,
+        input_ids=batch["tokens"],
+        position_ids=batch["position_ids"],
+        attention_mask=None,
+        labels=batch["labels"],
+        loss_mask=batch["loss_mask"],
+        padding_mask=batch.get("padding_mask"),
+        pixel_values=batch.get("pixel_values"),
+        image_grid_thw=batch.get("image_grid_thw"),
+        pixel_values_videos=batch.get("pixel_values_videos"),
+        video_grid_thw=batch.get("video_grid_thw"),
+        packed_seq_params=packed_seq_params(batch),
+        return_loss_mask=True,
     )
 
 
@@ -118,8 +138,10 @@ def vision_features(model, batch: dict, device) -> torch.Tensor:
     dtype = get_attr_wrapped_model(model, "config").pipeline_dtype
     if "served" not in batch:
         return model(**{k: batch.get(k) for k in FIRST_STAGE_ONLY}).to(dtype)
-    parts = [model(**{k: b.get(k) for k in FIRST_STAGE_ONLY})
-             for b in (batch_to_device(served, device) for served in batch["served"])]
+    parts = [
+        model(**{k: b.get(k) for k in FIRST_STAGE_ONLY})
+        for b in (batch_to_device(served, device) for served in batch["served"])
+    ]
     features = torch.cat(parts).to(dtype)
     features._mimo_bridge_split_sizes = [part.shape[0] for part in parts]
     return features

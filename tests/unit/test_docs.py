@@ -11,8 +11,6 @@ import re
 import subprocess
 import sys
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join(ROOT, "examples", "multimodal_dev")
 PAGES = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
@@ -20,8 +18,16 @@ README_MAX_LINES = 250
 # first segments of the paths the pages name: the repository's own folders, and the example's
 # (the pages write `data/collate.py` for examples/multimodal_dev/data/collate.py)
 ROOT_FOLDERS = ("examples", "tools", "tests", "megatron", "docs")
-EXAMPLE_FOLDERS = ("data", "models", "training", "checkpoint", "planner", "vision_ranks", "benchmarks",
-                   "megatron_changes")
+EXAMPLE_FOLDERS = (
+    "data",
+    "models",
+    "training",
+    "checkpoint",
+    "planner",
+    "vision_ranks",
+    "benchmarks",
+    "megatron_changes",
+)
 PLACEHOLDER = re.compile(r"[A-Z]{3,}|\*|\.\.\.|[{}<>$]")  # NAME, DATE-DEVICE, iter_N/..., wildcards
 
 
@@ -110,8 +116,9 @@ def test_named_repository_paths_exist():
         for number, path in _named_paths(page):
             if not any(os.path.exists(os.path.join(base, path)) for base in (ROOT, EXAMPLE)):
                 missing.append(f"{_rel(page)}:{number}: `{path}`")
-    assert not missing, "paths that do not exist (from the repository root or examples/multimodal_dev/):\n" + \
-        "\n".join(missing)
+    assert not missing, "paths that do not exist (from the repository root or examples/multimodal_dev/):\n" + "\n".join(
+        missing
+    )
 
 
 def test_the_path_check_sees_the_short_forms():
@@ -160,8 +167,14 @@ def test_python_m_commands_answer_help():
     commands = _commands()
     assert "examples.multimodal_dev.tools.plan_layout" in commands
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))}
-    run = subprocess.run([sys.executable, "-c", _HELP_RUNNER, json.dumps(sorted(commands))], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", _HELP_RUNNER, json.dumps(sorted(commands))],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert "RESULTS " in run.stdout, run.stderr[-3000:]
     results = json.loads(run.stdout.rsplit("RESULTS ", 1)[1])
     bad = [f"{commands[m]}: python -m {m} --help: {status}" for m, status in results.items() if status != 0]
@@ -190,7 +203,10 @@ def test_table_rows_have_the_headers_columns():
         for number, header, rows in _tables(page):
             tables += 1
             want = _cells(header)
-            uneven += [f"{_rel(page)}:{n}: {_cells(row)} cells, header (line {number}) has {want}"
-                       for n, row in rows if _cells(row) != want]
+            uneven += [
+                f"{_rel(page)}:{n}: {_cells(row)} cells, header (line {number}) has {want}"
+                for n, row in rows
+                if _cells(row) != want
+            ]
     assert tables >= 20
     assert not uneven, "table rows of another width:\n" + "\n".join(uneven)

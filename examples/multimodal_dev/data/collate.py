@@ -57,18 +57,27 @@ def _vision_inputs(samples, tokens_1T: torch.Tensor, tokens: VisionTokens):
     runs, n_img, n_vid = run_grids(tokens_1T, images, frames, tokens.image, tokens.video, where="the micro-batch")
     # run_grids refuses too few grids; a grid left over would shift every later image's pixels
     # onto the wrong placeholders of a later micro-batch's model call, so refuse too many too
-    for what, used, listed, field in (("images", n_img, len(images), "image_grid_thw"),
-                                      ("videos", n_vid, len(frames), "video frames in video_grid_thw")):
+    for what, used, listed, field in (
+        ("images", n_img, len(images), "image_grid_thw"),
+        ("videos", n_vid, len(frames), "video frames in video_grid_thw"),
+    ):
         if listed > used:
-            raise ValueError(f"{what}: the micro-batch has {used} placeholder runs but {field} lists {listed}; "
-                             "the processor's token expansion and the grids disagree")
+            raise ValueError(
+                f"{what}: the micro-batch has {used} placeholder runs but {field} lists {listed}; "
+                "the processor's token expansion and the grids disagree"
+            )
     return fields, runs
 
 
 def _stats(lengths: torch.Tensor, total: int) -> dict:
     real = int(lengths.sum())
-    return {"samples": int(lengths.numel()), "real_tokens": real, "padded_tokens": total,
-            "pad_fraction": 1.0 - real / max(total, 1), "lengths": lengths.tolist()}
+    return {
+        "samples": int(lengths.numel()),
+        "real_tokens": real,
+        "padded_tokens": total,
+        "pad_fraction": 1.0 - real / max(total, 1),
+        "lengths": lengths.tolist(),
+    }
 
 
 def _padding_mask(total: int, real_positions: torch.Tensor) -> torch.Tensor:
@@ -85,7 +94,8 @@ def pack_thd(samples: list[dict], tokens: VisionTokens, pad_multiple: int = 1) -
     # Destination of every real token: its sample's padded start + its index inside the sample.
     real_starts = torch.repeat_interleave(cu_padded[:-1], lengths)
     local = torch.arange(int(lengths.sum())) - torch.repeat_interleave(
-        torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0))[:-1], lengths)
+        torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0))[:-1], lengths
+    )
     dest = real_starts + local
 
     def scatter(field, fill, dtype):
@@ -157,9 +167,14 @@ def pad_row_to(batch: dict, length: int) -> dict:
     def pad(t, value):  # None: a tensor this pipeline stage does not read
         return None if t is None else torch.nn.functional.pad(t, (0, extra), value=value)
 
-    out = dict(batch, tokens=pad(batch["tokens"], 0), labels=pad(batch["labels"], IGNORE_INDEX),
-               loss_mask=pad(batch["loss_mask"], 0.0), position_ids=pad(batch["position_ids"], 0),
-               padding_mask=pad(batch["padding_mask"], True))
+    out = dict(
+        batch,
+        tokens=pad(batch["tokens"], 0),
+        labels=pad(batch["labels"], IGNORE_INDEX),
+        loss_mask=pad(batch["loss_mask"], 0.0),
+        position_ids=pad(batch["position_ids"], 0),
+        padding_mask=pad(batch["padding_mask"], True),
+    )
     if batch.get("cu_seqlens") is not None:
         cu, cu_padded = batch["cu_seqlens"], batch["cu_seqlens_padded"]
         out["cu_seqlens"] = torch.cat([cu, cu[-1:]])
@@ -175,8 +190,14 @@ class Collator:
     ``row_length`` (token-budget packing): every THD row padded to exactly that many tokens
     (a row holding one conversation longer than that stays as long as it is)."""
 
-    def __init__(self, tokens: VisionTokens, packed: bool = True, pad_multiple: int = 1, seq_length: int | None = None,
-                 row_length: int | None = None):
+    def __init__(
+        self,
+        tokens: VisionTokens,
+        packed: bool = True,
+        pad_multiple: int = 1,
+        seq_length: int | None = None,
+        row_length: int | None = None,
+    ):
         self.tokens, self.packed, self.pad_multiple, self.seq_length = tokens, packed, pad_multiple, seq_length
         self.row_length = row_length
 

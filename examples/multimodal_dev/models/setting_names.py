@@ -6,13 +6,30 @@ of ``qwen35_vl/parallel.py``, ``planner/pipeline_layout.py`` and ``vision_ranks/
 
 from __future__ import annotations
 
-FLAGS = {"world": "the world size", "tp": "--tensor-model-parallel-size", "cp": "--context-parallel-size",
-         "ep": "--expert-model-parallel-size", "pp": "--pipeline-model-parallel-size",
-         "vp": "--num-virtual-stages-per-pipeline-rank", "first": "--decoder-first-pipeline-num-layers",
-         "last": "--decoder-last-pipeline-num-layers", "vtp": "--vision-tensor-parallel-size",
-         "vnproc": "--vision-nproc"}
-VARIABLES = {"world": "NPROC=", "tp": "TP=", "cp": "CP=", "ep": "EP=", "pp": "PP=", "vp": "VP=", "first": "PP_FIRST=",
-             "last": "PP_LAST=", "vtp": "VISION_TP=", "vnproc": "VISION_NPROC="}
+FLAGS = {
+    "world": "the world size",
+    "tp": "--tensor-model-parallel-size",
+    "cp": "--context-parallel-size",
+    "ep": "--expert-model-parallel-size",
+    "pp": "--pipeline-model-parallel-size",
+    "vp": "--num-virtual-stages-per-pipeline-rank",
+    "first": "--decoder-first-pipeline-num-layers",
+    "last": "--decoder-last-pipeline-num-layers",
+    "vtp": "--vision-tensor-parallel-size",
+    "vnproc": "--vision-nproc",
+}
+VARIABLES = {
+    "world": "NPROC=",
+    "tp": "TP=",
+    "cp": "CP=",
+    "ep": "EP=",
+    "pp": "PP=",
+    "vp": "VP=",
+    "first": "PP_FIRST=",
+    "last": "PP_LAST=",
+    "vtp": "VISION_TP=",
+    "vnproc": "VISION_NPROC=",
+}
 
 
 def named(names: dict, key: str, value) -> str:

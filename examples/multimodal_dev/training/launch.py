@@ -11,7 +11,6 @@ own argument checks, and the training script verifies they agree.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import shlex
@@ -32,19 +31,39 @@ PROG = "run_qwen35_vl.sh"
 # schedule and its tables from these variables: a flag that replaced one would run a layout other
 # than the one checked and printed (--vision-nproc 1 left no rank for the language model).
 VARIABLE_OF_FLAG = {
-    "--tensor-model-parallel-size": "TP", "--context-parallel-size": "CP", "--expert-model-parallel-size": "EP",
-    "--expert-tensor-parallel-size": "ETP", "--pipeline-model-parallel-size": "PP",
-    "--num-virtual-stages-per-pipeline-rank": "VP", "--decoder-first-pipeline-num-layers": "PP_FIRST",
-    "--decoder-last-pipeline-num-layers": "PP_LAST", "--sequence-parallel": "SP",
-    "--vision-tensor-parallel-size": "VISION_TP", "--vision-nproc": "VISION_NPROC", "--micro-batch-size": "MBS",
-    "--global-batch-size": "GBS", "--seq-length": "SEQ_LEN", "--train-iters": "TRAIN_ITERS", "--lr": "LR",
-    "--packing": "PACKING", "--packed-seq-length": "PACKED_SEQ_LENGTH", "--dataset-provider": "DATASET",
-    "--transformer-impl": "TRANSFORMER_IMPL"}
+    "--tensor-model-parallel-size": "TP",
+    "--context-parallel-size": "CP",
+    "--expert-model-parallel-size": "EP",
+    "--expert-tensor-parallel-size": "ETP",
+    "--pipeline-model-parallel-size": "PP",
+    "--num-virtual-stages-per-pipeline-rank": "VP",
+    "--decoder-first-pipeline-num-layers": "PP_FIRST",
+    "--decoder-last-pipeline-num-layers": "PP_LAST",
+    "--sequence-parallel": "SP",
+    "--vision-tensor-parallel-size": "VISION_TP",
+    "--vision-nproc": "VISION_NPROC",
+    "--micro-batch-size": "MBS",
+    "--global-batch-size": "GBS",
+    "--seq-length": "SEQ_LEN",
+    "--train-iters": "TRAIN_ITERS",
+    "--lr": "LR",
+    "--packing": "PACKING",
+    "--packed-seq-length": "PACKED_SEQ_LENGTH",
+    "--dataset-provider": "DATASET",
+    "--transformer-impl": "TRANSFORMER_IMPL",
+}
 DATASETS = ("mock", "mock_mix", "mock_video", "cord_v2", "jsonl", "energon")
-OWN_DATA = (("VALID_DATA_PATH", "--eval-data-path"), ("VALID_FRACTION", "--valid-fraction"),
-            ("MEDIA_ROOT", "--media-root"), ("STRICT_DATA", "--strict-data"), ("REMOTE_MEDIA", "--allow-remote-media"),
-            ("MEDIA_ANYWHERE", "--allow-media-anywhere"), ("VIDEO_FPS", "--video-fps"),
-            ("VIDEO_MAX_FRAMES", "--video-max-frames"), ("VIDEO_MAX_PIXELS", "--video-max-pixels"))
+OWN_DATA = (
+    ("VALID_DATA_PATH", "--eval-data-path"),
+    ("VALID_FRACTION", "--valid-fraction"),
+    ("MEDIA_ROOT", "--media-root"),
+    ("STRICT_DATA", "--strict-data"),
+    ("REMOTE_MEDIA", "--allow-remote-media"),
+    ("MEDIA_ANYWHERE", "--allow-media-anywhere"),
+    ("VIDEO_FPS", "--video-fps"),
+    ("VIDEO_MAX_FRAMES", "--video-max-frames"),
+    ("VIDEO_MAX_PIXELS", "--video-max-pixels"),
+)
 SWITCHES = ("STRICT_DATA", "REMOTE_MEDIA", "MEDIA_ANYWHERE")  # 0 or 1; 1 adds the flag alone
 CPU_DEFAULTS = dict(TRAIN_ITERS="30", MBS="2", GBS="4", SEQ_LEN="1024", LR="2e-3")
 GPU_DEFAULTS = dict(TRAIN_ITERS="20", MBS="1", GBS="8", SEQ_LEN="4096", LR="1e-4")
@@ -125,8 +144,9 @@ def model_shape(s: Settings, gpu: bool, launch: Launch):
         s.set("MODEL_VARIANT", "hf_config")
     elif not s.var("MODEL_VARIANT"):
         s.set("MODEL_VARIANT", "proxy" if gpu else "tiny")
-        launch.said.append(f"MODEL_VARIANT not set; using '{s.values['MODEL_VARIANT']}' "
-                           f"({'GPU found' if gpu else 'no GPU'})")
+        launch.said.append(
+            f"MODEL_VARIANT not set; using '{s.values['MODEL_VARIANT']}' ({'GPU found' if gpu else 'no GPU'})"
+        )
     variant, moe = s.values["MODEL_VARIANT"], s.var("MOE", "0")
     try:
         if hf_config:
@@ -188,8 +208,14 @@ def sizes(s: Settings, shape, gpu: bool) -> None:
         by = f"LR_DECAY_ITERS={decay}" if decay else f"TRAIN_ITERS={s.values['TRAIN_ITERS']}"
         raise LaunchError(f"LR_WARMUP_ITERS={warmup} must be smaller than the decay iterations ({by})")
     try:  # the split of the decoder over pipeline stages (megatron-core's rule, checked by name)
-        stage_layers(t.num_layers, s.int("PP"), s.int("VP") or None, s.int("PP_FIRST") or None,
-                     s.int("PP_LAST") or None, names=VARIABLES)
+        stage_layers(
+            t.num_layers,
+            s.int("PP"),
+            s.int("VP") or None,
+            s.int("PP_FIRST") or None,
+            s.int("PP_LAST") or None,
+            names=VARIABLES,
+        )
     except (KeyError, ValueError) as err:
         raise LaunchError(err.args[0]) from None
 
@@ -216,14 +242,18 @@ def layout(s: Settings, shape) -> list[str]:
     lang_name = "(NPROC-VISION_NPROC)" if vision_nproc else "NPROC"
     checks = (
         (not sp or tp > 1, "SP=1 needs TP>1 (sequence parallelism splits the sequence over TP ranks)"),
-        (s.int("SEQ_LEN") % (2 * cp) == 0, f"SEQ_LEN={s.values['SEQ_LEN']} must be a multiple of 2*CP={2 * cp} "
-                                          "(context parallelism cuts every sample into 2*CP chunks)"),
-        (sp or tp == 1 or not experts, f"SP=0 with TP={tp}: megatron-core requires sequence parallelism for MoE "
-                                      "with TP>1"),
+        (
+            s.int("SEQ_LEN") % (2 * cp) == 0,
+            f"SEQ_LEN={s.values['SEQ_LEN']} must be a multiple of 2*CP={2 * cp} "
+            "(context parallelism cuts every sample into 2*CP chunks)",
+        ),
+        (
+            sp or tp == 1 or not experts,
+            f"SP=0 with TP={tp}: megatron-core requires sequence parallelism for MoE with TP>1",
+        ),
         (lang > 0, f"VISION_NPROC={vision_nproc} leaves no ranks for the language model (NPROC={nproc})"),
         (lang % (tp * cp * pp) == 0, f"{lang_name}={lang} is not divisible by TP*CP*PP={tp * cp * pp}"),
-        ((lang // pp) % (ep * etp) == 0,
-         f"EP={ep}: {lang_name}/PP={lang // pp} is not divisible by EP*ETP={ep * etp}"),
+        ((lang // pp) % (ep * etp) == 0, f"EP={ep}: {lang_name}/PP={lang // pp} is not divisible by EP*ETP={ep * etp}"),
     )
     # the model's own checks (heads, Gated DeltaNet heads, experts), in the variables' names, after the
     # sequence-parallel ones and before the process counts
@@ -236,8 +266,9 @@ def layout(s: Settings, shape) -> list[str]:
         raise LaunchError(f"GBS={gbs} is not a multiple of MBS*DP={mbs * dp}")
     vision_tp = s.values["VISION_TP"]
     try:  # the vision tower's own ranks and TP / DP, refused by name where megatron-core cannot run them
-        return env_table(nproc, tp, cp, pp, s.int("VP"), int(vision_tp) if vision_tp else None, vision_nproc,
-                         shape.vision.num_heads)
+        return env_table(
+            nproc, tp, cp, pp, s.int("VP"), int(vision_tp) if vision_tp else None, vision_nproc, shape.vision.num_heads
+        )
     except ValueError as err:
         raise LaunchError(err.args[0]) from None
 
@@ -269,39 +300,112 @@ def data_flags(s: Settings) -> list[str]:
         elif value is not None:
             flags += [flag, value]
     if flags and dataset not in ("jsonl", "energon"):
-        raise LaunchError("VALID_DATA_PATH, VALID_FRACTION, MEDIA_ROOT, STRICT_DATA, REMOTE_MEDIA, MEDIA_ANYWHERE and "
-                          f"VIDEO_* apply to DATASET=jsonl (and energon) only (DATASET={dataset})")
+        raise LaunchError(
+            "VALID_DATA_PATH, VALID_FRACTION, MEDIA_ROOT, STRICT_DATA, REMOTE_MEDIA, MEDIA_ANYWHERE and "
+            f"VIDEO_* apply to DATASET=jsonl (and energon) only (DATASET={dataset})"
+        )
     if dataset == "energon":  # the shards hold the media; validation is the dataset's val split
         for name in ("VALID_DATA_PATH", "VALID_FRACTION", "MEDIA_ROOT", "REMOTE_MEDIA", "MEDIA_ANYWHERE"):
             if s.values[name] not in (None, "0"):
-                raise LaunchError(f"{name} applies to DATASET=jsonl; an energon dataset carries its media and its "
-                                  "val split")
+                raise LaunchError(
+                    f"{name} applies to DATASET=jsonl; an energon dataset carries its media and its val split"
+                )
     return flags
 
 
 def model_flags(s: Settings, shape, variant_flags: list[str], data: list[str], gpu: bool) -> list[str]:
     """megatron's flags of the model, the layout, the schedule and the data."""
-    numbers = dict(zip(("layers", "hidden", "heads", "kv", "head_dim", "ffn", "vocab", "experts", "topk", "moe_ffn"),
-                       shape_row(shape).split()))
+    numbers = dict(
+        zip(
+            ("layers", "hidden", "heads", "kv", "head_dim", "ffn", "vocab", "experts", "topk", "moe_ffn"),
+            shape_row(shape).split(),
+        )
+    )
     v = s.values
     train_iters, lr = s.int("TRAIN_ITERS"), v["LR"]
-    args = ["--model-arch", "qwen35_vl", "--model-variant", v["MODEL_VARIANT"],
-            "--num-layers", numbers["layers"], "--hidden-size", numbers["hidden"],
-            "--num-attention-heads", numbers["heads"], "--group-query-attention", "--num-query-groups", numbers["kv"],
-            "--kv-channels", numbers["head_dim"], "--seq-length", v["SEQ_LEN"], "--max-position-embeddings",
-            v["SEQ_LEN"], "--tokenizer-type", "NullTokenizer", "--vocab-size", numbers["vocab"],
-            "--tensor-model-parallel-size", v["TP"], "--context-parallel-size", v["CP"],
-            "--expert-model-parallel-size", v["EP"], "--expert-tensor-parallel-size", v["ETP"],
-            "--pipeline-model-parallel-size", v["PP"], "--micro-batch-size", v["MBS"], "--global-batch-size", v["GBS"],
-            "--train-iters", v["TRAIN_ITERS"], "--lr", lr, "--min-lr", f"{float(lr) / 10:.6g}",
-            "--lr-decay-style", "cosine", "--lr-warmup-iters", v["LR_WARMUP_ITERS"] or str(train_iters // 10),
-            "--lr-decay-iters", v["LR_DECAY_ITERS"] or str(train_iters), "--weight-decay", "0.01",
-            "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--clip-grad", "1.0", "--calculate-per-token-loss",
-            "--log-interval", "1", "--eval-interval", str(train_iters), "--eval-iters", "2",
-            "--dataset-provider", v["DATASET"], "--seed", "1234", *variant_flags, *data]
+    args = [
+        "--model-arch",
+        "qwen35_vl",
+        "--model-variant",
+        v["MODEL_VARIANT"],
+        "--num-layers",
+        numbers["layers"],
+        "--hidden-size",
+        numbers["hidden"],
+        "--num-attention-heads",
+        numbers["heads"],
+        "--group-query-attention",
+        "--num-query-groups",
+        numbers["kv"],
+        "--kv-channels",
+        numbers["head_dim"],
+        "--seq-length",
+        v["SEQ_LEN"],
+        "--max-position-embeddings",
+        v["SEQ_LEN"],
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        numbers["vocab"],
+        "--tensor-model-parallel-size",
+        v["TP"],
+        "--context-parallel-size",
+        v["CP"],
+        "--expert-model-parallel-size",
+        v["EP"],
+        "--expert-tensor-parallel-size",
+        v["ETP"],
+        "--pipeline-model-parallel-size",
+        v["PP"],
+        "--micro-batch-size",
+        v["MBS"],
+        "--global-batch-size",
+        v["GBS"],
+        "--train-iters",
+        v["TRAIN_ITERS"],
+        "--lr",
+        lr,
+        "--min-lr",
+        f"{float(lr) / 10:.6g}",
+        "--lr-decay-style",
+        "cosine",
+        "--lr-warmup-iters",
+        v["LR_WARMUP_ITERS"] or str(train_iters // 10),
+        "--lr-decay-iters",
+        v["LR_DECAY_ITERS"] or str(train_iters),
+        "--weight-decay",
+        "0.01",
+        "--adam-beta1",
+        "0.9",
+        "--adam-beta2",
+        "0.95",
+        "--clip-grad",
+        "1.0",
+        "--calculate-per-token-loss",
+        "--log-interval",
+        "1",
+        "--eval-interval",
+        str(train_iters),
+        "--eval-iters",
+        "2",
+        "--dataset-provider",
+        v["DATASET"],
+        "--seed",
+        "1234",
+        *variant_flags,
+        *data,
+    ]
     if shape.text.is_moe:
-        args += ["--num-experts", numbers["experts"], "--moe-router-topk", numbers["topk"],
-                 "--moe-ffn-hidden-size", numbers["moe_ffn"], "--ffn-hidden-size", numbers["moe_ffn"]]
+        args += [
+            "--num-experts",
+            numbers["experts"],
+            "--moe-router-topk",
+            numbers["topk"],
+            "--moe-ffn-hidden-size",
+            numbers["moe_ffn"],
+            "--ffn-hidden-size",
+            numbers["moe_ffn"],
+        ]
     else:
         args += ["--ffn-hidden-size", numbers["ffn"]]
     args += [] if v["PACKED"] == "1" else ["--no-packed-sequence"]
@@ -345,8 +449,10 @@ def backend_flags(s: Settings, gpu: bool, launch: Launch) -> list[str]:
         if not gpu:
             raise LaunchError("TRANSFORMER_IMPL=transformer_engine needs a GPU; this host has none (use local)")
         if not _te_imports():
-            raise LaunchError(f"TRANSFORMER_IMPL=transformer_engine: transformer_engine does not import with "
-                              f"{sys.executable} (use local, or INSTALL_GPU_EXTRAS=1)")
+            raise LaunchError(
+                f"TRANSFORMER_IMPL=transformer_engine: transformer_engine does not import with "
+                f"{sys.executable} (use local, or INSTALL_GPU_EXTRAS=1)"
+            )
     elif impl != "local":
         raise LaunchError(f"TRANSFORMER_IMPL={impl}: expected transformer_engine or local")
     # --log-throughput: model TFLOP/s from models/qwen35_vl/flops.py (megatron's GPT formula is replaced)
@@ -357,8 +463,9 @@ def checkpoint_flags(s: Settings, launch: Launch) -> list[str]:
     resume, load, save = s.var("CKPT_RESUME"), s.values["CKPT_LOAD"], s.var("CKPT_SAVE")
     interval = s.values["SAVE_INTERVAL"] or s.values["TRAIN_ITERS"]
     if not resume:
-        return ((["--load", load, "--finetune"] if load else [])
-                + (["--save", save, "--save-interval", interval] if save else []))
+        return (["--load", load, "--finetune"] if load else []) + (
+            ["--save", save, "--save-interval", interval] if save else []
+        )
     # CKPT_LOAD with CKPT_RESUME: the first run starts from CKPT_LOAD's weights (megatron loads
     # --pretrained-checkpoint, as --finetune, while the resume directory holds no checkpoint); later runs resume
     flags = ["--load", resume, "--save", resume, "--save-interval", interval]
@@ -371,8 +478,9 @@ def checkpoint_flags(s: Settings, launch: Launch) -> list[str]:
             launch.said.append("resuming with the LR schedule of LR_WARMUP_ITERS / LR_DECAY_ITERS")
         else:
             flags.append("--use-checkpoint-opt_param-scheduler")
-            launch.said.append("resuming with the checkpoint's LR schedule "
-                               "(LR_WARMUP_ITERS / LR_DECAY_ITERS replace it)")
+            launch.said.append(
+                "resuming with the checkpoint's LR schedule (LR_WARMUP_ITERS / LR_DECAY_ITERS replace it)"
+            )
     return flags
 
 
@@ -394,17 +502,26 @@ def prepare(environ, argv: list[str], gpu: bool, launch: Launch) -> Launch:
     rdzv = ["--master-port", port] if port else ["--standalone"]
     # the training script runs as a module of the package examples.multimodal_dev (PYTHONPATH holds the
     # repository root), so no folder of the example shadows an installed package
-    launch.torchrun = ["--nproc-per-node", s.values["NPROC"], *rdzv, "--module",
-                       "examples.multimodal_dev.pretrain_multimodal", *args, *argv]
+    launch.torchrun = [
+        "--nproc-per-node",
+        s.values["NPROC"],
+        *rdzv,
+        "--module",
+        "examples.multimodal_dev.pretrain_multimodal",
+        *args,
+        *argv,
+    ]
     launch.dry_run = s.var("DRY_RUN", "0") == "1"
     own = own_vision_layout(s)
     if launch.dry_run:
         launch.said += ([f"# {line}" for line in vision_table] if own else []) + plan_lines(s)
         return launch
     v = s.values
-    launch.said.append(f"{v['MODEL_VARIANT']}, TP={v['TP']} CP={v['CP']} EP={v['EP']} PP={v['PP']} VP={v['VP']} "
-                       f"SP={v['SP']} NPROC={v['NPROC']}, dataset {v['DATASET']}, packing {v['PACKING']}, "
-                       f"{v['TRAIN_ITERS']} iterations")
+    launch.said.append(
+        f"{v['MODEL_VARIANT']}, TP={v['TP']} CP={v['CP']} EP={v['EP']} PP={v['PP']} VP={v['VP']} "
+        f"SP={v['SP']} NPROC={v['NPROC']}, dataset {v['DATASET']}, packing {v['PACKING']}, "
+        f"{v['TRAIN_ITERS']} iterations"
+    )
     launch.said += vision_table if own else []
     return launch
 
@@ -444,8 +561,9 @@ def main(argv: list[str] | None = None) -> None:
         print(shlex.join(["torchrun", *launch.torchrun]), flush=True)
         return
     # torchrun_launcher.py: torchrun without its own traceback when a rank fails (the rank has said why)
-    os.execv(sys.executable, [sys.executable, "-m", "examples.multimodal_dev.training.torchrun_launcher",
-                              *launch.torchrun])
+    os.execv(
+        sys.executable, [sys.executable, "-m", "examples.multimodal_dev.training.torchrun_launcher", *launch.torchrun]
+    )
 
 
 if __name__ == "__main__":

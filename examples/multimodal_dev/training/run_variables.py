@@ -6,124 +6,140 @@ from __future__ import annotations
 
 # (names, default, meaning), in Markdown as the README shows them
 VARIABLES: tuple[tuple[tuple[str, ...], str, str], ...] = (
-    (('MODEL_VARIANT',),
-     '`tiny` without a GPU, `proxy` with one (the script says which)',
-     '`tiny`, `proxy`, `0.8b`, `2b`, `4b`, `9b`, `27b`, `35b_a3b`, `122b_a10b`, `397b_a17b`'),
-    (('TP', 'CP', 'EP', 'PP'),
-     '1',
-     'tensor / context / expert / pipeline parallel sizes'),
-    (('ETP',),
-     '`TP`',
-     'expert tensor parallel size (1: whole experts per rank)'),
-    (('VP',),
-     '1',
-     'virtual pipeline stages per pipeline rank (the interleaved schedule)'),
-    (('PP_FIRST', 'PP_LAST'),
-     'even split',
-     'decoder layers on the first / last pipeline stage'),
-    (('SP',),
-     '1 for MoE with `TP>1` (megatron-core requires it), else 0',
-     'sequence parallelism over the TP ranks'),
-    (('NPROC',),
-     '`TP*CP*PP`',
-     'processes (torchrun) on this node'),
-    (('DATASET',),
-     '`mock`',
-     '`mock` (no files), `mock_mix` (no files; the length and image mix of a real SFT set, '
-     "`data/mock_mix.py`), `mock_video` (no files; the mock's images plus a video in half the "
-     'conversations), `cord_v2` or `jsonl` (your own conversations, "Your own data" below; both need '
-     '`DATA_PATH`, `HF_PROCESSOR_PATH`)'),
-    (('TRAIN_ITERS', 'MBS', 'GBS', 'SEQ_LEN', 'LR'),
-     'CPU: 30 2 4 1024 2e-3; GPU: 20 1 8 4096 1e-4',
-     'iterations, micro / global batch, per-sample token budget, peak LR'),
-    (('PACKED',),
-     '1',
-     '1: THD packing of each micro-batch; 0: padded BSHD'),
-    (('PACKING', 'PACKED_SEQ_LENGTH'),
-     '`samples`, `SEQ_LEN`',
-     '`samples`: a micro-batch packs `MBS` conversations; `tokens`: a micro-batch is one row of '
-     '`PACKED_SEQ_LENGTH` tokens, `GBS` counts rows, `MBS` is 1 (see Data)'),
-    (('MOE',),
-     '0',
-     '`tiny` only: 4 experts (top-2) so EP runs on CPU'),
-    (('MTP',),
-     '1 if `HF_CONFIG` has an MTP head, else 0',
-     '1 also trains the multi-token-prediction head (`--mtp-num-layers 1`); its loss is logged as `mtp_1 '
-     'loss`'),
-    (('CKPT_LOAD',),
-     '',
-     'start from these weights (`--finetune`: fresh optimizer, iteration 0); an import from Hugging Face '
-     'also supplies the model shape'),
-    (('HF_CONFIG',),
-     '`CKPT_LOAD/hf_config.json` if present',
-     'take the model shape from a Hugging Face `config.json` instead of `MODEL_VARIANT`'),
-    (('CKPT_SAVE', 'SAVE_INTERVAL'),
-     '`TRAIN_ITERS`',
-     'save there every `SAVE_INTERVAL` iterations and at the end'),
-    (('CKPT_RESUME',),
-     '',
-     'load from and save to this directory: exact resume (weights, AdamW, LR schedule, RNG, data '
-     "position); with `CKPT_LOAD` too, the first run starts from `CKPT_LOAD`'s weights (megatron's "
-     '`--pretrained-checkpoint`) and later runs resume'),
-    (('DRY_RUN',),
-     '0',
-     '1: print the command and exit, with the layout the planner chooses for `GPUS` H100s (see Planning a '
-     'cluster layout)'),
-    (('GPUS',),
-     '`9b` ... `397b_a17b`: the count in Planning a cluster layout',
-     "`DRY_RUN` only: the cluster's GPU count to plan for"),
-    (('VISION_TP',),
-     '`TP`; with `VISION_NPROC`: a vision replica for each language one, else 1 where `VISION_NPROC` '
-     "divides the language model's DP",
-     "the vision tower's tensor-parallel size, the rest of its ranks its data parallelism; on the language"
-     " model's ranks a divisor of `TP` (`vision_ranks/layout.py`)"),
-    (('VISION_NPROC',),
-     "0: the tower runs on the language model's first-stage ranks",
-     'ranks 0 .. `VISION_NPROC`-1 run only the vision tower, the others only the language model'),
-    (('LR_WARMUP_ITERS', 'LR_DECAY_ITERS'),
-     '`TRAIN_ITERS`/10, `TRAIN_ITERS`',
-     "the LR schedule (cosine to LR/10); when resuming, setting either replaces the checkpoint's schedule"),
-    (('DATA_PATH', 'HF_PROCESSOR_PATH'),
-     '',
-     '`cord_v2`, `jsonl`, `energon`: the data, and the Hugging Face processor (tokenizer and image '
-     'processor)'),
-    (('VALID_DATA_PATH', 'VALID_FRACTION'),
-     'none, 0',
-     "`jsonl`: the validation records, or the fraction of `DATA_PATH`'s records held out for validation"),
-    (('MEDIA_ROOT',),
-     "each JSONL's folder",
-     '`jsonl`: where relative media paths resolve, and the folder media must lie in'),
-    (('MEDIA_ANYWHERE',),
-     '0',
-     "`jsonl`: 1 admits media paths outside the JSONL's folder or `MEDIA_ROOT`"),
-    (('REMOTE_MEDIA',),
-     '0',
-     '`jsonl`: 1 fetches http(s) images and videos named in the records'),
-    (('STRICT_DATA',),
-     '0',
-     '`jsonl`, `energon`: 1 stops the run at the first bad record in one line, instead of a counted skip'),
-    (('VIDEO_FPS', 'VIDEO_MAX_FRAMES', 'VIDEO_MAX_PIXELS'),
-     "2, 768, qwen-vl-utils'",
-     '`jsonl`, `energon`: frames sampled per second of video, the most frames, the largest area of one '
-     'frame after resizing'),
-    (('TRANSFORMER_IMPL',),
-     '`transformer_engine` on a GPU host where it imports, else `local` (the script says which)',
-     'module backend; both write the same checkpoint keys (Transformer Engine / Megatron-Bridge names)'),
-    (('MASTER_PORT',),
-     'a free port (`torchrun --standalone`)',
-     'rendezvous port, for runs that span nodes'),
-    (('FORK_RANKS',),
-     '1 without CUDA where `NPROC` exceeds the cores or the launch runs on a warm engine, else 0',
-     '1: the ranks fork from one process that imported torch, megatron-core and transformers once (about 6'
-     ' s of CPU saved a rank, where the ranks would queue for the cores to import); 0: each rank is a '
-     'fresh interpreter, as torchrun starts it (`training/torchrun_launcher.py`)'),
-    (('ENGINE_SERVER',),
-     'unset',
-     'CPU hosts: the socket of a warm engine (`python -m examples.multimodal_dev.training.warm_engine '
-     'SOCKET &`), which imported the engine once; each launch forks from it instead of importing (on a '
-     '2-core CPU host, a 1-rank 1-step run: 2-3 s instead of 9-10 s; TP=2: 5 s instead of 10 s). A launch '
-     'it cannot run as a fresh interpreter would (an import-time variable such as `TRITON_*` set '
-     'otherwise) starts cold, saying why (`training/warm_engine.py`)'),
+    (
+        ("MODEL_VARIANT",),
+        "`tiny` without a GPU, `proxy` with one (the script says which)",
+        "`tiny`, `proxy`, `0.8b`, `2b`, `4b`, `9b`, `27b`, `35b_a3b`, `122b_a10b`, `397b_a17b`",
+    ),
+    (("TP", "CP", "EP", "PP"), "1", "tensor / context / expert / pipeline parallel sizes"),
+    (("ETP",), "`TP`", "expert tensor parallel size (1: whole experts per rank)"),
+    (("VP",), "1", "virtual pipeline stages per pipeline rank (the interleaved schedule)"),
+    (("PP_FIRST", "PP_LAST"), "even split", "decoder layers on the first / last pipeline stage"),
+    (("SP",), "1 for MoE with `TP>1` (megatron-core requires it), else 0", "sequence parallelism over the TP ranks"),
+    (("NPROC",), "`TP*CP*PP`", "processes (torchrun) on this node"),
+    (
+        ("DATASET",),
+        "`mock`",
+        "`mock` (no files), `mock_mix` (no files; the length and image mix of a real SFT set, "
+        "`data/mock_mix.py`), `mock_video` (no files; the mock's images plus a video in half the "
+        'conversations), `cord_v2` or `jsonl` (your own conversations, "Your own data" below; both need '
+        "`DATA_PATH`, `HF_PROCESSOR_PATH`)",
+    ),
+    (
+        ("TRAIN_ITERS", "MBS", "GBS", "SEQ_LEN", "LR"),
+        "CPU: 30 2 4 1024 2e-3; GPU: 20 1 8 4096 1e-4",
+        "iterations, micro / global batch, per-sample token budget, peak LR",
+    ),
+    (("PACKED",), "1", "1: THD packing of each micro-batch; 0: padded BSHD"),
+    (
+        ("PACKING", "PACKED_SEQ_LENGTH"),
+        "`samples`, `SEQ_LEN`",
+        "`samples`: a micro-batch packs `MBS` conversations; `tokens`: a micro-batch is one row of "
+        "`PACKED_SEQ_LENGTH` tokens, `GBS` counts rows, `MBS` is 1 (see Data)",
+    ),
+    (("MOE",), "0", "`tiny` only: 4 experts (top-2) so EP runs on CPU"),
+    (
+        ("MTP",),
+        "1 if `HF_CONFIG` has an MTP head, else 0",
+        "1 also trains the multi-token-prediction head (`--mtp-num-layers 1`); its loss is logged as `mtp_1 loss`",
+    ),
+    (
+        ("CKPT_LOAD",),
+        "",
+        "start from these weights (`--finetune`: fresh optimizer, iteration 0); an import from Hugging Face "
+        "also supplies the model shape",
+    ),
+    (
+        ("HF_CONFIG",),
+        "`CKPT_LOAD/hf_config.json` if present",
+        "take the model shape from a Hugging Face `config.json` instead of `MODEL_VARIANT`",
+    ),
+    (("CKPT_SAVE", "SAVE_INTERVAL"), "`TRAIN_ITERS`", "save there every `SAVE_INTERVAL` iterations and at the end"),
+    (
+        ("CKPT_RESUME",),
+        "",
+        "load from and save to this directory: exact resume (weights, AdamW, LR schedule, RNG, data "
+        "position); with `CKPT_LOAD` too, the first run starts from `CKPT_LOAD`'s weights (megatron's "
+        "`--pretrained-checkpoint`) and later runs resume",
+    ),
+    (
+        ("DRY_RUN",),
+        "0",
+        "1: print the command and exit, with the layout the planner chooses for `GPUS` H100s (see Planning a "
+        "cluster layout)",
+    ),
+    (
+        ("GPUS",),
+        "`9b` ... `397b_a17b`: the count in Planning a cluster layout",
+        "`DRY_RUN` only: the cluster's GPU count to plan for",
+    ),
+    (
+        ("VISION_TP",),
+        "`TP`; with `VISION_NPROC`: a vision replica for each language one, else 1 where `VISION_NPROC` "
+        "divides the language model's DP",
+        "the vision tower's tensor-parallel size, the rest of its ranks its data parallelism; on the language"
+        " model's ranks a divisor of `TP` (`vision_ranks/layout.py`)",
+    ),
+    (
+        ("VISION_NPROC",),
+        "0: the tower runs on the language model's first-stage ranks",
+        "ranks 0 .. `VISION_NPROC`-1 run only the vision tower, the others only the language model",
+    ),
+    (
+        ("LR_WARMUP_ITERS", "LR_DECAY_ITERS"),
+        "`TRAIN_ITERS`/10, `TRAIN_ITERS`",
+        "the LR schedule (cosine to LR/10); when resuming, setting either replaces the checkpoint's schedule",
+    ),
+    (
+        ("DATA_PATH", "HF_PROCESSOR_PATH"),
+        "",
+        "`cord_v2`, `jsonl`, `energon`: the data, and the Hugging Face processor (tokenizer and image processor)",
+    ),
+    (
+        ("VALID_DATA_PATH", "VALID_FRACTION"),
+        "none, 0",
+        "`jsonl`: the validation records, or the fraction of `DATA_PATH`'s records held out for validation",
+    ),
+    (
+        ("MEDIA_ROOT",),
+        "each JSONL's folder",
+        "`jsonl`: where relative media paths resolve, and the folder media must lie in",
+    ),
+    (("MEDIA_ANYWHERE",), "0", "`jsonl`: 1 admits media paths outside the JSONL's folder or `MEDIA_ROOT`"),
+    (("REMOTE_MEDIA",), "0", "`jsonl`: 1 fetches http(s) images and videos named in the records"),
+    (
+        ("STRICT_DATA",),
+        "0",
+        "`jsonl`, `energon`: 1 stops the run at the first bad record in one line, instead of a counted skip",
+    ),
+    (
+        ("VIDEO_FPS", "VIDEO_MAX_FRAMES", "VIDEO_MAX_PIXELS"),
+        "2, 768, qwen-vl-utils'",
+        "`jsonl`, `energon`: frames sampled per second of video, the most frames, the largest area of one "
+        "frame after resizing",
+    ),
+    (
+        ("TRANSFORMER_IMPL",),
+        "`transformer_engine` on a GPU host where it imports, else `local` (the script says which)",
+        "module backend; both write the same checkpoint keys (Transformer Engine / Megatron-Bridge names)",
+    ),
+    (("MASTER_PORT",), "a free port (`torchrun --standalone`)", "rendezvous port, for runs that span nodes"),
+    (
+        ("FORK_RANKS",),
+        "1 without CUDA where `NPROC` exceeds the cores or the launch runs on a warm engine, else 0",
+        "1: the ranks fork from one process that imported torch, megatron-core and transformers once (about 6"
+        " s of CPU saved a rank, where the ranks would queue for the cores to import); 0: each rank is a "
+        "fresh interpreter, as torchrun starts it (`training/torchrun_launcher.py`)",
+    ),
+    (
+        ("ENGINE_SERVER",),
+        "unset",
+        "CPU hosts: the socket of a warm engine (`python -m examples.multimodal_dev.training.warm_engine "
+        "SOCKET &`), which imported the engine once; each launch forks from it instead of importing (on a "
+        "2-core CPU host, a 1-rank 1-step run: 2-3 s instead of 9-10 s; TP=2: 5 s instead of 10 s). A launch "
+        "it cannot run as a fresh interpreter would (an import-time variable such as `TRITON_*` set "
+        "otherwise) starts cold, saying why (`training/warm_engine.py`)",
+    ),
 )
 
 NAMES = frozenset(name for names, _, _ in VARIABLES for name in names)
