@@ -1,5 +1,5 @@
 """Tiny media for tests (no downloads, no system FFmpeg): the video writer is the benchmarks'
-(``benchmarks/media_mix.py``); here, decoding every frame as a reference, and the README examples' media."""
+(``benchmarks/media_mix.py``); here, decoding every frame as a reference, and the example JSONL files' media."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def decode_all_tchw(path: str):
 
 
 def write_example_media(folder: str) -> None:
-    """The pictures and the video the README's example JSONL files name, drawn at their relative
+    """The pictures and the video docs/data.md's example JSONL files name, drawn at their relative
     paths (nothing binary is committed)."""
     import os
 

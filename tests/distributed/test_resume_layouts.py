@@ -1,4 +1,4 @@
-"""Checkpoints across layouts with the distributed optimizer, launched as the README launches it
+"""Checkpoints across layouts with the distributed optimizer, launched as docs/checkpoints.md launches it
 (``--use-distributed-optimizer`` and nothing else): one DP=2 checkpoint of the tiny MoE model
 resumes, optimizer state included, at TP=2, PP=2, PP=2 x VP=2 and EP=2, and with megatron's plain
 optimizer and back, and the next step's loss and grad norm equal the same-layout resume's; a resume

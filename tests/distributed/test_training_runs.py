@@ -46,7 +46,7 @@ def test_default_run_learns():
 
 @pytest.mark.parametrize("setting", ["plain", "distributed, DP=2, token budget"])
 def test_exact_resume(tmp_path, setting):
-    # As the README launches it: --use-distributed-optimizer and no checkpoint flags (the default
+    # As docs/checkpoints.md launches it: --use-distributed-optimizer and no checkpoint flags (the default
     # format is fully reshardable). Both train with dropout, so the RNG state must come back exactly
     # too, on every DP rank: in the straight run rank 1's stream moves on by its own draws, and
     # megatron alone would restore rank 0's on both (checkpoint/rng_per_rank.py). Token-budget

@@ -13,7 +13,7 @@ CPU suite, which collects tests/gpu and skips it, never writes anything.
     python tests/gpu/gpu_results.py add --check C --case X --status S [--note N] [--metric k=v ...]
     python tests/gpu/gpu_results.py env --out env.json       # versions and GPUs (+ an "env" row)
     python tests/gpu/gpu_results.py collect --rows rows.jsonl --outdir DIR [--env env.json]
-    python tests/gpu/gpu_results.py readme [--folder tests/gpu/results/DATE-DEVICE]   # README's GPU table
+    python tests/gpu/gpu_results.py docs [--folder tests/gpu/results/DATE-DEVICE]   # docs/gpu.md's GPU table
 """
 
 from __future__ import annotations
@@ -198,12 +198,13 @@ def collect(rows_file: str, outdir: str, env_file: str | None = None, extra_meta
     return result
 
 
-# The README's GPU table is made from the newest committed results folder (RESULTS_ROOT/DATE-DEVICE/,
+# docs/gpu.md's GPU table is made from the newest committed results folder (RESULTS_ROOT/DATE-DEVICE/,
 # with meta.json naming its runs); tests/gpu/test_results_table.py keeps the two equal.
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS_ROOT = os.path.join(ROOT, "tests", "gpu", "results")
-README_BEGIN = "<!-- gpu-results: begin (python tests/gpu/gpu_results.py readme writes this block) -->"
-README_END = "<!-- gpu-results: end -->"
+DOCS_PAGE = os.path.join(ROOT, "docs", "gpu.md")
+TABLE_BEGIN = "<!-- gpu-results: begin (python tests/gpu/gpu_results.py docs writes this block) -->"
+TABLE_END = "<!-- gpu-results: end -->"
 
 
 def newest_results_folder(root: str = RESULTS_ROOT) -> str:
@@ -213,13 +214,13 @@ def newest_results_folder(root: str = RESULTS_ROOT) -> str:
     return os.path.join(root, dated[-1])
 
 
-def readme_table(folder: str) -> str:
-    """The README's block: where and what ran, then every row of every run (why, for fails and skips)."""
+def docs_table(folder: str) -> str:
+    """docs/gpu.md's block: where and what ran, then every row of every run (why, for fails and skips)."""
     with open(os.path.join(folder, "meta.json")) as f:
         meta = json.load(f)
     where = os.path.relpath(folder, ROOT)
     lines = [
-        README_BEGIN,
+        TABLE_BEGIN,
         f"Measured on {meta['device']}, {meta['date']}; {meta['image']}. Every row comes from "
         f"`{where}/` (meta.json says which commit each run ran and how).",
         "",
@@ -246,19 +247,19 @@ def readme_table(folder: str) -> str:
                 )
                 + " |"
             )
-    return "\n".join([*lines, README_END])
+    return "\n".join([*lines, TABLE_END])
 
 
-def readme_block(text: str) -> str:
-    start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
+def docs_block(text: str) -> str:
+    start, end = text.index(TABLE_BEGIN), text.index(TABLE_END) + len(TABLE_END)
     return text[start:end]
 
 
-def write_readme(folder: str, readme: str = os.path.join(ROOT, "README.md")) -> None:
-    with open(readme) as f:
+def write_docs(folder: str, page: str = DOCS_PAGE) -> None:
+    with open(page) as f:
         text = f.read()
-    with open(readme, "w") as f:
-        f.write(text.replace(readme_block(text), readme_table(folder)))
+    with open(page, "w") as f:
+        f.write(text.replace(docs_block(text), docs_table(folder)))
 
 
 def environment() -> dict:
@@ -335,8 +336,10 @@ def main(argv=None) -> int:
     col.add_argument("--outdir", required=True)
     col.add_argument("--env", default=None)
     col.add_argument("--meta", action="append", default=[], help="name=value added to the table's header")
-    readme = sub.add_parser("readme", help="rewrite README.md's GPU table from a committed results folder")
-    readme.add_argument("--folder", default=None, help="[the newest dated folder under tests/gpu/results/]")
+    docs = sub.add_parser(
+        "docs", aliases=["readme"], help="rewrite docs/gpu.md's GPU table from a committed results folder"
+    )
+    docs.add_argument("--folder", default=None, help="[the newest dated folder under tests/gpu/results/]")
     args = parser.parse_args(argv)
 
     if args.cmd == "add":
@@ -355,8 +358,8 @@ def main(argv=None) -> int:
         flat = {k: v for k, v in info.items() if k not in ("versions", "gpus")}
         shown = {k: info["versions"].get(k) for k in ("torch", "torch cuda", "triton", "flash-linear-attention")}
         record("env", "host", "info", {**shown, **flat}, "all versions: the table's header")
-    elif args.cmd == "readme":
-        write_readme(args.folder or newest_results_folder())
+    elif args.cmd in ("docs", "readme"):
+        write_docs(args.folder or newest_results_folder())
     else:
         meta = dict(item.partition("=")[::2] for item in args.meta)
         result = collect(args.rows, args.outdir, args.env, meta)

@@ -144,20 +144,20 @@ def test_35b_cut_sizing_and_config(tmp_path):
     assert shape == replace(two)
 
 
-def test_readme_gpu_table_is_the_newest_committed_results():
-    """README.md's GPU table is made from the newest committed results folder (meta.json + each run's
-    results.json); after a new GPU run: python tests/gpu/gpu_results.py readme."""
+def test_docs_gpu_table_is_the_newest_committed_results():
+    """docs/gpu.md's GPU table is made from the newest committed results folder (meta.json + each run's
+    results.json); after a new GPU run: python tests/gpu/gpu_results.py docs."""
     folder = gpu_results.newest_results_folder()
-    with open(os.path.join(gpu_results.ROOT, "README.md")) as f:
-        block = gpu_results.readme_block(f.read())
-    assert block == gpu_results.readme_table(folder), (
-        "README.md's GPU table is stale: python tests/gpu/gpu_results.py readme"
+    with open(gpu_results.DOCS_PAGE) as f:
+        block = gpu_results.docs_block(f.read())
+    assert block == gpu_results.docs_table(folder), (
+        "docs/gpu.md's GPU table is stale: python tests/gpu/gpu_results.py docs"
     )
     rows = block.count("\n| run")  # one line per row of every run, after the header
     assert rows >= 1 and os.path.basename(folder) in block
 
 
-def test_readme_gpu_table_changes_with_the_results(tmp_path):
+def test_docs_gpu_table_changes_with_the_results(tmp_path):
     """The comparison above can fail: a changed row gives another table."""
     import shutil
 
@@ -167,5 +167,5 @@ def test_readme_gpu_table_changes_with_the_results(tmp_path):
     data = json.loads(result_file.read_text())
     data["rows"][0]["status"] = "pass" if data["rows"][0]["status"] != "pass" else "fail"
     result_file.write_text(json.dumps(data))
-    assert gpu_results.readme_table(str(folder)) != gpu_results.readme_table(gpu_results.newest_results_folder())
+    assert gpu_results.docs_table(str(folder)) != gpu_results.docs_table(gpu_results.newest_results_folder())
     assert gpu_results.newest_results_folder(str(tmp_path)) == str(folder)

@@ -8,7 +8,7 @@ EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "mult
 
 @pytest.fixture(scope="session")
 def example_data(tmp_path_factory):
-    """(folder of the README's example JSONL files with their media drawn here, those files converted
+    """(folder of docs/data.md's example JSONL files with their media drawn here, those files converted
     to an energon dataset (4 conversations a shard), the converter's counts, a Qwen3.5-style processor)."""
     from tiny_media import write_example_media
     from tiny_processor import QWEN35_CHAT_TEMPLATE, build_processor

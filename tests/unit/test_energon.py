@@ -1,4 +1,4 @@
-"""The energon provider and its converter: the README's example JSONL files (media drawn here)
+"""The energon provider and its converter: the example JSONL files of docs/data.md (media drawn here)
 converted to energon shards, read back with energon's loader, give the jsonl provider's samples
 for the same conversations (ids, labels, pixels, grids); two data-parallel ranks see disjoint
 shares that cover the data; a bad input to the converter is one line and leaves no OUT_DIR."""

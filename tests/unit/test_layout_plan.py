@@ -17,7 +17,7 @@ from examples.multimodal_dev.planner.layout_plan import Request, balanced_split,
 from examples.multimodal_dev.planner.pipeline_layout import LAYOUTS, stage_layers
 from examples.multimodal_dev.tools import plan_layout as tool
 
-README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+PLANNER_PAGE = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "planner.md")
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +46,14 @@ def _request(mixes, name, gpus, **kw):
 
 @pytest.mark.parametrize("variant", list(LAYOUTS))
 def test_recommended_layouts_are_the_planners_choice(mixes, variant):
-    """``pipeline_layout.LAYOUTS`` (what the meta builds, the README and the run script use) is the
-    planner's best layout at the default count, and the README's planner table is its row: a change
+    """``pipeline_layout.LAYOUTS`` (what the meta builds, the docs and the run script use) is the
+    planner's best layout at the default count, and docs/planner.md's table is its row: a change
     to the cost model shows up here."""
     result = plan(_request(mixes, variant, LAYOUTS[variant][-1]), keep=1)
     best = result.plans[0]
     assert best.candidate.layout == Layout.recommended(variant), best.candidate.describe()
-    with open(README) as f:
-        assert tool.readme_row(result) in f.read(), "README: rerun tools/plan_layout --readme-table"
+    with open(PLANNER_PAGE) as f:
+        assert tool.table_row(result) in f.read(), "docs/planner.md: rerun tools/plan_layout --docs-table"
 
 
 def test_a_model_too_big_for_its_gpus_is_refused_by_its_weights(mixes):

@@ -33,7 +33,7 @@ from examples.multimodal_dev.planner import meta_builds as mb
 from examples.multimodal_dev.planner.pipeline_layout import LAYOUTS
 from examples.multimodal_dev.tools import rank_memory as tool
 
-README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+PLANNER_PAGE = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "planner.md")
 FULLY_BUILT = ("9b", "27b", "35b_a3b")
 
 
@@ -180,13 +180,13 @@ def test_parameter_totals_match_the_published_figures(plans, variant):
         assert not cov.within_published_rounding(counts.with_mtp, total)
 
 
-def test_readme_table_is_what_the_tool_prints(plans):
-    with open(README) as f:
-        readme = set(f.read().splitlines())
+def test_docs_table_is_what_the_tool_prints(plans):
+    with open(PLANNER_PAGE) as f:
+        page = set(f.read().splitlines())
     for variant in LAYOUTS:
         plan = plans(variant)
         for row in tool.table_rows(variant, plan.shape, plan.layout, build=plan.builds.__getitem__):
-            assert row in readme, f"README lacks the row\n{row}"
+            assert row in page, f"docs/planner.md lacks the row\n{row}"
 
 
 def test_builds_stay_on_the_meta_device(no_process_group):

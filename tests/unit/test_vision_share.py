@@ -1,4 +1,4 @@
-"""The vision tower's share of the work (``tools/vision_share.py``): the README's table is what the
+"""The vision tower's share of the work (``tools/vision_share.py``): docs/parallelism.md's table is what the
 tool prints, the share follows the data mix, and the first stage's language FLOPs are the model's
 cut by the planned split (the stages add up to the whole)."""
 
@@ -11,7 +11,7 @@ from examples.multimodal_dev.planner.layout_mix import Mix
 from examples.multimodal_dev.planner.pipeline_layout import LAYOUTS, stage_layers
 from examples.multimodal_dev.tools import vision_share as tool
 
-README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+PAGE = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "parallelism.md")
 
 
 @pytest.fixture(scope="module")
@@ -19,13 +19,13 @@ def shares():
     return {s.name: s for s in tool.table()}
 
 
-def test_readme_table_is_what_the_tool_prints(shares):
-    with open(README) as f:
-        readme = f.read()
-    assert tool.HEADER in readme
-    lines = set(readme.splitlines())
+def test_docs_table_is_what_the_tool_prints(shares):
+    with open(PAGE) as f:
+        page = f.read()
+    assert tool.HEADER in page
+    lines = set(page.splitlines())
     for s in shares.values():
-        assert s.row() in lines, f"README lacks the row (rerun tools/vision_share --readme-table)\n{s.row()}"
+        assert s.row() in lines, f"docs/parallelism.md lacks the row (rerun tools/vision_share --docs-table)\n{s.row()}"
 
 
 def test_the_share_follows_the_mix():

@@ -22,7 +22,7 @@ FORMATS = {
 }
 
 # The loader benchmark's mix, per conversation: (share, images, videos). Photo-sized images and
-# short clips, as instruction-tuning sets hold them; the shares are stated in the README's table.
+# short clips, as instruction-tuning sets hold them; the shares are stated in docs/data.md's loader table.
 MIX = ((0.5, 1, 0), (0.25, 2, 0), (0.125, 0, 1), (0.125, 0, 0))
 IMAGE_SIDES = ((640, 480), (1024, 768), (1280, 720), (800, 1200))
 VIDEO = dict(seconds=4, fps=24, width=640, height=360)

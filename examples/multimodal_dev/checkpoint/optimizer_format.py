@@ -9,7 +9,7 @@ megatron saves the distributed optimizer's state in one of two layouts (``--ckpt
   allocator held (NaN, 3e38), so two correct runs never wrote the same bytes.
 - ``fully_reshardable`` (``--dist-ckpt-optim-fully-reshardable``): per parameter, in the model's
   own sharded layout, so it resumes at any TP / PP / VP / DP / EP; saving gathers each bucket
-  over the DP group first (README, "Checkpoints across layouts", has the measured cost).
+  over the DP group first (docs/checkpoints.md, "Across layouts", has the measured cost).
 
 With experts split over EP ranks megatron chains two optimizers (dense and expert parameters); at
 EP=1 one optimizer holds both. Its fully reshardable tensors load across that change, but the
@@ -33,7 +33,7 @@ from . import optimizer_switch
 from .files import TRACKER, checkpoint_directory, stored_args
 
 FORMAT_FLAG = "dist_ckpt_optim_fully_reshardable"
-# (megatron arg, how the run script and README name it)
+# (megatron arg, how the run script and docs name it)
 _LAYOUT = (
     ("tensor_model_parallel_size", "TP"),
     ("pipeline_model_parallel_size", "PP"),

@@ -88,8 +88,8 @@ def stage_layers(
 
 # Recommended launch layouts: the layout planner's choice (``tools/plan_layout.py``,
 # ``planner/layout_plan.py``) for each variant at this GPU count on 8-GPU H100 (80 GB) nodes,
-# 4096-token rows of ``mock_mix``'s conversations, GBS 512 rows, MBS 1; the README's "Planning a
-# cluster layout" shows why. ``test_layout_plan`` holds each row equal to the planner's current
+# 4096-token rows of ``mock_mix``'s conversations, GBS 512 rows, MBS 1; docs/planner.md
+# shows why. ``test_layout_plan`` holds each row equal to the planner's current
 # choice, so a change to the cost model that moves one shows up there. ETP: expert tensor
 # parallelism (for a dense variant it is TP, as the run script sets it).
 LAYOUTS = {

@@ -6,7 +6,7 @@ GPUs' memory and run a step fastest, predicted from the model's shape (no GPU ne
         [--global-batch 512] [--efficiency 0.5] [--peak-tflops F] [--nvlink-gbs B]
         [--network-gbs B] [--recompute auto|none|full] [--no-distributed-optimizer] [--top 3]
         [--data-path JSONL --hf-processor-path DIR [--media-root DIR] [--data-samples 512]] [--brief]
-        [--layout "TP=1 PP=2 EP=8 ..."] [--readme-table]
+        [--layout "TP=1 PP=2 EP=8 ..."] [--docs-table]
 
 VARIANT: a released variant or ``--hf-config config.json``. A micro-batch is ``--micro-batch``
 rows of ``--seq-len`` tokens packed from ``mock_mix``'s conversation mix, or from your JSONL's
@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("variant", nargs="?", help="released variant (or give --hf-config)")
     p.add_argument("--hf-config", help="a Hugging Face config.json instead of a variant")
-    p.add_argument("--gpus", type=int, help="GPUs of the cluster [9b ... 397b_a17b: the README's count]")
+    p.add_argument("--gpus", type=int, help="GPUs of the cluster [9b ... 397b_a17b: docs/planner.md's count]")
     p.add_argument("--gpu", default="h100", choices=sorted(HARDWARE))
     p.add_argument("--gpu-memory", type=float, help="GiB per GPU [the --gpu's]")
     p.add_argument("--gpus-per-node", type=int, default=8)
@@ -67,29 +67,30 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=3, help="layouts to print [3]")
     p.add_argument("--brief", action="store_true", help="one line: the best layout's run-script settings")
     p.add_argument(
+        "--docs-table",
         "--readme-table",
         action="store_true",
-        help="the README's table: every variant with a default count, planned with these settings",
+        help="docs/planner.md's table: every variant with a default count, planned with these settings",
     )
     p.add_argument("--layout", help='cost this layout only, e.g. "TP=1 PP=2 EP=8 FIRST=16 LAST=24"')
     return p
 
 
 # Megatron-Bridge's H100 BF16 performance recipes for Qwen3.5-VL (perf_recipes/qwen_vl/h100/
-# qwen35_vl.py), for the README's comparison; the dense variants have none.
+# qwen35_vl.py), for docs/planner.md's comparison; the dense variants have none.
 BRIDGE_H100 = {
     "35b_a3b": "TP=1 PP=2 EP=8 (16 + 24 layers), 16 GPUs, GBS 512",
     "122b_a10b": "TP=2 PP=8 VP=2 EP=16, 128 GPUs",
     "397b_a17b": "TP=2 PP=8 VP=4 EP=32, 256 GPUs",
 }
-README_HEADER = (
+TABLE_HEADER = (
     "| variant | GPUs | planned layout | fullest rank GiB: state + activations | step s | TFLOP/s per GPU "
     "| tokens/s per GPU | Megatron-Bridge recipe |\n| --- | --- | --- | --- | --- | --- | --- | --- |"
 )
 
 
-def readme_row(result) -> str:
-    """The README's row of a variant planned at its default count."""
+def table_row(result) -> str:
+    """docs/planner.md's row of a variant planned at its default count."""
     req, best = result.request, result.plans[0]
     m, t = best.busiest, best.time
     tokens = req.global_batch * req.mix.seq_len / t.total / req.gpus
@@ -315,14 +316,14 @@ def _one_layout(request, text: str):
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    if args.readme_table:
+    if args.docs_table:
         from examples.multimodal_dev.planner.layout_plan import plan
         from examples.multimodal_dev.planner.pipeline_layout import LAYOUTS
 
-        print(README_HEADER)
+        print(TABLE_HEADER)
         for name in LAYOUTS:
             args.variant, args.gpus = name, None
-            print(readme_row(plan(request_from_args(args), keep=1)), flush=True)
+            print(table_row(plan(request_from_args(args), keep=1)), flush=True)
         return 0
     if not args.variant and not args.hf_config:
         _fail("give a VARIANT or --hf-config")

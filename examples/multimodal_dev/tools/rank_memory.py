@@ -7,7 +7,7 @@ state of representative ranks, every rank built on the meta device in this proce
 VARIANT: released variants with a recommended layout (default: all of them). ``--layout`` builds
 another layout instead (keys TP PP VP CP EP ETP FIRST LAST GPUS; unset ones as in
 ``pipeline_layout.LAYOUTS``' defaults: 1, FIRST / LAST / VP none). Rows are Markdown, the
-README's table. Representative ranks: the first rank of the first, a middle and the last
+table of docs/planner.md. Representative ranks: the first rank of the first, a middle and the last
 pipeline stage, and an expert-parallel rank other than 0 (``meta_builds.representative_ranks``).
 Assumptions (``meta_builds``): bf16 weights, fp32 gradient buffers, distributed optimizer (fp32
 main parameters + two Adam moments) sharded over each parameter's data-parallel group.
@@ -42,7 +42,7 @@ def parse_layout(text: str, where: str = "rank_memory: --layout"):
 
 
 def table_rows(name, shape, layout, build=None) -> list[str]:
-    """The README table's rows of one variant: its representative ranks (``build(rank)``: a
+    """docs/planner.md's table rows of one variant: its representative ranks (``build(rank)``: a
     ``RankBuild``, by default built here)."""
     from examples.multimodal_dev.planner.meta_builds import GIB, rank_build, rank_memory, representative_ranks
 

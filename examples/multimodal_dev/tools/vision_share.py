@@ -1,6 +1,6 @@
 """How much of each released variant's work is the vision tower's, on the layout planner's mix.
 
-    python -m examples.multimodal_dev.tools.vision_share [--seq-len 4096] [--samples 4096] [--readme-table]
+    python -m examples.multimodal_dev.tools.vision_share [--seq-len 4096] [--samples 4096] [--docs-table]
 
 Rows of ``--seq-len`` tokens packed from ``--samples`` conversations of ``mock_mix``'s profile
 (``planner/layout_mix.py``, the planner's mix); FLOPs (``models/qwen35_vl/flops.py``) summed over
@@ -110,7 +110,9 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--samples", type=int, default=DRAW, help=f"conversations drawn for the rows [{DRAW}, the planner's draw]"
     )
-    parser.add_argument("--readme-table", action="store_true", help="the README's Markdown table")
+    parser.add_argument(
+        "--docs-table", "--readme-table", action="store_true", help="docs/parallelism.md's Markdown table"
+    )
     args = parser.parse_args(argv)
     from examples.multimodal_dev.planner.layout_plan import MIN_CP_TOKENS
 
@@ -121,12 +123,12 @@ def main(argv=None) -> int:
         shares = table(args.seq_len, args.samples)
     except ValueError as err:  # no row of seq_len tokens in the draw
         raise SystemExit(f"vision_share: {err}")
-    if args.readme_table:
+    if args.docs_table:
         print(HEADER)
     for s in shares:
         print(
             s.row()
-            if args.readme_table
+            if args.docs_table
             else f"{s.name:<10} vision tower {s.vision_params / 1e6:3.0f} M | {100 * s.share:4.1f} % of the FLOPs | "
             f"{s.layout:<34} | vision / first stage's language FLOPs {100 * s.first_stage:3.0f} %"
         )

@@ -492,8 +492,8 @@ def prepare(environ, argv: list[str], gpu: bool, launch: Launch) -> Launch:
 
 
 def plan_lines(s: Settings) -> list[str]:
-    """DRY_RUN: the layout planner's choice for a cluster of GPUS H100s (README, "Planning a cluster
-    layout"); without GPUS, only for the variants with a default count."""
+    """DRY_RUN: the layout planner's choice for a cluster of GPUS H100s (docs/planner.md); without
+    GPUS, only for the variants with a default count."""
     gpus, hf_config = s.var("GPUS"), s.values["HF_CONFIG"]
     model = ["--hf-config", hf_config] if hf_config else [s.values["MODEL_VARIANT"]]
     if not gpus and hf_config:

@@ -22,8 +22,8 @@ VARIABLES: tuple[tuple[tuple[str, ...], str, str], ...] = (
         "`mock`",
         "`mock` (no files), `mock_mix` (no files; the length and image mix of a real SFT set, "
         "`data/mock_mix.py`), `mock_video` (no files; the mock's images plus a video in half the "
-        'conversations), `cord_v2` or `jsonl` (your own conversations, "Your own data" below; both need '
-        "`DATA_PATH`, `HF_PROCESSOR_PATH`)",
+        "conversations), `cord_v2`, `jsonl` (your own conversations) or `energon` (Megatron-Energon shards); "
+        "the last three need `DATA_PATH`, `HF_PROCESSOR_PATH` ([docs/data.md](docs/data.md))",
     ),
     (
         ("TRAIN_ITERS", "MBS", "GBS", "SEQ_LEN", "LR"),
@@ -35,7 +35,7 @@ VARIABLES: tuple[tuple[tuple[str, ...], str, str], ...] = (
         ("PACKING", "PACKED_SEQ_LENGTH"),
         "`samples`, `SEQ_LEN`",
         "`samples`: a micro-batch packs `MBS` conversations; `tokens`: a micro-batch is one row of "
-        "`PACKED_SEQ_LENGTH` tokens, `GBS` counts rows, `MBS` is 1 (see Data)",
+        "`PACKED_SEQ_LENGTH` tokens, `GBS` counts rows, `MBS` is 1 ([docs/data.md](docs/data.md))",
     ),
     (("MOE",), "0", "`tiny` only: 4 experts (top-2) so EP runs on CPU"),
     (
@@ -65,12 +65,12 @@ VARIABLES: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (
         ("DRY_RUN",),
         "0",
-        "1: print the command and exit, with the layout the planner chooses for `GPUS` H100s (see Planning a "
-        "cluster layout)",
+        "1: print the command and exit, with the layout the planner chooses for `GPUS` H100s "
+        "([docs/planner.md](docs/planner.md))",
     ),
     (
         ("GPUS",),
-        "`9b` ... `397b_a17b`: the count in Planning a cluster layout",
+        "`9b` ... `397b_a17b`: the count in [docs/planner.md](docs/planner.md)",
         "`DRY_RUN` only: the cluster's GPU count to plan for",
     ),
     (

@@ -237,8 +237,12 @@ class _Server:
 
 
 def main(argv: list[str]) -> int:
+    usage = "usage: python -m examples.multimodal_dev.training.warm_engine SOCKET"
+    if argv in (["-h"], ["--help"]):
+        print(f"{usage}\n\n{__doc__}")
+        return 0
     if len(argv) != 1:
-        print("usage: python -m examples.multimodal_dev.training.warm_engine SOCKET", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     import importlib
 
