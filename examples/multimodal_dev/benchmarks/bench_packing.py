@@ -81,7 +81,7 @@ def run(variant: str, lengths: list[int] | None, reps: int, mix: str = "text", m
 
     times, losses = alternating_medians({name: (lambda b=batch: step(b)) for name, batch in batches.items()}, reps)
     useful = micro_batch_flops(shape, lengths, grids).training
-    return {"times": times, "losses": losses, "tokens": {name: b["tokens"].numel() for name, b in batches.items()},
+    return {"times": times, "losses": losses, "tokens": {name: b.tokens.numel() for name, b in batches.items()},
             "useful_flops": useful, "lengths": lengths,
             # the packed row holds only real tokens; the padded rows are all as long as the longest
             "spent_flops": {"packed (THD)": useful,
