@@ -1,10 +1,12 @@
-"""THD packing and BSHD padding: boundaries, pad values, MRoPE restarts (vs transformers), and
-the per-token loss of a packed batch equal to that of the padded batch (1e-5 abs)."""
+"""THD packing and BSHD padding: boundaries, pad values, MRoPE restarts (vs transformers), the
+per-token loss of a packed batch equal to that of the padded batch (1e-5 abs), and what a
+pipeline stage keeps of a batch."""
 
 import pytest
 import torch
 from hf_reference import hf_rope_index
 
+from examples.multimodal_dev.data.batch import StageInput
 from examples.multimodal_dev.data.collate import Collator, pack_thd, pad_bshd, pad_multiple_for
 from examples.multimodal_dev.data.mock import MockConversations
 from examples.multimodal_dev.data.mock_video import VideoProfile
@@ -54,6 +56,24 @@ def test_videos_pack_with_their_frames_positions_and_pixels():
     assert batch_flops(SHAPE, packed).vision == pytest.approx(
         vision_flops(SHAPE.vision, SHAPE.text.hidden_size, images + frames))
     assert vision_flops(SHAPE.vision, SHAPE.text.hidden_size, frames) > 0
+
+
+@pytest.mark.parametrize("first,kept", [(StageInput.PIXELS, {"pixel_values", "image_grid_thw"}),
+                                         (StageInput.GRIDS, {"image_grid_thw"}), (StageInput.HIDDEN, set())])
+@pytest.mark.parametrize("post_process", [True, False])
+def test_a_stage_keeps_what_it_reads(first, kept, post_process):
+    """Vision inputs as the stage's first layer needs them, labels and loss mask on the last
+    stage; positions, boundaries, the padding mask and the token ids everywhere; stats shared."""
+    batch = pack_thd(_samples(4), TOKENS, 4)
+    assert batch.pixel_values is not None and batch.image_grid_thw is not None
+    view = batch.for_stage(first, post_process)
+    vision = {"pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"}
+    assert {k for k in vision if getattr(view, k) is not None} == kept
+    assert (view.labels is not None, view.loss_mask is not None) == (post_process, post_process)
+    assert set(view.tensors()) - vision - {"labels", "loss_mask"} == {
+        "tokens", "position_ids", "cu_seqlens", "cu_seqlens_padded", "padding_mask"}
+    assert view.max_seqlen == batch.max_seqlen and view.stats is batch.stats
+    assert StageInput.of(True) is StageInput.PIXELS and StageInput.of(False) is StageInput.HIDDEN
 
 
 @pytest.mark.parametrize("cp,tp,sp,expected", [(1, 1, False, 1), (2, 1, False, 4), (4, 1, False, 8),
