@@ -25,7 +25,7 @@ from functools import partial
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from examples.multimodal_dev.data.batch import PackedBatch, ServedBatches
+from examples.multimodal_dev.data.batch import PackedBatch, ServedBatches, from_megatron
 from examples.multimodal_dev.data.collate import pad_row_to
 
 
@@ -67,13 +67,14 @@ def batch_loss(model, batch: PackedBatch):
     return loss_func(loss_mask, output)
 
 
-def forward_step(data_iterator: Iterator[PackedBatch | ServedBatches], model, *_args, **_kwargs):
+def forward_step(data_iterator: Iterator[dict], model, *_args, **_kwargs):
+    """``data_iterator``: megatron's, of plain dicts (``batch.to_megatron`` says why)."""
     from megatron.core.utils import get_attr_wrapped_model
 
     from examples.multimodal_dev.vision_ranks import groups as vision_ranks
 
     device = next(model.parameters()).device
-    batch: PackedBatch | ServedBatches = next(data_iterator).to(device)
+    batch = from_megatron(next(data_iterator)).to(device)
     if get_attr_wrapped_model(model, "vision_only"):  # the tower on ranks of its own: its features go on
         return {"vision": vision_features(model, batch)}, None
     batch = equalise_for_expert_dispatch(batch, model)

@@ -25,7 +25,7 @@ from examples.multimodal_dev.checkpoint import loader_state, optimizer_format, p
 from examples.multimodal_dev.checkpoint.integrity import check_resumable
 from examples.multimodal_dev.checkpoint.run_shape import check_checkpoint_matches, resolve_shape
 from examples.multimodal_dev.data import get_dataset_provider
-from examples.multimodal_dev.data.batch import PackedBatch, ServedBatches, StageInput
+from examples.multimodal_dev.data.batch import PackedBatch, ServedBatches, StageInput, to_megatron
 from examples.multimodal_dev.data.collate import Collator, pad_multiple_for
 from examples.multimodal_dev.data.jsonl_source import check_data_path
 from examples.multimodal_dev.data.loader import build_iterator
@@ -248,6 +248,17 @@ def metered(provider, meter):
     return datasets
 
 
+def plain_for_megatron(provider):
+    """``provider`` whose iterators hand megatron plain dicts (``batch.to_megatron`` says why)."""
+
+    def datasets(train_val_test_num_samples, vp_stage=None):
+        return tuple(None if it is None else map(to_megatron, it)
+                     for it in provider(train_val_test_num_samples, vp_stage=vp_stage))
+
+    datasets.is_distributed = provider.is_distributed
+    return datasets
+
+
 def check_pipeline_split(args) -> None:
     """Refuse a pipeline split of the decoder that megatron-core cannot build, by flag name
     (``--num-layers`` is checked against the model shape later)."""
@@ -357,7 +368,7 @@ def main():
         grids = dict(pg_collection=layout.pg_collection, p2p_communicator=layout.communicator,
                      skip_model_parallel_init=True)
     try:
-        pretrain(pretrain_cfg_container_from_args(args), metered(datasets_provider, meter),
+        pretrain(pretrain_cfg_container_from_args(args), plain_for_megatron(metered(datasets_provider, meter)),
                  ModelType.encoder_or_decoder, forward_step, model_provider=model_provider, **grids)
     except DataError as err:  # the user's data, found unusable while the iterators are built or drawn
         raise SystemExit(f"pretrain_multimodal.py: {err}") from None

@@ -61,6 +61,10 @@ class BatchStats:
     model_flops: float = 0.0  # training FLOPs on the real tokens; pretrain_multimodal.py fills it in
     skipped: dict | None = None  # a DataLoader worker's new skip counts on their way to the main process (loader.py)
 
+    def as_dict(self) -> dict:
+        """Plain data (``to_megatron``); no ``skipped`` once the main process took the counts off."""
+        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None or f.name != "skipped"}
+
 
 VISION_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 PIXELS = ("pixel_values", "pixel_values_videos")
@@ -105,6 +109,18 @@ class PackedBatch:
         """The vision tower's inputs, as the model's keyword arguments."""
         return {k: getattr(self, k) for k in VISION_INPUTS}
 
+    def as_dict(self) -> dict:
+        """Plain data, field by field (``to_megatron``); the tensors are not copied."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if self.stats is not None:
+            out["stats"] = self.stats.as_dict()
+        return out
+
+    @classmethod
+    def from_dict(cls, plain: dict) -> PackedBatch:
+        stats = plain.get("stats")
+        return cls(**{**plain, "stats": None if stats is None else BatchStats(**stats)})
+
     def for_stage(self, first: StageInput, post_process: bool) -> PackedBatch:
         """The batch without the tensors a pipeline stage never reads (None in their place):
         vision inputs as ``first`` says, labels and loss mask off the last stage."""
@@ -122,3 +138,22 @@ class ServedBatches:
 
     def to(self, device) -> ServedBatches:
         return ServedBatches([b.to(device) for b in self.batches])
+
+
+def to_megatron(item: PackedBatch | ServedBatches) -> dict:
+    """A micro-batch as megatron's data iterator hands it on: plain dicts (``{"served": [...]}`` for
+    ``ServedBatches``), kept plain on purpose. megatron's rerun state machine (``--rerun-mode
+    validate_results``) keeps the micro-batches it drew and, after a NaN, saves them in the
+    checkpoint it re-saves; a checkpoint loads as data only (checkpoint/safety.py, weights_only),
+    which refuses a class of ours, and plain dicts keep checkpoints the same as before the batch
+    was typed. ``from_megatron`` (forward_step) turns it back."""
+    if isinstance(item, ServedBatches):
+        return {"served": [b.as_dict() for b in item.batches]}
+    return item.as_dict()
+
+
+def from_megatron(item: dict) -> PackedBatch | ServedBatches:
+    """The micro-batch ``to_megatron`` made plain."""
+    if "served" in item:
+        return ServedBatches([PackedBatch.from_dict(b) for b in item["served"]])
+    return PackedBatch.from_dict(item)
