@@ -22,7 +22,9 @@ Both:
     video_grid_thw      [videos, 3]     long  (t, h, w) of each video (None without)
     stats               BatchStats      sizes of the micro-batch (host side, never moved)
 
-A pipeline stage keeps only what it reads (``for_stage``): None replaces the rest.
+A pipeline stage keeps only what it reads (``for_stage``): None replaces the rest. Between the
+loader and ``forward_step`` megatron's data iterator carries it as a plain dict (``to_megatron``
+says why).
 """
 
 from __future__ import annotations
