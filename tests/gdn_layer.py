@@ -17,10 +17,12 @@ def tiny_gdn_layer(**config_settings):
     from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant, language_transformer_config
 
     config = language_transformer_config(get_variant("tiny").text, **config_settings)
-    submodules = GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=HeadSharedNorm,
-                                         out_proj=RowParallelLinear)
-    return GatedDeltaNet(config, submodules, layer_number=1,
-                         pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    submodules = GatedDeltaNetSubmodules(
+        in_proj=ColumnParallelLinear, out_norm=HeadSharedNorm, out_proj=RowParallelLinear
+    )
+    return GatedDeltaNet(
+        config, submodules, layer_number=1, pg_collection=ProcessGroupCollection.use_mpu_process_groups()
+    )
 
 
 def packed_params(lengths):
@@ -28,5 +30,6 @@ def packed_params(lengths):
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = torch.nn.functional.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths),
-                           max_seqlen_kv=max(lengths))
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths)
+    )

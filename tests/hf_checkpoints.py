@@ -52,8 +52,10 @@ def write_hf_checkpoint(path, shape, dtype=torch.bfloat16, experts_per_expert: b
     if not os.path.exists(index_path):  # one shard: make the index real checkpoints have
         os.replace(os.path.join(path, "model.safetensors"), os.path.join(path, "model-00001-of-00001.safetensors"))
         with safe_open(os.path.join(path, "model-00001-of-00001.safetensors"), "pt") as f:
-            json.dump({"metadata": {}, "weight_map": {k: "model-00001-of-00001.safetensors" for k in f.keys()}},
-                      open(index_path, "w"))
+            json.dump(
+                {"metadata": {}, "weight_map": {k: "model-00001-of-00001.safetensors" for k in f.keys()}},
+                open(index_path, "w"),
+            )
     mtp = {k: v.to(dtype) for k, v in mtp.items()}
     if mtp:
         save_file({k: v.contiguous() for k, v in mtp.items()}, os.path.join(path, "mtp.safetensors"))

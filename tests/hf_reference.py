@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from examples.multimodal_dev.checkpoint.hf_models import hf_model_for_shape
 from examples.multimodal_dev.models.qwen35_vl.configuration import Qwen35VLShape
 from examples.multimodal_dev.models.qwen35_vl.mrope import padded_batch_position_ids, sample_position_ids
-from examples.multimodal_dev.checkpoint.hf_models import hf_model_for_shape
 
 
 def build_hf_model(shape: Qwen35VLShape, seed: int = 0):
@@ -60,8 +60,13 @@ class HFMtpHead(torch.nn.Module):
         megatron-core's roll leaves it."""
         mask = torch.ones_like(input_ids)
         mm = (input_ids == shape.image_token_id).long()
-        hidden = hf_model.model(input_ids=input_ids, attention_mask=mask, mm_token_type_ids=mm,
-                                pixel_values=pixel_values, image_grid_thw=image_grid_thw).last_hidden_state
+        hidden = hf_model.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            mm_token_type_ids=mm,
+            pixel_values=pixel_values,
+            image_grid_thw=image_grid_thw,
+        ).last_hidden_state
         lm = hf_model.model.language_model
         next_ids = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
         x = torch.cat([self.pre_fc_norm_embedding(lm.embed_tokens(next_ids)), self.pre_fc_norm_hidden(hidden)], -1)
@@ -94,8 +99,15 @@ def hf_forward(model, shape: Qwen35VLShape, input_ids, attention_mask, pixel_val
 
 
 def megatron_position_ids(shape, input_ids, attention_mask, image_grid_thw):
-    return padded_batch_position_ids(input_ids, attention_mask, image_grid_thw, None, shape.image_token_id,
-                                     shape.video_token_id, shape.vision.spatial_merge_size)
+    return padded_batch_position_ids(
+        input_ids,
+        attention_mask,
+        image_grid_thw,
+        None,
+        shape.image_token_id,
+        shape.video_token_id,
+        shape.vision.spatial_merge_size,
+    )
 
 
 def hf_rope_index(shape: Qwen35VLShape, input_ids, attention_mask, image_grid_thw):
@@ -112,8 +124,9 @@ def packed_row(shape: Qwen35VLShape, samples, multiple: int = 4):
     tokens, positions, real, cu, cu_padded = [], [], [], [0], [0]
     for row, grids in samples:
         ids = torch.tensor(row)
-        pos = sample_position_ids(ids, torch.tensor(grids, dtype=torch.long).reshape(-1, 3), vision_ids,
-                                  shape.vision.spatial_merge_size)
+        pos = sample_position_ids(
+            ids, torch.tensor(grids, dtype=torch.long).reshape(-1, 3), vision_ids, shape.vision.spatial_merge_size
+        )
         pad = (-len(row)) % multiple
         tokens.append(torch.cat([ids, torch.zeros(pad, dtype=torch.long)]))
         positions.append(torch.cat([pos, torch.zeros(3, pad, dtype=torch.long)], dim=1))
@@ -122,7 +135,13 @@ def packed_row(shape: Qwen35VLShape, samples, multiple: int = 4):
         cu_padded.append(cu_padded[-1] + len(row) + pad)
     cu_t, cu_padded_t = torch.tensor(cu, dtype=torch.int32), torch.tensor(cu_padded, dtype=torch.int32)
     longest = int((cu_padded_t[1:] - cu_padded_t[:-1]).max())
-    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_t, cu_seqlens_kv=cu_t,
-                             cu_seqlens_q_padded=cu_padded_t, cu_seqlens_kv_padded=cu_padded_t,
-                             max_seqlen_q=longest, max_seqlen_kv=longest)
+    packed = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_t,
+        cu_seqlens_kv=cu_t,
+        cu_seqlens_q_padded=cu_padded_t,
+        cu_seqlens_kv_padded=cu_padded_t,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+    )
     return torch.cat(tokens)[None], torch.cat(positions, dim=1)[:, None], packed, torch.cat(real)

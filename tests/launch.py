@@ -15,8 +15,6 @@ import subprocess
 import tempfile
 import time
 
-import pytest
-
 from examples.multimodal_dev.training.warm_engine import IMPORT_TIME
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,9 +62,19 @@ class WarmEngine:
             # started as run_qwen35_vl.sh starts its launcher: the environment tools/bootstrap_env.sh makes;
             # a session of its own, out of reach of a test that signals its own process group
             cls.server = subprocess.Popen(
-                ["bash", "-c", 'source tools/bootstrap_env.sh && exec "$PY" -u -m '
-                               'examples.multimodal_dev.training.warm_engine "$0"', address],
-                cwd=ROOT, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                [
+                    "bash",
+                    "-c",
+                    'source tools/bootstrap_env.sh && exec "$PY" -u -m '
+                    'examples.multimodal_dev.training.warm_engine "$0"',
+                    address,
+                ],
+                cwd=ROOT,
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             deadline = time.monotonic() + 300
             while not os.path.exists(address):
                 if cls.server.poll() is not None or time.monotonic() > deadline:
@@ -98,14 +106,26 @@ def run_script(extra_args=(), timeout: int = 600, **env) -> Run:
     FLA's kernels) puts that folder on PYTHONPATH."""
     env.setdefault("ENGINE_SERVER", WarmEngine.get())
     full_env = {**os.environ, **{k: str(v) for k, v in env.items()}}
-    if {"KILL_DURING_SAVE_AT", "RECORD_PIPELINE", "FULL_DISK_AT", "MEGATRON_CPU_FLA", "VISION_GRAD_NORMS",
-        "CUT_VISION_GRAD"} & set(env):
+    if {
+        "KILL_DURING_SAVE_AT",
+        "RECORD_PIPELINE",
+        "FULL_DISK_AT",
+        "MEGATRON_CPU_FLA",
+        "VISION_GRAD_NORMS",
+        "CUT_VISION_GRAD",
+    } & set(env):
         full_env["PYTHONPATH"] = HOOKS + os.pathsep + full_env.get("PYTHONPATH", "")
     with tempfile.TemporaryDirectory(prefix="run_metrics_") as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
-        proc = subprocess.run(["bash", os.path.join(ROOT, "run_qwen35_vl.sh"), *extra_args, "--metrics-file", metrics],
-                              env=full_env, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                              start_new_session=True)  # its own process group (see tests/hooks)
+        proc = subprocess.run(
+            ["bash", os.path.join(ROOT, "run_qwen35_vl.sh"), *extra_args, "--metrics-file", metrics],
+            env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=ROOT,
+            start_new_session=True,
+        )  # its own process group (see tests/hooks)
         records = []
         if os.path.exists(metrics):
             with open(metrics) as f:
@@ -114,8 +134,9 @@ def run_script(extra_args=(), timeout: int = 600, **env) -> Run:
     # a launch the warm engine refuses starts cold, slower but otherwise the same: only one that sets an
     # import-time variable of its own may (a refusal of any other says the tests' engine has drifted)
     if "does not run this launch" in run.output and not any(k.startswith(IMPORT_TIME) for k in env):
-        raise AssertionError(f"the warm engine refused a launch that sets no import-time variable:\n"
-                             f"{run.output[:3000]}")
+        raise AssertionError(
+            f"the warm engine refused a launch that sets no import-time variable:\n{run.output[:3000]}"
+        )
     return run
 
 
@@ -131,16 +152,19 @@ def run_recording_vision_norms(directory, name, flags=NO_EVAL, **env):
     if steps[0][0]["sharded"]:  # each rank's shard: every rank's split, the whole weights of TP rank 0s
         if not vnproc:
             raise NotImplementedError("the tower's sharded gradients on the language model's ranks")
-        return run, {i + 1: sum(rank[i]["split"] + (rank[i]["whole"] if r % vtp == 0 else 0.0)
-                                for r, rank in enumerate(steps)) ** 0.5 for i in range(len(steps[0]))}
+        return run, {
+            i + 1: sum(rank[i]["split"] + (rank[i]["whole"] if r % vtp == 0 else 0.0) for r, rank in enumerate(steps))
+            ** 0.5
+            for i in range(len(steps[0]))
+        }
     squares = [steps[0][i]["whole"] + sum(rank[i]["split"] for rank in steps[:vtp]) for i in range(len(steps[0]))]
-    return run, {i + 1: sq ** 0.5 for i, sq in enumerate(squares)}
+    return run, {i + 1: sq**0.5 for i, sq in enumerate(squares)}
 
 
 def stopped_at(saved, target, iteration: int):
     """A copy of the checkpoint directory ``saved`` that ends at its checkpoint of ``iteration``, as a run
     stopped there leaves it: a straight run that also saved that step stands in for the stopped run."""
-    later = [p.name for p in saved.glob("iter_*") if int(p.name[len("iter_"):]) > iteration]
+    later = [p.name for p in saved.glob("iter_*") if int(p.name[len("iter_") :]) > iteration]
     assert (saved / f"iter_{iteration:07d}").is_dir(), f"{saved} has no checkpoint of iteration {iteration}"
     shutil.copytree(saved, target, ignore=lambda folder, names: later if folder == str(saved) else [])
     (target / "latest_checkpointed_iteration.txt").write_text(str(iteration))

@@ -29,10 +29,12 @@ def write_example_media(folder: str) -> None:
 
     os.makedirs(os.path.join(folder, "images"), exist_ok=True)
     os.makedirs(os.path.join(folder, "videos"), exist_ok=True)
-    drawings = {"red_circle": lambda d: d.ellipse([16, 16, 80, 80], fill=(220, 20, 20)),
-                "blue_square": lambda d: d.rectangle([24, 24, 72, 72], fill=(20, 40, 220)),
-                "green_triangle": lambda d: d.polygon([(48, 12), (86, 84), (10, 84)], fill=(20, 180, 40)),
-                "stripes": lambda d: [d.rectangle([x, 0, x + 11, 95], fill=(0, 0, 0)) for x in (0, 24, 48, 72)]}
+    drawings = {
+        "red_circle": lambda d: d.ellipse([16, 16, 80, 80], fill=(220, 20, 20)),
+        "blue_square": lambda d: d.rectangle([24, 24, 72, 72], fill=(20, 40, 220)),
+        "green_triangle": lambda d: d.polygon([(48, 12), (86, 84), (10, 84)], fill=(20, 180, 40)),
+        "stripes": lambda d: [d.rectangle([x, 0, x + 11, 95], fill=(0, 0, 0)) for x in (0, 24, 48, 72)],
+    }
     for name, draw in drawings.items():
         image = Image.new("RGB", (96, 96), (255, 255, 255))
         draw(ImageDraw.Draw(image))

@@ -16,8 +16,15 @@ from __future__ import annotations
 import io
 import json
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-            "<|image_pad|>", "<|video_pad|>"]
+SPECIALS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
     "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
@@ -93,10 +100,15 @@ def build_processor(out_dir: str, specials=SPECIALS, chat_template=CHAT_TEMPLATE
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(list(specials))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=specials[0], pad_token=specials[0])
-    image_processor = Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2,
-                                            size={"shortest_edge": 32 * 32, "longest_edge": 256 * 256})
-    processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=fast,
-                                 video_processor=Qwen3VLVideoProcessor(), chat_template=chat_template)
+    image_processor = Qwen2VLImageProcessor(
+        patch_size=16, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 32 * 32, "longest_edge": 256 * 256}
+    )
+    processor = Qwen3VLProcessor(
+        image_processor=image_processor,
+        tokenizer=fast,
+        video_processor=Qwen3VLVideoProcessor(),
+        chat_template=chat_template,
+    )
     processor.save_pretrained(out_dir)
     return out_dir
 

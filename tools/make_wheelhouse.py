@@ -85,8 +85,10 @@ def read_freeze(path: Path) -> dict:
             continue
         m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)\s*===?\s*(\S+)", line)
         if not m:
-            fail(f"--freeze {path}:{number}: '{line}' is not NAME==VERSION; write the file with "
-                 "`python -m pip list --format=freeze` (pip freeze prints URLs for some installs)")
+            fail(
+                f"--freeze {path}:{number}: '{line}' is not NAME==VERSION; write the file with "
+                "`python -m pip list --format=freeze` (pip freeze prints URLs for some installs)"
+            )
         present[canonical(m.group(1))] = (m.group(1), m.group(2))
     return present
 
@@ -113,7 +115,7 @@ def write_stub(folder: Path, name: str, version: str, tag: str) -> Path:
     files = {
         f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
         f"{info}/WHEEL": f"Wheel-Version: 1.0\nGenerator: make_wheelhouse\nRoot-Is-Purelib: false\n"
-                         f"Tag: {tag}\nBuild: {STUB_BUILD}\n",
+        f"Tag: {tag}\nBuild: {STUB_BUILD}\n",
     }
     path = folder / f"{dist}-{ver}-{STUB_BUILD}-{tag}.whl"
     with zipfile.ZipFile(path, "w") as zf:
@@ -160,11 +162,22 @@ class Resolution:
         py = python_version.replace(".", "")
         platforms = expand_platform(platform)
         self.tmp, self.label, self.present = tmp, f"cp{py} {platform}", dict(present)
-        self.target = ["--only-binary=:all:", "--python-version", python_version, "--implementation", "cp",
-                       "--abi", f"cp{py}"] + [x for p in platforms for x in ("--platform", p)]
+        self.target = [
+            "--only-binary=:all:",
+            "--python-version",
+            python_version,
+            "--implementation",
+            "cp",
+            "--abi",
+            f"cp{py}",
+        ] + [x for p in platforms for x in ("--platform", p)]
         arch = re.search(r"(x86_64|aarch64|i686|ppc64le|s390x|armv7l)$", platform)
-        self.markers = {"python_version": python_version, "python_full_version": f"{python_version}.0",
-                        "implementation_name": "cpython", "platform_python_implementation": "CPython"}
+        self.markers = {
+            "python_version": python_version,
+            "python_full_version": f"{python_version}.0",
+            "implementation_name": "cpython",
+            "platform_python_implementation": "CPython",
+        }
         if "linux" in platform:
             self.markers.update(sys_platform="linux", platform_system="Linux")
         if arch:
@@ -177,7 +190,8 @@ class Resolution:
 
     def pin(self, free=()) -> None:
         (self.tmp / "constraints.txt").write_text(
-            "".join(f"{n}=={v}\n" for key, (n, v) in self.present.items() if key not in free))
+            "".join(f"{n}=={v}\n" for key, (n, v) in self.present.items() if key not in free)
+        )
 
     def fetch_instead(self, key: str, why: str) -> None:
         name, version = self.present.pop(key)
@@ -187,9 +201,20 @@ class Resolution:
 
     def pip(self, reqs: list, pip_args: list, env=None, echo=True) -> tuple:
         (self.tmp / "requirements.txt").write_text("".join(f"{r}\n" for r in reqs))
-        return run_pip([*pip_args, *self.target, "--find-links", str(self.stubs),
-                        "-c", str(self.tmp / "constraints.txt"), "-r", str(self.tmp / "requirements.txt")],
-                       env=env, echo=echo)
+        return run_pip(
+            [
+                *pip_args,
+                *self.target,
+                "--find-links",
+                str(self.stubs),
+                "-c",
+                str(self.tmp / "constraints.txt"),
+                "-r",
+                str(self.tmp / "requirements.txt"),
+            ],
+            env=env,
+            echo=echo,
+        )
 
     def settle_present(self, reqs: list, base: list) -> None:
         """Keep a present package at its version only where what pip picks accepts it, as pip does on
@@ -207,8 +232,20 @@ class Resolution:
             return
         self.pin(free=free)
         report = self.tmp / "report.json"
-        rc, _ = self.pip(base, ["install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
-                                "--target", str(self.tmp / "target")], echo=False)
+        rc, _ = self.pip(
+            base,
+            [
+                "install",
+                "--dry-run",
+                "--ignore-installed",
+                "--quiet",
+                "--report",
+                str(report),
+                "--target",
+                str(self.tmp / "target"),
+            ],
+            echo=False,
+        )
         self.pin()
         if rc != 0:
             return  # the pinned download below names the conflict
@@ -239,8 +276,10 @@ class Resolution:
                 kept.append(extra)
                 continue
             names = unavailable(out) or [last_error(out)]
-            skipped.append(f"'{extra}': pip finds no set of wheels for {self.label} (it fails on "
-                           f"{', '.join(names)})" + "".join(f"; {SOURCE_ONLY[n]}" for n in names if n in SOURCE_ONLY))
+            skipped.append(
+                f"'{extra}': pip finds no set of wheels for {self.label} (it fails on "
+                f"{', '.join(names)})" + "".join(f"; {SOURCE_ONLY[n]}" for n in names if n in SOURCE_ONLY)
+            )
         return kept, skipped
 
     def check_offline(self, dest: Path, reqs: list) -> None:
@@ -248,8 +287,22 @@ class Resolution:
         find-links would add sources), from DEST and the stand-ins only."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
         env["PIP_CONFIG_FILE"] = os.devnull
-        rc, out = self.pip(reqs, ["install", "--dry-run", "--ignore-installed", "--quiet", "--no-index",
-                                  "--target", str(self.tmp / "target"), "--find-links", str(dest)], env=env, echo=False)
+        rc, out = self.pip(
+            reqs,
+            [
+                "install",
+                "--dry-run",
+                "--ignore-installed",
+                "--quiet",
+                "--no-index",
+                "--target",
+                str(self.tmp / "target"),
+                "--find-links",
+                str(dest),
+            ],
+            env=env,
+            echo=False,
+        )
         if rc != 0:
             fail(f"offline check: {dest} lacks something for {self.label}: {last_error(out)}")
 
@@ -260,8 +313,11 @@ def main() -> None:
     parser.add_argument("--freeze", type=Path, help="`python -m pip list --format=freeze` of the target")
     parser.add_argument("--gpu-extras", action="store_true", help="add requirements-gpu.txt where wheels exist")
     parser.add_argument("--python-version", default="3.12", help="target Python X.Y [3.12]")
-    parser.add_argument("--platform", default="manylinux_2_28_x86_64",
-                        help="target platform tag, e.g. manylinux_2_35_x86_64 (glibc 2.35) [manylinux_2_28_x86_64]")
+    parser.add_argument(
+        "--platform",
+        default="manylinux_2_28_x86_64",
+        help="target platform tag, e.g. manylinux_2_35_x86_64 (glibc 2.35) [manylinux_2_28_x86_64]",
+    )
     args = parser.parse_args()
 
     if not re.fullmatch(r"3\.\d+", args.python_version):
@@ -276,8 +332,10 @@ def main() -> None:
     dest = args.dest.resolve()
     with tempfile.TemporaryDirectory(prefix="wheelhouse-") as tmp:
         resolution = Resolution(Path(tmp), args.python_version, args.platform, present)
-        say(f"resolving requirements.txt for {resolution.label}"
-            + (f" beside the {len(present)} packages of {args.freeze}" if present else ""))
+        say(
+            f"resolving requirements.txt for {resolution.label}"
+            + (f" beside the {len(present)} packages of {args.freeze}" if present else "")
+        )
         resolution.settle_present(base + extras, base)
         say(f"downloading into {dest}")
         try:
@@ -289,8 +347,10 @@ def main() -> None:
 
     wheels = sorted(dest.glob("*.whl"))
     size = sum(w.stat().st_size for w in wheels) / 2**20
-    say(f"{len(wheels)} wheels, {size:.1f} MiB in {dest}; resolves offline"
-        + (f" beside {len(resolution.present)} packages of {args.freeze}" if present else ""))
+    say(
+        f"{len(wheels)} wheels, {size:.1f} MiB in {dest}; resolves offline"
+        + (f" beside {len(resolution.present)} packages of {args.freeze}" if present else "")
+    )
     for line in skipped:
         say(f"skipped GPU extra {line}")
     if skipped:

@@ -19,99 +19,206 @@ def _non_negative(text: str) -> float:
 
 def _add_own_data_args(group):
     # megatron's --valid-data-path feeds its GPT datasets and cannot be given with --data-path
-    group.add_argument("--eval-data-path", default=None,
-                       help="validation conversations: a .jsonl file, a folder of them or a weighted list, as "
-                            "--data-path (default: --valid-fraction of the training records, or none)")
-    group.add_argument("--valid-fraction", type=float, default=0.0,
-                       help="hold this fraction of the training records out for validation (deterministic)")
-    group.add_argument("--media-root", default=None,
-                       help="relative image and video paths resolve here (default: the JSONL file's folder)")
-    group.add_argument("--allow-remote-media", action="store_true",
-                       help="fetch http(s) images and videos named in the records (refused otherwise)")
-    group.add_argument("--allow-media-anywhere", action="store_true",
-                       help="read media paths outside the JSONL file's folder (or --media-root); refused otherwise, "
-                            "so a dataset cannot name the host's files")
-    group.add_argument("--strict-data", action="store_true",
-                       help="the first bad record stops the run in one line, instead of a counted skip")
+    group.add_argument(
+        "--eval-data-path",
+        default=None,
+        help="validation conversations: a .jsonl file, a folder of them or a weighted list, as "
+        "--data-path (default: --valid-fraction of the training records, or none)",
+    )
+    group.add_argument(
+        "--valid-fraction",
+        type=float,
+        default=0.0,
+        help="hold this fraction of the training records out for validation (deterministic)",
+    )
+    group.add_argument(
+        "--media-root",
+        default=None,
+        help="relative image and video paths resolve here (default: the JSONL file's folder)",
+    )
+    group.add_argument(
+        "--allow-remote-media",
+        action="store_true",
+        help="fetch http(s) images and videos named in the records (refused otherwise)",
+    )
+    group.add_argument(
+        "--allow-media-anywhere",
+        action="store_true",
+        help="read media paths outside the JSONL file's folder (or --media-root); refused otherwise, "
+        "so a dataset cannot name the host's files",
+    )
+    group.add_argument(
+        "--strict-data",
+        action="store_true",
+        help="the first bad record stops the run in one line, instead of a counted skip",
+    )
     group.add_argument("--video-fps", type=float, default=None, help="frames sampled per second of video [2.0]")
     group.add_argument("--video-max-frames", type=int, default=None, help="most frames sampled from a video [768]")
     group.add_argument("--video-min-frames", type=int, default=None, help="fewest frames sampled from a video [4]")
-    group.add_argument("--video-max-pixels", type=int, default=None,
-                       help="largest area of one video frame after resizing [qwen-vl-utils' default]")
-    group.add_argument("--video-min-pixels", type=int, default=None,
-                       help="smallest area of one video frame after resizing [qwen-vl-utils' default]")
-    group.add_argument("--video-total-pixels", type=int, default=None,
-                       help="pixel budget of a whole video, shared by its frames [qwen-vl-utils' default]")
+    group.add_argument(
+        "--video-max-pixels",
+        type=int,
+        default=None,
+        help="largest area of one video frame after resizing [qwen-vl-utils' default]",
+    )
+    group.add_argument(
+        "--video-min-pixels",
+        type=int,
+        default=None,
+        help="smallest area of one video frame after resizing [qwen-vl-utils' default]",
+    )
+    group.add_argument(
+        "--video-total-pixels",
+        type=int,
+        default=None,
+        help="pixel budget of a whole video, shared by its frames [qwen-vl-utils' default]",
+    )
 
 
 def _add_energon_args(group):
     # None: energon.py's defaults, stated in the help
-    group.add_argument("--energon-shuffle-buffer-size", type=int, default=None,
-                       help="conversations a loader worker shuffles within [100]")
-    group.add_argument("--energon-max-samples-per-sequence", type=int, default=None,
-                       help="conversations read in a row from one shard before another is opened [100]")
-    group.add_argument("--energon-packing-buffer-size", type=int, default=None,
-                       help="under --packing tokens: conversations a loader worker buffers (decoded) to fill its "
-                            "rows from [64]")
+    group.add_argument(
+        "--energon-shuffle-buffer-size",
+        type=int,
+        default=None,
+        help="conversations a loader worker shuffles within [100]",
+    )
+    group.add_argument(
+        "--energon-max-samples-per-sequence",
+        type=int,
+        default=None,
+        help="conversations read in a row from one shard before another is opened [100]",
+    )
+    group.add_argument(
+        "--energon-packing-buffer-size",
+        type=int,
+        default=None,
+        help="under --packing tokens: conversations a loader worker buffers (decoded) to fill its rows from [64]",
+    )
 
 
-OWN_DATA_OPTIONS = ("eval_data_path", "valid_fraction", "media_root", "allow_remote_media", "allow_media_anywhere",
-                    "strict_data", "energon_shuffle_buffer_size", "energon_max_samples_per_sequence", "energon_packing_buffer_size")
-VIDEO_OPTIONS = ("video_fps", "video_max_frames", "video_min_frames", "video_max_pixels", "video_min_pixels",
-                 "video_total_pixels")
+OWN_DATA_OPTIONS = (
+    "eval_data_path",
+    "valid_fraction",
+    "media_root",
+    "allow_remote_media",
+    "allow_media_anywhere",
+    "strict_data",
+    "energon_shuffle_buffer_size",
+    "energon_max_samples_per_sequence",
+    "energon_packing_buffer_size",
+)
+VIDEO_OPTIONS = (
+    "video_fps",
+    "video_max_frames",
+    "video_min_frames",
+    "video_max_pixels",
+    "video_min_pixels",
+    "video_total_pixels",
+)
 
 
 def add_multimodal_args(parser):
     group = parser.add_argument_group("multimodal playground")
     group.add_argument("--model-arch", default="qwen35_vl", help="MODEL_REGISTRY key")
     group.add_argument("--model-variant", default="tiny", help="named shape (tiny, proxy, 0.8b, ..., 397b_a17b)")
-    group.add_argument("--variant-moe", choices=("auto", "on", "off"), default="auto",
-                       help="force MoE on/off for variants that allow it (tiny); auto keeps the variant's")
-    group.add_argument("--hf-config-path", default=None,
-                       help="take the model shape from a Hugging Face config.json (file or directory) instead")
-    group.add_argument("--dataset-provider", default="mock",
-                       help="mock (default, no files), mock_mix, mock_video (images and videos), cord_v2, jsonl "
-                            "(your own conversations, data/jsonl.py) or energon (Megatron-Energon shards, "
-                            "data/energon.py)")
-    group.add_argument("--hf-processor-path", default=None,
-                       help="processor (tokenizer, chat template, image processor) for real datasets")
+    group.add_argument(
+        "--variant-moe",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="force MoE on/off for variants that allow it (tiny); auto keeps the variant's",
+    )
+    group.add_argument(
+        "--hf-config-path",
+        default=None,
+        help="take the model shape from a Hugging Face config.json (file or directory) instead",
+    )
+    group.add_argument(
+        "--dataset-provider",
+        default="mock",
+        help="mock (default, no files), mock_mix, mock_video (images and videos), cord_v2, jsonl "
+        "(your own conversations, data/jsonl.py) or energon (Megatron-Energon shards, "
+        "data/energon.py)",
+    )
+    group.add_argument(
+        "--hf-processor-path",
+        default=None,
+        help="processor (tokenizer, chat template, image processor) for real datasets",
+    )
     group.add_argument("--min-pixels", type=int, default=None, help="smallest image area after resizing")
     group.add_argument("--max-pixels", type=int, default=None, help="largest image area after resizing")
     _add_own_data_args(parser.add_argument_group("your own data (--dataset-provider jsonl)"))
     _add_energon_args(parser.add_argument_group("Megatron-Energon shards (--dataset-provider energon)"))
-    group.add_argument("--use-packed-sequence", dest="use_packed_sequence", action="store_true", default=True,
-                       help="THD packing: the micro-batch's samples in one row with cu_seqlens (default)")
-    group.add_argument("--no-packed-sequence", dest="use_packed_sequence", action="store_false",
-                       help="BSHD: pad every sample of the micro-batch to the longest")
-    group.add_argument("--packing", choices=("samples", "tokens"), default="samples",
-                       help="samples: a micro-batch packs --micro-batch-size conversations (default); tokens: a "
-                            "micro-batch is one row of --packed-seq-length tokens filled from a look-ahead buffer, "
-                            "rows dealt to data-parallel ranks by cost, --global-batch-size counts rows "
-                            "(data/token_budget.py)")
-    group.add_argument("--packed-seq-length", type=int, default=None,
-                       help="--packing tokens: tokens per row (default: --seq-length)")
-    group.add_argument("--packing-window", type=int, default=4096,
-                       help="--packing tokens: most conversations the look-ahead buffer holds")
-    group.add_argument("--mock-text-tokens", type=int, default=96,
-                       help="mock dataset: upper bound of prompt and answer text lengths")
-    group.add_argument("--vision-tensor-parallel-size", type=int, default=None,
-                       help="tensor-parallel size of the vision tower (default: --tensor-model-parallel-size); "
-                            "smaller, it runs on the same ranks with a larger data-parallel size, each rank "
-                            "encoding its share of the images (vision_ranks/layout.py)")
-    group.add_argument("--vision-nproc", type=int, default=0,
-                       help="ranks 0..N-1 run only the vision tower, the others only the language model "
-                            "(vision_ranks/layout.py; 0: every rank runs both)")
+    group.add_argument(
+        "--use-packed-sequence",
+        dest="use_packed_sequence",
+        action="store_true",
+        default=True,
+        help="THD packing: the micro-batch's samples in one row with cu_seqlens (default)",
+    )
+    group.add_argument(
+        "--no-packed-sequence",
+        dest="use_packed_sequence",
+        action="store_false",
+        help="BSHD: pad every sample of the micro-batch to the longest",
+    )
+    group.add_argument(
+        "--packing",
+        choices=("samples", "tokens"),
+        default="samples",
+        help="samples: a micro-batch packs --micro-batch-size conversations (default); tokens: a "
+        "micro-batch is one row of --packed-seq-length tokens filled from a look-ahead buffer, "
+        "rows dealt to data-parallel ranks by cost, --global-batch-size counts rows "
+        "(data/token_budget.py)",
+    )
+    group.add_argument(
+        "--packed-seq-length", type=int, default=None, help="--packing tokens: tokens per row (default: --seq-length)"
+    )
+    group.add_argument(
+        "--packing-window",
+        type=int,
+        default=4096,
+        help="--packing tokens: most conversations the look-ahead buffer holds",
+    )
+    group.add_argument(
+        "--mock-text-tokens", type=int, default=96, help="mock dataset: upper bound of prompt and answer text lengths"
+    )
+    group.add_argument(
+        "--vision-tensor-parallel-size",
+        type=int,
+        default=None,
+        help="tensor-parallel size of the vision tower (default: --tensor-model-parallel-size); "
+        "smaller, it runs on the same ranks with a larger data-parallel size, each rank "
+        "encoding its share of the images (vision_ranks/layout.py)",
+    )
+    group.add_argument(
+        "--vision-nproc",
+        type=int,
+        default=0,
+        help="ranks 0..N-1 run only the vision tower, the others only the language model "
+        "(vision_ranks/layout.py; 0: every rank runs both)",
+    )
     group.add_argument("--freeze-vision", action="store_true", help="do not train the vision tower")
     group.add_argument("--freeze-language", action="store_true", help="do not train the language model")
-    group.add_argument("--peak-tflops", type=_non_negative, default=None,
-                       help="GPU peak TFLOP/s to quote MFU against (default: the device's dense bf16 peak from "
-                            "throughput.py's table; 0: no MFU)")
-    group.add_argument("--metrics-file", default=None,
-                       help="append one JSON line per iteration (loss, grad norm, lr, tokens, FLOPs; full precision)")
-    group.add_argument("--dist-ckpt-optim-dp-reshardable", action="store_true",
-                       help="save the distributed optimizer in megatron's dp_reshardable layout (its own default): "
-                            "cheaper saves, but it resumes at another DP size only; this playground saves "
-                            "--dist-ckpt-optim-fully-reshardable otherwise (checkpoint/optimizer_format.py)")
+    group.add_argument(
+        "--peak-tflops",
+        type=_non_negative,
+        default=None,
+        help="GPU peak TFLOP/s to quote MFU against (default: the device's dense bf16 peak from "
+        "throughput.py's table; 0: no MFU)",
+    )
+    group.add_argument(
+        "--metrics-file",
+        default=None,
+        help="append one JSON line per iteration (loss, grad norm, lr, tokens, FLOPs; full precision)",
+    )
+    group.add_argument(
+        "--dist-ckpt-optim-dp-reshardable",
+        action="store_true",
+        help="save the distributed optimizer in megatron's dp_reshardable layout (its own default): "
+        "cheaper saves, but it resumes at another DP size only; this playground saves "
+        "--dist-ckpt-optim-fully-reshardable otherwise (checkpoint/optimizer_format.py)",
+    )
     # No default here: backend.engine_defaults() picks transformer_engine or local by what the
     # host has, and an explicit --transformer-impl always wins.
     parser.set_defaults(transformer_impl=None)

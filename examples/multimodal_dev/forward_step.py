@@ -36,9 +36,12 @@ def packed_seq_params(batch: PackedBatch) -> PackedSeqParams | None:
     max_seqlen = torch.tensor(batch.max_seqlen, dtype=torch.int32)  # mcore reads it with .item()
     return PackedSeqParams(
         qkv_format="thd",
-        cu_seqlens_q=batch.cu_seqlens, cu_seqlens_kv=batch.cu_seqlens,
-        cu_seqlens_q_padded=batch.cu_seqlens_padded, cu_seqlens_kv_padded=batch.cu_seqlens_padded,
-        max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen,
+        cu_seqlens_q=batch.cu_seqlens,
+        cu_seqlens_kv=batch.cu_seqlens,
+        cu_seqlens_q_padded=batch.cu_seqlens_padded,
+        cu_seqlens_kv_padded=batch.cu_seqlens_padded,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
     )
 
 
@@ -55,9 +58,15 @@ def run_model(model, batch: PackedBatch):
     """(per-token losses [B, S_local], their loss mask [B, S_local]) of one collated batch
     (already on the model's device); S_local = S without context parallelism."""
     return model(
-        input_ids=batch.tokens, position_ids=batch.position_ids, attention_mask=None,
-        labels=batch.labels, loss_mask=batch.loss_mask, padding_mask=batch.padding_mask,
-        **batch.vision_inputs(), packed_seq_params=packed_seq_params(batch), return_loss_mask=True,
+        input_ids=batch.tokens,
+        position_ids=batch.position_ids,
+        attention_mask=None,
+        labels=batch.labels,
+        loss_mask=batch.loss_mask,
+        padding_mask=batch.padding_mask,
+        **batch.vision_inputs(),
+        packed_seq_params=packed_seq_params(batch),
+        return_loss_mask=True,
     )
 
 

@@ -19,9 +19,16 @@ if __name__ == "__main__":  # a run: the imports make ~0.8M objects and little g
 
 from megatron.training import get_args
 
-from examples.multimodal_dev.arguments import OWN_DATA_OPTIONS, VIDEO_OPTIONS, add_multimodal_args
 from examples.multimodal_dev import megatron_changes
-from examples.multimodal_dev.checkpoint import loader_state, optimizer_format, plan_state, safety, save_guard, write_queue
+from examples.multimodal_dev.arguments import OWN_DATA_OPTIONS, VIDEO_OPTIONS, add_multimodal_args
+from examples.multimodal_dev.checkpoint import (
+    loader_state,
+    optimizer_format,
+    plan_state,
+    safety,
+    save_guard,
+    write_queue,
+)
 from examples.multimodal_dev.checkpoint.integrity import check_resumable
 from examples.multimodal_dev.checkpoint.run_shape import check_checkpoint_matches, resolve_shape
 from examples.multimodal_dev.data import get_dataset_provider
@@ -37,13 +44,13 @@ from examples.multimodal_dev.models import get_model_entry
 from examples.multimodal_dev.models.common.config_from_args import given_flags, megatron_parser
 from examples.multimodal_dev.models.common.varlen_attention import describe_thd_kernels
 from examples.multimodal_dev.planner.pipeline_layout import stage_layers
+from examples.multimodal_dev.training import run_checks
 from examples.multimodal_dev.training.backend import (
     backend_of,
     check_attention_backend,
     check_backend,
     engine_defaults,
 )
-from examples.multimodal_dev.training import run_checks
 from examples.multimodal_dev.training.throughput import StepFlops, batch_flops
 from examples.multimodal_dev.vision_ranks import groups as vision_ranks
 
@@ -71,15 +78,26 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         for config in model_configs():  # the features' shapes vary by micro-batch; both modules' gradients
             config.variable_seq_lengths = True  # are finalised on their own groups, scaled by the world's tokens
             config.finalize_model_grads_func = vision_ranks.finalize_model_grads
-    model = entry.load("build_fn")(shape, backend=backend, max_sequence_length=args.seq_length, configs=model_configs(),
-                                   pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
-                                   module=separate and separate.role, groups=separate and separate.groups)
+    model = entry.load("build_fn")(
+        shape,
+        backend=backend,
+        max_sequence_length=args.seq_length,
+        configs=model_configs(),
+        pre_process=pre_process,
+        post_process=post_process,
+        vp_stage=vp_stage,
+        module=separate and separate.role,
+        groups=separate and separate.groups,
+    )
     if separate and separate.fan_in > 1:  # several vision replicas serve one language replica
         if separate.on_vision:
             model.shares, model.share = separate.fan_in, separate.share
         else:
             model.received_shares = separate.fan_in
-    for flag, part in (("freeze_vision", model.vision_model), ("freeze_language", getattr(model, "language_model", None))):
+    for flag, part in (
+        ("freeze_vision", model.vision_model),
+        ("freeze_language", getattr(model, "language_model", None)),
+    ):
         if getattr(args, flag) and part is not None:
             for p in part.parameters():
                 p.requires_grad_(False)
@@ -96,8 +114,9 @@ def data_path_value(args) -> str | None:
         return args.data_path[0]
     if args.dataset_provider == "jsonl":
         return ",".join(args.data_path)
-    raise ValueError(f"--data-path {' '.join(args.data_path)}: --dataset-provider {args.dataset_provider} reads one "
-                     "source")
+    raise ValueError(
+        f"--data-path {' '.join(args.data_path)}: --dataset-provider {args.dataset_provider} reads one source"
+    )
 
 
 def check_tokens_agree(datasets, tokens: VisionTokens, args) -> None:
@@ -106,9 +125,11 @@ def check_tokens_agree(datasets, tokens: VisionTokens, args) -> None:
     for dataset in datasets:
         theirs = getattr(dataset, "tokens", None)
         if theirs is not None and theirs != tokens:
-            raise DataError(f"--hf-processor-path {args.hf_processor_path!r}: its vision tokens {theirs} are not the "
-                            f"model's {tokens} (--model-variant {args.model_variant}); use the processor released "
-                            "with the model, or HF_CONFIG for a model built around this processor")
+            raise DataError(
+                f"--hf-processor-path {args.hf_processor_path!r}: its vision tokens {theirs} are not the "
+                f"model's {tokens} (--model-variant {args.model_variant}); use the processor released "
+                "with the model, or HF_CONFIG for a model built around this processor"
+            )
 
 
 def datasets_provider(train_val_test_num_samples, vp_stage=None):
@@ -126,11 +147,21 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
     if budget:  # megatron counts rows; a row holds at most `budget` conversations (the stream is virtual)
         num_samples = tuple(n * budget for n in num_samples)
     build_splits = functools.partial(
-        build, tokens=tokens, vocab_size=shape.text.vocab_size, patch_dim=shape.vision.patch_dim,
-        seq_length=args.seq_length, num_samples=num_samples, seed=args.seed, data_path=data_path_value(args),
-        hf_processor_path=args.hf_processor_path, min_pixels=args.min_pixels, max_pixels=args.max_pixels,
-        mean_text_tokens=args.mock_text_tokens, valid_data_path=args.eval_data_path,
-        **{name: getattr(args, name) for name in OWN_DATA_OPTIONS + VIDEO_OPTIONS if name != "eval_data_path"})
+        build,
+        tokens=tokens,
+        vocab_size=shape.text.vocab_size,
+        patch_dim=shape.vision.patch_dim,
+        seq_length=args.seq_length,
+        num_samples=num_samples,
+        seed=args.seed,
+        data_path=data_path_value(args),
+        hf_processor_path=args.hf_processor_path,
+        min_pixels=args.min_pixels,
+        max_pixels=args.max_pixels,
+        mean_text_tokens=args.mock_text_tokens,
+        valid_data_path=args.eval_data_path,
+        **{name: getattr(args, name) for name in OWN_DATA_OPTIONS + VIDEO_OPTIONS if name != "eval_data_path"},
+    )
     datasets = build_splits()
     check_tokens_agree(datasets, tokens, args)
     pad_multiple = pad_multiple_for(args.context_parallel_size, args.tensor_model_parallel_size, args.sequence_parallel)
@@ -143,24 +174,35 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
     if separate:  # pixels for the tower's ranks, the rest for the language model's (grids too under fan-in,
         # to put the shares in order), each reading the micro-batches of the language replicas it serves
         grids = separate.fan_in > 1 and first is StageInput.PIXELS
-        stage = ((StageInput.PIXELS, False) if separate.on_vision
-                 else (StageInput.GRIDS if grids else StageInput.HIDDEN, stage[1]))
+        stage = (
+            (StageInput.PIXELS, False)
+            if separate.on_vision
+            else (StageInput.GRIDS if grids else StageInput.HIDDEN, stage[1])
+        )
         dp_rank, dp_size, served = separate.data_rank, separate.data_size, separate.fan_out
-    common = dict(micro_batch_size=args.micro_batch_size, dp_size=dp_size,
-                  collate_fn=functools.partial(_collate_for_stage, collate, shape, stage),
-                  num_workers=args.num_workers)
+    common = dict(
+        micro_batch_size=args.micro_batch_size,
+        dp_size=dp_size,
+        collate_fn=functools.partial(_collate_for_stage, collate, shape, stage),
+        num_workers=args.num_workers,
+    )
     train = dict(common)
     streams = hasattr(datasets[0], "build_iterator")  # energon: each rank's loader packs its own rows
     if budget and not streams:
-        common["plan_fn"] = plan_factory(shape, budget, args.global_batch_size, dp_size, pad_multiple,
-                                         args.packing_window)
+        common["plan_fn"] = plan_factory(
+            shape, budget, args.global_batch_size, dp_size, pad_multiple, args.packing_window
+        )
         train["plan_fn"] = functools.partial(_resumed_plan, common["plan_fn"], args)
     if datasets[1] is None:
         _no_validation(args)
     # under fan-out a vision replica reads the micro-batches of each language replica it serves; a stream
     # holds one position, so each replica's from splits of its own
-    replicas = [_replica_iterators(build_splits() if q and streams else datasets, args, dp_rank + q, budget,
-                                   pad_multiple, common, train) for q in range(served)]
+    replicas = [
+        _replica_iterators(
+            build_splits() if q and streams else datasets, args, dp_rank + q, budget, pad_multiple, common, train
+        )
+        for q in range(served)
+    ]
     return replicas[0] if served == 1 else tuple(_served_together([r[i] for r in replicas]) for i in range(3))
 
 
@@ -173,9 +215,11 @@ def _replica_iterators(datasets, args, dp_rank: int, budget, pad_multiple: int, 
                 split.pack_rows(budget, pad_multiple)
     if streams:  # its position comes from the checkpoint
         _resume_stream(datasets[0], args, dp_rank, common["dp_size"])
-    return (build_iterator(datasets[0], args.consumed_train_samples, dp_rank=dp_rank, **train),
-            build_iterator(datasets[1], args.consumed_valid_samples, dp_rank=dp_rank, cyclic=True, **common),
-            build_iterator(datasets[2], 0, dp_rank=dp_rank, **common))
+    return (
+        build_iterator(datasets[0], args.consumed_train_samples, dp_rank=dp_rank, **train),
+        build_iterator(datasets[1], args.consumed_valid_samples, dp_rank=dp_rank, cyclic=True, **common),
+        build_iterator(datasets[2], 0, dp_rank=dp_rank, **common),
+    )
 
 
 def _served_together(iterators):
@@ -194,8 +238,11 @@ def _no_validation(args) -> None:
     if args.eval_iters and not args.full_validation:
         args.eval_iters = 0
         if args.rank == 0:
-            print("pretrain_multimodal.py: the data has no validation split: evaluation is off (--eval-iters 0; "
-                  "megatron.training uses it for the test split too)", flush=True)
+            print(
+                "pretrain_multimodal.py: the data has no validation split: evaluation is off (--eval-iters 0; "
+                "megatron.training uses it for the test split too)",
+                flush=True,
+            )
 
 
 def _resumed_plan(plan_fn, args, dataset, cyclic):
@@ -252,8 +299,10 @@ def plain_for_megatron(provider):
     """``provider`` whose iterators hand megatron plain dicts (``batch.to_megatron`` says why)."""
 
     def datasets(train_val_test_num_samples, vp_stage=None):
-        return tuple(None if it is None else map(to_megatron, it)
-                     for it in provider(train_val_test_num_samples, vp_stage=vp_stage))
+        return tuple(
+            None if it is None else map(to_megatron, it)
+            for it in provider(train_val_test_num_samples, vp_stage=vp_stage)
+        )
 
     datasets.is_distributed = provider.is_distributed
     return datasets
@@ -262,10 +311,19 @@ def plain_for_megatron(provider):
 def check_pipeline_split(args) -> None:
     """Refuse a pipeline split of the decoder that megatron-core cannot build, by flag name
     (``--num-layers`` is checked against the model shape later)."""
-    if args.num_layers is None or args.pipeline_model_parallel_size == 1 and not args.num_virtual_stages_per_pipeline_rank:
+    if (
+        args.num_layers is None
+        or args.pipeline_model_parallel_size == 1
+        and not args.num_virtual_stages_per_pipeline_rank
+    ):
         return
-    stage_layers(args.num_layers, args.pipeline_model_parallel_size, args.num_virtual_stages_per_pipeline_rank,
-                 args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers)
+    stage_layers(
+        args.num_layers,
+        args.pipeline_model_parallel_size,
+        args.num_virtual_stages_per_pipeline_rank,
+        args.decoder_first_pipeline_num_layers,
+        args.decoder_last_pipeline_num_layers,
+    )
 
 
 def checked_args():
@@ -296,8 +354,11 @@ def checked_args():
             from examples.multimodal_dev.data.energon import check_energon_path, energon_sizes
 
             check_energon_path(data_path_value(args), "--data-path")
-            energon_sizes(args.energon_shuffle_buffer_size, args.energon_max_samples_per_sequence,
-                          args.energon_packing_buffer_size)
+            energon_sizes(
+                args.energon_shuffle_buffer_size,
+                args.energon_max_samples_per_sequence,
+                args.energon_packing_buffer_size,
+            )
         elif args.data_path:
             resolve_source(data_path_value(args), "--data-path")
         run_checks.check_vision_layout(args, model_shape().vision.num_heads, int(os.environ.get("WORLD_SIZE", "1")))
@@ -340,8 +401,11 @@ def main():
         if os.environ.get("RANK", "0") == "0":  # torchrun's rank: args are not parsed yet
             print(f"pretrain_multimodal.py: {megatron.cpu.gdn_kernels_line()}", flush=True)
     elif reason := megatron.cpu.fla_unusable_reason():
-        print(f"pretrain_multimodal.py: Gated DeltaNet runs on the torch kernels of megatron.cpu (correct, slower), "
-              f"not flash-linear-attention's: {reason}", flush=True)
+        print(
+            f"pretrain_multimodal.py: Gated DeltaNet runs on the torch kernels of megatron.cpu (correct, slower), "
+            f"not flash-linear-attention's: {reason}",
+            flush=True,
+        )
         megatron.cpu.register_torch_gdn_kernels()
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
@@ -365,11 +429,18 @@ def main():
     grids = {}
     if args.vision_nproc:  # both modules' process grids, made before megatron starts (vision_ranks/groups.py)
         layout = vision_ranks.setup(args)
-        grids = dict(pg_collection=layout.pg_collection, p2p_communicator=layout.communicator,
-                     skip_model_parallel_init=True)
+        grids = dict(
+            pg_collection=layout.pg_collection, p2p_communicator=layout.communicator, skip_model_parallel_init=True
+        )
     try:
-        pretrain(pretrain_cfg_container_from_args(args), plain_for_megatron(metered(datasets_provider, meter)),
-                 ModelType.encoder_or_decoder, forward_step, model_provider=model_provider, **grids)
+        pretrain(
+            pretrain_cfg_container_from_args(args),
+            plain_for_megatron(metered(datasets_provider, meter)),
+            ModelType.encoder_or_decoder,
+            forward_step,
+            model_provider=model_provider,
+            **grids,
+        )
     except DataError as err:  # the user's data, found unusable while the iterators are built or drawn
         raise SystemExit(f"pretrain_multimodal.py: {err}") from None
     except BaseException as err:

@@ -59,8 +59,10 @@ def fla_unusable_reason() -> str | None:
         return None
     if _fla_tilelang_usable():
         return None
-    return (f"Triton {triton.__version__} on a Hopper GPU compiles FLA's gated chunk backward wrongly (FLA issue "
-            f"#640; Triton >= {high} or FLA's TileLang backend, pip install tilelang, fixes it)")
+    return (
+        f"Triton {triton.__version__} on a Hopper GPU compiles FLA's gated chunk backward wrongly (FLA issue "
+        f"#640; Triton >= {high} or FLA's TileLang backend, pip install tilelang, fixes it)"
+    )
 
 
 def _fla_tilelang_usable() -> bool:
@@ -94,11 +96,14 @@ def keep_fla_on_cpu() -> bool:
     if os.environ.get(FLA_SWITCH, "0") in ("", "0"):
         return False
     if os.environ.get(FLA_SWITCH) != "1":
-        raise RuntimeError(f"{FLA_SWITCH}={os.environ[FLA_SWITCH]!r}: expected 1 (FLA's kernels) "
-                           "or 0 (the torch kernels)")
+        raise RuntimeError(
+            f"{FLA_SWITCH}={os.environ[FLA_SWITCH]!r}: expected 1 (FLA's kernels) or 0 (the torch kernels)"
+        )
     if os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(f"{FLA_SWITCH}=1 needs TRITON_INTERPRET=1 on a host without CUDA: "
-                           "FLA's Triton kernels run there only under Triton's interpreter")
+        raise RuntimeError(
+            f"{FLA_SWITCH}=1 needs TRITON_INTERPRET=1 on a host without CUDA: "
+            "FLA's Triton kernels run there only under Triton's interpreter"
+        )
     if not fla_available():
         raise RuntimeError(f"{FLA_SWITCH}=1 but flash-linear-attention does not import (fla.ops.gated_delta_rule)")
     return True
@@ -125,8 +130,10 @@ def gdn_kernels_line() -> str:
     """One line naming the GatedDeltaNet kernels ``activate()`` chose on this CPU host."""
     if _fla_kept:
         return f"Gated DeltaNet runs on flash-linear-attention's kernels under Triton's interpreter ({FLA_SWITCH}=1)"
-    return (f"Gated DeltaNet runs on the torch kernels of megatron.cpu (no CUDA; {FLA_SWITCH}=1 "
-            "TRITON_INTERPRET=1 runs FLA's, interpreted)")
+    return (
+        f"Gated DeltaNet runs on the torch kernels of megatron.cpu (no CUDA; {FLA_SWITCH}=1 "
+        "TRITON_INTERPRET=1 runs FLA's, interpreted)"
+    )
 
 
 def tune_host() -> None:

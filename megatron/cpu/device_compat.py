@@ -200,23 +200,42 @@ def _no_accelerator(*_args, **_kwargs):
 
 
 _CUDA_FUNCTIONS = {
-    "current_device": _current_device, "device_count": _device_count, "set_device": _set_device,
-    "current_stream": _current_stream, "default_stream": _default_stream, "stream": _stream_context,
-    "Stream": _HostStream, "Event": _HostStream, "synchronize": _synchronize, "empty_cache": _empty_cache,
-    "memory_allocated": _memory_zero, "max_memory_allocated": _max_memory_zero,
-    "memory_reserved": _memory_reserved_zero, "max_memory_reserved": _max_memory_reserved_zero,
-    "reset_peak_memory_stats": _reset_peak_memory_stats, "memory_stats": _memory_stats,
-    "get_device_name": _device_name, "get_device_capability": _capability,
-    "get_rng_state": _rng_state, "set_rng_state": _set_rng_state,
-    "manual_seed": _manual_seed, "manual_seed_all": _manual_seed_all,
+    "current_device": _current_device,
+    "device_count": _device_count,
+    "set_device": _set_device,
+    "current_stream": _current_stream,
+    "default_stream": _default_stream,
+    "stream": _stream_context,
+    "Stream": _HostStream,
+    "Event": _HostStream,
+    "synchronize": _synchronize,
+    "empty_cache": _empty_cache,
+    "memory_allocated": _memory_zero,
+    "max_memory_allocated": _max_memory_zero,
+    "memory_reserved": _memory_reserved_zero,
+    "max_memory_reserved": _max_memory_reserved_zero,
+    "reset_peak_memory_stats": _reset_peak_memory_stats,
+    "memory_stats": _memory_stats,
+    "get_device_name": _device_name,
+    "get_device_capability": _capability,
+    "get_rng_state": _rng_state,
+    "set_rng_state": _set_rng_state,
+    "manual_seed": _manual_seed,
+    "manual_seed_all": _manual_seed_all,
     "is_current_stream_capturing": _is_current_stream_capturing,
 }
 
 _TENSOR_TYPE = torch.Tensor.type
-_CUDA_TYPE_NAMES = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
-                    torch.bfloat16: "torch.cuda.BFloat16Tensor", torch.float64: "torch.cuda.DoubleTensor",
-                    torch.int64: "torch.cuda.LongTensor", torch.int32: "torch.cuda.IntTensor",
-                    torch.uint8: "torch.cuda.ByteTensor", torch.bool: "torch.cuda.BoolTensor"}
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor",
+    torch.int32: "torch.cuda.IntTensor",
+    torch.uint8: "torch.cuda.ByteTensor",
+    torch.bool: "torch.cuda.BoolTensor",
+}
 
 
 def _tensor_type(self, dtype=None, non_blocking=False, **kwargs):
@@ -224,7 +243,7 @@ def _tensor_type(self, dtype=None, non_blocking=False, **kwargs):
     if dtype is None and not kwargs:
         return _CUDA_TYPE_NAMES.get(self.dtype, _TENSOR_TYPE(self))
     if isinstance(dtype, str) and dtype.startswith("torch.cuda."):
-        dtype = "torch." + dtype[len("torch.cuda."):]
+        dtype = "torch." + dtype[len("torch.cuda.") :]
     return _TENSOR_TYPE(self, dtype, non_blocking, **kwargs)
 
 
@@ -277,7 +296,8 @@ def _patch_rng_tracker() -> None:
     # The tracker warns when the CPU generator moved inside a "GPU" fork: here the forked
     # generator is the CPU generator, so every draw in a fork would warn.
     logging.getLogger(mcore_random.__name__).addFilter(
-        lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage())
+        lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+    )
 
 
 def install() -> None:
@@ -298,7 +318,9 @@ def install() -> None:
     # public name megatron calls directly
     from torch.distributed import distributed_c10d
 
-    distributed_c10d.new_group = torch.distributed.new_group = _groups_on_the_default_backend(distributed_c10d.new_group)
+    distributed_c10d.new_group = torch.distributed.new_group = _groups_on_the_default_backend(
+        distributed_c10d.new_group
+    )
     CudaToHostMode().__enter__()  # this thread, for the life of the process
     _enter_mode_in_threads()
     _installed = True

@@ -27,11 +27,14 @@ from __future__ import annotations
 import functools
 import inspect
 
+
 def _expect(fn, params: tuple[str, ...]) -> None:
     have = tuple(inspect.signature(fn).parameters)
-    if have[:len(params)] != params:
-        raise RuntimeError(f"megatron-core's {fn.__qualname__}{have} changed (expected {params}); "
-                           "megatron.cpu.distrib_optimizer_fixes needs updating")
+    if have[: len(params)] != params:
+        raise RuntimeError(
+            f"megatron-core's {fn.__qualname__}{have} changed (expected {params}); "
+            "megatron.cpu.distrib_optimizer_fixes needs updating"
+        )
 
 
 class _AbsentIsNone(dict):
@@ -49,8 +52,9 @@ def _stepless_state_dict(optimizer) -> dict:
     the language model's experts are split over EP ranks (vision_ranks/groups.py)."""
     inner = optimizer.optimizer.state_dict()
     groups = [{k: v for k, v in group.items() if k != "params"} for group in inner["param_groups"]]
-    state = {"optimizer": {**{k: v for k, v in inner.items() if k not in ("state", "param_groups")},
-                           "param_groups": groups}}
+    state = {
+        "optimizer": {**{k: v for k, v in inner.items() if k not in ("state", "param_groups")}, "param_groups": groups}
+    }
     if optimizer.grad_scaler:
         state["grad_scaler"] = optimizer.grad_scaler.state_dict()
     return state

@@ -10,9 +10,10 @@ import torch
 
 def init_single_process(seed: int = 1234, **parallel_kwargs) -> None:
     """Initialise torch.distributed and megatron-core's parallel state once (idempotent)."""
-    import megatron.cpu
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    import megatron.cpu
 
     megatron.cpu.activate()
     if not torch.distributed.is_initialized():

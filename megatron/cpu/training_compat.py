@@ -15,8 +15,10 @@ def _expect_parameters(fn, names: tuple[str, ...]) -> None:
     params = inspect.signature(fn).parameters
     missing = [n for n in names if n not in params]
     if missing:
-        raise RuntimeError(f"{fn.__module__}.{fn.__qualname__} no longer takes {missing}; megatron.cpu's "
-                           "patch of it needs updating for this megatron-core")
+        raise RuntimeError(
+            f"{fn.__module__}.{fn.__qualname__} no longer takes {missing}; megatron.cpu's "
+            "patch of it needs updating for this megatron-core"
+        )
 
 
 def _device_arch_version() -> int:

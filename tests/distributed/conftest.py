@@ -15,12 +15,18 @@ def parallel_start(tmp_path_factory):
 @pytest.fixture(scope="session")
 def one_process(parallel_start, tmp_path_factory):
     """Micro-batches of 4 samples: (run, vision grad norms)."""
-    return run_recording_vision_norms(tmp_path_factory.mktemp("one_process"), "single", CKPT_LOAD=parallel_start,
-                                      TRAIN_ITERS=3, **LAYOUT_MODEL)
+    return run_recording_vision_norms(
+        tmp_path_factory.mktemp("one_process"), "single", CKPT_LOAD=parallel_start, TRAIN_ITERS=3, **LAYOUT_MODEL
+    )
 
 
 @pytest.fixture(scope="session")
 def one_process_per_sample(parallel_start, tmp_path_factory):
     """Micro-batches of one sample, some with no image: (run, vision grad norms)."""
-    return run_recording_vision_norms(tmp_path_factory.mktemp("one_process_mbs1"), "single",
-                                      CKPT_LOAD=parallel_start, TRAIN_ITERS=3, **{**LAYOUT_MODEL, "MBS": 1})
+    return run_recording_vision_norms(
+        tmp_path_factory.mktemp("one_process_mbs1"),
+        "single",
+        CKPT_LOAD=parallel_start,
+        TRAIN_ITERS=3,
+        **{**LAYOUT_MODEL, "MBS": 1},
+    )

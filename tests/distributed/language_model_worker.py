@@ -39,10 +39,11 @@ def grad_norm(params) -> float:
 
 def main():
     checkpoint, tp, sp = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
-    import megatron.cpu
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    import megatron.cpu
 
     megatron.cpu.activate()
     torch.distributed.init_process_group("gloo")
@@ -50,24 +51,39 @@ def main():
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)
 
+    from examples.multimodal_dev.checkpoint.files import load_model_weights
     from examples.multimodal_dev.data.collate import pad_multiple_for
     from examples.multimodal_dev.forward_step import loss_func, packed_seq_params, run_model
-    from examples.multimodal_dev.checkpoint.files import load_model_weights
     from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
     from examples.multimodal_dev.models.qwen35_vl.factory import build_model
 
     shape = get_variant("tiny", moe=True, mtp=True)
-    module = build_model(shape, tensor_model_parallel_size=tp, sequence_parallel=sp, calculate_per_token_loss=True,
-                         use_cpu_initialization=True)
+    module = build_model(
+        shape,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=sp,
+        calculate_per_token_loss=True,
+        use_cpu_initialization=True,
+    )
     load_model_weights(module, checkpoint)
-    model = DistributedDataParallel(config=module.config, module=module, ddp_config=DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False))
+    model = DistributedDataParallel(
+        config=module.config,
+        module=module,
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        ),
+    )
     batch = text_only_batch(shape, pad_multiple_for(1, tp, sp))
 
     with torch.no_grad():
         lm_losses = module.language_model(
-            input_ids=batch.tokens, position_ids=batch.position_ids, attention_mask=None,
-            labels=batch.labels, loss_mask=batch.loss_mask, packed_seq_params=packed_seq_params(batch))
+            input_ids=batch.tokens,
+            position_ids=batch.position_ids,
+            attention_mask=None,
+            labels=batch.labels,
+            loss_mask=batch.loss_mask,
+            packed_seq_params=packed_seq_params(batch),
+        )
     mask = batch.loss_mask
     lm_loss = float((lm_losses * mask).sum() / mask.sum())
 
@@ -81,9 +97,19 @@ def main():
         p.grad = p.main_grad  # DDP accumulates into main_grad
     norm = grad_norm(params)
     if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
-        print("RESULT " + json.dumps({
-            "row_tokens": batch.tokens.shape[1], "lm_loss_shape": list(lm_losses.shape), "lm_loss": lm_loss,
-            "vlm_loss": float(loss_sum / n_tokens), "grad_norm": norm}), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "row_tokens": batch.tokens.shape[1],
+                    "lm_loss_shape": list(lm_losses.shape),
+                    "lm_loss": lm_loss,
+                    "vlm_loss": float(loss_sum / n_tokens),
+                    "grad_norm": norm,
+                }
+            ),
+            flush=True,
+        )
     torch.distributed.destroy_process_group()
 
 

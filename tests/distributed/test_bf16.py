@@ -33,14 +33,16 @@ from examples.multimodal_dev.checkpoint.hf_conversion import export_hf, import_h
 from examples.multimodal_dev.checkpoint.hf_safetensors import HFTensorSource
 from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
 
-U = 2.0 ** -8  # bf16 unit roundoff: 8 significant bits, round to nearest
+U = 2.0**-8  # bf16 unit roundoff: 8 significant bits, round to nearest
 ITERS = 10
 COMMON = dict(MOE=1, MTP=1, SEQ_LEN=512, GBS=4, TRAIN_ITERS=ITERS)
-LAYOUTS = {"DP=2 distributed optimizer": (("--use-distributed-optimizer",), dict(NPROC=2)),
-           "TP=2": ((), dict(TP=2)),
-           # the tower on a rank of its own (3 processes): megatron hands its output back in fp32 under
-           # --bf16, and the bridge to the language ranks moves the pipeline dtype (forward_step.vision_features)
-           "VISION_NPROC=1 TP=2": ((), dict(TP=2, VISION_TP=1, VISION_NPROC=1))}
+LAYOUTS = {
+    "DP=2 distributed optimizer": (("--use-distributed-optimizer",), dict(NPROC=2)),
+    "TP=2": ((), dict(TP=2)),
+    # the tower on a rank of its own (3 processes): megatron hands its output back in fp32 under
+    # --bf16, and the bridge to the language ranks moves the pipeline dtype (forward_step.vision_features)
+    "VISION_NPROC=1 TP=2": ((), dict(TP=2, VISION_TP=1, VISION_NPROC=1)),
+}
 # A layout held to another's fp32 run: where the tower runs moves fp32 figures by 1e-5 (test_vision_layouts),
 # far inside the bf16 bound
 REFERENCE = {"VISION_NPROC=1 TP=2": "TP=2"}
@@ -66,8 +68,9 @@ def outside_bound(run, reference) -> list[int]:
 def hub(tmp_path_factory):
     """(HF checkpoint as the hub stores it, its import)."""
     root = tmp_path_factory.mktemp("bf16")
-    write_hf_checkpoint(root / "hf", get_variant("tiny", moe=True, mtp=True), dtype=torch.bfloat16,
-                        experts_per_expert=True)  # one tensor per expert, as the hub stores them
+    write_hf_checkpoint(
+        root / "hf", get_variant("tiny", moe=True, mtp=True), dtype=torch.bfloat16, experts_per_expert=True
+    )  # one tensor per expert, as the hub stores them
     import_hf(str(root / "hf"), str(root / "imported"))
     return root
 
@@ -75,8 +78,11 @@ def hub(tmp_path_factory):
 def _train(hub, layout, bf16, name=None, extra=(), **env):
     flags, sizes = LAYOUTS[layout]
     save = dict(CKPT_SAVE=hub / name) if name else {}
-    return run_script((*(("--bf16",) if bf16 else ()), *flags, *NO_EVAL, *extra), CKPT_LOAD=hub / "imported",
-                      **{**COMMON, **sizes, **save, **env}).check()
+    return run_script(
+        (*(("--bf16",) if bf16 else ()), *flags, *NO_EVAL, *extra),
+        CKPT_LOAD=hub / "imported",
+        **{**COMMON, **sizes, **save, **env},
+    ).check()
 
 
 @pytest.fixture(scope="module")
@@ -110,15 +116,20 @@ def test_bf16_keeps_fp32_main_weights_and_fp32_decay(hub, bf16_dp2, tmp_path):
     from checkpoint_diff import entries
 
     state = entries(hub / "bf16_dp2" / f"iter_{ITERS:07d}", tmp_path)
-    weights = {k: v for k, v in state.items() if torch.is_tensor(v) and k.startswith(("language_model.", "vision_model."))
-               and "_extra_state" not in k}
+    weights = {
+        k: v
+        for k, v in state.items()
+        if torch.is_tensor(v) and k.startswith(("language_model.", "vision_model.")) and "_extra_state" not in k
+    }
     decay = {k for k in weights if k.endswith(("A_log", "dt_bias"))}
     assert decay and all(weights[k].dtype == torch.float32 for k in decay)
     assert {str(v.dtype) for k, v in weights.items() if k not in decay} == {"torch.bfloat16"}
     optimizer = {k: v for k, v in state.items() if k.startswith("optimizer.") and torch.is_tensor(v) and v.dim()}
     main = [k for k in optimizer if ".param." in k or ".fp32_param." in k]
-    print(f"{len(weights)} weights ({len(decay)} fp32 decay), {len(optimizer)} optimizer tensors, "
-          f"{len(main)} main weights; e.g. {sorted(main)[:2]}")
+    print(
+        f"{len(weights)} weights ({len(decay)} fp32 decay), {len(optimizer)} optimizer tensors, "
+        f"{len(main)} main weights; e.g. {sorted(main)[:2]}"
+    )
     assert len(main) == len(weights) and {v.dtype for v in optimizer.values()} == {torch.float32}
     # the decay trained in fp32: its values are no longer all representable in bf16
     changed = [k for k in decay if not torch.equal(weights[k], weights[k].bfloat16().float())]
@@ -143,13 +154,14 @@ def test_bf16_resumes_exactly(hub, bf16_dp2, tmp_path):
     half = ITERS // 2
     stopped_at(hub / "bf16_dp2", tmp_path / "resumed", half)
     flags, sizes = LAYOUTS["DP=2 distributed optimizer"]
-    second = run_script(("--bf16", *flags, *NO_EVAL), CKPT_RESUME=tmp_path / "resumed",
-                        **{**COMMON, **sizes}).check()
+    second = run_script(("--bf16", *flags, *NO_EVAL), CKPT_RESUME=tmp_path / "resumed", **{**COMMON, **sizes}).check()
     assert sorted(second.losses) == list(range(half + 1, ITERS + 1)), second.output[-3000:]
     straight = {i: bf16_dp2.losses[i] for i in second.losses}
     print("straight:", straight, "\nresumed: ", second.losses)
     assert second.losses == straight
     assert second.grad_norms == {i: bf16_dp2.grad_norms[i] for i in second.grad_norms}
-    differing = state_differences(entries(hub / "bf16_dp2" / f"iter_{ITERS:07d}", tmp_path),
-                                  entries(tmp_path / "resumed" / f"iter_{ITERS:07d}", tmp_path))
+    differing = state_differences(
+        entries(hub / "bf16_dp2" / f"iter_{ITERS:07d}", tmp_path),
+        entries(tmp_path / "resumed" / f"iter_{ITERS:07d}", tmp_path),
+    )
     assert not differing, differing

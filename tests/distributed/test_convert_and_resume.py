@@ -19,12 +19,12 @@ import torch
 from hf_checkpoints import write_hf_checkpoint
 from launch import NO_EVAL, run_script
 
-from examples.multimodal_dev.data import get_dataset_provider
-from examples.multimodal_dev.data.sample import VisionTokens
-from examples.multimodal_dev.models.qwen35_vl.configuration import from_hf_config, get_variant
 from examples.multimodal_dev.checkpoint.hf_conversion import export_hf, import_hf
 from examples.multimodal_dev.checkpoint.hf_safetensors import HFTensorSource
 from examples.multimodal_dev.checkpoint.verify import HFSource, _hf_model
+from examples.multimodal_dev.data import get_dataset_provider
+from examples.multimodal_dev.data.sample import VisionTokens
+from examples.multimodal_dev.models.qwen35_vl.configuration import from_hf_config, get_variant
 
 
 def _hf_loss_on_first_batch(hf_path: str, seq_length: int, global_batch: int, train_iters: int) -> float:
@@ -32,17 +32,27 @@ def _hf_loss_on_first_batch(hf_path: str, seq_length: int, global_batch: int, tr
     shape = from_hf_config(hf_path)
     hf = _hf_model(HFSource(str(hf_path), "--hf-path"))
     train = get_dataset_provider("mock")(
-        tokens=VisionTokens.from_shape(shape), vocab_size=shape.text.vocab_size, patch_dim=shape.vision.patch_dim,
-        seq_length=seq_length, num_samples=(train_iters * global_batch, 0, 0), seed=1234, mean_text_tokens=96)[0]
+        tokens=VisionTokens.from_shape(shape),
+        vocab_size=shape.text.vocab_size,
+        patch_dim=shape.vision.patch_dim,
+        seq_length=seq_length,
+        num_samples=(train_iters * global_batch, 0, 0),
+        seed=1234,
+        mean_text_tokens=96,
+    )[0]
     loss_sum, tokens = 0.0, 0.0
     with torch.no_grad():
         for i in range(global_batch):
             s = train[i]
             ids = s["input_ids"][None]
             grid = s["image_grid_thw"] if len(s["image_grid_thw"]) else None
-            logits = hf(input_ids=ids, attention_mask=torch.ones_like(ids),
-                        mm_token_type_ids=(ids == shape.image_token_id).long(),
-                        pixel_values=s["pixel_values"] if grid is not None else None, image_grid_thw=grid).logits[0]
+            logits = hf(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                mm_token_type_ids=(ids == shape.image_token_id).long(),
+                pixel_values=s["pixel_values"] if grid is not None else None,
+                image_grid_thw=grid,
+            ).logits[0]
             per_token = torch.nn.functional.cross_entropy(logits.double(), s["labels"].clamp(min=0), reduction="none")
             loss_sum += float((per_token * s["loss_mask"]).sum())
             tokens += float(s["loss_mask"].sum())
@@ -62,9 +72,11 @@ def test_training_resumes_from_an_import_with_the_hf_loss(tmp_path, mcore):
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPU cores for two ranks")
-@pytest.mark.parametrize("layout", [dict(TP=2), dict(PP=2, VP=2), dict(TP=2, VISION_TP=1),
-                                    dict(TP=2, VISION_TP=1, VISION_NPROC=1)],
-                         ids=["TP=2", "PP=2 VP=2", "TP=2 VISION_TP=1", "VISION_NPROC=1 TP=2"])
+@pytest.mark.parametrize(
+    "layout",
+    [dict(TP=2), dict(PP=2, VP=2), dict(TP=2, VISION_TP=1), dict(TP=2, VISION_TP=1, VISION_NPROC=1)],
+    ids=["TP=2", "PP=2 VP=2", "TP=2 VISION_TP=1", "VISION_NPROC=1 TP=2"],
+)
 def test_export_of_a_sharded_checkpoint_is_bitwise(layout, tmp_path, mcore):
     hf_path, ckpt, tp_ckpt, out = (tmp_path / n for n in ("hf", "imported", "sharded", "out"))
     write_hf_checkpoint(hf_path, get_variant("tiny", moe=False, mtp=True), dtype=torch.float32)

@@ -34,9 +34,15 @@ def _model_for(processor_path: str, out: str) -> str:
     from transformers import AutoProcessor
 
     tokenizer = AutoProcessor.from_pretrained(processor_path).tokenizer
-    ids = {name: tokenizer.convert_tokens_to_ids(text) for name, text in (
-        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
-        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    ids = {
+        name: tokenizer.convert_tokens_to_ids(text)
+        for name, text in (
+            ("image_token_id", "<|image_pad|>"),
+            ("video_token_id", "<|video_pad|>"),
+            ("vision_start_token_id", "<|vision_start|>"),
+            ("vision_end_token_id", "<|vision_end|>"),
+        )
+    }
     shape = dataclasses.replace(get_variant("tiny"), **ids)
     with open(out, "w") as f:
         json.dump(to_hf_config_dict(shape), f)
@@ -57,8 +63,17 @@ def test_own_jsonl_trains_with_counted_skips(tmp_path):
     with open(os.path.join(folder, "sharegpt.jsonl"), "a") as f:
         f.write('{"conversations": [{"from": "human", "value": "unterminated\n')
     data_path = f"{folder}/messages.jsonl:2,{folder}/sharegpt.jsonl:1"
-    run = run_script(DATASET="jsonl", DATA_PATH=data_path, VALID_DATA_PATH=f"{folder}/parts.jsonl",
-                     HF_PROCESSOR_PATH=processor, HF_CONFIG=config, TRAIN_ITERS=16, GBS=4, MBS=2, SEQ_LEN=1024).check()
+    run = run_script(
+        DATASET="jsonl",
+        DATA_PATH=data_path,
+        VALID_DATA_PATH=f"{folder}/parts.jsonl",
+        HF_PROCESSOR_PATH=processor,
+        HF_CONFIG=config,
+        TRAIN_ITERS=16,
+        GBS=4,
+        MBS=2,
+        SEQ_LEN=1024,
+    ).check()
     losses = [run.losses[i] for i in range(1, 17)]
     first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
     print(f"jsonl: first-4 mean loss {first:.3f}, last-4 mean {last:.3f}, validation {run.validation}")
@@ -73,9 +88,18 @@ def test_own_jsonl_resumes_exactly_under_token_budget_packing(tmp_path):
     straight, saving at step 3, against 3 resumed from that save, bitwise, with the plan continued from the
     checkpoint."""
     folder, processor, config = _example_data(tmp_path)
-    env = dict(DATASET="jsonl", DATA_PATH=f"{folder}/messages.jsonl:2,{folder}/sharegpt.jsonl:1",
-               VALID_DATA_PATH=f"{folder}/parts.jsonl", HF_PROCESSOR_PATH=processor, HF_CONFIG=config,
-               TRAIN_ITERS=6, GBS=4, SEQ_LEN=1024, PACKING="tokens", NPROC=2)
+    env = dict(
+        DATASET="jsonl",
+        DATA_PATH=f"{folder}/messages.jsonl:2,{folder}/sharegpt.jsonl:1",
+        VALID_DATA_PATH=f"{folder}/parts.jsonl",
+        HF_PROCESSOR_PATH=processor,
+        HF_CONFIG=config,
+        TRAIN_ITERS=6,
+        GBS=4,
+        SEQ_LEN=1024,
+        PACKING="tokens",
+        NPROC=2,
+    )
     dropout = ("--hidden-dropout", "0.1")
     straight = run_script(dropout, CKPT_SAVE=tmp_path / "straight", SAVE_INTERVAL=3, **env).check()
     second = run_script(dropout, CKPT_RESUME=stopped_at(tmp_path / "straight", tmp_path / "resumed", 3), **env).check()
@@ -98,12 +122,32 @@ def test_energon_shards_train_and_resume_exactly_at_dp2(tmp_path):
     from checkpoint_diff import entries, state_differences
 
     folder, processor, config = _example_data(tmp_path)
-    converted = subprocess.run([sys.executable, "-m", "examples.multimodal_dev.tools.jsonl_to_energon", folder,
-                                str(tmp_path / "shards"), "--valid-fraction", "0.2"],
-                               capture_output=True, text=True, cwd=ROOT)
+    converted = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "examples.multimodal_dev.tools.jsonl_to_energon",
+            folder,
+            str(tmp_path / "shards"),
+            "--valid-fraction",
+            "0.2",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert converted.returncode == 0, converted.stderr[-3000:]
-    env = dict(DATASET="energon", DATA_PATH=tmp_path / "shards", HF_PROCESSOR_PATH=processor, HF_CONFIG=config,
-               TRAIN_ITERS=8, GBS=4, SEQ_LEN=1024, PACKING="tokens", NPROC=2)
+    env = dict(
+        DATASET="energon",
+        DATA_PATH=tmp_path / "shards",
+        HF_PROCESSOR_PATH=processor,
+        HF_CONFIG=config,
+        TRAIN_ITERS=8,
+        GBS=4,
+        SEQ_LEN=1024,
+        PACKING="tokens",
+        NPROC=2,
+    )
     flags = ("--hidden-dropout", "0.1", "--num-workers", "2")
     straight = run_script(flags, CKPT_SAVE=tmp_path / "straight", SAVE_INTERVAL=4, **env).check()
     losses = [straight.losses[i] for i in range(1, 9)]
@@ -122,6 +166,8 @@ def test_energon_shards_train_and_resume_exactly_at_dp2(tmp_path):
     assert resumed.tokens == {i: straight.tokens[i] for i in resumed.tokens}
     assert resumed.losses == {i: straight.losses[i] for i in resumed.losses}
     assert resumed.grad_norms == {i: straight.grad_norms[i] for i in resumed.grad_norms}
-    differing = state_differences(entries(tmp_path / "straight" / "iter_0000008", tmp_path),
-                                  entries(tmp_path / "resumed" / "iter_0000008", tmp_path))
+    differing = state_differences(
+        entries(tmp_path / "straight" / "iter_0000008", tmp_path),
+        entries(tmp_path / "resumed" / "iter_0000008", tmp_path),
+    )
     assert not differing, differing

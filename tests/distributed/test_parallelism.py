@@ -48,8 +48,11 @@ SETTINGS = {
     "BSHD CP=2": (dict(PACKED=0, CP=2), 1, ()),
     # not parallelism, but the same promise: recomputing every layer (GDN, attention, MoE, the vision
     # tower's blocks) in the backward changes no number
-    "recompute full": (dict(), 1, ("--recompute-granularity", "full", "--recompute-method", "uniform",
-                                   "--recompute-num-layers", "1")),
+    "recompute full": (
+        dict(),
+        1,
+        ("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"),
+    ),
 }
 
 
@@ -65,7 +68,10 @@ def start(parallel_start):
 @pytest.fixture(scope="module")
 def single(start, one_process):
     """Single-process references: THD for 3 steps (shared with test_vision_layouts), BSHD for 1."""
-    return {"thd": one_process[0], "bshd": run_script(NO_EVAL, CKPT_LOAD=start, TRAIN_ITERS=1, PACKED=0, **MODEL).check()}
+    return {
+        "thd": one_process[0],
+        "bshd": run_script(NO_EVAL, CKPT_LOAD=start, TRAIN_ITERS=1, PACKED=0, **MODEL).check(),
+    }
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPU cores")
@@ -76,9 +82,11 @@ def test_parallel_run_matches_single_process(name, start, single):
     ref = single["bshd" if env.get("PACKED") == 0 else "thd"]
     loss_rel = [_rel(run.losses[i], ref.losses[i]) for i in range(1, iters + 1)]
     norm_rel = _rel(run.grad_norms[1], ref.grad_norms[1])
-    print(f"{name}: losses {[run.losses[i] for i in range(1, iters + 1)]} vs {[ref.losses[i] for i in range(1, iters + 1)]}"
-          f" (max rel {max(loss_rel):.1e}); grad norm {run.grad_norms[1]} vs {ref.grad_norms[1]} (rel {norm_rel:.1e});"
-          f" MTP loss {run.mtp_losses[1]} vs {ref.mtp_losses[1]}")
+    print(
+        f"{name}: losses {[run.losses[i] for i in range(1, iters + 1)]} vs {[ref.losses[i] for i in range(1, iters + 1)]}"
+        f" (max rel {max(loss_rel):.1e}); grad norm {run.grad_norms[1]} vs {ref.grad_norms[1]} (rel {norm_rel:.1e});"
+        f" MTP loss {run.mtp_losses[1]} vs {ref.mtp_losses[1]}"
+    )
     assert loss_rel[0] < REL and norm_rel < REL
     assert max(loss_rel) < REL_LATER_STEPS
     # the throughput accounting counts the global batch's real tokens once, whatever the layout
@@ -90,15 +98,29 @@ def test_parallel_run_matches_single_process(name, start, single):
 def _language_model_alone(checkpoint, tp: int, sp: bool) -> dict:
     """The worker's ``RESULT``, through the project's torchrun launcher on the tests' warm engine (the
     worker a module on PYTHONPATH, so that its ranks fork from the engine)."""
-    cmd = [sys.executable, "-m", "examples.multimodal_dev.training.torchrun_launcher", "--nproc-per-node", str(tp),
-           "--standalone", "--module", "language_model_worker", str(checkpoint), str(tp), str(int(sp))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "examples.multimodal_dev.training.torchrun_launcher",
+        "--nproc-per-node",
+        str(tp),
+        "--standalone",
+        "--module",
+        "language_model_worker",
+        str(checkpoint),
+        str(tp),
+        str(int(sp)),
+    ]
     here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "ENGINE_SERVER": WarmEngine.get(),
-           "PYTHONPATH": os.pathsep.join((here, os.environ.get("PYTHONPATH", "")))}
+    env = {
+        **os.environ,
+        "ENGINE_SERVER": WarmEngine.get(),
+        "PYTHONPATH": os.pathsep.join((here, os.environ.get("PYTHONPATH", ""))),
+    }
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPU cores")

@@ -36,10 +36,10 @@ import torch
 from hf_checkpoints import write_hf_checkpoint
 from launch import NO_EVAL, PARALLEL_MODEL, run_script
 
+from examples.multimodal_dev.checkpoint.hf_conversion import import_hf
 from examples.multimodal_dev.data import get_dataset_provider
 from examples.multimodal_dev.data.sample import VisionTokens
 from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
-from examples.multimodal_dev.checkpoint.hf_conversion import import_hf
 
 MODEL = dict(PARALLEL_MODEL, MBS=1, GBS=8)
 REL, REL_LATER_STEPS = 1e-5, 1e-4
@@ -66,9 +66,15 @@ def single(one_process_per_sample):
 
 def test_first_batch_mixes_micro_batches_with_and_without_images():
     shape = get_variant("tiny", moe=True)
-    train = get_dataset_provider("mock")(tokens=VisionTokens.from_shape(shape), vocab_size=shape.text.vocab_size,
-                                         patch_dim=shape.vision.patch_dim, seq_length=512, num_samples=(8, 0, 0),
-                                         seed=1234, mean_text_tokens=96)[0]
+    train = get_dataset_provider("mock")(
+        tokens=VisionTokens.from_shape(shape),
+        vocab_size=shape.text.vocab_size,
+        patch_dim=shape.vision.patch_dim,
+        seq_length=512,
+        num_samples=(8, 0, 0),
+        seed=1234,
+        mean_text_tokens=96,
+    )[0]
     images = [len(train[i]["image_grid_thw"]) for i in range(8)]
     assert 0 in images and max(images) > 0, images
 
@@ -83,10 +89,12 @@ def test_pipeline_run_matches_single_process(name, parallel_start, single, tmp_p
     loss_rel = [_rel(run.losses[i], single.losses[i]) for i in range(1, ITERS + 1)]
     norm_rel = _rel(run.grad_norms[1], single.grad_norms[1])
     mtp_rel = _rel(run.mtp_losses[1], single.mtp_losses[1])
-    print(f"{name}: losses {[run.losses[i] for i in range(1, ITERS + 1)]} vs "
-          f"{[single.losses[i] for i in range(1, ITERS + 1)]} (first rel {loss_rel[0]:.1e}, max rel "
-          f"{max(loss_rel):.1e}); grad norm {run.grad_norms[1]} vs {single.grad_norms[1]} (rel {norm_rel:.1e}); "
-          f"MTP loss rel {mtp_rel:.1e}")
+    print(
+        f"{name}: losses {[run.losses[i] for i in range(1, ITERS + 1)]} vs "
+        f"{[single.losses[i] for i in range(1, ITERS + 1)]} (first rel {loss_rel[0]:.1e}, max rel "
+        f"{max(loss_rel):.1e}); grad norm {run.grad_norms[1]} vs {single.grad_norms[1]} (rel {norm_rel:.1e}); "
+        f"MTP loss rel {mtp_rel:.1e}"
+    )
     assert loss_rel[0] < REL and norm_rel < REL
     assert max(loss_rel) < REL_LATER_STEPS
     assert run.tokens[1] == single.tokens[1], (run.tokens[1], single.tokens[1])
@@ -128,9 +136,11 @@ def test_tied_embeddings_train_across_stages(tmp_path, mcore):
     norm_rel = [_rel(run.grad_norms[i], single.grad_norms[i]) for i in range(1, ITERS + 1)]
     mtp_rel = _rel(run.mtp_losses[1], single.mtp_losses[1])
     resumed_rel = _rel(resumed.losses[ITERS + 1], single.losses[ITERS + 1])
-    print(f"tied embeddings with MTP, PP=2: loss rel {[f'{r:.1e}' for r in loss_rel]}, grad norm rel "
-          f"{[f'{r:.1e}' for r in norm_rel]}, MTP loss rel {mtp_rel:.1e}; its checkpoint in one process: step "
-          f"{ITERS + 1} loss rel {resumed_rel:.1e}")
+    print(
+        f"tied embeddings with MTP, PP=2: loss rel {[f'{r:.1e}' for r in loss_rel]}, grad norm rel "
+        f"{[f'{r:.1e}' for r in norm_rel]}, MTP loss rel {mtp_rel:.1e}; its checkpoint in one process: step "
+        f"{ITERS + 1} loss rel {resumed_rel:.1e}"
+    )
     assert sorted(run.losses) == list(range(1, ITERS + 1)) and sorted(resumed.losses) == [ITERS + 1]
     assert loss_rel[0] < REL and norm_rel[0] < REL and mtp_rel < REL and max(loss_rel) < REL_LATER_STEPS
     assert resumed_rel < REL_LATER_STEPS

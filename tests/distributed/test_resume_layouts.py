@@ -40,8 +40,10 @@ def same_layout(saved):
 def _compare(name, other, same_layout, iteration, grad_norm_rtol=1e-5):
     loss = abs(other.losses[iteration] - same_layout.losses[iteration]) / same_layout.losses[iteration]
     norm = abs(other.grad_norms[iteration] - same_layout.grad_norms[iteration]) / same_layout.grad_norms[iteration]
-    print(f"{name}: loss {other.losses[iteration]!r} vs {same_layout.losses[iteration]!r} (rel {loss:.1e}), grad "
-          f"norm {other.grad_norms[iteration]!r} vs {same_layout.grad_norms[iteration]!r} (rel {norm:.1e})")
+    print(
+        f"{name}: loss {other.losses[iteration]!r} vs {same_layout.losses[iteration]!r} (rel {loss:.1e}), grad "
+        f"norm {other.grad_norms[iteration]!r} vs {same_layout.grad_norms[iteration]!r} (rel {norm:.1e})"
+    )
     assert loss < 1e-5 and norm < grad_norm_rtol
 
 
@@ -76,8 +78,10 @@ def test_optimizer_state_moves_to_the_plain_optimizer_and_back(saved, same_layou
 def test_another_learning_rate_is_refused_in_one_line(saved):
     run = _resume(saved, "lr", LR="1e-3", NPROC=1)  # refused while loading: one rank says it
     assert run.returncode != 0 and "Traceback" not in run.output, run.output[-3000:]
-    assert ("--lr 0.001 --min-lr 0.0001: the checkpoint under --load" in run.output
-            and "trained with --lr 0.002 --min-lr 0.0002, which its optimizer state keeps" in run.output), run.output[-3000:]
+    assert (
+        "--lr 0.001 --min-lr 0.0001: the checkpoint under --load" in run.output
+        and "trained with --lr 0.002 --min-lr 0.0002, which its optimizer state keeps" in run.output
+    ), run.output[-3000:]
 
 
 def test_bf16_optimizer_state_moves_between_the_two_optimizers(tmp_path):
@@ -90,7 +94,11 @@ def test_bf16_optimizer_state_moves_between_the_two_optimizers(tmp_path):
     (iteration 6)."""
     import shutil
 
-    bf16, dist, common = ("--bf16", *NO_EVAL), ("--use-distributed-optimizer", "--bf16", *NO_EVAL), {"NPROC": 2, **COMMON}
+    bf16, dist, common = (
+        ("--bf16", *NO_EVAL),
+        ("--use-distributed-optimizer", "--bf16", *NO_EVAL),
+        {"NPROC": 2, **COMMON},
+    )
 
     def branch(source, name, flags, iterations):
         shutil.copytree(tmp_path / source, tmp_path / name)

@@ -37,8 +37,10 @@ def test_default_run_learns():
     print(f"default run: first-5 mean loss {first:.3f}, last-5 mean {last:.3f}, validation {run.validation}")
     assert last < first - 1.0
     assert "using 'tiny'" in run.output and "backend local" in run.output and 30 in run.validation
-    assert ("packed (THD) attention: language model SDPA per packed sample (varlen attention needs a CUDA device); "
-            "vision encoder SDPA per packed sample") in run.output, run.output[-3000:]
+    assert (
+        "packed (THD) attention: language model SDPA per packed sample (varlen attention needs a CUDA device); "
+        "vision encoder SDPA per packed sample"
+    ) in run.output, run.output[-3000:]
     assert run.output.count("Gated DeltaNet runs on the torch kernels of megatron.cpu") == 1, run.output[-3000:]
 
 
@@ -59,8 +61,9 @@ def test_exact_resume(tmp_path, setting):
     # launcher, which imports the engine; the resumed run's fork from the warm engine
     # (training/warm_engine.py) that the tests launch on
     straight = run_script(flags, CKPT_SAVE=tmp_path / "straight", FORK_RANKS=0, **common).check()
-    first = run_script([*flags, "--exit-interval", "3"], CKPT_RESUME=tmp_path / "resumed", FORK_RANKS=1,
-                       ENGINE_SERVER="", **common).check()
+    first = run_script(
+        [*flags, "--exit-interval", "3"], CKPT_RESUME=tmp_path / "resumed", FORK_RANKS=1, ENGINE_SERVER="", **common
+    ).check()
     second = run_script(flags, CKPT_RESUME=tmp_path / "resumed", **common).check()
     assert sorted(first.losses) == [1, 2, 3] and sorted(second.losses) == [4, 5, 6]
     resumed = {**first.losses, **second.losses}
@@ -102,8 +105,10 @@ def test_killed_save_keeps_previous_checkpoint(tmp_path):
     full = run_script(NO_EVAL, FULL_DISK_AT=6, **{**common, "TRAIN_ITERS": 6, "SAVE_INTERVAL": 1})
     assert full.returncode != 0 and sorted(full.losses) == [5, 6]
     assert "resuming with the checkpoint's LR schedule" in full.output
-    assert (f"pretrain_multimodal.py: no space left on {ckpt} while saving iteration 6: removed the partial "
-            f"{ckpt / 'iter_0000006'}; the last complete checkpoint is iteration 5") in full.output, full.output[-3000:]
+    assert (
+        f"pretrain_multimodal.py: no space left on {ckpt} while saving iteration 6: removed the partial "
+        f"{ckpt / 'iter_0000006'}; the last complete checkpoint is iteration 5"
+    ) in full.output, full.output[-3000:]
     assert not (ckpt / "iter_0000006").exists()
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
     # a pickle planted in the checkpoint is refused by name and never runs
@@ -112,8 +117,9 @@ def test_killed_save_keeps_previous_checkpoint(tmp_path):
         pickle.dump(_Plant(marker), f)
     refused = run_script(NO_EVAL, **{**common, "TRAIN_ITERS": 6})
     assert refused.returncode != 0 and not marker.exists()
-    assert (f"pretrain_multimodal.py: checkpoint refused: {metadata}: it names 'posix.system', which is not "
-            "checkpoint data") in refused.output, refused.output[-3000:]
+    assert (
+        f"pretrain_multimodal.py: checkpoint refused: {metadata}: it names 'posix.system', which is not checkpoint data"
+    ) in refused.output, refused.output[-3000:]
 
 
 class _Plant:
@@ -131,9 +137,11 @@ def test_nan_stops_without_saving_the_bad_step(tmp_path):
     # LR 1e9: the first update blows the weights up; the next backward pass produces NaN gradients,
     # which stop the run in one line before the optimizer steps (and nothing is saved for it)
     run = run_script(TRAIN_ITERS=4, SAVE_INTERVAL=1, SEQ_LEN=256, LR=1e9, CKPT_SAVE=ckpt)
-    line = ("pretrain_multimodal.py: iteration 2: found NaN in local grad norm for bucket #0 in backward pass before "
-            "data-parallel communication collective; the run stopped before the optimizer step and saved nothing "
-            f"for it: the last checkpoint is iteration 1 in {ckpt}")
+    line = (
+        "pretrain_multimodal.py: iteration 2: found NaN in local grad norm for bucket #0 in backward pass before "
+        "data-parallel communication collective; the run stopped before the optimizer step and saved nothing "
+        f"for it: the last checkpoint is iteration 1 in {ckpt}"
+    )
     assert run.returncode != 0 and line in run.output and "Traceback" not in run.output, run.output[-3000:]
     assert sorted(run.losses) == [1]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
@@ -182,17 +190,20 @@ def test_tensor_parallel_matches_single_process(dense_start, dense_single):
     rel = abs(tp2.losses[1] - single.losses[1]) / single.losses[1]
     rel_mtp = abs(tp2.mtp_losses[1] - single.mtp_losses[1]) / single.mtp_losses[1]
     rel_norm = abs(tp2.grad_norms[1] - single.grad_norms[1]) / single.grad_norms[1]
-    print(f"first-iteration loss: single {single.losses[1]:.8f} TP=2 {tp2.losses[1]:.8f} (rel {rel:.1e}); "
-          f"MTP loss {single.mtp_losses[1]:.8f} vs {tp2.mtp_losses[1]:.8f} (rel {rel_mtp:.1e}); "
-          f"grad norm {single.grad_norms[1]:.8f} vs {tp2.grad_norms[1]:.8f} (rel {rel_norm:.1e})")
+    print(
+        f"first-iteration loss: single {single.losses[1]:.8f} TP=2 {tp2.losses[1]:.8f} (rel {rel:.1e}); "
+        f"MTP loss {single.mtp_losses[1]:.8f} vs {tp2.mtp_losses[1]:.8f} (rel {rel_mtp:.1e}); "
+        f"grad norm {single.grad_norms[1]:.8f} vs {tp2.grad_norms[1]:.8f} (rel {rel_norm:.1e})"
+    )
     assert rel < 1e-5 and rel_mtp < 1e-5 and rel_norm < 1e-5
 
 
 def test_mtp_head_trains_on_videos_and_tensorboard_records(tmp_path):
     """On mock_video: images and videos (every frame a vision run) through the engine."""
     board = tmp_path / "tb"
-    run = run_script(["--tensorboard-dir", str(board), *NO_EVAL], TRAIN_ITERS=16, SEQ_LEN=512, MTP=1,
-                     DATASET="mock_video").check()
+    run = run_script(
+        ["--tensorboard-dir", str(board), *NO_EVAL], TRAIN_ITERS=16, SEQ_LEN=512, MTP=1, DATASET="mock_video"
+    ).check()
     mtp = [run.mtp_losses[i] for i in range(1, 17)]
     first, last = sum(mtp[:4]) / 4, sum(mtp[-4:]) / 4
     print(f"MTP loss: first-4 mean {first:.3f}, last-4 mean {last:.3f}")

@@ -51,8 +51,11 @@ def _run(tmp_path, name, flags=NO_EVAL, **env):
 
 def _first_step_agrees(run, norms, ref, ref_norms) -> dict:
     """Relative differences of the first step's figures: lm loss, grad norm, vision grad norm."""
-    return {"lm loss": _rel(run.losses[1], ref.losses[1]), "grad norm": _rel(run.grad_norms[1], ref.grad_norms[1]),
-            "vision grad norm": _rel(norms[1], ref_norms[1])}
+    return {
+        "lm loss": _rel(run.losses[1], ref.losses[1]),
+        "grad norm": _rel(run.grad_norms[1], ref.grad_norms[1]),
+        "vision grad norm": _rel(norms[1], ref_norms[1]),
+    }
 
 
 # name -> (environment, iterations, the table line the run prints, the ordinary layout whose vision grad
@@ -72,13 +75,16 @@ SETTINGS = {
     # once each of its weights has a gradient from the step's last micro-batch, such a step stopped
     # the run until the idle tower was joined to the graph (vision_context_parallel.joined_zero).
     "VISION_TP=1 TP=2, MBS=1, overlapped reductions": (
-        dict(LAYOUT, MBS=1), 2, "TP=1 DP=2 (on the language model's ranks)", None,
-        ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather")),
+        dict(LAYOUT, MBS=1),
+        2,
+        "TP=1 DP=2 (on the language model's ranks)",
+        None,
+        ("--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"),
+    ),
     # the copies of a TP-split tower: ranks 2 and 3 hold the same shards as 0 and 1
     "VISION_TP=2 TP=4": (dict(TP=4, VISION_TP=2), 1, "TP=2 DP=2 (on the language model's ranks)", None, ()),
     # the feature gradients of the two CP ranks are summed before the bridge keeps a slot's
-    "VISION_TP=1 TP=2 CP=2": (dict(LAYOUT, CP=2), 1, "TP=1 DP=4 (on the language model's ranks)", dict(TP=2, CP=2),
-                              ()),
+    "VISION_TP=1 TP=2 CP=2": (dict(LAYOUT, CP=2), 1, "TP=1 DP=4 (on the language model's ranks)", dict(TP=2, CP=2), ()),
     # the tower alone on rank 0, the language model on ranks 1-2 (3 processes): the features cross through
     # megatron-core's multi-module communicator, one pipeline stage ahead (vision_ranks/groups.py); its
     # experts over EP=2 (ETP=1), as the resume test below runs it
@@ -88,30 +94,46 @@ SETTINGS = {
     # two vision replicas for the one language replica (fan-in, 4 processes): each encodes its share of every
     # micro-batch's images, dealt by FLOPs and padded to the larger share; the bridge joins the two shares and
     # the language model puts the features back in batch order from the grids
-    "VISION_NPROC=2 TP=2, fan-in": (dict(LAYOUT, VISION_NPROC=2), 2, "ranks 0-1  vision tower    TP=1 DP=2", None,
-                                    ()),
+    "VISION_NPROC=2 TP=2, fan-in": (dict(LAYOUT, VISION_NPROC=2), 2, "ranks 0-1  vision tower    TP=1 DP=2", None, ()),
     # ... a sample a micro-batch (3 processes): one share or both with nothing to encode, some micro-batches
     # with every image in one share
-    "VISION_NPROC=2, fan-in, MBS=1": (dict(VISION_TP=1, VISION_NPROC=2, MBS=1), 2,
-                                      "ranks 0-1  vision tower    TP=1 DP=2", None, ()),
+    "VISION_NPROC=2, fan-in, MBS=1": (
+        dict(VISION_TP=1, VISION_NPROC=2, MBS=1),
+        2,
+        "ranks 0-1  vision tower    TP=1 DP=2",
+        None,
+        (),
+    ),
     # one vision replica for two language replicas (fan-out, 3 processes): it reads a micro-batch of each,
     # and the bridge splits its features between them by their rows
-    "VISION_NPROC=1 DP=2, fan-out": (dict(VISION_TP=1, VISION_NPROC=1, NPROC=3), 2,
-                                     "ranks 1-2  language model  TP=1 CP=1 DP=2 PP=1", None, ()),
+    "VISION_NPROC=1 DP=2, fan-out": (
+        dict(VISION_TP=1, VISION_NPROC=1, NPROC=3),
+        2,
+        "ranks 1-2  language model  TP=1 CP=1 DP=2 PP=1",
+        None,
+        (),
+    ),
     # ... a sample a micro-batch: one replica's micro-batch, or both, without an image (a zero row each)
-    "VISION_NPROC=1 DP=2, fan-out, MBS=1": (dict(VISION_TP=1, VISION_NPROC=1, NPROC=3, MBS=1), 2,
-                                            "ranks 1-2  language model  TP=1 CP=1 DP=2 PP=1", None, ()),
+    "VISION_NPROC=1 DP=2, fan-out, MBS=1": (
+        dict(VISION_TP=1, VISION_NPROC=1, NPROC=3, MBS=1),
+        2,
+        "ranks 1-2  language model  TP=1 CP=1 DP=2 PP=1",
+        None,
+        (),
+    ),
     # ... ahead of a two-stage language model: the tower is three stages from the loss (warm-up 2)
-    "VISION_NPROC=1 PP=2": (dict(PP=2, VISION_NPROC=1), 2, "ranks 1-2  language model  TP=1 CP=1 DP=1 PP=2", None,
-                            ()),
+    "VISION_NPROC=1 PP=2": (dict(PP=2, VISION_NPROC=1), 2, "ranks 1-2  language model  TP=1 CP=1 DP=1 PP=2", None, ()),
 }
 
 
 # The resume test's straight runs: 3 steps from parallel_start with the distributed optimizer, saving
 # steps 2 and 3. Two of them are also layouts above (the distributed optimizer at the language model's
 # DP=1 changes no number): one launch serves both tests.
-STRAIGHT = {"colocated": LAYOUT, "separate ranks, EP=2": dict(SEPARATE, EP=2, ETP=1),
-            "separate ranks, fan-in": dict(VISION_TP=1, VISION_NPROC=2)}
+STRAIGHT = {
+    "colocated": LAYOUT,
+    "separate ranks, EP=2": dict(SEPARATE, EP=2, ETP=1),
+    "separate ranks, fan-in": dict(VISION_TP=1, VISION_NPROC=2),
+}
 STRAIGHT_OF_SETTING = {"VISION_TP=1 TP=2": "colocated", "VISION_NPROC=1 TP=2 EP=2": "separate ranks, EP=2"}
 
 
@@ -123,8 +145,16 @@ def straight_runs(parallel_start, tmp_path_factory):
     def straight(layout_id):
         if layout_id not in runs:
             folder = tmp_path_factory.mktemp("straight")
-            run, norms = _run(folder, "straight", ("--use-distributed-optimizer", *NO_EVAL), CKPT_LOAD=parallel_start,
-                              TRAIN_ITERS=3, CKPT_SAVE=folder / "ckpt", SAVE_INTERVAL=2, **STRAIGHT[layout_id])
+            run, norms = _run(
+                folder,
+                "straight",
+                ("--use-distributed-optimizer", *NO_EVAL),
+                CKPT_LOAD=parallel_start,
+                TRAIN_ITERS=3,
+                CKPT_SAVE=folder / "ckpt",
+                SAVE_INTERVAL=2,
+                **STRAIGHT[layout_id],
+            )
             runs[layout_id] = run, norms, folder / "ckpt"
         return runs[layout_id]
 
@@ -132,24 +162,30 @@ def straight_runs(parallel_start, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
-def test_the_layout_matches_one_process(name, parallel_start, one_process, one_process_per_sample, straight_runs,
-                                        tmp_path):
+def test_the_layout_matches_one_process(
+    name, parallel_start, one_process, one_process_per_sample, straight_runs, tmp_path
+):
     env, iterations, table, ordinary, flags = SETTINGS[name]
     ref, ref_norms = one_process_per_sample if env.get("MBS") == 1 else one_process
     if name in STRAIGHT_OF_SETTING:
         run, norms, _ = straight_runs(STRAIGHT_OF_SETTING[name])
     else:
-        run, norms = _run(tmp_path, "layout", (*flags, *NO_EVAL), CKPT_LOAD=parallel_start, TRAIN_ITERS=iterations,
-                          **env)
+        run, norms = _run(
+            tmp_path, "layout", (*flags, *NO_EVAL), CKPT_LOAD=parallel_start, TRAIN_ITERS=iterations, **env
+        )
     differences = _first_step_agrees(run, norms, ref, ref_norms)
     if ordinary is not None:
         _, same_split = _run(tmp_path, "ordinary", CKPT_LOAD=parallel_start, TRAIN_ITERS=1, **ordinary)
-        print(f"vision grad norm of one process {ref_norms[1]!r} (rel {differences['vision grad norm']:.1e}); of the "
-              f"ordinary layout {same_split[1]!r}")
+        print(
+            f"vision grad norm of one process {ref_norms[1]!r} (rel {differences['vision grad norm']:.1e}); of the "
+            f"ordinary layout {same_split[1]!r}"
+        )
         differences["vision grad norm"] = _rel(norms[1], same_split[1])
     later = [_rel(run.losses[i], ref.losses[i]) for i in range(2, iterations + 1)]
-    print(f"{name}: losses {run.losses} vs {ref.losses}; grad norm {run.grad_norms[1]!r} vs {ref.grad_norms[1]!r}; "
-          f"vision grad norm {norms[1]!r} vs {ref_norms[1]!r}; first step {differences}")
+    print(
+        f"{name}: losses {run.losses} vs {ref.losses}; grad norm {run.grad_norms[1]!r} vs {ref.grad_norms[1]!r}; "
+        f"vision grad norm {norms[1]!r} vs {ref_norms[1]!r}; first step {differences}"
+    )
     assert table in run.output, run.output[-2000:]
     assert all(rel < (5e-5 if env.get("TP") == 4 else REL) for rel in differences.values()), differences
     assert max(later, default=0) < 1e-4, later
@@ -171,8 +207,14 @@ def test_a_cut_gradient_path_to_the_tower_is_caught(layout, parallel_start, one_
 def ordinary_step_2(parallel_start, tmp_path_factory):
     """A checkpoint of one process (the ordinary layout) stopped after step 2 of 3."""
     path = tmp_path_factory.mktemp("ordinary") / "step2"
-    _run(path.parent, "ordinary step 2", ("--use-distributed-optimizer", "--exit-interval", "2", *NO_EVAL),
-         CKPT_LOAD=parallel_start, CKPT_RESUME=path, TRAIN_ITERS=3)
+    _run(
+        path.parent,
+        "ordinary step 2",
+        ("--use-distributed-optimizer", "--exit-interval", "2", *NO_EVAL),
+        CKPT_LOAD=parallel_start,
+        CKPT_RESUME=path,
+        TRAIN_ITERS=3,
+    )
     return path
 
 
@@ -181,8 +223,9 @@ def ordinary_step_2(parallel_start, tmp_path_factory):
 # param groups have no step, and the checkpoint's common state must be the language model's.
 # The fan-in case shards the tower's optimizer state over its two data-parallel ranks.
 @pytest.mark.parametrize("layout_id", list(STRAIGHT))
-def test_resumes_exactly_and_in_the_ordinary_layout(layout_id, parallel_start, ordinary_step_2, straight_runs,
-                                                    tmp_path):
+def test_resumes_exactly_and_in_the_ordinary_layout(
+    layout_id, parallel_start, ordinary_step_2, straight_runs, tmp_path
+):
     flags, layout = ("--use-distributed-optimizer", *NO_EVAL), STRAIGHT[layout_id]
     common = dict(CKPT_LOAD=parallel_start, TRAIN_ITERS=3, **layout)
     # the straight run also saves step 2, as a run stopped there would (test_training_runs.py stops one
@@ -197,8 +240,9 @@ def test_resumes_exactly_and_in_the_ordinary_layout(layout_id, parallel_start, o
     assert second.grad_norms[3] == straight.grad_norms[3]
     a = entries(saved / "iter_0000003", tmp_path)
     b = entries(tmp_path / "resumed" / "iter_0000003", tmp_path)
-    assert [k for k in a if "optimizer" in k and torch.is_tensor(a[k])] and any(k.startswith("vision_model") or
-                                                                                  ".vision_model." in k for k in a)
+    assert [k for k in a if "optimizer" in k and torch.is_tensor(a[k])] and any(
+        k.startswith("vision_model") or ".vision_model." in k for k in a
+    )
     differing = state_differences(a, b)
     assert not differing, differing
 
@@ -229,8 +273,14 @@ def _samples_of_the_mock(seed: int, count: int) -> list[tuple[int, int]]:
     from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
 
     shape = get_variant("tiny", moe=True, mtp=True)
-    train, _, _ = build_datasets(VisionTokens.from_shape(shape), shape.text.vocab_size, shape.vision.patch_dim,
-                                 MODEL["SEQ_LEN"], (count, 1, 1), seed=seed)
+    train, _, _ = build_datasets(
+        VisionTokens.from_shape(shape),
+        shape.text.vocab_size,
+        shape.vision.patch_dim,
+        MODEL["SEQ_LEN"],
+        (count, 1, 1),
+        seed=seed,
+    )
     return [(int(s["image_grid_thw"].shape[0]), int(s["input_ids"].numel())) for s in (train[i] for i in range(count))]
 
 
@@ -244,8 +294,9 @@ STEPS, PER_STEP = 2, 4
 def one_image_a_micro_batch(parallel_start, tmp_path_factory):
     """(seed, (images, tokens) of each sample read, the flags and settings of the runs, one process's
     (run, vision grad norms))."""
+
     def at_most_one_image(samples):
-        steps = [[n for n, _ in samples[i:i + PER_STEP]] for i in range(0, len(samples), PER_STEP)]
+        steps = [[n for n, _ in samples[i : i + PER_STEP]] for i in range(0, len(samples), PER_STEP)]
         return all(max(images) <= 1 and sum(images) >= 2 for images in steps)
 
     for seed in range(1, 1000):
@@ -258,8 +309,9 @@ def one_image_a_micro_batch(parallel_start, tmp_path_factory):
     return seed, samples, flags, common, reference
 
 
-@pytest.mark.parametrize("layout", [LAYOUT, dict(VISION_TP=1, VISION_NPROC=2)],
-                         ids=["colocated", "separate ranks, fan-in"])
+@pytest.mark.parametrize(
+    "layout", [LAYOUT, dict(VISION_TP=1, VISION_NPROC=2)], ids=["colocated", "separate ranks, fan-in"]
+)
 def test_every_image_of_a_step_on_one_rank(layout, one_image_a_micro_batch, tmp_path):
     from examples.multimodal_dev.models.common.vision_context_parallel import deal
 
@@ -267,9 +319,11 @@ def test_every_image_of_a_step_on_one_rank(layout, one_image_a_micro_batch, tmp_
     assert all(deal([1.0] * n, 2) == [list(range(n)), []] for n, _ in samples)  # one image: the first encoder's
     run, norms = _run(tmp_path, "layout", flags, **common, **layout)
     differences = _first_step_agrees(run, norms, ref, ref_norms)
-    print(f"seed {seed}, (images, tokens) of the samples {samples}: losses {run.losses} vs {ref.losses}; "
-          f"first step {differences}")
-    tokens = [sum(t for _, t in samples[i:i + PER_STEP]) for i in range(0, len(samples), PER_STEP)]
+    print(
+        f"seed {seed}, (images, tokens) of the samples {samples}: losses {run.losses} vs {ref.losses}; "
+        f"first step {differences}"
+    )
+    tokens = [sum(t for _, t in samples[i : i + PER_STEP]) for i in range(0, len(samples), PER_STEP)]
     assert [run.tokens[i] for i in (1, 2)] == [ref.tokens[i] for i in (1, 2)] == tokens  # read just these samples
     assert all(rel < REL for rel in differences.values()), differences
     assert _rel(run.losses[2], ref.losses[2]) < 1e-4  # after AdamW's first update: test_parallelism.py says why
@@ -283,6 +337,8 @@ def test_a_fresh_start_gives_every_copy_of_the_tower_the_same_weights(tmp_path):
     common = dict(TRAIN_ITERS=1, LR=0, **LAYOUT)
     fresh, _ = _run(tmp_path, "fresh", CKPT_SAVE=tmp_path / "fresh", **common)
     again, _ = _run(tmp_path, "again", CKPT_LOAD=tmp_path / "fresh", **common)
-    print(f"fresh start: loss {fresh.losses[1]!r}, grad norm {fresh.grad_norms[1]!r}; from its checkpoint: "
-          f"{again.losses[1]!r}, {again.grad_norms[1]!r}")
+    print(
+        f"fresh start: loss {fresh.losses[1]!r}, grad norm {fresh.grad_norms[1]!r}; from its checkpoint: "
+        f"{again.losses[1]!r}, {again.grad_norms[1]!r}"
+    )
     assert fresh.losses[1] == again.losses[1] and fresh.grad_norms[1] == again.grad_norms[1]

@@ -6,10 +6,9 @@ import os
 import subprocess
 import sys
 
+import fla_install
 import pytest
 import torch
-
-import fla_install
 import triton_interpreter
 from fla_worker import SKIP
 
@@ -41,8 +40,13 @@ def fla_worker(fla_env, tmp_path_factory):
         inputs_path, results_path = folder / f"{mode}_inputs.pt", folder / f"{mode}_results.pt"
         torch.save(inputs, inputs_path)
         env = {**os.environ, **fla_env, "PYTHONPATH": _path(fla_install.LIB, fla_install.ROOT, TESTS)}
-        proc = subprocess.run([sys.executable, os.path.join(HERE, "fla_worker.py"), mode, str(inputs_path),
-                               str(results_path)], env=env, capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(
+            [sys.executable, os.path.join(HERE, "fla_worker.py"), mode, str(inputs_path), str(results_path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         if proc.returncode == SKIP:
             pytest.skip(proc.stdout.strip().splitlines()[-1])
         assert proc.returncode == 0, f"fla_worker.py {mode} failed ({proc.returncode}):\n{proc.stderr[-4000:]}"

@@ -43,8 +43,9 @@ def missing_reason() -> str | None:
     if installed():
         return None
     last = _read(_FAILED)
-    return (f"FLA is not installed in .fla/ (python tests/fla_cpu/fla_install.py; bash tests/run.sh runs it)"
-            + (f": {last}" if last else ""))
+    return "FLA is not installed in .fla/ (python tests/fla_cpu/fla_install.py; bash tests/run.sh runs it)" + (
+        f": {last}" if last else ""
+    )
 
 
 def _pip_error(stderr: str) -> str:
@@ -70,8 +71,23 @@ def install(python: str = sys.executable) -> str | None:
         wheelhouse = os.environ.get("WHEELHOUSE")
         source = ["--no-index", "--find-links", os.path.abspath(wheelhouse)] if wheelhouse else []
         # One retry and a short timeout: with no package index this fails in seconds, not minutes.
-        cmd = [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps",
-               "--retries", "1", "--timeout", "20", "--target", fresh, *source, *PINS]
+        cmd = [
+            python,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--retries",
+            "1",
+            "--timeout",
+            "20",
+            "--target",
+            fresh,
+            *source,
+            *PINS,
+        ]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
             failure = None if proc.returncode == 0 else _pip_error(proc.stderr)
@@ -95,8 +111,12 @@ def install(python: str = sys.executable) -> str | None:
 def main() -> None:
     if installed():
         return
-    print(f"[fla] installing {' '.join(PINS)} into {os.path.relpath(LIB, ROOT)}/ (FLA's kernels checked on "
-          "CPU under Triton's interpreter)", file=sys.stderr, flush=True)
+    print(
+        f"[fla] installing {' '.join(PINS)} into {os.path.relpath(LIB, ROOT)}/ (FLA's kernels checked on "
+        "CPU under Triton's interpreter)",
+        file=sys.stderr,
+        flush=True,
+    )
     failure = install()
     if failure:  # the FLA tests skip with this line; the rest of the suite runs
         print(f"[fla] {failure}", file=sys.stderr, flush=True)

@@ -16,7 +16,6 @@ import sys
 from types import SimpleNamespace
 
 import torch
-
 import triton_interpreter
 from gdn_calls import run_kernels, run_layer
 
@@ -36,8 +35,9 @@ def _megatron_kernels() -> SimpleNamespace:
         _skip(f"megatron-core's gated_delta_net does not import with FLA: {type(err).__name__}: {err}")
     if not common.HAVE_FLA:
         _skip("megatron-core did not import FLA (fla.modules / fla.ops) from .fla/lib")
-    return SimpleNamespace(causal_conv1d=gdn.causal_conv1d, l2norm=common.l2norm,
-                           chunk_gated_delta_rule=gdn.chunk_gated_delta_rule)
+    return SimpleNamespace(
+        causal_conv1d=gdn.causal_conv1d, l2norm=common.l2norm, chunk_gated_delta_rule=gdn.chunk_gated_delta_rule
+    )
 
 
 def main(mode: str, inputs_path: str, results_path: str) -> None:
@@ -62,8 +62,10 @@ def main(mode: str, inputs_path: str, results_path: str) -> None:
 
         kernel = gdn.chunk_gated_delta_rule
         if not kernel.__module__.startswith("fla."):
-            raise SystemExit(f"activate() bound {kernel.__module__}.{kernel.__name__} under MEGATRON_CPU_FLA=1, "
-                             "not FLA's chunk_gated_delta_rule")
+            raise SystemExit(
+                f"activate() bound {kernel.__module__}.{kernel.__name__} under MEGATRON_CPU_FLA=1, "
+                "not FLA's chunk_gated_delta_rule"
+            )
         results = run_layer(tiny_gdn_layer(), inputs)
     else:
         raise SystemExit(f"unknown mode {mode!r} (kernels, layer)")

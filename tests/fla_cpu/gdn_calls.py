@@ -31,15 +31,19 @@ def kernel_inputs(seed: int = 0) -> dict:
 
     return {
         "cu_seqlens": cu_seqlens(),
-        "conv_x_1TD": randn(1, total, channels), "conv_weight_DW": 0.5 * randn(channels, CONV_WIDTH),
+        "conv_x_1TD": randn(1, total, channels),
+        "conv_weight_DW": 0.5 * randn(channels, CONV_WIDTH),
         "conv_grad_1TD": randn(1, total, channels),
-        "qk_1THK": randn(1, total, 2 * KEY_HEADS, HEAD_DIM), "qk_grad_1THK": randn(1, total, 2 * KEY_HEADS, HEAD_DIM),
+        "qk_1THK": randn(1, total, 2 * KEY_HEADS, HEAD_DIM),
+        "qk_grad_1THK": randn(1, total, 2 * KEY_HEADS, HEAD_DIM),
         # q and k per key head as l2norm leaves them (unit rows); v, the gate's inputs per value head
         "q_1THK": F.normalize(randn(1, total, KEY_HEADS, HEAD_DIM), dim=-1),
         "k_1THK": F.normalize(randn(1, total, KEY_HEADS, HEAD_DIM), dim=-1),
-        "v_1THV": randn(1, total, VALUE_HEADS, HEAD_DIM), "alpha_1TH": randn(1, total, VALUE_HEADS),
+        "v_1THV": randn(1, total, VALUE_HEADS, HEAD_DIM),
+        "alpha_1TH": randn(1, total, VALUE_HEADS),
         "beta_logit_1TH": randn(1, total, VALUE_HEADS),
-        "A_log": torch.empty(VALUE_HEADS).uniform_(1, 16, generator=gen).log(), "dt_bias": torch.ones(VALUE_HEADS),
+        "A_log": torch.empty(VALUE_HEADS).uniform_(1, 16, generator=gen).log(),
+        "dt_bias": torch.ones(VALUE_HEADS),
         "o_grad_1THV": randn(1, total, VALUE_HEADS, HEAD_DIM),
     }
 
@@ -62,8 +66,15 @@ def run_kernels(kernels, inputs: dict) -> dict:
         return {name: inputs[name].detach().clone().requires_grad_() for name in names}
 
     def conv(x, weight):
-        return kernels.causal_conv1d(x=x, weight=weight, bias=None, activation="silu", initial_state=None,
-                                     output_final_state=False, cu_seqlens=cu)[0]
+        return kernels.causal_conv1d(
+            x=x,
+            weight=weight,
+            bias=None,
+            activation="silu",
+            initial_state=None,
+            output_final_state=False,
+            cu_seqlens=cu,
+        )[0]
 
     def norm(qk):  # megatron passes x alone (FLA's and the torch signatures differ after it)
         return kernels.l2norm(qk.contiguous())
@@ -72,16 +83,27 @@ def run_kernels(kernels, inputs: dict) -> dict:
         repeat = VALUE_HEADS // KEY_HEADS
         q, k = (t.repeat_interleave(repeat, dim=2).contiguous() for t in (q, k))
         g = -A_log.exp() * F.softplus(alpha + dt_bias)  # megatron's decay; alpha is fp32 already
-        return kernels.chunk_gated_delta_rule(q, k, v, g=g, beta=beta_logit.sigmoid(), initial_state=None,
-                                              output_final_state=False, use_qk_l2norm_in_kernel=False,
-                                              cu_seqlens=cu)[0]
+        return kernels.chunk_gated_delta_rule(
+            q,
+            k,
+            v,
+            g=g,
+            beta=beta_logit.sigmoid(),
+            initial_state=None,
+            output_final_state=False,
+            use_qk_l2norm_in_kernel=False,
+            cu_seqlens=cu,
+        )[0]
 
     results, seconds = {}, {}
     calls = {
         "causal_conv1d": (conv, leaves("conv_x_1TD", "conv_weight_DW"), inputs["conv_grad_1TD"]),
         "l2norm": (norm, leaves("qk_1THK"), inputs["qk_grad_1THK"]),
-        "chunk_gated_delta_rule": (chunk, leaves("q_1THK", "k_1THK", "v_1THV", "alpha_1TH", "beta_logit_1TH",
-                                                 "A_log", "dt_bias"), inputs["o_grad_1THV"]),
+        "chunk_gated_delta_rule": (
+            chunk,
+            leaves("q_1THK", "k_1THK", "v_1THV", "alpha_1TH", "beta_logit_1TH", "A_log", "dt_bias"),
+            inputs["o_grad_1THV"],
+        ),
     }
     for kernel, (fn, args, grad_out) in calls.items():
         results[kernel], seconds[kernel] = _timed_grad(fn, args, grad_out)
@@ -92,8 +114,11 @@ def layer_inputs(layer, seed: int = 1) -> dict:
     """The layer's parameters, and a packed row of ``LENGTHS`` (x and the output's gradient, [T, 1, hidden])."""
     gen = torch.Generator().manual_seed(seed)
     shape = (sum(LENGTHS), 1, layer.config.hidden_size)
-    return {"params": {n: p.detach().clone() for n, p in layer.named_parameters()},
-            "x_T1C": torch.randn(*shape, generator=gen), "out_grad_T1C": torch.randn(*shape, generator=gen)}
+    return {
+        "params": {n: p.detach().clone() for n, p in layer.named_parameters()},
+        "x_T1C": torch.randn(*shape, generator=gen),
+        "out_grad_T1C": torch.randn(*shape, generator=gen),
+    }
 
 
 def run_layer(layer, inputs: dict) -> dict:

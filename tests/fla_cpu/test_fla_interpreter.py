@@ -31,18 +31,21 @@ conv 3 s), the layer's ~30 s (19 s forward + backward; the torch kernels 1.4 s).
 
 from types import SimpleNamespace
 
+import gdn_calls
 import pytest
 import torch
 
-import gdn_calls
 from megatron.cpu import gdn_kernels
 
 pytestmark = pytest.mark.fla
 
 REL, GATE_TOKEN_REL, GATE_PARAM_REL = 1e-5, 2e-4, 2e-3
 TOLERANCE = {"dalpha_1TH": GATE_TOKEN_REL, "dA_log": GATE_PARAM_REL, "ddt_bias": GATE_PARAM_REL}
-TORCH_KERNELS = SimpleNamespace(causal_conv1d=gdn_kernels.causal_conv1d, l2norm=gdn_kernels.l2norm,
-                                chunk_gated_delta_rule=gdn_kernels.chunk_gated_delta_rule)
+TORCH_KERNELS = SimpleNamespace(
+    causal_conv1d=gdn_kernels.causal_conv1d,
+    l2norm=gdn_kernels.l2norm,
+    chunk_gated_delta_rule=gdn_kernels.chunk_gated_delta_rule,
+)
 
 
 def _float64(inputs: dict) -> dict:
@@ -58,8 +61,11 @@ def _check(case: str, fla: dict, ours: dict, ref: dict) -> None:
     failures = []
     for name, value in fla.items():
         tol = TOLERANCE.get(name, REL)
-        errors = {"vs torch": _rel(value, ours[name]), "fla vs f64": _rel(value, ref[name]),
-                  "torch vs f64": _rel(ours[name], ref[name])}
+        errors = {
+            "vs torch": _rel(value, ours[name]),
+            "fla vs f64": _rel(value, ref[name]),
+            "torch vs f64": _rel(ours[name], ref[name]),
+        }
         print(f"{case} {name}: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()) + f" (tol {tol:g})")
         failures += [f"{name} {k} {v:.2e} > {tol:g}" for k, v in errors.items() if not v <= tol]
     assert not failures, f"{case}: " + "; ".join(failures)
@@ -91,6 +97,8 @@ def test_gated_delta_net_layer_matches_torch_kernels(fla_worker, mcore):
     fla = fla_worker("layer", inputs)
     ours = gdn_calls.run_layer(layer, inputs)
     ref = gdn_calls.run_layer(tiny_gdn_layer(params_dtype=torch.float64), inputs)
-    print(f"GatedDeltaNet forward + backward: FLA under the interpreter {fla['seconds']:.1f} s, "
-          f"torch kernels {ours['seconds']:.2f} s")
+    print(
+        f"GatedDeltaNet forward + backward: FLA under the interpreter {fla['seconds']:.1f} s, "
+        f"torch kernels {ours['seconds']:.2f} s"
+    )
     _check("GatedDeltaNet", *({k: v for k, v in r.items() if k != "seconds"} for r in (fla, ours, ref)))

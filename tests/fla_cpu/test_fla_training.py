@@ -10,7 +10,6 @@ kernels' ~13 s.
 """
 
 import pytest
-
 from launch import NO_EVAL, run_script
 
 pytestmark = pytest.mark.fla

@@ -54,6 +54,7 @@ def install() -> None:
 
     prune = autotuner.Autotuner.prune_configs
     if not getattr(prune, "_first_config_under_interpreter", False):
+
         def prune_configs(self, kwargs):
             configs = prune(self, kwargs)
             return configs[:1] if knobs.runtime.interpret else configs
@@ -62,14 +63,16 @@ def install() -> None:
         autotuner.Autotuner.prune_configs = prune_configs
 
     if not getattr(interpreter.FunctionRewriter.ast_transformer, "_wraps_loop_variables", False):
+
         class LoopVariableTransformer(interpreter.ASTTransformer):
             _wraps_loop_variables = True
 
             def visit_For(self, node):
                 if isinstance(node.target, ast.Name):
                     name = node.target.id
-                    rebind = ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())],
-                                        value=ast.Name(id=name, ctx=ast.Load()))
+                    rebind = ast.Assign(
+                        targets=[ast.Name(id=name, ctx=ast.Store())], value=ast.Name(id=name, ctx=ast.Load())
+                    )
                     node.body.insert(0, ast.copy_location(rebind, node))
                 return self.generic_visit(node)  # the base's visit_Assign wraps the rebinding too
 

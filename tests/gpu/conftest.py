@@ -2,9 +2,8 @@
 one process on the GPU, and rows for skips and failures the tests did not record themselves
 (so the table says why a check has no numbers). Nothing here imports torch at collection time."""
 
-import pytest
-
 import gpu_results
+import pytest
 
 
 def _check_name(item) -> str:
@@ -14,9 +13,11 @@ def _check_name(item) -> str:
 @pytest.fixture
 def record(request):
     """record(case, status, metrics=None, note="", details=None): one row of this test's check."""
+
     def _record(case, status, metrics=None, note="", details=None):
         request.node.user_properties.append(("gpu_row_status", status))
         return gpu_results.record(_check_name(request.node), case, status, metrics, note, details)
+
     return _record
 
 
@@ -27,10 +28,10 @@ def megatron_gpu():
     import tempfile
 
     import torch
-
-    import megatron.cpu
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    import megatron.cpu
 
     torch.cuda.set_device(0)
     if not torch.distributed.is_initialized():

@@ -23,13 +23,16 @@ def shapes() -> dict:
     """tiny (dense, MoE) and a reduced proxy of realistic width: 35b_a3b's layer dimensions (hidden
     2048, 16 attention heads of 256, 32 GDN value heads of 128, experts of 512) in 4 layers
     (3 GDN + 1 attention) with 8 experts (top-2), a 32k vocabulary and 2 vision blocks."""
-    from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
     from examples.multimodal_dev.benchmarks.bench_step import bench_shape
+    from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
 
     wide = bench_shape("35b_a3b", num_layers=4, vocab_size=32768, vision_depth=2)
     wide = replace(wide, text=replace(wide.text, num_experts=8, moe_top_k=2))
-    return {"tiny-dense": get_variant("tiny", moe=False, mtp=False), "tiny-moe": get_variant("tiny", moe=True, mtp=False),
-            "wide-moe": wide}
+    return {
+        "tiny-dense": get_variant("tiny", moe=False, mtp=False),
+        "tiny-moe": get_variant("tiny", moe=True, mtp=False),
+        "wide-moe": wide,
+    }
 
 
 # (samples, mock text-length scale) per shape: a few hundred to ~2k tokens, some samples with images.
@@ -75,9 +78,9 @@ def megatron_model(shape, dtype, backend: str, hf_state: dict):
 def batches(shape, name: str, seed: int = 0) -> tuple[PackedBatch, PackedBatch]:
     """(THD batch with every sample padded to a multiple of 4, as the collate does for CP=2; BSHD batch)
     of the same mock samples, on the host."""
+    from examples.multimodal_dev.benchmarks.bench_step import mock_samples
     from examples.multimodal_dev.data.collate import pack_thd, pad_bshd
     from examples.multimodal_dev.data.sample import VisionTokens
-    from examples.multimodal_dev.benchmarks.bench_step import mock_samples
 
     count, text_tokens = BATCH[name]
     samples = mock_samples(shape, count, text_tokens, seed=seed)
@@ -101,9 +104,14 @@ def real(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
 def megatron_logits(model, batch: PackedBatch) -> torch.Tensor:
     from examples.multimodal_dev.forward_step import packed_seq_params
 
-    logits = model(input_ids=batch.tokens, position_ids=batch.position_ids, attention_mask=None,
-                   pixel_values=batch.pixel_values, image_grid_thw=batch.image_grid_thw,
-                   packed_seq_params=packed_seq_params(batch))
+    logits = model(
+        input_ids=batch.tokens,
+        position_ids=batch.position_ids,
+        attention_mask=None,
+        pixel_values=batch.pixel_values,
+        image_grid_thw=batch.image_grid_thw,
+        packed_seq_params=packed_seq_params(batch),
+    )
     return real(logits, batch)
 
 
@@ -113,8 +121,10 @@ def hf_logits(hf, bshd_host: PackedBatch, shape, dtype) -> torch.Tensor:
 
     inputs = hf_inputs(bshd_host, shape.image_token_id)
     inputs.pop("labels")
-    inputs = {k: (v.to("cuda", dtype) if k == "pixel_values" else v.to("cuda")) if torch.is_tensor(v) else v
-              for k, v in inputs.items()}
+    inputs = {
+        k: (v.to("cuda", dtype) if k == "pixel_values" else v.to("cuda")) if torch.is_tensor(v) else v
+        for k, v in inputs.items()
+    }
     return real(hf(**inputs).logits, bshd_host)
 
 
@@ -139,8 +149,12 @@ def errors(ours: torch.Tensor, ref: torch.Tensor) -> dict:
     measure: tests/unit/test_hf_parity.py)."""
     diff = (ours.float() - ref.float()).abs()
     scale = ref.float().abs().max().item()
-    return {"max": diff.max().item(), "mean": diff.mean().item(), "scale": scale,
-            "rel": diff.max().item() / max(scale, 1.0)}
+    return {
+        "max": diff.max().item(),
+        "mean": diff.mean().item(),
+        "scale": scale,
+        "rel": diff.max().item() / max(scale, 1.0),
+    }
 
 
 def gdn_kernel_source() -> str:

@@ -39,13 +39,26 @@ def deadline_left() -> float:
     return float(deadline) - time.time() if deadline else 1e9
 
 
-def record(check: str, case: str, status: str, metrics: dict | None = None, note: str = "",
-           details: dict | None = None, path: str | None = None) -> dict:
+def record(
+    check: str,
+    case: str,
+    status: str,
+    metrics: dict | None = None,
+    note: str = "",
+    details: dict | None = None,
+    path: str | None = None,
+) -> dict:
     """Append one row (and print it, so a pytest -s log shows the numbers too)."""
     if status not in STATUSES:
         raise ValueError(f"status {status!r}: expected one of {STATUSES}")
-    row = {"check": check, "case": case, "status": status, "metrics": _clean(metrics or {}), "note": note,
-           "time": datetime.datetime.now().isoformat(timespec="seconds")}
+    row = {
+        "check": check,
+        "case": case,
+        "status": status,
+        "metrics": _clean(metrics or {}),
+        "note": note,
+        "time": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
     if details:
         row["details"] = _clean(details)
     print(f"[gpu-result] {check} | {case} | {status} | {format_metrics(row['metrics'])} | {note}", flush=True)
@@ -82,8 +95,15 @@ def read_rows(path: str) -> list[dict]:
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError:
-                rows.append({"check": "results", "case": f"{os.path.basename(path)} line {number}", "status": "fail",
-                             "metrics": {}, "note": f"unreadable row: {line.strip()[:120]}"})
+                rows.append(
+                    {
+                        "check": "results",
+                        "case": f"{os.path.basename(path)} line {number}",
+                        "status": "fail",
+                        "metrics": {},
+                        "note": f"unreadable row: {line.strip()[:120]}",
+                    }
+                )
     return rows
 
 
@@ -123,19 +143,39 @@ def markdown(rows: list[dict], meta: dict | None = None) -> str:
     if meta.get("versions"):
         lines.append("- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()))
     counts = summary(rows)
-    lines += [f"- rows: {counts['pass']} pass, {counts['fail']} fail, {counts['skip']} skip, {counts['info']} info", "",
-              "| check | case | status | numbers | note |", "|---|---|---|---|---|"]
+    lines += [
+        f"- rows: {counts['pass']} pass, {counts['fail']} fail, {counts['skip']} skip, {counts['info']} info",
+        "",
+        "| check | case | status | numbers | note |",
+        "|---|---|---|---|---|",
+    ]
     for row in rows:
-        lines.append("| " + " | ".join(_md_cell(x) for x in (
-            row.get("check", ""), row.get("case", ""), row.get("status", ""), format_metrics(row.get("metrics", {})),
-            row.get("note", ""))) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                _md_cell(x)
+                for x in (
+                    row.get("check", ""),
+                    row.get("case", ""),
+                    row.get("status", ""),
+                    format_metrics(row.get("metrics", {})),
+                    row.get("note", ""),
+                )
+            )
+            + " |"
+        )
     for row in rows:
         for title, table in (row.get("details") or {}).items():
             if not isinstance(table, list) or not table or not isinstance(table[0], dict):
                 continue
             columns = list(table[0])
-            lines += ["", f"## {row.get('check')}: {row.get('case')}: {title}", "",
-                      "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            lines += [
+                "",
+                f"## {row.get('check')}: {row.get('case')}: {title}",
+                "",
+                "| " + " | ".join(columns) + " |",
+                "|" + "---|" * len(columns),
+            ]
             lines += ["| " + " | ".join(_md_cell(_fmt(item.get(c, ""))) for c in columns) + " |" for item in table]
     return "\n".join(lines) + "\n"
 
@@ -178,17 +218,34 @@ def readme_table(folder: str) -> str:
     with open(os.path.join(folder, "meta.json")) as f:
         meta = json.load(f)
     where = os.path.relpath(folder, ROOT)
-    lines = [README_BEGIN, f"Measured on {meta['device']}, {meta['date']}; {meta['image']}. Every row comes from "
-             f"`{where}/` (meta.json says which commit each run ran and how).", "",
-             "| run | check | case | status | numbers | why |", "|---|---|---|---|---|---|"]
+    lines = [
+        README_BEGIN,
+        f"Measured on {meta['device']}, {meta['date']}; {meta['image']}. Every row comes from "
+        f"`{where}/` (meta.json says which commit each run ran and how).",
+        "",
+        "| run | check | case | status | numbers | why |",
+        "|---|---|---|---|---|---|",
+    ]
     for run in meta["runs"]:
         with open(os.path.join(folder, run, "results.json")) as f:
             rows = json.load(f)["rows"]
         for row in rows:
             why = row.get("note", "") if row.get("status") in ("fail", "skip") else ""
-            lines.append("| " + " | ".join(_md_cell(x) for x in (
-                run, row.get("check", ""), row.get("case", ""), row.get("status", ""),
-                format_metrics(row.get("metrics", {})), why)) + " |")
+            lines.append(
+                "| "
+                + " | ".join(
+                    _md_cell(x)
+                    for x in (
+                        run,
+                        row.get("check", ""),
+                        row.get("case", ""),
+                        row.get("status", ""),
+                        format_metrics(row.get("metrics", {})),
+                        why,
+                    )
+                )
+                + " |"
+            )
     return "\n".join([*lines, README_END])
 
 
@@ -211,8 +268,17 @@ def environment() -> dict:
     import platform
 
     versions = {"python": platform.python_version()}
-    for dist in ("torch", "triton", "transformers", "megatron-core", "flash-linear-attention", "fla-core",
-                 "transformer-engine", "datasets", "qwen-vl-utils"):
+    for dist in (
+        "torch",
+        "triton",
+        "transformers",
+        "megatron-core",
+        "flash-linear-attention",
+        "fla-core",
+        "transformer-engine",
+        "datasets",
+        "qwen-vl-utils",
+    ):
         try:
             versions[dist] = md.version(dist)
         except md.PackageNotFoundError:
@@ -229,8 +295,11 @@ def environment() -> dict:
             info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
     except Exception as e:  # noqa: BLE001 - reported, not raised
         info["device"] = f"torch failed: {e!r}"
-    for name, module in (("fla", "fla.ops.gated_delta_rule"), ("transformer_engine", "transformer_engine.pytorch"),
-                         ("megatron.core", "megatron.core")):
+    for name, module in (
+        ("fla", "fla.ops.gated_delta_rule"),
+        ("transformer_engine", "transformer_engine.pytorch"),
+        ("megatron.core", "megatron.core"),
+    ):
         try:
             importlib.import_module(module)
             info[f"{name} importable"] = "yes"
@@ -240,8 +309,11 @@ def environment() -> dict:
         import triton
 
         knobs = getattr(triton, "knobs", None)
-        info["triton fp32 dot default knob"] = ("TRITON_F32_DEFAULT supported" if knobs is not None and hasattr(
-            getattr(knobs, "language", None), "fp32_default") else "no knobs.language.fp32_default in this Triton")
+        info["triton fp32 dot default knob"] = (
+            "TRITON_F32_DEFAULT supported"
+            if knobs is not None and hasattr(getattr(knobs, "language", None), "fp32_default")
+            else "no knobs.language.fp32_default in this Triton"
+        )
     except Exception as e:  # noqa: BLE001
         info["triton fp32 dot default knob"] = f"triton failed: {e!r}"
     return info

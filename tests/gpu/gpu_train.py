@@ -18,10 +18,14 @@ from dataclasses import dataclass, field, replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
-THROUGHPUT = re.compile(r"model FLOPs \(flops\.py\): ([0-9.eE+-]+) TFLOP/s per GPU over (\d+) iterations"
-                        r" \| tokens/s: ([0-9.]+) \| padding: ([0-9.]+)%")
-MEMORY = re.compile(r"\(after (\d+) iterations\) memory \(MB\) \| allocated: ([0-9.]+) \| max allocated: ([0-9.]+)"
-                    r" \| reserved: ([0-9.]+) \| max reserved: ([0-9.]+)")
+THROUGHPUT = re.compile(
+    r"model FLOPs \(flops\.py\): ([0-9.eE+-]+) TFLOP/s per GPU over (\d+) iterations"
+    r" \| tokens/s: ([0-9.]+) \| padding: ([0-9.]+)%"
+)
+MEMORY = re.compile(
+    r"\(after (\d+) iterations\) memory \(MB\) \| allocated: ([0-9.]+) \| max allocated: ([0-9.]+)"
+    r" \| reserved: ([0-9.]+) \| max reserved: ([0-9.]+)"
+)
 
 
 @dataclass
@@ -52,7 +56,9 @@ class TrainRun:
     def error_line(self) -> str:
         """The most telling line of a failed run: the last error / exception line, else the last line."""
         text = self.tail(200).splitlines()
-        hits = [ln for ln in text if re.search(r"Error|error:|Exception|CUDA out of memory|Traceback|run_qwen35_vl.sh:", ln)]
+        hits = [
+            ln for ln in text if re.search(r"Error|error:|Exception|CUDA out of memory|Traceback|run_qwen35_vl.sh:", ln)
+        ]
         return ((hits or text or [""])[-1]).strip()[:300]
 
 
@@ -68,8 +74,11 @@ def parse_log(text: str) -> tuple[dict, dict, dict]:
             continue
         m = THROUGHPUT.search(line)
         if m and current is not None:
-            throughput[current] = {"tflops": float(m.group(1)), "tokens_per_s": float(m.group(3)),
-                                   "padding": float(m.group(4))}
+            throughput[current] = {
+                "tflops": float(m.group(1)),
+                "tokens_per_s": float(m.group(3)),
+                "padding": float(m.group(4)),
+            }
             continue
         m = MEMORY.search(line)
         if m:
@@ -87,8 +96,12 @@ def steady_state(run: TrainRun, first: int, last: int) -> dict:
     if not its:
         return {}
     pick = lambda key: statistics.median(run.throughput[i][key] for i in its)  # noqa: E731
-    out = {"iterations": f"{its[0]}..{its[-1]}", "tflops": pick("tflops"), "tokens_per_s": pick("tokens_per_s"),
-           "padding": pick("padding")}
+    out = {
+        "iterations": f"{its[0]}..{its[-1]}",
+        "tflops": pick("tflops"),
+        "tokens_per_s": pick("tokens_per_s"),
+        "padding": pick("padding"),
+    }
     ms = [run.iter_ms[i] for i in its if i in run.iter_ms]
     if ms:
         out["iter_ms"] = statistics.median(ms)
@@ -108,8 +121,15 @@ def top_kernels(trace_path: str, steps: int, n: int = 10) -> list[dict]:
             calls[ev.get("name", "?")] += 1
     grand = sum(total_us.values()) or 1.0
     ranked = sorted(total_us.items(), key=lambda kv: -kv[1])[:n]
-    return [{"kernel": name[:100], "calls": calls[name], "ms/step": us / 1000.0 / max(steps, 1),
-             "share %": 100.0 * us / grand} for name, us in ranked]
+    return [
+        {
+            "kernel": name[:100],
+            "calls": calls[name],
+            "ms/step": us / 1000.0 / max(steps, 1),
+            "share %": 100.0 * us / grand,
+        }
+        for name, us in ranked
+    ]
 
 
 class GpuMemoryPoller:
@@ -183,8 +203,9 @@ def kill_tree(pid: int) -> None:
         pass
 
 
-def run_training(name: str, env: dict, args: list, timeout_s: float, workdir: str, log_path: str,
-                 poll_memory: bool = True) -> TrainRun:
+def run_training(
+    name: str, env: dict, args: list, timeout_s: float, workdir: str, log_path: str, poll_memory: bool = True
+) -> TrainRun:
     """``bash run_qwen35_vl.sh args --metrics-file ...`` with ``env`` added, output to ``log_path``."""
     os.makedirs(workdir, exist_ok=True)
     metrics = os.path.join(workdir, "metrics.jsonl")
@@ -194,9 +215,13 @@ def run_training(name: str, env: dict, args: list, timeout_s: float, workdir: st
     poller = GpuMemoryPoller().start() if poll_memory else None
     start, timed_out = time.time(), False
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(["bash", os.path.join(ROOT, "run_qwen35_vl.sh"), *map(str, args),
-                                 "--metrics-file", metrics], cwd=ROOT, env=full_env, stdout=log,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            ["bash", os.path.join(ROOT, "run_qwen35_vl.sh"), *map(str, args), "--metrics-file", metrics],
+            cwd=ROOT,
+            env=full_env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             returncode = proc.wait(timeout=max(timeout_s, 1))
         except subprocess.TimeoutExpired:
@@ -252,19 +277,43 @@ def param_count(shape) -> int:
     """Parameters of the Megatron model of ``shape`` (TP=1), as build_model makes them (checked on CPU
     against the built tiny models in test_results_table.py)."""
     t, v = shape.text, shape.vision
-    h, merged = v.hidden_size, v.hidden_size * v.spatial_merge_size ** 2
+    h, merged = v.hidden_size, v.hidden_size * v.spatial_merge_size**2
     block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + 2 * v.intermediate_size * h + v.intermediate_size + h
-    vision = (h * v.patch_dim + h + v.num_position_embeddings * h + v.depth * block
-              + 2 * h + merged * merged + merged + v.out_hidden_size * merged + v.out_hidden_size)
+    vision = (
+        h * v.patch_dim
+        + h
+        + v.num_position_embeddings * h
+        + v.depth * block
+        + 2 * h
+        + merged * merged
+        + merged
+        + v.out_hidden_size * merged
+        + v.out_hidden_size
+    )
     H = t.hidden_size
     qk, vd = t.linear_num_key_heads * t.linear_key_head_dim, t.linear_num_value_heads * t.linear_value_head_dim
-    gdn = (H + 2 * t.linear_num_value_heads + H * (2 * qk + 2 * vd + 2 * t.linear_num_value_heads)
-           + (2 * qk + vd) * t.linear_conv_kernel_dim + t.linear_value_head_dim + vd * H)
-    attn = (H + H * (2 * t.num_attention_heads + 2 * t.num_kv_heads) * t.head_dim + 2 * t.head_dim
-            + t.num_attention_heads * t.head_dim * H)
+    gdn = (
+        H
+        + 2 * t.linear_num_value_heads
+        + H * (2 * qk + 2 * vd + 2 * t.linear_num_value_heads)
+        + (2 * qk + vd) * t.linear_conv_kernel_dim
+        + t.linear_value_head_dim
+        + vd * H
+    )
+    attn = (
+        H
+        + H * (2 * t.num_attention_heads + 2 * t.num_kv_heads) * t.head_dim
+        + 2 * t.head_dim
+        + t.num_attention_heads * t.head_dim * H
+    )
     if t.is_moe:
-        mlp = (H + t.num_experts * H + t.num_experts * 3 * H * t.moe_ffn_hidden_size
-               + H + 3 * H * t.shared_expert_ffn_hidden_size)
+        mlp = (
+            H
+            + t.num_experts * H
+            + t.num_experts * 3 * H * t.moe_ffn_hidden_size
+            + H
+            + 3 * H * t.shared_expert_ffn_hidden_size
+        )
     else:
         mlp = H + 3 * H * t.ffn_hidden_size
     layers = sum((gdn if kind == "linear_attention" else attn) + mlp for kind in t.layer_types)

@@ -29,6 +29,7 @@ if not torch.cuda.is_available():
 
 import gpu_results
 from gpu_measure import errors, median_ms
+
 import megatron.cpu
 from megatron.cpu import gdn_kernels as torch_gdn
 
@@ -79,10 +80,19 @@ def _compare_forward(record, case, dtype_name, fla_fn, torch_fn, inputs: dict, w
         fwd = errors([out_fla], {"out": torch_fn(**{n: t.float() for n, t in inputs.items()})})
         fla_fwd, torch_fwd = median_ms(lambda: fla_fn(**inputs)), median_ms(lambda: torch_fn(**inputs))
     ok = fwd["rel"] <= FP32_REL if dtype_name == "fp32" else fwd["rms"] <= BF16_RMS
-    metrics = {"fwd max rel": fwd["rel"], "fwd rms": fwd["rms"], "fla fwd ms": fla_fwd, "torch fwd ms": torch_fwd,
-               "fla first call s": first_call_s, **(extra or {})}
-    note = "; ".join(x for x in (f"forward only: {why_not_backward}; training binds the torch kernels here",
-                                 _precision(dtype_name)) if x)
+    metrics = {
+        "fwd max rel": fwd["rel"],
+        "fwd rms": fwd["rms"],
+        "fla fwd ms": fla_fwd,
+        "torch fwd ms": torch_fwd,
+        "fla first call s": first_call_s,
+        **(extra or {}),
+    }
+    note = "; ".join(
+        x
+        for x in (f"forward only: {why_not_backward}; training binds the torch kernels here", _precision(dtype_name))
+        if x
+    )
     record(f"{case} {dtype_name} (forward)", "pass" if ok else "fail", metrics, note)
     assert ok, f"{case} {dtype_name}: {metrics} ({note})"
 
@@ -111,6 +121,7 @@ def _compare(record, case, dtype_name, fla_fn, torch_fn, inputs: dict, grad_out,
         def run():
             out = fn(**inputs)
             torch.autograd.grad(out, list(inputs.values()), grad)
+
         return run
 
     with torch.no_grad():
@@ -123,11 +134,21 @@ def _compare(record, case, dtype_name, fla_fn, torch_fn, inputs: dict, grad_out,
     else:
         ok = fwd["rms"] <= BF16_RMS and bwd["rms"] <= BF16_RMS
         bar = f"target RMS ratio <= {BF16_RMS:g}"
-    metrics = {"fwd max rel": fwd["rel"], "bwd max rel": bwd["rel"], "bwd worst": bwd["worst"],
-               "fwd rms": fwd["rms"], "bwd rms": bwd["rms"],
-               "torch-kernel fwd max rel": ours_fwd["rel"], "torch-kernel bwd max rel": ours_bwd["rel"],
-               "fla fwd ms": fla_fwd, "fla fwd+bwd ms": fla_step, "torch fwd ms": torch_fwd,
-               "torch fwd+bwd ms": torch_step, "fla first call s": first_call_s, **(extra or {})}
+    metrics = {
+        "fwd max rel": fwd["rel"],
+        "bwd max rel": bwd["rel"],
+        "bwd worst": bwd["worst"],
+        "fwd rms": fwd["rms"],
+        "bwd rms": bwd["rms"],
+        "torch-kernel fwd max rel": ours_fwd["rel"],
+        "torch-kernel bwd max rel": ours_bwd["rel"],
+        "fla fwd ms": fla_fwd,
+        "fla fwd+bwd ms": fla_step,
+        "torch fwd ms": torch_fwd,
+        "torch fwd+bwd ms": torch_step,
+        "fla first call s": first_call_s,
+        **(extra or {}),
+    }
     note = "; ".join(x for x in (bar, _precision(dtype_name)) if x)
     record(f"{case} {dtype_name}", "pass" if ok else "fail", metrics, note)
     assert ok, f"{case} {dtype_name}: {metrics} ({note})"
@@ -152,17 +173,34 @@ def test_chunk_gated_delta_rule(fla, dtype_name, record):
     inputs = {n: t.requires_grad_() for n, t in inputs.items()}
 
     def call(kernel):
-        return lambda q, k, v, g, beta: kernel(q, k, v, g, beta, initial_state=None, output_final_state=False,
-                                               use_qk_l2norm_in_kernel=False, cu_seqlens=cu)[0]
+        return lambda q, k, v, g, beta: kernel(
+            q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=cu
+        )[0]
 
     extra = {"tokens": total, "sequences": len(LENGTHS)}
     why = megatron.cpu.fla_unusable_reason()
     if why:
-        _compare_forward(record, "chunk_gated_delta_rule", dtype_name, call(fla.chunk),
-                         call(torch_gdn.chunk_gated_delta_rule), inputs, why, extra)
+        _compare_forward(
+            record,
+            "chunk_gated_delta_rule",
+            dtype_name,
+            call(fla.chunk),
+            call(torch_gdn.chunk_gated_delta_rule),
+            inputs,
+            why,
+            extra,
+        )
         return
-    _compare(record, "chunk_gated_delta_rule", dtype_name, call(fla.chunk), call(torch_gdn.chunk_gated_delta_rule),
-             inputs, randn(1, total, HEADS, VDIM), extra)
+    _compare(
+        record,
+        "chunk_gated_delta_rule",
+        dtype_name,
+        call(fla.chunk),
+        call(torch_gdn.chunk_gated_delta_rule),
+        inputs,
+        randn(1, total, HEADS, VDIM),
+        extra,
+    )
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
@@ -174,12 +212,26 @@ def test_causal_conv1d(fla, dtype_name, record):
     weight = (0.5 * torch.randn(channels, CONV_WIDTH, device="cuda", generator=gen)).to(dtype).requires_grad_()
 
     def call(kernel):
-        return lambda x, weight: kernel(x=x, weight=weight, bias=None, activation="silu", initial_state=None,
-                                        output_final_state=False, cu_seqlens=cu)[0]
+        return lambda x, weight: kernel(
+            x=x,
+            weight=weight,
+            bias=None,
+            activation="silu",
+            initial_state=None,
+            output_final_state=False,
+            cu_seqlens=cu,
+        )[0]
 
-    _compare(record, "causal_conv1d", dtype_name, call(fla.conv), call(torch_gdn.causal_conv1d),
-             {"x": x, "weight": weight}, torch.randn(1, total, channels, device="cuda", generator=gen),
-             {"tokens": total, "channels": channels})
+    _compare(
+        record,
+        "causal_conv1d",
+        dtype_name,
+        call(fla.conv),
+        call(torch_gdn.causal_conv1d),
+        {"x": x, "weight": weight},
+        torch.randn(1, total, channels, device="cuda", generator=gen),
+        {"tokens": total, "channels": channels},
+    )
 
 
 @pytest.mark.parametrize("dtype_name", list(DTYPES))
@@ -190,5 +242,12 @@ def test_l2norm(fla, dtype_name, record):
     x = torch.randn(1, total, 2 * KEY_HEADS, KDIM, device="cuda", generator=gen).to(dtype).requires_grad_()
     # FLA's l2norm(x, eps, output_dtype) and the torch one (x, dim, eps, output_dtype) differ after x:
     # megatron passes x alone, so the comparison does too.
-    _compare(record, "l2norm", dtype_name, lambda x: fla.l2norm(x), lambda x: torch_gdn.l2norm(x), {"x": x},
-             torch.randn(1, total, 2 * KEY_HEADS, KDIM, device="cuda", generator=gen))
+    _compare(
+        record,
+        "l2norm",
+        dtype_name,
+        lambda x: fla.l2norm(x),
+        lambda x: torch_gdn.l2norm(x),
+        {"x": x},
+        torch.randn(1, total, 2 * KEY_HEADS, KDIM, device="cuda", generator=gen),
+    )

@@ -44,20 +44,35 @@ def test_logits_match_transformers(shape_name, dtype_name, megatron_gpu, record)
     ours_thd, ours_bshd = gm.megatron_logits(ours, thd), gm.megatron_logits(ours, bshd)
     e_thd, e_bshd, e_layouts = gm.errors(ours_thd, ref), gm.errors(ours_bshd, ref), gm.errors(ours_thd, ours_bshd)
     loss_thd, loss_bshd = gm.loss_of(ours, thd), gm.loss_of(ours, bshd)
-    metrics.update({"ref max |logit|": e_thd["scale"], "THD max": e_thd["max"], "THD mean": e_thd["mean"],
-                    "THD rel": e_thd["rel"], "BSHD max": e_bshd["max"], "BSHD rel": e_bshd["rel"],
-                    "THD vs BSHD logits max": e_layouts["max"], "loss THD": loss_thd, "loss BSHD": loss_bshd,
-                    "loss |THD-BSHD|": abs(loss_thd - loss_bshd)})
+    metrics.update(
+        {
+            "ref max |logit|": e_thd["scale"],
+            "THD max": e_thd["max"],
+            "THD mean": e_thd["mean"],
+            "THD rel": e_thd["rel"],
+            "BSHD max": e_bshd["max"],
+            "BSHD rel": e_bshd["rel"],
+            "THD vs BSHD logits max": e_layouts["max"],
+            "loss THD": loss_thd,
+            "loss BSHD": loss_bshd,
+            "loss |THD-BSHD|": abs(loss_thd - loss_bshd),
+        }
+    )
     if dtype_name == "fp32":
         ok = e_thd["rel"] <= FP32_REL and e_bshd["rel"] <= FP32_REL and abs(loss_thd - loss_bshd) <= FP32_LOSS_ABS
         bar = f"rel <= {FP32_REL:g}, loss diff <= {FP32_LOSS_ABS:g}"
     else:
         hf_mean = max(metrics["hf bf16 mean"], 1e-6)
-        ok = (e_thd["mean"] <= BF16_VS_HF * hf_mean and e_bshd["mean"] <= BF16_VS_HF * hf_mean
-              and abs(loss_thd - loss_bshd) <= BF16_LOSS_REL * abs(loss_bshd))
+        ok = (
+            e_thd["mean"] <= BF16_VS_HF * hf_mean
+            and e_bshd["mean"] <= BF16_VS_HF * hf_mean
+            and abs(loss_thd - loss_bshd) <= BF16_LOSS_REL * abs(loss_bshd)
+        )
         bar = f"mean <= {BF16_VS_HF:g}x transformers' bf16 mean, loss rel <= {BF16_LOSS_REL:g}"
-    note = (f"{bar}; GDN kernels: {gm.gdn_kernel_source()}; "
-            f"TRITON_F32_DEFAULT={os.environ.get('TRITON_F32_DEFAULT', 'unset')}")
+    note = (
+        f"{bar}; GDN kernels: {gm.gdn_kernel_source()}; "
+        f"TRITON_F32_DEFAULT={os.environ.get('TRITON_F32_DEFAULT', 'unset')}"
+    )
     record(f"{shape_name} {dtype_name}", "pass" if ok else "fail", metrics, note)
     del ours
     torch.cuda.empty_cache()

@@ -49,8 +49,9 @@ def test_tp2_and_ep2_match_one_gpu(record):
     def run(name, **env):
         workdir = os.path.join(base, name.replace(" ", "_").replace("=", ""))
         timeout = min(150, gpu_results.deadline_left() - 20)
-        result = gt.run_training(name, {**MODEL, **env}, [], timeout, workdir, os.path.join(workdir, "log.txt"),
-                                 poll_memory=False)
+        result = gt.run_training(
+            name, {**MODEL, **env}, [], timeout, workdir, os.path.join(workdir, "log.txt"), poll_memory=False
+        )
         if result.returncode != 0 or 1 not in result.records:
             print(f"---- {name} ----\n{result.tail()}")
         return result
@@ -72,8 +73,17 @@ def test_tp2_and_ep2_match_one_gpu(record):
         grad_rel = abs(a["grad norm"] - b["grad norm"]) / abs(b["grad norm"])
         ok = loss_rel <= REL and grad_rel <= REL
         ok_all &= ok
-        record(name, "pass" if ok else "fail", {"lm loss": a["lm loss"], "single lm loss": b["lm loss"],
-                                                "loss rel": loss_rel, "grad norm": a["grad norm"],
-                                                "single grad norm": b["grad norm"], "grad rel": grad_rel},
-               f"first iteration from one checkpoint; bar {REL:g} relative")
+        record(
+            name,
+            "pass" if ok else "fail",
+            {
+                "lm loss": a["lm loss"],
+                "single lm loss": b["lm loss"],
+                "loss rel": loss_rel,
+                "grad norm": a["grad norm"],
+                "single grad norm": b["grad norm"],
+                "grad rel": grad_rel,
+            },
+            f"first iteration from one checkpoint; bar {REL:g} relative",
+        )
     assert ok_all

@@ -10,21 +10,33 @@ from dataclasses import replace
 import gpu_results
 import gpu_train as gt
 
-THROUGHPUT_LINE = (" model FLOPs (flops.py): 312.5 TFLOP/s per GPU over 1 iterations | tokens/s: 41234 |"
-                   " padding: 3.1% | MFU: 31.6% of 989 TFLOP/s dense bf16 |")
+THROUGHPUT_LINE = (
+    " model FLOPs (flops.py): 312.5 TFLOP/s per GPU over 1 iterations | tokens/s: 41234 |"
+    " padding: 3.1% | MFU: 31.6% of 989 TFLOP/s dense bf16 |"
+)
 
 
 def _iteration_line(i: int, ms: float) -> str:
-    return (f" [2026-11-20 10:00:00.000000] iteration {i:8d}/{20:8d} | consumed samples: {8 * i:12d} |"
-            f" elapsed time per iteration (ms): {ms:.1f} | learning rate: 1.0E-04 | lm loss: 1.0E+01 |")
+    return (
+        f" [2026-11-20 10:00:00.000000] iteration {i:8d}/{20:8d} | consumed samples: {8 * i:12d} |"
+        f" elapsed time per iteration (ms): {ms:.1f} | learning rate: 1.0E-04 | lm loss: 1.0E+01 |"
+    )
 
 
 def test_rows_and_table(tmp_path, monkeypatch, capsys):
     rows_file = tmp_path / "rows.jsonl"
     monkeypatch.setenv("GPU_RESULTS", str(rows_file))
-    gpu_results.record("fla kernels", "chunk bf16", "pass", {"fwd max rel": 3.2e-3, "fla fwd ms": 1.234, "tokens": 2320})
-    gpu_results.record("training", "proxy", "fail", {"tokens/s": 41234.5, "loss": float("nan")}, "loss | did not fall",
-                       {"per iteration": [{"iteration": 1, "lm loss": 12.4}, {"iteration": 2, "lm loss": 11.9}]})
+    gpu_results.record(
+        "fla kernels", "chunk bf16", "pass", {"fwd max rel": 3.2e-3, "fla fwd ms": 1.234, "tokens": 2320}
+    )
+    gpu_results.record(
+        "training",
+        "proxy",
+        "fail",
+        {"tokens/s": 41234.5, "loss": float("nan")},
+        "loss | did not fall",
+        {"per iteration": [{"iteration": 1, "lm loss": 12.4}, {"iteration": 2, "lm loss": 11.9}]},
+    )
     gpu_results.record("TE vs local", "test_te_equals_local", "skip", note="transformer_engine not importable")
     with open(rows_file, "a") as f:
         f.write('{"check": "cut by a kill\n')  # a half-written line must not lose the others
@@ -51,8 +63,23 @@ def test_no_rows_file_outside_run_sh(tmp_path, monkeypatch):
 
 def test_add_command_parses_numbers(tmp_path, monkeypatch):
     monkeypatch.setenv("GPU_RESULTS", str(tmp_path / "rows.jsonl"))
-    gpu_results.main(["add", "--check", "bootstrap", "--status", "fail", "--note", "exit 1",
-                      "--metric", "seconds=12", "--metric", "rel=1e-5", "--metric", "name=proxy"])
+    gpu_results.main(
+        [
+            "add",
+            "--check",
+            "bootstrap",
+            "--status",
+            "fail",
+            "--note",
+            "exit 1",
+            "--metric",
+            "seconds=12",
+            "--metric",
+            "rel=1e-5",
+            "--metric",
+            "name=proxy",
+        ]
+    )
     row = gpu_results.read_rows(str(tmp_path / "rows.jsonl"))[0]
     assert row["metrics"] == {"seconds": 12, "rel": 1e-5, "name": "proxy"} and row["status"] == "fail"
 
@@ -63,8 +90,10 @@ def test_log_parsing_and_steady_state(tmp_path):
         lines.append(_iteration_line(i, 900.0 + i))
         lines.append(THROUGHPUT_LINE.replace("312.5", str(300.0 + i)))
         if i % 5 == 0:
-            lines.append(f"[Rank 0] (after {i} iterations) memory (MB) | allocated: 1000.00 | max allocated: "
-                         f"{60000.0 + i:.2f} | reserved: 2000.00 | max reserved: 70000.00")
+            lines.append(
+                f"[Rank 0] (after {i} iterations) memory (MB) | allocated: 1000.00 | max allocated: "
+                f"{60000.0 + i:.2f} | reserved: 2000.00 | max reserved: 70000.00"
+            )
     throughput, iter_ms, memory = gt.parse_log("\n".join(lines))
     assert sorted(throughput) == list(range(1, 11)) and throughput[3]["tflops"] == 303.0
     assert throughput[3]["tokens_per_s"] == 41234 and throughput[3]["padding"] == 3.1 and iter_ms[4] == 904.0
@@ -76,16 +105,20 @@ def test_log_parsing_and_steady_state(tmp_path):
 
 
 def test_top_kernels_from_a_chrome_trace(tmp_path):
-    events = [{"ph": "X", "cat": "kernel", "name": "gemm", "dur": 300.0},
-              {"ph": "X", "cat": "kernel", "name": "gemm", "dur": 100.0},
-              {"ph": "X", "cat": "kernel", "name": "chunk_fwd_o", "dur": 100.0},
-              {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 5000.0}]
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "gemm", "dur": 300.0},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "dur": 100.0},
+        {"ph": "X", "cat": "kernel", "name": "chunk_fwd_o", "dur": 100.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 5000.0},
+    ]
     path = tmp_path / "rank-0.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
     top = gt.top_kernels(str(path), steps=2)
-    assert top == [{"kernel": "gemm", "calls": 2, "ms/step": 0.2, "share %": 80.0},
-                   {"kernel": "chunk_fwd_o", "calls": 1, "ms/step": 0.05, "share %": 20.0}]
+    assert top == [
+        {"kernel": "gemm", "calls": 2, "ms/step": 0.2, "share %": 80.0},
+        {"kernel": "chunk_fwd_o", "calls": 1, "ms/step": 0.05, "share %": 20.0},
+    ]
 
 
 def test_param_count_equals_the_built_models():
@@ -117,7 +150,9 @@ def test_readme_gpu_table_is_the_newest_committed_results():
     folder = gpu_results.newest_results_folder()
     with open(os.path.join(gpu_results.ROOT, "README.md")) as f:
         block = gpu_results.readme_block(f.read())
-    assert block == gpu_results.readme_table(folder), "README.md's GPU table is stale: python tests/gpu/gpu_results.py readme"
+    assert block == gpu_results.readme_table(folder), (
+        "README.md's GPU table is stale: python tests/gpu/gpu_results.py readme"
+    )
     rows = block.count("\n| run")  # one line per row of every run, after the header
     assert rows >= 1 and os.path.basename(folder) in block
 

@@ -56,8 +56,9 @@ def test_bf16_resume_is_bitwise(record):
     def run(name, **env):
         workdir = os.path.join(base, name)
         timeout = min(150, gpu_results.deadline_left() - 20)
-        result = gt.run_training(name, {**MODEL, **env}, [], timeout, workdir, os.path.join(workdir, "log.txt"),
-                                 poll_memory=False)
+        result = gt.run_training(
+            name, {**MODEL, **env}, [], timeout, workdir, os.path.join(workdir, "log.txt"), poll_memory=False
+        )
         if result.returncode != 0:
             print(f"---- {name} ----\n{result.tail()}")
         return result
@@ -66,15 +67,19 @@ def test_bf16_resume_is_bitwise(record):
         """A run that did not end by itself is a row saying why (the time budget, or its error)."""
         if result.returncode == 0 and not result.timed_out and result.records:
             return
-        why = (f"the {name} run was stopped by the time budget after {result.seconds:.0f} s"
-               if result.timed_out else f"the {name} run failed: {result.error_line()}")
+        why = (
+            f"the {name} run was stopped by the time budget after {result.seconds:.0f} s"
+            if result.timed_out
+            else f"the {name} run failed: {result.error_line()}"
+        )
         record("tiny-moe straight vs resumed", "fail", {"iterations": len(result.records)}, why)
         pytest.fail(why)
 
     straight = run("straight", CKPT_RESUME=os.path.join(base, "straight_ckpt"))
     finished(straight, "straight")
-    resumed = run("resumed", CKPT_RESUME=_halfway_copy(os.path.join(base, "straight_ckpt"),
-                                                       os.path.join(base, "resumed_ckpt")))
+    resumed = run(
+        "resumed", CKPT_RESUME=_halfway_copy(os.path.join(base, "straight_ckpt"), os.path.join(base, "resumed_ckpt"))
+    )
     finished(resumed, "resumed")
     a, b = _series(straight), _series(resumed)
     later = {i: a[i] for i in b}
@@ -85,11 +90,28 @@ def test_bf16_resume_is_bitwise(record):
         again = _series(run("straight_again", CKPT_RESUME=os.path.join(base, "again_ckpt")))
         repeats = again == a
         metrics["straight repeats bitwise"] = repeats
-        note += ("; the straight run repeats itself bitwise, so the resume changed the run" if repeats else
-                 f"; the straight run does not repeat itself (worst rel {_worst_rel(again, a):.2e}): the kernels "
-                 "are not deterministic here")
-    record("tiny-moe straight vs resumed", "pass" if equal else "fail", metrics, note,
-           {"per iteration": [{"iteration": i, "straight loss": a[i][0], "resumed loss": b.get(i, (None,))[0],
-                               "straight grad norm": a[i][1], "resumed grad norm": b.get(i, (None, None))[1]}
-                              for i in a]})
+        note += (
+            "; the straight run repeats itself bitwise, so the resume changed the run"
+            if repeats
+            else f"; the straight run does not repeat itself (worst rel {_worst_rel(again, a):.2e}): the kernels "
+            "are not deterministic here"
+        )
+    record(
+        "tiny-moe straight vs resumed",
+        "pass" if equal else "fail",
+        metrics,
+        note,
+        {
+            "per iteration": [
+                {
+                    "iteration": i,
+                    "straight loss": a[i][0],
+                    "resumed loss": b.get(i, (None,))[0],
+                    "straight grad norm": a[i][1],
+                    "resumed grad norm": b.get(i, (None, None))[1],
+                }
+                for i in a
+            ]
+        },
+    )
     assert equal, note

@@ -65,11 +65,22 @@ def test_te_equals_local(shape_name, dtype_name, te, megatron_gpu, record, tmp_p
     bars = BARS[dtype_name]
     logits_measure = logits["rel"] if dtype_name == "fp32" else logits["mean"] / max(logits["scale"], 1.0)
     ok = logits_measure <= bars["logits"] and loss_rel <= bars["loss"] and grad_rel <= bars["grad"]
-    record(f"{shape_name} {dtype_name}", "pass" if ok else "fail",
-           {"logits max": logits["max"], "logits rel": logits["rel"], "logits mean": logits["mean"],
-            "loss local": steps["local"][0], "loss te": steps["te"][0], "loss rel": loss_rel,
-            "grad norm local": steps["local"][1], "grad norm te": steps["te"][1], "grad norm rel": grad_rel},
-           f"bars {bars}")
+    record(
+        f"{shape_name} {dtype_name}",
+        "pass" if ok else "fail",
+        {
+            "logits max": logits["max"],
+            "logits rel": logits["rel"],
+            "logits mean": logits["mean"],
+            "loss local": steps["local"][0],
+            "loss te": steps["te"][0],
+            "loss rel": loss_rel,
+            "grad norm local": steps["local"][1],
+            "grad norm te": steps["te"][1],
+            "grad norm rel": grad_rel,
+        },
+        f"bars {bars}",
+    )
     del local, te_model
     torch.cuda.empty_cache()
     assert ok

@@ -46,9 +46,15 @@ def _time_budget():
 
 
 def _module(backend: AttnBackend, heads: int, groups: int, head_dim: int, causal: bool):
-    config = TransformerConfig(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
-                               num_query_groups=groups, kv_channels=head_dim, attention_backend=backend,
-                               attention_dropout=0.0)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=heads * head_dim,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=head_dim,
+        attention_backend=backend,
+        attention_dropout=0.0,
+    )
     mask = AttnMaskType.padding_causal if causal else AttnMaskType.no_mask
     return SDPACoreAttention(config, layer_number=1, attn_mask_type=mask)
 
@@ -64,9 +70,11 @@ def test_varlen_against_sdpa_per_sample(case, record):
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
     total = int(cu[-1])
     gen = torch.Generator(device="cuda").manual_seed(0)
-    inputs = {"q": torch.randn(total, heads, head_dim, device="cuda", generator=gen),
-              "k": torch.randn(total, groups, head_dim, device="cuda", generator=gen),
-              "v": torch.randn(total, groups, head_dim, device="cuda", generator=gen)}
+    inputs = {
+        "q": torch.randn(total, heads, head_dim, device="cuda", generator=gen),
+        "k": torch.randn(total, groups, head_dim, device="cuda", generator=gen),
+        "v": torch.randn(total, groups, head_dim, device="cuda", generator=gen),
+    }
     grad_out = torch.randn(total, heads * head_dim, device="cuda", generator=gen)
     bf16 = {n: t.bfloat16().requires_grad_() for n, t in inputs.items()}
     fp32 = {n: t.bfloat16().float().requires_grad_() for n, t in inputs.items()}  # same rounded values
@@ -77,8 +85,10 @@ def test_varlen_against_sdpa_per_sample(case, record):
         return [out, *torch.autograd.grad(out, list(args.values()), grad_out.to(out.dtype))]
 
     reference = dict(zip(("out", "dq", "dk", "dv"), fwd_bwd(per_sample, fp32)))
-    err = {name: errors(fwd_bwd(module, bf16), reference) for name, module in
-           (("varlen", varlen), ("per-sample", per_sample))}
+    err = {
+        name: errors(fwd_bwd(module, bf16), reference)
+        for name, module in (("varlen", varlen), ("per-sample", per_sample))
+    }
 
     def step(module):
         return lambda: fwd_bwd(module, bf16)
@@ -87,17 +97,29 @@ def test_varlen_against_sdpa_per_sample(case, record):
         def run():
             with torch.no_grad():
                 module(bf16["q"], bf16["k"], bf16["v"], None, packed_seq_params=params)
+
         return run
 
-    times = {f"{name} {what} ms": median_ms(make(module)) for name, module in
-             (("varlen", varlen), ("per-sample", per_sample)) for what, make in (("fwd", forward), ("fwd+bwd", step))}
+    times = {
+        f"{name} {what} ms": median_ms(make(module))
+        for name, module in (("varlen", varlen), ("per-sample", per_sample))
+        for what, make in (("fwd", forward), ("fwd+bwd", step))
+    }
     ok = err["varlen"]["rms"] <= BF16_RMS and err["varlen"]["rms"] <= 2 * err["per-sample"]["rms"] + 1e-4
-    metrics = {"tokens": total, "segments": len(lengths),
-               "varlen max rel": err["varlen"]["rel"], "varlen rms": err["varlen"]["rms"],
-               "varlen worst": err["varlen"]["worst"], "per-sample max rel": err["per-sample"]["rel"],
-               "per-sample rms": err["per-sample"]["rms"], **times,
-               "speed-up fwd+bwd": times["per-sample fwd+bwd ms"] / times["varlen fwd+bwd ms"]}
-    note = (f"bf16 vs the fp32 per-sample reference; target varlen RMS ratio <= {BF16_RMS:g} and <= 2x per-sample's; "
-            f"torch {torch.__version__}")
+    metrics = {
+        "tokens": total,
+        "segments": len(lengths),
+        "varlen max rel": err["varlen"]["rel"],
+        "varlen rms": err["varlen"]["rms"],
+        "varlen worst": err["varlen"]["worst"],
+        "per-sample max rel": err["per-sample"]["rel"],
+        "per-sample rms": err["per-sample"]["rms"],
+        **times,
+        "speed-up fwd+bwd": times["per-sample fwd+bwd ms"] / times["varlen fwd+bwd ms"],
+    }
+    note = (
+        f"bf16 vs the fp32 per-sample reference; target varlen RMS ratio <= {BF16_RMS:g} and <= 2x per-sample's; "
+        f"torch {torch.__version__}"
+    )
     record(case, "pass" if ok else "fail", metrics, note)
     assert ok, f"{case}: {metrics}"

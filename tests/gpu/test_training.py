@@ -43,8 +43,13 @@ CHECK = "training"
 pytestmark = pytest.mark.gpu
 
 ITERS = int(os.environ.get("GPU_TRAIN_ITERS", 20))
-SETTINGS = dict(TRAIN_ITERS=ITERS, MBS=os.environ.get("GPU_TRAIN_MBS", 4), GBS=os.environ.get("GPU_TRAIN_GBS", 8),
-                SEQ_LEN=os.environ.get("GPU_TRAIN_SEQ_LEN", 4096), LR=os.environ.get("GPU_TRAIN_LR", "2e-4"))
+SETTINGS = dict(
+    TRAIN_ITERS=ITERS,
+    MBS=os.environ.get("GPU_TRAIN_MBS", 4),
+    GBS=os.environ.get("GPU_TRAIN_GBS", 8),
+    SEQ_LEN=os.environ.get("GPU_TRAIN_SEQ_LEN", 4096),
+    LR=os.environ.get("GPU_TRAIN_LR", "2e-4"),
+)
 PROFILE_START, PROFILE_END = ITERS - 4, ITERS - 2  # two steady iterations, before the last one's evaluation
 RUN_CAP_S = float(os.environ.get("GPU_TRAIN_RUN_CAP_S", 200))
 # 35b_a3b first: its GDN kernels are the ones test_fla_kernels.py compiled and autotuned already.
@@ -55,8 +60,12 @@ def _gpu(field: str) -> str:
     """nvidia-smi's answer for GPU 0: this process never starts a CUDA context (it would hold ~0.5 GB
     of the GPU the run needs)."""
     try:
-        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits", "-i", "0"],
-                             capture_output=True, text=True, timeout=20).stdout
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits", "-i", "0"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout
         return out.strip().splitlines()[0].strip()
     except (OSError, subprocess.SubprocessError, IndexError):  # no nvidia-smi: ask torch after all
         props = torch.cuda.get_device_properties(0)
@@ -81,9 +90,14 @@ def _plan(run_name: str, workdir: str):
         layers = int(os.environ.get("GPU_35B_LAYERS") or gt.choose_35b_layers(total))
         shape = gt.cut_35b(layers)
         types = "+".join("GDN" if t == "linear_attention" else "attn" for t in shape.text.layer_types)
-        return shape, {"HF_CONFIG": gt.write_hf_config(shape, os.path.join(workdir, "hf_config.json"))}, (
-            f"{layers} layers ({types}), 256 experts top-8, no MTP; estimated "
-            f"{gt.estimated_bytes(shape) / 2**30:.0f} of {total / 2**30:.0f} GiB")
+        return (
+            shape,
+            {"HF_CONFIG": gt.write_hf_config(shape, os.path.join(workdir, "hf_config.json"))},
+            (
+                f"{layers} layers ({types}), 256 experts top-8, no MTP; estimated "
+                f"{gt.estimated_bytes(shape) / 2**30:.0f} of {total / 2**30:.0f} GiB"
+            ),
+        )
     raise ValueError(f"GPU_TRAIN_RUNS: unknown run {run_name!r} (proxy, 35b_a3b-cut)")
 
 
@@ -101,9 +115,20 @@ def test_training_run(run_name, record):
     env.update(SETTINGS)
     if os.environ.get("GPU_TRAIN_IMPL"):
         env["TRANSFORMER_IMPL"] = os.environ["GPU_TRAIN_IMPL"]
-    args = ["--mock-text-tokens", "1024", "--log-memory-interval", "5", "--tensorboard-dir", os.path.join(workdir, "tb"),
-            "--profile", "--use-pytorch-profiler", "--profile-step-start", PROFILE_START,
-            "--profile-step-end", PROFILE_END]
+    args = [
+        "--mock-text-tokens",
+        "1024",
+        "--log-memory-interval",
+        "5",
+        "--tensorboard-dir",
+        os.path.join(workdir, "tb"),
+        "--profile",
+        "--use-pytorch-profiler",
+        "--profile-step-start",
+        PROFILE_START,
+        "--profile-step-end",
+        PROFILE_END,
+    ]
     run = gt.run_training(run_name, env, args, min(RUN_CAP_S, left), workdir, log_path)
 
     from examples.multimodal_dev.training.throughput import device_peak_tflops
@@ -114,31 +139,52 @@ def test_training_run(run_name, record):
     falls = len(values) >= ITERS and all(v == v for v in values) and last < 0.99 * first
     steady = gt.steady_state(run, 6, PROFILE_START - 1)
     peak = device_peak_tflops(_gpu("name"))
-    metrics = {"iterations": len(values), "loss first3": first, "loss last3": last,
-               "tokens/s": steady.get("tokens_per_s"), "TFLOP/s/GPU": steady.get("tflops"),
-               "MFU %": 100 * steady["tflops"] / peak if peak and "tflops" in steady else None,
-               "iter ms": steady.get("iter_ms"), "padding %": steady.get("padding"),
-               "peak GiB (nvidia-smi)": max(run.gpu_peak_mib.values()) / 1024 if run.gpu_peak_mib else None,
-               "max allocated GiB": run.memory_mib.get("max allocated", 0) / 1024 or None,
-               "max reserved GiB": run.memory_mib.get("max reserved", 0) / 1024 or None,
-               "params B": gt.param_count(shape) / 1e9, "wall s": run.seconds}
+    metrics = {
+        "iterations": len(values),
+        "loss first3": first,
+        "loss last3": last,
+        "tokens/s": steady.get("tokens_per_s"),
+        "TFLOP/s/GPU": steady.get("tflops"),
+        "MFU %": 100 * steady["tflops"] / peak if peak and "tflops" in steady else None,
+        "iter ms": steady.get("iter_ms"),
+        "padding %": steady.get("padding"),
+        "peak GiB (nvidia-smi)": max(run.gpu_peak_mib.values()) / 1024 if run.gpu_peak_mib else None,
+        "max allocated GiB": run.memory_mib.get("max allocated", 0) / 1024 or None,
+        "max reserved GiB": run.memory_mib.get("max reserved", 0) / 1024 or None,
+        "params B": gt.param_count(shape) / 1e9,
+        "wall s": run.seconds,
+    }
     metrics = {k: v for k, v in metrics.items() if v is not None}
     ok = run.returncode == 0 and not run.timed_out and falls
     state = "timed out" if run.timed_out else f"exit {run.returncode}"
-    note = (f"{what}; {state}; MBS {SETTINGS['MBS']} GBS {SETTINGS['GBS']} seq {SETTINGS['SEQ_LEN']}; "
-            f"steady iterations {steady.get('iterations', 'none')}; MFU vs {peak} TFLOP/s dense bf16")
+    note = (
+        f"{what}; {state}; MBS {SETTINGS['MBS']} GBS {SETTINGS['GBS']} seq {SETTINGS['SEQ_LEN']}; "
+        f"steady iterations {steady.get('iterations', 'none')}; MFU vs {peak} TFLOP/s dense bf16"
+    )
     if not ok:
         note += f"; {'loss did not fall; ' if run.returncode == 0 else ''}{run.error_line()}"
         print(f"---- {run_name}: last lines of {log_path} ----\n{run.tail()}")
-    per_iteration = [{"iteration": i, "lm loss": r.get("lm loss"), "grad norm": r.get("grad norm"),
-                      "real tokens": r.get("real_tokens"), "ms": run.iter_ms.get(i)} for i, r in sorted(run.records.items())]
+    per_iteration = [
+        {
+            "iteration": i,
+            "lm loss": r.get("lm loss"),
+            "grad norm": r.get("grad norm"),
+            "real tokens": r.get("real_tokens"),
+            "ms": run.iter_ms.get(i),
+        }
+        for i, r in sorted(run.records.items())
+    ]
     record(run_name, "pass" if ok else "fail", metrics, note, {"per iteration": per_iteration})
     if run.trace_path:
         try:
             kernels = gt.top_kernels(run.trace_path, PROFILE_END - PROFILE_START)
-            record(f"{run_name} top kernels", "info", {"profiled iterations": PROFILE_END - PROFILE_START},
-                   "torch.profiler (megatron --profile --use-pytorch-profiler), GPU time per kernel name",
-                   {"top 10 kernels by GPU time": kernels})
+            record(
+                f"{run_name} top kernels",
+                "info",
+                {"profiled iterations": PROFILE_END - PROFILE_START},
+                "torch.profiler (megatron --profile --use-pytorch-profiler), GPU time per kernel name",
+                {"top 10 kernels by GPU time": kernels},
+            )
         except Exception as e:  # noqa: BLE001 - the run's result stands without the kernel table
             record(f"{run_name} top kernels", "info", note=f"trace unreadable: {e!r}"[:300])
     elif run.returncode == 0:

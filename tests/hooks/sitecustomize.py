@@ -35,8 +35,11 @@ import sys
 # where the launcher forks them (examples/multimodal_dev/training/torchrun_launcher.py), or the warm engine's
 # launcher, which holds the engine and which that forkserver forks from (training/warm_engine.py runs this
 # file there); the rank reads RANK when it records
-_RANK_PROCESS = ("RANK" in os.environ or any("multiprocessing.forkserver" in arg for arg in sys.orig_argv)
-                 or "megatron.training" in sys.modules)
+_RANK_PROCESS = (
+    "RANK" in os.environ
+    or any("multiprocessing.forkserver" in arg for arg in sys.orig_argv)
+    or "megatron.training" in sys.modules
+)
 # Every hook is for the ranks alone: the run script's helpers (shape-row, the layout checks) and the
 # launcher start with this folder on PYTHONPATH too, and a hook's imports (megatron-core, Triton) would
 # cost each of them seconds
@@ -102,8 +105,7 @@ if os.environ.get("RECORD_PIPELINE") and _RANK_PROCESS:  # training ranks only
         for tensor in (tensor_send_next, tensor_send_prev):
             if tensor is not None:
                 _record["sent"].append([list(tensor.shape), str(tensor.dtype)])
-        return _communicate(self, *args, tensor_send_next=tensor_send_next, tensor_send_prev=tensor_send_prev,
-                            **kwargs)
+        return _communicate(self, *args, tensor_send_next=tensor_send_next, tensor_send_prev=tensor_send_prev, **kwargs)
 
     def _recording_get_model(*args, **kwargs):
         model = _get_model(*args, **kwargs)
@@ -133,8 +135,10 @@ if os.environ.get("VISION_GRAD_NORMS") and _RANK_PROCESS:  # training ranks only
     def _sharded(chunk) -> bool:
         """The distributed optimizer reduce-scatters ``chunk``'s gradients over more than one rank
         (else every rank holds them reduced whole)."""
-        return any(group.ddp_config.use_distributed_optimizer and group.intra_distributed_optimizer_instance_size > 1
-                   for group in getattr(chunk, "bucket_groups", ()))
+        return any(
+            group.ddp_config.use_distributed_optimizer and group.intra_distributed_optimizer_instance_size > 1
+            for group in getattr(chunk, "bucket_groups", ())
+        )
 
     def _reduced_parts(chunk, tower):
         """(param, the part of its gradient this rank holds reduced): all of it, or where the gradients
@@ -143,13 +147,16 @@ if os.environ.get("VISION_GRAD_NORMS") and _RANK_PROCESS:  # training ranks only
             yield from ((p, getattr(p, "main_grad", p.grad)) for p in tower)
             return
         for group in chunk.bucket_groups:
-            size, rank = group.intra_distributed_optimizer_instance_size, group.intra_distributed_optimizer_instance_rank
+            size, rank = (
+                group.intra_distributed_optimizer_instance_size,
+                group.intra_distributed_optimizer_instance_rank,
+            )
             for bucket in group.buckets:
                 shard = bucket.grad_data.numel() // size
                 low, high = rank * shard, (rank + 1) * shard
                 for p, (start, end) in bucket.param_to_index.items():
                     if p in tower and max(start, low) < min(end, high):
-                        yield p, p.main_grad.view(-1)[max(start, low) - start:min(end, high) - start]
+                        yield p, p.main_grad.view(-1)[max(start, low) - start : min(end, high) - start]
 
     def _recording(finalize):
         def finalize_and_record(model, *args, **kwargs):
@@ -164,6 +171,7 @@ if os.environ.get("VISION_GRAD_NORMS") and _RANK_PROCESS:  # training ranks only
                     squares[part] += float(grad.double().pow(2).sum())
             with open(f"{os.environ['VISION_GRAD_NORMS']}.{os.environ['RANK']}", "a") as f:
                 f.write(json.dumps(squares) + "\n")
+
         return finalize_and_record
 
     # the default finalisation, and the ones a vision tower on its own layout or ranks installs

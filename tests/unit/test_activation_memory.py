@@ -37,7 +37,12 @@ from examples.multimodal_dev.data.collate import pack_thd, pad_bshd
 from examples.multimodal_dev.data.sample import VisionTokens, build_conversation_sample
 from examples.multimodal_dev.forward_step import batch_loss
 from examples.multimodal_dev.models.qwen35_vl.configuration import (
-    FULL, LINEAR, get_variant, language_transformer_config, vision_transformer_config)
+    FULL,
+    LINEAR,
+    get_variant,
+    language_transformer_config,
+    vision_transformer_config,
+)
 from examples.multimodal_dev.models.qwen35_vl.factory import build_model
 from examples.multimodal_dev.planner.activation_memory import micro_batch_activations
 
@@ -48,9 +53,15 @@ TOLERANCE = 0.10
 def proxy_shape():
     shape = get_variant("proxy")
     text = dataclasses.replace(shape.text, num_layers=2, layer_types=(LINEAR, FULL), vocab_size=8192, mtp_num_layers=0)
-    return dataclasses.replace(shape, text=text, vision=dataclasses.replace(shape.vision, depth=1),
-                               image_token_id=8000, video_token_id=8001, vision_start_token_id=8002,
-                               vision_end_token_id=8003)
+    return dataclasses.replace(
+        shape,
+        text=text,
+        vision=dataclasses.replace(shape.vision, depth=1),
+        image_token_id=8000,
+        video_token_id=8001,
+        vision_start_token_id=8002,
+        vision_end_token_id=8003,
+    )
 
 
 # (shape, real sample lengths, image grids: the first sample holds the images)
@@ -71,8 +82,14 @@ def micro_batch(shape, lengths, grids, padded_to=None):
             ids += image_tokens(shape, h, w)
         ids = torch.tensor(ids + [16 + j % 500 for j in range(n - len(ids))])
         pixels = torch.randn(sum(t * h * w for t, h, w in sample_grids), shape.vision.patch_dim)
-        samples.append(build_conversation_sample(ids, torch.ones_like(ids, dtype=torch.bool), pixels,
-                                                 torch.tensor(sample_grids, dtype=torch.long).reshape(-1, 3)))
+        samples.append(
+            build_conversation_sample(
+                ids,
+                torch.ones_like(ids, dtype=torch.bool),
+                pixels,
+                torch.tensor(sample_grids, dtype=torch.long).reshape(-1, 3),
+            )
+        )
     return pad_bshd(samples, tokens, seq_length=padded_to) if padded_to else pack_thd(samples, tokens, 1)
 
 
@@ -166,8 +183,9 @@ class SavedBytes:
     def parts(self) -> dict:
         out = {}
         for _, nbytes, tags in self.held.values():
-            layers = {tag[1] if isinstance(tag, tuple) else tag
-                      for tag in tags if isinstance(tag, tuple) or tag == "mtp"}
+            layers = {
+                tag[1] if isinstance(tag, tuple) else tag for tag in tags if isinstance(tag, tuple) or tag == "mtp"
+            }
             if len(layers) > 1:
                 out["per_stage"] = out.get("per_stage", 0) + nbytes
                 continue
@@ -190,12 +208,16 @@ class Checkpointed:
         if vlm.vision_model is not None:
             blocks += [("vision", i, layer) for i, layer in enumerate(vlm.vision_model.decoder.layers)]
         for kind, i, layer in blocks:
-            self.handles.append(layer.register_forward_pre_hook(
-                lambda mod, args, kwargs, u=(kind, i): self._keep(u, mod, args, kwargs), with_kwargs=True))
+            self.handles.append(
+                layer.register_forward_pre_hook(
+                    lambda mod, args, kwargs, u=(kind, i): self._keep(u, mod, args, kwargs), with_kwargs=True
+                )
+            )
         for i, layer in enumerate(lm.mtp.layers if lm.mtp_process else []):
             run = layer._proj_and_transformer_layer
-            layer._proj_and_transformer_layer = (
-                lambda *a, _run=run, _u=("mtp", i), **k: self._keep(_u, _run, a, k) or _run(*a, **k))
+            layer._proj_and_transformer_layer = lambda *a, _run=run, _u=("mtp", i), **k: (
+                self._keep(_u, _run, a, k) or _run(*a, **k)
+            )
             self.wrapped.append(layer)
 
     def _keep(self, unit, fn, args, kwargs):
@@ -225,12 +247,15 @@ def measure(model, vlm, batch, recompute: bool, backward: bool = False):
     counter, kept = SavedBytes(vlm), Checkpointed(vlm) if recompute and not backward else None
     set_recompute(vlm, recompute)
     try:
-        with torch._dynamo.config.patch(disable=True), \
-                torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+        with (
+            torch._dynamo.config.patch(disable=True),
+            torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t),
+        ):
             loss, _, _ = batch_loss(model, batch)
             if recompute and backward:
-                hooks = [m.register_forward_pre_hook(lambda mod, *_: counter.unit(mod._unit))
-                         for m in _recompute_roots(vlm)]
+                hooks = [
+                    m.register_forward_pre_hook(lambda mod, *_: counter.unit(mod._unit)) for m in _recompute_roots(vlm)
+                ]
                 counter.phase = "recompute"
                 loss.backward()
                 for h in hooks:
@@ -263,11 +288,18 @@ def _recompute_roots(vlm):
 
 def compare(parts, units, predicted, layer_types):
     """[(part, measured, predicted)] for every part the breakdown names."""
-    rows = [(name, parts.get(name, 0.0), getattr(predicted, name))
-            for name in ("vision", "embedding", "output", "mtp", "per_stage")]
+    rows = [
+        (name, parts.get(name, 0.0), getattr(predicted, name))
+        for name in ("vision", "embedding", "output", "mtp", "per_stage")
+    ]
     for i, kind in enumerate(layer_types):
-        rows.append((f"layer{i}.{'gdn' if kind == LINEAR else 'attention'}", parts.get(("mixer", i), 0.0),
-                     predicted.gdn_layer if kind == LINEAR else predicted.attention_layer))
+        rows.append(
+            (
+                f"layer{i}.{'gdn' if kind == LINEAR else 'attention'}",
+                parts.get(("mixer", i), 0.0),
+                predicted.gdn_layer if kind == LINEAR else predicted.attention_layer,
+            )
+        )
         rows.append((f"layer{i}.mlp", parts.get(("mlp", i), 0.0), predicted.mlp_layer))
     if units:
         work = max(v for k, v in units.items() if k[0] == "layer")
@@ -277,8 +309,9 @@ def compare(parts, units, predicted, layer_types):
                 rows.append((field, max(v for k, v in units.items() if k[0] == kind), getattr(predicted, field)))
     total = sum(parts.values())
     n_attn = sum(kind == FULL for kind in layer_types)
-    rows.append(("total", total, predicted.stage(len(layer_types) - n_attn, n_attn, True, True)
-                 - predicted.working(True, True)))
+    rows.append(
+        ("total", total, predicted.stage(len(layer_types) - n_attn, n_attn, True, True) - predicted.working(True, True))
+    )
     return rows
 
 
@@ -308,8 +341,10 @@ def test_activation_bytes_within_ten_percent(built, dtype, layout, recompute):
     rows = compare(parts, units, micro_batch_activations(shape, lengths, grids, **kw), shape.text.layer_types)
     print(f"\n{name} {layout} {'fp32' if b == 4 else 'bf16'} recompute={recompute}")
     for part, m, p in rows:
-        print(f"  {part:26s} measured {m / 2**20:10.3f} MiB  predicted {p / 2**20:10.3f} MiB  "
-              f"{(p - m) / m * 100 if m else 0.0:+7.3f}%")
+        print(
+            f"  {part:26s} measured {m / 2**20:10.3f} MiB  predicted {p / 2**20:10.3f} MiB  "
+            f"{(p - m) / m * 100 if m else 0.0:+7.3f}%"
+        )
     bad = [(part, m, p) for part, m, p in rows if abs(p - m) > TOLERANCE * m]
     assert not bad, f"parts off by more than 10%: {bad}"
     # the comparison can fail: the wrong dtype, or recompute ignored, is far outside 10%

@@ -25,8 +25,12 @@ def host(monkeypatch, request):
     return cuda, te
 
 
-@pytest.mark.parametrize("host,impl", [((c, t), impl) for c, t, impl in HOSTS], indirect=["host"],
-                         ids=[f"cuda={c}-te={t}" for c, t, _ in HOSTS])
+@pytest.mark.parametrize(
+    "host,impl",
+    [((c, t), impl) for c, t, impl in HOSTS],
+    indirect=["host"],
+    ids=[f"cuda={c}-te={t}" for c, t, _ in HOSTS],
+)
 def test_default_impl_and_engine_defaults(host, impl):
     assert backend.default_transformer_impl() == impl
     assert backend.engine_defaults() == {"dataloader_type": "external", "transformer_impl": impl}
@@ -35,8 +39,9 @@ def test_default_impl_and_engine_defaults(host, impl):
     assert backend.backend_of(args) == ("te" if impl == "transformer_engine" else "local")
 
 
-@pytest.mark.parametrize("host", [(c, t) for c, t, _ in HOSTS], indirect=True,
-                         ids=[f"cuda={c}-te={t}" for c, t, _ in HOSTS])
+@pytest.mark.parametrize(
+    "host", [(c, t) for c, t, _ in HOSTS], indirect=True, ids=[f"cuda={c}-te={t}" for c, t, _ in HOSTS]
+)
 def test_check_backend(host):
     cuda, te = host
     backend.check_backend(SimpleNamespace(transformer_impl="local"))  # local runs on every host
@@ -51,8 +56,11 @@ def test_check_backend(host):
         assert message.startswith("--transformer-impl transformer_engine: ")
         assert ("no CUDA device" if not cuda else "transformer_engine does not import") in message
         assert message.endswith("use --transformer-impl local")
-    with pytest.raises(ValueError, match=r"^--transformer-impl inference_optimized: this model has "
-                                         r"transformer_engine and local backends$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--transformer-impl inference_optimized: this model has "
+        r"transformer_engine and local backends$",
+    ):
         backend.check_backend(SimpleNamespace(transformer_impl="inference_optimized"))
 
 

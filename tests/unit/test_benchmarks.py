@@ -19,8 +19,11 @@ from examples.multimodal_dev.benchmarks import (
 def test_bench_gdn_kernels_agree_forward_and_backward():
     rows = bench_gdn.run(heads=2, dk=16, dv=8, reps=1)
     assert [(r["input"].split()[0], r["pass"]) for r in rows] == [
-        ("unpacked", "forward"), ("unpacked", "forward + backward"),
-        ("packed", "forward"), ("packed", "forward + backward")]
+        ("unpacked", "forward"),
+        ("unpacked", "forward + backward"),
+        ("packed", "forward"),
+        ("packed", "forward + backward"),
+    ]
     for r in rows:
         print(r)
         assert r["max_diff"] < 1e-5 and r["ours_s"] > 0 and r["ref_s"] > 0
@@ -41,7 +44,9 @@ def test_bench_step_contenders_compute_the_same_training_loss(mcore):
     assert sum(len(s["image_grid_thw"]) for s in samples) > 0, "the batch must exercise the vision tower"
     device = torch.device("cpu")
     ours, hf = bench_step.build_pair(shape, device, torch.float32, "sdpa")
-    losses = {name: run() for name, run in bench_step.contenders(ours, hf, shape, samples, device, torch.float32).items()}
+    losses = {
+        name: run() for name, run in bench_step.contenders(ours, hf, shape, samples, device, torch.float32).items()
+    }
     print(losses)
     reference = losses["transformers, padded batch"]
     for name, loss in losses.items():
@@ -55,8 +60,9 @@ def test_bench_step_shape_overrides():
     shape = bench_step.bench_shape("0.8b", num_layers=5, vocab_size=32768, vision_depth=2)
     assert shape.text.num_layers == 5 and shape.text.layer_types.count("full_attention") == 1
     assert shape.text.vocab_size == 32768 and shape.vision.depth == 2 and shape.text.mtp_num_layers == 0
-    assert max(shape.image_token_id, shape.video_token_id, shape.vision_start_token_id,
-               shape.vision_end_token_id) < 32768
+    assert (
+        max(shape.image_token_id, shape.video_token_id, shape.vision_start_token_id, shape.vision_end_token_id) < 32768
+    )
 
 
 def test_bench_packing_realistic_mix_keeps_images(mcore):
@@ -67,8 +73,9 @@ def test_bench_packing_realistic_mix_keeps_images(mcore):
 
 
 def test_bench_loader_runs_the_engine_pipeline_with_workers(mcore, capsys):
-    rows = bench_loader.main(["--micro-batches", "2", "--workers", "0", "1", "--budget", "512",
-                              "--seq-length", "512", "--micro-batch", "2"])
+    rows = bench_loader.main(
+        ["--micro-batches", "2", "--workers", "0", "1", "--budget", "512", "--seq-length", "512", "--micro-batch", "2"]
+    )
     assert [r["workers"] for r in rows] == [0, 1]
     assert all(r["loader_per_s"] > 0 and r["step_per_s"] > 0 for r in rows)
     assert "| workers | pipeline (conversations/s)" in capsys.readouterr().out
@@ -79,16 +86,35 @@ def test_bench_loader_reads_a_written_mix_of_images_and_videos(mcore, capsys, tm
     from tiny_processor import QWEN35_CHAT_TEMPLATE, build_processor
 
     processor = build_processor(str(tmp_path / "processor"), chat_template=QWEN35_CHAT_TEMPLATE)
-    rows = bench_loader.main(["--dataset", dataset, "--hf-processor-path", processor, "--mix-conversations", "12",
-                              "--micro-batches", "1", "--workers", "0", "--budget", "4096", "--seq-length", "4096",
-                              "--micro-batch", "1"])
+    rows = bench_loader.main(
+        [
+            "--dataset",
+            dataset,
+            "--hf-processor-path",
+            processor,
+            "--mix-conversations",
+            "12",
+            "--micro-batches",
+            "1",
+            "--workers",
+            "0",
+            "--budget",
+            "4096",
+            "--seq-length",
+            "4096",
+            "--micro-batch",
+            "1",
+        ]
+    )
     assert [r["workers"] for r in rows] == [0] and rows[0]["loader_per_s"] > 0 and rows[0]["step_per_s"] > 0
     assert f"{dataset}, tiny, packing tokens" in capsys.readouterr().out
 
 
 def test_bench_balance_summary_skips_start_up_and_reads_the_metrics():
-    records = {i: {"real_tokens": 900.0 + i, "padded_tokens": 1000.0, "model_flops": 2e12, "dp_imbalance": 1 + i / 100}
-               for i in range(1, 6)}
+    records = {
+        i: {"real_tokens": 900.0 + i, "padded_tokens": 1000.0, "model_flops": 2e12, "dp_imbalance": 1 + i / 100}
+        for i in range(1, 6)
+    }
     out = bench_balance.summary({"records": records, "seconds": {i: 2.0 for i in range(1, 6)}}, ranks=2)
     assert out["iterations"] == "3..5" and out["step_s"] == 2.0 and out["tokens_per_step"] == 904.0
     assert out["tokens_per_s"] == (903 + 904 + 905) / 6 and out["tflops_per_rank"] == 6e12 / 6 / 2 / 1e12
@@ -113,9 +139,11 @@ def test_bench_vision_cp_splits_the_vision_work(capsys):
 def test_bench_checkpoint_formats_reads_the_slowest_ranks_timer():
     """Its runs go through the engine (minutes); what it reads off their logs is checked here:
     megatron's timer line gives (min, max) over ranks, and the last occurrence counts."""
-    log = ("    save-checkpoint ................................: (1200.50, 1375.25)\n"
-           "    model-and-optimizer-setup ......................: (196.37, 201.00)\n"
-           "    save-checkpoint ................................: (900.00, 950.75)\n")
+    log = (
+        "    save-checkpoint ................................: (1200.50, 1375.25)\n"
+        "    model-and-optimizer-setup ......................: (196.37, 201.00)\n"
+        "    save-checkpoint ................................: (900.00, 950.75)\n"
+    )
     assert bench_checkpoint_formats._timer(log, "save-checkpoint") == 950.75
     assert bench_checkpoint_formats._timer(log, "model-and-optimizer-setup") == 201.0
 

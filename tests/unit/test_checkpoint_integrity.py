@@ -26,12 +26,17 @@ def _shard(directory):
 
 DAMAGE = {
     "shard deleted": (lambda d: os.remove(_shard(d)), r"__0_0.distcp is missing"),
-    "shard truncated": (lambda d: open(_shard(d), "r+b").truncate(100), r"__0_0.distcp is truncated \(100 of \d+ bytes\)"),
+    "shard truncated": (
+        lambda d: open(_shard(d), "r+b").truncate(100),
+        r"__0_0.distcp is truncated \(100 of \d+ bytes\)",
+    ),
     "index deleted": (lambda d: os.remove(d / ".metadata"), r"/.metadata is missing"),
     "index garbage": (lambda d: (d / ".metadata").write_bytes(b"\x80\x04garbage"), r"/.metadata cannot be read"),
     "metadata.json deleted": (lambda d: os.remove(d / "metadata.json"), r"metadata.json is missing"),
-    "legacy layout": (lambda d: [os.remove(p) for p in d.iterdir()] and (d / "mp_rank_00").mkdir(),
-                      r"mp_rank_00 is a legacy megatron checkpoint \(whole pickles\), which this project does not load"),
+    "legacy layout": (
+        lambda d: [os.remove(p) for p in d.iterdir()] and (d / "mp_rank_00").mkdir(),
+        r"mp_rank_00 is a legacy megatron checkpoint \(whole pickles\), which this project does not load",
+    ),
 }
 
 
@@ -43,9 +48,12 @@ def test_damaged_latest_iteration_names_the_file_and_the_way_back(tmp_path, kind
     assert damage(str(latest)) is None
     harm, what = DAMAGE[kind]
     harm(latest)
-    with pytest.raises(ValueError, match=rf"--load {tmp_path}: the latest checkpoint \(iteration 4\) is damaged: "
-                                         rf".*{what}.*; iteration 2 is complete: resume from it by writing 2 into "
-                                         rf".*latest_checkpointed_iteration.txt"):
+    with pytest.raises(
+        ValueError,
+        match=rf"--load {tmp_path}: the latest checkpoint \(iteration 4\) is damaged: "
+        rf".*{what}.*; iteration 2 is complete: resume from it by writing 2 into "
+        rf".*latest_checkpointed_iteration.txt",
+    ):
         check_resumable(str(tmp_path))
     shutil.rmtree(tmp_path / "iter_0000002")
     with pytest.raises(ValueError, match="no earlier iteration in it is complete"):

@@ -135,8 +135,10 @@ def test_dist_checkpoint_round_trip_through_renamed_keys(tiny, tmp_path):
     torch.manual_seed(2)
     target = build_model(shape, backend="local")
     before, after = dict(source.named_parameters()), dict(target.named_parameters())
-    assert not torch.equal(before["vision_model.decoder.layers.1.input_layernorm.bias"],
-                           after["vision_model.decoder.layers.1.input_layernorm.bias"])
+    assert not torch.equal(
+        before["vision_model.decoder.layers.1.input_layernorm.bias"],
+        after["vision_model.decoder.layers.1.input_layernorm.bias"],
+    )
     target.load_state_dict(dist_checkpointing.load(target.sharded_state_dict(), str(tmp_path)))
     differing = [n for n, p in target.named_parameters() if not torch.equal(p, before[n])]
     assert not differing, differing

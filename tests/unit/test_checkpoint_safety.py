@@ -44,21 +44,27 @@ def test_real_checkpoint_content_still_loads(tmp_path):
     assert np.array_equal(state["rng"][1], rng[1])
 
 
-
 def test_rerun_state_after_a_nan_loads_as_data(tmp_path):
     """megatron's rerun state machine re-saves the last checkpoint after a NaN with its state: a
     Call of a Caller (message, rank) and a diagnostic enum. That checkpoint must stay loadable."""
     from megatron.core.rerun_state_machine import Call, Caller, RerunDiagnostic
 
     call = Call(caller=Caller(message="found NaN in local grad norm", rank=0), sequence=3)
-    state = {"failed_validation_call": call, "error_injector_checkpoint": {"injected": RerunDiagnostic.CORRECT_RESULT},
-             "initial_result": torch.tensor(float("nan"))}
+    state = {
+        "failed_validation_call": call,
+        "error_injector_checkpoint": {"injected": RerunDiagnostic.CORRECT_RESULT},
+        "initial_result": torch.tensor(float("nan")),
+    }
     _save(tmp_path, {"rerun_state_machine": state})
-    template = {"failed_validation_call": None, "error_injector_checkpoint": {"injected": None},
-                "initial_result": torch.zeros(())}
+    template = {
+        "failed_validation_call": None,
+        "error_injector_checkpoint": {"injected": None},
+        "initial_result": torch.zeros(()),
+    }
     loaded = _load(tmp_path, {"rerun_state_machine": template})["rerun_state_machine"]
     assert loaded["failed_validation_call"] == call and isinstance(loaded["failed_validation_call"].caller, Caller)
     assert loaded["error_injector_checkpoint"]["injected"] is RerunDiagnostic.CORRECT_RESULT
+
 
 def test_planted_metadata_is_refused(tmp_path):
     _save(tmp_path, {"weight": torch.ones(2)})
@@ -70,7 +76,8 @@ def test_planted_metadata_is_refused(tmp_path):
     assert checkpoint_safety.refusal(err.value).startswith("checkpoint refused: ")
     assert checkpoint_safety.refusal(err.value) == (
         f"checkpoint refused: {tmp_path / '.metadata'}: it names 'posix.system', which is not checkpoint data "
-        "(a checkpoint must never run code)")
+        "(a checkpoint must never run code)"
+    )
     assert not marker.exists()
 
 
@@ -89,8 +96,11 @@ def test_damaged_tracker_file_is_named(tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("12\n")
     checkpoint_safety.check_tracker(str(tmp_path))
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("\x00garbage")
-    with pytest.raises(ValueError, match=r"--load .*latest_checkpointed_iteration.txt holds '\\x00garbage', "
-                                         r"not an iteration number"):
+    with pytest.raises(
+        ValueError,
+        match=r"--load .*latest_checkpointed_iteration.txt holds '\\x00garbage', "
+        r"not an iteration number",
+    ):
         checkpoint_safety.check_tracker(str(tmp_path))
 
 
@@ -99,23 +109,29 @@ def test_a_checkpoint_of_another_shape_is_named_before_loading(tmp_path, mcore):
     are compared first and the differing ones named."""
     from hf_checkpoints import write_hf_checkpoint
 
+    from examples.multimodal_dev.checkpoint.hf_conversion import import_hf
     from examples.multimodal_dev.checkpoint.run_shape import check_checkpoint_matches
     from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
-    from examples.multimodal_dev.checkpoint.hf_conversion import import_hf
 
     write_hf_checkpoint(tmp_path / "hf", get_variant("tiny", moe=False), dtype=torch.float32)
     import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
     check_checkpoint_matches(str(tmp_path / "ckpt"), get_variant("tiny", moe=False))
-    with pytest.raises(ValueError, match=r"\(iter_0000000\) was saved from another model: num_experts 0 \(checkpoint\) "
-                                         r"vs 4 \(this run\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"\(iter_0000000\) was saved from another model: num_experts 0 \(checkpoint\) "
+        r"vs 4 \(this run\)",
+    ):
         check_checkpoint_matches(str(tmp_path / "ckpt"), get_variant("tiny", moe=True))
     with pytest.raises(ValueError, match="the run trains an MTP head"):
         check_checkpoint_matches(str(tmp_path / "ckpt"), get_variant("tiny", moe=False, mtp=True))
     # fields megatron's flags do not carry: compared through the shape the checkpoint was imported from
     tiny = get_variant("tiny", moe=False)
     deeper = replace(tiny, vision=replace(tiny.vision, depth=tiny.vision.depth + 1))
-    with pytest.raises(ValueError, match=rf"another model: vision.depth {tiny.vision.depth} \(checkpoint\) vs "
-                                         rf"{tiny.vision.depth + 1} \(this run\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"another model: vision.depth {tiny.vision.depth} \(checkpoint\) vs "
+        rf"{tiny.vision.depth + 1} \(this run\)",
+    ):
         check_checkpoint_matches(str(tmp_path / "ckpt"), deeper)
     heads = replace(tiny, text=replace(tiny.text, linear_num_value_heads=2 * tiny.text.linear_num_value_heads))
     with pytest.raises(ValueError, match=r"text.linear_num_value_heads \d+ \(checkpoint\) vs \d+ \(this run\)"):

@@ -21,8 +21,14 @@ PATCH_DIM = SHAPE.vision.patch_dim
 
 
 def _samples(n, seed=3, videos=False):
-    mock = MockConversations(TOKENS, SHAPE.text.vocab_size, PATCH_DIM, seed=seed, mean_text_tokens=40,
-                             profile=VideoProfile(40) if videos else None)
+    mock = MockConversations(
+        TOKENS,
+        SHAPE.text.vocab_size,
+        PATCH_DIM,
+        seed=seed,
+        mean_text_tokens=40,
+        profile=VideoProfile(40) if videos else None,
+    )
     return [mock(i) for i in range(n)]
 
 
@@ -43,9 +49,16 @@ def test_videos_pack_with_their_frames_positions_and_pixels():
         assert torch.equal(getattr(padded, field), expected), field
     for b, (start, s) in enumerate(zip(packed.cu_seqlens_padded[:-1].tolist(), samples)):
         n = s["input_ids"].numel()
-        reference = padded_batch_position_ids(s["input_ids"][None], None, s["image_grid_thw"], s["video_grid_thw"],
-                                              TOKENS.image, TOKENS.video, TOKENS.spatial_merge)[:, 0]
-        assert torch.equal(packed.position_ids[:, 0, start:start + n], reference), b
+        reference = padded_batch_position_ids(
+            s["input_ids"][None],
+            None,
+            s["image_grid_thw"],
+            s["video_grid_thw"],
+            TOKENS.image,
+            TOKENS.video,
+            TOKENS.spatial_merge,
+        )[:, 0]
+        assert torch.equal(packed.position_ids[:, 0, start : start + n], reference), b
         assert torch.equal(padded.position_ids[:, b, :n], reference), b
     # a micro-batch's FLOPs count the videos' frames in the vision tower
     from examples.multimodal_dev.models.qwen35_vl.flops import vision_flops
@@ -54,12 +67,19 @@ def test_videos_pack_with_their_frames_positions_and_pixels():
     frames = [tuple(g) for g in packed.video_grid_thw.tolist()]
     images = [tuple(g) for g in packed.image_grid_thw.tolist()]
     assert batch_flops(SHAPE, packed).vision == pytest.approx(
-        vision_flops(SHAPE.vision, SHAPE.text.hidden_size, images + frames))
+        vision_flops(SHAPE.vision, SHAPE.text.hidden_size, images + frames)
+    )
     assert vision_flops(SHAPE.vision, SHAPE.text.hidden_size, frames) > 0
 
 
-@pytest.mark.parametrize("first,kept", [(StageInput.PIXELS, {"pixel_values", "image_grid_thw"}),
-                                         (StageInput.GRIDS, {"image_grid_thw"}), (StageInput.HIDDEN, set())])
+@pytest.mark.parametrize(
+    "first,kept",
+    [
+        (StageInput.PIXELS, {"pixel_values", "image_grid_thw"}),
+        (StageInput.GRIDS, {"image_grid_thw"}),
+        (StageInput.HIDDEN, set()),
+    ],
+)
 @pytest.mark.parametrize("post_process", [True, False])
 def test_a_stage_keeps_what_it_reads(first, kept, post_process):
     """Vision inputs as the stage's first layer needs them, labels and loss mask on the last
@@ -71,13 +91,20 @@ def test_a_stage_keeps_what_it_reads(first, kept, post_process):
     assert {k for k in vision if getattr(view, k) is not None} == kept
     assert (view.labels is not None, view.loss_mask is not None) == (post_process, post_process)
     assert set(view.tensors()) - vision - {"labels", "loss_mask"} == {
-        "tokens", "position_ids", "cu_seqlens", "cu_seqlens_padded", "padding_mask"}
+        "tokens",
+        "position_ids",
+        "cu_seqlens",
+        "cu_seqlens_padded",
+        "padding_mask",
+    }
     assert view.max_seqlen == batch.max_seqlen and view.stats is batch.stats
     assert StageInput.of(True) is StageInput.PIXELS and StageInput.of(False) is StageInput.HIDDEN
 
 
-@pytest.mark.parametrize("cp,tp,sp,expected", [(1, 1, False, 1), (2, 1, False, 4), (4, 1, False, 8),
-                                               (1, 2, True, 2), (2, 2, True, 8), (2, 2, False, 4)])
+@pytest.mark.parametrize(
+    "cp,tp,sp,expected",
+    [(1, 1, False, 1), (2, 1, False, 4), (4, 1, False, 8), (1, 2, True, 2), (2, 2, True, 8), (2, 2, False, 4)],
+)
 def test_pad_multiple(cp, tp, sp, expected):
     assert pad_multiple_for(cp, tp, sp) == expected
 
@@ -95,9 +122,9 @@ def test_cu_seqlens_and_pad_values(multiple):
     assert batch.tokens.shape == (1, sum(padded)) and batch.position_ids.shape == (3, 1, sum(padded))
     real = torch.zeros(sum(padded), dtype=torch.bool)
     for start, n, s in zip(batch.cu_seqlens_padded[:-1].tolist(), lengths, samples):
-        real[start:start + n] = True
-        assert torch.equal(batch.tokens[0, start:start + n], s["input_ids"])
-        assert torch.equal(batch.labels[0, start:start + n], s["labels"])
+        real[start : start + n] = True
+        assert torch.equal(batch.tokens[0, start : start + n], s["input_ids"])
+        assert torch.equal(batch.labels[0, start : start + n], s["labels"])
     pad = ~real
     assert bool((batch.tokens[0, pad] == 0).all()) and bool((batch.labels[0, pad] == IGNORE_INDEX).all())
     assert bool((batch.loss_mask[0, pad] == 0).all())
@@ -119,9 +146,16 @@ def test_grids_that_do_not_match_the_placeholder_runs_are_refused(kind, change):
     extra = grids[:1].clone()
     if kind == "video":
         extra[:, 0] = 1  # one more frame
-    samples[i] = dict(samples[i], **{field: grids[1:] if change == "fewer" and kind == "image" else
-                                     torch.cat([grids[:, :1] - 1, grids[:, 1:]], 1) if change == "fewer" else
-                                     torch.cat([grids, extra])})
+    samples[i] = dict(
+        samples[i],
+        **{
+            field: grids[1:]
+            if change == "fewer" and kind == "image"
+            else torch.cat([grids[:, :1] - 1, grids[:, 1:]], 1)
+            if change == "fewer"
+            else torch.cat([grids, extra])
+        },
+    )
     named = "image_grid_thw" if kind == "image" else "video frames in video_grid_thw"
     with pytest.raises(ValueError, match=f"{kind}s: the micro-batch ha.* placeholder runs but {named} lists"):
         pack_thd(samples, TOKENS, 1)
@@ -138,7 +172,7 @@ def test_packed_positions_equal_padded_and_hf():
         mask[b, :n] = 1
     reference = hf_rope_index(SHAPE, padded.tokens, mask, padded.image_grid_thw)
     for b, (start, n) in enumerate(zip(packed.cu_seqlens_padded[:-1].tolist(), lengths)):
-        ours = packed.position_ids[:, 0, start:start + n]
+        ours = packed.position_ids[:, 0, start : start + n]
         assert int(ours[:, 0].abs().max()) == 0, f"sample {b} does not restart at 0"
         assert torch.equal(ours, padded.position_ids[:, b, :n])
         assert torch.equal(ours, reference[:, b, :n]), f"sample {b} differs from transformers' get_rope_index"
@@ -154,8 +188,10 @@ def test_packed_loss_equals_padded_loss(mcore, videos):
     assert not videos or any(s["video_grid_thw"].shape[0] for s in samples)
     results = {}
     with torch.no_grad():
-        for name, collate in (("thd", Collator(TOKENS, packed=True, pad_multiple=4)),
-                              ("bshd", Collator(TOKENS, packed=False))):
+        for name, collate in (
+            ("thd", Collator(TOKENS, packed=True, pad_multiple=4)),
+            ("bshd", Collator(TOKENS, packed=False)),
+        ):
             batch = collate(samples)
             loss_sum, n_tokens, _ = batch_loss(model, batch)
             results[name] = (loss_sum / n_tokens).item()
@@ -183,8 +219,13 @@ def test_a_jsonl_video_sample_packs_and_pads(mcore, tmp_path):
     for s in samples:
         n_frames = int(s["video_grid_thw"][:, 0].sum())
         assert int((s["input_ids"] == t.vision_start).sum()) == s["image_grid_thw"].shape[0] + n_frames + 1
-    shape = replace(SHAPE, image_token_id=t.image, video_token_id=t.video, vision_start_token_id=t.vision_start,
-                    vision_end_token_id=t.vision_end)
+    shape = replace(
+        SHAPE,
+        image_token_id=t.image,
+        video_token_id=t.video,
+        vision_start_token_id=t.vision_start,
+        vision_end_token_id=t.vision_end,
+    )
     torch.manual_seed(0)
     model = build_model(shape).eval()
     losses = {}
@@ -196,7 +237,7 @@ def test_a_jsonl_video_sample_packs_and_pads(mcore, tmp_path):
             starts = batch.cu_seqlens_padded[:-1].tolist() if name == "thd" else [0] * len(samples)
             for b, (start, s) in enumerate(zip(starts, samples)):
                 n = s["input_ids"].numel()
-                got = batch.position_ids[:, 0, start:start + n] if name == "thd" else batch.position_ids[:, b, :n]
+                got = batch.position_ids[:, 0, start : start + n] if name == "thd" else batch.position_ids[:, b, :n]
                 expected = hf_rope_positions(s["input_ids"], s["image_grid_thw"], s["video_grid_thw"], t)
                 assert torch.equal(got, expected), (name, b)
             loss_sum, n_tokens, _ = batch_loss(model, batch)

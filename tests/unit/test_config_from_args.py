@@ -9,23 +9,68 @@ import io
 
 import pytest
 
-from examples.multimodal_dev.training import backend
 from examples.multimodal_dev.arguments import add_multimodal_args
 from examples.multimodal_dev.checkpoint.run_shape import resolve_shape
 from examples.multimodal_dev.models.common import config_from_args
 from examples.multimodal_dev.models.qwen35_vl import configuration
+from examples.multimodal_dev.training import backend
 
 # run_qwen35_vl.sh's flags for MODEL_VARIANT=tiny on a CPU host
-TINY = ["--model-arch", "qwen35_vl", "--model-variant", "tiny", "--num-layers", "4", "--hidden-size", "128",
-        "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2", "--kv-channels", "32",
-        "--seq-length", "512", "--max-position-embeddings", "512", "--tokenizer-type", "NullTokenizer",
-        "--vocab-size", "8192", "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "4",
-        "--lr", "1e-4", "--distributed-backend", "gloo", "--transformer-impl", "local", "--seed", "1234",
-        # what MTP=1 adds; keeps megatron's apply_rope_fusion default (True) past validate_args
-        "--position-embedding-type", "rope"]
+TINY = [
+    "--model-arch",
+    "qwen35_vl",
+    "--model-variant",
+    "tiny",
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "128",
+    "--num-attention-heads",
+    "4",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--kv-channels",
+    "32",
+    "--seq-length",
+    "512",
+    "--max-position-embeddings",
+    "512",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "8192",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "4",
+    "--lr",
+    "1e-4",
+    "--distributed-backend",
+    "gloo",
+    "--transformer-impl",
+    "local",
+    "--seed",
+    "1234",
+    # what MTP=1 adds; keeps megatron's apply_rope_fusion default (True) past validate_args
+    "--position-embedding-type",
+    "rope",
+]
 DENSE = ["--ffn-hidden-size", "256"]
-MOE = ["--variant-moe", "on", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128",
-       "--ffn-hidden-size", "128"]
+MOE = [
+    "--variant-moe",
+    "on",
+    "--num-experts",
+    "4",
+    "--moe-router-topk",
+    "2",
+    "--moe-ffn-hidden-size",
+    "128",
+    "--ffn-hidden-size",
+    "128",
+]
 
 
 def parse(extra=(), model=DENSE, world_size=1):
@@ -49,10 +94,15 @@ def configs(extra=(), model=DENSE, world_size=1, impl="local"):
 
 def test_given_flags_name_the_typed_option():
     parser = config_from_args.megatron_parser(add_multimodal_args)
-    given = config_from_args.given_flags(parser, ["--hidden-dropout=0.2", "--no-rope-fusion", "--model-variant",
-                                                  "tiny", "0.3", "--norm-epsilon", "1e-5"])
-    assert given == {"hidden_dropout": "--hidden-dropout", "apply_rope_fusion": "--no-rope-fusion",
-                     "model_variant": "--model-variant", "layernorm_epsilon": "--norm-epsilon"}
+    given = config_from_args.given_flags(
+        parser, ["--hidden-dropout=0.2", "--no-rope-fusion", "--model-variant", "tiny", "0.3", "--norm-epsilon", "1e-5"]
+    )
+    assert given == {
+        "hidden_dropout": "--hidden-dropout",
+        "apply_rope_fusion": "--no-rope-fusion",
+        "model_variant": "--model-variant",
+        "layernorm_epsilon": "--norm-epsilon",
+    }
 
 
 def test_flag_contradicting_the_shape_is_refused_by_name(mcore):
@@ -73,8 +123,17 @@ def test_norm_epsilon_contradicting_the_shape_is_refused(mcore):
 
 
 def test_flags_agreeing_with_the_shape_are_accepted(mcore):
-    decoder, _, _ = configs(["--normalization", "RMSNorm", "--swiglu", "--qk-layernorm", "--attention-output-gate",
-                             "--disable-bias-linear", "--apply-layernorm-1p"])
+    decoder, _, _ = configs(
+        [
+            "--normalization",
+            "RMSNorm",
+            "--swiglu",
+            "--qk-layernorm",
+            "--attention-output-gate",
+            "--disable-bias-linear",
+            "--apply-layernorm-1p",
+        ]
+    )
     assert decoder.normalization == "RMSNorm" and decoder.qk_layernorm and decoder.gated_linear_unit
 
 
@@ -82,8 +141,9 @@ def test_shape_architecture_in_decoder_and_vision(mcore):
     import torch.nn.functional as F
 
     # TP 2 x CP 2 with sequence parallelism: the decoder's settings, not the vision tower's
-    decoder, vision, _ = configs(["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
-                                  "--sequence-parallel"], world_size=4)
+    decoder, vision, _ = configs(
+        ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2", "--sequence-parallel"], world_size=4
+    )
     assert decoder.linear_attention_freq == [1, 1, 1, 0]  # 3 Gated DeltaNet layers, then attention
     assert decoder.experimental_attention_variant == "gated_delta_net"
     assert decoder.attention_output_gate is True and decoder.layernorm_zero_centered_gamma is True
@@ -114,11 +174,15 @@ def test_recipe_field_takes_the_shape_value_unless_given(mcore):
 
 
 def test_training_flags_take_effect(mcore):
-    decoder, vision, _ = configs(["--recompute-granularity", "full", "--recompute-method", "uniform",
-                                  "--recompute-num-layers", "1"])
+    decoder, vision, _ = configs(
+        ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    )
     for config in (decoder, vision):
-        assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == \
-            ("full", "uniform", 1)
+        assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == (
+            "full",
+            "uniform",
+            1,
+        )
     decoder, _, _ = configs()
     assert decoder.recompute_granularity is None
 
@@ -130,10 +194,23 @@ def test_a_standalone_build_gives_the_tower_the_settings_training_gives_it(mcore
     _, trained, _ = configs([*flags, "--tensor-model-parallel-size", "2"], world_size=2)
     shape = configuration.get_variant("tiny")
     standalone = configuration.vision_transformer_config(
-        shape.vision, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
-        tensor_model_parallel_size=2, pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=1)
-    fields = ("recompute_granularity", "recompute_method", "recompute_num_layers", "tensor_model_parallel_size",
-              "pipeline_model_parallel_size", "num_layers_in_first_pipeline_stage", "num_layers")
+        shape.vision,
+        recompute_granularity="full",
+        recompute_method="uniform",
+        recompute_num_layers=1,
+        tensor_model_parallel_size=2,
+        pipeline_model_parallel_size=2,
+        num_layers_in_first_pipeline_stage=1,
+    )
+    fields = (
+        "recompute_granularity",
+        "recompute_method",
+        "recompute_num_layers",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "num_layers_in_first_pipeline_stage",
+        "num_layers",
+    )
     assert {f: getattr(standalone, f) for f in fields} == {f: getattr(trained, f) for f in fields}
 
 

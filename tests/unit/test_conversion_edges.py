@@ -15,10 +15,10 @@ import torch
 from hf_checkpoints import write_hf_checkpoint
 
 import examples.multimodal_dev.checkpoint.hf_conversion as convert
-from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
 from examples.multimodal_dev.checkpoint.hf_conversion import export_hf, import_hf
-from examples.multimodal_dev.tools.convert_checkpoint import main
 from examples.multimodal_dev.checkpoint.hf_safetensors import HFTensorSource
+from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
+from examples.multimodal_dev.tools.convert_checkpoint import main
 
 LM = "model.language_model.layers."
 
@@ -91,6 +91,7 @@ def _edit_tensor(path, name, fn) -> None:
 
 # ------------------------------------------------------------------------------ item 3: layouts
 
+
 def test_hub_layout_moe_round_trip_is_bitwise(hub_moe, megatron_ckpt, tmp_path):
     original = _file_tensors(hub_moe)
     assert original[LM + "0.mlp.experts.3.gate_proj.weight"].shape == (64, 128)
@@ -102,8 +103,20 @@ def test_hub_layout_moe_round_trip_is_bitwise(hub_moe, megatron_ckpt, tmp_path):
 
 
 def test_packed_layout_on_request_and_import_reads_it(hub_moe, megatron_ckpt, tmp_path, capsys):
-    assert main(["export", "--megatron-path", megatron_ckpt, "--hf-path", str(tmp_path / "packed"),
-                 "--moe-layout", "packed"]) == 0
+    assert (
+        main(
+            [
+                "export",
+                "--megatron-path",
+                megatron_ckpt,
+                "--hf-path",
+                str(tmp_path / "packed"),
+                "--moe-layout",
+                "packed",
+            ]
+        )
+        == 0
+    )
     packed = _file_tensors(tmp_path / "packed")
     assert not [n for n in packed if re.search(r"\.experts\.\d+\.", n)]
     assert packed[LM + "0.mlp.experts.gate_up_proj"].shape == (4, 128, 128)  # [E, 2F, H]
@@ -115,6 +128,7 @@ def test_packed_layout_on_request_and_import_reads_it(hub_moe, megatron_ckpt, tm
 
 
 # ---------------------------------------------------------------------- item 4: dtypes, NaN/inf
+
 
 def test_import_refuses_a_tensor_in_another_dtype_unless_allowed(hub_moe, tmp_path, capsys):
     odd = LM + "3.self_attn.o_proj.weight"
@@ -152,8 +166,11 @@ def test_import_refuses_nan_and_inf_naming_each_tensor(hub_moe, tmp_path, capsys
     out = str(tmp_path / "mg")
     assert main(["import", "--hf-path", bad, "--megatron-path", out]) == 2
     err = capsys.readouterr().err
-    assert re.search(rf"NaN or inf \(2\):\n\s+{re.escape(nan_name)}: 256 NaN, 0 inf\n"
-                     rf"\s+{re.escape(inf_name)}: 0 NaN, 64 inf", err), err
+    assert re.search(
+        rf"NaN or inf \(2\):\n\s+{re.escape(nan_name)}: 256 NaN, 0 inf\n"
+        rf"\s+{re.escape(inf_name)}: 0 NaN, 64 inf",
+        err,
+    ), err
     assert "Traceback" not in err and not os.path.exists(out)
     print(err)
 
@@ -177,14 +194,17 @@ def test_verify_says_which_weight_is_nan(hub_moe, megatron_ckpt, tmp_path, monke
 
 # --------------------------------------------------------------------- item 5: corrupt header
 
+
 @pytest.mark.parametrize("header_len", [10_000, 1 << 40, (1 << 64) - 1])
 def test_a_header_longer_than_its_file_is_named_corrupt(tmp_path, capsys, header_len):
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text("{}")
     shard = hf / "model.safetensors"
-    shard.write_bytes(header_len.to_bytes(8, "little") + b'{"w": {"dtype": "F32", "shape": [1], '
-                                                          b'"data_offsets": [0, 4]}}    ' + bytes(4))
+    shard.write_bytes(
+        header_len.to_bytes(8, "little") + b'{"w": {"dtype": "F32", "shape": [1], '
+        b'"data_offsets": [0, 4]}}    ' + bytes(4)
+    )
     with pytest.raises(ValueError, match=rf"^{re.escape(str(shard))}: corrupt safetensors file: header length"):
         HFTensorSource(str(hf))
     assert main(["import", "--hf-path", str(hf), "--megatron-path", str(tmp_path / "mg")]) == 2
@@ -192,6 +212,7 @@ def test_a_header_longer_than_its_file_is_named_corrupt(tmp_path, capsys, header
 
 
 # ------------------------------------------------------------------- item 6: unwritable exports
+
 
 def _export(megatron_ckpt, out) -> int:
     return main(["export", "--megatron-path", megatron_ckpt, "--hf-path", str(out)])
@@ -222,8 +243,10 @@ def test_export_into_a_read_only_directory(megatron_ckpt, tmp_path, monkeypatch,
     parent.chmod(0o555)
     try:
         if not _writes_are_refused(parent):  # root ignores the mode: the file system says no instead
+
             def read_only(*args, **kwargs):
                 raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(args[1]))
+
             monkeypatch.setattr("safetensors.torch.save_file", read_only)
         assert _export(megatron_ckpt, parent / "out") == 2
         line = _one_error_line(capsys, "export")
@@ -242,8 +265,9 @@ def test_export_onto_a_full_disk(megatron_ckpt, tmp_path, monkeypatch, capsys, r
         if raised == "OSError":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(args[1]))
         # what safetensors' Rust writer raises on ENOSPC
-        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
-                              'message: "No space left on device" })')
+        raise SafetensorError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+        )
 
     monkeypatch.setattr("safetensors.torch.save_file", full)
     assert _export(megatron_ckpt, tmp_path / "out") == 2

@@ -58,6 +58,7 @@ def _tree(path) -> dict:
 
 # ---------------------------------------------------- 1: export onto (or around) its own checkpoint
 
+
 @pytest.mark.parametrize("where", ["same", "ancestor", "inside", "symlink"])
 def test_export_overwrite_never_touches_the_checkpoint(ckpt, tmp_path, capsys, where):
     mg = tmp_path / "runs" / "ckpt"
@@ -74,6 +75,7 @@ def test_export_overwrite_never_touches_the_checkpoint(ckpt, tmp_path, capsys, w
 
 
 # ---------------------------------------------------------- 2: one tensor in two safetensors files
+
 
 def _two_shards(path, with_index: bool):
     """``w`` in both files (fp16 in the stale one); the index, if any, names the first file."""
@@ -112,6 +114,7 @@ def test_a_tensor_in_two_shards_without_an_index_names_both_files(tmp_path, caps
 
 
 # ----------------------------------------------------------- 3, 4: verify's inputs checked first
+
 
 def _copy_with_config(src, dst, **text_changes) -> str:
     shutil.copytree(src, dst)
@@ -163,13 +166,17 @@ def test_verify_loads_local_paths_offline_and_hf_names_from_the_hub(hf_dense, mo
 
 # ------------------------------------------------------------------- 5: invalid JSON is named
 
-@pytest.mark.parametrize("name,text,says", [
-    ("config.json", "{not json", "not JSON"),
-    ("config.json", "[1, 2]", "expected a JSON object"),
-    ("config.json", '{"model_type": "qwen3_5"}', "no 'text_config'"),
-    (INDEX, "garbage", "not JSON"),
-    (INDEX, '{"weight_map": ["model.safetensors"]}', "'weight_map' maps tensor names to file names"),
-])
+
+@pytest.mark.parametrize(
+    "name,text,says",
+    [
+        ("config.json", "{not json", "not JSON"),
+        ("config.json", "[1, 2]", "expected a JSON object"),
+        ("config.json", '{"model_type": "qwen3_5"}', "no 'text_config'"),
+        (INDEX, "garbage", "not JSON"),
+        (INDEX, '{"weight_map": ["model.safetensors"]}', "'weight_map' maps tensor names to file names"),
+    ],
+)
 def test_an_invalid_config_or_index_is_named(hf_dense, tmp_path, capsys, name, text, says):
     hf = tmp_path / "hf"
     shutil.copytree(hf_dense, hf)
@@ -182,8 +189,20 @@ def test_an_invalid_config_or_index_is_named(hf_dense, tmp_path, capsys, name, t
 
 def test_export_names_an_invalid_hf_config_path(ckpt, tmp_path, capsys):
     (tmp_path / "bad.json").write_text("{oops")
-    assert main(["export", "--megatron-path", ckpt, "--hf-path", str(tmp_path / "out"),
-                 "--hf-config-path", str(tmp_path / "bad.json")]) == 2
+    assert (
+        main(
+            [
+                "export",
+                "--megatron-path",
+                ckpt,
+                "--hf-path",
+                str(tmp_path / "out"),
+                "--hf-config-path",
+                str(tmp_path / "bad.json"),
+            ]
+        )
+        == 2
+    )
     line = _one_error_line(capsys, "export")
     assert f"{tmp_path / 'bad.json'}: not a valid config.json: not JSON" in line, line
     assert sorted(os.listdir(tmp_path)) == ["bad.json"]
@@ -193,22 +212,45 @@ def test_export_names_a_config_of_another_model(ckpt, tmp_path, capsys):
     from examples.multimodal_dev.models.qwen35_vl.configuration import to_hf_config_dict
 
     (tmp_path / "other.json").write_text(json.dumps(to_hf_config_dict(get_variant("tiny", moe=True, mtp=False))))
-    assert main(["export", "--megatron-path", ckpt, "--hf-path", str(tmp_path / "out"),
-                 "--hf-config-path", str(tmp_path / "other.json")]) == 2
+    assert (
+        main(
+            [
+                "export",
+                "--megatron-path",
+                ckpt,
+                "--hf-path",
+                str(tmp_path / "out"),
+                "--hf-config-path",
+                str(tmp_path / "other.json"),
+            ]
+        )
+        == 2
+    )
     line = _one_error_line(capsys, "export")
     assert f"--hf-config-path {tmp_path / 'other.json'}" in line and "does not describe" in line, line
     assert sorted(os.listdir(tmp_path)) == ["other.json"]
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["import", "--hf-path", "HF", "--megatron-path", "OUT", "--tp", "0"], "--tp 0: must be at least 1"),
-    (["import", "--hf-path", "HF", "--megatron-path", "OUT", "--ep", "-2"], "--ep -2: must be at least 1"),
-    (["import", "--hf-path", "FILE", "--megatron-path", "OUT"], "--hf-path FILE: a file; give the Hugging Face"),
-    (["export", "--megatron-path", "CKPT", "--hf-path", "OUT", "--max-shard-size-gb", "nan"],
-     "--max-shard-size-gb nan: must be a positive finite number"),
-    (["verify", "--hf-path", "HF", "--megatron-path", "CKPT", "--atol", "-1"], "--atol -1.0: must be a finite number"),
-    (["verify", "--hf-path", "HF", "--megatron-path", "CKPT", "--atol", "nan"], "--atol nan: must be a finite number"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["import", "--hf-path", "HF", "--megatron-path", "OUT", "--tp", "0"], "--tp 0: must be at least 1"),
+        (["import", "--hf-path", "HF", "--megatron-path", "OUT", "--ep", "-2"], "--ep -2: must be at least 1"),
+        (["import", "--hf-path", "FILE", "--megatron-path", "OUT"], "--hf-path FILE: a file; give the Hugging Face"),
+        (
+            ["export", "--megatron-path", "CKPT", "--hf-path", "OUT", "--max-shard-size-gb", "nan"],
+            "--max-shard-size-gb nan: must be a positive finite number",
+        ),
+        (
+            ["verify", "--hf-path", "HF", "--megatron-path", "CKPT", "--atol", "-1"],
+            "--atol -1.0: must be a finite number",
+        ),
+        (
+            ["verify", "--hf-path", "HF", "--megatron-path", "CKPT", "--atol", "nan"],
+            "--atol nan: must be a finite number",
+        ),
+    ],
+)
 def test_numbers_that_cannot_work_are_refused_before_any_work(hf_dense, ckpt, tmp_path, capsys, argv, says):
     (tmp_path / "FILE").write_text("{}")
     paths = {"HF": hf_dense, "CKPT": ckpt, "OUT": str(tmp_path / "out"), "FILE": str(tmp_path / "FILE")}
@@ -219,6 +261,7 @@ def test_numbers_that_cannot_work_are_refused_before_any_work(hf_dense, ckpt, tm
 
 
 # ---------------------------------------------------------------------- 6: a damaged tracker file
+
 
 def test_export_names_a_damaged_tracker(ckpt, tmp_path, capsys):
     mg = tmp_path / "ckpt"
@@ -231,6 +274,7 @@ def test_export_names_a_damaged_tracker(ckpt, tmp_path, capsys):
 
 
 # ------------------------------------------------------- 7: checkpoints this tool never unpickles
+
 
 @pytest.mark.parametrize("layout", ["mp_rank_00/model_optim_rng.pt", "common.pt"])
 def test_a_legacy_checkpoint_is_refused_in_one_line(hf_dense, ckpt, tmp_path, capsys, layout):
@@ -264,8 +308,10 @@ def test_export_refuses_a_planted_pickle_in_one_line(ckpt, tmp_path, capsys):
         pickle.dump(_Plant(marker), f)
     assert main(["export", "--megatron-path", str(mg), "--hf-path", str(tmp_path / "out")]) == 2
     line = _one_error_line(capsys, "export")
-    assert line.endswith(f"--megatron-path {mg}: checkpoint refused: {mg / 'iter_0000000' / '.metadata'}: it names "
-                         "'posix.system', which is not checkpoint data (a checkpoint must never run code)"), line
+    assert line.endswith(
+        f"--megatron-path {mg}: checkpoint refused: {mg / 'iter_0000000' / '.metadata'}: it names "
+        "'posix.system', which is not checkpoint data (a checkpoint must never run code)"
+    ), line
     assert not marker.exists() and sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
@@ -280,6 +326,7 @@ def test_verify_refuses_pickled_hf_weights(hf_dense, ckpt, tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ 8: a disk that fills mid-import
+
 
 def _full_disk_in_writer(monkeypatch):
     """torch_dist's file writer writes part of a file, then the disk is full."""

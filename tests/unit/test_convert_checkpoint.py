@@ -10,10 +10,10 @@ import pytest
 import torch
 from hf_checkpoints import write_hf_checkpoint
 
-from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
 from examples.multimodal_dev.checkpoint.hf_conversion import export_hf, import_hf
-from examples.multimodal_dev.tools.convert_checkpoint import main
 from examples.multimodal_dev.checkpoint.hf_safetensors import HFTensorSource
+from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
+from examples.multimodal_dev.tools.convert_checkpoint import main
 
 PER_EXPERT = re.compile(r"\.experts\.\d+\.")
 
@@ -41,8 +41,10 @@ def test_round_trip_is_bitwise_with_dtypes(hf_checkpoint, tmp_path):
     assert back.keys() == original.keys()
     for name, tensor in original.items():
         assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
-    print(f"{kind}: {len(back)} tensors bitwise equal after HF -> Megatron -> HF "
-          f"({sum(t.dtype == torch.float32 for t in back.values())} fp32, the rest bf16)")
+    print(
+        f"{kind}: {len(back)} tensors bitwise equal after HF -> Megatron -> HF "
+        f"({sum(t.dtype == torch.float32 for t in back.values())} fp32, the rest bf16)"
+    )
 
 
 def test_export_loads_in_transformers_without_missing_or_unexpected_keys(hf_checkpoint, tmp_path):
@@ -130,8 +132,10 @@ def test_import_errors_name_the_problem(hf_checkpoint, tmp_path, capsys):
         tensors = {k: v for k, v in written.items() if k.startswith("mtp.") and k != "mtp.fc.weight"}
         save_file(tensors, d / "mtp.safetensors")
 
-    fails(["import", "--hf-path", copy_with("odd", extra_and_missing), "--megatron-path", out],
-          r"(?s)absent.*mtp\.fc\.weight.*not consumed.*layers\.9\.mystery\.weight.*not filled.*eh_proj")
+    fails(
+        ["import", "--hf-path", copy_with("odd", extra_and_missing), "--megatron-path", out],
+        r"(?s)absent.*mtp\.fc\.weight.*not consumed.*layers\.9\.mystery\.weight.*not filled.*eh_proj",
+    )
     assert not os.path.exists(out), "a failed import must not write anything"
 
 
@@ -139,18 +143,38 @@ def test_verify_with_a_prompt_and_an_image_through_the_processor(tmp_path, capsy
     """``--prompt``/``--image``: real text and a PNG through the checkpoint's own processor."""
     from dataclasses import replace
 
-    from examples.multimodal_dev.data.processor import load_processor
     from tiny_processor import build_processor, png_bytes
+
+    from examples.multimodal_dev.data.processor import load_processor
 
     processor_dir = build_processor(str(tmp_path / "hf"))
     t = load_processor(processor_dir)[1].tokens
-    shape = replace(get_variant("tiny", moe=False, mtp=False), image_token_id=t.image, video_token_id=t.video,
-                    vision_start_token_id=t.vision_start, vision_end_token_id=t.vision_end)
+    shape = replace(
+        get_variant("tiny", moe=False, mtp=False),
+        image_token_id=t.image,
+        video_token_id=t.video,
+        vision_start_token_id=t.vision_start,
+        vision_end_token_id=t.vision_end,
+    )
     write_hf_checkpoint(tmp_path / "hf", shape, dtype=torch.float32)
     (tmp_path / "receipt.png").write_bytes(png_bytes((64, 48), (200, 180, 40)))
     assert main(["import", "--hf-path", str(tmp_path / "hf"), "--megatron-path", str(tmp_path / "mg")]) == 0
-    assert main(["verify", "--hf-path", str(tmp_path / "hf"), "--megatron-path", str(tmp_path / "mg"),
-                 "--prompt", "total?", "--image", str(tmp_path / "receipt.png")]) == 0
+    assert (
+        main(
+            [
+                "verify",
+                "--hf-path",
+                str(tmp_path / "hf"),
+                "--megatron-path",
+                str(tmp_path / "mg"),
+                "--prompt",
+                "total?",
+                "--image",
+                str(tmp_path / "receipt.png"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     print(out)
     assert re.search(r"prompt: max_abs_diff=.*\nverify: .*PASS", out), out

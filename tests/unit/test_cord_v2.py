@@ -28,8 +28,14 @@ def paths(tmp_path_factory):
 
 def _datasets(paths, seq_length=400, n=5):
     processor_path, data_path = paths
-    return build_datasets(seq_length=seq_length, num_samples=(n, 2, 0), data_path=data_path,
-                          hf_processor_path=processor_path, min_pixels=32 * 32, max_pixels=128 * 128)
+    return build_datasets(
+        seq_length=seq_length,
+        num_samples=(n, 2, 0),
+        data_path=data_path,
+        hf_processor_path=processor_path,
+        min_pixels=32 * 32,
+        max_pixels=128 * 128,
+    )
 
 
 def test_answer_only_loss_mask_and_image_tokens(paths):
@@ -64,8 +70,11 @@ def test_bad_rows_are_skipped_and_counted(paths):
 def test_budget_that_would_cut_images_skips_everything_with_a_clear_error(paths):
     train, _, _ = _datasets(paths, seq_length=12)
     # Every row is skipped: one line with the count per reason, never a loop over the same rows.
-    with pytest.raises(ValueError, match=r"^--data-path '.*': every one of the 5 rows of cord_v2\[train\] was "
-                                         r"skipped \(bad_image=1, empty_answer=1, over_budget=3\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--data-path '.*': every one of the 5 rows of cord_v2\[train\] was "
+        r"skipped \(bad_image=1, empty_answer=1, over_budget=3\)",
+    ):
         train[0]
     assert train.skip_counts["over_budget"] > 0
 
@@ -73,10 +82,16 @@ def test_budget_that_would_cut_images_skips_everything_with_a_clear_error(paths)
 def test_max_pixels_bounds_the_grid(paths):
     small, _, _ = _datasets(paths)
     processor_path, data_path = paths
-    big, _, _ = build_datasets(seq_length=2000, num_samples=(5, 0, 0), data_path=data_path,
-                               hf_processor_path=processor_path, min_pixels=32 * 32, max_pixels=256 * 256)
+    big, _, _ = build_datasets(
+        seq_length=2000,
+        num_samples=(5, 0, 0),
+        data_path=data_path,
+        hf_processor_path=processor_path,
+        min_pixels=32 * 32,
+        max_pixels=256 * 256,
+    )
     patches = lambda ds: int(ds.produce(3)["image_grid_thw"].prod())  # the 250x250 receipt
-    assert patches(small) * 16 ** 2 <= 128 * 128 < patches(big) * 16 ** 2
+    assert patches(small) * 16**2 <= 128 * 128 < patches(big) * 16**2
 
 
 def test_parquet_files_load(paths, tmp_path):
@@ -107,8 +122,13 @@ def test_cord_batch_feeds_the_model_packed_equals_padded(paths, mcore):
 
     _, info = load_processor(paths[0])
     t = info.tokens
-    shape = replace(get_variant("tiny", moe=False, mtp=False), image_token_id=t.image, video_token_id=t.video,
-                    vision_start_token_id=t.vision_start, vision_end_token_id=t.vision_end)
+    shape = replace(
+        get_variant("tiny", moe=False, mtp=False),
+        image_token_id=t.image,
+        video_token_id=t.video,
+        vision_start_token_id=t.vision_start,
+        vision_end_token_id=t.vision_end,
+    )
     torch.manual_seed(0)
     model = build_model(shape).eval()
     train, _, _ = _datasets(paths)
@@ -125,8 +145,14 @@ def test_cord_batch_feeds_the_model_packed_equals_padded(paths, mcore):
 def test_a_missing_split_gives_no_iterator(paths):
     """The saved dataset has train and validation only: asking for test samples gives None."""
     processor_path, data_path = paths
-    train, valid, test = build_datasets(seq_length=400, num_samples=(2, 2, 2), data_path=data_path,
-                                        hf_processor_path=processor_path, min_pixels=32 * 32, max_pixels=128 * 128)
+    train, valid, test = build_datasets(
+        seq_length=400,
+        num_samples=(2, 2, 2),
+        data_path=data_path,
+        hf_processor_path=processor_path,
+        min_pixels=32 * 32,
+        max_pixels=128 * 128,
+    )
     assert train is not None and valid is not None and test is None
 
 
@@ -153,8 +179,14 @@ def test_describe_matches_the_sample_without_decoding(paths):
     computed. It must agree with the processed sample, through skips and truncation."""
     for max_pixels in (128 * 128, 48 * 48):
         processor_path, data_path = paths
-        train = build_datasets(seq_length=300, num_samples=(len(ROWS), 0, 0), data_path=data_path,
-                               hf_processor_path=processor_path, min_pixels=32 * 32, max_pixels=max_pixels)[0]
+        train = build_datasets(
+            seq_length=300,
+            num_samples=(len(ROWS), 0, 0),
+            data_path=data_path,
+            hf_processor_path=processor_path,
+            min_pixels=32 * 32,
+            max_pixels=max_pixels,
+        )[0]
         for i in range(len(ROWS)):
             sample = train[i]
             assert train.describe(i) == (sample["input_ids"].numel(), sample["image_grid_thw"].tolist()), i

@@ -27,11 +27,18 @@ def processor_path(tmp_path_factory):
 
 
 def _build(processor_path, data_path, num_samples=(2, 2, 2), seq_length=400):
-    return build_datasets(seq_length=seq_length, num_samples=num_samples, data_path=data_path,
-                          hf_processor_path=processor_path, min_pixels=32 * 32, max_pixels=128 * 128)
+    return build_datasets(
+        seq_length=seq_length,
+        num_samples=num_samples,
+        data_path=data_path,
+        hf_processor_path=processor_path,
+        min_pixels=32 * 32,
+        max_pixels=128 * 128,
+    )
 
 
 # A. A split comes only from its own files.
+
 
 def test_parquet_train_files_alone_give_no_validation_or_test(processor_path, tmp_path):
     saved = build_cord_dataset(str(tmp_path / "saved"), ROWS, splits=("train",))
@@ -60,6 +67,7 @@ def test_one_saved_dataset_is_the_train_split_only(tmp_path):
 
 # B. An answer of nothing but empty values is an empty answer.
 
+
 @pytest.mark.parametrize("parse", [{"text": ""}, {"menu": [{"nm": " "}], "total": {}}, {"text": None}])
 def test_empty_parse_is_a_counted_empty_answer(processor_path, tmp_path, parse):
     empty = json.dumps({"gt_parse": parse})
@@ -72,14 +80,16 @@ def test_empty_parse_is_a_counted_empty_answer(processor_path, tmp_path, parse):
 
 
 def test_a_parse_with_a_value_is_kept(processor_path, tmp_path):
-    data = build_cord_dataset(str(tmp_path / "cord"), [(ROWS[0][0], json.dumps({"gt_parse": {"total": "0"}}))],
-                              splits=("train",))
+    data = build_cord_dataset(
+        str(tmp_path / "cord"), [(ROWS[0][0], json.dumps({"gt_parse": {"total": "0"}}))], splits=("train",)
+    )
     train = _build(processor_path, data)[0]
     train[0]
     assert not train.skip_counts
 
 
 # C. An image over Qwen's aspect-ratio limit (200) is skipped, when training and when planning.
+
 
 def test_extreme_aspect_ratio_is_a_counted_skip(processor_path, tmp_path):
     import io
@@ -101,11 +111,26 @@ def test_extreme_aspect_ratio_is_a_counted_skip(processor_path, tmp_path):
 
 # D. A missing validation split: no iterator, and megatron.training does not evaluate.
 
+
 def _megatron_args(**overrides):
-    args = dict(iteration=0, consumed_train_samples=0, consumed_valid_samples=0, train_samples=None, train_iters=4,
-                eval_interval=2, eval_iters=2, start_eval_at_iter=None, global_batch_size=2, full_validation=False,
-                skip_train=False, phase_transition_iterations=None, perform_rl_step=False,
-                multiple_validation_sets=False, dataloader_type="external", rank=0)
+    args = dict(
+        iteration=0,
+        consumed_train_samples=0,
+        consumed_valid_samples=0,
+        train_samples=None,
+        train_iters=4,
+        eval_interval=2,
+        eval_iters=2,
+        start_eval_at_iter=None,
+        global_batch_size=2,
+        full_validation=False,
+        skip_train=False,
+        phase_transition_iterations=None,
+        perform_rl_step=False,
+        multiple_validation_sets=False,
+        dataloader_type="external",
+        rank=0,
+    )
     return Namespace(**{**args, **overrides})
 
 
@@ -130,8 +155,11 @@ def test_saved_train_split_alone_turns_megatron_evaluation_off(processor_path, t
     def provider(num_samples):  # what pretrain_multimodal.datasets_provider does with these splits
         if valid is None:
             _no_validation(args)
-        return (build_iterator(train, 0, **common), build_iterator(valid, 0, cyclic=True, **common),
-                build_iterator(test, 0, **common))
+        return (
+            build_iterator(train, 0, **common),
+            build_iterator(valid, 0, cyclic=True, **common),
+            build_iterator(test, 0, **common),
+        )
 
     provider.is_distributed = True
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", args)
@@ -145,6 +173,7 @@ def test_saved_train_split_alone_turns_megatron_evaluation_off(processor_path, t
 
 # E. An empty train split is refused in one line.
 
+
 def test_empty_train_split_is_refused_in_one_line(processor_path, tmp_path):
     data = build_cord_dataset(str(tmp_path / "cord"), [], splits=("train", "validation"))
     with pytest.raises(ValueError, match=rf"^--data-path '{data}': the train split has no rows$"):
@@ -152,7 +181,8 @@ def test_empty_train_split_is_refused_in_one_line(processor_path, tmp_path):
     folder = tmp_path / "parquet"
     folder.mkdir()
     load_split(build_cord_dataset(str(tmp_path / "one"), ROWS[:1], splits=("train",)), "train").select([]).to_parquet(
-        str(folder / "train-0.parquet"))
+        str(folder / "train-0.parquet")
+    )
     with pytest.raises(ValueError, match=r"^--data-path '.*parquet': the train split has no rows$"):
         load_split(str(folder), "train")
 
@@ -168,11 +198,15 @@ def test_an_empty_validation_split_is_no_data(processor_path, tmp_path):
 
 # F. One line naming --data-path for wrong columns and for a folder that is not a dataset.
 
+
 def test_wrong_columns_name_expected_and_found(tmp_path):
     table = datasets.Dataset.from_dict({"img": [b"x"], "text": ["y"]})
     datasets.DatasetDict({"train": table}).save_to_disk(str(tmp_path / "d"))
-    with pytest.raises(ValueError, match=r"^--data-path '.*d' \(train\): expected columns \['image', "
-                                         r"'ground_truth'\], found \['img', 'text'\]$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--data-path '.*d' \(train\): expected columns \['image', "
+        r"'ground_truth'\], found \['img', 'text'\]$",
+    ):
         load_split(str(tmp_path / "d"), "train")
 
 
@@ -208,8 +242,11 @@ def _collate(samples):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_skip_counts_are_the_runs_total_over_workers(num_workers, caplog):
     dataset = SkippingDataset(_ForcedBad(), num_source=12, length=12, tokens=TOKENS, max_length=64, name="forced")
-    batches = list(build_iterator(dataset, 0, micro_batch_size=2, dp_rank=0, dp_size=1, collate_fn=_collate,
-                                  num_workers=num_workers))
+    batches = list(
+        build_iterator(
+            dataset, 0, micro_batch_size=2, dp_rank=0, dp_size=1, collate_fn=_collate, num_workers=num_workers
+        )
+    )
     assert sum(b["stats"]["samples"] for b in batches) == 12
     assert all(set(b["stats"]) == {"samples"} for b in batches)  # the counts do not travel on
     # Rows 0, 3, 6 and 9 are asked for once each and skipped once each, whichever worker asked.
@@ -218,21 +255,36 @@ def test_skip_counts_are_the_runs_total_over_workers(num_workers, caplog):
 
 
 def test_an_all_bad_split_stops_in_one_line_from_a_worker():
-    dataset = SkippingDataset(_ForcedBad(bad_every=1), num_source=5, length=5, tokens=TOKENS, max_length=64,
-                              name="cord_v2[train]", source="--data-path 'x'")
-    batches = build_iterator(dataset, 0, micro_batch_size=1, dp_rank=0, dp_size=1, collate_fn=_collate,
-                             num_workers=2)
+    dataset = SkippingDataset(
+        _ForcedBad(bad_every=1),
+        num_source=5,
+        length=5,
+        tokens=TOKENS,
+        max_length=64,
+        name="cord_v2[train]",
+        source="--data-path 'x'",
+    )
+    batches = build_iterator(dataset, 0, micro_batch_size=1, dp_rank=0, dp_size=1, collate_fn=_collate, num_workers=2)
     with pytest.raises(ValueError) as err:
         next(batches)
-    assert str(err.value) == ("--data-path 'x': every one of the 5 rows of cord_v2[train] was skipped (forced=5); "
-                              "check the data and --seq-length")
+    assert str(err.value) == (
+        "--data-path 'x': every one of the 5 rows of cord_v2[train] was skipped (forced=5); "
+        "check the data and --seq-length"
+    )
 
 
 def test_a_long_run_of_bad_rows_is_skipped_to_the_next_good_row(caplog):
     """The run stops only when no usable row is left: 100 bad rows in a row (more than any fixed
     limit would allow) lead to the good row after them, every one counted."""
     bad, forced, good = set(range(900, 1000)) | set(range(100)), _ForcedBad(bad_every=1), _ForcedBad()
-    dataset = SkippingDataset(lambda i: forced(i) if i in bad else good(1), num_source=1000, length=10,
-                              tokens=TOKENS, max_length=64, name="cord_v2[train]", source="--data-path 'x'")
+    dataset = SkippingDataset(
+        lambda i: forced(i) if i in bad else good(1),
+        num_source=1000,
+        length=10,
+        tokens=TOKENS,
+        max_length=64,
+        name="cord_v2[train]",
+        source="--data-path 'x'",
+    )
     assert dataset[900]["input_ids"].tolist() == [1, 2, 3, 4, 5]
     assert dataset.skip_counts == {"forced": 200}

@@ -21,12 +21,12 @@ def _cuda_calls() -> dict:
         'zeros(device="cuda")': (torch.zeros(2, device="cuda"), [0.0, 0.0]),
         "empty(device=0)": (torch.empty(1, device=0).fill_(7.0), [7.0]),
         'ones(device=torch.device("cuda", 0))': (torch.ones(2, device=torch.device("cuda", 0)), [1.0, 1.0]),
-        't.cuda()': (t.cuda() * 2, [0.0, 2.0, 4.0]),
+        "t.cuda()": (t.cuda() * 2, [0.0, 2.0, 4.0]),
         't.to("cuda:0")': (t.to("cuda:0") + 1, [1.0, 2.0, 3.0]),
         't.to(device="cuda", dtype=float64)': (t.to(device="cuda", dtype=torch.float64), [0.0, 1.0, 2.0]),
-        't.pin_memory()': (t.pin_memory(), [0.0, 1.0, 2.0]),
-        'tensor(..., device=current_device())': (torch.tensor([5.0], device=torch.cuda.current_device()), [5.0]),
-        'empty(pin_memory=True)': (torch.empty(2, pin_memory=True).fill_(3.0), [3.0, 3.0]),
+        "t.pin_memory()": (t.pin_memory(), [0.0, 1.0, 2.0]),
+        "tensor(..., device=current_device())": (torch.tensor([5.0], device=torch.cuda.current_device()), [5.0]),
+        "empty(pin_memory=True)": (torch.empty(2, pin_memory=True).fill_(3.0), [3.0, 3.0]),
     }
     assert t.cuda() is t and t.pin_memory() is t  # no copies on a host
     return results
@@ -171,14 +171,20 @@ def test_distrib_optimizer_fixes_wrap_megatrons_methods_once(mcore):
 
     assert not do.HAVE_APEX_OR_TE
     apply("torch-adam-distributed-optimizer")
-    patched = (do.DistributedOptimizer.state_dict, do.DistributedOptimizer.load_state_dict,
-               do.DistributedOptimizer._set_main_param_and_optimizer_states)
+    patched = (
+        do.DistributedOptimizer.state_dict,
+        do.DistributedOptimizer.load_state_dict,
+        do.DistributedOptimizer._set_main_param_and_optimizer_states,
+    )
     # functools.wraps keeps the names; the code is the fix's, wrapping megatron-core's method once
     assert all(fn.__code__.co_filename == distrib_optimizer_fixes.__file__ for fn in patched)
     assert all(fn.__wrapped__.__code__.co_filename == do.__file__ for fn in patched)
     apply("torch-adam-distributed-optimizer")
-    again = (do.DistributedOptimizer.state_dict, do.DistributedOptimizer.load_state_dict,
-             do.DistributedOptimizer._set_main_param_and_optimizer_states)
+    again = (
+        do.DistributedOptimizer.state_dict,
+        do.DistributedOptimizer.load_state_dict,
+        do.DistributedOptimizer._set_main_param_and_optimizer_states,
+    )
     assert again == patched  # not wrapped twice
 
 
@@ -195,12 +201,16 @@ def test_an_optimizer_with_no_parameter_on_the_rank_saves_and_loads_its_groups(m
 
     apply("torch-adam-distributed-optimizer")
     inits = []
-    empty = SimpleNamespace(optimizer=torch.optim.Adam([{"params": [], "wd_mult": 1.0}], lr=0.5), grad_scaler=None,
-                            _init_optimizer_states_with_dummy_values=lambda: inits.append(1))
+    empty = SimpleNamespace(
+        optimizer=torch.optim.Adam([{"params": [], "wd_mult": 1.0}], lr=0.5),
+        grad_scaler=None,
+        _init_optimizer_states_with_dummy_values=lambda: inits.append(1),
+    )
     saved = do.DistributedOptimizer.state_dict(empty)
     assert inits == [1]  # a state was asked for first, as for any fresh optimizer
-    assert [{k: g[k] for k in ("wd_mult", "lr")} for g in saved["optimizer"]["param_groups"]] == [{"wd_mult": 1.0,
-                                                                                                  "lr": 0.5}]
+    assert [{k: g[k] for k in ("wd_mult", "lr")} for g in saved["optimizer"]["param_groups"]] == [
+        {"wd_mult": 1.0, "lr": 0.5}
+    ]
     assert all("params" not in g and "step" not in g for g in saved["optimizer"]["param_groups"])
     assert do.DistributedOptimizer.load_state_dict(empty, saved) is saved and not empty.optimizer.state
 
@@ -210,11 +220,15 @@ def test_expect_names_a_changed_signature():
         pass
 
     distrib_optimizer_fixes._expect(load_state_dict, ("self", "state_dict"))  # a longer signature is fine
+
     def renamed(self, checkpoint):
         pass
 
-    with pytest.raises(RuntimeError, match=r"<locals>\.renamed\('self', 'checkpoint'\) changed "
-                                           r"\(expected \('self', 'state_dict'\)\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"<locals>\.renamed\('self', 'checkpoint'\) changed "
+        r"\(expected \('self', 'state_dict'\)\)",
+    ):
         distrib_optimizer_fixes._expect(renamed, ("self", "state_dict"))
     with pytest.raises(RuntimeError, match="test_expect_names_a_changed_signature.<locals>.load_state_dict"):
         distrib_optimizer_fixes._expect(load_state_dict, ("self", "model_param", "tensors"))

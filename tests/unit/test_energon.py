@@ -22,15 +22,29 @@ SEQ = 4096
 def conversations(path, split="train", rank=0, world=1, encoder=None):
     """One unshuffled pass over ``split`` on one rank: cooked conversations (or ``encoder``'s samples)."""
     config = energon.worker_config(rank, world, 0)
-    dataset = energon.open_dataset(str(path), split, config, encoder or energon.ConversationEncoder(), None, True,
-                                   shuffle_buffer_size=None, max_samples_per_sequence=None, repeat=False)
+    dataset = energon.open_dataset(
+        str(path),
+        split,
+        config,
+        encoder or energon.ConversationEncoder(),
+        None,
+        True,
+        shuffle_buffer_size=None,
+        max_samples_per_sequence=None,
+        repeat=False,
+    )
     return list(energon.get_loader(dataset, worker_config=config))
 
 
 def test_converter_writes_every_conversation_with_its_media(example_data):
     data, out, counts, _ = example_data
-    records = [json.loads(line) for name in sorted(os.listdir(data)) if name.endswith(".jsonl")
-               for line in open(data / name) if line.strip()]
+    records = [
+        json.loads(line)
+        for name in sorted(os.listdir(data))
+        if name.endswith(".jsonl")
+        for line in open(data / name)
+        if line.strip()
+    ]
     assert counts["train"] == len(records) and counts["val"] == 0 and not counts["skipped"]
     assert {"dataset.yaml", "split.yaml", ".info.json"} <= set(os.listdir(out / ".nv-meta"))
     assert "CrudeWebdataset" in (out / ".nv-meta" / "dataset.yaml").read_text()
@@ -45,8 +59,9 @@ def test_converter_writes_every_conversation_with_its_media(example_data):
 
 def test_samples_equal_the_jsonl_providers(example_data):
     data, out, _, processor = example_data
-    train, _, _ = get_dataset_provider("energon")(seq_length=SEQ, num_samples=(1, 0, 0), data_path=str(out),
-                                                   hf_processor_path=processor, **OPTIONS)
+    train, _, _ = get_dataset_provider("energon")(
+        seq_length=SEQ, num_samples=(1, 0, 0), data_path=str(out), hf_processor_path=processor, **OPTIONS
+    )
     cooked = conversations(out)
     by_source = {json.loads(c.text)["source"]: c for c in cooked}
     checked = 0
@@ -55,8 +70,9 @@ def test_samples_equal_the_jsonl_providers(example_data):
         reference, _, _ = jsonl_datasets(SEQ, (1000, 0, 0), data_path=path, hf_processor_path=processor, **OPTIONS)
         lines = [i + 1 for i, line in enumerate(open(path)) if line.strip()]
         for row, line in enumerate(lines):
-            mine = energon.conversation_sample(train.produce, by_source[f"{path}:{line}"], train.tokens, SEQ,
-                                               train.patch_dim)
+            mine = energon.conversation_sample(
+                train.produce, by_source[f"{path}:{line}"], train.tokens, SEQ, train.patch_dim
+            )
             theirs = reference[row]
             for field in FIELDS:
                 assert torch.equal(mine[field], theirs[field]), (name, line, field)
@@ -66,14 +82,20 @@ def test_samples_equal_the_jsonl_providers(example_data):
 
 def test_iterator_yields_collated_micro_batches_through_the_encoder(example_data):
     _, out, counts, processor = example_data
-    train, valid, test = energon.build_datasets(SEQ, (1, 1, 1), data_path=str(out), hf_processor_path=processor,
-                                                **OPTIONS)
+    train, valid, test = energon.build_datasets(
+        SEQ, (1, 1, 1), data_path=str(out), hf_processor_path=processor, **OPTIONS
+    )
     assert valid is None and test is None  # no val / test shards
     from examples.multimodal_dev.data.loader import build_iterator
 
-    batches = build_iterator(train, 0, micro_batch_size=2, dp_rank=0, dp_size=1,
-                             collate_fn=lambda samples: {"n": len(samples), "ids": [s["input_ids"] for s in samples],
-                                                         "stats": {}})
+    batches = build_iterator(
+        train,
+        0,
+        micro_batch_size=2,
+        dp_rank=0,
+        dp_size=1,
+        collate_fn=lambda samples: {"n": len(samples), "ids": [s["input_ids"] for s in samples], "stats": {}},
+    )
     seen = [next(batches) for _ in range(counts["train"])]  # the train split repeats past one pass
     assert all(b["n"] == 2 and "skipped" not in b["stats"] for b in seen)
 
@@ -87,8 +109,9 @@ def test_two_data_parallel_ranks_see_disjoint_shares_covering_the_data(example_d
 
 def test_valid_fraction_holds_out_the_jsonl_rule(example_data, tmp_path):
     data, _, _, _ = example_data
-    counts = jsonl_to_energon.convert(str(data / "messages.jsonl"), str(tmp_path / "out"), valid_fraction=0.25,
-                                      log=lambda line: None)
+    counts = jsonl_to_energon.convert(
+        str(data / "messages.jsonl"), str(tmp_path / "out"), valid_fraction=0.25, log=lambda line: None
+    )
     held = {json.loads(c.text)["source"].rsplit(":", 1)[1] for c in conversations(tmp_path / "out", "val")}
     lines = [i + 1 for i, line in enumerate(open(data / "messages.jsonl")) if line.strip()]
     assert held == {str(lines[i]) for i in range(len(lines)) if (i + 1) // 4 > i // 4}
@@ -96,29 +119,53 @@ def test_valid_fraction_holds_out_the_jsonl_rule(example_data, tmp_path):
     assert energon.available_splits(str(tmp_path / "out")) == {"train", "val"}
 
 
-@pytest.mark.parametrize("fault, message", [
-    ("missing_input", "no such file or directory"),
-    ("not_jsonl", "is not a .jsonl file"),
-    ("bad_json", "bad.jsonl:2: bad_json"),
-    ("missing_image", "bad.jsonl:1: missing_image"),
-    ("no_assistant", "bad.jsonl:1: no_assistant_turn"),
-    ("out_exists", "exists; give a new folder"),
-    ("bad_shard_size", "--shard-size 0"),
-    ("host_file", "bad.jsonl:1: media_outside_root: '/etc/hostname' lies outside"),
-    ("not_an_image", "bad.jsonl:1: bad_image: cannot read image 'notes.png'"),
-])
+@pytest.mark.parametrize(
+    "fault, message",
+    [
+        ("missing_input", "no such file or directory"),
+        ("not_jsonl", "is not a .jsonl file"),
+        ("bad_json", "bad.jsonl:2: bad_json"),
+        ("missing_image", "bad.jsonl:1: missing_image"),
+        ("no_assistant", "bad.jsonl:1: no_assistant_turn"),
+        ("out_exists", "exists; give a new folder"),
+        ("bad_shard_size", "--shard-size 0"),
+        ("host_file", "bad.jsonl:1: media_outside_root: '/etc/hostname' lies outside"),
+        ("not_an_image", "bad.jsonl:1: bad_image: cannot read image 'notes.png'"),
+    ],
+)
 def test_converter_refuses_bad_input_in_one_line(tmp_path, capsys, fault, message):
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
-    lines = {"bad_json": [json.dumps(good), "{not json"],
-             "missing_image": [json.dumps({**good, "images": ["nowhere.png"],
-                                           "messages": [{"role": "user", "content": "<image>hi"},
-                                                        {"role": "assistant", "content": "x"}]})],
-             "host_file": [json.dumps({**good, "images": ["/etc/hostname"], "messages": [
-                 {"role": "user", "content": "<image>hi"}, {"role": "assistant", "content": "x"}]})],
-             "not_an_image": [json.dumps({**good, "images": ["notes.png"], "messages": [
-                 {"role": "user", "content": "<image>hi"}, {"role": "assistant", "content": "x"}]})],
-             "no_assistant": [json.dumps({"messages": [{"role": "user", "content": "hi"}]})]}.get(fault,
-                                                                                               [json.dumps(good)])
+    lines = {
+        "bad_json": [json.dumps(good), "{not json"],
+        "missing_image": [
+            json.dumps(
+                {
+                    **good,
+                    "images": ["nowhere.png"],
+                    "messages": [{"role": "user", "content": "<image>hi"}, {"role": "assistant", "content": "x"}],
+                }
+            )
+        ],
+        "host_file": [
+            json.dumps(
+                {
+                    **good,
+                    "images": ["/etc/hostname"],
+                    "messages": [{"role": "user", "content": "<image>hi"}, {"role": "assistant", "content": "x"}],
+                }
+            )
+        ],
+        "not_an_image": [
+            json.dumps(
+                {
+                    **good,
+                    "images": ["notes.png"],
+                    "messages": [{"role": "user", "content": "<image>hi"}, {"role": "assistant", "content": "x"}],
+                }
+            )
+        ],
+        "no_assistant": [json.dumps({"messages": [{"role": "user", "content": "hi"}]})],
+    }.get(fault, [json.dumps(good)])
     (tmp_path / "notes.png").write_text("a text file named as an image")
     source = tmp_path / ("bad.txt" if fault == "not_jsonl" else "bad.jsonl")
     if fault != "missing_input":
@@ -152,26 +199,38 @@ def test_a_shard_sample_reads_media_only_from_its_own_members(example_data, tmp_
     """However a shard's record names an image (the ``path`` key, a top-level ``images`` list), it
     must be one of the sample's members: a host path in a shard is a skip, never opened."""
     _, out, _, processor = example_data
-    train, _, _ = get_dataset_provider("energon")(seq_length=SEQ, num_samples=(1, 0, 0), data_path=str(out),
-                                                   hf_processor_path=processor, **OPTIONS)
+    train, _, _ = get_dataset_provider("energon")(
+        seq_length=SEQ, num_samples=(1, 0, 0), data_path=str(out), hf_processor_path=processor, **OPTIONS
+    )
     host = tmp_path / "host.png"
     host.write_bytes(png_bytes((16, 16), (0, 0, 255)))
     answer = {"role": "assistant", "content": "x"}
-    records = [{"messages": [{"role": "user", "content": [{"type": "image", "path": str(host)}]}, answer]},
-               {"messages": [{"role": "user", "content": "<image>hi"}, answer], "images": [str(host)]}]
+    records = [
+        {"messages": [{"role": "user", "content": [{"type": "image", "path": str(host)}]}, answer]},
+        {"messages": [{"role": "user", "content": "<image>hi"}, answer], "images": [str(host)]},
+    ]
     for i, record in enumerate(records):
-        conversation = energon.cook_conversation({"__key__": f"k{i}", "__restore_key__": (), "json":
-                                                  json.dumps({**record, "source": f"planted:{i}"}).encode()})
-        with pytest.raises(BadSample, match=rf"missing_image: planted:{i} \(energon sample k{i}\): no member "
-                                            f"'{host}' in the shard sample"):
+        conversation = energon.cook_conversation(
+            {
+                "__key__": f"k{i}",
+                "__restore_key__": (),
+                "json": json.dumps({**record, "source": f"planted:{i}"}).encode(),
+            }
+        )
+        with pytest.raises(
+            BadSample,
+            match=rf"missing_image: planted:{i} \(energon sample k{i}\): no member "
+            f"'{host}' in the shard sample",
+        ):
             energon.conversation_sample(train.produce, conversation, train.tokens, SEQ, train.patch_dim)
 
 
 def test_skip_bad_leaves_bad_records_out_and_counts_them(tmp_path):
     good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
     (tmp_path / "a.jsonl").write_text(f"{json.dumps(good)}\n{{oops\n{json.dumps(good)}\n")
-    counts = jsonl_to_energon.convert(str(tmp_path / "a.jsonl"), str(tmp_path / "out"), skip_bad=True,
-                                      log=lambda line: None)
+    counts = jsonl_to_energon.convert(
+        str(tmp_path / "a.jsonl"), str(tmp_path / "out"), skip_bad=True, log=lambda line: None
+    )
     assert counts["train"] == 2 and counts["skipped"] == {"bad_json": 1}
 
 
@@ -189,12 +248,24 @@ def test_a_metadataset_blends_datasets_by_weight(example_data, tmp_path):
     for name in ("messages", "sharegpt"):
         jsonl_to_energon.convert(str(data / f"{name}.jsonl"), str(tmp_path / name), log=lambda line: None)
     blend = tmp_path / "blend.yaml"
-    blend.write_text("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
-                     "      - weight: 3\n        path: messages\n      - weight: 1\n        path: sharegpt\n")
+    blend.write_text(
+        "__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
+        "      - weight: 3\n        path: messages\n      - weight: 1\n        path: sharegpt\n"
+    )
     assert energon.check_energon_path(str(blend)) == str(blend)
     assert energon.available_splits(str(blend)) == {"train"}
-    split = energon.EnergonSplit(str(blend), "train", None, None, SEQ, 1, 0, energon.DEFAULT_SHUFFLE_BUFFER,
-                                 energon.DEFAULT_MAX_SAMPLES_PER_SEQUENCE, "energon[train]")
+    split = energon.EnergonSplit(
+        str(blend),
+        "train",
+        None,
+        None,
+        SEQ,
+        1,
+        0,
+        energon.DEFAULT_SHUFFLE_BUFFER,
+        energon.DEFAULT_MAX_SAMPLES_PER_SEQUENCE,
+        "energon[train]",
+    )
     from examples.multimodal_dev.data.loader import build_iterator
 
     batches = build_iterator(split, 0, 4, 0, 1, None)

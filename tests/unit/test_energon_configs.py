@@ -15,7 +15,7 @@ CRUDE = "__module__: megatron.energon\n__class__: CrudeWebdataset\n"
 
 
 def system_call(marker, indent=""):
-    return (f"{indent}__module__: os\n{indent}__function__: system\n{indent}command: \"touch {marker}\"\n")
+    return f'{indent}__module__: os\n{indent}__function__: system\n{indent}command: "touch {marker}"\n'
 
 
 def planted(example_data, tmp_path, dataset_yaml: str):
@@ -34,15 +34,20 @@ def attacks(marker):
         "root_function": system_call(marker),
         "sample_loader": CRUDE + "sample_loader: loader.py:sample_loader\npart_filter: [json]\n",
         "other_class": "__module__: megatron.energon\n__class__: CaptioningWebdataset\n"
-                       "subflavors:\n  x:\n" + system_call(marker, "    "),
+        "subflavors:\n  x:\n" + system_call(marker, "    "),
     }
 
 
-@pytest.mark.parametrize("attack, where", [("subflavors", "subflavors.x names os.system"),
-                                           ("part_filter", "part_filter names os.system"),
-                                           ("root_function", "the root names os.system"),
-                                           ("sample_loader", "sample_loader runs a Python file"),
-                                           ("other_class", "the root names megatron.energon.CaptioningWebdataset")])
+@pytest.mark.parametrize(
+    "attack, where",
+    [
+        ("subflavors", "subflavors.x names os.system"),
+        ("part_filter", "part_filter names os.system"),
+        ("root_function", "the root names os.system"),
+        ("sample_loader", "sample_loader runs a Python file"),
+        ("other_class", "the root names megatron.energon.CaptioningWebdataset"),
+    ],
+)
 def test_dataset_yaml_naming_code_is_refused_before_energon_reads_it(example_data, tmp_path, attack, where):
     marker = tmp_path / "MARKER"
     folder = planted(example_data, tmp_path, attacks(marker)[attack])
@@ -89,54 +94,82 @@ def test_a_metadataset_is_checked_with_every_dataset_it_names(example_data, tmp_
     bad = planted(example_data, tmp_path, attacks(marker)["subflavors"])
     blend = tmp_path / "blend.yaml"
     entries = "      - weight: 1\n        path: good\n"
-    blend.write_text("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n" + entries)
+    blend.write_text(
+        "__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n" + entries
+    )
     check_dataset(str(blend))  # the allowed form passes
     blend.write_text(blend.read_text() + f"      - weight: 1\n        path: {bad.name}\n")
     with pytest.raises(DataError, match=r"shards/.nv-meta/dataset.yaml: subflavors.x names os.system"):
         energon.check_energon_path(str(blend))
-    blend.write_text(blend.read_text().replace("    blend:\n", "    blend:\n      - weight: 1\n"
-                                                                 "        path: good\n        subflavors:\n"
-                                                                 "          y:\n" + system_call(marker, "            ")
-                                               , 1))
+    blend.write_text(
+        blend.read_text().replace(
+            "    blend:\n",
+            "    blend:\n      - weight: 1\n"
+            "        path: good\n        subflavors:\n"
+            "          y:\n" + system_call(marker, "            "),
+            1,
+        )
+    )
     with pytest.raises(DataError, match=r"blend.yaml: splits.train.blend\[0\].subflavors.y names os.system"):
         energon.check_energon_path(str(blend))
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("entry, message", [
-    ("        path: good\n        split_config: ../../../etc/split.yaml\n",
-     "split_config '../../../etc/split.yaml' must be a file name"),
-    ("        path: good\n        aux:\n          f: filesystem:///etc\n", "aux reads files outside the dataset"),
-    ("        path: nowhere\n", "it names 'nowhere', which does not exist"),
-])
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        (
+            "        path: good\n        split_config: ../../../etc/split.yaml\n",
+            "split_config '../../../etc/split.yaml' must be a file name",
+        ),
+        ("        path: good\n        aux:\n          f: filesystem:///etc\n", "aux reads files outside the dataset"),
+        ("        path: nowhere\n", "it names 'nowhere', which does not exist"),
+    ],
+)
 def test_metadataset_entries_that_reach_outside_are_refused(example_data, tmp_path, entry, message):
     shutil.copytree(example_data[1], tmp_path / "good")
     blend = tmp_path / "blend.yaml"
-    blend.write_text("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
-                     "      - weight: 1\n" + entry)
+    blend.write_text(
+        "__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
+        "      - weight: 1\n" + entry
+    )
     with pytest.raises(DataError, match=message):
         energon.check_energon_path(str(blend))
 
 
 def test_a_deeply_nested_or_unreadable_config_is_one_line(example_data, tmp_path):
-    deep = CRUDE + "subflavors:\n" + "".join(f"{'  ' * (i + 1)}k{i}:\n" for i in range(MAX_DEPTH + 2)) \
-        + "  " * (MAX_DEPTH + 3) + "v: 1\n"
+    deep = (
+        CRUDE
+        + "subflavors:\n"
+        + "".join(f"{'  ' * (i + 1)}k{i}:\n" for i in range(MAX_DEPTH + 2))
+        + "  " * (MAX_DEPTH + 3)
+        + "v: 1\n"
+    )
     with pytest.raises(DataError, match=f"nests deeper than {MAX_DEPTH} levels"):
         energon.check_energon_path(str(planted(example_data, tmp_path / "a", deep)))
     with pytest.raises(DataError, match="dataset.yaml: not readable YAML/JSON"):
         energon.check_energon_path(str(planted(example_data, tmp_path / "b", "a: [1, 2\nb: {")))
 
 
-@pytest.mark.parametrize("file, text, says", [
-    ("split.yaml", "split_parts: 5\n", "split.yaml: split_parts must be a mapping, got int"),
-    ("split.yaml", "- a\n- b\n", "split.yaml: the file must be a mapping, got list"),
-    ("split.yaml", "split_parts:\n  train:\n  - nope-000000.tar\nexclude: []\n",
-     "energon cannot read this dataset's metadata (KeyError: 'nope-000000.tar')"),
-    (".info.json", '{"shard_counts": {"train-000000.tar": 4}}',
-     "energon cannot read this dataset's metadata (KeyError: 'train-000001.tar')"),
-    (".info.json", '{"shard_counts": 5}', "energon cannot read this dataset's metadata (JsonValueError: "),
-    ("dataset.yaml", CRUDE + "foo: 1\n", "unexpected keyword argument 'foo'"),
-])
+@pytest.mark.parametrize(
+    "file, text, says",
+    [
+        ("split.yaml", "split_parts: 5\n", "split.yaml: split_parts must be a mapping, got int"),
+        ("split.yaml", "- a\n- b\n", "split.yaml: the file must be a mapping, got list"),
+        (
+            "split.yaml",
+            "split_parts:\n  train:\n  - nope-000000.tar\nexclude: []\n",
+            "energon cannot read this dataset's metadata (KeyError: 'nope-000000.tar')",
+        ),
+        (
+            ".info.json",
+            '{"shard_counts": {"train-000000.tar": 4}}',
+            "energon cannot read this dataset's metadata (KeyError: 'train-000001.tar')",
+        ),
+        (".info.json", '{"shard_counts": 5}', "energon cannot read this dataset's metadata (JsonValueError: "),
+        ("dataset.yaml", CRUDE + "foo: 1\n", "unexpected keyword argument 'foo'"),
+    ],
+)
 def test_tampered_metadata_is_one_line_naming_the_dataset(example_data, tmp_path, file, text, says):
     folder = planted(example_data, tmp_path, CRUDE)
     (folder / ".nv-meta" / file).write_text(text)

@@ -17,8 +17,18 @@ MBS = 2
 
 def _split(out, seed=0):
     """The training split of the example shards, conversations unencoded (keys are enough here)."""
-    return energon.EnergonSplit(str(out), "train", None, None, 4096, 1, seed, energon.DEFAULT_SHUFFLE_BUFFER,
-                                energon.DEFAULT_MAX_SAMPLES_PER_SEQUENCE, "energon[train]")
+    return energon.EnergonSplit(
+        str(out),
+        "train",
+        None,
+        None,
+        4096,
+        1,
+        seed,
+        energon.DEFAULT_SHUFFLE_BUFFER,
+        energon.DEFAULT_MAX_SAMPLES_PER_SEQUENCE,
+        "energon[train]",
+    )
 
 
 def _keys(batches, n):
@@ -51,7 +61,7 @@ def test_a_restored_loader_continues_where_the_saved_one_stopped(example_data, t
 def _resume(split, checkpoint_dir, settings):
     """loader_state.resume on ``checkpoint_dir`` (an ``iter_0000005`` under a load directory)."""
     load_dir = checkpoint_dir.parent
-    return loader_state.resume(split, str(load_dir), int(checkpoint_dir.name[len("iter_"):]), 5 * MBS, settings)
+    return loader_state.resume(split, str(load_dir), int(checkpoint_dir.name[len("iter_") :]), 5 * MBS, settings)
 
 
 @pytest.fixture
@@ -76,14 +86,17 @@ def test_the_state_file_is_tagged_json(saved_state):
     assert energon_state.dumps(state) == stored["loader"]  # reads back to the same value
 
 
-@pytest.mark.parametrize("change, why", [
-    ("settings", "it was saved with other settings (dp_size 1 -> 2)"),
-    ("edited", "does not match the checksum"),
-    ("planted class", "'posix.system' is not an energon state class"),
-    ("missing", "does not exist"),
-    ("nested file", "is not a loader state: RecursionError"),
-    ("nested state", "not an energon loader state: RecursionError"),
-])
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        ("settings", "it was saved with other settings (dp_size 1 -> 2)"),
+        ("edited", "does not match the checksum"),
+        ("planted class", "'posix.system' is not an energon state class"),
+        ("missing", "does not exist"),
+        ("nested file", "is not a loader state: RecursionError"),
+        ("nested state", "not an energon loader state: RecursionError"),
+    ],
+)
 def test_an_unusable_state_restarts_the_stream_saying_why(saved_state, change, why):
     out, checkpoint_dir = saved_state
     path = loader_state.state_path(str(checkpoint_dir), 0)
@@ -138,8 +151,16 @@ def test_token_budget_rows_fill_the_budget_and_resume_exactly(example_data, tmp_
     from examples.multimodal_dev.data.energon import build_datasets
 
     _, out, _, processor = example_data
-    row, options = 1024, dict(min_pixels=32 * 32, max_pixels=128 * 128, video_min_pixels=32 * 32,
-                              video_max_pixels=64 * 64, energon_packing_buffer_size=8)
+    row, options = (
+        1024,
+        dict(
+            min_pixels=32 * 32,
+            max_pixels=128 * 128,
+            video_min_pixels=32 * 32,
+            video_max_pixels=64 * 64,
+            energon_packing_buffer_size=8,
+        ),
+    )
 
     def split():
         train, _, _ = build_datasets(4096, (1, 0, 0), data_path=str(out), hf_processor_path=processor, **options)

@@ -19,8 +19,9 @@ def _chunks():
 
 def test_finite_weights_are_saved():
     saved = []
-    guarded = save_hooks.with_save_hooks(lambda it, model, *a, **k: saved.append((it, a, k)) or "done",
-                                         get_args=lambda: Args)
+    guarded = save_hooks.with_save_hooks(
+        lambda it, model, *a, **k: saved.append((it, a, k)) or "done", get_args=lambda: Args
+    )
     assert guarded(3, _chunks(), "optimizer", checkpointing_context={}) == "done"
     assert saved == [(3, ("optimizer",), {"checkpointing_context": {}})]
 
@@ -33,8 +34,11 @@ def test_a_nonfinite_weight_stops_the_save(tmp_path, bad):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("4")
     Args.save = str(tmp_path)
     saved = []
-    with pytest.raises(SystemExit, match=r"iteration 5 has NaN or inf weights \(1 tensor\(s\) on this rank, e\.g\. "
-                                         r"bias\); not saved: iteration 4 stays the latest checkpoint"):
+    with pytest.raises(
+        SystemExit,
+        match=r"iteration 5 has NaN or inf weights \(1 tensor\(s\) on this rank, e\.g\. "
+        r"bias\); not saved: iteration 4 stays the latest checkpoint",
+    ):
         save_hooks.with_save_hooks(lambda *a, **k: saved.append(a), get_args=lambda: Args)(5, chunks)
     assert saved == []
     assert finite_guard.nonfinite_parameters(chunks) == ["bias"]

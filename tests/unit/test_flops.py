@@ -15,15 +15,28 @@ values, merge 2. Batch: samples of 3 and 5 tokens, one 1x2x2 image.
 """
 
 from examples.multimodal_dev.models.qwen35_vl.configuration import FULL, LINEAR, Qwen35VLShape, TextShape, VisionShape
-
 from examples.multimodal_dev.models.qwen35_vl.flops import micro_batch_flops
 
 SHAPE = Qwen35VLShape(
-    text=TextShape(hidden_size=8, num_layers=2, layer_types=(LINEAR, FULL), num_attention_heads=2, num_kv_heads=1,
-                   head_dim=4, ffn_hidden_size=16, vocab_size=32, linear_num_key_heads=1, linear_num_value_heads=2,
-                   linear_key_head_dim=4, linear_value_head_dim=4, linear_conv_kernel_dim=4, mrope_section=(1, 0, 0)),
-    vision=VisionShape(depth=1, hidden_size=4, intermediate_size=8, num_heads=1, patch_size=2, temporal_patch_size=2,
-                       out_hidden_size=8),
+    text=TextShape(
+        hidden_size=8,
+        num_layers=2,
+        layer_types=(LINEAR, FULL),
+        num_attention_heads=2,
+        num_kv_heads=1,
+        head_dim=4,
+        ffn_hidden_size=16,
+        vocab_size=32,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=4,
+        linear_value_head_dim=4,
+        linear_conv_kernel_dim=4,
+        mrope_section=(1, 0, 0),
+    ),
+    vision=VisionShape(
+        depth=1, hidden_size=4, intermediate_size=8, num_heads=1, patch_size=2, temporal_patch_size=2, out_hidden_size=8
+    ),
 )
 
 
@@ -50,7 +63,9 @@ def test_attention_is_counted_on_real_sample_lengths():
 def test_moe_counts_active_experts_only():
     from dataclasses import replace
 
-    moe = replace(SHAPE, text=replace(SHAPE.text, num_experts=8, moe_top_k=2, moe_ffn_hidden_size=4,
-                                      shared_expert_ffn_hidden_size=4))
+    moe = replace(
+        SHAPE,
+        text=replace(SHAPE.text, num_experts=8, moe_top_k=2, moe_ffn_hidden_size=4, shared_expert_ffn_hidden_size=4),
+    )
     # per token per layer: router 2*8*8 + 2 experts * 6*8*4 + shared 6*8*4 + gate 2*8 = 128+384+192+16
     assert micro_batch_flops(moe, [3, 5]).mlp == 2 * 720 * 8

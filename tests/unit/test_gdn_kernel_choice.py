@@ -21,8 +21,7 @@ FAKE_FLA = {
     "fla/modules/convolution.py": "def causal_conv1d(*args, **kwargs):\n    raise RuntimeError('0 active drivers')\n",
     "fla/modules/l2norm.py": "def l2norm(*args, **kwargs):\n    raise RuntimeError('0 active drivers')\n",
     "fla/ops/__init__.py": "",
-    "fla/ops/gated_delta_rule/__init__.py":
-        "def chunk_gated_delta_rule(*args, **kwargs):\n    raise RuntimeError('0 active drivers')\n",
+    "fla/ops/gated_delta_rule/__init__.py": "def chunk_gated_delta_rule(*args, **kwargs):\n    raise RuntimeError('0 active drivers')\n",
 }
 PROBE = """
 import json
@@ -46,8 +45,9 @@ def _activate(tmp_path, fla: bool, **env) -> dict:
             (tmp_path / name).write_text(text)
     full_env = {k: v for k, v in os.environ.items() if k not in ("MEGATRON_CPU_FLA", "TRITON_INTERPRET")}
     full_env["PYTHONPATH"] = os.pathsep.join(([str(tmp_path)] if fla else []) + [ROOT])
-    proc = subprocess.run([sys.executable, "-c", PROBE], env={**full_env, **env}, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE], env={**full_env, **env}, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -61,18 +61,28 @@ def test_torch_kernels_even_where_fla_imports(tmp_path):
 def test_fla_kept_when_asked_under_the_interpreter(tmp_path):
     got = _activate(tmp_path, fla=True, MEGATRON_CPU_FLA="1", TRITON_INTERPRET="1")
     assert got["modules"] == ["fla.modules.convolution", "fla.modules.l2norm", "fla.ops.gated_delta_rule"], got
-    assert got["line"] == ("Gated DeltaNet runs on flash-linear-attention's kernels under Triton's interpreter "
-                           "(MEGATRON_CPU_FLA=1)"), got
+    assert got["line"] == (
+        "Gated DeltaNet runs on flash-linear-attention's kernels under Triton's interpreter (MEGATRON_CPU_FLA=1)"
+    ), got
 
 
-@pytest.mark.parametrize("env,fla,keep", [
-    ({}, True, False), ({"TRITON_INTERPRET": "1"}, True, False), ({"MEGATRON_CPU_FLA": "0"}, True, False),
-    ({"MEGATRON_CPU_FLA": "1", "TRITON_INTERPRET": "1"}, True, True),
-    ({"MEGATRON_CPU_FLA": "1"}, True, "MEGATRON_CPU_FLA=1 needs TRITON_INTERPRET=1 on a host without CUDA"),
-    ({"MEGATRON_CPU_FLA": "1", "TRITON_INTERPRET": "1"}, False,
-     "MEGATRON_CPU_FLA=1 but flash-linear-attention does not import"),
-    ({"MEGATRON_CPU_FLA": "yes"}, True, "MEGATRON_CPU_FLA='yes': expected 1"),
-], ids=["unset", "interpreter alone", "switch 0", "asked", "no interpreter", "no fla", "bad value"])
+@pytest.mark.parametrize(
+    "env,fla,keep",
+    [
+        ({}, True, False),
+        ({"TRITON_INTERPRET": "1"}, True, False),
+        ({"MEGATRON_CPU_FLA": "0"}, True, False),
+        ({"MEGATRON_CPU_FLA": "1", "TRITON_INTERPRET": "1"}, True, True),
+        ({"MEGATRON_CPU_FLA": "1"}, True, "MEGATRON_CPU_FLA=1 needs TRITON_INTERPRET=1 on a host without CUDA"),
+        (
+            {"MEGATRON_CPU_FLA": "1", "TRITON_INTERPRET": "1"},
+            False,
+            "MEGATRON_CPU_FLA=1 but flash-linear-attention does not import",
+        ),
+        ({"MEGATRON_CPU_FLA": "yes"}, True, "MEGATRON_CPU_FLA='yes': expected 1"),
+    ],
+    ids=["unset", "interpreter alone", "switch 0", "asked", "no interpreter", "no fla", "bad value"],
+)
 def test_the_switch(monkeypatch, env, fla, keep):
     """The decision activate() takes (what it binds for it is the two tests above): keep FLA's
     kernels, bind the torch kernels, or refuse in one line naming what is missing."""
@@ -90,12 +100,31 @@ def test_the_switch(monkeypatch, env, fla, keep):
             megatron.cpu.keep_fla_on_cpu()
 
 
-@pytest.mark.parametrize("capability,triton_version,tilelang,refused", [
-    ((9, 0), "3.6.0", False, True), ((9, 0), "3.4.0", False, True), ((9, 0), "3.7.0+git1234", False, True),
-    ((9, 0), "3.7.1", False, False), ((9, 0), "3.3.1", False, False), ((8, 0), "3.6.0", False, False),
-    ((10, 0), "3.6.0", False, False), ((9, 0), "3.6.0", True, False), ((8, 0), "3.6.0", False, "no fla"),
-], ids=["hopper 3.6", "hopper 3.4", "hopper 3.7.0 build", "hopper 3.7.1", "hopper 3.3", "ampere", "blackwell",
-        "hopper with tilelang", "fla does not import"])
+@pytest.mark.parametrize(
+    "capability,triton_version,tilelang,refused",
+    [
+        ((9, 0), "3.6.0", False, True),
+        ((9, 0), "3.4.0", False, True),
+        ((9, 0), "3.7.0+git1234", False, True),
+        ((9, 0), "3.7.1", False, False),
+        ((9, 0), "3.3.1", False, False),
+        ((8, 0), "3.6.0", False, False),
+        ((10, 0), "3.6.0", False, False),
+        ((9, 0), "3.6.0", True, False),
+        ((8, 0), "3.6.0", False, "no fla"),
+    ],
+    ids=[
+        "hopper 3.6",
+        "hopper 3.4",
+        "hopper 3.7.0 build",
+        "hopper 3.7.1",
+        "hopper 3.3",
+        "ampere",
+        "blackwell",
+        "hopper with tilelang",
+        "fla does not import",
+    ],
+)
 def test_fla_refused_where_triton_miscompiles_its_backward(monkeypatch, capability, triton_version, tilelang, refused):
     """On a GPU, FLA's kernels train where FLA imports, unless Triton 3.4.0 up to 3.7.1 meets a Hopper GPU
     without FLA's TileLang backend (FLA issue #640: wrong gradients; FLA 0.6 raises at the first backward)."""

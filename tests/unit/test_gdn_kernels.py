@@ -53,8 +53,10 @@ def test_packed_sequences_reset_state():
     q, k, v, g, beta = _inputs(1, 150, seed=1)
     cu = torch.tensor(bounds, dtype=torch.int32)
     packed, _ = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu)
-    pieces = [recurrent_gated_delta_rule_reference(*(t[:, a:b] for t in (q, k, v, g, beta)))
-              for a, b in zip(bounds[:-1], bounds[1:])]
+    pieces = [
+        recurrent_gated_delta_rule_reference(*(t[:, a:b] for t in (q, k, v, g, beta)))
+        for a, b in zip(bounds[:-1], bounds[1:])
+    ]
     diff = (packed - torch.cat(pieces, dim=1)).abs().max().item()
     print(f"packed vs per-sequence: max abs diff {diff:.2e}")
     assert diff < TOL
@@ -77,8 +79,10 @@ def test_causal_conv1d_resets_at_boundaries():
     g = torch.Generator().manual_seed(0)
     x, w, bias = torch.randn(1, 40, 6, generator=g), torch.randn(6, 4, generator=g), torch.randn(6, generator=g)
     out, _ = causal_conv1d(x, w, bias, activation="silu", cu_seqlens=torch.tensor(bounds, dtype=torch.int32))
-    ref = [F.silu(F.conv1d(x[:, a:b].transpose(1, 2), w[:, None], bias, padding=3, groups=6)[..., : b - a]).transpose(1, 2)
-           for a, b in zip(bounds[:-1], bounds[1:])]
+    ref = [
+        F.silu(F.conv1d(x[:, a:b].transpose(1, 2), w[:, None], bias, padding=3, groups=6)[..., : b - a]).transpose(1, 2)
+        for a, b in zip(bounds[:-1], bounds[1:])
+    ]
     diff = (out - torch.cat(ref, dim=1)).abs().max().item()
     print(f"packed conv1d vs per-sequence: max abs diff {diff:.2e}")
     assert diff < TOL
@@ -112,13 +116,15 @@ def test_packed_initial_and_final_states_and_gradients_match_per_sequence():
     q, k, v, g, beta = (t.requires_grad_() for t in _inputs(1, 300, seed=2))
     init = torch.randn(3, 3, 16, 8, generator=torch.Generator().manual_seed(3))
     cu = torch.tensor(bounds, dtype=torch.int32)
-    packed, finals = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=init, output_final_state=True,
-                                            cu_seqlens=cu)
+    packed, finals = chunk_gated_delta_rule(
+        q, k, v, g, beta, initial_state=init, output_final_state=True, cu_seqlens=cu
+    )
     grads = torch.autograd.grad(packed.square().sum(), (q, v, g))
     outs, states = [], []
     for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-        o, s = chunk_gated_delta_rule(*(t[:, a:b] for t in (q, k, v, g, beta)), initial_state=init[i:i + 1],
-                                      output_final_state=True)
+        o, s = chunk_gated_delta_rule(
+            *(t[:, a:b] for t in (q, k, v, g, beta)), initial_state=init[i : i + 1], output_final_state=True
+        )
         outs.append(o)
         states.append(s)
     alone = torch.cat(outs, dim=1)
@@ -135,8 +141,9 @@ def test_unpacked_rows_carry_state_across_a_split():
     q, k, v, g, beta = _inputs(2, 150, seed=4)
     whole, final = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True)
     first, mid = chunk_gated_delta_rule(*(t[:, :70] for t in (q, k, v, g, beta)), output_final_state=True)
-    rest, final_split = chunk_gated_delta_rule(*(t[:, 70:] for t in (q, k, v, g, beta)), initial_state=mid,
-                                               output_final_state=True)
+    rest, final_split = chunk_gated_delta_rule(
+        *(t[:, 70:] for t in (q, k, v, g, beta)), initial_state=mid, output_final_state=True
+    )
     diffs = [(torch.cat([first, rest], 1) - whole).abs().max().item(), (final_split - final).abs().max().item()]
     print(f"split vs whole: output, final state max abs diff {diffs}")
     assert max(diffs) < TOL

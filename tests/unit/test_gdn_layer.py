@@ -2,7 +2,6 @@
 same layer run on each sample alone (conv and recurrent state reset at boundaries). 1e-5 abs."""
 
 import torch
-
 from gdn_layer import packed_params, tiny_gdn_layer
 
 

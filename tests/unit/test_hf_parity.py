@@ -7,8 +7,15 @@ segment), so bitwise equality is not expected; measured ~1.3e-6 abs at logit sca
 
 import pytest
 import torch
-from hf_reference import (HFMtpHead, build_hf_model, hf_forward, image_tokens, megatron_position_ids, packed_row,
-                          pixel_values_for)
+from hf_reference import (
+    HFMtpHead,
+    build_hf_model,
+    hf_forward,
+    image_tokens,
+    megatron_position_ids,
+    packed_row,
+    pixel_values_for,
+)
 
 from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
 from examples.multimodal_dev.models.qwen35_vl.factory import build_model
@@ -56,16 +63,19 @@ def test_text_only_batch(pair):
 def test_two_nonsquare_images_batch_of_two(pair):
     kind, shape, hf, mg, _ = pair
     grids = [(1, 4, 6), (1, 6, 4), (1, 2, 8)]
-    ids, mask = _batch([
-        [5, 6] + image_tokens(shape, 4, 6) + [7, 8, 9] + image_tokens(shape, 6, 4) + [10, 11],
-        [12] + image_tokens(shape, 2, 8) + [13, 14, 15],
-    ])
+    ids, mask = _batch(
+        [
+            [5, 6] + image_tokens(shape, 4, 6) + [7, 8, 9] + image_tokens(shape, 6, 4) + [10, 11],
+            [12] + image_tokens(shape, 2, 8) + [13, 14, 15],
+        ]
+    )
     pixels = pixel_values_for(shape, grids, torch.Generator().manual_seed(1))
     grid_thw = torch.tensor(grids)
     ref = hf_forward(hf, shape, ids, mask, pixels, grid_thw)
     with torch.no_grad():
-        ours = mg(ids, megatron_position_ids(shape, ids, mask, grid_thw), None,
-                  pixel_values=pixels, image_grid_thw=grid_thw)
+        ours = mg(
+            ids, megatron_position_ids(shape, ids, mask, grid_thw), None, pixel_values=pixels, image_grid_thw=grid_thw
+        )
     _assert_close(f"{kind} image+text", ours[mask.bool()], ref[mask.bool()])
 
 
@@ -90,14 +100,20 @@ def test_thd_packed_equals_each_sample_alone(pair):
     samples, pixels, (tokens_1T, position_ids_31T, packed, real) = _three_samples(shape, (6, 4), seed=2)
     all_grids = torch.tensor([g for _, gs in samples for g in gs])
     with torch.no_grad():
-        ours = mg(tokens_1T, position_ids_31T, None, pixel_values=torch.cat([p for p in pixels if p is not None]),
-                  image_grid_thw=all_grids, packed_seq_params=packed)[0]
+        ours = mg(
+            tokens_1T,
+            position_ids_31T,
+            None,
+            pixel_values=torch.cat([p for p in pixels if p is not None]),
+            image_grid_thw=all_grids,
+            packed_seq_params=packed,
+        )[0]
     ours_real = ours[real]
     offset = 0
     for (row, grids), pix in zip(samples, pixels):
         ids = torch.tensor([row])
         ref = hf_forward(hf, shape, ids, torch.ones_like(ids), pix, torch.tensor(grids) if grids else None)[0]
-        _assert_close(f"{kind} THD sample of {len(row)} tokens", ours_real[offset: offset + len(row)], ref)
+        _assert_close(f"{kind} THD sample of {len(row)} tokens", ours_real[offset : offset + len(row)], ref)
         offset += len(row)
 
 
@@ -140,8 +156,14 @@ def test_mtp_head_equals_reference_per_packed_sample(pair):
     hook = mg.language_model.mtp.register_forward_hook(lambda mod, args, out: captured.append(out))
     try:
         with torch.no_grad():
-            mg(tokens_1T, position_ids_31T, None, pixel_values=torch.cat([p for p in pixels if p is not None]),
-               image_grid_thw=torch.tensor([g for _, gs in samples for g in gs]), packed_seq_params=packed)
+            mg(
+                tokens_1T,
+                position_ids_31T,
+                None,
+                pixel_values=torch.cat([p for p in pixels if p is not None]),
+                image_grid_thw=torch.tensor([g for _, gs in samples for g in gs]),
+                packed_seq_params=packed,
+            )
     finally:
         hook.remove()
     main_and_mtp = torch.chunk(captured[0], 1 + shape.text.mtp_num_layers, dim=0)
@@ -150,7 +172,7 @@ def test_mtp_head_equals_reference_per_packed_sample(pair):
     offset = 0
     for (row, grids), pix in zip(samples, pixels):
         ref = mtp.logits(hf, shape, torch.tensor([row]), pix, torch.tensor(grids) if grids else None)[0]
-        _assert_close(f"{kind} MTP sample of {len(row)} tokens", ours[offset: offset + len(row)], ref)
+        _assert_close(f"{kind} MTP sample of {len(row)} tokens", ours[offset : offset + len(row)], ref)
         offset += len(row)
 
 

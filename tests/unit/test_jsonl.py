@@ -18,12 +18,20 @@ from examples.multimodal_dev.data.jsonl_source import Blend, Records, index_line
 from examples.multimodal_dev.data.processor import load_processor
 
 BUDGET = {"min_pixels": 32 * 32, "max_pixels": 128 * 128}
-IMAGES = {"red.png": ((96, 64), (200, 10, 10)), "green.png": ((64, 96), (10, 200, 10)),
-          "pics/blue.png": ((250, 120), (10, 10, 200))}
+IMAGES = {
+    "red.png": ((96, 64), (200, 10, 10)),
+    "green.png": ((64, 96), (10, 200, 10)),
+    "pics/blue.png": ((250, 120), (10, 10, 200)),
+}
 SYSTEM = "You read pictures."
 # One conversation: (role, text with <image> placeholders); images in order red, green.
-TURNS = [("system", SYSTEM), ("user", "<image>What colour is this?"), ("assistant", "Red."),
-         ("user", "And this one? <image>"), ("assistant", "Green, and taller than wide.")]
+TURNS = [
+    ("system", SYSTEM),
+    ("user", "<image>What colour is this?"),
+    ("assistant", "Red."),
+    ("user", "And this one? <image>"),
+    ("assistant", "Green, and taller than wide."),
+]
 TURN_IMAGES = ["red.png", "green.png"]
 
 
@@ -44,9 +52,21 @@ def as_parts(turns=TURNS, images=TURN_IMAGES, root=None, **image_options):
         if "<image>" not in pieces:
             messages.append({"role": role, "content": text})
             continue
-        messages.append({"role": role, "content": [
-            {"type": "image", "image": os.path.join(root, next(queue)) if root else next(queue), **image_options}
-            if p == "<image>" else {"type": "text", "text": p} for p in pieces]})
+        messages.append(
+            {
+                "role": role,
+                "content": [
+                    {
+                        "type": "image",
+                        "image": os.path.join(root, next(queue)) if root else next(queue),
+                        **image_options,
+                    }
+                    if p == "<image>"
+                    else {"type": "text", "text": p}
+                    for p in pieces
+                ],
+            }
+        )
     return {"messages": messages}
 
 
@@ -71,8 +91,10 @@ def write_jsonl(path, records):
 @pytest.fixture(scope="module")
 def processors(tmp_path_factory):
     root = tmp_path_factory.mktemp("processors")
-    return {"qwen35": build_processor(str(root / "qwen35"), chat_template=QWEN35_CHAT_TEMPLATE),
-            "plain": build_processor(str(root / "plain"), chat_template=CHAT_TEMPLATE)}
+    return {
+        "qwen35": build_processor(str(root / "qwen35"), chat_template=QWEN35_CHAT_TEMPLATE),
+        "plain": build_processor(str(root / "plain"), chat_template=CHAT_TEMPLATE),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +105,14 @@ def media(tmp_path_factory):
 
 
 def train_split(processor_path, data_path, n=None, seq_length=600, **options):
-    train, _, _ = build_datasets(seq_length=seq_length, num_samples=(n or 8, 0, 0), data_path=data_path,
-                                 hf_processor_path=processor_path, **BUDGET, **options)
+    train, _, _ = build_datasets(
+        seq_length=seq_length,
+        num_samples=(n or 8, 0, 0),
+        data_path=data_path,
+        hf_processor_path=processor_path,
+        **BUDGET,
+        **options,
+    )
     return train
 
 
@@ -126,8 +154,12 @@ def assert_describe_matches(dataset, n):
 VIDEO_OPTIONS = dict(video_min_pixels=32 * 32, video_max_pixels=64 * 64)
 # A video then an image, in two user turns; the clip is 8 frames at 4 a second: 2 s, so 4 sampled
 # frames at qwen-vl-utils' 2 a second, 2 temporal patches.
-VIDEO_TURNS = [("user", "<video>What moves?"), ("assistant", "A white bar."), ("user", "<image>And here?"),
-               ("assistant", "Red.")]
+VIDEO_TURNS = [
+    ("user", "<video>What moves?"),
+    ("assistant", "A white bar."),
+    ("user", "<image>And here?"),
+    ("assistant", "Red."),
+]
 
 
 def video_conversation(processor_path, folder):
@@ -146,23 +178,38 @@ def video_conversation(processor_path, folder):
     write_images(folder)
     clip = write_video(os.path.join(folder, "clip.mp4"), 8, 64, 48, fps=4)
     record = {**as_placeholder(VIDEO_TURNS, ["red.png"]), "videos": [clip]}
-    parts = {"messages": [{"role": "user", "content": [{"type": "video", "video": clip, "nframes": 8},
-                                                       {"type": "text", "text": "Count."}]},
-                          {"role": "assistant", "content": "Two."}]}
+    parts = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "video", "video": clip, "nframes": 8}, {"type": "text", "text": "Count."}],
+            },
+            {"role": "assistant", "content": "Two."},
+        ]
+    }
     data = write_jsonl(os.path.join(folder, "videos.jsonl"), [record, parts])
     train = train_split(processor_path, data, seq_length=2000, **VIDEO_OPTIONS)
     processor, info = load_processor(processor_path, **BUDGET)
-    settings = VideoSettings.from_processor(processor, min_pixels=VIDEO_OPTIONS["video_min_pixels"],
-                                            max_pixels=VIDEO_OPTIONS["video_max_pixels"])
+    settings = VideoSettings.from_processor(
+        processor, min_pixels=VIDEO_OPTIONS["video_min_pixels"], max_pixels=VIDEO_OPTIONS["video_max_pixels"]
+    )
     frames, metadata = load_video(clip, settings)
-    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What moves?"}]},
-                {"role": "assistant", "content": "A white bar."}]
+    messages = [
+        {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What moves?"}]},
+        {"role": "assistant", "content": "A white bar."},
+    ]
     messages += as_parts(VIDEO_TURNS[2:], ["red.png"], root=folder, **BUDGET)["messages"]
     images, _ = process_vision_info(messages[2:], image_patch_size=processor.image_processor.patch_size)
     text = processor.apply_chat_template(messages, tokenize=False)
     assert text.count("<|vision_start|><|video_pad|><|vision_end|>") == 1
-    expected = processor(text=[text], images=images, videos=[frames], video_metadata=[metadata],
-                         videos_kwargs=dict(PROCESSOR_VIDEO_KWARGS), return_tensors="pt")
+    expected = processor(
+        text=[text],
+        images=images,
+        videos=[frames],
+        video_metadata=[metadata],
+        videos_kwargs=dict(PROCESSOR_VIDEO_KWARGS),
+        return_tensors="pt",
+    )
     return train, expected, processor, info
 
 
@@ -173,12 +220,18 @@ def hf_rope_positions(input_ids, image_grid_thw, video_grid_thw, tokens):
 
     model = Qwen3_5Model.__new__(Qwen3_5Model)  # get_rope_index reads only the config
     torch.nn.Module.__init__(model)
-    model.config = Qwen3_5Config(image_token_id=tokens.image, video_token_id=tokens.video,
-                                 vision_start_token_id=tokens.vision_start, vision_end_token_id=tokens.vision_end)
+    model.config = Qwen3_5Config(
+        image_token_id=tokens.image,
+        video_token_id=tokens.video,
+        vision_start_token_id=tokens.vision_start,
+        vision_end_token_id=tokens.vision_end,
+    )
     ids = input_ids.reshape(1, -1)
     types = (ids == tokens.image).int() + 2 * (ids == tokens.video).int()
-    grids = {k: g.clone() if g is not None and g.numel() else None
-             for k, g in (("image_grid_thw", image_grid_thw), ("video_grid_thw", video_grid_thw))}
+    grids = {
+        k: g.clone() if g is not None and g.numel() else None
+        for k, g in (("image_grid_thw", image_grid_thw), ("video_grid_thw", video_grid_thw))
+    }
     return model.get_rope_index(ids, mm_token_type_ids=types, **grids)[0][:, 0]
 
 
@@ -216,9 +269,14 @@ def test_multi_turn_trains_every_answer(template, processors, media, tmp_path):
     """Three answers, images in two user turns, a text-only user turn: each answer and its
     end-of-turn token trained, under either template; a reasoning trace in the last answer is
     trained with it (the template moves it into the think block)."""
-    turns = [("user", "<image>Name the colour."), ("assistant", " Red. "), ("user", "Bigger?"),
-             ("assistant", "It is 96 by 64."), ("user", "<image>Now this."),
-             ("assistant", "<think>tall, green</think>Green.")]
+    turns = [
+        ("user", "<image>Name the colour."),
+        ("assistant", " Red. "),
+        ("user", "Bigger?"),
+        ("assistant", "It is 96 by 64."),
+        ("user", "<image>Now this."),
+        ("assistant", "<think>tall, green</think>Green."),
+    ]
     data = write_jsonl(str(tmp_path / "d.jsonl"), [as_placeholder(turns, ["red.png", "pics/blue.png"])])
     train = train_split(processors[template], data, media_root=media)
     processor, _ = load_processor(processors[template], **BUDGET)
@@ -228,18 +286,27 @@ def test_multi_turn_trains_every_answer(template, processors, media, tmp_path):
     assert torch.equal(sample["image_grid_thw"], expected["image_grid_thw"])
     last = "tall, green\n</think>\n\nGreen." if template == "qwen35" else "<think>tall, green</think>Green."
     first = "Red." if template == "qwen35" else " Red. "  # Qwen3.5 trims what it renders
-    assert trained_runs(sample, processor.tokenizer) == [f"{first}<|im_end|>", "It is 96 by 64.<|im_end|>",
-                                                         f"{last}<|im_end|>"]
+    assert trained_runs(sample, processor.tokenizer) == [
+        f"{first}<|im_end|>",
+        "It is 96 by 64.<|im_end|>",
+        f"{last}<|im_end|>",
+    ]
     assert_describe_matches(train, 1)
 
 
 def test_a_template_that_repeats_an_answer_is_refused(media, tmp_path, caplog):
     """A template that writes the last answer twice leaves no single place to train: a skip."""
-    echo = CHAT_TEMPLATE + ("{% if messages[-1]['role'] == 'assistant' %}(echo: {{ messages[-1]['content'] }})"
-                            "{% endif %}")
+    echo = CHAT_TEMPLATE + (
+        "{% if messages[-1]['role'] == 'assistant' %}(echo: {{ messages[-1]['content'] }}){% endif %}"
+    )
     processor_path = build_processor(str(tmp_path / "echo"), chat_template=echo)
-    good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
-                         {"role": "user", "content": "Bye"}]}
+    good = {
+        "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "Bye"},
+        ]
+    }
     data = write_jsonl(str(tmp_path / "d.jsonl"), [as_placeholder(), good])
     train = train_split(processor_path, data, media_root=media)
     processor, _ = load_processor(processor_path)
@@ -251,8 +318,10 @@ def test_a_template_that_repeats_an_answer_is_refused(media, tmp_path, caplog):
 def test_registered_and_text_only_records(processors, tmp_path):
     """``--dataset-provider jsonl`` is registered; a record without media has empty vision fields."""
     assert get_dataset_provider("jsonl") is build_datasets
-    data = write_jsonl(str(tmp_path / "d.jsonl"), [{"messages": [{"role": "user", "content": "2+2?"},
-                                                                {"role": "assistant", "content": "4"}]}])
+    data = write_jsonl(
+        str(tmp_path / "d.jsonl"),
+        [{"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}],
+    )
     sample = train_split(processors["qwen35"], data)[0]
     assert sample["pixel_values"].shape[0] == 0 and sample["image_grid_thw"].shape == (0, 3)
     assert sample["loss_mask"].sum() == 2
@@ -263,9 +332,10 @@ def _answers(dataset, n):
 
 
 def _text_records(prefix, n):
-    return [{"messages": [{"role": "user", "content": f"{prefix}{i}?"},
-                          {"role": "assistant", "content": f"{prefix}{i}"}]}
-            for i in range(n)]
+    return [
+        {"messages": [{"role": "user", "content": f"{prefix}{i}?"}, {"role": "assistant", "content": f"{prefix}{i}"}]}
+        for i in range(n)
+    ]
 
 
 def test_weights_blend_by_a_documented_interleave(processors, tmp_path):
@@ -280,7 +350,8 @@ def test_weights_blend_by_a_documented_interleave(processors, tmp_path):
     # Without weights each record appears once per pass, interleaved by size.
     unweighted = Blend([Records.of([a]), Records.of([b])])
     assert len(unweighted) == 7 and sorted((p.files[0], i) for p, i in (unweighted[j] for j in range(7))) == sorted(
-        [(a, i) for i in range(5)] + [(b, i) for i in range(2)])
+        [(a, i) for i in range(5)] + [(b, i) for i in range(2)]
+    )
     # Through the provider: the rows are those records, in that order.
     train = train_split(processors["qwen35"], f"{a}:3,{b}:1", n=8)
     processor, _ = load_processor(processors["qwen35"])
@@ -294,15 +365,19 @@ def test_folder_and_line_index(processors, tmp_path):
     folder = tmp_path / "chats"
     write_jsonl(str(folder / "b" / "two.jsonl"), _text_records("y", 1))
     first = json.dumps(_text_records("x", 2)[0])
-    (folder / "a.jsonl").write_bytes(b"\xef\xbb\xbf" + first.encode() + b"\r\n\r\n   \n" +
-                                     json.dumps(_text_records("x", 2)[1]).encode())
+    (folder / "a.jsonl").write_bytes(
+        b"\xef\xbb\xbf" + first.encode() + b"\r\n\r\n   \n" + json.dumps(_text_records("x", 2)[1]).encode()
+    )
     (folder / "notes.txt").write_text("not data")
     offsets, lines = index_lines(str(folder / "a.jsonl"))
     assert lines.tolist() == [1, 4] and offsets[0] == 0
     train = train_split(processors["qwen35"], str(folder), n=3)
     processor, _ = load_processor(processors["qwen35"])
     assert [trained_runs(train[j], processor.tokenizer)[0] for j in range(3)] == [
-        "x0<|im_end|>", "x1<|im_end|>", "y0<|im_end|>"]
+        "x0<|im_end|>",
+        "x1<|im_end|>",
+        "y0<|im_end|>",
+    ]
     assert train.produce.rows[1][0].where(1) == (str(folder / "a.jsonl"), 4)
 
 
@@ -330,20 +405,31 @@ def test_describe_matches_the_sample_through_skips_and_truncation(processors, me
     """Per-image settings, images in several turns, a corrupt image (skipped by both), a record
     cut to the budget after its last image: describe() agrees with the sample at every index.
     (A file whose header reads but whose pixels do not is caught by the sample only: documented.)"""
-    records = [as_placeholder(), as_parts(max_pixels=48 * 48), as_sharegpt(TURNS[1:3], ["pics/blue.png"]),
-               as_placeholder(TURNS[:3], ["broken.png"]),  # no image header: a skip for both
-               as_placeholder([("user", "<image>" + "Long question. " * 4), ("assistant", "Long answer. " * 12)],
-                              ["green.png"]),
-               as_parts(TURNS[1:3], ["pics/blue.png"], resized_height=64, resized_width=96)]
+    records = [
+        as_placeholder(),
+        as_parts(max_pixels=48 * 48),
+        as_sharegpt(TURNS[1:3], ["pics/blue.png"]),
+        as_placeholder(TURNS[:3], ["broken.png"]),  # no image header: a skip for both
+        as_placeholder(
+            [("user", "<image>" + "Long question. " * 4), ("assistant", "Long answer. " * 12)], ["green.png"]
+        ),
+        as_parts(TURNS[1:3], ["pics/blue.png"], resized_height=64, resized_width=96),
+    ]
     with open(os.path.join(media, "broken.png"), "wb") as f:
         f.write(b"\x89PNG\r\n\x1a\n not an image")
     data = write_jsonl(str(tmp_path / "d.jsonl"), records)
     for max_pixels in (128 * 128, 64 * 64):
-        train, _, _ = build_datasets(seq_length=150, num_samples=(len(records), 0, 0), data_path=data,
-                                     hf_processor_path=processors["qwen35"], media_root=media, min_pixels=32 * 32,
-                                     max_pixels=max_pixels)
+        train, _, _ = build_datasets(
+            seq_length=150,
+            num_samples=(len(records), 0, 0),
+            data_path=data,
+            hf_processor_path=processors["qwen35"],
+            media_root=media,
+            min_pixels=32 * 32,
+            max_pixels=max_pixels,
+        )
         assert_describe_matches(train, len(records))
-        assert train.produce.describe(1)["image_grid_thw"].prod(-1).max() * 16 ** 2 <= 48 * 48
+        assert train.produce.describe(1)["image_grid_thw"].prod(-1).max() * 16**2 <= 48 * 48
         # resized_height/width are qwen_vl_utils' resize; the image processor's budget still bounds them
         expected = [1, 4, 6] if max_pixels > 64 * 96 else [1, 2, 4]
         assert train.produce.describe(5)["image_grid_thw"].tolist() == [expected]
@@ -364,8 +450,13 @@ def test_packed_equals_padded_on_jsonl_batches(processors, media, tmp_path, mcor
     data = write_jsonl(str(tmp_path / "d.jsonl"), [as_placeholder(), _text_records("q", 1)[0]])
     train = train_split(processors["qwen35"], data, media_root=media)
     t = load_processor(processors["qwen35"])[1].tokens
-    shape = replace(get_variant("tiny", moe=False, mtp=False), image_token_id=t.image, video_token_id=t.video,
-                    vision_start_token_id=t.vision_start, vision_end_token_id=t.vision_end)
+    shape = replace(
+        get_variant("tiny", moe=False, mtp=False),
+        image_token_id=t.image,
+        video_token_id=t.video,
+        vision_start_token_id=t.vision_start,
+        vision_end_token_id=t.vision_end,
+    )
     torch.manual_seed(0)
     model = build_model(shape).eval()
     samples = [train[j] for j in range(2)]

@@ -14,8 +14,19 @@ import threading
 
 import pytest
 import torch
-from test_jsonl import (BUDGET, VIDEO_OPTIONS, as_parts, as_placeholder, assert_describe_matches, reference,
-                        train_split, trained_runs, video_conversation, write_images, write_jsonl)
+from test_jsonl import (
+    BUDGET,
+    VIDEO_OPTIONS,
+    as_parts,
+    as_placeholder,
+    assert_describe_matches,
+    reference,
+    train_split,
+    trained_runs,
+    video_conversation,
+    write_images,
+    write_jsonl,
+)
 from tiny_media import write_example_media
 from tiny_processor import QWEN35_CHAT_TEMPLATE, build_processor
 
@@ -46,22 +57,48 @@ FAULTS = [
     ("bad_record", {"prompt": "Hi", "response": "Hello"}),
     ("empty_answer", qa("Hi", "   ")),
     ("special_token_in_text", qa("What is <|image_pad|>?", "A token.")),
-    ("template_error", {"messages": [{"role": "user", "content": "Hi"}, {"role": "system", "content": "Late."},
-                                     {"role": "assistant", "content": "Hello"}]}),
+    (
+        "template_error",
+        {
+            "messages": [
+                {"role": "user", "content": "Hi"},
+                {"role": "system", "content": "Late."},
+                {"role": "assistant", "content": "Hello"},
+            ]
+        },
+    ),
     ("missing_video", qa("<video>What moves?", "A bar.", videos=["nowhere.mp4"])),
     ("bad_video", qa("<video>What moves?", "A bar.", videos=["broken.mp4"])),
     ("media_in_answer", as_parts([("user", "Draw it."), ("assistant", "Here: <image>")], ["red.png"])),
     ("media_outside_root", qa("<image>Colour?", "Red.", images=["../red.png"])),
     ("media_outside_root", qa("<image>Colour?", "Red.", images=["/etc/hostname"])),
-    ("bad_record", {"messages": [{"role": "user", "content": [{"type": "image", "image": "red.png",
-                                                              "min_pixels": float("inf")}]},
-                                 {"role": "assistant", "content": "Red."}]}),
-    ("bad_record", {"messages": [{"role": "user", "content": [{"type": "image", "image": "red.png",
-                                                              "min_pixels": 4e10}]},
-                                 {"role": "assistant", "content": "Red."}]}),
-    ("video_options", {"messages": [{"role": "user", "content": [{"type": "video", "video": "broken.mp4",
-                                                                  "total_pixels": 1e300}]},
-                                    {"role": "assistant", "content": "A bar."}]}),
+    (
+        "bad_record",
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image", "image": "red.png", "min_pixels": float("inf")}]},
+                {"role": "assistant", "content": "Red."},
+            ]
+        },
+    ),
+    (
+        "bad_record",
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image", "image": "red.png", "min_pixels": 4e10}]},
+                {"role": "assistant", "content": "Red."},
+            ]
+        },
+    ),
+    (
+        "video_options",
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "video", "video": "broken.mp4", "total_pixels": 1e300}]},
+                {"role": "assistant", "content": "A bar."},
+            ]
+        },
+    ),
     ("bad_json", "[" * 100_000 + "]" * 100_000),
     ("line_too_long", json.dumps(qa("Long? " + "x" * (8 << 20), "Yes."))),
 ]
@@ -107,17 +144,22 @@ def test_strict_data_stops_at_the_first_bad_record_in_one_line(processor_path, f
     train = train_split(processor_path, faults, n=4, seq_length=120, strict_data=True)
     with pytest.raises(DataError) as err:
         train[0]
-    assert str(err.value) == (f"--data-path {faults!r}: {faults}:1: missing_image: no such image file "
-                              f"{os.path.join(os.path.dirname(faults), 'nowhere.png')!r} (--strict-data stops at the "
-                              "first bad record)")
+    assert str(err.value) == (
+        f"--data-path {faults!r}: {faults}:1: missing_image: no such image file "
+        f"{os.path.join(os.path.dirname(faults), 'nowhere.png')!r} (--strict-data stops at the "
+        "first bad record)"
+    )
     assert isinstance(err.value, ValueError) and "\n" not in str(err.value)
 
 
 def test_an_all_bad_file_stops_in_one_line(processor_path, tmp_path):
     data = write_jsonl(str(tmp_path / "d.jsonl"), ["not json", qa("Hi", "")])
     train = train_split(processor_path, data, n=2)
-    with pytest.raises(DataError, match=rf"^--data-path '{data}': every one of the 2 rows of jsonl\[train\] was "
-                                        r"skipped \(bad_json=1, empty_answer=1\); check the data and --seq-length$"):
+    with pytest.raises(
+        DataError,
+        match=rf"^--data-path '{data}': every one of the 2 rows of jsonl\[train\] was "
+        r"skipped \(bad_json=1, empty_answer=1\); check the data and --seq-length$",
+    ):
         train[0]
 
 
@@ -149,10 +191,15 @@ def test_media_outside_the_folder_are_read_only_when_allowed(processor_path, tmp
     """A record may name only media inside its JSONL's folder (or --media-root); ``allow_media_anywhere``
     lifts that, and a path that is no regular file (``/dev/zero``) is then a bad image, not a missing one."""
     write_images(str(tmp_path))
-    data = write_jsonl(str(tmp_path / "sub" / "d.jsonl"), [qa("<image>Colour?", "Red.", images=["../red.png"]),
-                                                          qa("<image>Colour?", "Red.", images=["/dev/zero"])])
-    with pytest.raises(BadSample, match=r"media_outside_root: .*d.jsonl:1: '../red.png' lies outside .*sub'.*"
-                                        "--allow-media-anywhere"):
+    data = write_jsonl(
+        str(tmp_path / "sub" / "d.jsonl"),
+        [qa("<image>Colour?", "Red.", images=["../red.png"]), qa("<image>Colour?", "Red.", images=["/dev/zero"])],
+    )
+    with pytest.raises(
+        BadSample,
+        match=r"media_outside_root: .*d.jsonl:1: '../red.png' lies outside .*sub'.*"
+        "--allow-media-anywhere",
+    ):
         train_split(processor_path, data).produce(0)
     anywhere = train_split(processor_path, data, allow_media_anywhere=True)
     assert anywhere.produce(0)["pixel_values"].numel()
@@ -196,18 +243,32 @@ def test_data_path_errors_are_one_line_naming_the_flag(processor_path, tmp_path)
             build_datasets(seq_length=64, num_samples=(1, 0, 0), data_path=value, hf_processor_path=processor_path)
     with pytest.raises(ValueError, match=r"^--eval-data-path 'nope': 'nope': no such file"):
         check_data_path("nope", "--eval-data-path")
-    with pytest.raises(ValueError, match=r"^--data-path '.*blank.jsonl': no records to train on \(every line is "
-                                         r"blank\)$"):
-        build_datasets(seq_length=64, num_samples=(1, 0, 0), data_path=str(tmp_path / "blank.jsonl"),
-                       hf_processor_path=processor_path)
+    with pytest.raises(
+        ValueError,
+        match=r"^--data-path '.*blank.jsonl': no records to train on \(every line is "
+        r"blank\)$",
+    ):
+        build_datasets(
+            seq_length=64,
+            num_samples=(1, 0, 0),
+            data_path=str(tmp_path / "blank.jsonl"),
+            hf_processor_path=processor_path,
+        )
     with pytest.raises(ValueError, match=r"^--media-root 'no/such/dir': no such directory$"):
-        build_datasets(seq_length=64, num_samples=(1, 0, 0), data_path=good, hf_processor_path=processor_path,
-                       media_root="no/such/dir")
+        build_datasets(
+            seq_length=64,
+            num_samples=(1, 0, 0),
+            data_path=good,
+            hf_processor_path=processor_path,
+            media_root="no/such/dir",
+        )
     assert [s.weight for s in check_data_path(f"{good}:3,{good}:0.5")] == [3.0, 0.5]
 
 
-@pytest.mark.parametrize("option, value", [("video_fps", 0.0), ("video_max_frames", -2), ("video_min_pixels", 0),
-                                           ("video_total_pixels", 1e300)])
+@pytest.mark.parametrize(
+    "option, value",
+    [("video_fps", 0.0), ("video_max_frames", -2), ("video_min_pixels", 0), ("video_total_pixels", 1e300)],
+)
 def test_a_video_flag_that_cannot_work_is_one_line_naming_it(processor_path, tmp_path, option, value):
     good = write_jsonl(str(tmp_path / "good.jsonl"), [GOOD])
     flag = "--" + option.replace("_", "-")
@@ -216,6 +277,7 @@ def test_a_video_flag_that_cannot_work_is_one_line_naming_it(processor_path, tmp
 
 
 # --- videos (data/video.py) and the example files -------------------------------------------
+
 
 def test_videos_equal_apply_chat_template_and_the_processor(processor_path, tmp_path, caplog):
     """A video (absolute path) and an image in a multi-turn conversation: ids, pixels and grids
@@ -264,8 +326,11 @@ def test_a_video_over_the_budget_is_skipped_from_its_header(processor_path, tmp_
     train = train_split(processor_path, str(tmp_path / "videos.jsonl"), seq_length=6, **VIDEO_OPTIONS)
     decoded = []
     monkeypatch.setattr(video, "load_video", lambda *a: decoded.append(a))
-    with pytest.raises(BadSample, match=r"over_budget: .*videos.jsonl:1: its videos alone are \d+ tokens > "
-                                        "--seq-length 6"):
+    with pytest.raises(
+        BadSample,
+        match=r"over_budget: .*videos.jsonl:1: its videos alone are \d+ tokens > "
+        "--seq-length 6",
+    ):
         train.produce(0)
     assert not decoded
 
@@ -291,8 +356,13 @@ def test_the_video_processor_notice_is_silenced_by_the_call_not_globally(process
             hf_logging.warning_once.cache_clear()
             caplog.clear()
             with caplog.at_level(logging.WARNING):
-                out = processor(text=["<|video_pad|>"], videos=[frames], video_metadata=[metadata],
-                                videos_kwargs=dict(kwargs), return_tensors="pt")
+                out = processor(
+                    text=["<|video_pad|>"],
+                    videos=[frames],
+                    video_metadata=[metadata],
+                    videos_kwargs=dict(kwargs),
+                    return_tensors="pt",
+                )
             logged[name] = (any("cap_pixels_per_frame" in r.getMessage() for r in caplog.records), out["input_ids"])
     finally:
         hf_logging.disable_propagation()
@@ -318,7 +388,14 @@ def test_example_files_load(name, processor_path, tmp_path):
     assert not train.skip_counts
     assert_describe_matches(train, 10)
     processor, _ = load_processor(processor_path, **BUDGET)
-    first = reference(processor, as_parts([("user", "<image>What shape is this?"), ("assistant", "A red circle.")],
-                                          ["images/red_circle.png"], root=folder, **BUDGET))
+    first = reference(
+        processor,
+        as_parts(
+            [("user", "<image>What shape is this?"), ("assistant", "A red circle.")],
+            ["images/red_circle.png"],
+            root=folder,
+            **BUDGET,
+        ),
+    )
     if name != "sharegpt":  # the first record of both is this conversation
         assert torch.equal(train[0]["input_ids"], first["input_ids"][0])

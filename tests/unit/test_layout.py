@@ -16,13 +16,21 @@ functions, runs down the stack, and no two modules import each other, directly o
 import ast
 import os
 
-import pytest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = "examples.multimodal_dev"
 # lowest first; a module may import its own layer and the layers before it
-LAYERS = ("megatron.cpu", f"{PACKAGE}.megatron_changes", f"{PACKAGE}.models", f"{PACKAGE}.data",
-          f"{PACKAGE}.checkpoint", f"{PACKAGE}.planner", f"{PACKAGE}.vision_ranks", f"{PACKAGE}.training", f"{PACKAGE}.entry", f"{PACKAGE}.commands")
+LAYERS = (
+    "megatron.cpu",
+    f"{PACKAGE}.megatron_changes",
+    f"{PACKAGE}.models",
+    f"{PACKAGE}.data",
+    f"{PACKAGE}.checkpoint",
+    f"{PACKAGE}.planner",
+    f"{PACKAGE}.vision_ranks",
+    f"{PACKAGE}.training",
+    f"{PACKAGE}.entry",
+    f"{PACKAGE}.commands",
+)
 ENTRY = {f"{PACKAGE}.{name}" for name in ("pretrain_multimodal", "arguments", "forward_step")}
 COMMANDS = (f"{PACKAGE}.tools", f"{PACKAGE}.benchmarks")
 
@@ -80,8 +88,9 @@ GRAPH = {m: imports_of(m) for m in MODULES}
 
 
 def upward_imports(graph) -> list[str]:
-    return [f"{m} imports {dep}" for m, deps in sorted(graph.items()) for dep in sorted(deps)
-            if layer_of(dep) > layer_of(m)]
+    return [
+        f"{m} imports {dep}" for m, deps in sorted(graph.items()) for dep in sorted(deps) if layer_of(dep) > layer_of(m)
+    ]
 
 
 def circles(graph) -> list[str]:
@@ -91,7 +100,7 @@ def circles(graph) -> list[str]:
         state[node] = "open"
         for dep in sorted(graph[node]):
             if state.get(dep) == "open":
-                found.append(" -> ".join(path[path.index(dep):] + [dep]))
+                found.append(" -> ".join(path[path.index(dep) :] + [dep]))
             elif dep not in state:
                 visit(dep, path + [dep])
         state[node] = "done"
@@ -103,7 +112,9 @@ def circles(graph) -> list[str]:
 
 
 def test_every_import_runs_down_the_layers():
-    assert not upward_imports(GRAPH), "imports from a lower layer to a higher one:\n  " + "\n  ".join(upward_imports(GRAPH))
+    assert not upward_imports(GRAPH), "imports from a lower layer to a higher one:\n  " + "\n  ".join(
+        upward_imports(GRAPH)
+    )
 
 
 def test_no_module_imports_back_round_a_circle():
@@ -126,6 +137,11 @@ def test_tools_hold_only_commands():
     for module, path in MODULES.items():
         if module.startswith(COMMANDS) and not path.endswith("__init__.py") and not module.endswith(".timing"):
             assert 'if __name__ == "__main__":' in open(path).read(), f"{module} is not a command"
-    importers = [f"{m} imports {dep}" for m, deps in GRAPH.items() if not m.startswith(COMMANDS)
-                 for dep in deps if dep.startswith(COMMANDS)]
+    importers = [
+        f"{m} imports {dep}"
+        for m, deps in GRAPH.items()
+        if not m.startswith(COMMANDS)
+        for dep in deps
+        if dep.startswith(COMMANDS)
+    ]
     assert not importers, importers

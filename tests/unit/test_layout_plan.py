@@ -11,9 +11,9 @@ import pytest
 
 from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS
 from examples.multimodal_dev.planner import layout_cost as cost
+from examples.multimodal_dev.planner.launch_layout import Layout
 from examples.multimodal_dev.planner.layout_mix import Mix
 from examples.multimodal_dev.planner.layout_plan import Request, balanced_split, evaluate, plan
-from examples.multimodal_dev.planner.launch_layout import Layout
 from examples.multimodal_dev.planner.pipeline_layout import LAYOUTS, stage_layers
 from examples.multimodal_dev.tools import plan_layout as tool
 
@@ -28,12 +28,20 @@ def mixes():
         if (name, seq_len) not in cache:
             cache[name, seq_len] = Mix.mock_mix(VARIANTS[name], seq_len)
         return cache[name, seq_len]
+
     return get
 
 
 def _request(mixes, name, gpus, **kw):
-    return Request(name, VARIANTS[name], gpus, cost.HARDWARE["h100"], mixes(name, kw.pop("seq_len", 4096)),
-                   kw.pop("global_batch", 512), **kw)
+    return Request(
+        name,
+        VARIANTS[name],
+        gpus,
+        cost.HARDWARE["h100"],
+        mixes(name, kw.pop("seq_len", 4096)),
+        kw.pop("global_batch", 512),
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("variant", list(LAYOUTS))
@@ -60,7 +68,10 @@ def test_activations_over_memory_are_named(mixes):
     req = _request(mixes, "9b", 8, seq_len=32768, micro_batch=4, global_batch=64, recompute=(None,))
     refused = evaluate(req, cost.Candidate(Layout(tp=1, pp=1, gpus=8), 4)).refused
     assert refused == "over memory (activations)"
-    assert evaluate(req, cost.Candidate(Layout(tp=8, pp=1, cp=1, gpus=8), 1)).refused in ("", "over memory (activations)")
+    assert evaluate(req, cost.Candidate(Layout(tp=8, pp=1, cp=1, gpus=8), 1)).refused in (
+        "",
+        "over memory (activations)",
+    )
 
 
 def test_tied_embeddings_with_mtp_are_planned_over_stages(mixes):
@@ -83,8 +94,9 @@ def test_micro_batches_in_flight_are_megatrons_warm_up(pp, vp, m):
     from megatron.core.pipeline_parallel.schedules import get_pp_rank_microbatches
 
     for rank in range(pp):
-        comm = SimpleNamespace(pp_group=SimpleNamespace(size=lambda: pp, rank=lambda r=rank: r),
-                               virtual_pipeline_model_parallel_size=vp)
+        comm = SimpleNamespace(
+            pp_group=SimpleNamespace(size=lambda: pp, rank=lambda r=rank: r), virtual_pipeline_model_parallel_size=vp
+        )
         total, _, warmup, _ = get_pp_rank_microbatches(m, vp or 1, pp, p2p_communicator=comm)
         chunks = min(warmup + 1, total)
         assert cost.in_flight(Layout(pp=pp, vp=vp, gpus=pp), rank, m) == pytest.approx(chunks / (vp or 1))
@@ -129,27 +141,36 @@ def test_mix_imbalance_is_one_for_one_replica_and_small_when_dealt(mixes):
     assert len(mix.rows) > 100 and all(r.tokens <= 4096 for r in mix.rows)
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["9b", "--gpus", "12"], "--gpus 12: not a whole number of nodes"),
-    (["9b", "--gpus", "0"], "--gpus 0: must be at least 1"),
-    (["9b", "--gpus", "8", "--efficiency", "1.5"], r"--efficiency 1.5: a share of peak"),
-    (["9b", "--gpus", "8", "--gpu-memory", "-1"], "--gpu-memory -1.0: must be a positive finite number"),
-    (["9b", "--gpu-memory", "nan"], "--gpu-memory nan: must be a positive finite number"),
-    (["9b", "--gpu-memory", "inf"], "--gpu-memory inf: must be a positive finite number"),
-    (["9b", "--peak-tflops", "nan"], "--peak-tflops nan: must be a positive finite number"),
-    (["9b", "--network-gbs", "nan"], "--network-gbs nan: must be a positive finite number"),
-    (["9b", "--efficiency", "nan"], "--efficiency nan: a share of peak"),
-    (["9b", "--global-batch", str(10 ** 15)], f"--global-batch {10 ** 15}: at most 1048576 rows a step"),
-    (["9b", "--layout", "TP=2 TP=4"], "--layout TP=2 TP=4: item 'TP=4': TP is given twice"),
-    (["9b", "--layout", "TP=2 GPUS=16"], "GPUS=16 disagrees with --gpus 8; give the count once"),
-    (["9b", "--gpus", "1000000", "--brief"], "--global-batch 512 is not a multiple of any layout's DP x MBS on "
-                                             "1000000 GPUs; raise --global-batch or lower --gpus"),
-    (["nine", "--gpus", "8"], "variant 'nine': expected one of"),
-    (["tiny"], "--gpus: needed for tiny"),
-    (["9b", "--layout", "TP=3"], "--layout TP=3: invalid parallel settings: --tensor-model-parallel-size 3 must divide "
-                                 "num_attention_heads 16; "),
-    (["9b", "--layout", "XP=2"], "--layout XP=2: item 'XP=2': expected KEY=N"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["9b", "--gpus", "12"], "--gpus 12: not a whole number of nodes"),
+        (["9b", "--gpus", "0"], "--gpus 0: must be at least 1"),
+        (["9b", "--gpus", "8", "--efficiency", "1.5"], r"--efficiency 1.5: a share of peak"),
+        (["9b", "--gpus", "8", "--gpu-memory", "-1"], "--gpu-memory -1.0: must be a positive finite number"),
+        (["9b", "--gpu-memory", "nan"], "--gpu-memory nan: must be a positive finite number"),
+        (["9b", "--gpu-memory", "inf"], "--gpu-memory inf: must be a positive finite number"),
+        (["9b", "--peak-tflops", "nan"], "--peak-tflops nan: must be a positive finite number"),
+        (["9b", "--network-gbs", "nan"], "--network-gbs nan: must be a positive finite number"),
+        (["9b", "--efficiency", "nan"], "--efficiency nan: a share of peak"),
+        (["9b", "--global-batch", str(10**15)], f"--global-batch {10**15}: at most 1048576 rows a step"),
+        (["9b", "--layout", "TP=2 TP=4"], "--layout TP=2 TP=4: item 'TP=4': TP is given twice"),
+        (["9b", "--layout", "TP=2 GPUS=16"], "GPUS=16 disagrees with --gpus 8; give the count once"),
+        (
+            ["9b", "--gpus", "1000000", "--brief"],
+            "--global-batch 512 is not a multiple of any layout's DP x MBS on "
+            "1000000 GPUs; raise --global-batch or lower --gpus",
+        ),
+        (["nine", "--gpus", "8"], "variant 'nine': expected one of"),
+        (["tiny"], "--gpus: needed for tiny"),
+        (
+            ["9b", "--layout", "TP=3"],
+            "--layout TP=3: invalid parallel settings: --tensor-model-parallel-size 3 must divide "
+            "num_attention_heads 16; ",
+        ),
+        (["9b", "--layout", "XP=2"], "--layout XP=2: item 'XP=2': expected KEY=N"),
+    ],
+)
 def test_bad_settings_are_refused_in_one_line(argv, message):
     with pytest.raises(SystemExit) as exc:
         tool.main(argv)
@@ -161,7 +182,12 @@ def test_the_tool_prints_the_memory_and_time_parts(capsys):
     assert tool.main(["35b_a3b", "--gpus", "16", "--top", "2"]) == 0
     out = capsys.readouterr().out
     assert out.count("\n#") == 2 and "weights" in out and "optimizer" in out and "activations" in out
-    assert "EP" in out and "bubble" in out and "\n   run (DP=" in out and "PACKING=tokens SEQ_LEN=4096 GBS=512 bash run_qwen35_vl.sh" in out
+    assert (
+        "EP" in out
+        and "bubble" in out
+        and "\n   run (DP=" in out
+        and "PACKING=tokens SEQ_LEN=4096 GBS=512 bash run_qwen35_vl.sh" in out
+    )
     assert tool.main(["35b_a3b", "--brief"]) == 0
     brief = capsys.readouterr().out.strip()
     tp, pp, vp, cp, ep, etp, first, last, gpus = LAYOUTS["35b_a3b"]
@@ -179,9 +205,16 @@ def test_the_mix_of_your_own_jsonl_is_what_its_dataset_describes(tmp_path, capsy
 
     processor = build_processor(str(tmp_path / "processor"))
     (tmp_path / "cat.png").write_bytes(png_bytes((96, 64), (200, 10, 10)))
-    records = [{"messages": [{"role": "user", "content": "<image>" * (i % 3) + "describe " * (5 + 7 * i)},
-                             {"role": "assistant", "content": "ok " * (3 + i)}], "images": ["cat.png"] * (i % 3)}
-               for i in range(40)]
+    records = [
+        {
+            "messages": [
+                {"role": "user", "content": "<image>" * (i % 3) + "describe " * (5 + 7 * i)},
+                {"role": "assistant", "content": "ok " * (3 + i)},
+            ],
+            "images": ["cat.png"] * (i % 3),
+        }
+        for i in range(40)
+    ]
     data = tmp_path / "mine.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in records) + "\n")
     train, _, _ = build_datasets(1024, (40, 0, 0), data_path=str(data), hf_processor_path=processor)
@@ -193,14 +226,34 @@ def test_the_mix_of_your_own_jsonl_is_what_its_dataset_describes(tmp_path, capsy
     assert not Counter(g for r in mix.rows for g in r.grids) - Counter(tuple(g) for _, gs in described for g in gs)
     assert any(r.grids for r in mix.rows) and all(r.tokens <= 1024 for r in mix.rows)
 
-    assert tool.main(["9b", "--gpus", "8", "--seq-len", "1024", "--global-batch", "64", "--top", "1",
-                      "--data-path", str(data), "--hf-processor-path", processor]) == 0
+    assert (
+        tool.main(
+            [
+                "9b",
+                "--gpus",
+                "8",
+                "--seq-len",
+                "1024",
+                "--global-batch",
+                "64",
+                "--top",
+                "1",
+                "--data-path",
+                str(data),
+                "--hf-processor-path",
+                processor,
+            ]
+        )
+        == 0
+    )
     assert f"from --data-path {data}" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="needs --hf-processor-path"):
         tool.main(["9b", "--gpus", "8", "--data-path", str(data)])
     # records training would skip are left out and counted; a file with none usable is refused
-    bad = {"messages": [{"role": "user", "content": "<image>?"}, {"role": "assistant", "content": "x"}],
-           "images": ["missing.png"]}
+    bad = {
+        "messages": [{"role": "user", "content": "<image>?"}, {"role": "assistant", "content": "x"}],
+        "images": ["missing.png"],
+    }
     data.write_text("\n".join(json.dumps(r) for r in [bad, records[1], bad]) + "\n")
     train, _, _ = build_datasets(1024, (3, 0, 0), data_path=str(data), hf_processor_path=processor)
     mix = Mix.from_dataset(VARIANTS["9b"], 1024, train, "mine")

@@ -43,7 +43,6 @@ def _behaviour() -> dict:
 def report() -> None:
     """Run in a fresh interpreter: what applying the device layer and every row changed."""
     import megatron.cpu
-
     from examples.multimodal_dev.training.throughput import StepFlops
 
     for change in CHANGES:
@@ -63,17 +62,33 @@ def report() -> None:
     # a module imported meanwhile (a submodule the conditions import) is new, not a change
     known = {k.partition(":")[0] for k in before}
     new_module = {k for k in after.keys() - before.keys() if isinstance(after[k], types.ModuleType)}
-    changed = sorted(k for k in before.keys() | after.keys() - new_module
-                     if before.get(k) is not after.get(k) and k.partition(":")[0] in known)
-    print(json.dumps({"changed": changed, "changed_again": sorted(k for k in after if after[k] is not again.get(k)),
-                      "applied": len(megatron_changes.applied())}))
+    changed = sorted(
+        k
+        for k in before.keys() | after.keys() - new_module
+        if before.get(k) is not after.get(k) and k.partition(":")[0] in known
+    )
+    print(
+        json.dumps(
+            {
+                "changed": changed,
+                "changed_again": sorted(k for k in after if after[k] is not again.get(k)),
+                "applied": len(megatron_changes.applied()),
+            }
+        )
+    )
 
 
 @pytest.fixture(scope="module")
 def installed() -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MEGATRON_CPU_FLA", "TRITON_INTERPRET")}
-    out = subprocess.run([sys.executable, "-c", "from tests.unit.test_megatron_changes import report; report()"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", "from tests.unit.test_megatron_changes import report; report()"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -97,11 +112,18 @@ def test_every_replacement_exists():
 
 
 def test_a_target_megatron_no_longer_has_stops_in_one_line():
-    gone = Change("optimizer-formats", "megatron.core.optimizer.optimizer:ChainedOptimizer.no_such_method",
-                  "examples.multimodal_dev.checkpoint.optimizer_format:regrouped", "a test")
-    with pytest.raises(megatron_changes.MegatronChangeError, match=r"^megatron.core.optimizer.optimizer:"
-                       r"ChainedOptimizer.no_such_method: not in this megatron-core / torch; the change "
-                       r"'optimizer-formats' was written for megatron-core 0.19.2 and needs re-porting$"):
+    gone = Change(
+        "optimizer-formats",
+        "megatron.core.optimizer.optimizer:ChainedOptimizer.no_such_method",
+        "examples.multimodal_dev.checkpoint.optimizer_format:regrouped",
+        "a test",
+    )
+    with pytest.raises(
+        megatron_changes.MegatronChangeError,
+        match=r"^megatron.core.optimizer.optimizer:"
+        r"ChainedOptimizer.no_such_method: not in this megatron-core / torch; the change "
+        r"'optimizer-formats' was written for megatron-core 0.19.2 and needs re-porting$",
+    ):
         changes._apply_row(gone, None)
 
 
@@ -111,8 +133,10 @@ def test_another_megatron_core_is_warned_about_once(monkeypatch):
     monkeypatch.setattr(changes, "_warned", [])
     monkeypatch.setattr(package_info, "__version__", "0.20.0")
     line = changes.check_version()
-    assert line.startswith("megatron-core 0.20.0: this project's changes to it were written for 0.19.2; re-verify "
-                           "checkpoints-are-data, torch-adam-distributed-optimizer, ")
+    assert line.startswith(
+        "megatron-core 0.20.0: this project's changes to it were written for 0.19.2; re-verify "
+        "checkpoints-are-data, torch-adam-distributed-optimizer, "
+    )
     assert "cpu-host" not in line  # the device layer's own rows are its to check
     assert changes.check_version() is None
 
@@ -126,5 +150,6 @@ def test_unknown_and_device_layer_groups_are_refused():
 
 def test_the_doc_page_is_the_tables_output():
     with open(os.path.join(ROOT, "docs", "megatron_changes.md")) as f:
-        assert f.read() == table_doc.markdown(), "run: python -m examples.multimodal_dev.megatron_changes > " \
-                                                 "docs/megatron_changes.md"
+        assert f.read() == table_doc.markdown(), (
+            "run: python -m examples.multimodal_dev.megatron_changes > docs/megatron_changes.md"
+        )

@@ -72,6 +72,7 @@ def plans(no_process_group):
         if variant not in cache:
             cache[variant] = Plan(variant)
         return cache[variant]
+
     return get
 
 
@@ -90,11 +91,14 @@ def test_rank_memory_of_representative_ranks(plans, variant):
             assert build.coords["ep"] == layout.ep - 1 and build.coords["pp"] == 0
         assert len(build.chunks) == (layout.vp or 1)
         assert [c.pre_process for c in build.chunks] == [stage == 0 and v == 0 for v in range(len(build.chunks))]
-        assert [c.post_process for c in build.chunks] == [stage == layout.pp - 1 and v == len(build.chunks) - 1
-                                                          for v in range(len(build.chunks))]
+        assert [c.post_process for c in build.chunks] == [
+            stage == layout.pp - 1 and v == len(build.chunks) - 1 for v in range(len(build.chunks))
+        ]
         for chunk in build.chunks:
-            assert sum(p.numel for p in chunk.params) == sum(prod(s.local_shape) for s in chunk.shards), (label,
-                                                                                                       chunk.vp_stage)
+            assert sum(p.numel for p in chunk.params) == sum(prod(s.local_shape) for s in chunk.shards), (
+                label,
+                chunk.vp_stage,
+            )
             expert_shards = sum(prod(s.local_shape) for s in chunk.shards if ".experts.experts." in s.key)
             assert sum(p.numel for p in chunk.params if p.expert) == expert_shards
         mem = mb.rank_memory(build, layout)
@@ -103,17 +107,33 @@ def test_rank_memory_of_representative_ranks(plans, variant):
         assert {p.dtype for p in build.params} <= {torch.bfloat16, torch.float32}
         assert mem.weight_bytes == 2 * mem.params + 2 * sum(p.numel for p in fp32)
         assert mem.grad_bytes == 4 * mem.params
-        print(f"{variant} rank {rank} ({label}): {mem.params / 1e9:.2f} B parameters, weights "
-              f"{mem.weight_bytes / mb.GIB:.1f} GiB, gradients {mem.grad_bytes / mb.GIB:.1f} GiB, "
-              f"optimizer {mem.optimizer_bytes / mb.GIB:.1f} GiB")
+        print(
+            f"{variant} rank {rank} ({label}): {mem.params / 1e9:.2f} B parameters, weights "
+            f"{mem.weight_bytes / mb.GIB:.1f} GiB, gradients {mem.grad_bytes / mb.GIB:.1f} GiB, "
+            f"optimizer {mem.optimizer_bytes / mb.GIB:.1f} GiB"
+        )
 
 
 def test_rank_memory_formula():
     """Dense state over DP x CP, expert state over expert DP, no main copy of an fp32 parameter."""
     layout = mb.Layout(tp=2, pp=2, cp=2, ep=4, etp=1, gpus=32)  # DP x CP = 8, expert DP = 4
-    build = mb.RankBuild(0, {}, [mb.Chunk(None, True, True, [
-        mb.Param("dense", 800, torch.bfloat16, False), mb.Param("expert", 400, torch.bfloat16, True),
-        mb.Param("A_log", 80, torch.float32, False)], [])])
+    build = mb.RankBuild(
+        0,
+        {},
+        [
+            mb.Chunk(
+                None,
+                True,
+                True,
+                [
+                    mb.Param("dense", 800, torch.bfloat16, False),
+                    mb.Param("expert", 400, torch.bfloat16, True),
+                    mb.Param("A_log", 80, torch.float32, False),
+                ],
+                [],
+            )
+        ],
+    )
     mem = mb.rank_memory(build, layout)
     assert (mem.params, mem.expert_params) == (1280, 400)
     assert mem.weight_bytes == 2 * 1200 + 4 * 80 and mem.grad_bytes == 4 * 1280
@@ -141,12 +161,19 @@ def test_parameter_totals_match_the_published_figures(plans, variant):
     written = {s.key: prod(s.global_shape) for b in plan.builds.values() for c in b.chunks for s in c.shards}
     assert hf == counts.with_mtp == sum(written.values())
     if variant in FULLY_BUILT:
-        main = sum(prod(s.local_shape) for b in plan.builds.values() for c in b.chunks for s in c.shards
-                   if is_main_replica(s.replica_id))
+        main = sum(
+            prod(s.local_shape)
+            for b in plan.builds.values()
+            for c in b.chunks
+            for s in c.shards
+            if is_main_replica(s.replica_id)
+        )
         assert main == counts.with_mtp
     total, active = cov.PUBLISHED[variant]
-    print(f"{variant}: total {counts.total / 1e9:.2f} B (published {total}), active {counts.active / 1e9:.2f} B "
-          f"(published {active}); MTP head {counts.mtp / 1e9:.2f} B, vision tower {counts.vision / 1e9:.2f} B")
+    print(
+        f"{variant}: total {counts.total / 1e9:.2f} B (published {total}), active {counts.active / 1e9:.2f} B "
+        f"(published {active}); MTP head {counts.mtp / 1e9:.2f} B, vision tower {counts.vision / 1e9:.2f} B"
+    )
     assert cov.within_published_rounding(counts.total, total)
     assert cov.within_published_rounding(counts.active, active)
     if variant in ("122b_a10b", "397b_a17b"):  # the MTP head is not in the published totals
@@ -165,22 +192,24 @@ def test_readme_table_is_what_the_tool_prints(plans):
 def test_builds_stay_on_the_meta_device(no_process_group):
     """Every tensor of the heaviest rank (397b_a17b's last stage) is on meta, and holding its
     models costs no host memory (in storage it would be 6.4 GiB of bf16 weights)."""
+
     def rss():
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * resource.getpagesize()
+
     before = rss()
     build = mb.rank_build(VARIANTS["397b_a17b"], mb.Layout.recommended("397b_a17b"), 224, keep_models=True)
     tensors = [t for m in build.models for t in [*m.parameters(), *m.buffers()]]
     assert tensors and all(t.is_meta for t in tensors)
     assert sum(t.numel() for t in tensors if isinstance(t, torch.nn.Parameter)) > 3e9
-    assert rss() - before < 512 * 2 ** 20
+    assert rss() - before < 512 * 2**20
 
 
 # ---- the checks fail when the mapping or the builds are wrong ----
 
+
 def _copy(builds):
-    return [mb.RankBuild(b.rank, dict(b.coords), [replace(c, shards=list(c.shards)) for c in b.chunks])
-            for b in builds]
+    return [mb.RankBuild(b.rank, dict(b.coords), [replace(c, shards=list(c.shards)) for c in b.chunks]) for b in builds]
 
 
 def test_a_rule_missing_from_the_mapping_is_found(plans):
@@ -188,8 +217,9 @@ def test_a_rule_missing_from_the_mapping_is_found(plans):
     dropped = "language_model.decoder.layers.5.mlp.linear_fc2.weight"
     rules = [r for r in mapping_rules(plan.shape) if r.megatron != (dropped,)]
     errors = cov.coverage_errors(cov.expected_keys(plan.shape, rules), list(plan.builds.values()), plan.layout)
-    assert errors and all(e.endswith(f"{dropped} (5120, 17408) is not in the converter's mapping")
-                          for e in errors), errors
+    assert errors and all(e.endswith(f"{dropped} (5120, 17408) is not in the converter's mapping") for e in errors), (
+        errors
+    )
     assert len(errors) == plan.layout.tp  # one per TP shard of that tensor
 
 
@@ -199,13 +229,16 @@ def test_an_expert_missing_from_the_mapping_is_found(plans):
     rules = []
     for rule in mapping_rules(plan.shape):
         if rule.megatron[0] == f"{prefix}local_experts.0.linear_fc1.weight":  # expert 17 left out
-            rule = replace(rule, megatron=tuple(n for n in rule.megatron if ".17." not in n),
-                           to_megatron=lambda ts, unstack=rule.to_megatron: [t for e, t in enumerate(unstack(ts))
-                                                                              if e != 17])
+            rule = replace(
+                rule,
+                megatron=tuple(n for n in rule.megatron if ".17." not in n),
+                to_megatron=lambda ts, unstack=rule.to_megatron: [t for e, t in enumerate(unstack(ts)) if e != 17],
+            )
         rules.append(rule)
     errors = cov.coverage_errors(cov.expected_keys(plan.shape, rules), list(plan.builds.values()), plan.layout)
-    assert errors == [f"{prefix}experts.linear_fc1.weight: the mapping fills 255 of its 256 stacked slices "
-                      "(missing [17])"]
+    assert errors == [
+        f"{prefix}experts.linear_fc1.weight: the mapping fills 255 of its 256 stacked slices (missing [17])"
+    ]
 
 
 def test_a_layer_no_stage_builds_is_found(plans):
@@ -215,8 +248,9 @@ def test_a_layer_no_stage_builds_is_found(plans):
         for c in b.chunks:
             c.shards = [s for s in c.shards if not s.key.startswith("language_model.decoder.layers.30.")]
     errors = cov.coverage_errors(plan.expected, builds, plan.layout)
-    assert errors and all("language_model.decoder.layers.30." in e and "in 0 (pipeline, virtual) stages" in e
-                          for e in errors), errors
+    assert errors and all(
+        "language_model.decoder.layers.30." in e and "in 0 (pipeline, virtual) stages" in e for e in errors
+    ), errors
 
 
 def test_a_layer_on_two_stages_and_a_misplaced_shard_are_found(plans):
@@ -234,15 +268,24 @@ def test_a_layer_on_two_stages_and_a_misplaced_shard_are_found(plans):
     per_rank = experts // lay.ep
     builds = _copy(plan.builds.values())
     mover = next(b for b in builds if (b.coords["pp"], b.coords["ep"], b.coords["etp"]) == (0, lay.ep - 1, 0))
-    mover.chunks[0].shards = [replace(s, global_offset=(s.global_offset[0] - per_rank, *s.global_offset[1:]))
-                              if ".experts.experts." in s.key else s for s in mover.chunks[0].shards]
+    mover.chunks[0].shards = [
+        replace(s, global_offset=(s.global_offset[0] - per_rank, *s.global_offset[1:]))
+        if ".experts.experts." in s.key
+        else s
+        for s in mover.chunks[0].shards
+    ]
     errors = cov.coverage_errors(plan.expected, builds, plan.layout)
     fc2 = "language_model.decoder.layers.0.mlp.experts.experts.linear_fc2.weight"
     cell = (experts - 2 * per_rank, 0, 0)  # the first expert of the EP rank before it, TP slice 0
-    assert f"{fc2}: {per_rank} shard(s) written by more than one rank (cell {cell}: ranks " \
-           f"[{mover.rank - lay.etp}, {mover.rank}])" in errors, errors[:4]
-    grid = (experts, 1, lay.etp) if any(e.startswith(f"{fc2}: ") and f"grid ({experts}, 1, {lay.etp})" in e
-                                        for e in errors) else (experts, lay.etp, 1)
+    assert (
+        f"{fc2}: {per_rank} shard(s) written by more than one rank (cell {cell}: ranks "
+        f"[{mover.rank - lay.etp}, {mover.rank}])" in errors
+    ), errors[:4]
+    grid = (
+        (experts, 1, lay.etp)
+        if any(e.startswith(f"{fc2}: ") and f"grid ({experts}, 1, {lay.etp})" in e for e in errors)
+        else (experts, lay.etp, 1)
+    )
     assert f"{fc2}: {per_rank} of {experts * lay.etp} shards of the grid {grid} written by no rank" in errors
 
 
@@ -252,11 +295,16 @@ def test_a_shape_the_mapping_disagrees_with_is_found(plans):
     name = "model.language_model.layers.7.mlp.down_proj.weight"
     hf[name] = torch.Size([hf[name][0], hf[name][1] + 128])
     errors = cov.coverage_errors(cov.expected_keys(plan.shape, hf=hf), list(plan.builds.values()), plan.layout)
-    wrong = [e for e in errors if "layers.7.mlp.linear_fc2.weight has global shape (5120, 17408); the mapping "
-             "gives (5120, 17536)" in e]
+    wrong = [
+        e
+        for e in errors
+        if "layers.7.mlp.linear_fc2.weight has global shape (5120, 17408); the mapping gives (5120, 17536)" in e
+    ]
     assert len(wrong) == plan.layout.tp  # every TP shard, and so no rank owns the tensor:
-    assert errors[len(wrong):] == ["language_model.decoder.layers.7.mlp.linear_fc2.weight: main replica in 0 "
-                                   "(pipeline, virtual) stages []; expected exactly one"]
+    assert errors[len(wrong) :] == [
+        "language_model.decoder.layers.7.mlp.linear_fc2.weight: main replica in 0 "
+        "(pipeline, virtual) stages []; expected exactly one"
+    ]
 
 
 def test_an_incomplete_stage_needs_a_tiled_kind(plans):
@@ -279,11 +327,16 @@ def test_layouts_that_do_not_split_are_refused(no_process_group):
 
 
 def test_the_command_refuses_an_unknown_variant_in_one_line():
-    out = subprocess.run([sys.executable, "-m", "examples.multimodal_dev.tools.rank_memory", "27b", "400b"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "examples.multimodal_dev.tools.rank_memory", "27b", "400b"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 1 and out.stdout == ""
     assert out.stderr.strip().splitlines() == [
-        "rank_memory: unknown variant '400b'; valid: 9b, 27b, 35b_a3b, 122b_a10b, 397b_a17b"]
+        "rank_memory: unknown variant '400b'; valid: 9b, 27b, 35b_a3b, 122b_a10b, 397b_a17b"
+    ]
 
 
 def test_tied_embeddings_with_mtp_on_a_later_stage_checkpoint(no_process_group):
@@ -309,14 +362,21 @@ def _assert_counted_equals_built(shape, layout, build, label):
     """The planner's count (``rank_params``, no build) is the build, parameter for parameter in
     total per dtype and kind, and gives the same bytes of weights, gradients and optimizer state."""
     counted = _counted(shape, layout, build.coords["pp"])
-    built = dict(dense=sum(p.numel for p in build.params if not p.expert and p.dtype == torch.bfloat16),
-                 fp32=sum(p.numel for p in build.params if p.dtype == torch.float32),
-                 expert=sum(p.numel for p in build.params if p.expert))
+    built = dict(
+        dense=sum(p.numel for p in build.params if not p.expert and p.dtype == torch.bfloat16),
+        fp32=sum(p.numel for p in build.params if p.dtype == torch.float32),
+        expert=sum(p.numel for p in build.params if p.expert),
+    )
     assert built == dict(dense=counted.dense, fp32=counted.fp32, expert=counted.expert), label
     vision = sum(p.numel for p in build.params if p.name.startswith("vision_model."))
     mtp = sum(p.numel for p in build.params if ".mtp." in p.name)
-    embedding_copy = sum(p.numel for c in build.chunks if c.post_process and not c.pre_process for p in c.params
-                         if p.name.startswith("language_model.embedding."))  # the MTP head's, on the last stage
+    embedding_copy = sum(
+        p.numel
+        for c in build.chunks
+        if c.post_process and not c.pre_process
+        for p in c.params
+        if p.name.startswith("language_model.embedding.")
+    )  # the MTP head's, on the last stage
     assert vision == counted.vision and mtp + embedding_copy == counted.mtp, label
     from examples.multimodal_dev.planner.layout_cost import state_bytes
 
@@ -332,12 +392,16 @@ def test_counted_parameters_equal_the_builds(plans, variant):
         _assert_counted_equals_built(plan.shape, plan.layout, build, f"{variant} rank {rank}")
 
 
-@pytest.mark.parametrize("variant,layout", [
-    ("0.8b", mb.Layout(tp=2, cp=2, gpus=8)),  # tied embeddings, one stage: the output layer is the embedding
-    ("2b", mb.Layout(tp=2, pp=2, gpus=4)),  # tied embeddings over two stages: the last keeps a copy
-    ("35b_a3b", mb.Layout(tp=4, pp=4, vp=2, ep=4, etp=2, gpus=64)),  # ETP > 1, virtual stages
-    ("27b", mb.Layout(tp=8, pp=4, vp=2, first=14, last=14, gpus=32)),  # uneven split with virtual stages
-], ids=lambda v: v if isinstance(v, str) else v.describe())
+@pytest.mark.parametrize(
+    "variant,layout",
+    [
+        ("0.8b", mb.Layout(tp=2, cp=2, gpus=8)),  # tied embeddings, one stage: the output layer is the embedding
+        ("2b", mb.Layout(tp=2, pp=2, gpus=4)),  # tied embeddings over two stages: the last keeps a copy
+        ("35b_a3b", mb.Layout(tp=4, pp=4, vp=2, ep=4, etp=2, gpus=64)),  # ETP > 1, virtual stages
+        ("27b", mb.Layout(tp=8, pp=4, vp=2, first=14, last=14, gpus=32)),  # uneven split with virtual stages
+    ],
+    ids=lambda v: v if isinstance(v, str) else v.describe(),
+)
 def test_counted_parameters_at_other_layouts(no_process_group, variant, layout):
     for label, rank in mb.representative_ranks(layout).items():
         build = mb.rank_build(VARIANTS[variant], layout, rank, shards=False)
@@ -355,6 +419,7 @@ def test_a_miscounted_tensor_is_caught(plans, monkeypatch):
         out = real(*args)
         out.dense += 1
         return out
+
     monkeypatch.setattr(rank_params, "_layer", one_more)
     with pytest.raises(AssertionError):
         _assert_counted_equals_built(plan.shape, plan.layout, plan.builds[0], "9b rank 0")

@@ -44,12 +44,15 @@ def test_mock_loss_mask_is_the_answer():
     assert labels[trained][-1] == IM_END and bool((labels[mask == 0] == IGNORE_INDEX).all())
 
 
-@pytest.mark.parametrize("field,change,message", [
-    ("input_ids", lambda s: s["input_ids"].int(), "'input_ids' must be a 1-D torch.int64"),
-    ("pixel_values", lambda s: s["pixel_values"][1:], "'pixel_values' has"),
-    ("labels", lambda s: s["labels"][:-1], "same length"),
-    ("input_ids", lambda s: torch.where(s["input_ids"] == 8000, 20, s["input_ids"]), "image tokens"),
-])
+@pytest.mark.parametrize(
+    "field,change,message",
+    [
+        ("input_ids", lambda s: s["input_ids"].int(), "'input_ids' must be a 1-D torch.int64"),
+        ("pixel_values", lambda s: s["pixel_values"][1:], "'pixel_values' has"),
+        ("labels", lambda s: s["labels"][:-1], "same length"),
+        ("input_ids", lambda s: torch.where(s["input_ids"] == 8000, 20, s["input_ids"]), "image tokens"),
+    ],
+)
 def test_contract_errors_name_the_field(field, change, message):
     sample = next(s for s in (_mock()(i) for i in range(20)) if s["image_grid_thw"].shape[0])
     sample[field] = change(sample)
@@ -62,13 +65,19 @@ def _video_sample():
     return next(s for s in (mock(i) for i in range(40)) if int(s["video_grid_thw"][:, 0].sum()) > 1)
 
 
-@pytest.mark.parametrize("field,change,message", [
-    ("pixel_values_videos", lambda s: s["pixel_values_videos"][1:], "'pixel_values_videos' has"),
-    ("video_grid_thw", lambda s: s["video_grid_thw"].int(), "'video_grid_thw' must be a 2-D torch.int64"),
-    ("input_ids", lambda s: torch.where(s["input_ids"] == TOKENS.video, 20, s["input_ids"]), "video tokens"),
-    ("input_ids", lambda s: torch.where(s["input_ids"] == TOKENS.vision_start, 20, s["input_ids"]),
-     "vision_start tokens for"),
-])
+@pytest.mark.parametrize(
+    "field,change,message",
+    [
+        ("pixel_values_videos", lambda s: s["pixel_values_videos"][1:], "'pixel_values_videos' has"),
+        ("video_grid_thw", lambda s: s["video_grid_thw"].int(), "'video_grid_thw' must be a 2-D torch.int64"),
+        ("input_ids", lambda s: torch.where(s["input_ids"] == TOKENS.video, 20, s["input_ids"]), "video tokens"),
+        (
+            "input_ids",
+            lambda s: torch.where(s["input_ids"] == TOKENS.vision_start, 20, s["input_ids"]),
+            "vision_start tokens for",
+        ),
+    ],
+)
 def test_video_contract_errors_name_the_field(field, change, message):
     sample = _video_sample()
     validate_sample(sample, TOKENS, PATCH_DIM)
@@ -85,12 +94,15 @@ def test_video_mock_frames_and_describe():
     runs = int((sample["input_ids"] == TOKENS.vision_start).sum())
     assert runs == sample["image_grid_thw"].shape[0] + frames
     assert int((sample["input_ids"] == TIMESTAMP).sum()) == frames
-    (train,) = mock_video.build_datasets(tokens=TOKENS, vocab_size=8192, patch_dim=PATCH_DIM, seq_length=4096,
-                                         num_samples=(12,))
+    (train,) = mock_video.build_datasets(
+        tokens=TOKENS, vocab_size=8192, patch_dim=PATCH_DIM, seq_length=4096, num_samples=(12,)
+    )
     for i in range(12):
         s = train[i]
-        assert train.describe(i) == (s["input_ids"].numel(), s["image_grid_thw"].tolist()
-                                     + s["video_grid_thw"].tolist())
+        assert train.describe(i) == (
+            s["input_ids"].numel(),
+            s["image_grid_thw"].tolist() + s["video_grid_thw"].tolist(),
+        )
 
 
 def test_budget_truncates_after_images_and_skips_otherwise():
@@ -124,8 +136,13 @@ def test_realistic_mix_has_the_shape_of_an_sft_mix():
     from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
 
     shape = get_variant("tiny")
-    common = dict(tokens=VisionTokens.from_shape(shape), vocab_size=shape.text.vocab_size,
-                  patch_dim=shape.vision.patch_dim, seq_length=4096, num_samples=(80, 0, 0))
+    common = dict(
+        tokens=VisionTokens.from_shape(shape),
+        vocab_size=shape.text.vocab_size,
+        patch_dim=shape.vision.patch_dim,
+        seq_length=4096,
+        num_samples=(80, 0, 0),
+    )
     train = get_dataset_provider("mock_mix")(seed=1234, **common)[0]
     again = get_dataset_provider("mock_mix")(seed=1234, **common)[0]
     other = get_dataset_provider("mock_mix")(seed=99, **common)[0]

@@ -92,9 +92,20 @@ def wheelhouse(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("offline")
     freeze = _link_present(tmp / "present", _torch_closure())
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "make_wheelhouse.py"), str(tmp / "wheels"),
-                           "--freeze", str(freeze), "--platform", _current_platform()],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "make_wheelhouse.py"),
+            str(tmp / "wheels"),
+            "--freeze",
+            str(freeze),
+            "--platform",
+            _current_platform(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     seconds = time.perf_counter() - start
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     wheels = sorted((tmp / "wheels").glob("*.whl"))
@@ -128,9 +139,15 @@ def _offline_env(**extra) -> dict:
     return {k: str(v) for k, v in env.items()}
 
 
-def _bootstrap(env: dict, then: str = 'true') -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-c", f'source tools/bootstrap_env.sh && {then}'], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+def _bootstrap(env: dict, then: str = "true") -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", "-c", f"source tools/bootstrap_env.sh && {then}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _free_port() -> int:
@@ -167,9 +184,14 @@ def test_offline_install_then_training(wheelhouse, scratch):
     wheels, present = wheelhouse
     python = _fresh_venv(scratch / "venv", present)
     start = time.perf_counter()
-    proc = subprocess.run(["bash", str(ROOT / "run_qwen35_vl.sh")], cwd=scratch, capture_output=True, text=True,
-                          timeout=600, env=_offline_env(PYTHON=python, WHEELHOUSE=wheels, TRAIN_ITERS=3, SEQ_LEN=256,
-                                                        MASTER_PORT=_free_port()))
+    proc = subprocess.run(
+        ["bash", str(ROOT / "run_qwen35_vl.sh")],
+        cwd=scratch,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_offline_env(PYTHON=python, WHEELHOUSE=wheels, TRAIN_ITERS=3, SEQ_LEN=256, MASTER_PORT=_free_port()),
+    )
     seconds = time.perf_counter() - start
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
@@ -179,8 +201,13 @@ def test_offline_install_then_training(wheelhouse, scratch):
     print(f"\noffline install + 3 iterations: {seconds:.1f} s, iteration 3 lm loss {float(loss.group(1))}")
     assert 0 < float(loss.group(1)) < 20
     # torch stayed the present one: nothing of its closure went into the venv itself
-    where = subprocess.run([str(python), "-c", "import torch; print(torch.__file__)"], capture_output=True,
-                           text=True, check=True, env=_offline_env()).stdout.strip()
+    where = subprocess.run(
+        [str(python), "-c", "import torch; print(torch.__file__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=_offline_env(),
+    ).stdout.strip()
     assert where.startswith(str(present)), where
     assert not list((scratch / "venv").glob("lib/python3.*/site-packages/torch"))
 
@@ -215,8 +242,9 @@ def test_read_only_prefix_installs_only_the_missing_into_pydeps(wheelhouse, scra
             folder.mkdir()
         for wheel in wheels.glob("*.whl"):
             shutil.copy(wheel, parts["first" if _canonical(wheel.name.split("-")[0]) == "transformers" else "rest"])
-        proc = _bootstrap(_offline_env(PYTHON=python, WHEELHOUSE=parts["first"], PYDEPS_DIR=pydeps,
-                                       BOOTSTRAP_WHEELS_ONLY=1))
+        proc = _bootstrap(
+            _offline_env(PYTHON=python, WHEELHOUSE=parts["first"], PYDEPS_DIR=pydeps, BOOTSTRAP_WHEELS_ONLY=1)
+        )
         assert proc.returncode == 0 and "installing the 1 wheels" in proc.stderr, proc.stderr[-4000:]
         assert not (pydeps / ".requirements.sha256").exists()  # the requirements are not all in yet
 
@@ -227,7 +255,7 @@ def test_read_only_prefix_installs_only_the_missing_into_pydeps(wheelhouse, scra
         assert f"into {pydeps}" in proc.stderr, proc.stderr
         transformers_file, numpy_file = proc.stdout.split()
         assert transformers_file.startswith(str(pydeps)) and numpy_file.startswith(str(scratch / "present"))
-        installed = {_canonical(p.name[:-len(".dist-info")].rsplit("-", 1)[0]) for p in pydeps.glob("*.dist-info")}
+        installed = {_canonical(p.name[: -len(".dist-info")].rsplit("-", 1)[0]) for p in pydeps.glob("*.dist-info")}
         have = {_canonical(d.metadata["Name"]) for d in dists}
         assert set(MISSING) <= installed and not installed & have, sorted(installed)
         assert (pydeps / ".requirements.sha256").is_file()
@@ -241,5 +269,6 @@ def test_read_only_prefix_installs_only_the_missing_into_pydeps(wheelhouse, scra
 def test_missing_wheelhouse_is_one_line():
     proc = _bootstrap(_offline_env(WHEELHOUSE="/nonexistent/wheels"))
     assert proc.returncode == 1
-    assert proc.stderr.strip() == ("[bootstrap] WHEELHOUSE=/nonexistent/wheels is not a directory "
-                                   "(write one with tools/make_wheelhouse.py)")
+    assert proc.stderr.strip() == (
+        "[bootstrap] WHEELHOUSE=/nonexistent/wheels is not a directory (write one with tools/make_wheelhouse.py)"
+    )

@@ -19,16 +19,30 @@ def test_padding_entries_are_zeroed_and_real_state_is_not():
     garbage = torch.full((5,), float("nan"))
     real = torch.arange(3.0)
     # the nesting megatron's sharded_param_state_dp_reshardable returns: buffers -> dtypes -> buckets -> entries
-    state = {0: {("torch.float32", "torch.float32"): [[
-        {"param": _tensor("p", real.clone()), "exp_avg": _tensor("m", real.clone()),
-         "padding": LocalNonpersistentObject(False)},
-        {"param": _tensor("p", garbage.clone()), "exp_avg": _tensor("m", garbage.clone()),
-         "padding": LocalNonpersistentObject(True)},
-    ]]}}
+    state = {
+        0: {
+            ("torch.float32", "torch.float32"): [
+                [
+                    {
+                        "param": _tensor("p", real.clone()),
+                        "exp_avg": _tensor("m", real.clone()),
+                        "padding": LocalNonpersistentObject(False),
+                    },
+                    {
+                        "param": _tensor("p", garbage.clone()),
+                        "exp_avg": _tensor("m", garbage.clone()),
+                        "padding": LocalNonpersistentObject(True),
+                    },
+                ]
+            ]
+        }
+    }
     optimizer_format._zero_padding_entries(state)
     real_entry, pad_entry = state[0][("torch.float32", "torch.float32")][0]
     assert torch.equal(real_entry["param"].data, real) and torch.equal(real_entry["exp_avg"].data, real)
-    assert torch.equal(pad_entry["param"].data, torch.zeros(5)) and torch.equal(pad_entry["exp_avg"].data, torch.zeros(5))
+    assert torch.equal(pad_entry["param"].data, torch.zeros(5)) and torch.equal(
+        pad_entry["exp_avg"].data, torch.zeros(5)
+    )
 
 
 def test_zeroed_padding_zeroes_what_megatrons_method_returns():
@@ -38,18 +52,24 @@ def test_zeroed_padding_zeroes_what_megatrons_method_returns():
     assert torch.equal(state[0][0]["param"].data, torch.zeros(2))
 
 
-@pytest.mark.parametrize("dist,dp_flag,fully_flag,expected", [
-    (True, False, False, True), (True, True, False, False), (False, False, False, False), (True, False, True, True)])
+@pytest.mark.parametrize(
+    "dist,dp_flag,fully_flag,expected",
+    [(True, False, False, True), (True, True, False, False), (False, False, False, False), (True, False, True, True)],
+)
 def test_fully_reshardable_is_the_default_for_the_distributed_optimizer(dist, dp_flag, fully_flag, expected):
-    args = SimpleNamespace(use_distributed_optimizer=dist, dist_ckpt_optim_dp_reshardable=dp_flag,
-                           dist_ckpt_optim_fully_reshardable=fully_flag)
+    args = SimpleNamespace(
+        use_distributed_optimizer=dist,
+        dist_ckpt_optim_dp_reshardable=dp_flag,
+        dist_ckpt_optim_fully_reshardable=fully_flag,
+    )
     optimizer_format.default_to_reshardable(args)
     assert args.dist_ckpt_optim_fully_reshardable is expected
 
 
 def test_both_format_flags_are_refused():
-    args = SimpleNamespace(use_distributed_optimizer=True, dist_ckpt_optim_dp_reshardable=True,
-                           dist_ckpt_optim_fully_reshardable=True)
+    args = SimpleNamespace(
+        use_distributed_optimizer=True, dist_ckpt_optim_dp_reshardable=True, dist_ckpt_optim_fully_reshardable=True
+    )
     with pytest.raises(ValueError, match="--dist-ckpt-optim-dp-reshardable and --dist-ckpt-optim-fully-reshardable"):
         optimizer_format.default_to_reshardable(args)
 
@@ -71,8 +91,11 @@ def test_groups_saved_by_one_optimizer_reach_every_member_of_a_chain():
     and the saved groups with their expert twins; a member with no parameter on this rank (the experts'
     optimizer on the vision tower's own ranks) has no sharded state and gets the groups alone."""
     groups = [{"params": [0, 1], "wd_mult": 1.0, "is_expert_parallel": False}]
-    loaded = {0: {"param": "dense shards"}, "optimizer": {"param_groups": groups},
-              "param_state_sharding_type": "fully_reshardable"}
+    loaded = {
+        0: {"param": "dense shards"},
+        "optimizer": {"param_groups": groups},
+        "param_state_sharding_type": "fully_reshardable",
+    }
     chain = optimizer_format._regroup(loaded, 2)
     assert sorted(chain) == [0, 1] and chain[0]["param"] == "dense shards" and "param" not in chain[1]
     for member in chain.values():

@@ -16,8 +16,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _script(*flags, **env):
-    proc = subprocess.run(["bash", os.path.join(ROOT, "run_qwen35_vl.sh"), *flags], capture_output=True, text=True,
-                          env={**os.environ, "DRY_RUN": "1", **{k: str(v) for k, v in env.items()}})
+    proc = subprocess.run(
+        ["bash", os.path.join(ROOT, "run_qwen35_vl.sh"), *flags],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DRY_RUN": "1", **{k: str(v) for k, v in env.items()}},
+    )
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -55,8 +59,18 @@ def test_dry_run_flags_match_variant(variant):
         pass
 
     args = Args()
-    for key in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-                "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "ffn_hidden_size", "vocab_size"):
+    for key in (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "kv_channels",
+        "num_experts",
+        "moe_router_topk",
+        "moe_ffn_hidden_size",
+        "ffn_hidden_size",
+        "vocab_size",
+    ):
         setattr(args, key, int(flags[key]) if key in flags else None)
     check_model_flags(args, get_variant(variant), f"variant {variant}")
 
@@ -70,12 +84,17 @@ def test_model_flag_mismatch_is_named():
 
 
 # The user's-data variables and the flags they become (run_qwen35_vl.sh, OWN_DATA)
-OWN_DATA_FLAGS = {"VALID_DATA_PATH": ("/data/valid.jsonl", "eval_data_path", "/data/valid.jsonl"),
-                  "VALID_FRACTION": ("0.02", "valid_fraction", "0.02"), "MEDIA_ROOT": ("/media", "media_root", "/media"),
-                  "STRICT_DATA": ("1", "strict_data", True), "REMOTE_MEDIA": ("1", "allow_remote_media", True),
-                  "MEDIA_ANYWHERE": ("1", "allow_media_anywhere", True), "VIDEO_FPS": ("1.5", "video_fps", "1.5"),
-                  "VIDEO_MAX_FRAMES": ("64", "video_max_frames", "64"),
-                  "VIDEO_MAX_PIXELS": ("50176", "video_max_pixels", "50176")}
+OWN_DATA_FLAGS = {
+    "VALID_DATA_PATH": ("/data/valid.jsonl", "eval_data_path", "/data/valid.jsonl"),
+    "VALID_FRACTION": ("0.02", "valid_fraction", "0.02"),
+    "MEDIA_ROOT": ("/media", "media_root", "/media"),
+    "STRICT_DATA": ("1", "strict_data", True),
+    "REMOTE_MEDIA": ("1", "allow_remote_media", True),
+    "MEDIA_ANYWHERE": ("1", "allow_media_anywhere", True),
+    "VIDEO_FPS": ("1.5", "video_fps", "1.5"),
+    "VIDEO_MAX_FRAMES": ("64", "video_max_frames", "64"),
+    "VIDEO_MAX_PIXELS": ("50176", "video_max_pixels", "50176"),
+}
 
 
 @pytest.mark.parametrize("variable", list(OWN_DATA_FLAGS))
@@ -100,7 +119,7 @@ def _documented_variables() -> set:
     """The variables of README.md's table of run_qwen35_vl.sh's variables (``| variable | default | meaning |``)."""
     with open(os.path.join(ROOT, "README.md")) as f:
         lines = f.read().split("| variable | default | meaning |\n", 1)[1].splitlines()[1:]
-    rows = lines[:next(i for i, line in enumerate(lines) if not line.startswith("|"))]
+    rows = lines[: next(i for i, line in enumerate(lines) if not line.startswith("|"))]
     return {name for row in rows for name in re.findall(r"`([A-Z][A-Z_0-9]*)`", row.split(" | ")[0])}
 
 
@@ -116,54 +135,70 @@ def test_every_variable_the_launch_reads_is_in_the_readme_table():
     assert read | set(LAUNCHER_VARIABLES) == documented, (sorted(read - documented), sorted(documented - read))
 
 
-@pytest.mark.parametrize("env,message", [
-    (dict(EP=2), "EP=2 needs an MoE variant"),
-    (dict(MODEL_VARIANT="35b_a3b", EP=3, NPROC=3), "EP=3 does not divide the 256 experts"),
-    (dict(TP=3), "TP=3 does not divide the 4 attention heads"),
-    (dict(TP=2, CP=4, MODEL_VARIANT="tiny"), "TP\\*CP=8 does not divide the Gated DeltaNet heads"),
-    (dict(SP=1), "SP=1 needs TP>1"),
-    (dict(TP=2, MOE=1, SP=0), "SP=0 with TP=2: megatron-core requires sequence parallelism for MoE"),
-    (dict(TP=2, NPROC=3), "NPROC=3 is not divisible by TP\\*CP\\*PP=2"),
-    (dict(MODEL_VARIANT="nope"), "MODEL_VARIANT=nope: unknown --model-variant .nope.; valid: 0.8b"),
-    (dict(DATASET="cord_v2"), "DATASET=cord_v2 needs DATA_PATH"),
-    (dict(DATASET="webvid"), "DATASET=webvid must be mock, mock_mix, mock_video, cord_v2, jsonl or energon"),
-    (dict(DATASET="jsonl"), "DATASET=jsonl needs DATA_PATH"),
-    (dict(STRICT_DATA="1"), "apply to DATASET=jsonl \\(and energon\\) only \\(DATASET=mock\\)"),
-    (dict(DATASET="jsonl", DATA_PATH="x", HF_PROCESSOR_PATH="p", VALID_FRACTION="1.5"),
-     "VALID_FRACTION=1.5: expected a fraction below 1"),
-    (dict(MBS=0), "MBS=0 must be a positive integer"),
-    (dict(TP="abc"), "TP=abc must be a positive integer"),
-    (dict(SAVE_INTERVAL="x", CKPT_SAVE="/nonexistent"), "SAVE_INTERVAL=x must be a positive integer"),
-    (dict(LR_DECAY_ITERS="soon"), "LR_DECAY_ITERS=soon must be a number of iterations"),
-    (dict(PP=3), "PP=3: the 4 decoder layers do not split evenly over 3 stages"),
-    (dict(PP=2, VP=4), "VP=4: pipeline stage 0 holds 2 layers, not a multiple of 4"),
-    (dict(VP=2), "VP=2 needs pipeline parallelism"),
-    (dict(PP=2, PP_FIRST=4), "PP_FIRST=4: must be between 1 and 3"),
-    (dict(PP=2, PP_FIRST="x"), "PP_FIRST=x must be a number of decoder layers"),
-    (dict(MOE=1, EP=2, ETP=2, NPROC=2), "EP=2: NPROC/PP=2 is not divisible by EP\\*ETP=4"),
-    (dict(PACKING="budget"), "PACKING=budget: expected samples or tokens"),
-    (dict(PACKING="tokens", PACKED_SEQ_LENGTH="2k"), "PACKED_SEQ_LENGTH=2k must be a positive integer"),
-    (dict(LR="1e999"), "LR=1e999: expected a finite learning rate"),
-    (dict(CP=2, SEQ_LEN=335), "SEQ_LEN=335 must be a multiple of 2\\*CP=4"),
-    (dict(LR_WARMUP_ITERS=30), "LR_WARMUP_ITERS=30 must be smaller than the decay iterations \\(TRAIN_ITERS=30\\)"),
-    (dict(LR_WARMUP_ITERS=5, LR_DECAY_ITERS=5), "LR_WARMUP_ITERS=5 must be smaller than the decay iterations "
-                                                "\\(LR_DECAY_ITERS=5\\)"),
-    (dict(VISION_TP=0), "VISION_TP=0 must be a positive integer"),
-    (dict(VISION_NPROC="-1"), "VISION_NPROC=-1 must be a non-negative integer"),
-    (dict(VISION_TP=3), "VISION_TP=3 does not divide the 2 vision attention heads$"),
-    (dict(TP=4), "VISION_TP=4 does not divide the 2 vision attention heads \\(VISION_TP is TP unless set\\)"),
-    (dict(VISION_TP=2), "VISION_TP=2 does not divide TP=1"),
-    (dict(TP=2, VISION_TP=2, VISION_NPROC=1), "VISION_NPROC=1 is not divisible by VISION_TP=2"),
-    (dict(VISION_NPROC=2, NPROC=2), "VISION_NPROC=2 leaves no ranks for the language model \\(NPROC=2\\)"),
-    (dict(TP=2, VISION_TP=1, VISION_NPROC=1, NPROC=4), "\\(NPROC-VISION_NPROC\\)=3 is not divisible by TP\\*CP\\*PP=2"),
-    (dict(MOE=1, EP=2, ETP=2, VISION_NPROC=1, NPROC=3), "EP=2: \\(NPROC-VISION_NPROC\\)/PP=2 is not divisible by EP\\*ETP=4"),
-    (dict(VISION_NPROC=1, NPROC=3, GBS=2), "GBS=2 is not a multiple of MBS\\*DP=4"),  # DP counts the language ranks
-    (dict(CP=2, VISION_NPROC=1), "CP=2 with VISION_NPROC=1: megatron-core 0.19.2's bridge"),
-    (dict(PP=2, VP=2, VISION_NPROC=1), "VP=2 with VISION_NPROC=1: only the non-interleaved pipeline schedule"),
-    (dict(VISION_NPROC=3, NPROC=5), "VISION_NPROC=3 / VISION_TP=1 = 3 vision data-parallel ranks and 2 language .* "
-                                    "\\(VISION_TP unset: VISION_NPROC / the language model's DP where that divides, "
-                                    "else 1 where VISION_NPROC divides that DP, else TP\\)$"),
-])
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        (dict(EP=2), "EP=2 needs an MoE variant"),
+        (dict(MODEL_VARIANT="35b_a3b", EP=3, NPROC=3), "EP=3 does not divide the 256 experts"),
+        (dict(TP=3), "TP=3 does not divide the 4 attention heads"),
+        (dict(TP=2, CP=4, MODEL_VARIANT="tiny"), "TP\\*CP=8 does not divide the Gated DeltaNet heads"),
+        (dict(SP=1), "SP=1 needs TP>1"),
+        (dict(TP=2, MOE=1, SP=0), "SP=0 with TP=2: megatron-core requires sequence parallelism for MoE"),
+        (dict(TP=2, NPROC=3), "NPROC=3 is not divisible by TP\\*CP\\*PP=2"),
+        (dict(MODEL_VARIANT="nope"), "MODEL_VARIANT=nope: unknown --model-variant .nope.; valid: 0.8b"),
+        (dict(DATASET="cord_v2"), "DATASET=cord_v2 needs DATA_PATH"),
+        (dict(DATASET="webvid"), "DATASET=webvid must be mock, mock_mix, mock_video, cord_v2, jsonl or energon"),
+        (dict(DATASET="jsonl"), "DATASET=jsonl needs DATA_PATH"),
+        (dict(STRICT_DATA="1"), "apply to DATASET=jsonl \\(and energon\\) only \\(DATASET=mock\\)"),
+        (
+            dict(DATASET="jsonl", DATA_PATH="x", HF_PROCESSOR_PATH="p", VALID_FRACTION="1.5"),
+            "VALID_FRACTION=1.5: expected a fraction below 1",
+        ),
+        (dict(MBS=0), "MBS=0 must be a positive integer"),
+        (dict(TP="abc"), "TP=abc must be a positive integer"),
+        (dict(SAVE_INTERVAL="x", CKPT_SAVE="/nonexistent"), "SAVE_INTERVAL=x must be a positive integer"),
+        (dict(LR_DECAY_ITERS="soon"), "LR_DECAY_ITERS=soon must be a number of iterations"),
+        (dict(PP=3), "PP=3: the 4 decoder layers do not split evenly over 3 stages"),
+        (dict(PP=2, VP=4), "VP=4: pipeline stage 0 holds 2 layers, not a multiple of 4"),
+        (dict(VP=2), "VP=2 needs pipeline parallelism"),
+        (dict(PP=2, PP_FIRST=4), "PP_FIRST=4: must be between 1 and 3"),
+        (dict(PP=2, PP_FIRST="x"), "PP_FIRST=x must be a number of decoder layers"),
+        (dict(MOE=1, EP=2, ETP=2, NPROC=2), "EP=2: NPROC/PP=2 is not divisible by EP\\*ETP=4"),
+        (dict(PACKING="budget"), "PACKING=budget: expected samples or tokens"),
+        (dict(PACKING="tokens", PACKED_SEQ_LENGTH="2k"), "PACKED_SEQ_LENGTH=2k must be a positive integer"),
+        (dict(LR="1e999"), "LR=1e999: expected a finite learning rate"),
+        (dict(CP=2, SEQ_LEN=335), "SEQ_LEN=335 must be a multiple of 2\\*CP=4"),
+        (dict(LR_WARMUP_ITERS=30), "LR_WARMUP_ITERS=30 must be smaller than the decay iterations \\(TRAIN_ITERS=30\\)"),
+        (
+            dict(LR_WARMUP_ITERS=5, LR_DECAY_ITERS=5),
+            "LR_WARMUP_ITERS=5 must be smaller than the decay iterations \\(LR_DECAY_ITERS=5\\)",
+        ),
+        (dict(VISION_TP=0), "VISION_TP=0 must be a positive integer"),
+        (dict(VISION_NPROC="-1"), "VISION_NPROC=-1 must be a non-negative integer"),
+        (dict(VISION_TP=3), "VISION_TP=3 does not divide the 2 vision attention heads$"),
+        (dict(TP=4), "VISION_TP=4 does not divide the 2 vision attention heads \\(VISION_TP is TP unless set\\)"),
+        (dict(VISION_TP=2), "VISION_TP=2 does not divide TP=1"),
+        (dict(TP=2, VISION_TP=2, VISION_NPROC=1), "VISION_NPROC=1 is not divisible by VISION_TP=2"),
+        (dict(VISION_NPROC=2, NPROC=2), "VISION_NPROC=2 leaves no ranks for the language model \\(NPROC=2\\)"),
+        (
+            dict(TP=2, VISION_TP=1, VISION_NPROC=1, NPROC=4),
+            "\\(NPROC-VISION_NPROC\\)=3 is not divisible by TP\\*CP\\*PP=2",
+        ),
+        (
+            dict(MOE=1, EP=2, ETP=2, VISION_NPROC=1, NPROC=3),
+            "EP=2: \\(NPROC-VISION_NPROC\\)/PP=2 is not divisible by EP\\*ETP=4",
+        ),
+        (dict(VISION_NPROC=1, NPROC=3, GBS=2), "GBS=2 is not a multiple of MBS\\*DP=4"),  # DP counts the language ranks
+        (dict(CP=2, VISION_NPROC=1), "CP=2 with VISION_NPROC=1: megatron-core 0.19.2's bridge"),
+        (dict(PP=2, VP=2, VISION_NPROC=1), "VP=2 with VISION_NPROC=1: only the non-interleaved pipeline schedule"),
+        (
+            dict(VISION_NPROC=3, NPROC=5),
+            "VISION_NPROC=3 / VISION_TP=1 = 3 vision data-parallel ranks and 2 language .* "
+            "\\(VISION_TP unset: VISION_NPROC / the language model's DP where that divides, "
+            "else 1 where VISION_NPROC divides that DP, else TP\\)$",
+        ),
+    ],
+)
 def test_impossible_settings_fail_with_the_variable(env, message):
     import re
 
@@ -171,11 +206,14 @@ def test_impossible_settings_fail_with_the_variable(env, message):
     assert rc != 0 and re.search(message, err), err
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--vision-nproc", "1"], "--vision-nproc: set VISION_NPROC instead"),
-    (["--vision-tensor-parallel-size=2"], "--vision-tensor-parallel-size: set VISION_TP instead"),
-    (["--seed", "3", "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size: set TP instead"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--vision-nproc", "1"], "--vision-nproc: set VISION_NPROC instead"),
+        (["--vision-tensor-parallel-size=2"], "--vision-tensor-parallel-size: set VISION_TP instead"),
+        (["--seed", "3", "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size: set TP instead"),
+    ],
+)
 def test_a_flag_that_would_replace_a_variable_is_refused(flags, message):
     """Extra flags win in megatron's parser, but the script sized the run and printed its layout
     from the variable: the two would disagree."""
@@ -190,7 +228,9 @@ def test_pipeline_settings_reach_megatron_and_layouts_are_printed():
     assert flags["pipeline_model_parallel_size"] == "2" and flags["num_virtual_stages_per_pipeline_rank"] == "2"
     assert flags["nproc_per_node"] == "2"
     rc, out, err = _script(MODEL_VARIANT="tiny", PP=2, PP_FIRST=1)
-    assert _flags(out)["decoder_first_pipeline_num_layers"] == "1" and "decoder_last_pipeline_num_layers" not in _flags(out)
+    assert _flags(out)["decoder_first_pipeline_num_layers"] == "1" and "decoder_last_pipeline_num_layers" not in _flags(
+        out
+    )
     from examples.multimodal_dev.planner.pipeline_layout import LAYOUTS
 
     rc, out, err = _script(MODEL_VARIANT="122b_a10b")  # the planner's choice at the default count
@@ -200,8 +240,11 @@ def test_pipeline_settings_reach_megatron_and_layouts_are_printed():
     rc, out, err = _script(MODEL_VARIANT="9b", GPUS=64)  # any count asked
     assert rc == 0 and "on 64 GPUs" in out, err
     rc, out, err = _script(MODEL_VARIANT="9b", GPUS=12)
-    assert rc != 0 and err.strip().splitlines()[-1] == \
-        "run_qwen35_vl.sh: GPUS=12: --gpus 12: not a whole number of nodes of --gpus-per-node 8", err
+    assert (
+        rc != 0
+        and err.strip().splitlines()[-1]
+        == "run_qwen35_vl.sh: GPUS=12: --gpus 12: not a whole number of nodes of --gpus-per-node 8"
+    ), err
 
 
 def test_vision_layout_reaches_megatron_and_its_rank_table_is_printed():
@@ -209,9 +252,14 @@ def test_vision_layout_reaches_megatron_and_its_rank_table_is_printed():
     assert rc == 0, err
     flags = _flags(out)
     assert (flags["vision_nproc"], flags["vision_tensor_parallel_size"], flags["nproc_per_node"]) == ("1", "1", "3")
-    assert "use_distributed_optimizer" in flags  # the tower's ranks share the grad norm's shards (vision_ranks/groups.py)
+    assert (
+        "use_distributed_optimizer" in flags
+    )  # the tower's ranks share the grad norm's shards (vision_ranks/groups.py)
     lines = out.strip().splitlines()
-    assert lines[-3:-1] == ["# ranks 0    vision tower    TP=1 DP=1", "# ranks 1-2  language model  TP=2 CP=1 DP=1 PP=1"]
+    assert lines[-3:-1] == [
+        "# ranks 0    vision tower    TP=1 DP=1",
+        "# ranks 1-2  language model  TP=2 CP=1 DP=1 PP=1",
+    ]
     assert lines[-1].startswith("torchrun")
     # unset, VISION_TP gives the tower a replica for each of the language model's: VISION_NPROC / DP
     rc, out, err = _script(MODEL_VARIANT="tiny", TP=2, VISION_NPROC=1)
@@ -224,10 +272,15 @@ def test_vision_layout_reaches_megatron_and_its_rank_table_is_printed():
     rc, out, err = _script(MODEL_VARIANT="tiny", TP=2, VISION_TP=1)  # on the language model's ranks
     flags = _flags(out)
     assert rc == 0 and flags["vision_tensor_parallel_size"] == "1" and "vision_nproc" not in flags
-    assert flags["nproc_per_node"] == "2" and "# ranks 0-1  vision tower    TP=1 DP=2 (on the language model's ranks)" in out
+    assert (
+        flags["nproc_per_node"] == "2"
+        and "# ranks 0-1  vision tower    TP=1 DP=2 (on the language model's ranks)" in out
+    )
     rc, out, err = _script(MODEL_VARIANT="tiny", TP=2, VISION_TP=2)  # the default layout: no table, no flags
     flags = _flags(out)
-    assert rc == 0 and "vision_tensor_parallel_size" not in flags and "vision_nproc" not in flags and "# ranks" not in out
+    assert (
+        rc == 0 and "vision_tensor_parallel_size" not in flags and "vision_nproc" not in flags and "# ranks" not in out
+    )
 
 
 def test_token_budget_packing_reaches_megatron_with_one_row_a_micro_batch():
@@ -251,10 +304,13 @@ def test_cpu_dry_run_uses_the_engine_with_the_local_backend():
     assert _flags(out)["master_port"] == "29123"
 
 
-@pytest.mark.parametrize("impl,message", [
-    ("transformer_engine", "TRANSFORMER_IMPL=transformer_engine needs a GPU; this host has none"),
-    ("fast", "TRANSFORMER_IMPL=fast: expected transformer_engine or local"),
-])
+@pytest.mark.parametrize(
+    "impl,message",
+    [
+        ("transformer_engine", "TRANSFORMER_IMPL=transformer_engine needs a GPU; this host has none"),
+        ("fast", "TRANSFORMER_IMPL=fast: expected transformer_engine or local"),
+    ],
+)
 def test_backend_choice_is_validated(impl, message):
     rc, _, err = _script(MODEL_VARIANT="tiny", TRANSFORMER_IMPL=impl)
     assert rc != 0 and message in err and len(err.strip().splitlines()) == 1, err
@@ -269,10 +325,19 @@ def test_resume_with_a_starting_checkpoint_loads_it_while_the_resume_directory_i
     assert flags["load"] == flags["save"] == str(tmp_path / "run") and "finetune" not in flags
 
 
-@pytest.mark.parametrize("value, cuda, nproc, warm, forks", [
-    (None, False, 3, False, True), (None, True, 3, False, False), (None, False, 2, False, False),
-    (None, False, 1, True, True), ("0", False, 4, False, False), ("0", False, 1, True, False),
-    ("1", False, 1, False, True), ("0", True, 2, False, False)])
+@pytest.mark.parametrize(
+    "value, cuda, nproc, warm, forks",
+    [
+        (None, False, 3, False, True),
+        (None, True, 3, False, False),
+        (None, False, 2, False, False),
+        (None, False, 1, True, True),
+        ("0", False, 4, False, False),
+        ("0", False, 1, True, False),
+        ("1", False, 1, False, True),
+        ("0", True, 2, False, False),
+    ],
+)
 def test_ranks_fork_from_the_preloaded_engine_only_without_cuda(monkeypatch, value, cuda, nproc, warm, forks):
     """By default where there is no CUDA and the ranks outnumber the cores (2 here), or the launcher
     holds the engine already (the warm engine's)."""
@@ -285,9 +350,13 @@ def test_ranks_fork_from_the_preloaded_engine_only_without_cuda(monkeypatch, val
     assert forks_ranks(cuda, nproc, 2, warm) is forks
 
 
-@pytest.mark.parametrize("value, cuda, message", [
-    ("1", True, "FORK_RANKS=1 needs a host without CUDA"),
-    ("yes", False, "FORK_RANKS=yes: expected 0 (fresh interpreters) or 1 (fork)")])
+@pytest.mark.parametrize(
+    "value, cuda, message",
+    [
+        ("1", True, "FORK_RANKS=1 needs a host without CUDA"),
+        ("yes", False, "FORK_RANKS=yes: expected 0 (fresh interpreters) or 1 (fork)"),
+    ],
+)
 def test_a_rank_start_that_cannot_work_is_refused_by_name(monkeypatch, value, cuda, message):
     from examples.multimodal_dev.training.torchrun_launcher import forks_ranks
 
@@ -299,8 +368,13 @@ def test_a_rank_start_that_cannot_work_is_refused_by_name(monkeypatch, value, cu
 def test_a_mistake_found_by_the_training_script_is_one_line_without_tracebacks(tmp_path):
     """A mistake only the training script can see (a data path that does not exist) stops every
     rank with one line; the launcher adds one more and no traceback of its own."""
-    rc, out, err = _script(DRY_RUN=0, DATASET="cord_v2", DATA_PATH=str(tmp_path / "nothing"),
-                           HF_PROCESSOR_PATH=str(tmp_path / "nothing"), TRAIN_ITERS=1)
+    rc, out, err = _script(
+        DRY_RUN=0,
+        DATASET="cord_v2",
+        DATA_PATH=str(tmp_path / "nothing"),
+        HF_PROCESSOR_PATH=str(tmp_path / "nothing"),
+        TRAIN_ITERS=1,
+    )
     assert rc == 1
     output = out + err
     assert f"pretrain_multimodal.py: --data-path '{tmp_path / 'nothing'}': no such file or directory" in output
@@ -308,5 +382,10 @@ def test_a_mistake_found_by_the_training_script_is_one_line_without_tracebacks(t
     assert output.strip().splitlines()[-1] == "torchrun: rank 0 stopped (exit code 1); its output above says why"
     # (--packing tokens with MBS=2, on a warm engine and cold: tests/unit/test_warm_engine.py)
     rc, out, err = _script("--attention-backend", "flash", DRY_RUN=0, TRAIN_ITERS=1, ENGINE_SERVER=WarmEngine.get())
-    assert rc == 1 and "pretrain_multimodal.py: --attention-backend flash on the local backend: varlen attention " \
-        "needs a CUDA device" in out + err and "Traceback" not in out + err, (out + err)[-3000:]
+    assert (
+        rc == 1
+        and "pretrain_multimodal.py: --attention-backend flash on the local backend: varlen attention "
+        "needs a CUDA device"
+        in out + err
+        and "Traceback" not in out + err
+    ), (out + err)[-3000:]

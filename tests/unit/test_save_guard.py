@@ -23,8 +23,11 @@ def test_failed_save_removes_only_its_own_directory(tmp_path):
     (tmp_path / "iter_0000002").mkdir()
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
 
-    with pytest.raises(SystemExit, match=r"no space left on .* while saving iteration 2: removed the partial .*"
-                                         r"iter_0000002; the last complete checkpoint is iteration 1"):
+    with pytest.raises(
+        SystemExit,
+        match=r"no space left on .* while saving iteration 2: removed the partial .*"
+        r"iter_0000002; the last complete checkpoint is iteration 1",
+    ):
         with save_guard.full_disk_in_one_line(str(tmp_path), 2):
             raise OSError(errno.ENOSPC, "No space left on device")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000001", "latest_checkpointed_iteration.txt"]
@@ -49,10 +52,12 @@ def test_incomplete_saves_are_removed_and_complete_ones_kept(tmp_path):
     (tmp_path / "iter_0000006" / ".metadata").write_bytes(b"index")
     lines = save_guard.clear_incomplete_saves(str(tmp_path))
     assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000002", "iter_0000006"]
-    assert lines == [f"removed {tmp_path / 'iter_0000004'}: a save that did not finish (newer than "
-                     "latest_checkpointed_iteration.txt, no .metadata)",
-                     f"{tmp_path / 'iter_0000006'} is complete but newer than latest_checkpointed_iteration.txt; it "
-                     "is overwritten when training reaches that iteration"]
+    assert lines == [
+        f"removed {tmp_path / 'iter_0000004'}: a save that did not finish (newer than "
+        "latest_checkpointed_iteration.txt, no .metadata)",
+        f"{tmp_path / 'iter_0000006'} is complete but newer than latest_checkpointed_iteration.txt; it "
+        "is overwritten when training reaches that iteration",
+    ]
 
 
 def test_a_full_disk_is_recognised_from_what_the_writer_logged(tmp_path):
@@ -65,7 +70,8 @@ def test_a_full_disk_is_recognised_from_what_the_writer_logged(tmp_path):
     def writer_fails():
         (tmp_path / "iter_0000002").mkdir()
         logging.getLogger(save_guard.WriterLog.LOGGER).error(
-            "Local worker 0 encountered an error: [Errno 28] No space left on device")
+            "Local worker 0 encountered an error: [Errno 28] No space left on device"
+        )
         raise RuntimeError("Worker failure: An error is caught while starting worker 0, error: <class 'OSError'>")
 
     def other_failure():
@@ -103,7 +109,10 @@ def test_the_save_hooks_run_in_order_and_a_full_disk_after_the_save_is_one_line(
     monkeypatch.setattr(save_hooks, "BEFORE", (lambda iteration, model, args: calls.append(("before", model)),))
     monkeypatch.setattr(save_hooks, "AFTER", (after,))
     save = save_hooks.with_save_hooks(lambda iteration, model: calls.append(("save", iteration)), get_args=lambda: Args)
-    with pytest.raises(SystemExit, match=r"while saving iteration 3: removed the partial .*iter_0000003; the last "
-                                         r"complete checkpoint is none"):
+    with pytest.raises(
+        SystemExit,
+        match=r"while saving iteration 3: removed the partial .*iter_0000003; the last "
+        r"complete checkpoint is none",
+    ):
         save(3, "model")
     assert calls == [("before", "model"), ("save", 3), ("after", 3, str(tmp_path))]

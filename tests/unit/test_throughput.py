@@ -22,9 +22,18 @@ from examples.multimodal_dev.training.throughput import (
 )
 
 
-@pytest.mark.parametrize("name,peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
-                                       ("NVIDIA H200", 989.0), ("NVIDIA B200", 2250.0), ("NVIDIA GB200", 2500.0),
-                                       ("NVIDIA A100-SXM4-80GB", 312.0), ("Some Accelerator 9000", None)])
+@pytest.mark.parametrize(
+    "name,peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA B200", 2250.0),
+        ("NVIDIA GB200", 2500.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("Some Accelerator 9000", None),
+    ],
+)
 def test_peak_from_device_name(name, peak):
     assert device_peak_tflops(name) == peak
 
@@ -37,8 +46,14 @@ def test_peak_override():
 
 
 def _stats(model_flops: float = 0.0, real: int = 0, padded: int = 0) -> BatchStats:
-    return BatchStats(samples=1, real_tokens=real, padded_tokens=padded, pad_fraction=1.0 - real / max(padded, 1),
-                      lengths=[real], model_flops=model_flops)
+    return BatchStats(
+        samples=1,
+        real_tokens=real,
+        padded_tokens=padded,
+        pad_fraction=1.0 - real / max(padded, 1),
+        lengths=[real],
+        model_flops=model_flops,
+    )
 
 
 def _batches(*stats):
@@ -62,8 +77,12 @@ def test_iteration_sums_then_window_mean(mcore):
     assert meter.last == {"model_flops": 10e12, "real_tokens": 300.0, "padded_tokens": 512.0, "dp_imbalance": 1.0}
     assert count(None, 8) == 6.5e12
     assert meter.window_flops == 13e12 and meter.window_iters == 2
-    assert meter.take_window() == {"model_flops": 13e12, "real_tokens": 450.0, "padded_tokens": 704.0,
-                                   "dp_imbalance": 1.0}
+    assert meter.take_window() == {
+        "model_flops": 13e12,
+        "real_tokens": 450.0,
+        "padded_tokens": 704.0,
+        "dp_imbalance": 1.0,
+    }
     assert meter.window_iters == 0 and meter.window_flops == 0.0
     assert meter.take_window() == {"model_flops": 0.0, "real_tokens": 0.0, "padded_tokens": 0.0}
 
@@ -81,17 +100,21 @@ def test_throughput_line_with_and_without_peak():
     window = {"model_flops": 123.456e12 * 4 * 2.0, "real_tokens": 1500.0, "padded_tokens": 2000.0}
     assert throughput_line(window, 3, 2.0, 4, 1000.0) == (
         " model FLOPs (flops.py): 123.5 TFLOP/s per GPU over 3 iterations | tokens/s: 750 | padding: 25.0%"
-        " | MFU: 12.3% of 1000 TFLOP/s dense bf16 |")
+        " | MFU: 12.3% of 1000 TFLOP/s dense bf16 |"
+    )
     assert throughput_line(window, 3, 2.0, 4, None) == (
-        " model FLOPs (flops.py): 123.5 TFLOP/s per GPU over 3 iterations | tokens/s: 750 | padding: 25.0% |")
+        " model FLOPs (flops.py): 123.5 TFLOP/s per GPU over 3 iterations | tokens/s: 750 | padding: 25.0% |"
+    )
     # 4 significant digits on a CPU-sized rate; an empty window does not divide by zero
     small = {"model_flops": 0.0123456e12, "real_tokens": 10.0, "padded_tokens": 10.0}
-    assert "0.01235 TFLOP/s per GPU over 1 iterations | tokens/s: 10 | padding: 0.0% |" in \
-        throughput_line(small, 1, 1.0, 1, None)
+    assert "0.01235 TFLOP/s per GPU over 1 iterations | tokens/s: 10 | padding: 0.0% |" in throughput_line(
+        small, 1, 1.0, 1, None
+    )
     empty = dict.fromkeys(("model_flops", "real_tokens", "padded_tokens"), 0.0)
     assert "padding: 100.0%" in throughput_line(empty, 0, 0.0, 1, None)
     assert throughput_line(dict(window, dp_imbalance=1.0412), 3, 2.0, 4, None).endswith(
-        "padding: 25.0% | DP imbalance (max/mean FLOPs, worst step): 1.041 |")
+        "padding: 25.0% | DP imbalance (max/mean FLOPs, worst step): 1.041 |"
+    )
 
 
 class _Timer:
@@ -107,8 +130,19 @@ def _training_log_stub(calls, side_losses=None):
     """megatron.training.training.training_log's leading parameters; it fills the MTP losses as
     megatron's does (track_mtp_metrics runs inside training_log)."""
 
-    def training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale, report_memory_flag,
-                     skipped_iter, grad_norm, params_norm, num_zeros_in_grad, max_attention_logit):
+    def training_log(
+        loss_dict,
+        total_loss_dict,
+        learning_rate,
+        iteration,
+        loss_scale,
+        report_memory_flag,
+        skipped_iter,
+        grad_norm,
+        params_norm,
+        num_zeros_in_grad,
+        max_attention_logit,
+    ):
         calls.append(iteration)
         if side_losses is not None:
             side_losses["mtp_1 loss"] = 0.25 * iteration
@@ -118,8 +152,20 @@ def _training_log_stub(calls, side_losses=None):
 
 
 def _log_call(log, iteration, loss=2.5, grad_norm=None, **kwargs):
-    return log({"lm loss": torch.tensor(loss, dtype=torch.float64)}, {}, 1e-4 * iteration, iteration, 1.0, False,
-               0, grad_norm, None, None, None, **kwargs)
+    return log(
+        {"lm loss": torch.tensor(loss, dtype=torch.float64)},
+        {},
+        1e-4 * iteration,
+        iteration,
+        1.0,
+        False,
+        0,
+        grad_norm,
+        None,
+        None,
+        None,
+        **kwargs,
+    )
 
 
 def test_log_wrapper_emits_throughput_on_log_iterations_and_writes_metrics(mcore, tmp_path):
@@ -127,9 +173,17 @@ def test_log_wrapper_emits_throughput_on_log_iterations_and_writes_metrics(mcore
     meter = StepFlops()
     args = SimpleNamespace(log_interval=2, world_size=4)
     path = tmp_path / "metrics.jsonl"
-    log = log_wrapper(_training_log_stub(calls, side_losses), meter, lambda a: 1000.0, lambda: args,
-                      lambda: (lambda name: _Timer(timer_reads, 2.0)), emitted.append, MetricsFile(str(path)),
-                      side_losses, lambda: SimpleNamespace(add_scalar=lambda *scalar: scalars.append(scalar)))
+    log = log_wrapper(
+        _training_log_stub(calls, side_losses),
+        meter,
+        lambda a: 1000.0,
+        lambda: args,
+        lambda: lambda name: _Timer(timer_reads, 2.0),
+        emitted.append,
+        MetricsFile(str(path)),
+        side_losses,
+        lambda: SimpleNamespace(add_scalar=lambda *scalar: scalars.append(scalar)),
+    )
     meter.last = {"model_flops": 3e12, "real_tokens": 150.0, "padded_tokens": 192.0}
     assert _log_call(log, 1, loss=2.123456789, grad_norm=torch.tensor(3.98581234)) == "report"
     assert not emitted and not timer_reads and side_losses == {}  # captured losses are cleared per iteration
@@ -137,23 +191,57 @@ def test_log_wrapper_emits_throughput_on_log_iterations_and_writes_metrics(mcore
     meter.window = {"model_flops": 4 * 2.0 * 250e12, "real_tokens": 900.0, "padded_tokens": 1000.0}
     meter.window_iters = 2
     meter.last = {"model_flops": 1e12, "real_tokens": 50.0, "padded_tokens": 64.0}
-    assert log({"lm loss": 1.5}, {}, 2e-4, iteration=2, loss_scale=1.0, report_memory_flag=False, skipped_iter=0,
-               grad_norm=1.25, params_norm=None, num_zeros_in_grad=None, max_attention_logit=None) == "report"
+    assert (
+        log(
+            {"lm loss": 1.5},
+            {},
+            2e-4,
+            iteration=2,
+            loss_scale=1.0,
+            report_memory_flag=False,
+            skipped_iter=0,
+            grad_norm=1.25,
+            params_norm=None,
+            num_zeros_in_grad=None,
+            max_attention_logit=None,
+        )
+        == "report"
+    )
     assert calls == [1, 2] and timer_reads == [False]  # read, never reset: megatron's log resets it
-    assert emitted == [" model FLOPs (flops.py): 250 TFLOP/s per GPU over 2 iterations | tokens/s: 450"
-                       " | padding: 10.0% | MFU: 25.0% of 1000 TFLOP/s dense bf16 |"]
+    assert emitted == [
+        " model FLOPs (flops.py): 250 TFLOP/s per GPU over 2 iterations | tokens/s: 450"
+        " | padding: 10.0% | MFU: 25.0% of 1000 TFLOP/s dense bf16 |"
+    ]
     assert meter.window_iters == 0 and meter.window_flops == 0.0
     # TensorBoard gets the line's rates at the log iteration
-    assert [(name, step) for name, _, step in scalars] == [("model TFLOP/s per GPU", 2), ("tokens per second", 2),
-                                                          ("padding percent", 2)]
+    assert [(name, step) for name, _, step in scalars] == [
+        ("model TFLOP/s per GPU", 2),
+        ("tokens per second", 2),
+        ("padding percent", 2),
+    ]
     assert [value for _, value, _ in scalars] == pytest.approx([250.0, 450.0, 10.0], rel=1e-12)
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert records == [
-        {"iteration": 1, "learning rate": 1e-4, "grad norm": pytest.approx(3.98581234, rel=1e-7),
-         "model_flops": 3e12, "real_tokens": 150.0, "padded_tokens": 192.0, "lm loss": 2.123456789,
-         "mtp_1 loss": 0.25},
-        {"iteration": 2, "learning rate": 2e-4, "grad norm": 1.25, "model_flops": 1e12, "real_tokens": 50.0,
-         "padded_tokens": 64.0, "lm loss": 1.5, "mtp_1 loss": 0.5},
+        {
+            "iteration": 1,
+            "learning rate": 1e-4,
+            "grad norm": pytest.approx(3.98581234, rel=1e-7),
+            "model_flops": 3e12,
+            "real_tokens": 150.0,
+            "padded_tokens": 192.0,
+            "lm loss": 2.123456789,
+            "mtp_1 loss": 0.25,
+        },
+        {
+            "iteration": 2,
+            "learning rate": 2e-4,
+            "grad norm": 1.25,
+            "model_flops": 1e12,
+            "real_tokens": 50.0,
+            "padded_tokens": 64.0,
+            "lm loss": 1.5,
+            "mtp_1 loss": 0.5,
+        },
     ]
     assert records[0]["lm loss"] == 2.123456789  # full precision, not the log's 6 digits
 
@@ -164,8 +252,9 @@ def test_metrics_file_is_written_by_the_last_rank_only(monkeypatch, tmp_path):
     for rank, written in ((0, False), (2, False), (3, True)):
         monkeypatch.setattr(torch.distributed, "get_rank", lambda *a, rank=rank, **k: rank)
         path = tmp_path / f"rank{rank}.jsonl"
-        log = log_wrapper(_training_log_stub([]), StepFlops(), lambda a: None, lambda: args, None, None,
-                          MetricsFile(str(path)))
+        log = log_wrapper(
+            _training_log_stub([]), StepFlops(), lambda a: None, lambda: args, None, None, MetricsFile(str(path))
+        )
         _log_call(log, 7)
         assert path.exists() == written
     assert json.loads((tmp_path / "rank3.jsonl").read_text())["iteration"] == 7
@@ -209,7 +298,12 @@ def test_capture_mtp_losses_keeps_the_iteration_and_adds_to_the_log_sums():
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     assert tuple(inspect.signature(MTPLossLoggingHelper.track_mtp_metrics).parameters)[:5] == (
-        "loss_scale", "iteration", "writer", "wandb_writer", "total_loss_dict")
+        "loss_scale",
+        "iteration",
+        "writer",
+        "wandb_writer",
+        "total_loss_dict",
+    )
 
 
 def test_the_rows_replace_megatron_trainings_functions():

@@ -16,8 +16,8 @@ from examples.multimodal_dev.data import mock_mix, token_budget
 from examples.multimodal_dev.data.collate import Collator
 from examples.multimodal_dev.data.sample import VisionTokens
 from examples.multimodal_dev.data.token_budget import TokenBudgetPlan, TokenBudgetSampler, check_packing_args, deal_rows
-from examples.multimodal_dev.models.qwen35_vl.flops import micro_batch_flops
 from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
+from examples.multimodal_dev.models.qwen35_vl.flops import micro_batch_flops
 
 SHAPE = get_variant("tiny", moe=False, mtp=False)
 TOKENS = VisionTokens.from_shape(SHAPE)
@@ -29,8 +29,14 @@ def _cost(tokens, grids):
 
 
 def _mix(n, seed=1234):
-    return mock_mix.build_datasets(tokens=TOKENS, vocab_size=SHAPE.text.vocab_size, patch_dim=SHAPE.vision.patch_dim,
-                                   seq_length=BUDGET, num_samples=(n, 0, 0), seed=seed)[0]
+    return mock_mix.build_datasets(
+        tokens=TOKENS,
+        vocab_size=SHAPE.text.vocab_size,
+        patch_dim=SHAPE.vision.patch_dim,
+        seq_length=BUDGET,
+        num_samples=(n, 0, 0),
+        seed=seed,
+    )[0]
 
 
 def _plan(dataset, rows=8, dp=2, **kwargs):
@@ -74,8 +80,8 @@ def test_a_budget_row_is_one_static_shape_and_splits_no_image():
     ends = torch.nonzero(ids == TOKENS.vision_end).flatten().tolist()
     assert len(starts) == len(ends) == grids.shape[0] > 0
     for (t, h, w), a, b in zip(grids.tolist(), starts, ends):  # each image whole, in order, in one run
-        assert b - a - 1 == t * h * w // TOKENS.spatial_merge ** 2
-        assert bool((ids[a + 1:b] == TOKENS.image).all())
+        assert b - a - 1 == t * h * w // TOKENS.spatial_merge**2
+        assert bool((ids[a + 1 : b] == TOKENS.image).all())
     assert batch.pixel_values.shape[0] == int(grids.prod(-1).sum())
 
 
@@ -84,7 +90,7 @@ def test_a_resumed_sampler_sees_exactly_the_same_rows():
     straight = [list(TokenBudgetSampler(_plan(dataset), 0, rank)) for rank in (0, 1)]
     resumed = [list(TokenBudgetSampler(_plan(dataset), 3 * 8, rank)) for rank in (0, 1)]
     assert all(len(s) >= 24 for s in straight)
-    assert resumed == [s[3 * 4:] for s in straight]
+    assert resumed == [s[3 * 4 :] for s in straight]
     assert not set(map(tuple, straight[0])) & set(map(tuple, straight[1]))
     with pytest.raises(ValueError, match="consumed samples 12 is not a whole number of steps of 8 rows"):
         TokenBudgetSampler(_plan(dataset), 12, 0)
@@ -105,8 +111,10 @@ def test_a_plan_restored_from_a_checkpoint_continues_without_replaying(tmp_path)
     read = []
     resumed = _plan(dataset)
     resumed.describe = lambda i: read.append(i) or dataset.describe(i)
-    assert plan_state.resume(resumed, str(tmp_path), 3, 3 * 8) == \
-        f"token-budget plan: continues at step 3 from {checkpoint / plan_state.PLAN_FILE}"
+    assert (
+        plan_state.resume(resumed, str(tmp_path), 3, 3 * 8)
+        == f"token-budget plan: continues at step 3 from {checkpoint / plan_state.PLAN_FILE}"
+    )
     assert [s.ranks for s in _steps(resumed, first=3)] == [s.ranks for s in steps[3:]]
     # only the carried conversations (checked) and the stream from the saved cursor on are read
     assert sorted(i for i in read if i < state["cursor"]) == sorted(i for i, _, _ in state["carried"])
@@ -120,17 +128,21 @@ def test_a_plan_restored_from_a_checkpoint_continues_without_replaying(tmp_path)
     other = _plan(dataset, rows=4, dp=1)
     assert plan_state.resume(other, str(tmp_path), 3, 6 * 4) == (
         f"token-budget plan: replaying 6 steps from the start ({plan_state.PLAN_FILE} is for step 3, the run "
-        "resumes at step 6)")
+        "resumes at step 6)"
+    )
     assert plan_state.resume(other, str(tmp_path), 3, 3 * 4) == (
         "token-budget plan: replaying 3 steps from the start (it was planned with other settings: dp_size, "
-        "rows_per_step)")
+        "rows_per_step)"
+    )
     assert plan_state.resume(_plan(dataset), str(tmp_path), 2, 2 * 8) == (
         f"token-budget plan: replaying 2 steps from the start ({tmp_path / 'iter_0000002'} has no "
-        f"{plan_state.PLAN_FILE})")
+        f"{plan_state.PLAN_FILE})"
+    )
     assert plan_state.resume(_plan(dataset), None, 0, 0) is None
     (checkpoint / plan_state.PLAN_FILE).write_text('{"step": 3, "settings": ')
-    assert "(token_budget_plan.json is not a plan state: JSONDecodeError: " in \
-        plan_state.resume(_plan(dataset), str(tmp_path), 3, 3 * 8)
+    assert "(token_budget_plan.json is not a plan state: JSONDecodeError: " in plan_state.resume(
+        _plan(dataset), str(tmp_path), 3, 3 * 8
+    )
     # another dataset whose carried conversations have other lengths
     assert "has another length in this dataset" in _plan(_mix(400, seed=7)).restore(state)
 
@@ -148,19 +160,23 @@ def test_an_edited_plan_file_is_replayed_not_trusted(tmp_path, tamper):
     assert plan_state.write_state(str(checkpoint), saved, 3 * 8)
     path = checkpoint / plan_state.PLAN_FILE
     state = json.loads(path.read_text())
-    edit = {"cursor moved": lambda s: s.update(cursor=s["cursor"] + 5),
-            "carried index out of range": lambda s: s["carried"][0].__setitem__(0, 999999999),
-            "carried list emptied": lambda s: s.update(carried=[])}[tamper]
+    edit = {
+        "cursor moved": lambda s: s.update(cursor=s["cursor"] + 5),
+        "carried index out of range": lambda s: s["carried"][0].__setitem__(0, 999999999),
+        "carried list emptied": lambda s: s.update(carried=[]),
+    }[tamper]
     edit(state)
     path.write_text(json.dumps(state))
     line = plan_state.resume(_plan(dataset), str(tmp_path), 3, 3 * 8)
-    assert line == ("token-budget plan: replaying 3 steps from the start (token_budget_plan.json is not a plan state: "
-                    "ValueError: its content does not match the checksum written with it (edited or damaged))"), line
+    assert line == (
+        "token-budget plan: replaying 3 steps from the start (token_budget_plan.json is not a plan state: "
+        "ValueError: its content does not match the checksum written with it (edited or damaged))"
+    ), line
     state.pop("sha256")
     if tamper == "carried index out of range":
         assert "are not distinct conversations of this dataset" in _plan(dataset).restore(state)
     if tamper == "cursor moved":
-        state["cursor"] = 10 ** 9
+        state["cursor"] = 10**9
         assert "is not a position in this dataset" in _plan(dataset).restore(state)
 
 
@@ -172,7 +188,7 @@ def test_plans_are_deterministic_by_seed():
 
 
 def test_ranks_balanced_and_padding_small_on_the_realistic_mix():
-    dataset = _mix(10 ** 6)
+    dataset = _mix(10**6)
     plan = _plan(dataset, rows=16)
     steps = [plan.step(s) for s in range(12)]
     imbalance = sum(s.imbalance for s in steps) / len(steps)
@@ -181,8 +197,12 @@ def test_ranks_balanced_and_padding_small_on_the_realistic_mix():
     assert imbalance < 1.01 and padding < 0.02
     # the plan's costs are what the collate's FLOPs count gives the rank (flops.py, real tokens)
     rows = steps[0].ranks[0]
-    measured = sum(micro_batch_flops(SHAPE, [dataset.describe(i)[0] for i in row],
-                                     [g for i in row for g in dataset.describe(i)[1]]).training for row in rows)
+    measured = sum(
+        micro_batch_flops(
+            SHAPE, [dataset.describe(i)[0] for i in row], [g for i in row for g in dataset.describe(i)[1]]
+        ).training
+        for row in rows
+    )
     assert measured == pytest.approx(steps[0].rank_costs[0], rel=1e-9)
 
 
@@ -219,7 +239,10 @@ def test_budget_row_loss_equals_padded_loss(mcore):
     model = build_model(SHAPE).eval()
     losses = {}
     with torch.no_grad():
-        for name, collate in (("budget row", Collator(TOKENS, row_length=BUDGET)), ("padded", Collator(TOKENS, packed=False))):
+        for name, collate in (
+            ("budget row", Collator(TOKENS, row_length=BUDGET)),
+            ("padded", Collator(TOKENS, packed=False)),
+        ):
             loss_sum, n_tokens, _ = batch_loss(model, collate(samples))
             losses[name] = (loss_sum / n_tokens).item()
     print(f"{len(samples)} conversations: per-token loss {losses}")
@@ -227,20 +250,32 @@ def test_budget_row_loss_equals_padded_loss(mcore):
 
 
 def _args(**overrides):
-    base = dict(packing="tokens", packed_seq_length=None, seq_length=1024, use_packed_sequence=True,
-                micro_batch_size=1, rampup_batch_size=None, packing_window=4096, context_parallel_size=1,
-                tensor_model_parallel_size=1, sequence_parallel=False)
+    base = dict(
+        packing="tokens",
+        packed_seq_length=None,
+        seq_length=1024,
+        use_packed_sequence=True,
+        micro_batch_size=1,
+        rampup_batch_size=None,
+        packing_window=4096,
+        context_parallel_size=1,
+        tensor_model_parallel_size=1,
+        sequence_parallel=False,
+    )
     return Namespace(**{**base, **overrides})
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (dict(micro_batch_size=2), "--micro-batch-size 2: with --packing tokens a micro-batch is one row"),
-    (dict(use_packed_sequence=False), "cannot be combined with --no-packed-sequence"),
-    (dict(packed_seq_length=0), "--packed-seq-length 0 must be a positive integer"),
-    (dict(packing_window=0), "--packing-window 0 must be a positive integer"),
-    (dict(packed_seq_length=1001, context_parallel_size=2), "--packed-seq-length 1001 must be a multiple of 4"),
-    (dict(rampup_batch_size=[1, 1, 8]), "--rampup-batch-size"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (dict(micro_batch_size=2), "--micro-batch-size 2: with --packing tokens a micro-batch is one row"),
+        (dict(use_packed_sequence=False), "cannot be combined with --no-packed-sequence"),
+        (dict(packed_seq_length=0), "--packed-seq-length 0 must be a positive integer"),
+        (dict(packing_window=0), "--packing-window 0 must be a positive integer"),
+        (dict(packed_seq_length=1001, context_parallel_size=2), "--packed-seq-length 1001 must be a multiple of 4"),
+        (dict(rampup_batch_size=[1, 1, 8]), "--rampup-batch-size"),
+    ],
+)
 def test_settings_refused_by_flag(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         check_packing_args(_args(**overrides))

@@ -18,7 +18,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from examples.multimodal_dev.models.common import sdpa_attention, varlen_attention as va
+from examples.multimodal_dev.models.common import sdpa_attention
+from examples.multimodal_dev.models.common import varlen_attention as va
 from examples.multimodal_dev.models.common.sdpa_attention import SDPACoreAttention
 
 LENGTHS = (1, 7, 16, 33)
@@ -28,26 +29,32 @@ FULL = dict(cuda=True, dtype=torch.bfloat16, head_dim=128, dropout=0.0, availabl
 
 # --- which kernel -------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("backend", list(AttnBackend))
-@pytest.mark.parametrize("change,blocker", [
-    ({}, None),
-    ({"cuda": False}, "varlen attention needs a CUDA device"),
-    ({"available": False}, f"torch {torch.__version__} has no torch.nn.attention.varlen"),
-    ({"dtype": torch.float32}, "varlen attention needs fp16 or bf16 (this run computes attention in float32)"),
-    ({"dtype": torch.float16}, None),
-    ({"head_dim": 72}, None),  # the vision encoder's
-    ({"head_dim": 256}, None),  # the language model's
-    ({"head_dim": 320}, "a head size that is a multiple of 8 up to 256 (this one: 320)"),
-    ({"head_dim": 60}, "a head size that is a multiple of 8 up to 256 (this one: 60)"),
-    ({"dropout": 0.1}, "varlen attention has no dropout (attention dropout 0.1)"),
-])
+@pytest.mark.parametrize(
+    "change,blocker",
+    [
+        ({}, None),
+        ({"cuda": False}, "varlen attention needs a CUDA device"),
+        ({"available": False}, f"torch {torch.__version__} has no torch.nn.attention.varlen"),
+        ({"dtype": torch.float32}, "varlen attention needs fp16 or bf16 (this run computes attention in float32)"),
+        ({"dtype": torch.float16}, None),
+        ({"head_dim": 72}, None),  # the vision encoder's
+        ({"head_dim": 256}, None),  # the language model's
+        ({"head_dim": 320}, "a head size that is a multiple of 8 up to 256 (this one: 320)"),
+        ({"head_dim": 60}, "a head size that is a multiple of 8 up to 256 (this one: 60)"),
+        ({"dropout": 0.1}, "varlen attention has no dropout (attention dropout 0.1)"),
+    ],
+)
 def test_kernel_choice(backend, change, blocker):
     host = {**FULL, **change}
     wants_varlen = backend in (AttnBackend.flash, AttnBackend.auto)
     if backend == AttnBackend.flash and blocker:
         with pytest.raises(ValueError) as err:
             va.thd_kernel(backend, **host)
-        assert str(err.value).startswith("--attention-backend flash on the local backend: ") and blocker in str(err.value)
+        assert str(err.value).startswith("--attention-backend flash on the local backend: ") and blocker in str(
+            err.value
+        )
         return
     kernel, why = va.thd_kernel(backend, **host)
     if wants_varlen and blocker is None:
@@ -63,14 +70,18 @@ def test_the_run_line_names_each_part_and_flash_is_refused_up_front():
     vision = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4)
     line = va.describe_thd_kernels({"language model": language, "vision encoder": vision})
     if not torch.cuda.is_available():
-        assert line == ("packed (THD) attention: language model SDPA per packed sample (varlen attention needs a CUDA "
-                        "device); vision encoder SDPA per packed sample (varlen attention needs a CUDA device)")
+        assert line == (
+            "packed (THD) attention: language model SDPA per packed sample (varlen attention needs a CUDA "
+            "device); vision encoder SDPA per packed sample (varlen attention needs a CUDA device)"
+        )
         language.attention_backend = AttnBackend.flash
         with pytest.raises(ValueError, match="--attention-backend flash on the local backend: varlen attention needs"):
             va.describe_thd_kernels({"language model": language})
     language.attention_backend = AttnBackend.unfused
-    assert va.describe_thd_kernels({"language model": language}) == \
-        "packed (THD) attention: language model SDPA per packed sample (--attention-backend unfused)"
+    assert (
+        va.describe_thd_kernels({"language model": language})
+        == "packed (THD) attention: language model SDPA per packed sample (--attention-backend unfused)"
+    )
 
 
 def test_megatron_local_attention_backend_is_one_line():
@@ -84,6 +95,7 @@ def test_megatron_local_attention_backend_is_one_line():
 
 
 # --- the call into torch's kernel ---------------------------------------------------------------
+
 
 def _reference(q, k, v, cu, causal: bool, scale: float):
     """Attention within each segment by explicit arithmetic (not SDPA); q [t, h, d], k/v [t, h, d]."""
@@ -108,12 +120,28 @@ def _kernel_2_10(calls):
         _check_segments(query, cu_seq_q, cu_seq_k, max_q, max_k, calls)
         assert key.shape[1] == query.shape[1], "torch 2.10's kernel has no grouped-query heads"
         return _reference(query, key, value, cu_seq_q, is_causal, query.shape[-1] ** -0.5)
+
     return varlen_attn
 
 
 def _kernel_later(calls):
-    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                    window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    def varlen_attn(
+        query,
+        key,
+        value,
+        cu_seq_q,
+        cu_seq_k,
+        max_q,
+        max_k,
+        *,
+        return_aux=None,
+        scale=None,
+        window_size=(-1, -1),
+        enable_gqa=False,
+        seqused_k=None,
+        block_table=None,
+        num_splits=None,
+    ):
         _check_segments(query, cu_seq_q, cu_seq_k, max_q, max_k, calls)
         assert tuple(window_size) in ((-1, -1), (-1, 0)) and enable_gqa == (key.shape[1] != query.shape[1])
         if enable_gqa:
@@ -121,28 +149,43 @@ def _kernel_later(calls):
             key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
         scale = query.shape[-1] ** -0.5 if scale is None else scale
         return _reference(query, key, value, cu_seq_q, tuple(window_size) == (-1, 0), scale)
+
     return varlen_attn
 
 
 def _attention(backend: AttnBackend, groups: int, scale, causal: bool):
-    config = TransformerConfig(num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
-                               num_query_groups=groups, kv_channels=HEAD_DIM, attention_backend=backend,
-                               attention_dropout=0.0)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=HEADS * HEAD_DIM,
+        num_attention_heads=HEADS,
+        num_query_groups=groups,
+        kv_channels=HEAD_DIM,
+        attention_backend=backend,
+        attention_dropout=0.0,
+    )
     mask = AttnMaskType.padding_causal if causal else AttnMaskType.no_mask
     return SDPACoreAttention(config, layer_number=1, attn_mask_type=mask, softmax_scale=scale)
 
 
 @pytest.mark.parametrize("signature", ["torch 2.10", "later"])
-@pytest.mark.parametrize("groups,scale,causal", [(HEADS, None, True), (2, None, True), (2, 0.1, True),
-                                                 (HEADS, 0.3, False)], ids=["mha", "gqa", "gqa-scale", "full-scale"])
+@pytest.mark.parametrize(
+    "groups,scale,causal",
+    [(HEADS, None, True), (2, None, True), (2, 0.1, True), (HEADS, 0.3, False)],
+    ids=["mha", "gqa", "gqa-scale", "full-scale"],
+)
 def test_varlen_call_equals_sdpa_per_sample(monkeypatch, signature, groups, scale, causal):
     calls = []
     kernel = va.TorchVarlen((_kernel_2_10 if signature == "torch 2.10" else _kernel_later)(calls))
     assert kernel.windowed == kernel.has_scale == kernel.has_gqa == (signature == "later")
     # This host as a CUDA host with torch's kernel: the module takes the varlen branch.
     real_choice = va.thd_kernel
-    monkeypatch.setattr(sdpa_attention, "thd_kernel", lambda backend, cuda, dtype, head_dim, dropout: real_choice(
-        backend, True, torch.bfloat16, head_dim, dropout, available=True))
+    monkeypatch.setattr(
+        sdpa_attention,
+        "thd_kernel",
+        lambda backend, cuda, dtype, head_dim, dropout: real_choice(
+            backend, True, torch.bfloat16, head_dim, dropout, available=True
+        ),
+    )
     monkeypatch.setattr(sdpa_attention, "torch_varlen", lambda: kernel)
 
     gen = torch.Generator().manual_seed(0)
@@ -150,12 +193,14 @@ def test_varlen_call_equals_sdpa_per_sample(monkeypatch, signature, groups, scal
     real = torch.tensor((0, *torch.tensor(LENGTHS).cumsum(0).tolist()), dtype=torch.int32)
     padded = real.clone()
     padded[-1] = total
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real, cu_seqlens_q_padded=padded,
-                             cu_seqlens_kv_padded=padded)
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real, cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded
+    )
     # float64: the two kernels' different summation orders stay far below the tolerance
     q = torch.randn(total, HEADS, HEAD_DIM, generator=gen, dtype=torch.float64, requires_grad=True)
-    k, v = (torch.randn(total, groups, HEAD_DIM, generator=gen, dtype=torch.float64, requires_grad=True)
-            for _ in range(2))
+    k, v = (
+        torch.randn(total, groups, HEAD_DIM, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(2)
+    )
 
     def run(module):
         out = module(q, k, v, None, packed_seq_params=params)
@@ -170,7 +215,7 @@ def test_varlen_call_equals_sdpa_per_sample(monkeypatch, signature, groups, scal
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     if scale is not None and signature == "torch 2.10":
-        assert not math.isclose(scale, HEAD_DIM ** -0.5)  # the fold into q was exercised
+        assert not math.isclose(scale, HEAD_DIM**-0.5)  # the fold into q was exercised
 
 
 @pytest.mark.parametrize("backend", [AttnBackend.auto, AttnBackend.flash])
@@ -178,8 +223,9 @@ def test_a_varlen_kernel_that_raises(monkeypatch, capsys, backend):
     """auto says so once and keeps to per-sample SDPA (same output); flash stops."""
     calls = []
 
-    def broken(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size=(-1, -1), scale=None,
-               enable_gqa=False):
+    def broken(
+        query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size=(-1, -1), scale=None, enable_gqa=False
+    ):
         calls.append(1)
         raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.\nmore detail")
 
@@ -187,8 +233,11 @@ def test_a_varlen_kernel_that_raises(monkeypatch, capsys, backend):
     monkeypatch.setattr(va, "torch_varlen", lambda: va.TorchVarlen(broken))
     monkeypatch.setattr(sdpa_attention, "torch_varlen", lambda: va.TorchVarlen(broken))
     real_choice = va.thd_kernel  # a CUDA host in bf16; whether varlen is usable is left to the module
-    monkeypatch.setattr(sdpa_attention, "thd_kernel", lambda backend, cuda, dtype, head_dim, dropout: real_choice(
-        backend, True, torch.bfloat16, head_dim, dropout))
+    monkeypatch.setattr(
+        sdpa_attention,
+        "thd_kernel",
+        lambda backend, cuda, dtype, head_dim, dropout: real_choice(backend, True, torch.bfloat16, head_dim, dropout),
+    )
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
     q, k, v = (torch.randn(12, HEADS, HEAD_DIM, dtype=torch.float64) for _ in range(3))
@@ -201,8 +250,11 @@ def test_a_varlen_kernel_that_raises(monkeypatch, capsys, backend):
     second = module(q, k, v, None, packed_seq_params=params)
     reference = _attention(AttnBackend.unfused, HEADS, None, True)(q, k, v, None, packed_seq_params=params)
     assert calls == [1] and torch.equal(first, reference) and torch.equal(second, reference)
-    assert capsys.readouterr().out == ("packed (THD) attention: torch's varlen_attn raised RuntimeError: FlashAttention "
-                                       "only supports Ampere GPUs or newer.; SDPA per packed sample from here on "
-                                       "(--attention-backend flash would stop instead)\n")
+    assert capsys.readouterr().out == (
+        "packed (THD) attention: torch's varlen_attn raised RuntimeError: FlashAttention "
+        "only supports Ampere GPUs or newer.; SDPA per packed sample from here on "
+        "(--attention-backend flash would stop instead)\n"
+    )
     assert va.thd_kernel(AttnBackend.auto, True, torch.bfloat16, HEAD_DIM, 0.0)[1].startswith(
-        "torch's varlen_attn raised RuntimeError")
+        "torch's varlen_attn raised RuntimeError"
+    )

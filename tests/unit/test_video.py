@@ -31,17 +31,28 @@ from tiny_media import decode_all_tchw, write_video
 from tiny_processor import QWEN35_CHAT_TEMPLATE, SPECIALS, build_processor
 
 from examples.multimodal_dev.data.sample import BadSample, validate_sample
-from examples.multimodal_dev.data.video import (PROCESSOR_VIDEO_KWARGS, VideoSettings, load_video,
-                                                sampled_frame_count, video_header)
+from examples.multimodal_dev.data.video import (
+    PROCESSOR_VIDEO_KWARGS,
+    VideoSettings,
+    load_video,
+    sampled_frame_count,
+    video_header,
+)
 from examples.multimodal_dev.models.qwen35_vl.mrope import run_grids, sample_position_ids, split_video_frames
 
 PROMPT = "<|vision_start|><|video_pad|><|vision_end|>"
-START, END, IMG, VID = (SPECIALS.index(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
-                                                    "<|video_pad|>"))
+START, END, IMG, VID = (
+    SPECIALS.index(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+)
 # (file name, frames, width, height, fps, encoder): 12-40 frames, 64x48 .. 200x120
-CLIPS = [("h264.mp4", 25, 64, 48, 10, None), ("mpeg4.mp4", 13, 96, 64, 24, "mpeg4"),
-         ("vp8.webm", 40, 96, 64, 12, "libvpx"), ("vp9.webm", 20, 80, 48, 12, "libvpx-vp9"),
-         ("h264.mkv", 31, 200, 120, 8, None), ("anim.gif", 16, 64, 48, 10, None)]
+CLIPS = [
+    ("h264.mp4", 25, 64, 48, 10, None),
+    ("mpeg4.mp4", 13, 96, 64, 24, "mpeg4"),
+    ("vp8.webm", 40, 96, 64, 12, "libvpx"),
+    ("vp9.webm", 20, 80, 48, 12, "libvpx-vp9"),
+    ("h264.mkv", 31, 200, 120, 8, None),
+    ("anim.gif", 16, 64, 48, 10, None),
+]
 SMALL = {"min_pixels": 32 * 32 * 4, "max_pixels": 32 * 32 * 16}  # keeps frames small where size is not the point
 
 
@@ -63,6 +74,7 @@ def clips(tmp_path_factory):
 @pytest.fixture
 def reference_reader(monkeypatch):
     """qwen-vl-utils' torchvision backend, its removed ``read_video`` replaced by PyAV."""
+
     def read_video(path, start_pts=0.0, end_pts=None, pts_unit="sec", output_format="TCHW"):
         assert start_pts == 0.0 and end_pts is None and output_format == "TCHW"
         frames, fps = decode_all_tchw(path)
@@ -73,13 +85,19 @@ def reference_reader(monkeypatch):
 
 
 def _encode(processor, frames, metadata):
-    return processor(text=[PROMPT], videos=[frames], video_metadata=[metadata], return_tensors="pt",
-                     videos_kwargs=dict(PROCESSOR_VIDEO_KWARGS))
+    return processor(
+        text=[PROMPT],
+        videos=[frames],
+        video_metadata=[metadata],
+        return_tensors="pt",
+        videos_kwargs=dict(PROCESSOR_VIDEO_KWARGS),
+    )
 
 
 def _reference(processor, path, part):
-    video, metadata = qvu.fetch_video({"type": "video", "video": path, **part}, image_patch_size=16,
-                                      return_video_metadata=True)
+    video, metadata = qvu.fetch_video(
+        {"type": "video", "video": path, **part}, image_patch_size=16, return_video_metadata=True
+    )
     return _encode(processor, video, metadata)
 
 
@@ -96,10 +114,12 @@ def _hf_positions(enc):
 
     model = Qwen3_5Model.__new__(Qwen3_5Model)  # get_rope_index reads only the config
     torch.nn.Module.__init__(model)
-    model.config = Qwen3_5Config(image_token_id=IMG, video_token_id=VID, vision_start_token_id=START,
-                                 vision_end_token_id=END)
-    return model.get_rope_index(enc["input_ids"], mm_token_type_ids=enc["mm_token_type_ids"],
-                                video_grid_thw=enc["video_grid_thw"].clone())[0][:, 0]
+    model.config = Qwen3_5Config(
+        image_token_id=IMG, video_token_id=VID, vision_start_token_id=START, vision_end_token_id=END
+    )
+    return model.get_rope_index(
+        enc["input_ids"], mm_token_type_ids=enc["mm_token_type_ids"], video_grid_thw=enc["video_grid_thw"].clone()
+    )[0][:, 0]
 
 
 def _compare(processor, path, part):
@@ -114,12 +134,18 @@ def _compare(processor, path, part):
     assert torch.equal(positions, _hf_positions(ref))
     # the header: same metadata and grid without decoding, and the same text through the processor
     assert header.metadata == metadata and list(header.grid_thw) == ref["video_grid_thw"][0].tolist()
-    expanded = processor.replace_video_token({"video_grid_thw": [torch.tensor(header.grid_thw)],
-                                              "video_metadata": [header.metadata]}, 0)
+    expanded = processor.replace_video_token(
+        {"video_grid_thw": [torch.tensor(header.grid_thw)], "video_metadata": [header.metadata]}, 0
+    )
     ids = processor.tokenizer(PROMPT.replace("<|video_pad|>", expanded), return_tensors="pt").input_ids
     assert torch.equal(ids, ref["input_ids"])
-    return {"grid": tuple(header.grid_thw), "frames": metadata.frames_indices, "tokens": ref["input_ids"].shape[1],
-            "vision_starts": int((ref["input_ids"] == START).sum()), "pixel_max_abs_diff": diff}
+    return {
+        "grid": tuple(header.grid_thw),
+        "frames": metadata.frames_indices,
+        "tokens": ref["input_ids"].shape[1],
+        "vision_starts": int((ref["input_ids"] == START).sum()),
+        "pixel_max_abs_diff": diff,
+    }
 
 
 def test_defaults_are_qwen_vl_utils_and_the_video_processors():
@@ -145,10 +171,21 @@ def test_container_matches_reference(processor, clips, reference_reader, name):
         assert recorded == 0  # so the packet count, not the container's figure, was compared
 
 
-@pytest.mark.parametrize("part", [{"fps": 4}, {"fps": 0.5}, {"nframes": 10}, {"nframes": 7}, {"max_frames": 4},
-                                  {"min_frames": 9}, SMALL, {"min_pixels": 32 * 32, "max_pixels": 32 * 32 * 2},
-                                  {"min_pixels": 32 * 32, "total_pixels": 32 * 32 * 6},
-                                  {**SMALL, "max_pixels": 32 * 32 * 6, "fps": 3}])
+@pytest.mark.parametrize(
+    "part",
+    [
+        {"fps": 4},
+        {"fps": 0.5},
+        {"nframes": 10},
+        {"nframes": 7},
+        {"max_frames": 4},
+        {"min_frames": 9},
+        SMALL,
+        {"min_pixels": 32 * 32, "max_pixels": 32 * 32 * 2},
+        {"min_pixels": 32 * 32, "total_pixels": 32 * 32 * 6},
+        {**SMALL, "max_pixels": 32 * 32 * 6, "fps": 3},
+    ],
+)
 def test_overrides_match_reference(processor, clips, reference_reader, part):
     path = clips["vp8.webm"]
     figures = _compare(processor, path, part)
@@ -160,8 +197,18 @@ def test_overrides_match_reference(processor, clips, reference_reader, part):
 
 def test_frame_count_is_smart_nframes(caplog):
     caplog.set_level(logging.ERROR, logger=qvu.__name__)  # it warns when fps asks for more frames than exist
-    parts = [{}, {"fps": 0.5}, {"fps": 5.0}, {"fps": 30.0}, {"nframes": 3}, {"nframes": 8}, {"min_frames": 7},
-             {"max_frames": 5}, {"min_frames": 10, "max_frames": 6}, {"fps": 1.0, "max_frames": 9}]
+    parts = [
+        {},
+        {"fps": 0.5},
+        {"fps": 5.0},
+        {"fps": 30.0},
+        {"nframes": 3},
+        {"nframes": 8},
+        {"min_frames": 7},
+        {"max_frames": 5},
+        {"min_frames": 10, "max_frames": 6},
+        {"fps": 1.0, "max_frames": 9},
+    ]
     checked = 0
     for total in [*range(1, 50), 97, 300, 1001, 5000]:
         for video_fps in (1.0, 7.5, 10.0, 24.0, 29.97, 60.0):
@@ -210,8 +257,14 @@ def test_options_are_checked(clips, tmp_path):
     s = VideoSettings()
     assert s.with_overrides({"nframes": 8}).fps is None and s.with_overrides({"fps": 1}).nframes is None
     assert s.with_overrides({"type": "video", "video": "a.mp4"}) == s
-    for part in ({"fps": 1, "nframes": 4}, {"fps": -1}, {"nframes": 2.5}, {"max_pixels": "many"},
-                 {"video_start": 1.0}, {"resized_height": 64, "resized_width": 64}):
+    for part in (
+        {"fps": 1, "nframes": 4},
+        {"fps": -1},
+        {"nframes": 2.5},
+        {"max_pixels": "many"},
+        {"video_start": 1.0},
+        {"resized_height": 64, "resized_width": 64},
+    ):
         with pytest.raises(BadSample) as err:
             s.with_overrides(part)
         assert err.value.reason == "video_options", part
@@ -219,8 +272,11 @@ def test_options_are_checked(clips, tmp_path):
         VideoSettings(fps=2.0, nframes=4)
     # options that only a file can refute: a budget below its floor, too many frames, a 201:1 frame
     thin = write_video(str(tmp_path / "thin.gif"), 6, 402, 2)
-    for path, part, reason in ((clips["h264.mp4"], {"min_pixels": 5000, "max_pixels": 1000}, "video_options"),
-                               (clips["h264.mp4"], {"nframes": 40}, "bad_video"), (thin, {}, "aspect_ratio")):
+    for path, part, reason in (
+        (clips["h264.mp4"], {"min_pixels": 5000, "max_pixels": 1000}, "video_options"),
+        (clips["h264.mp4"], {"nframes": 40}, "bad_video"),
+        (thin, {}, "aspect_ratio"),
+    ):
         with pytest.raises(BadSample) as err:
             video_header(path, s.with_overrides(part))
         assert err.value.reason == reason and path in str(err.value), str(err.value)
@@ -244,8 +300,9 @@ def test_jsonl_video_sample_positions_are_get_rope_index(jsonl_video):
     for index in range(2):
         sample = train[index]
         ids = sample["input_ids"]
-        grids, n_img, n_frames = run_grids(ids, sample["image_grid_thw"], split_video_frames(sample["video_grid_thw"]),
-                                           t.image, t.video)
+        grids, n_img, n_frames = run_grids(
+            ids, sample["image_grid_thw"], split_video_frames(sample["video_grid_thw"]), t.image, t.video
+        )
         assert (n_img, n_frames) == (sample["image_grid_thw"].shape[0], int(sample["video_grid_thw"][:, 0].sum()))
         ours = sample_position_ids(ids, grids, t.vision_ids, t.spatial_merge)
         reference = hf_rope_positions(ids, sample["image_grid_thw"], sample["video_grid_thw"], t)
@@ -281,9 +338,12 @@ def test_validate_sample_takes_a_video_with_or_without_its_enclosing_pair(jsonl_
         with pytest.raises(ValueError, match=f"has {count} vision_start tokens for 1 images and 2 video frames"):
             validate_sample(with_ids(bad), t)
     # without a video no extra vision_start is allowed
-    image_only = {**sample, "pixel_values_videos": sample["pixel_values_videos"][:0],
-                  "video_grid_thw": sample["video_grid_thw"][:0],
-                  "input_ids": torch.where(ids == t.video, text_token, without)}
+    image_only = {
+        **sample,
+        "pixel_values_videos": sample["pixel_values_videos"][:0],
+        "video_grid_thw": sample["video_grid_thw"][:0],
+        "input_ids": torch.where(ids == t.video, text_token, without),
+    }
     n_starts = int((image_only["input_ids"] == t.vision_start).sum())
     assert n_starts == 3  # the image's and the two frames' (now text runs): 2 more than one image allows
     with pytest.raises(ValueError, match="has 3 vision_start tokens for 1 images and 0 video frames: expected 1$"):

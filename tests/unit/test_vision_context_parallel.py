@@ -6,9 +6,9 @@ through megatron.training (CP=2, CP=4, TP=2 x CP=2 against one process) are test
 import pytest
 import torch
 
-from examples.multimodal_dev.models.qwen35_vl.flops import vision_flops
 from examples.multimodal_dev.models.common import vision_context_parallel as vcp
 from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant, vision_transformer_config
+from examples.multimodal_dev.models.qwen35_vl.flops import vision_flops
 from examples.multimodal_dev.models.qwen35_vl.vision_encoder import Qwen35VisionModel
 
 SHAPE = get_variant("tiny", moe=False, mtp=False)
@@ -63,8 +63,9 @@ def test_each_item_encoded_once_and_gathered_in_order(mcore, monkeypatch, cp):
         torch.testing.assert_close(vcp.encode(tower, pixels[:24], grids[:1], _Group(cp, 0)), whole[:6])
 
 
-@pytest.mark.parametrize("shares,videos", [(2, True), (3, False)], ids=["2 shares, images and videos",
-                                                                       "3 shares of 2 images: one idle"])
+@pytest.mark.parametrize(
+    "shares,videos", [(2, True), (3, False)], ids=["2 shares, images and videos", "3 shares of 2 images: one idle"]
+)
 def test_fan_in_shares_join_into_the_batch_order(mcore, shares, videos):
     """Vision replicas each encode a share of a micro-batch (``VisionStage``, fan-in); the bridge joins
     their outputs in replica order; the language side (``_in_batch_order``, which sees only the grids)
@@ -93,7 +94,11 @@ def test_fan_in_shares_join_into_the_batch_order(mcore, shares, videos):
     language = SimpleNamespace(shape=SHAPE, received_shares=shares)
     language.vision_item_flops = lambda grid: Qwen35VLModel.vision_item_flops(language, grid)
     joined = torch.cat(sent)
-    torch.testing.assert_close(VisionLanguageModel._in_batch_order(language, joined, (image_grids, video_grids)),
-                               expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        VisionLanguageModel._in_batch_order(language, joined, (image_grids, video_grids)),
+        expected,
+        rtol=1e-5,
+        atol=1e-6,
+    )
     with pytest.raises(ValueError, match=f"sent {joined.shape[0] - 1} feature rows; {shares} shares of"):
         VisionLanguageModel._in_batch_order(language, joined[1:], (image_grids, video_grids))

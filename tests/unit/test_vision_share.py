@@ -35,8 +35,10 @@ def test_the_share_follows_the_mix():
     images = [(3000, [(1, 32, 32)]), (1000, [])] * 8
     doubled = [(n, grids * 2) for n, grids in images]
     text = [(n, []) for n, _ in images]
-    share = {name: tool.vision_share("9b", shape, Mix.from_documents(shape, 4096, docs))
-             for name, docs in (("images", images), ("doubled", doubled), ("text", text))}
+    share = {
+        name: tool.vision_share("9b", shape, Mix.from_documents(shape, 4096, docs))
+        for name, docs in (("images", images), ("doubled", doubled), ("text", text))
+    }
     assert share["text"].share == 0 and share["text"].first_stage == 0
     assert 0 < share["images"].share < share["doubled"].share < 1
     assert share["images"].first_stage < share["doubled"].first_stage
@@ -51,8 +53,10 @@ def test_the_stages_add_up_to_the_model(shares, variant):
     fb = tool.total_flops(shape, mix.rows)
     tp, pp, vp, cp, ep, etp, first, last, gpus = lay
     stages = stage_layers(shape.text.num_layers, pp, vp, first, last)
-    per_stage = [tool.stage_language_flops(shape, fb, [i for c in chunks for i in c], p == pp - 1)
-                 for p, chunks in enumerate(stages)]
+    per_stage = [
+        tool.stage_language_flops(shape, fb, [i for c in chunks for i in c], p == pp - 1)
+        for p, chunks in enumerate(stages)
+    ]
     assert sum(per_stage) + fb.vision == pytest.approx(fb.forward, rel=1e-12)
     assert fb.vision / per_stage[0] == pytest.approx(tool.vision_share(variant, shape, mix).first_stage, rel=1e-12)
     assert shares[variant].layout.startswith(f"TP={tp} PP={pp} CP={cp}: {sum(map(len, stages[0]))} of ")

@@ -16,11 +16,19 @@ from examples.multimodal_dev.training.engine_handover import hand_over
 from examples.multimodal_dev.training.warm_engine import _listen, import_time_differences
 
 
-@pytest.mark.parametrize("launch, server, differing", [
-    ({"A": "1", "PYTHONPATH": "/x"}, {"A": "2", "PYTHONPATH": "/y"}, []),  # not read at import, or applied by the child
-    ({"TRITON_INTERPRET": "1"}, {}, ["TRITON_INTERPRET"]),
-    ({}, {"OMP_NUM_THREADS": "1"}, ["OMP_NUM_THREADS"]),
-    ({"TORCH_LOGS": "+dynamo", "MEGATRON_CPU_FLA": "1"}, {"TORCH_LOGS": "+dynamo"}, ["MEGATRON_CPU_FLA"])])
+@pytest.mark.parametrize(
+    "launch, server, differing",
+    [
+        (
+            {"A": "1", "PYTHONPATH": "/x"},
+            {"A": "2", "PYTHONPATH": "/y"},
+            [],
+        ),  # not read at import, or applied by the child
+        ({"TRITON_INTERPRET": "1"}, {}, ["TRITON_INTERPRET"]),
+        ({}, {"OMP_NUM_THREADS": "1"}, ["OMP_NUM_THREADS"]),
+        ({"TORCH_LOGS": "+dynamo", "MEGATRON_CPU_FLA": "1"}, {"TORCH_LOGS": "+dynamo"}, ["MEGATRON_CPU_FLA"]),
+    ],
+)
 def test_only_what_is_read_at_import_must_match(launch, server, differing):
     assert import_time_differences(launch, server) == differing
 
@@ -62,14 +70,18 @@ def test_a_refused_launch_starts_cold_and_a_failed_one_says_which_rank():
     training script sees: one line from the rank, one from the launcher, status 1, as a cold launch."""
     refused = run_script(TRAIN_ITERS=1, TORCH_SHOW_CPP_STACKTRACES="0", PACKING="tokens", MBS=2)
     failed = run_script(TRAIN_ITERS=1, PACKING="tokens", MBS=2)
-    assert "does not run this launch (TORCH_SHOW_CPP_STACKTRACES differ from the server's" in refused.output, \
+    assert "does not run this launch (TORCH_SHOW_CPP_STACKTRACES differ from the server's" in refused.output, (
         refused.output[:3000] + "\nthe server:\n" + WarmEngine.log_tail()
+    )
     assert "warm engine" not in failed.output, failed.output[:3000]
     for run in (refused, failed):
         assert run.returncode == 1 and "Traceback" not in run.output, run.output[-3000:]
-        assert "pretrain_multimodal.py: --micro-batch-size 2: with --packing tokens a micro-batch is one row" \
-            in run.output
-        assert run.output.strip().splitlines()[-1] == "torchrun: rank 0 stopped (exit code 1); its output above says why"
+        assert (
+            "pretrain_multimodal.py: --micro-batch-size 2: with --packing tokens a micro-batch is one row" in run.output
+        )
+        assert (
+            run.output.strip().splitlines()[-1] == "torchrun: rank 0 stopped (exit code 1); its output above says why"
+        )
 
 
 def test_a_launcher_killed_mid_run_ends_its_job(tmp_path):
@@ -78,8 +90,13 @@ def test_a_launcher_killed_mid_run_ends_its_job(tmp_path):
     log = tmp_path / "log"
     env = {**os.environ, "ENGINE_SERVER": WarmEngine.get(), "TRAIN_ITERS": "100000", "SEQ_LEN": "256"}
     with open(log, "w") as out:
-        launcher = subprocess.Popen(["bash", os.path.join(ROOT, "run_qwen35_vl.sh"), "--eval-iters", "0"], env=env,
-                                    cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        launcher = subprocess.Popen(
+            ["bash", os.path.join(ROOT, "run_qwen35_vl.sh"), "--eval-iters", "0"],
+            env=env,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     deadline = time.monotonic() + 120
     while " iteration        2/" not in log.read_text():
         assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]

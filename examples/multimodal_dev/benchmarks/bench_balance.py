@@ -34,11 +34,20 @@ def run(name: str, env: dict, iters: int) -> dict:
     """One training run: per-iteration metrics records and elapsed seconds."""
     with tempfile.TemporaryDirectory(prefix="bench_balance_") as tmp:
         metrics = os.path.join(tmp, "metrics.jsonl")
-        full_env = {**os.environ, "MODEL_VARIANT": "tiny", "DATASET": "mock_mix", "TRAIN_ITERS": str(iters),
-                    **{k: str(v) for k, v in env.items()}}
+        full_env = {
+            **os.environ,
+            "MODEL_VARIANT": "tiny",
+            "DATASET": "mock_mix",
+            "TRAIN_ITERS": str(iters),
+            **{k: str(v) for k, v in env.items()},
+        }
         print(f"  {name}: training {iters} iterations ...", file=sys.stderr, flush=True)
-        proc = subprocess.run(["bash", os.path.join(ROOT, "run_qwen35_vl.sh"), "--eval-iters", "0",
-                               "--metrics-file", metrics], env=full_env, capture_output=True, text=True)
+        proc = subprocess.run(
+            ["bash", os.path.join(ROOT, "run_qwen35_vl.sh"), "--eval-iters", "0", "--metrics-file", metrics],
+            env=full_env,
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0:
             raise SystemExit(f"bench_balance.py: the {name} run failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
         with open(metrics) as f:
@@ -53,13 +62,16 @@ def summary(result: dict, ranks: int) -> dict:
         raise SystemExit("bench_balance.py: no iteration after the first two was logged; raise --iters")
     recs, secs = [result["records"][i] for i in its], [result["seconds"][i] for i in its]
     total_s = sum(secs)
-    return {"iterations": f"{its[0]}..{its[-1]}", "step_s": statistics.median(secs),
-            "tokens_per_step": statistics.mean(r["real_tokens"] for r in recs),
-            "tokens_per_s": sum(r["real_tokens"] for r in recs) / total_s,
-            "tflops_per_rank": sum(r["model_flops"] for r in recs) / total_s / ranks / 1e12,
-            "padding": 1 - sum(r["real_tokens"] for r in recs) / sum(r["padded_tokens"] for r in recs),
-            "imbalance_mean": statistics.mean(r["dp_imbalance"] for r in recs),
-            "imbalance_worst": max(r["dp_imbalance"] for r in recs)}
+    return {
+        "iterations": f"{its[0]}..{its[-1]}",
+        "step_s": statistics.median(secs),
+        "tokens_per_step": statistics.mean(r["real_tokens"] for r in recs),
+        "tokens_per_s": sum(r["real_tokens"] for r in recs) / total_s,
+        "tflops_per_rank": sum(r["model_flops"] for r in recs) / total_s / ranks / 1e12,
+        "padding": 1 - sum(r["real_tokens"] for r in recs) / sum(r["padded_tokens"] for r in recs),
+        "imbalance_mean": statistics.mean(r["dp_imbalance"] for r in recs),
+        "imbalance_worst": max(r["dp_imbalance"] for r in recs),
+    }
 
 
 def main(argv=None) -> dict:
@@ -79,22 +91,40 @@ def main(argv=None) -> dict:
         parser.error(f"--iters {args.iters}: the first two are start-up; need at least 3")
     common = dict(NPROC=args.nproc, SEQ_LEN=args.seq_length)
     results = {
-        "samples": summary(run("sample count", dict(common, PACKING="samples", MBS=args.micro_batch,
-                                                   GBS=args.conversations), args.iters), args.nproc),
-        "tokens": summary(run("token budget", dict(common, PACKING="tokens", PACKED_SEQ_LENGTH=args.budget,
-                                                  GBS=args.rows), args.iters), args.nproc),
+        "samples": summary(
+            run(
+                "sample count",
+                dict(common, PACKING="samples", MBS=args.micro_batch, GBS=args.conversations),
+                args.iters,
+            ),
+            args.nproc,
+        ),
+        "tokens": summary(
+            run(
+                "token budget", dict(common, PACKING="tokens", PACKED_SEQ_LENGTH=args.budget, GBS=args.rows), args.iters
+            ),
+            args.nproc,
+        ),
     }
-    print(f"tiny, mock_mix, DP={args.nproc} on {os.cpu_count()} CPU cores, fp32; iterations "
-          f"{results['tokens']['iterations']} (the first two are start-up)")
-    print("| packing | real tokens a step | step (s) | tokens/s | model TFLOP/s per rank | padding | "
-          "DP imbalance mean | worst step |")
+    print(
+        f"tiny, mock_mix, DP={args.nproc} on {os.cpu_count()} CPU cores, fp32; iterations "
+        f"{results['tokens']['iterations']} (the first two are start-up)"
+    )
+    print(
+        "| packing | real tokens a step | step (s) | tokens/s | model TFLOP/s per rank | padding | "
+        "DP imbalance mean | worst step |"
+    )
     print("|---|---|---|---|---|---|---|---|")
-    labels = {"samples": f"sample count ({args.micro_batch} a micro-batch, {args.conversations} a step)",
-              "tokens": f"token budget ({args.rows} rows of {args.budget})"}
+    labels = {
+        "samples": f"sample count ({args.micro_batch} a micro-batch, {args.conversations} a step)",
+        "tokens": f"token budget ({args.rows} rows of {args.budget})",
+    }
     for key, r in results.items():
-        print(f"| {labels[key]} | {r['tokens_per_step']:.0f} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | "
-              f"{r['tflops_per_rank']:.4f} | {100 * r['padding']:.1f}% | {r['imbalance_mean']:.3f} | "
-              f"{r['imbalance_worst']:.3f} |")
+        print(
+            f"| {labels[key]} | {r['tokens_per_step']:.0f} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | "
+            f"{r['tflops_per_rank']:.4f} | {100 * r['padding']:.1f}% | {r['imbalance_mean']:.3f} | "
+            f"{r['imbalance_worst']:.3f} |"
+        )
     ratio = results["tokens"]["tokens_per_s"] / results["samples"]["tokens_per_s"]
     print(f"token budget / sample count, real tokens per second: {ratio:.2f}x")
     return results

@@ -34,9 +34,13 @@ def _timer(output: str, name: str) -> float:
 
 
 def _run(env: dict, flags: list[str]) -> str:
-    proc = subprocess.run(["bash", os.path.join(ROOT, "run_qwen35_vl.sh"), "--use-distributed-optimizer",
-                           "--eval-iters", "0", *flags], env={**os.environ, **env}, capture_output=True, text=True,
-                          cwd=ROOT)
+    proc = subprocess.run(
+        ["bash", os.path.join(ROOT, "run_qwen35_vl.sh"), "--use-distributed-optimizer", "--eval-iters", "0", *flags],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     if proc.returncode:
         raise SystemExit(f"bench_checkpoint_formats.py: a run failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     return proc.stdout + proc.stderr
@@ -57,8 +61,11 @@ def measure(variant: str, fmt: str, workdir: str) -> dict:
     print(f"  {variant} {fmt}: load ...", file=sys.stderr, flush=True)
     resumed = _run({**env, "TRAIN_ITERS": "2", "CKPT_RESUME": resume_dir}, FORMATS[fmt])
     setup = "model-and-optimizer-setup"
-    return {"save_ms": _timer(saved, "save-checkpoint"), "load_ms": _timer(resumed, setup) - _timer(saved, setup),
-            "bytes": size}
+    return {
+        "save_ms": _timer(saved, "save-checkpoint"),
+        "load_ms": _timer(resumed, setup) - _timer(saved, setup),
+        "bytes": size,
+    }
 
 
 def main(argv=None) -> None:
@@ -70,11 +77,17 @@ def main(argv=None) -> None:
         for variant in args.variants:
             rows = {fmt: measure(variant, fmt, workdir) for fmt in FORMATS}
             for fmt, r in rows.items():
-                print(f"| {variant} | {fmt} | {r['save_ms'] / 1e3:.2f} | {r['load_ms'] / 1e3:.2f} | "
-                      f"{r['bytes'] / 1e6:.1f} |", flush=True)
+                print(
+                    f"| {variant} | {fmt} | {r['save_ms'] / 1e3:.2f} | {r['load_ms'] / 1e3:.2f} | "
+                    f"{r['bytes'] / 1e6:.1f} |",
+                    flush=True,
+                )
             dp, full = rows["dp_reshardable"], rows["fully_reshardable"]
-            print(f"| {variant} | fully / dp | {full['save_ms'] / dp['save_ms']:.2f}x | "
-                  f"{full['load_ms'] / dp['load_ms']:.2f}x | {full['bytes'] / dp['bytes']:.3f}x |", flush=True)
+            print(
+                f"| {variant} | fully / dp | {full['save_ms'] / dp['save_ms']:.2f}x | "
+                f"{full['load_ms'] / dp['load_ms']:.2f}x | {full['bytes'] / dp['bytes']:.3f}x |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -29,12 +29,16 @@ def hf_rope_index_fn(shape):
 
     model = Qwen3_5Model.__new__(Qwen3_5Model)  # get_rope_index reads only the config
     torch.nn.Module.__init__(model)
-    model.config = transformers.Qwen3_5Config(**{k: v for k, v in to_hf_config_dict(shape).items() if k != "model_type"})
+    model.config = transformers.Qwen3_5Config(
+        **{k: v for k, v in to_hf_config_dict(shape).items() if k != "model_type"}
+    )
 
     def positions(input_ids, attention_mask, image_grid_thw):
         types = (input_ids == shape.image_token_id).long()
-        return model.get_rope_index(input_ids, mm_token_type_ids=types, image_grid_thw=image_grid_thw,
-                                    attention_mask=attention_mask)[0]
+        return model.get_rope_index(
+            input_ids, mm_token_type_ids=types, image_grid_thw=image_grid_thw, attention_mask=attention_mask
+        )[0]
+
     return positions
 
 
@@ -73,7 +77,7 @@ def run(args):
         index += 1
         if sample["image_grid_thw"].shape[0]:
             samples.append(sample)
-    batches = [samples[i:i + args.micro_batch] for i in range(0, len(samples), args.micro_batch)]
+    batches = [samples[i : i + args.micro_batch] for i in range(0, len(samples), args.micro_batch)]
     hf_positions = hf_rope_index_fn(shape)
 
     def reference(sample):
@@ -84,7 +88,7 @@ def run(args):
     for batch in batches:
         packed = pack_thd(batch, tokens, args.pad_multiple)
         for sample, start in zip(batch, packed.cu_seqlens_padded[:-1].tolist()):
-            ours = packed.position_ids[:, 0, start:start + sample["input_ids"].numel()]
+            ours = packed.position_ids[:, 0, start : start + sample["input_ids"].numel()]
             if not torch.equal(ours, reference(sample)[:, 0]):
                 raise RuntimeError("pack_thd positions differ from transformers' get_rope_index")
 
@@ -92,8 +96,10 @@ def run(args):
     ref_s = timed(lambda: [reference(s) for s in samples], args.repeats)
     n_images = sum(s["image_grid_thw"].shape[0] for s in samples)
     n_tokens = sum(s["input_ids"].numel() for s in samples)
-    print(f"bench_collate: {len(samples)} samples, {n_images} images, {n_tokens} tokens, "
-          f"micro-batch {args.micro_batch}, 1 thread, best of {args.repeats}")
+    print(
+        f"bench_collate: {len(samples)} samples, {n_images} images, {n_tokens} tokens, "
+        f"micro-batch {args.micro_batch}, 1 thread, best of {args.repeats}"
+    )
     print(f"  pack_thd (THD + MRoPE positions):          {len(samples) / ours_s:10.1f} samples/s")
     print(f"  transformers get_rope_index (per sample):  {len(samples) / ref_s:10.1f} samples/s")
     print(f"  ratio (ours / transformers): {ref_s / ours_s:.2f}x")

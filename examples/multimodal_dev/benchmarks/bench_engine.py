@@ -24,8 +24,13 @@ WARMUP = 3
 
 
 def per_iteration_ms(checkout: str, iterations: int, env: dict) -> float:
-    proc = subprocess.run(["bash", os.path.join(checkout, "run_qwen35_vl.sh")], cwd=checkout, text=True,
-                          capture_output=True, env={**os.environ, **env, "TRAIN_ITERS": str(iterations)})
+    proc = subprocess.run(
+        ["bash", os.path.join(checkout, "run_qwen35_vl.sh")],
+        cwd=checkout,
+        text=True,
+        capture_output=True,
+        env={**os.environ, **env, "TRAIN_ITERS": str(iterations)},
+    )
     if proc.returncode != 0:
         raise SystemExit(f"bench_engine: the run in {checkout} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
     times = {int(i): float(ms) for i, ms in ITERATION_MS.findall(proc.stdout + proc.stderr)}

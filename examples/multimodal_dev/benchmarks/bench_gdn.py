@@ -18,7 +18,6 @@ import argparse
 import torch
 
 
-
 def _inputs(batch: int, length: int, heads: int, dk: int, dv: int, seed: int = 0):
     import torch.nn.functional as F
 
@@ -33,12 +32,14 @@ def _inputs(batch: int, length: int, heads: int, dk: int, dv: int, seed: int = 0
 
 def _with_backward(fn, inputs):
     """fn's output after a backward pass of sum(o^2), and the input gradients it produced."""
+
     def step():
         for t in inputs:
             t.grad = None
         out = fn()
         out.square().sum().backward()
         return torch.cat([out.detach().flatten()] + [t.grad.flatten() for t in inputs])
+
     return step
 
 
@@ -48,18 +49,24 @@ def run(heads: int = 16, dk: int = 128, dv: int = 128, reps: int = 9) -> list[di
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
     import megatron.cpu
-    from megatron.cpu.gdn_kernels import chunk_gated_delta_rule
     from examples.multimodal_dev.benchmarks.timing import alternating_medians
+    from megatron.cpu.gdn_kernels import chunk_gated_delta_rule
 
     megatron.cpu.activate()  # the host set-up training runs under (allocator included), for both
 
     lengths = [700, 64, 333, 1200, 45, 250]
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
-    cases = [("unpacked 2 x 1024", _inputs(2, 1024, heads, dk, dv), None),
-             (f"packed THD {len(lengths)} samples, {sum(lengths)} tokens",
-              _inputs(1, sum(lengths), heads, dk, dv, seed=1), cu)]
+    cases = [
+        ("unpacked 2 x 1024", _inputs(2, 1024, heads, dk, dv), None),
+        (
+            f"packed THD {len(lengths)} samples, {sum(lengths)} tokens",
+            _inputs(1, sum(lengths), heads, dk, dv, seed=1),
+            cu,
+        ),
+    ]
     rows = []
     for name, inputs, cu_seqlens in cases:
+
         def ours(x=inputs, cu=cu_seqlens):
             return chunk_gated_delta_rule(*x, cu_seqlens=cu)[0]
 
@@ -67,21 +74,38 @@ def run(heads: int = 16, dk: int = 128, dv: int = 128, reps: int = 9) -> list[di
             if cu is None:
                 return torch_chunk_gated_delta_rule(*x)[0]
             bounds = cu.tolist()
-            return torch.cat([torch_chunk_gated_delta_rule(*(t[:, a:b] for t in x))[0]
-                              for a, b in zip(bounds[:-1], bounds[1:])], dim=1)
+            return torch.cat(
+                [torch_chunk_gated_delta_rule(*(t[:, a:b] for t in x))[0] for a, b in zip(bounds[:-1], bounds[1:])],
+                dim=1,
+            )
 
         with torch.no_grad():
             times, out = alternating_medians({"ours": ours, "ref": ref}, reps)
-        rows.append({"input": name, "pass": "forward", "ours_s": times["ours"], "ref_s": times["ref"],
-                     "max_diff": (out["ours"] - out["ref"]).abs().max().item()})
+        rows.append(
+            {
+                "input": name,
+                "pass": "forward",
+                "ours_s": times["ours"],
+                "ref_s": times["ref"],
+                "max_diff": (out["ours"] - out["ref"]).abs().max().item(),
+            }
+        )
         for t in inputs:
             t.requires_grad_(True)
-        times, out = alternating_medians({"ours": _with_backward(ours, inputs), "ref": _with_backward(ref, inputs)},
-                                         reps)
+        times, out = alternating_medians(
+            {"ours": _with_backward(ours, inputs), "ref": _with_backward(ref, inputs)}, reps
+        )
         for t in inputs:
             t.requires_grad_(False)
-        rows.append({"input": name, "pass": "forward + backward", "ours_s": times["ours"], "ref_s": times["ref"],
-                     "max_diff": (out["ours"] - out["ref"]).abs().max().item()})
+        rows.append(
+            {
+                "input": name,
+                "pass": "forward + backward",
+                "ours_s": times["ours"],
+                "ref_s": times["ref"],
+                "max_diff": (out["ours"] - out["ref"]).abs().max().item(),
+            }
+        )
     return rows
 
 
@@ -93,13 +117,17 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=9)
     args = parser.parse_args()
     rows = run(args.heads, args.dk, args.dv, args.reps)
-    print(f"gated delta rule, fp32 CPU, {torch.get_num_threads()} threads, {args.heads} heads, dk {args.dk}, "
-          f"dv {args.dv}, median of {args.reps}")
+    print(
+        f"gated delta rule, fp32 CPU, {torch.get_num_threads()} threads, {args.heads} heads, dk {args.dk}, "
+        f"dv {args.dv}, median of {args.reps}"
+    )
     print("| input | pass | megatron.cpu (s) | transformers (s) | speed ratio (ours faster when > 1) | max abs diff |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['input']} | {r['pass']} | {r['ours_s']:.3f} | {r['ref_s']:.3f} | {r['ref_s'] / r['ours_s']:.2f}x "
-              f"| {r['max_diff']:.2e} |")
+        print(
+            f"| {r['input']} | {r['pass']} | {r['ours_s']:.3f} | {r['ref_s']:.3f} | {r['ref_s'] / r['ours_s']:.2f}x "
+            f"| {r['max_diff']:.2e} |"
+        )
 
 
 if __name__ == "__main__":

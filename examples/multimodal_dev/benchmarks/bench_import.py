@@ -21,8 +21,8 @@ import time
 def write_random_checkpoint(variant: str, path: str) -> int:
     import torch
 
-    from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant, to_hf_config_dict
     from examples.multimodal_dev.checkpoint.hf_models import hf_classes
+    from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant, to_hf_config_dict
 
     shape = get_variant(variant, mtp=False)  # transformers does not build (or save) the MTP head
     cfg = to_hf_config_dict(shape)
@@ -48,12 +48,26 @@ def main() -> None:
     n_params = write_random_checkpoint(args.variant, hf)
     size = sum(os.path.getsize(os.path.join(hf, f)) for f in os.listdir(hf))
     start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "examples.multimodal_dev.tools.convert_checkpoint", "import", "--hf-path", hf,
-                    "--megatron-path", mg, "--overwrite"], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "examples.multimodal_dev.tools.convert_checkpoint",
+            "import",
+            "--hf-path",
+            hf,
+            "--megatron-path",
+            mg,
+            "--overwrite",
+        ],
+        check=True,
+    )
     seconds = time.perf_counter() - start
-    peak_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024 ** 2  # KiB on Linux
-    print(f"| variant | parameters | safetensors | import time | peak RSS of the import |\n|---|---|---|---|---|\n"
-          f"| {args.variant} | {n_params / 1e9:.2f} B | {size / 1024 ** 3:.2f} GiB | {seconds:.1f} s | {peak_gib:.2f} GiB |")
+    peak_gib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024**2  # KiB on Linux
+    print(
+        f"| variant | parameters | safetensors | import time | peak RSS of the import |\n|---|---|---|---|---|\n"
+        f"| {args.variant} | {n_params / 1e9:.2f} B | {size / 1024**3:.2f} GiB | {seconds:.1f} s | {peak_gib:.2f} GiB |"
+    )
     print(f"checkpoints left in {work}")
 
 

@@ -49,14 +49,27 @@ def pipeline(args):
 
         _, info = load_processor(args.hf_processor_path, args.min_pixels, args.max_pixels)
         tokens = info.tokens  # the model must read the processor's placeholder ids
-        shape = dataclasses.replace(shape, image_token_id=tokens.image, video_token_id=tokens.video,
-                                    vision_start_token_id=tokens.vision_start, vision_end_token_id=tokens.vision_end)
+        shape = dataclasses.replace(
+            shape,
+            image_token_id=tokens.image,
+            video_token_id=tokens.video,
+            vision_start_token_id=tokens.vision_start,
+            vision_end_token_id=tokens.vision_end,
+        )
     count = args.micro_batches + 2
     rows = count * (args.budget if args.packing == "tokens" else args.micro_batch)
     dataset = get_dataset_provider(args.dataset)(
-        tokens=tokens, vocab_size=shape.text.vocab_size, patch_dim=shape.vision.patch_dim, seq_length=args.seq_length,
-        num_samples=(rows, 0, 0), seed=1234, data_path=args.data_path, hf_processor_path=args.hf_processor_path,
-        min_pixels=args.min_pixels, max_pixels=args.max_pixels)[0]
+        tokens=tokens,
+        vocab_size=shape.text.vocab_size,
+        patch_dim=shape.vision.patch_dim,
+        seq_length=args.seq_length,
+        num_samples=(rows, 0, 0),
+        seed=1234,
+        data_path=args.data_path,
+        hf_processor_path=args.hf_processor_path,
+        min_pixels=args.min_pixels,
+        max_pixels=args.max_pixels,
+    )[0]
     plan_fn, mbs, budget = None, args.micro_batch, None
     if args.packing == "tokens":
         mbs, budget = 1, args.budget
@@ -94,10 +107,9 @@ def loader_rate(make_iterator, workers: int, micro_batches: int) -> tuple[float,
 
 def consumption_rate(shape, batches: list[PackedBatch]) -> float:
     """Conversations per second of forward + backward on ``batches`` (after one warm-up step)."""
-    from megatron.cpu.single_process import init_single_process
-
     from examples.multimodal_dev.forward_step import batch_loss
     from examples.multimodal_dev.models.qwen35_vl.factory import build_model
+    from megatron.cpu.single_process import init_single_process
 
     init_single_process()
     torch.manual_seed(0)
@@ -126,12 +138,20 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--packing", choices=("samples", "tokens"), default="tokens")
     parser.add_argument("--seq-length", type=int, default=2048)
     parser.add_argument("--budget", type=int, default=2048, help="--packing tokens: tokens per row")
-    parser.add_argument("--micro-batch", type=int, default=4,
-                        help="conversations per micro-batch (samples), rows planned per step (tokens)")
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=4,
+        help="conversations per micro-batch (samples), rows planned per step (tokens)",
+    )
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--mix-conversations", type=int, default=96,
-                        help="jsonl / energon without --data-path: conversations in the mix written")
+    parser.add_argument(
+        "--mix-conversations",
+        type=int,
+        default=96,
+        help="jsonl / energon without --data-path: conversations in the mix written",
+    )
     args = parser.parse_args(argv)
     for flag in ("seq_length", "budget", "micro_batch", "micro_batches"):
         if getattr(args, flag) < 1:
@@ -156,10 +176,12 @@ def measure(args) -> list[dict]:
         print(f"  {workers} worker(s): {rates[workers]:.1f} conversations/s", file=sys.stderr, flush=True)
     consumed = consumption_rate(shape, batches)
     rows = [{"workers": w, "loader_per_s": r, "step_per_s": consumed, "ratio": r / consumed} for w, r in rates.items()]
-    print(f"{args.dataset}, {args.variant}, packing {args.packing} "
-          f"({args.budget if args.packing == 'tokens' else args.micro_batch} "
-          f"{'tokens a row' if args.packing == 'tokens' else 'conversations a micro-batch'}), "
-          f"{args.micro_batches} micro-batches, {os.cpu_count()} CPU cores, {torch.get_num_threads()} threads")
+    print(
+        f"{args.dataset}, {args.variant}, packing {args.packing} "
+        f"({args.budget if args.packing == 'tokens' else args.micro_batch} "
+        f"{'tokens a row' if args.packing == 'tokens' else 'conversations a micro-batch'}), "
+        f"{args.micro_batches} micro-batches, {os.cpu_count()} CPU cores, {torch.get_num_threads()} threads"
+    )
     print("| workers | pipeline (conversations/s) | training step consumes (conversations/s) | ratio |")
     print("|---|---|---|---|")
     for r in rows:

@@ -17,7 +17,6 @@ import argparse
 import torch
 
 
-
 def sample_lengths(n: int, seed: int = 0) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(200, 2001, (n,), generator=gen)
@@ -33,7 +32,7 @@ def text_samples(lengths, vocab: int, seed: int = 0) -> list[dict]:
     for n in lengths:
         ids = torch.randint(16, vocab, (n,), generator=gen)
         answer = n // 4
-        out.append(build_sft_sample(ids[: n - answer], ids[n - answer:], torch.zeros(0, 1), torch.zeros(0, 3)))
+        out.append(build_sft_sample(ids[: n - answer], ids[n - answer :], torch.zeros(0, 1), torch.zeros(0, 3)))
     return out
 
 
@@ -41,9 +40,13 @@ def realistic_samples(shape, n: int, seq_length: int = 2048) -> list[dict]:
     from examples.multimodal_dev.data import mock_mix
     from examples.multimodal_dev.data.sample import VisionTokens
 
-    dataset = mock_mix.build_datasets(tokens=VisionTokens.from_shape(shape), vocab_size=shape.text.vocab_size,
-                                      patch_dim=shape.vision.patch_dim, seq_length=seq_length,
-                                      num_samples=(n, 0, 0))[0]
+    dataset = mock_mix.build_datasets(
+        tokens=VisionTokens.from_shape(shape),
+        vocab_size=shape.text.vocab_size,
+        patch_dim=shape.vision.patch_dim,
+        seq_length=seq_length,
+        num_samples=(n, 0, 0),
+    )[0]
     return [dataset[i] for i in range(n)]
 
 
@@ -51,15 +54,14 @@ def run(variant: str, lengths: list[int] | None, reps: int, mix: str = "text", m
     """Packed and padded training steps of text samples of these lengths (or ``micro_batch``
     realistic-mix conversations): median seconds, loss (which must agree: the same samples),
     tokens processed and FLOPs (useful and spent)."""
-    from megatron.cpu.single_process import init_single_process
-
+    from examples.multimodal_dev.benchmarks.timing import alternating_medians
     from examples.multimodal_dev.data.collate import pack_thd, pad_bshd
     from examples.multimodal_dev.data.sample import VisionTokens
-    from examples.multimodal_dev.models.qwen35_vl.flops import micro_batch_flops
     from examples.multimodal_dev.forward_step import batch_loss
     from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
     from examples.multimodal_dev.models.qwen35_vl.factory import build_model
-    from examples.multimodal_dev.benchmarks.timing import alternating_medians
+    from examples.multimodal_dev.models.qwen35_vl.flops import micro_batch_flops
+    from megatron.cpu.single_process import init_single_process
 
     init_single_process()
     shape = get_variant(variant, mtp=False)
@@ -81,11 +83,18 @@ def run(variant: str, lengths: list[int] | None, reps: int, mix: str = "text", m
 
     times, losses = alternating_medians({name: (lambda b=batch: step(b)) for name, batch in batches.items()}, reps)
     useful = micro_batch_flops(shape, lengths, grids).training
-    return {"times": times, "losses": losses, "tokens": {name: b.tokens.numel() for name, b in batches.items()},
-            "useful_flops": useful, "lengths": lengths,
-            # the packed row holds only real tokens; the padded rows are all as long as the longest
-            "spent_flops": {"packed (THD)": useful,
-                            "padded (BSHD)": micro_batch_flops(shape, [max(lengths)] * len(lengths), grids).training}}
+    return {
+        "times": times,
+        "losses": losses,
+        "tokens": {name: b.tokens.numel() for name, b in batches.items()},
+        "useful_flops": useful,
+        "lengths": lengths,
+        # the packed row holds only real tokens; the padded rows are all as long as the longest
+        "spent_flops": {
+            "packed (THD)": useful,
+            "padded (BSHD)": micro_batch_flops(shape, [max(lengths)] * len(lengths), grids).training,
+        },
+    }
 
 
 def main() -> None:
@@ -97,20 +106,29 @@ def main() -> None:
     args = parser.parse_args()
     if args.micro_batch < 1:
         parser.error(f"--micro-batch {args.micro_batch}: need at least one sample")
-    result = run(args.variant, sample_lengths(args.micro_batch) if args.mix == "text" else None, args.reps,
-                 args.mix, args.micro_batch)
+    result = run(
+        args.variant,
+        sample_lengths(args.micro_batch) if args.mix == "text" else None,
+        args.reps,
+        args.mix,
+        args.micro_batch,
+    )
     lengths = result["lengths"]
     packed, padded = result["losses"]["packed (THD)"], result["losses"]["padded (BSHD)"]
     if abs(packed - padded) > 1e-4 * abs(padded):
         raise SystemExit(f"packed loss {packed:.6f} differs from padded {padded:.6f}: not the same step")
     useful = result["useful_flops"]
-    print(f"{args.variant}, {args.mix} mix, micro-batch of {len(lengths)} samples, lengths {lengths} ({sum(lengths)} tokens), "
-          f"fp32 CPU, {torch.get_num_threads()} threads, median of {args.reps}; loss {packed:.6f} both")
+    print(
+        f"{args.variant}, {args.mix} mix, micro-batch of {len(lengths)} samples, lengths {lengths} ({sum(lengths)} tokens), "
+        f"fp32 CPU, {torch.get_num_threads()} threads, median of {args.reps}; loss {packed:.6f} both"
+    )
     print("| layout | tokens processed | step time (s) | useful FLOPs fraction | useful TFLOP/s |")
     print("|---|---|---|---|---|")
     for name, t in result["times"].items():
-        print(f"| {name} | {result['tokens'][name]} | {t:.3f} | {useful / result['spent_flops'][name]:.2f} "
-              f"| {useful / t / 1e12:.4f} |")
+        print(
+            f"| {name} | {result['tokens'][name]} | {t:.3f} | {useful / result['spent_flops'][name]:.2f} "
+            f"| {useful / t / 1e12:.4f} |"
+        )
     ratio = result["times"]["padded (BSHD)"] / result["times"]["packed (THD)"]
     print(f"packed is {ratio:.2f}x faster than padded")
 

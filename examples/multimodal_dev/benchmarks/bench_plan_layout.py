@@ -53,8 +53,9 @@ def meta_build_seconds(name: str) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m examples.multimodal_dev.benchmarks.bench_plan_layout",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m examples.multimodal_dev.benchmarks.bench_plan_layout", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--variants", nargs="+", default=["9b", "35b_a3b", "397b_a17b"])
     p.add_argument("--gpus", nargs="+", type=int, default=[16, 256, 1024])
     p.add_argument("--reps", type=int, default=3)
@@ -66,22 +67,34 @@ def main(argv=None) -> int:
     from examples.multimodal_dev.tools.plan_layout import notes, run_settings
 
     worst = 0.0
-    print("| variant | GPUs | layouts | plan s (median) | mix s | budget / plan | best |\n| --- | --- | --- | --- | --- | --- | --- |")
+    print(
+        "| variant | GPUs | layouts | plan s (median) | mix s | budget / plan | best |\n| --- | --- | --- | --- | --- | --- | --- |"
+    )
     for name in args.variants:
         for gpus in args.gpus:
             mix_s, seconds, result = plan_seconds(name, gpus, args.reps)
             worst = max(worst, seconds + mix_s)
-            best = (f"{run_settings(result.plans[0], result.request, data=False)} {notes(result.plans[0])}"
-                    if result.plans else "none fits")
-            print(f"| {name} | {gpus} | {result.examined} | {seconds:.2f} | {mix_s:.2f} | {BUDGET_S / (seconds + mix_s):.1f}x "
-                  f"| {best} |", flush=True)
+            best = (
+                f"{run_settings(result.plans[0], result.request, data=False)} {notes(result.plans[0])}"
+                if result.plans
+                else "none fits"
+            )
+            print(
+                f"| {name} | {gpus} | {result.examined} | {seconds:.2f} | {mix_s:.2f} | {BUDGET_S / (seconds + mix_s):.1f}x "
+                f"| {best} |",
+                flush=True,
+            )
         if name in LAYOUTS:
             build_s = meta_build_seconds(name)
             per_layout = seconds / result.examined
-            print(f"{name}: building one layout's representative ranks on the meta device takes {build_s:.1f} s; "
-                  f"the planner costs a layout in {per_layout * 1e3:.2f} ms ({build_s / per_layout:,.0f}x faster)",
-                  flush=True)
-    print(f"slowest plan (with its mix): {worst:.2f} s, budget {BUDGET_S:.0f} s: {'within' if worst < BUDGET_S else 'OVER'}")
+            print(
+                f"{name}: building one layout's representative ranks on the meta device takes {build_s:.1f} s; "
+                f"the planner costs a layout in {per_layout * 1e3:.2f} ms ({build_s / per_layout:,.0f}x faster)",
+                flush=True,
+            )
+    print(
+        f"slowest plan (with its mix): {worst:.2f} s, budget {BUDGET_S:.0f} s: {'within' if worst < BUDGET_S else 'OVER'}"
+    )
     return 0 if worst < BUDGET_S else 1
 
 

@@ -61,9 +61,14 @@ def main(argv=None) -> dict:
     shape = get_variant(args.variant, mtp=False)
     # enough conversations for K + 1 steps: a row holds ~3 of mock_mix's on average at 2048 tokens
     needed = (args.steps + 2) * args.rows * max(4, 8 * args.budget // 2048)
-    dataset = mock_mix.build_datasets(tokens=VisionTokens.from_shape(shape), vocab_size=shape.text.vocab_size,
-                                      patch_dim=shape.vision.patch_dim, seq_length=args.budget,
-                                      num_samples=(needed, 0, 0), seed=1234)[0]
+    dataset = mock_mix.build_datasets(
+        tokens=VisionTokens.from_shape(shape),
+        vocab_size=shape.text.vocab_size,
+        patch_dim=shape.vision.patch_dim,
+        seq_length=args.budget,
+        num_samples=(needed, 0, 0),
+        seed=1234,
+    )[0]
     plans = plan_factory(shape, args.budget, args.rows, args.dp)
     saved = plans(dataset, False)
     saved.step(args.steps)
@@ -72,15 +77,25 @@ def main(argv=None) -> dict:
     restored, restore_read, restore_s = timed_plan(plans, dataset, args.steps, state)
     if replayed is None or restored is None or replayed.ranks != restored.ranks:
         raise SystemExit("bench_resume.py: the restored plan's rows differ from the replayed plan's")
-    result = {"steps": args.steps, "replay_s": replay_s, "restore_s": restore_s, "replay_read": replay_read,
-              "restore_read": restore_read, "speedup": replay_s / restore_s}
-    print(f"mock_mix, {args.variant}, {args.rows} rows of {args.budget} tokens a step, DP={args.dp}: the rows of "
-          f"step {args.steps} (equal both ways)")
+    result = {
+        "steps": args.steps,
+        "replay_s": replay_s,
+        "restore_s": restore_s,
+        "replay_read": replay_read,
+        "restore_read": restore_read,
+        "speedup": replay_s / restore_s,
+    }
+    print(
+        f"mock_mix, {args.variant}, {args.rows} rows of {args.budget} tokens a step, DP={args.dp}: the rows of "
+        f"step {args.steps} (equal both ways)"
+    )
     print("| resume by | conversations described | seconds |\n|---|---|---|")
     print(f"| replaying steps 0-{args.steps - 1} | {replay_read} | {replay_s:.3f} |")
     print(f"| the checkpoint's plan state | {restore_read} | {restore_s:.3f} |")
-    print(f"plan state: {result['speedup']:.0f}x faster to the first step ({len(state['carried'])} conversations "
-          "carried over)")
+    print(
+        f"plan state: {result['speedup']:.0f}x faster to the first step ({len(state['carried'])} conversations "
+        "carried over)"
+    )
     return result
 
 

@@ -42,8 +42,9 @@ from examples.multimodal_dev.data.sample import IGNORE_INDEX
 LOSS_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # same weights, same batch: same loss
 
 
-def bench_shape(variant: str, num_layers: int | None, vocab_size: int | None, vision_depth: int | None,
-                moe: bool = False):
+def bench_shape(
+    variant: str, num_layers: int | None, vocab_size: int | None, vision_depth: int | None, moe: bool = False
+):
     """The variant's dimensions with optionally fewer layers, a smaller vocabulary (the four vision
     token ids move to its top) and a shallower vision tower; no MTP (transformers trains none)."""
     from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant, hybrid_pattern
@@ -63,8 +64,14 @@ def bench_shape(variant: str, num_layers: int | None, vocab_size: int | None, vi
         if vocab_size < 1024:
             raise ValueError(f"--vocab-size {vocab_size}: use at least 1024 (text ids plus four vision ids)")
         top = vocab_size - 8
-        shape = replace(shape, text=replace(text, vocab_size=vocab_size), image_token_id=top,
-                        video_token_id=top + 1, vision_start_token_id=top + 2, vision_end_token_id=top + 3)
+        shape = replace(
+            shape,
+            text=replace(text, vocab_size=vocab_size),
+            image_token_id=top,
+            video_token_id=top + 1,
+            vision_start_token_id=top + 2,
+            vision_end_token_id=top + 3,
+        )
     return shape
 
 
@@ -73,8 +80,13 @@ def mock_samples(shape, count: int, mean_text_tokens: int, seed: int = 0) -> lis
     from examples.multimodal_dev.data.mock import MockConversations
     from examples.multimodal_dev.data.sample import VisionTokens
 
-    produce = MockConversations(VisionTokens.from_shape(shape), shape.text.vocab_size, shape.vision.patch_dim,
-                                seed=seed, mean_text_tokens=mean_text_tokens)
+    produce = MockConversations(
+        VisionTokens.from_shape(shape),
+        shape.text.vocab_size,
+        shape.vision.patch_dim,
+        seed=seed,
+        mean_text_tokens=mean_text_tokens,
+    )
     return [produce(i) for i in range(count)]
 
 
@@ -82,15 +94,21 @@ def hf_inputs(padded: PackedBatch, image_token_id: int) -> dict:
     """A padded (BSHD) collated batch as transformers takes it: attention_mask from the padding
     mask, and labels that the model shifts itself (position i carries our label of i - 1)."""
     ids = padded.tokens
-    return {"input_ids": ids, "attention_mask": (~padded.padding_mask).long(),
-            "labels": torch.nn.functional.pad(padded.labels[:, :-1], (1, 0), value=IGNORE_INDEX),
-            "mm_token_type_ids": (ids == image_token_id).long(),
-            "pixel_values": padded.pixel_values, "image_grid_thw": padded.image_grid_thw}
+    return {
+        "input_ids": ids,
+        "attention_mask": (~padded.padding_mask).long(),
+        "labels": torch.nn.functional.pad(padded.labels[:, :-1], (1, 0), value=IGNORE_INDEX),
+        "mm_token_type_ids": (ids == image_token_id).long(),
+        "pixel_values": padded.pixel_values,
+        "image_grid_thw": padded.image_grid_thw,
+    }
 
 
 def _to(inputs: dict, device, dtype) -> dict:
-    return {k: (v.to(device, dtype) if k == "pixel_values" else v.to(device)) if isinstance(v, torch.Tensor) else v
-            for k, v in inputs.items()}
+    return {
+        k: (v.to(device, dtype) if k == "pixel_values" else v.to(device)) if isinstance(v, torch.Tensor) else v
+        for k, v in inputs.items()
+    }
 
 
 def contenders(ours, hf, shape, samples, device, dtype) -> dict:
@@ -135,15 +153,19 @@ def contenders(ours, hf, shape, samples, device, dtype) -> dict:
             total += loss.item()
         return total
 
-    return {"this model, packed THD": lambda: ours_step(thd), "this model, padded BSHD": lambda: ours_step(bshd),
-            "transformers, padded batch": hf_padded, "transformers, per sample": hf_per_sample}
+    return {
+        "this model, packed THD": lambda: ours_step(thd),
+        "this model, padded BSHD": lambda: ours_step(bshd),
+        "transformers, padded batch": hf_padded,
+        "transformers, per sample": hf_per_sample,
+    }
 
 
 def build_pair(shape, device, dtype, hf_attention: str):
     """(this model, transformers model) with the same weights, both in train mode."""
+    from examples.multimodal_dev.checkpoint.hf_models import hf_model_for_shape
     from examples.multimodal_dev.models.qwen35_vl.factory import build_model
     from examples.multimodal_dev.models.qwen35_vl.hf_mapping import load_hf_into_model
-    from examples.multimodal_dev.checkpoint.hf_models import hf_model_for_shape
 
     hf = hf_model_for_shape(shape, attn_implementation=hf_attention)
     from examples.multimodal_dev.training.backend import te_importable
@@ -159,6 +181,7 @@ def fastest_hf_attention(device) -> str:
         return "sdpa"
     try:
         import flash_attn  # noqa: F401
+
         return "flash_attention_2"
     except ImportError:
         return "sdpa"
@@ -179,13 +202,17 @@ def main() -> None:
     if args.samples < 1:
         parser.error(f"--samples {args.samples}: need at least one sample")
 
+    from examples.multimodal_dev.benchmarks.timing import alternating_medians
+    from examples.multimodal_dev.models.qwen35_vl.flops import micro_batch_flops
     from megatron.cpu.single_process import init_single_process
 
-    from examples.multimodal_dev.models.qwen35_vl.flops import micro_batch_flops
-    from examples.multimodal_dev.benchmarks.timing import alternating_medians
-
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    device = torch.device(
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else "cpu"
+        if args.device == "auto"
+        else args.device
+    )
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -205,26 +232,32 @@ def main() -> None:
     reference_loss = losses["transformers, padded batch"]
     for name, loss in losses.items():
         if abs(loss - reference_loss) > LOSS_RTOL[dtype] * abs(reference_loss):
-            raise SystemExit(f"{name}: loss {loss:.6f} differs from transformers' {reference_loss:.6f}; "
-                             "the contenders do not compute the same step")
+            raise SystemExit(
+                f"{name}: loss {loss:.6f} differs from transformers' {reference_loss:.6f}; "
+                "the contenders do not compute the same step"
+            )
 
     real = sum(lengths)
     useful = micro_batch_flops(shape, lengths, grids).training
     t = shape.text
-    print(f"{args.variant} dimensions, {t.num_layers} layers ({t.layer_types.count('full_attention')} full attention), "
-          f"vocab {t.vocab_size}, vision depth {shape.vision.depth}{', MoE' if t.is_moe else ''}; "
-          f"{device.type} {str(dtype).replace('torch.', '')}, {torch.get_num_threads()} threads; transformers "
-          f"attention {hf_attention}; micro-batch of {len(samples)} samples, {real} tokens "
-          f"({min(lengths)}..{max(lengths)}), {len(grids)} images; forward + backward, median of {args.reps}")
+    print(
+        f"{args.variant} dimensions, {t.num_layers} layers ({t.layer_types.count('full_attention')} full attention), "
+        f"vocab {t.vocab_size}, vision depth {shape.vision.depth}{', MoE' if t.is_moe else ''}; "
+        f"{device.type} {str(dtype).replace('torch.', '')}, {torch.get_num_threads()} threads; transformers "
+        f"attention {hf_attention}; micro-batch of {len(samples)} samples, {real} tokens "
+        f"({min(lengths)}..{max(lengths)}), {len(grids)} images; forward + backward, median of {args.reps}"
+    )
     print("| contender | step time (s) | tokens/s | model TFLOP/s | loss |")
     print("|---|---|---|---|---|")
     for name, seconds in times.items():
         print(f"| {name} | {seconds:.3f} | {real / seconds:.0f} | {useful / seconds / 1e12:.4f} | {losses[name]:.6f} |")
     best_hf = min(("transformers, padded batch", "transformers, per sample"), key=times.get)
     ours_thd = times["this model, packed THD"]
-    print(f"this model (packed THD) is {times[best_hf] / ours_thd:.2f}x the tokens/s of the faster transformers "
-          f"contender ({best_hf}); same layout (padded BSHD vs padded batch): "
-          f"{times['transformers, padded batch'] / times['this model, padded BSHD']:.2f}x")
+    print(
+        f"this model (packed THD) is {times[best_hf] / ours_thd:.2f}x the tokens/s of the faster transformers "
+        f"contender ({best_hf}); same layout (padded BSHD vs padded batch): "
+        f"{times['transformers, padded batch'] / times['this model, padded BSHD']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

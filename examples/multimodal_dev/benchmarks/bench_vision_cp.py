@@ -15,17 +15,21 @@ import argparse
 
 from examples.multimodal_dev.data import mock_mix
 from examples.multimodal_dev.data.sample import VisionTokens
-from examples.multimodal_dev.models.qwen35_vl.flops import vision_flops
 from examples.multimodal_dev.models.common.vision_context_parallel import deal
 from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
+from examples.multimodal_dev.models.qwen35_vl.flops import vision_flops
 
 
 def rows_of_grids(conversations: int, row: int) -> list[list]:
     """The vision grids of each row of consecutive mock_mix conversations up to ``row`` tokens."""
     tiny = get_variant("tiny", mtp=False)  # the token ids only: the mix's grids do not depend on them
-    dataset = mock_mix.build_datasets(tokens=VisionTokens.from_shape(tiny), vocab_size=tiny.text.vocab_size,
-                                      patch_dim=tiny.vision.patch_dim, seq_length=row,
-                                      num_samples=(conversations, 0, 0))[0]
+    dataset = mock_mix.build_datasets(
+        tokens=VisionTokens.from_shape(tiny),
+        vocab_size=tiny.text.vocab_size,
+        patch_dim=tiny.vision.patch_dim,
+        seq_length=row,
+        num_samples=(conversations, 0, 0),
+    )[0]
     rows, grids, used = [], [], 0
     for i in range(conversations):
         tokens, conversation_grids = dataset.describe(i)
@@ -48,8 +52,10 @@ def main(argv=None) -> list[dict]:
     shape = get_variant(args.variant, mtp=False)
     rows = rows_of_grids(args.conversations, args.row)
     print(f"mock_mix, {len(rows)} rows of up to {args.row} tokens, images priced for {args.variant}")
-    print("| CP | busiest rank's share of a row's vision FLOPs (mean) | ideal | before | rows with fewer images "
-          "than ranks |\n|---|---|---|---|---|")
+    print(
+        "| CP | busiest rank's share of a row's vision FLOPs (mean) | ideal | before | rows with fewer images "
+        "than ranks |\n|---|---|---|---|---|"
+    )
     results = []
     for cp in args.cp:
         shares, fewer = [], 0

@@ -72,8 +72,9 @@ def write_mix(folder: str, conversations: int = 48, seed: int = 0) -> str:
     rng = np.random.default_rng(seed)
     os.makedirs(os.path.join(folder, "media"), exist_ok=True)
     video = os.path.join("media", "clip.mp4")
-    write_video(os.path.join(folder, video), VIDEO["seconds"] * VIDEO["fps"], VIDEO["width"], VIDEO["height"],
-                fps=VIDEO["fps"])
+    write_video(
+        os.path.join(folder, video), VIDEO["seconds"] * VIDEO["fps"], VIDEO["width"], VIDEO["height"], fps=VIDEO["fps"]
+    )
     shares = np.array([share for share, _, _ in MIX])
     lines = []
     for c in range(conversations):

@@ -10,8 +10,9 @@ import time
 from typing import Any, Callable
 
 
-def alternating_medians(contenders: dict[str, Callable[[], Any]], reps: int,
-                        progress: bool = False) -> tuple[dict[str, float], dict[str, Any]]:
+def alternating_medians(
+    contenders: dict[str, Callable[[], Any]], reps: int, progress: bool = False
+) -> tuple[dict[str, float], dict[str, Any]]:
     """({name: median seconds}, {name: output of its warm-up call})."""
     if reps < 1:
         raise ValueError(f"--reps {reps}: need at least one timed repetition")
@@ -23,6 +24,9 @@ def alternating_medians(contenders: dict[str, Callable[[], Any]], reps: int,
             fn()
             times[name].append(time.perf_counter() - start)
         if progress:
-            print(f"  repetition {rep + 1}/{reps}: " + ", ".join(f"{n} {t[-1]:.3f} s" for n, t in times.items()),
-                  file=sys.stderr, flush=True)
+            print(
+                f"  repetition {rep + 1}/{reps}: " + ", ".join(f"{n} {t[-1]:.3f} s" for n, t in times.items()),
+                file=sys.stderr,
+                flush=True,
+            )
     return {name: statistics.median(t) for name, t in times.items()}, outputs

@@ -44,8 +44,13 @@ def refuse_nonfinite(iteration: int, model, args) -> None:
         return
     save_dir = args.save
     latest = latest_iteration(save_dir) if save_dir and os.path.isdir(save_dir) else None
-    kept = f"iteration {latest} stays the latest checkpoint in {save_dir}" if latest is not None \
+    kept = (
+        f"iteration {latest} stays the latest checkpoint in {save_dir}"
+        if latest is not None
         else "no earlier checkpoint exists"
+    )
     mine = f" ({len(bad)} tensor(s) on this rank, e.g. {bad[0]})" if bad else ""
-    raise SystemExit(f"pretrain_multimodal.py: iteration {iteration} has NaN or inf weights{mine}; not saved: "
-                     f"{kept} (a non-finite learning rate or a diverged step: resume from it with a lower LR)")
+    raise SystemExit(
+        f"pretrain_multimodal.py: iteration {iteration} has NaN or inf weights{mine}; not saved: "
+        f"{kept} (a non-finite learning rate or a diverged step: resume from it with a lower LR)"
+    )

@@ -26,7 +26,6 @@ export   loads a checkpoint saved at any TP/EP (an import or a training run), wr
 Conversion runs on the CPU: it needs host memory for one copy of the model, not a GPU.
 """
 
-
 from __future__ import annotations
 
 import json
@@ -44,10 +43,10 @@ from examples.multimodal_dev.models.qwen35_vl.configuration import from_hf_confi
 from examples.multimodal_dev.models.qwen35_vl.hf_mapping import FP32_HF_SUFFIXES, mapping_rules, model_state
 from examples.multimodal_dev.models.qwen35_vl.parallel import validate_parallel
 
+from ..megatron_changes import apply
 from .files import TRACKER, checkpoint_directory, iteration_dir, load_model_weights, save_model_checkpoint, stored_args
 from .hf_models import hf_classes
 from .hf_safetensors import INDEX, HFTensorSource, ShardedWriter, per_expert, read_config
-from ..megatron_changes import apply
 from .run_shape import resolve_shape
 from .safety import check_tracker, refusal
 from .writer_errors import WriterLog, causes
@@ -92,9 +91,8 @@ def _progress(iterable, total: int, desc: str):
 def conversion_model(shape, params_dtype=torch.float32):
     """The model on the host at TP = 1, with megatron-core initialised for one process."""
     import megatron.cpu
-    from megatron.cpu.single_process import init_single_process
-
     from examples.multimodal_dev.models.qwen35_vl.factory import build_model
+    from megatron.cpu.single_process import init_single_process
 
     init_single_process()
     megatron.cpu.register_torch_gdn_kernels()  # GPUs are hidden; FLA's Triton kernels cannot run
@@ -118,26 +116,39 @@ def _check_dtypes(source: HFTensorSource, dtype: torch.dtype, where: str) -> Non
     """A tensor stored in a dtype of its own (one fp16 tensor in a bf16 checkpoint) is a conversion
     accident upstream; imported as is it would train in that dtype unnoticed."""
     expected = str(dtype).removeprefix("torch.")
-    odd = {n: d for n, d in sorted(source.dtypes.items())
-           if d != expected and not (d == "float32" and n.endswith(FP32_HF_SUFFIXES))}
+    odd = {
+        n: d
+        for n, d in sorted(source.dtypes.items())
+        if d != expected and not (d == "float32" and n.endswith(FP32_HF_SUFFIXES))
+    }
     if odd:
         listed = ", ".join(f"{n} is {d}" for n, d in list(odd.items())[:5])
         more = f" and {len(odd) - 5} more" if len(odd) > 5 else ""
-        raise ValueError(f"--hf-path {source.hf_dir}: {len(odd)} tensor(s) not in the checkpoint's dtype {expected} "
-                         f"({where}): {listed}{more}; pass --allow-mixed-dtypes to import them as stored")
+        raise ValueError(
+            f"--hf-path {source.hf_dir}: {len(odd)} tensor(s) not in the checkpoint's dtype {expected} "
+            f"({where}): {listed}{more}; pass --allow-mixed-dtypes to import them as stored"
+        )
 
 
 # ---------------------------------------------------------------------------------------- import
 
-def import_hf(hf_path: str, megatron_path: str, tp: int = 1, ep: int = 1, overwrite: bool = False,
-              allow_mixed_dtypes: bool = False) -> dict:
+
+def import_hf(
+    hf_path: str,
+    megatron_path: str,
+    tp: int = 1,
+    ep: int = 1,
+    overwrite: bool = False,
+    allow_mixed_dtypes: bool = False,
+) -> dict:
     source = HFTensorSource(hf_path)
     config = source.config()
     shape = config_shape(config, os.path.join(hf_path, "config.json"))
     validate_parallel(shape, tp=tp, ep=ep)
     if os.path.exists(os.path.join(megatron_path, TRACKER)) and not overwrite:
-        raise FileExistsError(f"--megatron-path {megatron_path} already holds a checkpoint; pass --overwrite "
-                              "to replace it")
+        raise FileExistsError(
+            f"--megatron-path {megatron_path} already holds a checkpoint; pass --overwrite to replace it"
+        )
     dtype, where = _checkpoint_dtype(config, source)
     if not allow_mixed_dtypes:
         _check_dtypes(source, dtype, where)
@@ -162,11 +173,13 @@ def import_hf(hf_path: str, megatron_path: str, tp: int = 1, ep: int = 1, overwr
     if shape.text.tie_word_embeddings and "lm_head.weight" in source:
         source.consumed.add("lm_head.weight")  # the tied head is the embedding itself; no need to read it
     problems = []
-    for title, names in (("HF tensors expected by the mapping but absent", missing_hf),
-                         ("HF tensors not consumed", source.unconsumed()),
-                         ("Megatron tensors not filled", sorted(set(params) - filled)),
-                         ("shape mismatches", bad_shape),
-                         ("HF tensors holding NaN or inf", [f"{n}: {v}" for n, v in sorted(source.nonfinite.items())])):
+    for title, names in (
+        ("HF tensors expected by the mapping but absent", missing_hf),
+        ("HF tensors not consumed", source.unconsumed()),
+        ("Megatron tensors not filled", sorted(set(params) - filled)),
+        ("shape mismatches", bad_shape),
+        ("HF tensors holding NaN or inf", [f"{n}: {v}" for n, v in sorted(source.nonfinite.items())]),
+    ):
         if names:
             problems.append(f"{title} ({len(names)}):\n    " + "\n    ".join(names))
     if problems:
@@ -186,10 +199,17 @@ def _save_import(megatron_path: str, config: dict, shape, model) -> None:
     final_config = os.path.join(megatron_path, HF_CONFIG)
     with open(final_config + ".partial", "w") as f:
         json.dump(config, f, indent=2)
-    args = checkpoint_args(shape, save=megatron_path, model_arch="qwen35_vl",
-                           hf_config_path=os.path.abspath(final_config),
-                           tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
-                           expert_model_parallel_size=1, world_size=1)
+    args = checkpoint_args(
+        shape,
+        save=megatron_path,
+        model_arch="qwen35_vl",
+        hf_config_path=os.path.abspath(final_config),
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        context_parallel_size=1,
+        expert_model_parallel_size=1,
+        world_size=1,
+    )
     save_model_checkpoint(args, 0, model)
     os.replace(final_config + ".partial", final_config)
 
@@ -211,9 +231,14 @@ def _os_error_cause(err: BaseException, logged: list[str]) -> str | None:
 def _write_import(megatron_path: str, config: dict, shape, model) -> None:
     """Writes the import; a failure at any point (a full disk, an interrupt) removes every file
     and directory this import created and keeps everything that was there before."""
-    candidates = [megatron_path, os.path.join(megatron_path, HF_CONFIG + ".partial"),
-                  iteration_dir(megatron_path, 0), iteration_dir(megatron_path, 0) + ".partial",
-                  os.path.join(megatron_path, TRACKER), os.path.join(megatron_path, TRACKER + ".tmp")]
+    candidates = [
+        megatron_path,
+        os.path.join(megatron_path, HF_CONFIG + ".partial"),
+        iteration_dir(megatron_path, 0),
+        iteration_dir(megatron_path, 0) + ".partial",
+        os.path.join(megatron_path, TRACKER),
+        os.path.join(megatron_path, TRACKER + ".tmp"),
+    ]
     existed = {p for p in candidates if os.path.lexists(p)}
     writer_log = WriterLog()
     try:
@@ -230,11 +255,13 @@ def _write_import(megatron_path: str, config: dict, shape, model) -> None:
         cause = _os_error_cause(err, writer_log.lines)
         if cause is None:
             raise
-        raise ImportWriteError(f"--megatron-path {megatron_path}: cannot write the checkpoint: {cause}; nothing "
-                               "left behind") from None
+        raise ImportWriteError(
+            f"--megatron-path {megatron_path}: cannot write the checkpoint: {cause}; nothing left behind"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------- export
+
 
 def checkpoint_shape(megatron_path: str, hf_config_path: str | None = None):
     """(shape, original HF config or None) of a checkpoint: from ``hf_config_path``, else the
@@ -245,11 +272,14 @@ def checkpoint_shape(megatron_path: str, hf_config_path: str | None = None):
             return config_shape(config, path), config
     saved = _read_checkpoint(megatron_path, stored_args, checkpoint_directory(megatron_path))
     if saved is None or not hasattr(saved, "model_variant"):
-        raise ValueError(f"{megatron_path}: no {HF_CONFIG} and no playground arguments in the checkpoint; "
-                         "pass --hf-config-path")
+        raise ValueError(
+            f"{megatron_path}: no {HF_CONFIG} and no playground arguments in the checkpoint; pass --hf-config-path"
+        )
     if saved.hf_config_path and not os.path.exists(saved.hf_config_path):
-        raise FileNotFoundError(f"{megatron_path} was trained with --hf-config-path {saved.hf_config_path}, "
-                                "which no longer exists; pass --hf-config-path")
+        raise FileNotFoundError(
+            f"{megatron_path} was trained with --hf-config-path {saved.hf_config_path}, "
+            "which no longer exists; pass --hf-config-path"
+        )
     shape = resolve_shape(saved)
     config = read_config(saved.hf_config_path) if saved.hf_config_path else None
     return shape, config
@@ -272,8 +302,10 @@ def check_checkpoint_dir(megatron_path: str) -> None:
     if not check_is_distributed_checkpoint(directory):
         legacy = sorted(n for n in os.listdir(directory) if n == "common.pt" or n.startswith("mp_rank_"))
         what = f"legacy Megatron files ({', '.join(legacy)})" if legacy else "no torch_dist metadata.json"
-        raise CheckpointReadError(f"{flag}: {directory} is not a torch_dist checkpoint: it holds {what}; save it "
-                                  "with --ckpt-format torch_dist (this tool does not unpickle legacy checkpoints)")
+        raise CheckpointReadError(
+            f"{flag}: {directory} is not a torch_dist checkpoint: it holds {what}; save it "
+            "with --ckpt-format torch_dist (this tool does not unpickle legacy checkpoints)"
+        )
     # The index is read (restricted) before DCP's loader does: DCP logs a refused index as a
     # traceback before it re-raises.
     _read_checkpoint(megatron_path, _read_metadata, directory)
@@ -325,8 +357,10 @@ def check_model_matches(model, stored: dict, described_by: str) -> None:
             raise ValueError(f"{described_by} does not describe the checkpoint's model: it has no tensor {key}")
         size, want = getattr(stored.get(key), "size", None), getattr(sharded, "global_shape", None)
         if size is not None and want is not None and tuple(size) != tuple(want):
-            raise ValueError(f"{described_by} does not describe the checkpoint's model: {key} is "
-                             f"{tuple(size)} there, {tuple(want)} here")
+            raise ValueError(
+                f"{described_by} does not describe the checkpoint's model: {key} is "
+                f"{tuple(size)} there, {tuple(want)} here"
+            )
 
 
 def _weight_dtypes(stored: dict) -> dict:
@@ -334,8 +368,9 @@ def _weight_dtypes(stored: dict) -> dict:
     three fp32 optimizer tensors per bf16 weight). megatron-core stores GDN's fused ``in_proj`` /
     ``conv1d`` as pieces (``KEY.query``, ``KEY.z`` ...); the whole tensor's key is added with the
     pieces' dtype."""
-    weights = {k: m.properties.dtype for k, m in stored.items()
-               if hasattr(m, "properties") and not k.startswith("optimizer.")}
+    weights = {
+        k: m.properties.dtype for k, m in stored.items() if hasattr(m, "properties") and not k.startswith("optimizer.")
+    }
     wholes: dict[str, set] = {}
     for key, dtype in weights.items():
         wholes.setdefault(key.rsplit(".", 1)[0], set()).add(dtype)
@@ -345,8 +380,11 @@ def _weight_dtypes(stored: dict) -> dict:
 def _processor_files(processor_dir: str) -> list[str]:
     if not os.path.isdir(processor_dir):
         raise FileNotFoundError(f"--hf-processor-path {processor_dir}: no such directory")
-    files = sorted(n for n in os.listdir(processor_dir) if os.path.isfile(os.path.join(processor_dir, n))
-                   and not n.endswith(_NOT_PROCESSOR_FILES))
+    files = sorted(
+        n
+        for n in os.listdir(processor_dir)
+        if os.path.isfile(os.path.join(processor_dir, n)) and not n.endswith(_NOT_PROCESSOR_FILES)
+    )
     if not any(n.startswith("tokenizer") for n in files):
         raise FileNotFoundError(f"--hf-processor-path {processor_dir}: no tokenizer files")
     return files
@@ -393,8 +431,9 @@ def _start_output(hf_path: str, overwrite: bool) -> str:
     return partial
 
 
-def _write_hf_dir(out: str, model, shape, config, stored: dict, dtype: str | None, moe_layout: str,
-                  max_shard_bytes: int) -> dict:
+def _write_hf_dir(
+    out: str, model, shape, config, stored: dict, dtype: str | None, moe_layout: str, max_shard_bytes: int
+) -> dict:
     """Shards, index and config.json of the export into ``out``."""
     state = model_state(model)
     writer = ShardedWriter(out, max_shard_bytes)
@@ -415,9 +454,16 @@ def _write_hf_dir(out: str, model, shape, config, stored: dict, dtype: str | Non
     return {"shards": len(shards), "bytes": writer.total_bytes}
 
 
-def export_hf(megatron_path: str, hf_path: str, hf_processor_path: str | None = None,
-              hf_config_path: str | None = None, dtype: str | None = None, max_shard_bytes: int = 2 * 1024 ** 3,
-              overwrite: bool = False, moe_layout: str = "per-expert") -> dict:
+def export_hf(
+    megatron_path: str,
+    hf_path: str,
+    hf_processor_path: str | None = None,
+    hf_config_path: str | None = None,
+    dtype: str | None = None,
+    max_shard_bytes: int = 2 * 1024**3,
+    overwrite: bool = False,
+    moe_layout: str = "per-expert",
+) -> dict:
     if moe_layout not in MOE_LAYOUTS:
         raise ValueError(f"--moe-layout {moe_layout!r}: not one of {', '.join(MOE_LAYOUTS)}")
     _check_apart(megatron_path, hf_path)

@@ -12,8 +12,10 @@ def hf_classes(model_type: str):
     """(config class, model class) of a Qwen3.5 ``model_type`` ('qwen3_5' or 'qwen3_5_moe')."""
     import transformers
 
-    classes = {"qwen3_5": (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration),
-               "qwen3_5_moe": (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration)}
+    classes = {
+        "qwen3_5": (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration),
+        "qwen3_5_moe": (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration),
+    }
     if model_type not in classes:
         raise ValueError(f"model_type {model_type!r} is not Qwen3.5; expected one of {sorted(classes)}")
     return classes[model_type]

@@ -41,8 +41,9 @@ def read_json(path: str, what: str):
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except json.JSONDecodeError as err:
-        raise CheckpointFileError(f"{path}: not a valid {what}: not JSON ({err.msg} at line {err.lineno} "
-                                  f"column {err.colno})") from None
+        raise CheckpointFileError(
+            f"{path}: not a valid {what}: not JSON ({err.msg} at line {err.lineno} column {err.colno})"
+        ) from None
     except UnicodeDecodeError as err:
         raise CheckpointFileError(f"{path}: not a valid {what}: not JSON (not UTF-8 text: {err.reason})") from None
 
@@ -51,10 +52,12 @@ def read_index(path: str) -> dict[str, str]:
     """The weight map of a shard index: tensor name -> file name, checked to be that shape."""
     index = read_json(path, INDEX)
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                   for k, v in weight_map.items()):
-        raise CheckpointFileError(f"{path}: not a valid {INDEX}: expected an object whose 'weight_map' maps "
-                                  "tensor names to file names")
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CheckpointFileError(
+            f"{path}: not a valid {INDEX}: expected an object whose 'weight_map' maps tensor names to file names"
+        )
     return weight_map
 
 
@@ -88,8 +91,10 @@ def _checked_header(path: str) -> dict:
             raise CheckpointFileError(f"{path}: truncated safetensors file (no header)")
         header_len = int.from_bytes(head, "little")
         if header_len > actual - 8:
-            raise CheckpointFileError(f"{path}: corrupt safetensors file: header length {header_len} is more than "
-                                      f"the {actual} bytes of the file")
+            raise CheckpointFileError(
+                f"{path}: corrupt safetensors file: header length {header_len} is more than "
+                f"the {actual} bytes of the file"
+            )
         try:
             header = json.loads(f.read(header_len))
             tensors = {k: t for k, t in header.items() if k != "__metadata__"}
@@ -152,9 +157,11 @@ class HFTensorSource:
             if indexed != os.path.basename(path):
                 return False
         elif name in self._file_of:
-            raise CheckpointFileError(f"--hf-path {self.hf_dir}: tensor {name} is in two files, "
-                                      f"{os.path.basename(self._file_of[name])} and {os.path.basename(path)}, "
-                                      f"and no {INDEX} says which to read")
+            raise CheckpointFileError(
+                f"--hf-path {self.hf_dir}: tensor {name} is in two files, "
+                f"{os.path.basename(self._file_of[name])} and {os.path.basename(path)}, "
+                f"and no {INDEX} says which to read"
+            )
         self._file_of[name] = path
         return True
 
@@ -162,8 +169,11 @@ class HFTensorSource:
         absent = sorted(n for n in weight_map if n not in self._where)
         if absent:
             more = f" and {len(absent) - 3} more" if len(absent) > 3 else ""
-            raise CheckpointFileError(f"--hf-path {self.hf_dir}: {INDEX} names tensors their files do not hold: "
-                                      + ", ".join(f"{n} ({weight_map[n]})" for n in absent[:3]) + more)
+            raise CheckpointFileError(
+                f"--hf-path {self.hf_dir}: {INDEX} names tensors their files do not hold: "
+                + ", ".join(f"{n} ({weight_map[n]})" for n in absent[:3])
+                + more
+            )
 
     def _per_expert_groups(self) -> dict[str, list[str]]:
         """packed name -> the per-expert file tensors it is made of, in expert order."""
@@ -206,7 +216,7 @@ class HFTensorSource:
             return self._read(name)
         tensors = [self._read(p) for p in self._packed[name]]
         if name.endswith("gate_up_proj"):  # per expert: [gate; up] rows
-            return torch.stack([torch.cat(tensors[i:i + 2], dim=0) for i in range(0, len(tensors), 2)])
+            return torch.stack([torch.cat(tensors[i : i + 2], dim=0) for i in range(0, len(tensors), 2)])
         return torch.stack(tensors)
 
     def unconsumed(self) -> list[str]:
@@ -223,15 +233,16 @@ def read_config(path: str) -> dict:
     """A Hugging Face config.json, checked to be a JSON object (what its readers index into)."""
     config = read_json(path, "config.json")
     if not isinstance(config, dict):
-        raise CheckpointFileError(f"{path}: not a valid config.json: expected a JSON object, not "
-                                  f"{type(config).__name__}")
+        raise CheckpointFileError(
+            f"{path}: not a valid config.json: expected a JSON object, not {type(config).__name__}"
+        )
     return config
 
 
 class ShardedWriter:
     """Writes ``model-XXXXX-of-YYYYY.safetensors`` shards and the index as tensors arrive."""
 
-    def __init__(self, out_dir: str, max_shard_bytes: int = 2 * 1024 ** 3):
+    def __init__(self, out_dir: str, max_shard_bytes: int = 2 * 1024**3):
         os.makedirs(out_dir, exist_ok=True)
         self.out_dir, self.max_shard_bytes = out_dir, max_shard_bytes
         self._pending: dict[str, torch.Tensor] = {}
@@ -266,6 +277,9 @@ class ShardedWriter:
             weight_map.update({t: final for t in tensors})
             names.append(final)
         with open(os.path.join(self.out_dir, INDEX), "w") as f:
-            json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))},
-                      f, indent=2)
+            json.dump(
+                {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))},
+                f,
+                indent=2,
+            )
         return names

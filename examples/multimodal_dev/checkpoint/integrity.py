@@ -26,8 +26,10 @@ def damage(directory: str) -> str | None:
 
     legacy = [n for n in os.listdir(directory) if n.startswith("mp_rank_") or n == "common.pt"]
     if legacy and not os.path.exists(os.path.join(directory, ".metadata")):
-        return (f"{os.path.join(directory, legacy[0])} is a legacy megatron checkpoint (whole pickles), which this "
-                "project does not load: a checkpoint is data, never code; convert it to torch_dist first")
+        return (
+            f"{os.path.join(directory, legacy[0])} is a legacy megatron checkpoint (whole pickles), which this "
+            "project does not load: a checkpoint is data, never code; convert it to torch_dist first"
+        )
     for name in ("metadata.json", ".metadata"):
         if not os.path.isfile(os.path.join(directory, name)):
             return f"{os.path.join(directory, name)} is missing"
@@ -62,9 +64,14 @@ def check_resumable(load_dir: str | None, flag: str = "--load") -> None:
     if what is None:
         return
     latest = latest_iteration(load_dir)
-    earlier = sorted((int(d[5:]) for d in os.listdir(load_dir) if re.fullmatch(r"iter_\d{7}", d) and int(d[5:]) < latest),
-                     reverse=True)
+    earlier = sorted(
+        (int(d[5:]) for d in os.listdir(load_dir) if re.fullmatch(r"iter_\d{7}", d) and int(d[5:]) < latest),
+        reverse=True,
+    )
     whole = next((i for i in earlier if damage(iteration_dir(load_dir, i)) is None), None)
-    way_out = (f"iteration {whole} is complete: resume from it by writing {whole} into {os.path.join(load_dir, TRACKER)}"
-               if whole is not None else "no earlier iteration in it is complete")
+    way_out = (
+        f"iteration {whole} is complete: resume from it by writing {whole} into {os.path.join(load_dir, TRACKER)}"
+        if whole is not None
+        else "no earlier iteration in it is complete"
+    )
     raise ValueError(f"{flag} {load_dir}: the latest checkpoint (iteration {latest}) is damaged: {what}; {way_out}")

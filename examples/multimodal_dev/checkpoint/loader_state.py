@@ -96,8 +96,11 @@ def first_of_dp_rank() -> bool:
 
     if _READS_ONLY:
         return False
-    return (ps.get_tensor_model_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
-            and ps.get_pipeline_model_parallel_rank() == 0)
+    return (
+        ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_context_parallel_rank() == 0
+        and ps.get_pipeline_model_parallel_rank() == 0
+    )
 
 
 def write_after_save(iteration: int, args) -> None:

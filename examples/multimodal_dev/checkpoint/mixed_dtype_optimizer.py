@@ -62,16 +62,19 @@ def every_parameter_as_half(optimizer):
 
 def every_parameter_as_half_around(method, run=None):
     """A plain optimizer's checkpoint method run with every parameter listed as half (megatron_changes row)."""
+
     @functools.wraps(method)
     def wrapped(self, *args, **kwargs):
         with every_parameter_as_half(self):
             return method(self, *args, **kwargs)
+
     return wrapped
 
 
 def ordered_index_map(init, run=None):
     """The distributed optimizer's ``__init__``, then its group index map in the optimizer's own
     order (megatron_changes row)."""
+
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)

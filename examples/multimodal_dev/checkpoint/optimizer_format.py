@@ -34,9 +34,13 @@ from .files import TRACKER, checkpoint_directory, stored_args
 
 FORMAT_FLAG = "dist_ckpt_optim_fully_reshardable"
 # (megatron arg, how the run script and README name it)
-_LAYOUT = (("tensor_model_parallel_size", "TP"), ("pipeline_model_parallel_size", "PP"),
-           ("virtual_pipeline_model_parallel_size", "VP"), ("expert_model_parallel_size", "EP"),
-           ("expert_tensor_parallel_size", "ETP"))
+_LAYOUT = (
+    ("tensor_model_parallel_size", "TP"),
+    ("pipeline_model_parallel_size", "PP"),
+    ("virtual_pipeline_model_parallel_size", "VP"),
+    ("expert_model_parallel_size", "EP"),
+    ("expert_tensor_parallel_size", "ETP"),
+)
 
 
 def default_to_reshardable(args) -> None:
@@ -68,6 +72,7 @@ def _zero_padding_entries(node) -> None:
 def zeroed_padding(original, run=None):
     """``sharded_param_state_dp_reshardable`` with its padding tensors zeroed instead of uninitialised
     (megatron_changes row)."""
+
     @functools.wraps(original)
     def sharded_param_state_dp_reshardable(self, *args, **kwargs):
         state = original(self, *args, **kwargs)
@@ -89,22 +94,33 @@ def _regroup(state_dict, parts: int):
         # a member of the chain with no parameter on this rank (the experts' optimizer on the vision
         # tower's own ranks, vision_ranks/groups.py) has no sharded state: it reads the groups alone
         groups = _with_expert_twins(state_dict["optimizer"]["param_groups"])
-        common = {"optimizer": {"param_groups": groups}, "param_state_sharding_type": state_dict["param_state_sharding_type"]}
+        common = {
+            "optimizer": {"param_groups": groups},
+            "param_state_sharding_type": state_dict["param_state_sharding_type"],
+        }
         return {i: {**state_dict.get(i, {}), **common} for i in range(parts)}
-    if parts == 1 and not flat and indexed and all(isinstance(state_dict[i], dict) and "optimizer" in state_dict[i]
-                                                   for i in indexed):  # saved by a chain, loaded by one
+    if (
+        parts == 1
+        and not flat
+        and indexed
+        and all(isinstance(state_dict[i], dict) and "optimizer" in state_dict[i] for i in indexed)
+    ):  # saved by a chain, loaded by one
         groups = [g for i in indexed for g in state_dict[i]["optimizer"]["param_groups"]]
         rest = {k: v for k, v in state_dict.items() if not isinstance(k, int)}
         for i in indexed:
             rest.update({k: v for k, v in state_dict[i].items() if k not in _COMMON})
-        return {**rest, "optimizer": {"param_groups": groups},
-                "param_state_sharding_type": state_dict[indexed[0]]["param_state_sharding_type"]}
+        return {
+            **rest,
+            "optimizer": {"param_groups": groups},
+            "param_state_sharding_type": state_dict[indexed[0]]["param_state_sharding_type"],
+        }
     return None
 
 
 def _with_expert_twins(groups: list[dict]) -> list[dict]:
     """At EP=1 the experts' parameters share the dense groups; at EP>1 they form groups of their own
     that differ in ``is_expert_parallel`` only (same LR and weight-decay multipliers, same step)."""
+
     def key(g):
         return tuple(sorted((k, repr(v)) for k, v in g.items() if k != "params"))
 
@@ -116,6 +132,7 @@ def _with_expert_twins(groups: list[dict]) -> list[dict]:
 def regrouped(original, run=None):
     """ChainedOptimizer.load_state_dict reading the saved groups in the nesting of the saving layout
     (megatron_changes row)."""
+
     @functools.wraps(original)
     def load_state_dict(self, state_dict):
         if isinstance(state_dict, dict):
@@ -123,7 +140,6 @@ def regrouped(original, run=None):
         return original(self, state_dict)
 
     return load_state_dict
-
 
 
 def _layout(args) -> dict[str, int]:
@@ -149,13 +165,18 @@ def check_layout_change(args) -> None:
     changed = [f"{k}={was[k]} -> {now[k]}" for k in was if was[k] != now[k]]
     if saved_dist and (sharding == "dp_reshardable" and changed or switched and sharding != "fully_reshardable"):
         change = ", ".join(changed + (["the plain optimizer"] if switched else []))
-        raise ValueError(f"--load {args.load}: its optimizer state was saved in the distributed optimizer's "
-                         f"{sharding} layout, which resumes at another DP size only ({change}); "
-                         "resume once at the saved layout with --dist-ckpt-optim-fully-reshardable (this "
-                         "playground's default) and save, or load the weights alone with --no-load-optim")
+        raise ValueError(
+            f"--load {args.load}: its optimizer state was saved in the distributed optimizer's "
+            f"{sharding} layout, which resumes at another DP size only ({change}); "
+            "resume once at the saved layout with --dist-ckpt-optim-fully-reshardable (this "
+            "playground's default) and save, or load the weights alone with --no-load-optim"
+        )
     if switched:
         if args.rank == 0:
-            print(f"pretrain_multimodal.py: --load {args.load}: optimizer state saved "
-                  f"{'with' if saved_dist else 'without'} --use-distributed-optimizer, resumed "
-                  f"{'without' if saved_dist else 'with'} it", flush=True)
+            print(
+                f"pretrain_multimodal.py: --load {args.load}: optimizer state saved "
+                f"{'with' if saved_dist else 'without'} --use-distributed-optimizer, resumed "
+                f"{'without' if saved_dist else 'with'} it",
+                flush=True,
+            )
         optimizer_switch.expect(saved_dist, bool(getattr(stored, "bf16", False) or getattr(stored, "fp16", False)))

@@ -42,10 +42,11 @@ def _pending(distributed: bool) -> bool:
 
 def _renamed(sharded, old_prefix: str, new_prefix: str):
     assert sharded.key.startswith(old_prefix), sharded.key
-    return replace(sharded, key=new_prefix + sharded.key[len(old_prefix):])
+    return replace(sharded, key=new_prefix + sharded.key[len(old_prefix) :])
 
 
 # --- a distributed optimizer reading a plain optimizer's checkpoint ------------------------------
+
 
 def _plain_request_for_distributed(state: dict) -> dict:
     """The fully reshardable request with the main weights where the plain optimizer put them, or,
@@ -64,8 +65,12 @@ def _params_in_state_order(optimizer) -> list:
     ``sharded_param_state_fully_reshardable`` walks the buffers the same way). These are the live
     parameters, loaded by the time the optimizer is: the checkpoint load works on copies of what
     the request holds, so a parameter put into the request would come back as it was before."""
-    return [param for gbuf_idx, ranges in enumerate(optimizer.gbuf_ranges) for _ in ranges
-            for param in optimizer.buffers[gbuf_idx].param_index_map]
+    return [
+        param
+        for gbuf_idx, ranges in enumerate(optimizer.gbuf_ranges)
+        for _ in ranges
+        for param in optimizer.buffers[gbuf_idx].param_index_map
+    ]
 
 
 def _plain_groups_and_step(loaded: dict) -> tuple[list, object]:
@@ -83,9 +88,13 @@ def _distributed_from_plain(loaded: dict, params: list) -> dict:
             raise ValueError(f"the optimizer state holds {len(param_state)} parameters, the model {len(params)}")
         param_state = {i: {**tensors, "param": params[i]} for i, tensors in param_state.items()}
     step = float(step) if step is not None else 0.0
-    out = {"optimizer": {"param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "step": step}
-                                          for g in groups]},
-           "param_state": param_state, "param_state_sharding_type": "fully_reshardable"}
+    out = {
+        "optimizer": {
+            "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "step": step} for g in groups]
+        },
+        "param_state": param_state,
+        "param_state_sharding_type": "fully_reshardable",
+    }
     if "grad_scaler" in loaded:
         out["grad_scaler"] = loaded["grad_scaler"]
     return out
@@ -93,10 +102,12 @@ def _distributed_from_plain(loaded: dict, params: list) -> dict:
 
 # --- a plain optimizer reading a distributed optimizer's checkpoint ------------------------------
 
+
 def _distributed_request_for_plain(state: dict) -> dict:
     if "fp32_from_fp16_params" in state:  # fp16 / bf16: the main weights under the distributed name
-        state["fp32_from_fp16_params"] = [[_renamed(t, MAIN_HALF, MAIN_DIST) for t in group]
-                                          for group in state["fp32_from_fp16_params"]]
+        state["fp32_from_fp16_params"] = [
+            [_renamed(t, MAIN_HALF, MAIN_DIST) for t in group] for group in state["fp32_from_fp16_params"]
+        ]
     return state
 
 
@@ -132,8 +143,10 @@ def _matched(saved_groups: list, current_groups: list) -> list:
     by_ident = {ident(g): g for g in saved_groups}
     missing = [ident(g) for g in current_groups if ident(g) not in by_ident]
     if missing:
-        raise ValueError(f"the checkpoint's optimizer has no parameter group for {missing[0]} "
-                         f"(settings {param_group_identifier_keys})")
+        raise ValueError(
+            f"the checkpoint's optimizer has no parameter group for {missing[0]} "
+            f"(settings {param_group_identifier_keys})"
+        )
     return [by_ident[ident(g)] for g in current_groups]
 
 
@@ -147,9 +160,11 @@ def _saved_by_other(state_dict: dict, distributed: bool) -> bool:
 
 # --- the replacements (rows of megatron_changes, group optimizer-switch) -------------------------------
 
+
 def switching_request(original_request, run=None, *, distributed: bool, half: bool):
     """An optimizer's ``sharded_state_dict``: loading a checkpoint of the other kind, it asks for what
     that checkpoint holds (megatron_changes row)."""
+
     @functools.wraps(original_request)
     def sharded_state_dict(self, model_sharded_state_dict, is_loading=False, metadata=None, **kwargs):
         if not (is_loading and _pending(distributed)):
@@ -158,8 +173,9 @@ def switching_request(original_request, run=None, *, distributed: bool, half: bo
             metadata = {**(metadata or {}), "distrib_optim_sharding_type": "fully_reshardable"}
             state = original_request(self, model_sharded_state_dict, is_loading, metadata=metadata, **kwargs)
             return _plain_request_for_distributed(state)
-        return _distributed_request_for_plain(original_request(self, model_sharded_state_dict, is_loading,
-                                                               metadata=metadata, **kwargs))
+        return _distributed_request_for_plain(
+            original_request(self, model_sharded_state_dict, is_loading, metadata=metadata, **kwargs)
+        )
 
     return sharded_state_dict
 
@@ -167,6 +183,7 @@ def switching_request(original_request, run=None, *, distributed: bool, half: bo
 def switching_load(original_load, run=None, *, distributed: bool, half: bool):
     """An optimizer's ``load_state_dict``: a checkpoint of the other kind is translated first
     (megatron_changes row)."""
+
     @functools.wraps(original_load)
     def load_state_dict(self, state_dict):
         global _saved

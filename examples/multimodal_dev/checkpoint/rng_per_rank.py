@@ -69,8 +69,9 @@ def own_rank_first(load_base, run=None):
     def own_rank_first(*args, **kwargs):
         loaded = load_base(*args, **kwargs)
         if not get_args().data_parallel_random_init and parallel_state.model_parallel_is_initialized():
-            own_entry_first(loaded[0], parallel_state.get_data_parallel_rank(),
-                            parallel_state.get_data_parallel_world_size())
+            own_entry_first(
+                loaded[0], parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+            )
         return loaded
 
     return own_rank_first

@@ -34,10 +34,17 @@ def resolve_shape(args):
 
         tokens = load_processor(args.hf_processor_path)[1].tokens
         if max(tokens.vision_ids + (tokens.vision_start, tokens.vision_end)) >= shape.text.vocab_size:
-            raise ValueError(f"--hf-processor-path {args.hf_processor_path}: its vision token ids do not fit "
-                             f"the vocabulary of {shape.text.vocab_size}")
-        shape = replace(shape, image_token_id=tokens.image, video_token_id=tokens.video,
-                        vision_start_token_id=tokens.vision_start, vision_end_token_id=tokens.vision_end)
+            raise ValueError(
+                f"--hf-processor-path {args.hf_processor_path}: its vision token ids do not fit "
+                f"the vocabulary of {shape.text.vocab_size}"
+            )
+        shape = replace(
+            shape,
+            image_token_id=tokens.image,
+            video_token_id=tokens.video,
+            vision_start_token_id=tokens.vision_start,
+            vision_end_token_id=tokens.vision_end,
+        )
     return shape
 
 
@@ -54,16 +61,21 @@ def check_checkpoint_matches(load_dir: str | None, shape, flag: str = "--load") 
     if stored is None:
         return
     expected = vars(checkpoint_args(shape))
-    differ = [f"{flag} {getattr(stored, flag, None) or 0} (checkpoint) vs {expected[flag] or 0} (this run)"
-              for flag in (*SHAPE_FLAGS, "vocab_size") if flag != "moe_router_topk"
-              and (getattr(stored, flag, None) or 0) != (expected[flag] or 0)]
+    differ = [
+        f"{flag} {getattr(stored, flag, None) or 0} (checkpoint) vs {expected[flag] or 0} (this run)"
+        for flag in (*SHAPE_FLAGS, "vocab_size")
+        if flag != "moe_router_topk" and (getattr(stored, flag, None) or 0) != (expected[flag] or 0)
+    ]
     if not differ:  # megatron's flags agree: every other field of the shape too (vision depth, GDN heads, ...)
         differ = shape_differences(stored_shape(stored), shape)
     if expected["mtp_num_layers"] and not getattr(stored, "mtp_num_layers", None):
         differ.append("the run trains an MTP head (MTP=1) the checkpoint does not have")
     if differ:
-        raise ValueError(f"{flag} {load_dir} ({os.path.basename(directory)}) was saved from another model: "
-                         + "; ".join(differ) + " (MODEL_VARIANT / MOE / MTP / HF_CONFIG must match the checkpoint)")
+        raise ValueError(
+            f"{flag} {load_dir} ({os.path.basename(directory)}) was saved from another model: "
+            + "; ".join(differ)
+            + " (MODEL_VARIANT / MOE / MTP / HF_CONFIG must match the checkpoint)"
+        )
 
 
 # Fields a run sets for itself, not properties of the weights: whether the MTP head trains (checked
@@ -87,7 +99,9 @@ def stored_shape(stored):
     return entry.load("shape_fn")(variant, moe=moe) if variant else None
 
 
-def shape_differences(stored, current, labels=("checkpoint", "this run"), skip=_RUN_FIELDS, prefix: str = "") -> list[str]:
+def shape_differences(
+    stored, current, labels=("checkpoint", "this run"), skip=_RUN_FIELDS, prefix: str = ""
+) -> list[str]:
     """``field value (checkpoint) vs value (this run)`` for every field that differs."""
     if stored is None:
         return []
@@ -101,4 +115,3 @@ def shape_differences(stored, current, labels=("checkpoint", "this run"), skip=_
         elif was != now:
             differ.append(f"{prefix}{f.name} {was} ({labels[0]}) vs {now} ({labels[1]})")
     return differ
-

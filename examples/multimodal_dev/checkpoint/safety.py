@@ -25,10 +25,28 @@ import pickle
 import re
 import types
 
-_BUILTINS = {"dict", "list", "tuple", "set", "frozenset", "int", "float", "bool", "str", "bytes", "complex",
-             "slice", "range"}
-_TORCH_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-                  ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}  # DCP's checkpoint_id
+_BUILTINS = {
+    "dict",
+    "list",
+    "tuple",
+    "set",
+    "frozenset",
+    "int",
+    "float",
+    "bool",
+    "str",
+    "bytes",
+    "complex",
+    "slice",
+    "range",
+}
+_TORCH_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+}  # DCP's checkpoint_id
 _DCP_MODULE = "torch.distributed.checkpoint."
 
 
@@ -47,7 +65,7 @@ def refusal(err: BaseException) -> str | None:
     (their text carries ours), so the training entry point finds it by its text."""
     text = str(err)
     start = text.find(_REFUSED)
-    return text[start:text.find(_END, start) + len(_END)] if start >= 0 else None
+    return text[start : text.find(_END, start) + len(_END)] if start >= 0 else None
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -58,8 +76,11 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         import torch
 
-        allowed = ((module == "builtins" and name in _BUILTINS) or (module, name) in _TORCH_GLOBALS
-                   or (module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout))))
+        allowed = (
+            (module == "builtins" and name in _BUILTINS)
+            or (module, name) in _TORCH_GLOBALS
+            or (module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout)))
+        )
         if not allowed and module.startswith(_DCP_MODULE):
             allowed = isinstance(super().find_class(module, name), type)  # DCP's classes, not its functions
         if not allowed:
@@ -90,8 +111,10 @@ def load_bytes_weights_only(planner, read_item, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)
     except pickle.UnpicklingError as err:  # torch names the global on its "Unsupported global" line
         found = re.search(r"GLOBAL ([\w.]+)", str(err))
-        raise CheckpointCodeError(f"checkpoint entry '{read_item.dest_index.fqn}'",
-                                  f"'{found.group(1)}'" if found else "a global outside the allowed set") from None
+        raise CheckpointCodeError(
+            f"checkpoint entry '{read_item.dest_index.fqn}'",
+            f"'{found.group(1)}'" if found else "a global outside the allowed set",
+        ) from None
     if planner.flatten_state_dict:
         from torch.distributed.checkpoint.default_planner import set_element
 
@@ -113,9 +136,11 @@ def check_tracker(load_dir: str | None, flag: str = "--load") -> None:
     with open(tracker, errors="replace") as f:
         text = f.read().strip()
     if not (text.isdigit() or text == "release"):
-        raise ValueError(f"{flag} {load_dir}: {tracker} holds {text[:40]!r}, not an iteration number (a damaged "
-                         "checkpoint directory: restore the file, or write the number of the last complete iter_* "
-                         "directory into it)")
+        raise ValueError(
+            f"{flag} {load_dir}: {tracker} holds {text[:40]!r}, not an iteration number (a damaged "
+            "checkpoint directory: restore the file, or write the number of the last complete iter_* "
+            "directory into it)"
+        )
 
 
 def restricted_pickle(original, run):
@@ -137,6 +162,8 @@ def weights_only_load_bytes(original, run):
 
     source = inspect.getsource(original)
     if "torch.load" not in source or "flatten_state_dict" not in source:
-        raise RuntimeError("torch.distributed.checkpoint's DefaultLoadPlanner.load_bytes changed; "
-                           "checkpoint/safety.py needs updating for this torch")
+        raise RuntimeError(
+            "torch.distributed.checkpoint's DefaultLoadPlanner.load_bytes changed; "
+            "checkpoint/safety.py needs updating for this torch"
+        )
     return load_bytes_weights_only

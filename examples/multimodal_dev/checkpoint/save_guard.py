@@ -42,8 +42,7 @@ def stale_directories(save_dir: str | None) -> list[str]:
     if not save_dir or not os.path.isdir(save_dir):
         return []
     latest = latest_iteration(save_dir) or 0
-    return sorted(d for d in os.listdir(save_dir)
-                  if re.fullmatch(r"iter_\d{7}", d) and int(d[5:]) > latest)
+    return sorted(d for d in os.listdir(save_dir) if re.fullmatch(r"iter_\d{7}", d) and int(d[5:]) > latest)
 
 
 def clear_incomplete_saves(save_dir: str | None) -> list[str]:
@@ -52,8 +51,9 @@ def clear_incomplete_saves(save_dir: str | None) -> list[str]:
     for name in stale_directories(save_dir):
         path = os.path.join(save_dir, name)
         if os.path.exists(os.path.join(path, ".metadata")):
-            lines.append(f"{path} is complete but newer than {TRACKER}; it is overwritten when training reaches "
-                         "that iteration")
+            lines.append(
+                f"{path} is complete but newer than {TRACKER}; it is overwritten when training reaches that iteration"
+            )
         else:
             shutil.rmtree(path, ignore_errors=True)  # every rank may try: the others find it gone
             lines.append(f"removed {path}: a save that did not finish (newer than {TRACKER}, no .metadata)")
@@ -80,5 +80,7 @@ def full_disk_in_one_line(save_dir: str, iteration: int):
         if latest != iteration:
             shutil.rmtree(partial, ignore_errors=True)
         kept = f"iteration {latest}" if latest is not None else "none"
-        raise SystemExit(f"pretrain_multimodal.py: no space left on {save_dir} while saving iteration {iteration}: "
-                         f"removed the partial {partial}; the last complete checkpoint is {kept}") from None
+        raise SystemExit(
+            f"pretrain_multimodal.py: no space left on {save_dir} while saving iteration {iteration}: "
+            f"removed the partial {partial}; the last complete checkpoint is {kept}"
+        ) from None

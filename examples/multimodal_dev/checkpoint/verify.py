@@ -29,6 +29,7 @@ from . import hf_conversion
 from .hf_safetensors import read_config
 from .run_shape import NOT_WEIGHTS, shape_differences
 
+
 # Shape fields verify does not compare: the MTP head is in neither forward pass, and the router's
 # auxiliary-loss weight is a training setting, not part of the logits.
 class HFSource:
@@ -52,11 +53,14 @@ def _local_hf_dir(src: HFSource) -> None:
     if not os.path.isdir(src.path) or not os.path.isfile(os.path.join(src.path, "config.json")):
         raise FileNotFoundError(f"{src.flag} {src.value}: no config.json (not a Hugging Face model folder)")
     if not glob.glob(os.path.join(src.path, "*.safetensors")):
-        pickled = sorted(os.path.basename(p) for ext in ("*.bin", "*.pt", "*.pth")
-                         for p in glob.glob(os.path.join(src.path, ext)))
+        pickled = sorted(
+            os.path.basename(p) for ext in ("*.bin", "*.pt", "*.pth") for p in glob.glob(os.path.join(src.path, ext))
+        )
         what = f"pickled weights ({', '.join(pickled)})" if pickled else "no weights"
-        raise ValueError(f"{src.flag} {src.value}: {what}, no *.safetensors; verify reads safetensors only "
-                         "(save the model with safe_serialization)")
+        raise ValueError(
+            f"{src.flag} {src.value}: {what}, no *.safetensors; verify reads safetensors only "
+            "(save the model with safe_serialization)"
+        )
 
 
 def _hf_config(src: HFSource) -> dict:
@@ -76,8 +80,11 @@ def check_same_model(src: HFSource, megatron_path: str):
     differ = shape_differences(mg_shape, hf_shape, labels=("checkpoint", "HF"), skip=NOT_WEIGHTS)
     if differ:
         more = f" and {len(differ) - 5} more" if len(differ) > 5 else ""
-        raise ValueError(f"--megatron-path {megatron_path} and {src.flag} {src.value} are different models: "
-                         + "; ".join(differ[:5]) + more)
+        raise ValueError(
+            f"--megatron-path {megatron_path} and {src.flag} {src.value} are different models: "
+            + "; ".join(differ[:5])
+            + more
+        )
     return mg_shape
 
 
@@ -91,8 +98,9 @@ def _hf_model(src: HFSource):
         _, model_cls = hf_classes(config.model_type)
     except ValueError as err:
         raise ValueError(f"{src.flag} {src.value}: {err}") from None
-    return model_cls.from_pretrained(src.path, dtype=torch.float32, attn_implementation="sdpa", use_safetensors=True,
-                                     **src.load_kwargs()).eval()
+    return model_cls.from_pretrained(
+        src.path, dtype=torch.float32, attn_implementation="sdpa", use_safetensors=True, **src.load_kwargs()
+    ).eval()
 
 
 def _text_ids(shape, n: int, generator) -> list[int]:
@@ -105,13 +113,22 @@ def builtin_cases(shape) -> list[tuple[str, dict]]:
     gen = torch.Generator().manual_seed(0)
     merge = shape.vision.spatial_merge_size
     grid = (1, 2 * merge, 3 * merge)
-    n_image = grid[1] * grid[2] // merge ** 2
-    image_row = (_text_ids(shape, 12, gen) + [shape.vision_start_token_id] + [shape.image_token_id] * n_image
-                 + [shape.vision_end_token_id] + _text_ids(shape, 12, gen))
+    n_image = grid[1] * grid[2] // merge**2
+    image_row = (
+        _text_ids(shape, 12, gen)
+        + [shape.vision_start_token_id]
+        + [shape.image_token_id] * n_image
+        + [shape.vision_end_token_id]
+        + _text_ids(shape, 12, gen)
+    )
     pixels = torch.randn(grid[0] * grid[1] * grid[2], shape.vision.patch_dim, generator=gen)
-    return [("text-only", {"input_ids": torch.tensor([_text_ids(shape, 48, gen)])}),
-            ("image+text", {"input_ids": torch.tensor([image_row]), "pixel_values": pixels,
-                            "image_grid_thw": torch.tensor([grid])})]
+    return [
+        ("text-only", {"input_ids": torch.tensor([_text_ids(shape, 48, gen)])}),
+        (
+            "image+text",
+            {"input_ids": torch.tensor([image_row]), "pixel_values": pixels, "image_grid_thw": torch.tensor([grid])},
+        ),
+    ]
 
 
 def prompt_case(processor: HFSource, prompt: str, image: str | None) -> list[tuple[str, dict]]:
@@ -120,8 +137,9 @@ def prompt_case(processor: HFSource, prompt: str, image: str | None) -> list[tup
 
     processor = AutoProcessor.from_pretrained(processor.path, **processor.load_kwargs())
     content = ([{"type": "image"}] if image else []) + [{"type": "text", "text": prompt}]
-    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                         tokenize=False)
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
     images = [Image.open(image).convert("RGB")] if image else None
     batch = processor(text=[text], images=images, return_tensors="pt")
     case = {"input_ids": batch["input_ids"]}
@@ -135,10 +153,16 @@ def _logits_pair(hf, mg, shape, case: dict):
     ids = case["input_ids"]
     mask = torch.ones_like(ids)
     grid = case.get("image_grid_thw")
-    hf_out = hf(input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == shape.image_token_id).long(),
-                pixel_values=case.get("pixel_values"), image_grid_thw=grid).logits
-    position_ids = padded_batch_position_ids(ids, mask, grid, None, shape.image_token_id, shape.video_token_id,
-                                             shape.vision.spatial_merge_size)
+    hf_out = hf(
+        input_ids=ids,
+        attention_mask=mask,
+        mm_token_type_ids=(ids == shape.image_token_id).long(),
+        pixel_values=case.get("pixel_values"),
+        image_grid_thw=grid,
+    ).logits
+    position_ids = padded_batch_position_ids(
+        ids, mask, grid, None, shape.image_token_id, shape.video_token_id, shape.vision.spatial_merge_size
+    )
     mg_out = mg(ids, position_ids, None, pixel_values=case.get("pixel_values"), image_grid_thw=grid)
     return mg_out.float().flatten(0, 1), hf_out.float().flatten(0, 1)
 
@@ -146,8 +170,12 @@ def _logits_pair(hf, mg, shape, case: dict):
 def _stats(ours: torch.Tensor, ref: torch.Tensor) -> dict:
     diff = (ours - ref).abs()
     cosine = torch.nn.functional.cosine_similarity(ours.double().flatten(), ref.double().flatten(), dim=0).item()
-    return {"max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item(), "cosine": cosine,
-            "tokens": ours.shape[0]}
+    return {
+        "max_abs_diff": diff.max().item(),
+        "mean_abs_diff": diff.mean().item(),
+        "cosine": cosine,
+        "tokens": ours.shape[0],
+    }
 
 
 def _nonfinite_weights(model, label: str) -> list[str]:
@@ -160,13 +188,18 @@ def _nonfinite_weights(model, label: str) -> list[str]:
 
 
 def _nonfinite_logits(case: str, ours: torch.Tensor, ref: torch.Tensor) -> list[str]:
-    return [f"{label} logits are NaN/inf on {case} ({int((~torch.isfinite(t)).sum())} values)"
-            for label, t in (("Megatron", ours), ("HF", ref)) if not torch.isfinite(t).all()]
+    return [
+        f"{label} logits are NaN/inf on {case} ({int((~torch.isfinite(t)).sum())} values)"
+        for label, t in (("Megatron", ours), ("HF", ref))
+        if not torch.isfinite(t).all()
+    ]
 
 
 def _line(prefix: str, s: dict) -> str:
-    return (f"{prefix}max_abs_diff={s['max_abs_diff']:.3e} mean_abs_diff={s['mean_abs_diff']:.3e} "
-            f"cosine={s['cosine']:.8f} tokens={s['tokens']}")
+    return (
+        f"{prefix}max_abs_diff={s['max_abs_diff']:.3e} mean_abs_diff={s['mean_abs_diff']:.3e} "
+        f"cosine={s['cosine']:.8f} tokens={s['tokens']}"
+    )
 
 
 def verify(args) -> bool:
@@ -199,6 +232,9 @@ def verify(args) -> bool:
         all_ref.append(ref)
     total = _stats(torch.cat(all_ours), torch.cat(all_ref))
     ok = total["max_abs_diff"] <= args.atol and not reasons
-    print(_line("verify: ", total) + f" atol={args.atol:g} {'PASS' if ok else 'FAIL'}"
-          + (": " + "; ".join(reasons) if reasons else ""))
+    print(
+        _line("verify: ", total)
+        + f" atol={args.atol:g} {'PASS' if ok else 'FAIL'}"
+        + (": " + "; ".join(reasons) if reasons else "")
+    )
     return ok

@@ -56,4 +56,6 @@ def causes(err: BaseException) -> Iterator[BaseException]:
         seen.add(id(e))
         yield e
         queue += [e.__cause__, e.__context__]
-        queue += [pair[0] if isinstance(pair, tuple) else pair for pair in (getattr(e, "failures", None) or {}).values()]
+        queue += [
+            pair[0] if isinstance(pair, tuple) else pair for pair in (getattr(e, "failures", None) or {}).values()
+        ]

@@ -48,18 +48,27 @@ def answer_char_spans(processor, turns: list[Turn], rewrite=None) -> tuple[str, 
         start = _common_prefix(text, variant)
         tail = _common_suffix(text, variant, min(len(text), len(variant)) - start)
         end = len(text) - tail
-        region = variant[start:len(variant) - tail]
+        region = variant[start : len(variant) - tail]
         if region.count(SENTINEL) != 1 or (spans and start < spans[-1][1]):
-            raise BadSample("template_layout", f"the chat template does not place assistant turn {index} once, "
-                                               "in order; cannot tell which tokens to train")
+            raise BadSample(
+                "template_layout",
+                f"the chat template does not place assistant turn {index} once, "
+                "in order; cannot tell which tokens to train",
+            )
         if end <= start:
             raise BadSample("empty_answer", f"assistant turn {index} renders no text")
         spans.append((start, end))
     return text, spans
 
 
-def answer_token_mask(input_ids: torch.Tensor, offsets: torch.Tensor, char_spans: list[tuple[int, int]],
-                      replacements: list[dict], end_of_turn_id: int, vision_ids) -> torch.Tensor:
+def answer_token_mask(
+    input_ids: torch.Tensor,
+    offsets: torch.Tensor,
+    char_spans: list[tuple[int, int]],
+    replacements: list[dict],
+    end_of_turn_id: int,
+    vision_ids,
+) -> torch.Tensor:
     """``is_answer`` over ``input_ids`` (tokens of the text with every media placeholder expanded;
     ``offsets`` [L, 2] their characters in it, ``replacements`` the processor's expansions)."""
     is_answer = torch.zeros_like(input_ids, dtype=torch.bool)
@@ -68,16 +77,17 @@ def answer_token_mask(input_ids: torch.Tensor, offsets: torch.Tensor, char_spans
     for number, (start, end) in enumerate(char_spans):
         start, end = _expanded(start, replacements), _expanded(end, replacements)
         inside = torch.nonzero((starts < end) & (ends > start) & (ends > starts)).flatten()
-        if inside.numel() == 0 or bool(is_vision[inside[0]:inside[-1] + 1].any()):
+        if inside.numel() == 0 or bool(is_vision[inside[0] : inside[-1] + 1].any()):
             raise BadSample("template_layout", f"answer {number} has no text tokens of its own")
-        after = torch.nonzero(input_ids[inside[-1] + 1:] == end_of_turn_id).flatten()
+        after = torch.nonzero(input_ids[inside[-1] + 1 :] == end_of_turn_id).flatten()
         if after.numel() == 0:
             raise BadSample("template_layout", f"answer {number} is not followed by an end-of-turn token")
         last = int(inside[-1]) + 1 + int(after[0])
-        if bool(is_vision[inside[-1]:last].any()) or (number + 1 < len(char_spans) and
-                                                      ends[last] > _expanded(char_spans[number + 1][0], replacements)):
+        if bool(is_vision[inside[-1] : last].any()) or (
+            number + 1 < len(char_spans) and ends[last] > _expanded(char_spans[number + 1][0], replacements)
+        ):
             raise BadSample("template_layout", f"answer {number} has no end-of-turn token before what follows it")
-        is_answer[inside[0]:last + 1] = True
+        is_answer[inside[0] : last + 1] = True
     return is_answer
 
 
@@ -109,7 +119,7 @@ def _common_suffix(a: str, b: str, limit: int) -> int:
     low, high = 0, max(limit, 0)
     while low < high:
         mid = (low + high + 1) // 2
-        if a[len(a) - mid:] == b[len(b) - mid:]:
+        if a[len(a) - mid :] == b[len(b) - mid :]:
             low = mid
         else:
             high = mid - 1

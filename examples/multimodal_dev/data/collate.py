@@ -52,18 +52,27 @@ def _vision_inputs(samples, tokens_1T: torch.Tensor, tokens: VisionTokens):
     runs, n_img, n_vid = run_grids(tokens_1T, images, frames, tokens.image, tokens.video, where="the micro-batch")
     # run_grids refuses too few grids; a grid left over would shift every later image's pixels
     # onto the wrong placeholders of a later micro-batch's model call, so refuse too many too
-    for what, used, listed, field in (("images", n_img, len(images), "image_grid_thw"),
-                                      ("videos", n_vid, len(frames), "video frames in video_grid_thw")):
+    for what, used, listed, field in (
+        ("images", n_img, len(images), "image_grid_thw"),
+        ("videos", n_vid, len(frames), "video frames in video_grid_thw"),
+    ):
         if listed > used:
-            raise ValueError(f"{what}: the micro-batch has {used} placeholder runs but {field} lists {listed}; "
-                             "the processor's token expansion and the grids disagree")
+            raise ValueError(
+                f"{what}: the micro-batch has {used} placeholder runs but {field} lists {listed}; "
+                "the processor's token expansion and the grids disagree"
+            )
     return fields, runs
 
 
 def _stats(lengths: torch.Tensor, total: int) -> BatchStats:
     real = int(lengths.sum())
-    return BatchStats(samples=int(lengths.numel()), real_tokens=real, padded_tokens=total,
-                      pad_fraction=1.0 - real / max(total, 1), lengths=lengths.tolist())
+    return BatchStats(
+        samples=int(lengths.numel()),
+        real_tokens=real,
+        padded_tokens=total,
+        pad_fraction=1.0 - real / max(total, 1),
+        lengths=lengths.tolist(),
+    )
 
 
 def _padding_mask(total: int, real_positions: torch.Tensor) -> torch.Tensor:
@@ -80,7 +89,8 @@ def pack_thd(samples: list[dict], tokens: VisionTokens, pad_multiple: int = 1) -
     # Destination of every real token: its sample's padded start + its index inside the sample.
     real_starts = torch.repeat_interleave(cu_padded[:-1], lengths)
     local = torch.arange(int(lengths.sum())) - torch.repeat_interleave(
-        torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0))[:-1], lengths)
+        torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0))[:-1], lengths
+    )
     dest = real_starts + local
 
     def scatter(field, fill, dtype):
@@ -108,8 +118,9 @@ def pack_thd(samples: list[dict], tokens: VisionTokens, pad_multiple: int = 1) -
     )
 
 
-def pad_bshd(samples: list[dict], tokens: VisionTokens, pad_multiple: int = 1,
-             seq_length: int | None = None) -> PackedBatch:
+def pad_bshd(
+    samples: list[dict], tokens: VisionTokens, pad_multiple: int = 1, seq_length: int | None = None
+) -> PackedBatch:
     lengths = torch.tensor([s["input_ids"].numel() for s in samples], dtype=torch.long)
     width = int(_round_up(lengths.max(), pad_multiple)) if seq_length is None else seq_length
     if int(lengths.max()) > width:
@@ -153,9 +164,14 @@ def pad_row_to(batch: PackedBatch, length: int) -> PackedBatch:
     def pad(t, value):  # None: a tensor this pipeline stage does not read
         return None if t is None else torch.nn.functional.pad(t, (0, extra), value=value)
 
-    out = replace(batch, tokens=pad(batch.tokens, 0), labels=pad(batch.labels, IGNORE_INDEX),
-                  loss_mask=pad(batch.loss_mask, 0.0), position_ids=pad(batch.position_ids, 0),
-                  padding_mask=pad(batch.padding_mask, True))
+    out = replace(
+        batch,
+        tokens=pad(batch.tokens, 0),
+        labels=pad(batch.labels, IGNORE_INDEX),
+        loss_mask=pad(batch.loss_mask, 0.0),
+        position_ids=pad(batch.position_ids, 0),
+        padding_mask=pad(batch.padding_mask, True),
+    )
     if batch.thd:
         cu, cu_padded = batch.cu_seqlens, batch.cu_seqlens_padded
         out.cu_seqlens = torch.cat([cu, cu[-1:]])
@@ -171,8 +187,14 @@ class Collator:
     ``row_length`` (token-budget packing): every THD row padded to exactly that many tokens
     (a row holding one conversation longer than that stays as long as it is)."""
 
-    def __init__(self, tokens: VisionTokens, packed: bool = True, pad_multiple: int = 1, seq_length: int | None = None,
-                 row_length: int | None = None):
+    def __init__(
+        self,
+        tokens: VisionTokens,
+        packed: bool = True,
+        pad_multiple: int = 1,
+        seq_length: int | None = None,
+        row_length: int | None = None,
+    ):
         self.tokens, self.packed, self.pad_multiple, self.seq_length = tokens, packed, pad_multiple, seq_length
         self.row_length = row_length
 

@@ -43,15 +43,15 @@ IMAGE_OPTIONS = {"min_pixels": 1 << 26, "max_pixels": 1 << 26, "resized_height":
 
 @dataclass(frozen=True)
 class Media:
-    kind: str                 # "image" or "video"
-    ref: str                  # as written: a path (relative, absolute, file://), a URL or a data: URI
+    kind: str  # "image" or "video"
+    ref: str  # as written: a path (relative, absolute, file://), a URL or a data: URI
     options: dict = field(default_factory=dict)  # per-item settings (parts format only)
 
 
 @dataclass(frozen=True)
 class Turn:
-    role: str                 # system, user or assistant
-    parts: tuple              # str | Media, in reading order
+    role: str  # system, user or assistant
+    parts: tuple  # str | Media, in reading order
 
     @property
     def media(self) -> list[Media]:
@@ -69,8 +69,7 @@ def detect_format(record) -> str:
         return "sharegpt"
     if "messages" in record:
         messages = record["messages"]
-        if isinstance(messages, list) and any(isinstance(m, dict) and isinstance(_content(m), list)
-                                              for m in messages):
+        if isinstance(messages, list) and any(isinstance(m, dict) and isinstance(_content(m), list) for m in messages):
             return "parts"
         return "placeholder"
     raise BadSample("bad_record", f"expected a 'messages' or 'conversations' list, found keys {sorted(record)[:8]}")
@@ -81,12 +80,12 @@ def normalise(record) -> list[Turn]:
     kind = detect_format(record)
     messages = record["conversations" if kind == "sharegpt" else "messages"]
     if not isinstance(messages, list) or not messages:
-        raise BadSample("bad_record", f"'{'conversations' if kind == 'sharegpt' else 'messages'}' must be a "
-                                      "non-empty list of turns")
+        raise BadSample(
+            "bad_record", f"'{'conversations' if kind == 'sharegpt' else 'messages'}' must be a non-empty list of turns"
+        )
     if kind == "parts":
         if any(_media_list(record, k) for k in KINDS):
-            raise BadSample("bad_record", "media given both as content parts and in a top-level images/videos "
-                                          "list")
+            raise BadSample("bad_record", "media given both as content parts and in a top-level images/videos list")
         turns = [Turn(_role(m), _parts(_content(m))) for m in messages]
     else:
         media = {k: _media_list(record, k) for k in KINDS}
@@ -110,8 +109,14 @@ def chat_messages(turns: list[Turn], replace: dict | None = None) -> list[dict]:
         if replace and i in replace:
             messages.append({"role": turn.role, "content": replace[i]})
         elif turn.media:
-            messages.append({"role": turn.role, "content": [
-                {"type": p.kind} if isinstance(p, Media) else {"type": "text", "text": p} for p in turn.parts]})
+            messages.append(
+                {
+                    "role": turn.role,
+                    "content": [
+                        {"type": p.kind} if isinstance(p, Media) else {"type": "text", "text": p} for p in turn.parts
+                    ],
+                }
+            )
         else:
             messages.append({"role": turn.role, "content": turn.text})
     return messages
@@ -145,8 +150,9 @@ class _Slot:  # a placeholder waiting for its media
 
 
 def _split_placeholders(text: str) -> tuple:
-    return tuple(_Slot(PLACEHOLDERS[piece]) if piece in PLACEHOLDERS else piece
-                 for piece in _PLACEHOLDER_RE.split(text) if piece)
+    return tuple(
+        _Slot(PLACEHOLDERS[piece]) if piece in PLACEHOLDERS else piece for piece in _PLACEHOLDER_RE.split(text) if piece
+    )
 
 
 def _media_list(record: dict, kind: str) -> list[str]:
@@ -175,11 +181,14 @@ def _place_media(turns: list[Turn], media: dict) -> list[Turn]:
     for kind in KINDS:
         n_placeholders = sum(p == _Slot(kind) for t in turns for p in t.parts)
         if n_placeholders != len(media[kind]):
-            raise BadSample("placeholder_mismatch", f"{n_placeholders} <{kind}> placeholder(s) for "
-                                                    f"{len(media[kind])} {kind}(s)")
+            raise BadSample(
+                "placeholder_mismatch", f"{n_placeholders} <{kind}> placeholder(s) for {len(media[kind])} {kind}(s)"
+            )
     queues = {k: iter(media[k]) for k in KINDS}
-    return [Turn(t.role, tuple(Media(p.kind, next(queues[p.kind])) if isinstance(p, _Slot) else p for p in t.parts))
-            for t in turns]
+    return [
+        Turn(t.role, tuple(Media(p.kind, next(queues[p.kind])) if isinstance(p, _Slot) else p for p in t.parts))
+        for t in turns
+    ]
 
 
 def _parts(content) -> tuple:
@@ -188,8 +197,7 @@ def _parts(content) -> tuple:
     if isinstance(content, str):
         return (content,) if content else ()
     if not isinstance(content, list):
-        raise BadSample("bad_record", f"turn content must be a string or a list of parts, got "
-                                      f"{type(content).__name__}")
+        raise BadSample("bad_record", f"turn content must be a string or a list of parts, got {type(content).__name__}")
     return tuple(p for p in (_part(item) for item in content) if p != "")
 
 
@@ -221,10 +229,18 @@ def _part(item):
 
 def _check_image_options(options: dict) -> None:
     if set(options) - set(IMAGE_OPTIONS):
-        raise BadSample("bad_record", f"unknown image setting(s) {sorted(set(options) - set(IMAGE_OPTIONS))}; "
-                                      f"an image part takes {list(IMAGE_OPTIONS)}")
+        raise BadSample(
+            "bad_record",
+            f"unknown image setting(s) {sorted(set(options) - set(IMAGE_OPTIONS))}; "
+            f"an image part takes {list(IMAGE_OPTIONS)}",
+        )
     for name, value in options.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= IMAGE_OPTIONS[name] \
-                or value != int(value):
-            raise BadSample("bad_record", f"image setting {name} {value!r}: expected a whole number from 1 to "
-                                          f"{IMAGE_OPTIONS[name]}")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not 0 < value <= IMAGE_OPTIONS[name]
+            or value != int(value)
+        ):
+            raise BadSample(
+                "bad_record", f"image setting {name} {value!r}: expected a whole number from 1 to {IMAGE_OPTIONS[name]}"
+            )

@@ -40,8 +40,9 @@ def load_split(data_path: str, split: str):
     if ds is None:
         return None
     if set(COLUMNS) - set(ds.column_names):
-        raise DataError(f"--data-path {data_path!r} ({split}): expected columns {list(COLUMNS)}, "
-                        f"found {ds.column_names}")
+        raise DataError(
+            f"--data-path {data_path!r} ({split}): expected columns {list(COLUMNS)}, found {ds.column_names}"
+        )
     # Decode images ourselves so one corrupt file is a skipped sample, not a crashed run.
     return ds.cast_column("image", datasets.Image(decode=False))
 
@@ -119,8 +120,15 @@ class CordV2Conversations:
         self.pixel_budget = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v}
 
     def _messages(self, image) -> list[dict]:
-        return [{"role": "user", "content": [{"type": "image", "image": image, **self.pixel_budget},
-                                             {"type": "text", "text": INSTRUCTION}]}]
+        return [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": image, **self.pixel_budget},
+                    {"type": "text", "text": INSTRUCTION},
+                ],
+            }
+        ]
 
     def _answer_ids(self, row) -> torch.Tensor:
         answer = _answer_text(row["ground_truth"])
@@ -148,11 +156,11 @@ class CordV2Conversations:
         width, height = _image_size(row["image"])
         with _aspect_ratio_is_bad_sample():
             grid = self._grid(height, width)
-        n_tokens = grid[0] * grid[1] * grid[2] // self.info.tokens.spatial_merge ** 2
+        n_tokens = grid[0] * grid[1] * grid[2] // self.info.tokens.spatial_merge**2
         prompt = self.processor.apply_chat_template(self._messages(None), tokenize=False, add_generation_prompt=True)
         ids = self.processor.tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids[0]
         at = int(torch.nonzero(ids == self.info.tokens.image).flatten()[0])
-        ids = torch.cat([ids[:at], torch.full((n_tokens,), self.info.tokens.image), ids[at + 1:]])
+        ids = torch.cat([ids[:at], torch.full((n_tokens,), self.info.tokens.image), ids[at + 1 :]])
         n_patches = grid[0] * grid[1] * grid[2]
         pixels = torch.zeros(1, self.info.patch_dim).expand(n_patches, self.info.patch_dim)
         return build_sft_sample(ids, answer_ids, pixels, torch.tensor([grid]))
@@ -163,23 +171,38 @@ class CordV2Conversations:
 
         factor = self.info.patch_size * qvu.SPATIAL_MERGE_SIZE
         height, width = qvu.smart_resize(
-            height, width, factor=factor,
-            min_pixels=self.pixel_budget.get("min_pixels", qvu.IMAGE_MIN_TOKEN_NUM * factor ** 2),
-            max_pixels=self.pixel_budget.get("max_pixels", qvu.IMAGE_MAX_TOKEN_NUM * factor ** 2))
+            height,
+            width,
+            factor=factor,
+            min_pixels=self.pixel_budget.get("min_pixels", qvu.IMAGE_MIN_TOKEN_NUM * factor**2),
+            max_pixels=self.pixel_budget.get("max_pixels", qvu.IMAGE_MAX_TOKEN_NUM * factor**2),
+        )
         image_processor = self.processor.image_processor
-        height, width = smart_resize(height, width, factor=image_processor.patch_size * image_processor.merge_size,
-                                     min_pixels=image_processor.size["shortest_edge"],
-                                     max_pixels=image_processor.size["longest_edge"])
+        height, width = smart_resize(
+            height,
+            width,
+            factor=image_processor.patch_size * image_processor.merge_size,
+            min_pixels=image_processor.size["shortest_edge"],
+            max_pixels=image_processor.size["longest_edge"],
+        )
         return (1, height // image_processor.patch_size, width // image_processor.patch_size)
 
 
-def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path: str | None = None,
-                   hf_processor_path: str | None = None, min_pixels: int | None = None,
-                   max_pixels: int | None = None, **_unused):
+def build_datasets(
+    seq_length: int,
+    num_samples: tuple[int, int, int],
+    data_path: str | None = None,
+    hf_processor_path: str | None = None,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    **_unused,
+):
     """(train, valid, test) over the CORD-V2 splits, each repeated to the requested size."""
     if not data_path:
-        raise ValueError("--data-path is required for --dataset-provider cord_v2 (saved dataset, parquet files "
-                         "or hf://naver-clova-ix/cord-v2)")
+        raise ValueError(
+            "--data-path is required for --dataset-provider cord_v2 (saved dataset, parquet files "
+            "or hf://naver-clova-ix/cord-v2)"
+        )
     processor, info = load_processor(hf_processor_path, min_pixels, max_pixels)
     out = []
     for split, n in zip(SPLITS, num_samples):
@@ -191,6 +214,16 @@ def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path
             out.append(None)
             continue
         produce = CordV2Conversations(ds, processor, info, min_pixels, max_pixels)
-        out.append(SkippingDataset(produce, len(ds), n, info.tokens, seq_length, info.patch_dim,
-                                   name=f"cord_v2[{split}]", source=f"--data-path {data_path!r}"))
+        out.append(
+            SkippingDataset(
+                produce,
+                len(ds),
+                n,
+                info.tokens,
+                seq_length,
+                info.patch_dim,
+                name=f"cord_v2[{split}]",
+                source=f"--data-path {data_path!r}",
+            )
+        )
     return tuple(out)

@@ -42,13 +42,24 @@ import logging
 import os
 from collections import Counter
 
-from megatron.energon import (Cooker, DefaultTaskEncoder, Sample, SkipSample, WorkerConfig, basic_sample_keys,
-                              get_loader, get_savable_loader, get_train_dataset, get_val_dataset, stateless)
+from megatron.energon import (
+    Cooker,
+    DefaultTaskEncoder,
+    Sample,
+    SkipSample,
+    WorkerConfig,
+    basic_sample_keys,
+    get_loader,
+    get_savable_loader,
+    get_train_dataset,
+    get_val_dataset,
+    stateless,
+)
 from megatron.energon.edataclass import edataclass
 from megatron.energon.errors import reraise_exception
 
-from . import energon_state
 from ..megatron_changes import apply
+from . import energon_state
 from .energon_configs import check_dataset, read_config
 from .loader import exit_with_parent, hand_over_skips, summing_skips
 from .sample import BadSample, DataError, fit_to_budget, validate_sample
@@ -69,12 +80,16 @@ def check_energon_path(value: str | None, flag: str = "--data-path") -> str:
     (``energon_configs``); a ``DataError`` naming ``flag`` or the file otherwise. Reads no shard:
     cheap enough to call before launch."""
     if not value or not value.strip():
-        raise DataError(f"{flag} is required for --dataset-provider energon (a folder prepared by energon, e.g. by "
-                        "tools/jsonl_to_energon.py, or an energon metadataset .yaml)")
+        raise DataError(
+            f"{flag} is required for --dataset-provider energon (a folder prepared by energon, e.g. by "
+            "tools/jsonl_to_energon.py, or an energon metadataset .yaml)"
+        )
     if os.path.isdir(value):
         if not os.path.isfile(os.path.join(value, ".nv-meta", "split.yaml")):
-            raise DataError(f"{flag} {value!r}: no .nv-meta/split.yaml: not a prepared energon dataset (run "
-                            "'energon prepare' or tools/jsonl_to_energon.py)")
+            raise DataError(
+                f"{flag} {value!r}: no .nv-meta/split.yaml: not a prepared energon dataset (run "
+                "'energon prepare' or tools/jsonl_to_energon.py)"
+            )
     elif os.path.isfile(value):
         if not value.endswith((".yaml", ".yml")):
             raise DataError(f"{flag} {value!r}: a file here must be an energon metadataset .yaml")
@@ -109,8 +124,9 @@ def energon_metadata_errors(path: str):
     except DataError:
         raise
     except (KeyError, TypeError, AttributeError, AssertionError, ValueError) as err:
-        raise DataError(f"--data-path {path}: energon cannot read this dataset's metadata "
-                        f"({type(err).__name__}: {err})") from None
+        raise DataError(
+            f"--data-path {path}: energon cannot read this dataset's metadata ({type(err).__name__}: {err})"
+        ) from None
 
 
 @edataclass
@@ -124,8 +140,10 @@ class Conversation(Sample):
 @stateless
 def cook_conversation(raw: dict) -> Conversation:
     if "json" not in raw:
-        raise DataError(f"energon sample {raw.get('__key__')!r} has no .json member: not a conversation shard "
-                        "(tools/jsonl_to_energon.py writes them)")
+        raise DataError(
+            f"energon sample {raw.get('__key__')!r} has no .json member: not a conversation shard "
+            "(tools/jsonl_to_energon.py writes them)"
+        )
     media = {k: v for k, v in raw.items() if not k.startswith("__") and k != "json"}
     return Conversation(**basic_sample_keys(raw), text=raw["json"].decode(), media=media)
 
@@ -141,8 +159,17 @@ class ConversationEncoder(DefaultTaskEncoder):
     decoder = None  # members stay bytes: images and videos are decoded as the jsonl provider does
     cookers = (Cooker(cook_conversation),)
 
-    def __init__(self, produce=None, tokens=None, seq_length=None, patch_dim=None, collate_fn=None,
-                 name="energon", row_tokens: int | None = None, pad_multiple: int = 1):
+    def __init__(
+        self,
+        produce=None,
+        tokens=None,
+        seq_length=None,
+        patch_dim=None,
+        collate_fn=None,
+        name="energon",
+        row_tokens: int | None = None,
+        pad_multiple: int = 1,
+    ):
         super().__init__()
         self.produce, self.tokens, self.seq_length, self.patch_dim = produce, tokens, seq_length, patch_dim
         self.collate_fn, self.name = collate_fn, name
@@ -157,8 +184,12 @@ class ConversationEncoder(DefaultTaskEncoder):
             encoded = conversation_sample(self.produce, sample, self.tokens, self.seq_length, self.patch_dim)
         except BadSample as bad:
             self.skip_counts[bad.reason] += 1
-            log.warning("%s: skipped a conversation (%s); skipped so far in this process: %s", self.name, bad,
-                        format_counts(self.skip_counts))
+            log.warning(
+                "%s: skipped a conversation (%s); skipped so far in this process: %s",
+                self.name,
+                bad,
+                format_counts(self.skip_counts),
+            )
             raise SkipSample() from None
         # energon finds a buffered sample again by this key when its loader state is restored
         return {**encoded, RESTORE_KEY: sample.__restore_key__}
@@ -215,25 +246,51 @@ def conversation_sample(produce, conversation, tokens, seq_length: int, patch_di
 def worker_config(dp_rank: int, dp_size: int, num_workers: int, seed: int = 0):
     """energon's per-rank settings; errors other than skips propagate (energon's default would log
     them and carry on for up to 100 samples)."""
-    return WorkerConfig(rank=dp_rank, world_size=dp_size, num_workers=num_workers, seed_offset=seed,
-                        global_error_handler=reraise_exception)
+    return WorkerConfig(
+        rank=dp_rank,
+        world_size=dp_size,
+        num_workers=num_workers,
+        seed_offset=seed,
+        global_error_handler=reraise_exception,
+    )
 
 
-def open_dataset(path: str, split: str, config, encoder, batch_size: int | None, training: bool,
-                 shuffle_buffer_size: int | None = DEFAULT_SHUFFLE_BUFFER,
-                 max_samples_per_sequence: int | None = DEFAULT_MAX_SAMPLES_PER_SEQUENCE, repeat: bool = True,
-                 packing_buffer_size: int | None = None):
+def open_dataset(
+    path: str,
+    split: str,
+    config,
+    encoder,
+    batch_size: int | None,
+    training: bool,
+    shuffle_buffer_size: int | None = DEFAULT_SHUFFLE_BUFFER,
+    max_samples_per_sequence: int | None = DEFAULT_MAX_SAMPLES_PER_SEQUENCE,
+    repeat: bool = True,
+    packing_buffer_size: int | None = None,
+):
     """energon's dataset over ``split`` of ``path`` for one rank: training shuffles and (``repeat``) loops;
     ``packing_buffer_size``: rows packed by ``encoder`` from that many conversations at a time."""
     apply("energon-refuses-code")
     with energon_metadata_errors(path):
         if training:
-            return get_train_dataset(path, split_part=split, worker_config=config, batch_size=batch_size,
-                                     shuffle_buffer_size=shuffle_buffer_size,
-                                     max_samples_per_sequence=max_samples_per_sequence, task_encoder=encoder,
-                                     repeat=repeat, packing_buffer_size=packing_buffer_size)
-        return get_val_dataset(path, split_part=split, worker_config=config, batch_size=batch_size,
-                               task_encoder=encoder, packing_buffer_size=packing_buffer_size)
+            return get_train_dataset(
+                path,
+                split_part=split,
+                worker_config=config,
+                batch_size=batch_size,
+                shuffle_buffer_size=shuffle_buffer_size,
+                max_samples_per_sequence=max_samples_per_sequence,
+                task_encoder=encoder,
+                repeat=repeat,
+                packing_buffer_size=packing_buffer_size,
+            )
+        return get_val_dataset(
+            path,
+            split_part=split,
+            worker_config=config,
+            batch_size=batch_size,
+            task_encoder=encoder,
+            packing_buffer_size=packing_buffer_size,
+        )
 
 
 class EnergonSplit(RunSkipTotals):
@@ -245,9 +302,20 @@ class EnergonSplit(RunSkipTotals):
     energon cannot move a state to other settings (another DP size or worker count deals the
     shards differently): ``stream_settings`` says what must match."""
 
-    def __init__(self, path: str, split: str, produce, tokens, seq_length: int, patch_dim: int, seed: int,
-                 shuffle_buffer_size: int | None, max_samples_per_sequence: int | None, name: str,
-                 packing_buffer_size: int = DEFAULT_PACKING_BUFFER):
+    def __init__(
+        self,
+        path: str,
+        split: str,
+        produce,
+        tokens,
+        seq_length: int,
+        patch_dim: int,
+        seed: int,
+        shuffle_buffer_size: int | None,
+        max_samples_per_sequence: int | None,
+        name: str,
+        packing_buffer_size: int = DEFAULT_PACKING_BUFFER,
+    ):
         self.path, self.split, self.produce, self.tokens = path, split, produce, tokens
         self.seq_length, self.patch_dim, self.seed, self.name = seq_length, patch_dim, seed, name
         self.shuffle_buffer_size, self.max_samples_per_sequence = shuffle_buffer_size, max_samples_per_sequence
@@ -264,17 +332,33 @@ class EnergonSplit(RunSkipTotals):
         self.row_tokens, self.pad_multiple = row_tokens, pad_multiple
 
     def encoder(self, collate_fn):
-        return ConversationEncoder(self.produce, self.tokens, self.seq_length, self.patch_dim, collate_fn, self.name,
-                                   self.row_tokens, self.pad_multiple)
+        return ConversationEncoder(
+            self.produce,
+            self.tokens,
+            self.seq_length,
+            self.patch_dim,
+            collate_fn,
+            self.name,
+            self.row_tokens,
+            self.pad_multiple,
+        )
 
     def stream_settings(self, micro_batch_size: int, dp_rank: int, dp_size: int, num_workers: int) -> dict:
         """Everything that decides which conversations this rank's loader yields, in which order."""
-        return dict(path=os.path.abspath(self.path), split=self.split, seed=self.seed,
-                    shuffle_buffer_size=self.shuffle_buffer_size,
-                    max_samples_per_sequence=self.max_samples_per_sequence, micro_batch_size=micro_batch_size,
-                    dp_rank=dp_rank, dp_size=dp_size, num_workers=num_workers, row_tokens=self.row_tokens,
-                    pad_multiple=self.pad_multiple,
-                    packing_buffer_size=self.packing_buffer_size if self.row_tokens else None)
+        return dict(
+            path=os.path.abspath(self.path),
+            split=self.split,
+            seed=self.seed,
+            shuffle_buffer_size=self.shuffle_buffer_size,
+            max_samples_per_sequence=self.max_samples_per_sequence,
+            micro_batch_size=micro_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            num_workers=num_workers,
+            row_tokens=self.row_tokens,
+            pad_multiple=self.pad_multiple,
+            packing_buffer_size=self.packing_buffer_size if self.row_tokens else None,
+        )
 
     def save_state(self) -> dict | None:
         """This rank's position (JSON-ready), or None before a training iterator exists."""
@@ -283,8 +367,11 @@ class EnergonSplit(RunSkipTotals):
         try:
             return {"settings": self._settings, "loader": energon_state.dumps(self.loader.save_state_rank())}
         except energon_state.StateFormatError as err:
-            log.warning("%s: the loader state is not saved, a run resumed from this checkpoint restarts the stream "
-                        "(%s)", self.name, err)
+            log.warning(
+                "%s: the loader state is not saved, a run resumed from this checkpoint restarts the stream (%s)",
+                self.name,
+                err,
+            )
             return None
 
     def restore_state(self, saved: dict) -> None:
@@ -292,29 +379,55 @@ class EnergonSplit(RunSkipTotals):
         ``energon_state.StateFormatError`` for a state that does not read back."""
         self._restore = energon_state.loads(saved["loader"])
 
-    def build_iterator(self, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int, collate_fn,
-                       num_workers: int = 0, cyclic: bool = False, plan_fn=None):
+    def build_iterator(
+        self,
+        consumed_samples: int,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        collate_fn,
+        num_workers: int = 0,
+        cyclic: bool = False,
+        plan_fn=None,
+    ):
         if plan_fn is not None:  # pretrain's datasets_provider calls pack_rows for a stream instead
             raise ValueError("an energon split packs its own rows (EnergonSplit.pack_rows), it takes no plan_fn")
         config = worker_config(dp_rank, dp_size, num_workers, self.seed)
         training = self.split == "train"
-        dataset = open_dataset(self.path, self.split, config, self.encoder(collate_fn), micro_batch_size, training,
-                               self.shuffle_buffer_size, self.max_samples_per_sequence,
-                               packing_buffer_size=self.packing_buffer_size if self.row_tokens else None)
+        dataset = open_dataset(
+            self.path,
+            self.split,
+            config,
+            self.encoder(collate_fn),
+            micro_batch_size,
+            training,
+            self.shuffle_buffer_size,
+            self.max_samples_per_sequence,
+            packing_buffer_size=self.packing_buffer_size if self.row_tokens else None,
+        )
         if training:
             self.loader = _as_ranks_need(get_savable_loader(dataset))
             self._settings = self.stream_settings(micro_batch_size, dp_rank, dp_size, num_workers)
             if self._restore is not None:
                 self.loader.restore_state_rank(self._restore)
-                return summing_skips(self._restored(lambda: self.build_iterator(
-                    consumed_samples, micro_batch_size, dp_rank, dp_size, collate_fn, num_workers)), self)
+                return summing_skips(
+                    self._restored(
+                        lambda: self.build_iterator(
+                            consumed_samples, micro_batch_size, dp_rank, dp_size, collate_fn, num_workers
+                        )
+                    ),
+                    self,
+                )
             if consumed_samples:
-                log.warning("%s: resuming after %d samples without a loader state: energon's stream starts again "
-                            "from its beginning", self.name, consumed_samples)
+                log.warning(
+                    "%s: resuming after %d samples without a loader state: energon's stream starts again "
+                    "from its beginning",
+                    self.name,
+                    consumed_samples,
+                )
             return summing_skips(iter(self.loader), self)
         self.loader = _as_ranks_need(get_loader(dataset))
         return summing_skips(_passes(self.loader, self.name) if cyclic else iter(self.loader), self)
-
 
     def _restored(self, restart):
         """The restored loader's batches; when its first draw fails with what energon raises on
@@ -326,8 +439,12 @@ class EnergonSplit(RunSkipTotals):
         except DataError:
             raise
         except (IndexError, KeyError, ValueError, TypeError, AssertionError) as err:
-            log.warning("%s: the saved loader state does not fit this dataset (%s: %s); the stream restarts from "
-                        "its beginning", self.name, type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+            log.warning(
+                "%s: the saved loader state does not fit this dataset (%s: %s); the stream restarts from its beginning",
+                self.name,
+                type(err).__name__,
+                str(err).splitlines()[0] if str(err) else "",
+            )
             self._restore = None
             batches = restart()
             first = next(batches)
@@ -363,30 +480,42 @@ def _passes(loader, name: str):
             empty = False
             yield batch
         if empty:
-            raise DataError(f"{name}: this data-parallel rank's share of the split is empty; fewer shards or "
-                            "samples than ranks")
+            raise DataError(
+                f"{name}: this data-parallel rank's share of the split is empty; fewer shards or samples than ranks"
+            )
 
 
-def energon_sizes(shuffle_buffer_size: int | None, max_samples_per_sequence: int | None,
-                  packing_buffer_size: int | None) -> tuple[int, int, int]:
+def energon_sizes(
+    shuffle_buffer_size: int | None, max_samples_per_sequence: int | None, packing_buffer_size: int | None
+) -> tuple[int, int, int]:
     """The ``--energon-*`` sizes, None replaced by this module's defaults; a ``DataError`` naming the
     flag for one below 1 (cheap: checked before launch too)."""
     sizes = []
-    for name, value, default in (("shuffle-buffer-size", shuffle_buffer_size, DEFAULT_SHUFFLE_BUFFER),
-                                 ("max-samples-per-sequence", max_samples_per_sequence,
-                                  DEFAULT_MAX_SAMPLES_PER_SEQUENCE),
-                                 ("packing-buffer-size", packing_buffer_size, DEFAULT_PACKING_BUFFER)):
+    for name, value, default in (
+        ("shuffle-buffer-size", shuffle_buffer_size, DEFAULT_SHUFFLE_BUFFER),
+        ("max-samples-per-sequence", max_samples_per_sequence, DEFAULT_MAX_SAMPLES_PER_SEQUENCE),
+        ("packing-buffer-size", packing_buffer_size, DEFAULT_PACKING_BUFFER),
+    ):
         if value is not None and value < 1:
             raise DataError(f"--energon-{name} {value}: must be a positive integer")
         sizes.append(default if value is None else value)
     return tuple(sizes)
 
 
-def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path: str | None = None,
-                   hf_processor_path: str | None = None, seed: int = 0, strict_data: bool = False,
-                   min_pixels: int | None = None, max_pixels: int | None = None,
-                   energon_shuffle_buffer_size: int | None = None, energon_max_samples_per_sequence: int | None = None,
-                   energon_packing_buffer_size: int | None = None, **options):
+def build_datasets(
+    seq_length: int,
+    num_samples: tuple[int, int, int],
+    data_path: str | None = None,
+    hf_processor_path: str | None = None,
+    seed: int = 0,
+    strict_data: bool = False,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    energon_shuffle_buffer_size: int | None = None,
+    energon_max_samples_per_sequence: int | None = None,
+    energon_packing_buffer_size: int | None = None,
+    **options,
+):
     """(train, valid, test) ``EnergonSplit``s of ``data_path``'s "train", "val" and "test" split
     parts; None for a split it does not hold or no samples asked for. The ``energon_*`` sizes
     (None: this module's defaults) must be positive."""
@@ -407,8 +536,21 @@ def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path
             out.append(None)
             continue
         source = f"--data-path {path!r} [{split}]"
-        produce = JsonlConversations(None, processor, info, sizing, seq_length, source, strict=strict_data,
-                                     videos=videos)
-        out.append(EnergonSplit(path, split, produce, info.tokens, seq_length, info.patch_dim, seed,
-                                *sizes[:2], f"energon[{split}]", packing_buffer_size=sizes[2]))
+        produce = JsonlConversations(
+            None, processor, info, sizing, seq_length, source, strict=strict_data, videos=videos
+        )
+        out.append(
+            EnergonSplit(
+                path,
+                split,
+                produce,
+                info.tokens,
+                seq_length,
+                info.patch_dim,
+                seed,
+                *sizes[:2],
+                f"energon[{split}]",
+                packing_buffer_size=sizes[2],
+            )
+        )
     return tuple(out)

@@ -31,8 +31,11 @@ ENERGON_MODULE = "megatron.energon"
 # and metadatasets blending them.
 ALLOWED_CLASSES = frozenset({"CrudeWebdataset", "Metadataset", "MetadatasetV2"})
 OBJECT_KEYS = ("__module__", "__class__", "__function__")
-CODE_KEYS = {"sample_loader": "runs a Python file of the dataset", "aux": "reads files outside the dataset",
-             "joiner": "names code that joins samples"}
+CODE_KEYS = {
+    "sample_loader": "runs a Python file of the dataset",
+    "aux": "reads files outside the dataset",
+    "joiner": "names code that joins samples",
+}
 CONFIG_NAME_KEYS = ("dataset_config", "split_config")
 MAX_DEPTH = 32  # energon's own files nest 4 deep; a deeper tree is a planted one
 META_FOLDER = ".nv-meta"
@@ -103,18 +106,22 @@ def _check_object(node: dict, file: str, where: str, depth: int) -> None:
     if depth == 0 and "__function__" not in node and allowed(module, name):
         return
     allowed_names = ", ".join(f"{ENERGON_MODULE}.{c}" for c in sorted(ALLOWED_CLASSES))
-    raise DataError(f"energon config {file}: {where or 'the root'} names {module}.{name}; a dataset's YAML is data, "
-                    f"it may name only {allowed_names} at its top")
+    raise DataError(
+        f"energon config {file}: {where or 'the root'} names {module}.{name}; a dataset's YAML is data, "
+        f"it may name only {allowed_names} at its top"
+    )
 
 
 def _check_key(key, value, file: str, where: str) -> None:
     if key in CODE_KEYS:
         raise DataError(f"energon config {file}: {where} {CODE_KEYS[key]}; a dataset's YAML is data, not code")
     if key == "part_filter" and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
-        raise DataError(f"energon config {file}: {where} must be a list of member names (a string names a Python "
-                        "file to run)")
-    if key in CONFIG_NAME_KEYS and not (isinstance(value, str) and value == os.path.basename(value)
-                                        and value not in ("", ".", "..")):
+        raise DataError(
+            f"energon config {file}: {where} must be a list of member names (a string names a Python file to run)"
+        )
+    if key in CONFIG_NAME_KEYS and not (
+        isinstance(value, str) and value == os.path.basename(value) and value not in ("", ".", "..")
+    ):
         raise DataError(f"energon config {file}: {where} {value!r} must be a file name in the dataset's {META_FOLDER}")
 
 
@@ -138,10 +145,13 @@ def _dataset_paths(node):
 
 def allowed_objects_only(resolve_object, run=None):
     """energon's object resolver, refusing every object outside ``ALLOWED_CLASSES`` (megatron_changes row)."""
+
     def guarded_resolve(self, module_name, object_name, *args, **kwargs):
         if not allowed(module_name, object_name):
-            raise DataError(f"an energon config names {module_name}.{object_name}; a dataset's YAML is data, it may "
-                            f"name only {', '.join(sorted(ALLOWED_CLASSES))} of {ENERGON_MODULE}")
+            raise DataError(
+                f"an energon config names {module_name}.{object_name}; a dataset's YAML is data, it may "
+                f"name only {', '.join(sorted(ALLOWED_CLASSES))} of {ENERGON_MODULE}"
+            )
         return resolve_object(self, module_name, object_name, *args, **kwargs)
 
     return guarded_resolve
@@ -149,6 +159,7 @@ def allowed_objects_only(resolve_object, run=None):
 
 def no_python_files(load_module, run=None):
     """energon's Python-file loader, refusing every file (megatron_changes row)."""
+
     def refuse_module(self, path):
         raise DataError(f"an energon config asks to run the Python file {path}; a dataset's YAML is data, not code")
 

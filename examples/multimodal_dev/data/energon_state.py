@@ -34,11 +34,12 @@ class StateFormatError(ValueError):
 def _state_classes() -> dict:
     from megatron.energon.flavors.webdataset.sample_loader import SliceState
     from megatron.energon.rng import SystemRngState
-    from megatron.energon.savable_loader import (SavableDataLoaderState, SavableDatasetCheckpoint,
-                                                 SavableDatasetState)
+    from megatron.energon.savable_loader import SavableDataLoaderState, SavableDatasetCheckpoint, SavableDatasetState
 
-    return {cls.__name__: cls for cls in (SavableDataLoaderState, SavableDatasetCheckpoint, SavableDatasetState,
-                                          SystemRngState, SliceState)}
+    return {
+        cls.__name__: cls
+        for cls in (SavableDataLoaderState, SavableDatasetCheckpoint, SavableDatasetState, SystemRngState, SliceState)
+    }
 
 
 STATE_CLASSES = _state_classes()
@@ -75,9 +76,10 @@ def _encode(value, where: str):
             raise StateFormatError(f"{where}: a {type(value).__qualname__} (a dict subclass this format does not hold)")
         return {tag: [[_encode(k, where), _encode(v, f"{where}.{k}")] for k, v in value.items()]}
     if dataclasses.is_dataclass(value) and STATE_CLASSES.get(type(value).__name__) is type(value):
-        return {"$dataclass": type(value).__name__,
-                "fields": {f.name: _encode(getattr(value, f.name), f"{where}.{f.name}")
-                           for f in dataclasses.fields(value)}}
+        return {
+            "$dataclass": type(value).__name__,
+            "fields": {f.name: _encode(getattr(value, f.name), f"{where}.{f.name}") for f in dataclasses.fields(value)},
+        }
     if isinstance(value, np.generic):
         value = np.asarray(value)
     if isinstance(value, np.ndarray):
@@ -86,15 +88,19 @@ def _encode(value, where: str):
         if value.dtype == torch.bfloat16:
             raise StateFormatError(f"{where}: a bfloat16 tensor")
         return {"$tensor": _array(value.detach().cpu().numpy(), where)}
-    raise StateFormatError(f"{where}: a {type(value).__module__}.{type(value).__qualname__}, which this format "
-                           "does not hold")
+    raise StateFormatError(
+        f"{where}: a {type(value).__module__}.{type(value).__qualname__}, which this format does not hold"
+    )
 
 
 def _array(array: np.ndarray, where: str) -> dict:
     if array.dtype.name not in DTYPES:
         raise StateFormatError(f"{where}: an array of dtype {array.dtype.name}")
-    return {"dtype": array.dtype.name, "shape": list(array.shape),
-            "data": base64.b64encode(np.ascontiguousarray(array).tobytes()).decode()}
+    return {
+        "dtype": array.dtype.name,
+        "shape": list(array.shape),
+        "data": base64.b64encode(np.ascontiguousarray(array).tobytes()).decode(),
+    }
 
 
 def _decode(value, where: str):
@@ -111,7 +117,7 @@ def _decode(value, where: str):
         if cls is None:
             raise StateFormatError(f"{where}: {value['$dataclass']!r} is not an energon state class")
         return cls(**{name: _decode(v, f"{where}.{name}") for name, v in value["fields"].items()})
-    (tag, body), = value.items()
+    ((tag, body),) = value.items()
     if tag == "$bytes":
         return base64.b64decode(body, validate=True)
     if tag == "$tuple":

@@ -46,8 +46,18 @@ SPLITS = ("train", "validation", "test")
 class JsonlConversations:
     """``produce(index)`` for ``SkippingDataset``: row ``index`` of a blend of JSONL records."""
 
-    def __init__(self, rows: Blend, processor, info, sizing: ImageSizing, seq_length: int, source: str,
-                 access: MediaAccess = MediaAccess(), strict: bool = False, videos: VideoOptions | None = None):
+    def __init__(
+        self,
+        rows: Blend,
+        processor,
+        info,
+        sizing: ImageSizing,
+        seq_length: int,
+        source: str,
+        access: MediaAccess = MediaAccess(),
+        strict: bool = False,
+        videos: VideoOptions | None = None,
+    ):
         self.rows, self.processor, self.info, self.sizing = rows, processor, info, sizing
         self.seq_length, self.source, self.access, self.strict = seq_length, source, access, strict
         self.videos = videos or VideoOptions(processor)
@@ -64,8 +74,7 @@ class JsonlConversations:
         path, line = records.where(i)
         return self.conversation_sample(records.read(i), os.path.dirname(path), f"{path}:{line}", make)
 
-    def conversation_sample(self, line: bytes | str, base_dir: str, where: str, make=None,
-                            locate_media=None) -> dict:
+    def conversation_sample(self, line: bytes | str, base_dir: str, where: str, make=None, locate_media=None) -> dict:
         """The sample of one conversation given as JSON text (any format ``conversations.py`` reads):
         relative media paths start from ``base_dir`` (or ``media_root``); ``where`` starts a skip's
         message. ``make``: ``_produce`` (the default) or ``_describe``; ``locate_media``: a ``Media``'s
@@ -81,8 +90,9 @@ class JsonlConversations:
         except BadSample as bad:
             detail = bad.detail.replace("\n", " ")
             if self.strict:
-                raise DataError(f"{self.source}: {where}: {bad.reason}: {detail} (--strict-data stops at the "
-                                "first bad record)") from None
+                raise DataError(
+                    f"{self.source}: {where}: {bad.reason}: {detail} (--strict-data stops at the first bad record)"
+                ) from None
             raise BadSample(bad.reason, f"{where}: {detail}") from None
 
     def _turns(self, line: bytes | str):
@@ -90,38 +100,56 @@ class JsonlConversations:
         for turn in turns:
             for token in VISION_TOKEN_TEXT.values():
                 if token in turn.text:
-                    raise BadSample("special_token_in_text", f"a {turn.role} turn's text holds {token!r}, which the "
-                                                             "processor would read as a vision token")
+                    raise BadSample(
+                        "special_token_in_text",
+                        f"a {turn.role} turn's text holds {token!r}, which the processor would read as a vision token",
+                    )
         return turns
 
     def _produce(self, text: str, spans, media) -> dict:
         opened = [(m, *self.videos.opened(m, location)) for m, location in media if m.kind == "video"]
         self._videos_fit([header for _, _, header in opened])
-        images = [self.sizing.resize(open_image(location), m.options, location) for m, location in media
-                  if m.kind == "image"]
+        images = [
+            self.sizing.resize(open_image(location), m.options, location) for m, location in media if m.kind == "image"
+        ]
         videos = [self.videos.load(m, source, header) for m, source, header in opened]
         video_inputs = {}
         if videos:
             frames, metadata = zip(*videos)
-            video_inputs = dict(videos=list(frames), video_metadata=list(metadata),
-                                videos_kwargs=self.videos.call_kwargs)
-        enc = self.processor(text=[text], images=images or None, **video_inputs, return_tensors="pt",
-                             return_offsets_mapping=True, return_text_replacement_offsets=True)
-        return self._sample(enc["input_ids"][0], enc["offset_mapping"][0], enc["text_replacement_offsets"][0], spans,
-                            enc.get("pixel_values"), enc.get("image_grid_thw"), enc.get("pixel_values_videos"),
-                            enc.get("video_grid_thw"))
+            video_inputs = dict(
+                videos=list(frames), video_metadata=list(metadata), videos_kwargs=self.videos.call_kwargs
+            )
+        enc = self.processor(
+            text=[text],
+            images=images or None,
+            **video_inputs,
+            return_tensors="pt",
+            return_offsets_mapping=True,
+            return_text_replacement_offsets=True,
+        )
+        return self._sample(
+            enc["input_ids"][0],
+            enc["offset_mapping"][0],
+            enc["text_replacement_offsets"][0],
+            spans,
+            enc.get("pixel_values"),
+            enc.get("image_grid_thw"),
+            enc.get("pixel_values_videos"),
+            enc.get("video_grid_thw"),
+        )
 
     def _videos_fit(self, headers) -> None:
         """``over_budget`` when the videos alone, counted from their headers, exceed ``--seq-length``:
         a long video is not decoded (1.36 GB over 90 s) only to be skipped afterwards."""
-        merge = self.processor.video_processor.merge_size ** 2
+        merge = self.processor.video_processor.merge_size**2
         tokens = sum(math.prod(header.grid_thw) // merge for header in headers)
         if tokens > self.seq_length:
             raise BadSample("over_budget", f"its videos alone are {tokens} tokens > --seq-length {self.seq_length}")
 
     def _describe(self, text: str, spans, media) -> dict:
-        grids = _grid_tensor([self.sizing.grid(*image_size(location), m.options) for m, location in media
-                              if m.kind == "image"])
+        grids = _grid_tensor(
+            [self.sizing.grid(*image_size(location), m.options) for m, location in media if m.kind == "image"]
+        )
         headers = [self.videos.header(m, location) for m, location in media if m.kind == "video"]
         video_grids = _grid_tensor([h.grid_thw for h in headers])
         image_text = [self.processor.replace_image_token({"image_grid_thw": grids}, j) for j in range(len(grids))]
@@ -129,19 +157,33 @@ class JsonlConversations:
         video_text = [self.processor.replace_video_token(video_inputs, j) for j in range(len(headers))]
         expanded, replacements = self.processor.get_text_with_replacements([text], image_text, video_text)
         enc = self.processor.tokenizer(expanded, return_offsets_mapping=True, return_tensors="pt")
-        return self._sample(enc["input_ids"][0], enc["offset_mapping"][0], replacements[0], spans,
-                            self._no_pixels(grids), grids, self._no_pixels(video_grids) if headers else None,
-                            video_grids if headers else None)
+        return self._sample(
+            enc["input_ids"][0],
+            enc["offset_mapping"][0],
+            replacements[0],
+            spans,
+            self._no_pixels(grids),
+            grids,
+            self._no_pixels(video_grids) if headers else None,
+            video_grids if headers else None,
+        )
 
     def _no_pixels(self, grids: torch.Tensor) -> torch.Tensor:
         """Zero-stride pixels of the right shape: planning reads shapes only."""
         return torch.zeros(1, self.info.patch_dim).expand(int(grids.prod(-1).sum()), self.info.patch_dim)
 
-    def _sample(self, input_ids, offsets, replacements, spans, pixels=None, grids=None, video_pixels=None,
-                video_grids=None) -> dict:
+    def _sample(
+        self, input_ids, offsets, replacements, spans, pixels=None, grids=None, video_pixels=None, video_grids=None
+    ) -> dict:
         tokens = self.info.tokens
-        is_answer = answer_token_mask(input_ids, offsets, spans, replacements, self.info.end_of_turn_id,
-                                      (*tokens.vision_ids, tokens.vision_start, tokens.vision_end))
+        is_answer = answer_token_mask(
+            input_ids,
+            offsets,
+            spans,
+            replacements,
+            self.info.end_of_turn_id,
+            (*tokens.vision_ids, tokens.vision_start, tokens.vision_end),
+        )
         if pixels is None:
             pixels, grids = torch.zeros(0, self.info.patch_dim), torch.zeros(0, 3, dtype=torch.long)
         return build_conversation_sample(input_ids, is_answer, pixels, grids, video_pixels, video_grids)
@@ -158,11 +200,22 @@ def load_rows(value: str, flag: str) -> tuple[list[Records], list[float] | None]
     return parts, weights
 
 
-def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path: str | None = None,
-                   hf_processor_path: str | None = None, valid_data_path: str | None = None,
-                   test_data_path: str | None = None, valid_fraction: float = 0.0, media_root: str | None = None,
-                   allow_remote_media: bool = False, allow_media_anywhere: bool = False, strict_data: bool = False,
-                   min_pixels: int | None = None, max_pixels: int | None = None, **options):
+def build_datasets(
+    seq_length: int,
+    num_samples: tuple[int, int, int],
+    data_path: str | None = None,
+    hf_processor_path: str | None = None,
+    valid_data_path: str | None = None,
+    test_data_path: str | None = None,
+    valid_fraction: float = 0.0,
+    media_root: str | None = None,
+    allow_remote_media: bool = False,
+    allow_media_anywhere: bool = False,
+    strict_data: bool = False,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+    **options,
+):
     """(train, valid, test) ``SkippingDataset``s over the JSONL records; None for a split with no
     records or no samples asked for. ``video_*``: ``VideoSettings`` fields (None: its default);
     a video part's own keys override them."""
@@ -179,17 +232,23 @@ def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path
     if valid_fraction:
         held = [hold_out(len(p), valid_fraction) for p in parts]
         if not any(h.any() for h in held):
-            raise DataError(f"--valid-fraction {valid_fraction} of the {sum(map(len, parts))} records of --data-path "
-                            f"{data_path!r} holds out none; raise it or give --eval-data-path")
+            raise DataError(
+                f"--valid-fraction {valid_fraction} of the {sum(map(len, parts))} records of --data-path "
+                f"{data_path!r} holds out none; raise it or give --eval-data-path"
+            )
         sources["validation"] = (Blend([p.select(h) for p, h in zip(parts, held)]), f"--data-path {data_path!r}")
         sources["train"] = (Blend([p.select(~h) for p, h in zip(parts, held)], weights), f"--data-path {data_path!r}")
-    for split, flag, value in (("validation", "--eval-data-path", valid_data_path),
-                               ("test", "--test-data-path", test_data_path)):
+    for split, flag, value in (
+        ("validation", "--eval-data-path", valid_data_path),
+        ("test", "--test-data-path", test_data_path),
+    ):
         if value:
             sources[split] = (Blend(*load_rows(value, flag)), f"{flag} {value!r}")
     if len(sources["train"][0]) == 0:
-        raise DataError(f"--data-path {data_path!r}: no records to train on (every line is blank"
-                        f"{' or held out' if valid_fraction else ''})")
+        raise DataError(
+            f"--data-path {data_path!r}: no records to train on (every line is blank"
+            f"{' or held out' if valid_fraction else ''})"
+        )
     sizing, videos = media_settings(processor, info, min_pixels, max_pixels, options)
     out = []
     for split, n in zip(SPLITS, num_samples):
@@ -199,6 +258,9 @@ def build_datasets(seq_length: int, num_samples: tuple[int, int, int], data_path
             continue
         access = MediaAccess(media_root, allow_remote_media, allow_media_anywhere)
         produce = JsonlConversations(rows, processor, info, sizing, seq_length, source, access, strict_data, videos)
-        out.append(SkippingDataset(produce, len(rows), n, info.tokens, seq_length, info.patch_dim,
-                                   name=f"jsonl[{split}]", source=source))
+        out.append(
+            SkippingDataset(
+                produce, len(rows), n, info.tokens, seq_length, info.patch_dim, name=f"jsonl[{split}]", source=source
+            )
+        )
     return tuple(out)

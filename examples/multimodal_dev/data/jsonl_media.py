@@ -49,9 +49,12 @@ class MediaAccess:
         root = os.path.abspath(self.media_root or base_dir)
         path = os.path.normpath(os.path.join(root, os.path.expanduser(ref.removeprefix("file://"))))
         if not self.anywhere and os.path.commonpath([path, root]) != root:
-            raise BadSample("media_outside_root", f"{_short(ref)} lies outside {root!r}, the folder media may come "
-                                                  "from (set --media-root to the folder holding it, or pass "
-                                                  "--allow-media-anywhere)")
+            raise BadSample(
+                "media_outside_root",
+                f"{_short(ref)} lies outside {root!r}, the folder media may come "
+                "from (set --media-root to the folder holding it, or pass "
+                "--allow-media-anywhere)",
+            )
         return path
 
 
@@ -162,12 +165,21 @@ class ImageSizing:
             if "resized_height" in settings and "resized_width" in settings:
                 height, width = qvu.smart_resize(settings["resized_height"], settings["resized_width"], factor=factor)
             else:
-                height, width = qvu.smart_resize(height, width, factor=factor, min_pixels=settings.get("min_pixels"),
-                                                 max_pixels=settings.get("max_pixels"))
+                height, width = qvu.smart_resize(
+                    height,
+                    width,
+                    factor=factor,
+                    min_pixels=settings.get("min_pixels"),
+                    max_pixels=settings.get("max_pixels"),
+                )
             processor = self.image_processor
-            height, width = smart_resize(height, width, factor=processor.patch_size * processor.merge_size,
-                                         min_pixels=processor.size["shortest_edge"],
-                                         max_pixels=processor.size["longest_edge"])
+            height, width = smart_resize(
+                height,
+                width,
+                factor=processor.patch_size * processor.merge_size,
+                min_pixels=processor.size["shortest_edge"],
+                max_pixels=processor.size["longest_edge"],
+            )
         return (1, height // processor.patch_size, width // processor.patch_size)
 
 
@@ -186,8 +198,9 @@ class VideoOptions:
         self.settings = {k: v for k, v in settings.items() if v is not None}
         for key, value in self.settings.items():  # the --video-* flags (the run script's VIDEO_*)
             if key in OVERRIDE_LIMITS and not 0 < value <= OVERRIDE_LIMITS[key]:
-                raise DataError(f"--video-{key.replace('_', '-')} {value}: must be a positive number up to "
-                                f"{OVERRIDE_LIMITS[key]}")
+                raise DataError(
+                    f"--video-{key.replace('_', '-')} {value}: must be a positive number up to {OVERRIDE_LIMITS[key]}"
+                )
         if "nframes" in self.settings:
             self.settings.setdefault("fps", None)  # a frame count instead of the default rate
         if self.settings:  # flags given: a bad value stops the run before the first step
@@ -243,9 +256,10 @@ def _short(location: str) -> str:
     return repr(location if len(location) < 200 else location[:60] + "...")
 
 
-def media_settings(processor, info, min_pixels: int | None, max_pixels: int | None,
-                   options: dict) -> tuple[ImageSizing, VideoOptions]:
+def media_settings(
+    processor, info, min_pixels: int | None, max_pixels: int | None, options: dict
+) -> tuple[ImageSizing, VideoOptions]:
     """How a provider sizes images and samples videos: ``options`` are its ``video_*`` keyword
     arguments (``--video-fps`` arrives as ``video_fps``; None keeps the reference's default)."""
-    video = {name[len("video_"):]: value for name, value in options.items() if name.startswith("video_")}
+    video = {name[len("video_") :]: value for name, value in options.items() if name.startswith("video_")}
     return ImageSizing(processor, info.patch_size, min_pixels, max_pixels), VideoOptions(processor, **video)

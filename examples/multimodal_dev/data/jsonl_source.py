@@ -46,7 +46,7 @@ MAX_LINE_BYTES = 8 << 20
 
 @dataclass(frozen=True)
 class SourceSpec:
-    text: str                  # as written in the flag
+    text: str  # as written in the flag
     path: str
     weight: float | None
     files: tuple[str, ...]
@@ -57,8 +57,10 @@ def check_data_path(value: str | None, flag: str = "--data-path") -> list[Source
     folder without ``.jsonl`` files, a file of another kind or a weight that is not a positive number.
     Reads no records: cheap enough to call before launch."""
     if not value or not value.strip():
-        raise DataError(f"{flag} is required for --dataset-provider jsonl (a .jsonl file, a folder of them, "
-                        "or a comma-separated list such as a.jsonl:3,b.jsonl:1)")
+        raise DataError(
+            f"{flag} is required for --dataset-provider jsonl (a .jsonl file, a folder of them, "
+            "or a comma-separated list such as a.jsonl:3,b.jsonl:1)"
+        )
     specs = [_spec(item.strip(), value, flag) for item in value.split(",") if item.strip()]
     weighted = [s.weight is not None for s in specs]
     if any(weighted) and not all(weighted):
@@ -145,8 +147,12 @@ class Records:
     @classmethod
     def of(cls, files) -> "Records":
         indexed = [index_lines(f) for f in files]
-        return cls(list(files), np.concatenate([np.full(len(o), i, np.int32) for i, (o, _) in enumerate(indexed)]),
-                   np.concatenate([o for o, _ in indexed]), np.concatenate([n for _, n in indexed]))
+        return cls(
+            list(files),
+            np.concatenate([np.full(len(o), i, np.int32) for i, (o, _) in enumerate(indexed)]),
+            np.concatenate([o for o, _ in indexed]),
+            np.concatenate([n for _, n in indexed]),
+        )
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -168,8 +174,11 @@ def parse_record(line: bytes | str):
     """The JSON value of one line; ``BadSample`` for a line over ``MAX_LINE_BYTES``, one that is not
     JSON, or one nested deeper than Python's JSON reader goes."""
     if len(line) > MAX_LINE_BYTES:
-        raise BadSample("line_too_long", f"a line over {MAX_LINE_BYTES >> 20} MiB; a conversation is far shorter "
-                                         "(store large media as files next to the JSONL)")
+        raise BadSample(
+            "line_too_long",
+            f"a line over {MAX_LINE_BYTES >> 20} MiB; a conversation is far shorter "
+            "(store large media as files next to the JSONL)",
+        )
     try:
         return json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:

@@ -49,8 +49,17 @@ def take_skips(batch) -> dict | None:
     return stats.pop(SKIPS_KEY) if isinstance(stats, dict) and SKIPS_KEY in stats else None
 
 
-def build_iterator(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                   collate_fn, num_workers: int = 0, cyclic: bool = False, plan_fn=None):
+def build_iterator(
+    dataset,
+    consumed_samples: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    collate_fn,
+    num_workers: int = 0,
+    cyclic: bool = False,
+    plan_fn=None,
+):
     """Micro-batches for this data-parallel rank, starting after ``consumed_samples``.
     ``plan_fn(dataset, cyclic)``: a ``TokenBudgetPlan`` whose rows are the micro-batches
     (token-budget packing; ``consumed_samples`` then counts rows). ``cyclic`` marks the
@@ -58,36 +67,48 @@ def build_iterator(dataset, consumed_samples: int, micro_batch_size: int, dp_ran
     if dataset is None:
         return None
     if hasattr(dataset, "build_iterator"):  # a stream that shards by rank itself (energon.py's EnergonSplit)
-        return dataset.build_iterator(consumed_samples, micro_batch_size, dp_rank, dp_size, collate_fn, num_workers,
-                                      cyclic, plan_fn)
+        return dataset.build_iterator(
+            consumed_samples, micro_batch_size, dp_rank, dp_size, collate_fn, num_workers, cyclic, plan_fn
+        )
     if len(dataset) == 0:
         return None
     # Every DataLoader iterator draws its base seed from a generator; without one of its own that is
     # torch's global generator, after megatron has restored it from the checkpoint, so a resumed
     # run's dropout would differ from the straight run's. A fixed generator per loader draws nothing
     # from the global one and gives workers the same seeds in both runs.
-    loader_options = dict(collate_fn=_CollateWithSkips(collate_fn, dataset), num_workers=num_workers,
-                          persistent_workers=num_workers > 0, pin_memory=torch.cuda.is_available(),
-                          generator=torch.Generator().manual_seed(0),
-                          worker_init_fn=exit_with_parent if num_workers > 0 else None)
+    loader_options = dict(
+        collate_fn=_CollateWithSkips(collate_fn, dataset),
+        num_workers=num_workers,
+        persistent_workers=num_workers > 0,
+        pin_memory=torch.cuda.is_available(),
+        generator=torch.Generator().manual_seed(0),
+        worker_init_fn=exit_with_parent if num_workers > 0 else None,
+    )
     if plan_fn is not None:
         sampler = TokenBudgetSampler(plan_fn(dataset, cyclic), consumed_samples, dp_rank)
         return summing_skips(torch.utils.data.DataLoader(dataset, batch_sampler=sampler, **loader_options), dataset)
     if len(dataset) < micro_batch_size * dp_size:
-        raise ValueError(f"a split of {len(dataset)} samples cannot fill one micro-batch of {micro_batch_size} "
-                         f"on each of {dp_size} data-parallel ranks")
+        raise ValueError(
+            f"a split of {len(dataset)} samples cannot fill one micro-batch of {micro_batch_size} "
+            f"on each of {dp_size} data-parallel ranks"
+        )
 
     def one_pass(consumed):
-        sampler = MegatronPretrainingSampler(total_samples=len(dataset), consumed_samples=consumed,
-                                             micro_batch_size=micro_batch_size, data_parallel_rank=dp_rank,
-                                             data_parallel_size=dp_size)
+        sampler = MegatronPretrainingSampler(
+            total_samples=len(dataset),
+            consumed_samples=consumed,
+            micro_batch_size=micro_batch_size,
+            data_parallel_rank=dp_rank,
+            data_parallel_size=dp_size,
+        )
         return iter(torch.utils.data.DataLoader(dataset, batch_sampler=sampler, **loader_options))
 
     if not cyclic:
         return summing_skips(one_pass(consumed_samples), dataset)
     first = one_pass(consumed_samples % len(dataset))
-    return summing_skips(itertools.chain(first, itertools.chain.from_iterable(one_pass(0) for _ in itertools.count())),
-                          dataset)
+    return summing_skips(
+        itertools.chain(first, itertools.chain.from_iterable(one_pass(0) for _ in itertools.count())), dataset
+    )
 
 
 def exit_with_parent(worker_id: int = 0) -> None:

@@ -47,9 +47,18 @@ class UniformProfile:
 
 
 class MockConversations:
-    def __init__(self, tokens: VisionTokens, vocab_size: int, patch_dim: int, seed: int = 1234,
-                 mean_text_tokens: int = 96, text_vocab: int = 512, max_images: int = 2, profile=None,
-                 max_length: int | None = None):
+    def __init__(
+        self,
+        tokens: VisionTokens,
+        vocab_size: int,
+        patch_dim: int,
+        seed: int = 1234,
+        mean_text_tokens: int = 96,
+        text_vocab: int = 512,
+        max_images: int = 2,
+        profile=None,
+        max_length: int | None = None,
+    ):
         top = min(vocab_size, *tokens.vision_ids, tokens.vision_start, tokens.vision_end)
         if top - FIRST_TEXT_ID < 8:
             raise ValueError(f"mock dataset: vocab {vocab_size} leaves no room for text tokens below the vision ids")
@@ -60,14 +69,14 @@ class MockConversations:
 
     def _image(self, gen: torch.Generator, materialize: bool):
         h, w = self.profile.grid(gen, self.tokens.spatial_merge)
-        n_tokens = h * w // self.tokens.spatial_merge ** 2
+        n_tokens = h * w // self.tokens.spatial_merge**2
         ids = [self.tokens.vision_start] + [self.tokens.image] * n_tokens + [self.tokens.vision_end]
         return ids, self.profile.pixels(gen, h * w, self.patch_dim, materialize), (1, h, w)
 
     def _video(self, gen: torch.Generator, materialize: bool):
         frames = self.profile.n_frames(gen)
         h, w = self.profile.grid(gen, self.tokens.spatial_merge)
-        frame_ids = [self.tokens.vision_start] + [self.tokens.video] * (h * w // self.tokens.spatial_merge ** 2)
+        frame_ids = [self.tokens.vision_start] + [self.tokens.video] * (h * w // self.tokens.spatial_merge**2)
         ids = [t for _ in range(frames) for t in (TIMESTAMP, *frame_ids, self.tokens.vision_end)]
         return ids, self.profile.pixels(gen, frames * h * w, self.patch_dim, materialize), (frames, h, w)
 
@@ -103,16 +112,39 @@ class MockConversations:
         return pixels, torch.tensor([g for _, _, g in items], dtype=torch.long).reshape(-1, 3)
 
 
-def build_datasets(tokens: VisionTokens, vocab_size: int, patch_dim: int, seq_length: int,
-                   num_samples: tuple[int, int, int], seed: int = 1234, mean_text_tokens: int = 96,
-                   profile_fn=None, **_unused):
+def build_datasets(
+    tokens: VisionTokens,
+    vocab_size: int,
+    patch_dim: int,
+    seq_length: int,
+    num_samples: tuple[int, int, int],
+    seed: int = 1234,
+    mean_text_tokens: int = 96,
+    profile_fn=None,
+    **_unused,
+):
     """(train, valid, test) of the requested sizes; the splits use disjoint seeds. ``profile_fn``:
     a profile per split (``mock_mix.py``), else the uniform one."""
     splits = []
     for split, n in enumerate(num_samples):
-        produce = MockConversations(tokens, vocab_size, patch_dim, seed=seed + 7919 * split,
-                                    mean_text_tokens=mean_text_tokens, max_length=seq_length,
-                                    profile=profile_fn() if profile_fn else None)
-        splits.append(SkippingDataset(produce, num_source=max(n, 1), length=n, tokens=tokens, max_length=seq_length,
-                                      patch_dim=patch_dim, name=f"mock[{('train', 'valid', 'test')[split]}]"))
+        produce = MockConversations(
+            tokens,
+            vocab_size,
+            patch_dim,
+            seed=seed + 7919 * split,
+            mean_text_tokens=mean_text_tokens,
+            max_length=seq_length,
+            profile=profile_fn() if profile_fn else None,
+        )
+        splits.append(
+            SkippingDataset(
+                produce,
+                num_source=max(n, 1),
+                length=n,
+                tokens=tokens,
+                max_length=seq_length,
+                patch_dim=patch_dim,
+                name=f"mock[{('train', 'valid', 'test')[split]}]",
+            )
+        )
     return tuple(splits)

@@ -11,17 +11,21 @@ from dataclasses import dataclass
 
 from .sample import VisionTokens
 
-VISION_TOKEN_TEXT = {"image": "<|image_pad|>", "video": "<|video_pad|>",
-                     "vision_start": "<|vision_start|>", "vision_end": "<|vision_end|>"}
+VISION_TOKEN_TEXT = {
+    "image": "<|image_pad|>",
+    "video": "<|video_pad|>",
+    "vision_start": "<|vision_start|>",
+    "vision_end": "<|vision_end|>",
+}
 END_OF_TURN = "<|im_end|>"
 
 
 @dataclass(frozen=True)
 class ProcessorInfo:
     tokens: VisionTokens
-    end_of_turn_id: int   # trained after every answer
+    end_of_turn_id: int  # trained after every answer
     patch_size: int
-    patch_dim: int        # values per flattened patch (C * t * p * p)
+    patch_dim: int  # values per flattened patch (C * t * p * p)
 
 
 def _token_id(tokenizer, text: str):
@@ -46,7 +50,9 @@ def inspect_processor(processor) -> ProcessorInfo:
     if not getattr(processor, "chat_template", None) and not getattr(tok, "chat_template", None):
         problems.append("the processor has no chat template")
     image_processor = getattr(processor, "image_processor", None)
-    patch, merge, temporal = (getattr(image_processor, k, None) for k in ("patch_size", "merge_size", "temporal_patch_size"))
+    patch, merge, temporal = (
+        getattr(image_processor, k, None) for k in ("patch_size", "merge_size", "temporal_patch_size")
+    )
     if None in (patch, merge, temporal):
         problems.append("the image processor does not report patch_size / merge_size / temporal_patch_size")
     if problems:
@@ -57,8 +63,10 @@ def inspect_processor(processor) -> ProcessorInfo:
 
 def load_processor(path: str | None, min_pixels: int | None = None, max_pixels: int | None = None):
     if not path:
-        raise ValueError("--hf-processor-path is required for this dataset (a directory with the tokenizer, "
-                         "chat template and image processor, e.g. a Qwen3.5 checkpoint)")
+        raise ValueError(
+            "--hf-processor-path is required for this dataset (a directory with the tokenizer, "
+            "chat template and image processor, e.g. a Qwen3.5 checkpoint)"
+        )
     from transformers import AutoProcessor
 
     from .sources import resolve

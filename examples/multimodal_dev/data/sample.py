@@ -35,8 +35,7 @@ from dataclasses import dataclass
 import torch
 
 IGNORE_INDEX = -100
-FIELDS = ("input_ids", "labels", "loss_mask", "pixel_values", "image_grid_thw", "pixel_values_videos",
-          "video_grid_thw")
+FIELDS = ("input_ids", "labels", "loss_mask", "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 # (kind: also the VisionTokens attribute of its placeholder id, pixel field, grid field)
 VISION_KINDS = (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw"))
 
@@ -72,13 +71,23 @@ class VisionTokens:
     @classmethod
     def from_shape(cls, shape) -> "VisionTokens":
         """From a model shape carrying the four token ids and ``vision.spatial_merge_size``."""
-        return cls(shape.image_token_id, shape.video_token_id, shape.vision_start_token_id,
-                   shape.vision_end_token_id, shape.vision.spatial_merge_size)
+        return cls(
+            shape.image_token_id,
+            shape.video_token_id,
+            shape.vision_start_token_id,
+            shape.vision_end_token_id,
+            shape.vision.spatial_merge_size,
+        )
 
 
-def build_sft_sample(prompt_ids: torch.Tensor, answer_ids: torch.Tensor, pixel_values: torch.Tensor,
-                     image_grid_thw: torch.Tensor, pixel_values_videos: torch.Tensor | None = None,
-                     video_grid_thw: torch.Tensor | None = None) -> dict:
+def build_sft_sample(
+    prompt_ids: torch.Tensor,
+    answer_ids: torch.Tensor,
+    pixel_values: torch.Tensor,
+    image_grid_thw: torch.Tensor,
+    pixel_values_videos: torch.Tensor | None = None,
+    video_grid_thw: torch.Tensor | None = None,
+) -> dict:
     """Concatenate prompt and answer; train on the answer tokens only (shifted by one)."""
     prompt_ids = prompt_ids.reshape(-1).long()
     answer_ids = answer_ids.reshape(-1).long()
@@ -86,14 +95,20 @@ def build_sft_sample(prompt_ids: torch.Tensor, answer_ids: torch.Tensor, pixel_v
         raise BadSample("empty_answer", "the assistant answer has no tokens")
     input_ids = torch.cat([prompt_ids, answer_ids])
     is_answer = torch.zeros_like(input_ids, dtype=torch.bool)
-    is_answer[prompt_ids.numel():] = True
-    return build_conversation_sample(input_ids, is_answer, pixel_values, image_grid_thw, pixel_values_videos,
-                                     video_grid_thw)
+    is_answer[prompt_ids.numel() :] = True
+    return build_conversation_sample(
+        input_ids, is_answer, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
+    )
 
 
-def build_conversation_sample(input_ids: torch.Tensor, is_answer: torch.Tensor, pixel_values: torch.Tensor,
-                              image_grid_thw: torch.Tensor, pixel_values_videos: torch.Tensor | None = None,
-                              video_grid_thw: torch.Tensor | None = None) -> dict:
+def build_conversation_sample(
+    input_ids: torch.Tensor,
+    is_answer: torch.Tensor,
+    pixel_values: torch.Tensor,
+    image_grid_thw: torch.Tensor,
+    pixel_values_videos: torch.Tensor | None = None,
+    video_grid_thw: torch.Tensor | None = None,
+) -> dict:
     """A conversation of any number of turns: ``is_answer[i]`` marks token i as part of an
     assistant turn (its text and end-of-turn token); each such token is the target of the
     position before it. A leading answer token has no position before it and is not trained."""
@@ -111,10 +126,14 @@ def build_conversation_sample(input_ids: torch.Tensor, is_answer: torch.Tensor, 
         "loss_mask": trained.float(),
         "pixel_values": pixel_values.float(),
         "image_grid_thw": image_grid_thw.reshape(-1, 3).long(),
-        "pixel_values_videos": (pixel_values_videos.float() if pixel_values_videos is not None
-                                else pixel_values.new_zeros(0, pixel_values.shape[-1]).float()),
-        "video_grid_thw": (video_grid_thw.reshape(-1, 3).long() if video_grid_thw is not None
-                           else torch.zeros(0, 3, dtype=torch.long)),
+        "pixel_values_videos": (
+            pixel_values_videos.float()
+            if pixel_values_videos is not None
+            else pixel_values.new_zeros(0, pixel_values.shape[-1]).float()
+        ),
+        "video_grid_thw": (
+            video_grid_thw.reshape(-1, 3).long() if video_grid_thw is not None else torch.zeros(0, 3, dtype=torch.long)
+        ),
     }
 
 
@@ -129,16 +148,24 @@ def validate_sample(sample: dict, tokens: VisionTokens, patch_dim: int | None = 
     if missing:
         raise ValueError(f"sample is missing field(s) {missing}; the contract is {FIELDS}")
     ids, labels, mask = sample["input_ids"], sample["labels"], sample["loss_mask"]
-    for name, dtype, dim in (("input_ids", torch.int64, 1), ("labels", torch.int64, 1), ("loss_mask", torch.float32, 1),
-                             ("pixel_values", torch.float32, 2), ("image_grid_thw", torch.int64, 2),
-                             ("pixel_values_videos", torch.float32, 2), ("video_grid_thw", torch.int64, 2)):
+    for name, dtype, dim in (
+        ("input_ids", torch.int64, 1),
+        ("labels", torch.int64, 1),
+        ("loss_mask", torch.float32, 1),
+        ("pixel_values", torch.float32, 2),
+        ("image_grid_thw", torch.int64, 2),
+        ("pixel_values_videos", torch.float32, 2),
+        ("video_grid_thw", torch.int64, 2),
+    ):
         t = sample[name]
         if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != dim:
             got = f"{t.dtype} with {t.dim()} dims" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"sample field {name!r} must be a {dim}-D {dtype} tensor, got {got}")
     if not (ids.shape == labels.shape == mask.shape):
-        raise ValueError(f"sample fields input_ids {tuple(ids.shape)}, labels {tuple(labels.shape)} and "
-                         f"loss_mask {tuple(mask.shape)} must have the same length")
+        raise ValueError(
+            f"sample fields input_ids {tuple(ids.shape)}, labels {tuple(labels.shape)} and "
+            f"loss_mask {tuple(mask.shape)} must have the same length"
+        )
     if bool(((labels != IGNORE_INDEX) != (mask > 0)).any()):
         raise ValueError("sample fields labels and loss_mask disagree on which positions are trained")
     runs = 0  # vision runs: one per image, one per video frame
@@ -148,24 +175,31 @@ def validate_sample(sample: dict, tokens: VisionTokens, patch_dim: int | None = 
             raise ValueError(f"sample field {grid_field!r} must be [n_{kind}s, 3], got {tuple(grids.shape)}")
         n_patches = int(grids.prod(-1).sum())
         if pixels.shape[0] != n_patches:
-            raise ValueError(f"sample field {pixel_field!r} has {pixels.shape[0]} patches but {grid_field} "
-                             f"{grids.tolist()} needs {n_patches}")
+            raise ValueError(
+                f"sample field {pixel_field!r} has {pixels.shape[0]} patches but {grid_field} "
+                f"{grids.tolist()} needs {n_patches}"
+            )
         if patch_dim is not None and pixels.shape[0] and pixels.shape[1] != patch_dim:
-            raise ValueError(f"sample field {pixel_field!r} rows have {pixels.shape[1]} values; the vision tower "
-                             f"expects {patch_dim}")
+            raise ValueError(
+                f"sample field {pixel_field!r} rows have {pixels.shape[1]} values; the vision tower expects {patch_dim}"
+            )
         n_tokens = int((ids == getattr(tokens, kind)).sum())
-        expected = n_patches // tokens.spatial_merge ** 2
+        expected = n_patches // tokens.spatial_merge**2
         if n_tokens != expected:
-            raise ValueError(f"sample field 'input_ids' has {n_tokens} {kind} tokens but {grid_field} "
-                             f"{grids.tolist()} gives {expected} after {tokens.spatial_merge}x{tokens.spatial_merge} "
-                             "merging")
+            raise ValueError(
+                f"sample field 'input_ids' has {n_tokens} {kind} tokens but {grid_field} "
+                f"{grids.tolist()} gives {expected} after {tokens.spatial_merge}x{tokens.spatial_merge} "
+                "merging"
+            )
         runs += grids.shape[0] if kind == "image" else int(grids[:, 0].sum())
     n_starts, n_videos = int((ids == tokens.vision_start).sum()), sample["video_grid_thw"].shape[0]
     if not runs <= n_starts <= runs + n_videos:
         enclosing = f", plus up to {n_videos} enclosing a video's frames" if n_videos else ""
-        raise ValueError(f"sample field 'input_ids' has {n_starts} vision_start tokens for "
-                         f"{sample['image_grid_thw'].shape[0]} images and {int(sample['video_grid_thw'][:, 0].sum())} "
-                         f"video frames: expected {runs}{enclosing}")
+        raise ValueError(
+            f"sample field 'input_ids' has {n_starts} vision_start tokens for "
+            f"{sample['image_grid_thw'].shape[0]} images and {int(sample['video_grid_thw'][:, 0].sum())} "
+            f"video frames: expected {runs}{enclosing}"
+        )
     if not bool(mask.any()):
         raise BadSample("no_trained_tokens", "loss_mask is all zero")
     return sample

@@ -41,21 +41,34 @@ class RunSkipTotals:
         if not delta:
             return
         self.run_skip_counts.update(delta)
-        log.warning("%s: %d samples skipped so far in this run (all workers): %s", self.name,
-                    sum(self.run_skip_counts.values()), format_counts(self.run_skip_counts))
+        log.warning(
+            "%s: %d samples skipped so far in this run (all workers): %s",
+            self.name,
+            sum(self.run_skip_counts.values()),
+            format_counts(self.run_skip_counts),
+        )
 
 
 class SkippingDataset(RunSkipTotals, Dataset):
-    def __init__(self, produce, num_source: int, length: int, tokens: VisionTokens, max_length: int,
-                 patch_dim: int | None = None, name: str = "dataset", source: str | None = None):
+    def __init__(
+        self,
+        produce,
+        num_source: int,
+        length: int,
+        tokens: VisionTokens,
+        max_length: int,
+        patch_dim: int | None = None,
+        name: str = "dataset",
+        source: str | None = None,
+    ):
         if num_source <= 0:
             raise ValueError(f"{name}: the source has no samples")
         self.produce, self.num_source, self.length = produce, num_source, length
         self.tokens, self.max_length, self.patch_dim = tokens, max_length, patch_dim
         self.name = name
         self.source = source  # the flag and value the rows come from, for the user's error line
-        self.skip_counts: Counter = Counter()      # skipped in this process
-        self._handed_over: Counter = Counter()     # the part of skip_counts new_skips() returned
+        self.skip_counts: Counter = Counter()  # skipped in this process
+        self._handed_over: Counter = Counter()  # the part of skip_counts new_skips() returned
         self.run_skip_counts: Counter = Counter()  # the run's total, summed in the main process
 
     def __len__(self) -> int:
@@ -93,8 +106,15 @@ class SkippingDataset(RunSkipTotals, Dataset):
                 if count:
                     self.skip_counts[bad.reason] += 1
                     # A worker knows only its own count; the run's total is logged by add_run_skips.
-                    log.warning("%s: skipped sample %d (%s); skipped so far in this process: %s", self.name,
-                                source_index, bad, format_counts(self.skip_counts))
+                    log.warning(
+                        "%s: skipped sample %d (%s); skipped so far in this process: %s",
+                        self.name,
+                        source_index,
+                        bad,
+                        format_counts(self.skip_counts),
+                    )
         where = f"{self.source}: " if self.source else ""  # tried every row once: trying again cannot help
-        raise DataError(f"{where}every one of the {self.num_source} rows of {self.name} was skipped "
-                        f"({format_counts(reasons)}); check the data and --seq-length")
+        raise DataError(
+            f"{where}every one of the {self.num_source} rows of {self.name} was skipped "
+            f"({format_counts(reasons)}); check the data and --seq-length"
+        )

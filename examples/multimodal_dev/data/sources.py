@@ -20,14 +20,16 @@ def resolve(value: str, flag: str) -> tuple[str, bool]:
     """(local path or Hub name, whether it is a Hub name); ValueError naming ``flag`` for a local
     path (or glob) that matches nothing."""
     if value.startswith(HUB_PREFIX):
-        name = value[len(HUB_PREFIX):]
+        name = value[len(HUB_PREFIX) :]
         if not name:
             raise ValueError(f"{flag} {value!r}: no Hub name after {HUB_PREFIX}")
         return name, True
     exists = glob.glob(value) if glob.has_magic(value) else os.path.exists(value)
     if not exists:
-        raise ValueError(f"{flag} {value!r}: no such file or directory (a Hugging Face Hub name needs the "
-                         f"{HUB_PREFIX} prefix, e.g. {HUB_PREFIX}{value.strip('/')})")
+        raise ValueError(
+            f"{flag} {value!r}: no such file or directory (a Hugging Face Hub name needs the "
+            f"{HUB_PREFIX} prefix, e.g. {HUB_PREFIX}{value.strip('/')})"
+        )
     return value, False
 
 
@@ -37,8 +39,10 @@ def resolve(value: str, flag: str) -> tuple[str, bool]:
 # measure evaluation loss on training data).
 
 SPLIT_NAMES = ("train", "validation", "test")
-EXPECTED_SOURCES = ("a datasets.save_to_disk folder (dataset_dict.json or dataset_info.json), parquet files "
-                    "named by split (train-*.parquet, validation-*.parquet) or hf://NAME")
+EXPECTED_SOURCES = (
+    "a datasets.save_to_disk folder (dataset_dict.json or dataset_info.json), parquet files "
+    "named by split (train-*.parquet, validation-*.parquet) or hf://NAME"
+)
 
 
 def load_split(data_path: str, split: str, flag: str = "--data-path"):
@@ -94,8 +98,9 @@ def _parquet_split(path: str, split: str, flag: str):
     if os.path.isdir(path):
         files = sorted(glob.glob(os.path.join(path, "**", "*.parquet"), recursive=True))
         if not files:
-            raise DataError(f"{flag} {path!r} holds no dataset files (found {_listing(path)}); expected "
-                            f"{EXPECTED_SOURCES}")
+            raise DataError(
+                f"{flag} {path!r} holds no dataset files (found {_listing(path)}); expected {EXPECTED_SOURCES}"
+            )
     elif glob.has_magic(path) or path.endswith(".parquet"):
         files = sorted(f for f in glob.glob(path) if f.endswith(".parquet"))
         if not files:
@@ -109,8 +114,10 @@ def _parquet_split(path: str, split: str, flag: str):
         named = dict.fromkeys(files, "train")
     split_files = [f for f, s in named.items() if s == split]
     if not split_files and split == "train":
-        raise DataError(f"{flag} {path!r} has no train parquet files (found {sorted(set(named.values()) - {None})} "
-                        "splits); name them train-*.parquet")
+        raise DataError(
+            f"{flag} {path!r} has no train parquet files (found {sorted(set(named.values()) - {None})} "
+            "splits); name them train-*.parquet"
+        )
     split_files = [f for f in split_files if _parquet_rows(f)]  # datasets refuses files of no rows
     return datasets.load_dataset("parquet", data_files=split_files, split="train") if split_files else None
 

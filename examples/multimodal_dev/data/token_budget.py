@@ -104,11 +104,23 @@ class TokenBudgetPlan:
     the stream's length (``cyclic``: it wraps around, for evaluation).
     """
 
-    def __init__(self, describe, num_samples: int, budget: int, rows_per_step: int, dp_size: int,
-                 cost=None, pad_multiple: int = 1, window: int = 4096, cyclic: bool = False):
+    def __init__(
+        self,
+        describe,
+        num_samples: int,
+        budget: int,
+        rows_per_step: int,
+        dp_size: int,
+        cost=None,
+        pad_multiple: int = 1,
+        window: int = 4096,
+        cyclic: bool = False,
+    ):
         if budget % pad_multiple:
-            raise ValueError(f"--packed-seq-length {budget} must be a multiple of {pad_multiple} (2 x CP, x TP under "
-                             "sequence parallelism), so every padded conversation fits it exactly")
+            raise ValueError(
+                f"--packed-seq-length {budget} must be a multiple of {pad_multiple} (2 x CP, x TP under "
+                "sequence parallelism), so every padded conversation fits it exactly"
+            )
         if rows_per_step % dp_size:
             raise ValueError(f"a step of {rows_per_step} rows cannot be dealt evenly to {dp_size} data-parallel ranks")
         self.describe, self.num_samples, self.budget = describe, num_samples, budget
@@ -136,9 +148,16 @@ class TokenBudgetPlan:
 
     def settings(self) -> dict:
         """What besides the data decides the plan: a state restores only into equal settings."""
-        return {"budget": self.budget, "rows_per_step": self.rows_per_step, "dp_size": self.dp_size,
-                "pad_multiple": self.pad_multiple, "window": self.window, "num_samples": self.num_samples,
-                "cyclic": self.cyclic, "lookahead": LOOKAHEAD}
+        return {
+            "budget": self.budget,
+            "rows_per_step": self.rows_per_step,
+            "dp_size": self.dp_size,
+            "pad_multiple": self.pad_multiple,
+            "window": self.window,
+            "num_samples": self.num_samples,
+            "cyclic": self.cyclic,
+            "lookahead": LOOKAHEAD,
+        }
 
     def state(self, s: int) -> dict | None:
         """What planning step ``s`` starts from, as JSON-ready values (None: not planned yet, or
@@ -146,8 +165,12 @@ class TokenBudgetPlan:
         if s not in self._starts:
             return None
         cursor, carried = self._starts[s]
-        return {"step": s, "cursor": cursor, "carried": [[i.index, i.tokens, i.cost] for i in carried],
-                "settings": self.settings()}
+        return {
+            "step": s,
+            "cursor": cursor,
+            "carried": [[i.index, i.tokens, i.cost] for i in carried],
+            "settings": self.settings(),
+        }
 
     def restore(self, state: dict) -> str | None:
         """Continue at ``state``'s step, as if every step before it had been planned here. Returns
@@ -157,7 +180,9 @@ class TokenBudgetPlan:
             return "it was planned with other settings: " + ", ".join(differ)
         carried = [Item(index, tokens, cost, carried=True) for index, tokens, cost in state["carried"]]
         indices = [item.index for item in carried]
-        if not all(isinstance(i, int) and 0 <= i < self.num_samples for i in indices) or len(set(indices)) < len(indices):
+        if not all(isinstance(i, int) and 0 <= i < self.num_samples for i in indices) or len(set(indices)) < len(
+            indices
+        ):
             return f"its carried conversations {indices[:8]} are not distinct conversations of this dataset"
         cursor = state["cursor"]
         if not isinstance(cursor, int) or cursor < 0 or not self.cyclic and cursor > self.num_samples:
@@ -190,8 +215,9 @@ class TokenBudgetPlan:
                 break
             fresh.append(item)
             held += item.tokens
-        order = (sorted(self._carried, key=lambda i: (-i.tokens, i.index))
-                 + sorted(fresh, key=lambda i: (-i.tokens, i.index)))
+        order = sorted(self._carried, key=lambda i: (-i.tokens, i.index)) + sorted(
+            fresh, key=lambda i: (-i.tokens, i.index)
+        )
         rows: list[list[Item]] = [[] for _ in range(self.rows_per_step)]
         room = [self.budget] * self.rows_per_step
         self._carried = []
@@ -210,10 +236,12 @@ class TokenBudgetPlan:
         ranks = [[rows[j] for j in group] for group in dealt]
         swap_conversations(ranks, self.budget, self._carried)
         self._carried = [Item(i.index, i.tokens, i.cost, carried=True) for i in self._carried]
-        return Step(ranks=[[[i.index for i in row] for row in rank_rows] for rank_rows in ranks],
-                    filled_tokens=sum(i.tokens for row in rows for i in row),
-                    budget_tokens=sum(max(self.budget, sum(i.tokens for i in row)) for row in rows),
-                    rank_costs=[sum(i.cost for row in rank_rows for i in row) for rank_rows in ranks])
+        return Step(
+            ranks=[[[i.index for i in row] for row in rank_rows] for rank_rows in ranks],
+            filled_tokens=sum(i.tokens for row in rows for i in row),
+            budget_tokens=sum(max(self.budget, sum(i.tokens for i in row)) for row in rows),
+            rank_costs=[sum(i.cost for row in rank_rows for i in row) for rank_rows in ranks],
+        )
 
 
 def first_fit_rows(lengths: list[int], budget: int) -> list[list[int]]:
@@ -287,8 +315,17 @@ def plan_factory(shape, budget: int, rows_per_step: int, dp_size: int, pad_multi
     def cost(tokens: int, grids) -> float:
         return micro_batch_flops(shape, [tokens], grids).training
 
-    return lambda dataset, cyclic: TokenBudgetPlan(dataset.describe, len(dataset), budget, rows_per_step, dp_size,
-                                                   cost=cost, pad_multiple=pad_multiple, window=window, cyclic=cyclic)
+    return lambda dataset, cyclic: TokenBudgetPlan(
+        dataset.describe,
+        len(dataset),
+        budget,
+        rows_per_step,
+        dp_size,
+        cost=cost,
+        pad_multiple=pad_multiple,
+        window=window,
+        cyclic=cyclic,
+    )
 
 
 def check_packing_args(args) -> None:
@@ -302,8 +339,10 @@ def check_packing_args(args) -> None:
     if not args.use_packed_sequence:
         raise ValueError("--packing tokens packs THD rows; it cannot be combined with --no-packed-sequence")
     if args.micro_batch_size != 1:
-        raise ValueError(f"--micro-batch-size {args.micro_batch_size}: with --packing tokens a micro-batch is one row "
-                         "of --packed-seq-length tokens; use --micro-batch-size 1 (--global-batch-size counts rows)")
+        raise ValueError(
+            f"--micro-batch-size {args.micro_batch_size}: with --packing tokens a micro-batch is one row "
+            "of --packed-seq-length tokens; use --micro-batch-size 1 (--global-batch-size counts rows)"
+        )
     if getattr(args, "rampup_batch_size", None):
         raise ValueError("--rampup-batch-size: token-budget packing plans whole steps of a fixed number of rows")
     for flag, value in (("--packed-seq-length", args.packed_seq_length), ("--packing-window", args.packing_window)):
@@ -311,8 +350,10 @@ def check_packing_args(args) -> None:
             raise ValueError(f"{flag} {value} must be a positive integer")
     multiple = pad_multiple_for(args.context_parallel_size, args.tensor_model_parallel_size, args.sequence_parallel)
     if args.packed_seq_length % multiple:
-        raise ValueError(f"--packed-seq-length {args.packed_seq_length} must be a multiple of {multiple} (2 x CP, "
-                         "x TP under sequence parallelism), so every padded conversation fits it exactly")
+        raise ValueError(
+            f"--packed-seq-length {args.packed_seq_length} must be a multiple of {multiple} (2 x CP, "
+            "x TP under sequence parallelism), so every padded conversation fits it exactly"
+        )
 
 
 class TokenBudgetSampler:
@@ -321,8 +362,10 @@ class TokenBudgetSampler:
 
     def __init__(self, plan: TokenBudgetPlan, consumed_rows: int, dp_rank: int):
         if consumed_rows % plan.rows_per_step:
-            raise ValueError(f"consumed samples {consumed_rows} is not a whole number of steps of "
-                             f"{plan.rows_per_step} rows: token-budget packing resumes at step boundaries only")
+            raise ValueError(
+                f"consumed samples {consumed_rows} is not a whole number of steps of "
+                f"{plan.rows_per_step} rows: token-budget packing resumes at step boundaries only"
+            )
         self.plan, self.first_step, self.dp_rank = plan, consumed_rows // plan.rows_per_step, dp_rank
 
     def __iter__(self):

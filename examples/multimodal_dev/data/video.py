@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -64,8 +63,15 @@ if TYPE_CHECKING:
 PROCESSOR_VIDEO_KWARGS = {"do_sample_frames": False, "do_resize": False}
 # A video part's own settings and their largest values: past them a record asks for more frames or
 # pixels than any video needs (a frame of 8192 x 8192, 16384 frames, 2^34 pixels in all).
-OVERRIDE_LIMITS = {"fps": 240, "nframes": 1 << 14, "min_frames": 1 << 14, "max_frames": 1 << 14,
-                   "min_pixels": 1 << 26, "max_pixels": 1 << 26, "total_pixels": 1 << 34}
+OVERRIDE_LIMITS = {
+    "fps": 240,
+    "nframes": 1 << 14,
+    "min_frames": 1 << 14,
+    "max_frames": 1 << 14,
+    "min_pixels": 1 << 26,
+    "max_pixels": 1 << 26,
+    "total_pixels": 1 << 34,
+}
 OVERRIDE_KEYS = tuple(OVERRIDE_LIMITS)
 UNSUPPORTED_KEYS = ("video_start", "video_end", "resized_height", "resized_width")
 
@@ -85,8 +91,8 @@ class VideoSettings:
     nframes: int | None = None
     min_frames: int = qvu.FPS_MIN_FRAMES
     max_frames: int = qvu.FPS_MAX_FRAMES
-    min_pixels: int | None = None    # per frame
-    max_pixels: int | None = None    # per frame; never above VIDEO_MAX_TOKEN_NUM tokens
+    min_pixels: int | None = None  # per frame
+    max_pixels: int | None = None  # per frame; never above VIDEO_MAX_TOKEN_NUM tokens
     total_pixels: int | None = None  # shared by all sampled frames
     patch_size: int = dataclasses.field(default_factory=_default_patch_size)
 
@@ -100,9 +106,11 @@ class VideoSettings:
         video = processor.video_processor
         # qwen-vl-utils fixes the merge and the frame factor at 2: another processor needs another reference
         if video.merge_size != qvu.SPATIAL_MERGE_SIZE or video.temporal_patch_size != qvu.FRAME_FACTOR:
-            raise ValueError(f"the video processor's merge_size {video.merge_size} / temporal_patch_size "
-                             f"{video.temporal_patch_size} differ from qwen-vl-utils' {qvu.SPATIAL_MERGE_SIZE} / "
-                             f"{qvu.FRAME_FACTOR}")
+            raise ValueError(
+                f"the video processor's merge_size {video.merge_size} / temporal_patch_size "
+                f"{video.temporal_patch_size} differ from qwen-vl-utils' {qvu.SPATIAL_MERGE_SIZE} / "
+                f"{qvu.FRAME_FACTOR}"
+            )
         return cls(patch_size=video.patch_size, **fields)
 
     def with_overrides(self, part: dict) -> "VideoSettings":
@@ -115,8 +123,10 @@ class VideoSettings:
             raise BadSample("video_options", "a video part gives both fps and nframes; give one")
         for key, value in given.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= OVERRIDE_LIMITS[key]:
-                raise BadSample("video_options", f"video part key {key!r} must be a positive number up to "
-                                                 f"{OVERRIDE_LIMITS[key]}, got {value!r}")
+                raise BadSample(
+                    "video_options",
+                    f"video part key {key!r} must be a positive number up to {OVERRIDE_LIMITS[key]}, got {value!r}",
+                )
             if key != "fps" and value != int(value):
                 raise BadSample("video_options", f"video part key {key!r} must be a whole number, got {value!r}")
             given[key] = float(value) if key == "fps" else int(value)
@@ -133,9 +143,9 @@ class VideoSettings:
 
 @dataclass(frozen=True)
 class VideoHeader:
-    metadata: VideoMetadata            # equal to what load_video returns
-    size: tuple[int, int]              # (height, width) of every sampled frame after the resize
-    grid_thw: tuple[int, int, int]     # the processor's video_grid_thw row for these frames
+    metadata: VideoMetadata  # equal to what load_video returns
+    size: tuple[int, int]  # (height, width) of every sampled frame after the resize
+    grid_thw: tuple[int, int, int]  # the processor's video_grid_thw row for these frames
 
 
 def sampled_frame_count(total_frames: int, video_fps: float, settings: VideoSettings, where: str = "video") -> int:
@@ -163,7 +173,7 @@ def frame_pixel_budget(n_frames: int, settings: VideoSettings, where: str = "vid
     """(min, max) pixels a frame, as fetch_video derives them: the max is VIDEO_MAX_TOKEN_NUM
     tokens or the frame's share of total_pixels, never under 1.05 x min, and a part's
     max_pixels can only lower it."""
-    f2 = settings.factor ** 2
+    f2 = settings.factor**2
     min_pixels = settings.min_pixels if settings.min_pixels is not None else qvu.VIDEO_MIN_TOKEN_NUM * f2
     total = settings.total_pixels if settings.total_pixels is not None else qvu.MODEL_SEQ_LEN * f2 * 0.9
     cap = max(min(qvu.VIDEO_MAX_TOKEN_NUM * f2, total / n_frames * qvu.FRAME_FACTOR), int(min_pixels * 1.05))
@@ -223,8 +233,15 @@ def _header(container, name: str, settings: VideoSettings) -> VideoHeader:
         duration = container.duration / av.time_base if container.duration else total / fps
     n = sampled_frame_count(total, fps, settings, name)
     height, width = resized_size(stream.height, stream.width, n, settings, name)
-    metadata = VideoMetadata(total_num_frames=total, fps=fps, width=stream.width, height=stream.height,
-                             duration=duration, video_backend="pyav", frames_indices=frame_indices(total, n))
+    metadata = VideoMetadata(
+        total_num_frames=total,
+        fps=fps,
+        width=stream.width,
+        height=stream.height,
+        duration=duration,
+        video_backend="pyav",
+        frames_indices=frame_indices(total, n),
+    )
     grid = (n // qvu.FRAME_FACTOR, height // settings.patch_size, width // settings.patch_size)
     return VideoHeader(metadata, (height, width), grid)
 
@@ -263,11 +280,13 @@ def load_video(path, settings: VideoSettings, header: VideoHeader | None = None)
             # before a DataLoader forks leaves the worker waiting forever on threads it never had
             rgb_CHW = torch.from_numpy(frame.to_ndarray(format="rgb24", threads=1)).permute(2, 0, 1)
             if tuple(rgb_CHW.shape[1:]) != (meta.height, meta.width):
-                raise BadSample("bad_video", f"{name}: frame {index} is {rgb_CHW.shape[2]}x{rgb_CHW.shape[1]}, "
-                                f"the stream {meta.width}x{meta.height}")
+                raise BadSample(
+                    "bad_video",
+                    f"{name}: frame {index} is {rgb_CHW.shape[2]}x{rgb_CHW.shape[1]}, "
+                    f"the stream {meta.width}x{meta.height}",
+                )
             # fetch_video's resize of uint8 frames (its .float() afterwards changes no value)
-            frame_CHW = tvF.resize(rgb_CHW, list(header.size), interpolation=InterpolationMode.BICUBIC,
-                                   antialias=True)
+            frame_CHW = tvF.resize(rgb_CHW, list(header.size), interpolation=InterpolationMode.BICUBIC, antialias=True)
             frames.append(frame_CHW)
             if len(frames) == len(wanted):
                 return torch.stack(frames), meta

@@ -11,6 +11,6 @@ applied, so any layer may ask for its group: this package itself imports nothing
 is that output, held equal by a test).
 """
 
-from .applier import MegatronChangeError, apply, applied, install
+from .applier import MegatronChangeError, applied, apply, install
 
 __all__ = ["MegatronChangeError", "apply", "applied", "install"]

@@ -1,6 +1,6 @@
 """Print the table of this project's changes to megatron as Markdown (``docs/megatron_changes.md``).
 
-    python -m examples.multimodal_dev.megatron_changes > docs/megatron_changes.md
+python -m examples.multimodal_dev.megatron_changes > docs/megatron_changes.md
 """
 
 from __future__ import annotations
@@ -27,10 +27,17 @@ def markdown() -> str:
     lines = [INTRO]
     for group in GROUPS:
         rows = [c for c in CHANGES if c.group == group]
-        lines += [f"## {group}", "", f"Applies: {rows[0].applies}.", "", "| target | replacement | why |",
-                  "|---|---|---|"]
-        lines += [f"| `{c.target}` | `{c.replacement.removeprefix('examples.multimodal_dev.')}` | {c.why} |"
-                  for c in rows]
+        lines += [
+            f"## {group}",
+            "",
+            f"Applies: {rows[0].applies}.",
+            "",
+            "| target | replacement | why |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| `{c.target}` | `{c.replacement.removeprefix('examples.multimodal_dev.')}` | {c.why} |" for c in rows
+        ]
         lines.append("")
     return "\n".join(lines)
 

@@ -69,8 +69,10 @@ def check_version() -> str | None:
         return None
     _warned.append(__version__)
     ours = [g for g in GROUPS if not any(c.by_device_layer for c in CHANGES if c.group == g)]
-    return (f"megatron-core {__version__}: this project's changes to it were written for {WRITTEN_FOR}; re-verify "
-            f"{', '.join(ours)} (examples/multimodal_dev/megatron_changes/table.py)")
+    return (
+        f"megatron-core {__version__}: this project's changes to it were written for {WRITTEN_FOR}; re-verify "
+        f"{', '.join(ours)} (examples/multimodal_dev/megatron_changes/table.py)"
+    )
 
 
 def apply(group: str, run=None) -> None:

@@ -56,109 +56,225 @@ _GDN = "megatron.core.ssm.gated_delta_net."
 def _switch(cls: str, distributed: bool, half: bool) -> tuple[Change, ...]:
     opts = (("distributed", distributed), ("half", half))
     why = "a checkpoint of the other kind of optimizer (distributed <-> plain) resumes: its state is translated"
-    return (Change("optimizer-switch", f"{cls}.sharded_state_dict",
-                   f"{_P}checkpoint.optimizer_switch:switching_request", why, options=opts),
-            Change("optimizer-switch", f"{cls}.load_state_dict", f"{_P}checkpoint.optimizer_switch:switching_load",
-                   why, options=opts))
+    return (
+        Change(
+            "optimizer-switch",
+            f"{cls}.sharded_state_dict",
+            f"{_P}checkpoint.optimizer_switch:switching_request",
+            why,
+            options=opts,
+        ),
+        Change(
+            "optimizer-switch",
+            f"{cls}.load_state_dict",
+            f"{_P}checkpoint.optimizer_switch:switching_load",
+            why,
+            options=opts,
+        ),
+    )
 
 
 def _torch_gdn(module: str) -> tuple[Change, ...]:
-    why = ("megatron-core's GatedDeltaNet imports FLA's kernels by name; without FLA (a CPU host, FLA refused) "
-           "the torch kernels take those names (and common.HAVE_FLA is set)")
-    return tuple(Change("torch-gdn-kernels", f"{_GDN}{module}:{name}", f"megatron.cpu.gdn_kernels:{name}", why,
-                        DEVICE_LAYER_GDN) for name in ("causal_conv1d", "chunk_gated_delta_rule", "l2norm"))
+    why = (
+        "megatron-core's GatedDeltaNet imports FLA's kernels by name; without FLA (a CPU host, FLA refused) "
+        "the torch kernels take those names (and common.HAVE_FLA is set)"
+    )
+    return tuple(
+        Change("torch-gdn-kernels", f"{_GDN}{module}:{name}", f"megatron.cpu.gdn_kernels:{name}", why, DEVICE_LAYER_GDN)
+        for name in ("causal_conv1d", "chunk_gated_delta_rule", "l2norm")
+    )
 
 
 CHANGES: tuple[Change, ...] = (
     # A checkpoint directory is data: nothing in it may run code (checkpoint/safety.py).
-    Change("checkpoints-are-data", "torch.distributed.checkpoint.filesystem:pickle",
-           f"{_P}checkpoint.safety:restricted_pickle",
-           "DCP unpickles the .metadata index with plain pickle: only DCP's own classes, torch sizes and dtypes and "
-           "builtin containers may be named (also applied on use by the checkpoint tools)"),
-    Change("checkpoints-are-data", "torch.distributed.checkpoint.default_planner:DefaultLoadPlanner.load_bytes",
-           f"{_P}checkpoint.safety:weights_only_load_bytes",
-           "DCP loads every non-tensor entry with torch.load(weights_only=False); weights_only=True with megatron's "
-           "safe globals instead"),
+    Change(
+        "checkpoints-are-data",
+        "torch.distributed.checkpoint.filesystem:pickle",
+        f"{_P}checkpoint.safety:restricted_pickle",
+        "DCP unpickles the .metadata index with plain pickle: only DCP's own classes, torch sizes and dtypes and "
+        "builtin containers may be named (also applied on use by the checkpoint tools)",
+    ),
+    Change(
+        "checkpoints-are-data",
+        "torch.distributed.checkpoint.default_planner:DefaultLoadPlanner.load_bytes",
+        f"{_P}checkpoint.safety:weights_only_load_bytes",
+        "DCP loads every non-tensor entry with torch.load(weights_only=False); weights_only=True with megatron's "
+        "safe globals instead",
+    ),
     # torch's Adam under the distributed optimizer (megatron/cpu/distrib_optimizer_fixes.py).
-    Change("torch-adam-distributed-optimizer", f"{_DO}state_dict",
-           "megatron.cpu.distrib_optimizer_fixes:state_dict_with_state",
-           "state_dict() asserts one Adam step, which a fresh torch Adam does not have yet", NO_FUSED_ADAM),
-    Change("torch-adam-distributed-optimizer", f"{_DO}load_state_dict",
-           "megatron.cpu.distrib_optimizer_fixes:load_state_dict_keeping_step",
-           "the parameter-state load overwrote the checkpoint's Adam step with 1 (wrong bias correction after a "
-           "resume, silently)", NO_FUSED_ADAM),
-    Change("torch-adam-distributed-optimizer", f"{_DO}_set_main_param_and_optimizer_states",
-           "megatron.cpu.distrib_optimizer_fixes:set_states_without_grad",
-           "an in-place copy into an fp32 leaf that requires grad, which torch refuses outside no_grad",
-           NO_FUSED_ADAM),
+    Change(
+        "torch-adam-distributed-optimizer",
+        f"{_DO}state_dict",
+        "megatron.cpu.distrib_optimizer_fixes:state_dict_with_state",
+        "state_dict() asserts one Adam step, which a fresh torch Adam does not have yet",
+        NO_FUSED_ADAM,
+    ),
+    Change(
+        "torch-adam-distributed-optimizer",
+        f"{_DO}load_state_dict",
+        "megatron.cpu.distrib_optimizer_fixes:load_state_dict_keeping_step",
+        "the parameter-state load overwrote the checkpoint's Adam step with 1 (wrong bias correction after a "
+        "resume, silently)",
+        NO_FUSED_ADAM,
+    ),
+    Change(
+        "torch-adam-distributed-optimizer",
+        f"{_DO}_set_main_param_and_optimizer_states",
+        "megatron.cpu.distrib_optimizer_fixes:set_states_without_grad",
+        "an in-place copy into an fp32 leaf that requires grad, which torch refuses outside no_grad",
+        NO_FUSED_ADAM,
+    ),
     # A bf16 model with fp32 A_log / dt_bias (checkpoint/mixed_dtype_optimizer.py).
-    Change("mixed-dtype-optimizer", f"{_OPT}Float16OptimizerWithFloat16Params.sharded_state_dict",
-           f"{_P}checkpoint.mixed_dtype_optimizer:every_parameter_as_half_around",
-           "the plain optimizer's checkpoint lists parameters in the distributed optimizer's order"),
-    Change("mixed-dtype-optimizer", f"{_OPT}Float16OptimizerWithFloat16Params.load_state_dict",
-           f"{_P}checkpoint.mixed_dtype_optimizer:every_parameter_as_half_around",
-           "... and reads them in that order"),
-    Change("mixed-dtype-optimizer", f"{_DO}__init__", f"{_P}checkpoint.mixed_dtype_optimizer:ordered_index_map",
-           "the distributed optimizer's group index map in the optimizer's own order, with fp32 parameters "
-           "among bf16 ones"),
+    Change(
+        "mixed-dtype-optimizer",
+        f"{_OPT}Float16OptimizerWithFloat16Params.sharded_state_dict",
+        f"{_P}checkpoint.mixed_dtype_optimizer:every_parameter_as_half_around",
+        "the plain optimizer's checkpoint lists parameters in the distributed optimizer's order",
+    ),
+    Change(
+        "mixed-dtype-optimizer",
+        f"{_OPT}Float16OptimizerWithFloat16Params.load_state_dict",
+        f"{_P}checkpoint.mixed_dtype_optimizer:every_parameter_as_half_around",
+        "... and reads them in that order",
+    ),
+    Change(
+        "mixed-dtype-optimizer",
+        f"{_DO}__init__",
+        f"{_P}checkpoint.mixed_dtype_optimizer:ordered_index_map",
+        "the distributed optimizer's group index map in the optimizer's own order, with fp32 parameters "
+        "among bf16 ones",
+    ),
     # Optimizer checkpoint formats (checkpoint/optimizer_format.py).
-    Change("optimizer-formats", f"{_DO}sharded_param_state_dp_reshardable",
-           f"{_P}checkpoint.optimizer_format:zeroed_padding",
-           "a dp_reshardable save wrote uninitialised padding bytes: no two saves of one state were equal"),
-    Change("optimizer-formats", f"{_OPT}ChainedOptimizer.load_state_dict", f"{_P}checkpoint.optimizer_format:regrouped",
-           "optimizer state saved at one EP resumes at another (one optimizer <-> a chain of two)"),
+    Change(
+        "optimizer-formats",
+        f"{_DO}sharded_param_state_dp_reshardable",
+        f"{_P}checkpoint.optimizer_format:zeroed_padding",
+        "a dp_reshardable save wrote uninitialised padding bytes: no two saves of one state were equal",
+    ),
+    Change(
+        "optimizer-formats",
+        f"{_OPT}ChainedOptimizer.load_state_dict",
+        f"{_P}checkpoint.optimizer_format:regrouped",
+        "optimizer state saved at one EP resumes at another (one optimizer <-> a chain of two)",
+    ),
     *_switch(_DO.rstrip("."), distributed=True, half=False),
     *_switch(f"{_OPT}FP32Optimizer", distributed=False, half=False),
     *_switch(f"{_OPT}Float16OptimizerWithFloat16Params", distributed=False, half=True),
     # Every DP rank's RNG state (checkpoint/rng_per_rank.py).
-    Change("per-rank-rng", f"{_CKPT}get_rng_state", f"{_P}checkpoint.rng_per_rank:every_rank_state",
-           "megatron saves DP rank 0's RNG state alone: dropout at DP > 1 did not resume exactly"),
-    Change("per-rank-rng", f"{_CKPT}_load_base_checkpoint", f"{_P}checkpoint.rng_per_rank:own_rank_first",
-           "... and on load each DP rank takes its own entry"),
+    Change(
+        "per-rank-rng",
+        f"{_CKPT}get_rng_state",
+        f"{_P}checkpoint.rng_per_rank:every_rank_state",
+        "megatron saves DP rank 0's RNG state alone: dropout at DP > 1 did not resume exactly",
+    ),
+    Change(
+        "per-rank-rng",
+        f"{_CKPT}_load_base_checkpoint",
+        f"{_P}checkpoint.rng_per_rank:own_rank_first",
+        "... and on load each DP rank takes its own entry",
+    ),
     # Save-time work, one wrapper with its hooks in order (checkpoint/save_hooks.py).
-    Change("save-hooks", "megatron.training.training:save_checkpoint", f"{_P}checkpoint.save_hooks:with_save_hooks",
-           "refuse non-finite weights; after the save, the token-budget plan's and the loader's state; a full "
-           "disk is one line and leaves the last complete checkpoint"),
-    Change("prebuilt-dataset-helpers", "megatron.core.datasets.utils:compile_helpers",
-           f"{_P}training.backend:prebuilt_helpers",
-           "start-up runs make in the installed wheel, which has no Makefile (sys.exit(1)); its helpers_cpp "
-           "is built already", WHEEL),
+    Change(
+        "save-hooks",
+        "megatron.training.training:save_checkpoint",
+        f"{_P}checkpoint.save_hooks:with_save_hooks",
+        "refuse non-finite weights; after the save, the token-budget plan's and the loader's state; a full "
+        "disk is one line and leaves the last complete checkpoint",
+    ),
+    Change(
+        "prebuilt-dataset-helpers",
+        "megatron.core.datasets.utils:compile_helpers",
+        f"{_P}training.backend:prebuilt_helpers",
+        "start-up runs make in the installed wheel, which has no Makefile (sys.exit(1)); its helpers_cpp "
+        "is built already",
+        WHEEL,
+    ),
     # Model TFLOP/s and MFU in megatron's log (training/throughput.py).
-    Change("step-flops-and-log", "megatron.training.training:num_floating_point_operations",
-           f"{_P}training.throughput:counted_flops",
-           "megatron prices a step with a GPT formula (no vision tower, no GDN); the model's own count instead"),
-    Change("step-flops-and-log", "megatron.training.training:training_log", f"{_P}training.throughput:logged_step",
-           "tokens/s, model TFLOP/s, MFU and the metrics file beside megatron's log line"),
-    Change("step-flops-and-log",
-           "megatron.core.transformer.multi_token_prediction:MTPLossLoggingHelper.track_mtp_metrics",
-           f"{_P}training.throughput:captured_mtp_losses", "the MTP loss in the metrics file"),
-    Change("mtp-under-cp", "megatron.core.transformer.multi_token_prediction:roll_tensor",
-           f"{_P}models.common.mtp_context_parallel:group_consistent_count",
-           "the MTP loss mask's token count under CP is the whole sequence's share, not the local chunk's "
-           "(applied by models/qwen35_vl/model.py when the model has an MTP head)", ON_USE),
-    Change("energon-refuses-code", "megatron.energon.typed_converter:JsonParser._resolve_object",
-           f"{_P}data.energon_configs:allowed_objects_only",
-           "a dataset's YAML may name only energon's own sample and dataset classes (applied by data/energon.py)",
-           ON_USE),
-    Change("energon-refuses-code", "megatron.energon.module_loader:ModuleLoader._load_module",
-           f"{_P}data.energon_configs:no_python_files", "a dataset's YAML may not run a Python file", ON_USE),
+    Change(
+        "step-flops-and-log",
+        "megatron.training.training:num_floating_point_operations",
+        f"{_P}training.throughput:counted_flops",
+        "megatron prices a step with a GPT formula (no vision tower, no GDN); the model's own count instead",
+    ),
+    Change(
+        "step-flops-and-log",
+        "megatron.training.training:training_log",
+        f"{_P}training.throughput:logged_step",
+        "tokens/s, model TFLOP/s, MFU and the metrics file beside megatron's log line",
+    ),
+    Change(
+        "step-flops-and-log",
+        "megatron.core.transformer.multi_token_prediction:MTPLossLoggingHelper.track_mtp_metrics",
+        f"{_P}training.throughput:captured_mtp_losses",
+        "the MTP loss in the metrics file",
+    ),
+    Change(
+        "mtp-under-cp",
+        "megatron.core.transformer.multi_token_prediction:roll_tensor",
+        f"{_P}models.common.mtp_context_parallel:group_consistent_count",
+        "the MTP loss mask's token count under CP is the whole sequence's share, not the local chunk's "
+        "(applied by models/qwen35_vl/model.py when the model has an MTP head)",
+        ON_USE,
+    ),
+    Change(
+        "energon-refuses-code",
+        "megatron.energon.typed_converter:JsonParser._resolve_object",
+        f"{_P}data.energon_configs:allowed_objects_only",
+        "a dataset's YAML may name only energon's own sample and dataset classes (applied by data/energon.py)",
+        ON_USE,
+    ),
+    Change(
+        "energon-refuses-code",
+        "megatron.energon.module_loader:ModuleLoader._load_module",
+        f"{_P}data.energon_configs:no_python_files",
+        "a dataset's YAML may not run a Python file",
+        ON_USE,
+    ),
     # The vision tower on ranks of its own (vision_ranks/).
-    Change("vision-ranks", "megatron.training.training:get_model", f"{_P}vision_ranks.groups:module_get_model",
-           "get_model builds this rank's module on its own process groups (applied by vision_ranks/groups.py's setup "
-           "under --vision-nproc)", ON_USE),
-    Change("vision-ranks", f"{_CKPT}generate_state_dict", f"{_P}vision_ranks.groups:with_language_common",
-           "a checkpoint's common state is the language model's, on the tower's ranks too", ON_USE),
+    Change(
+        "vision-ranks",
+        "megatron.training.training:get_model",
+        f"{_P}vision_ranks.groups:module_get_model",
+        "get_model builds this rank's module on its own process groups (applied by vision_ranks/groups.py's setup "
+        "under --vision-nproc)",
+        ON_USE,
+    ),
+    Change(
+        "vision-ranks",
+        f"{_CKPT}generate_state_dict",
+        f"{_P}vision_ranks.groups:with_language_common",
+        "a checkpoint's common state is the language model's, on the tower's ranks too",
+        ON_USE,
+    ),
     # The device layer (megatron/cpu/): megatron.training on a host without CUDA.
-    Change("cpu-host", "megatron.core.tensor_parallel.random:_get_cuda_rng_state",
-           "megatron.cpu.device_compat:_rng_state", "the model-parallel RNG tracker forks the CPU generator",
-           DEVICE_LAYER_CPU),
-    Change("cpu-host", "megatron.core.tensor_parallel.random:_set_cuda_rng_state",
-           "megatron.cpu.device_compat:_set_rng_state", "... and restores it", DEVICE_LAYER_CPU),
-    Change("cpu-host", "megatron.training.arguments:get_device_arch_version",
-           "megatron.cpu.training_compat:_device_arch_version",
-           "validate_args asks the GPU's architecture when TP or CP > 1", DEVICE_LAYER_CPU),
-    Change("cpu-host", "megatron.training.training:initialize_megatron", "megatron.cpu.training_compat:_allow_no_cuda",
-           "initialize_megatron asserts CUDA unless allow_no_cuda", DEVICE_LAYER_CPU),
+    Change(
+        "cpu-host",
+        "megatron.core.tensor_parallel.random:_get_cuda_rng_state",
+        "megatron.cpu.device_compat:_rng_state",
+        "the model-parallel RNG tracker forks the CPU generator",
+        DEVICE_LAYER_CPU,
+    ),
+    Change(
+        "cpu-host",
+        "megatron.core.tensor_parallel.random:_set_cuda_rng_state",
+        "megatron.cpu.device_compat:_set_rng_state",
+        "... and restores it",
+        DEVICE_LAYER_CPU,
+    ),
+    Change(
+        "cpu-host",
+        "megatron.training.arguments:get_device_arch_version",
+        "megatron.cpu.training_compat:_device_arch_version",
+        "validate_args asks the GPU's architecture when TP or CP > 1",
+        DEVICE_LAYER_CPU,
+    ),
+    Change(
+        "cpu-host",
+        "megatron.training.training:initialize_megatron",
+        "megatron.cpu.training_compat:_allow_no_cuda",
+        "initialize_megatron asserts CUDA unless allow_no_cuda",
+        DEVICE_LAYER_CPU,
+    ),
     *_torch_gdn("common"),
     *_torch_gdn("gdn"),
 )

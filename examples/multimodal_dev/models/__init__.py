@@ -12,11 +12,11 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ModelEntry:
-    shape_fn: str          # variant name -> shape
-    shape_from_hf: str     # HF config -> shape
-    configs_fn: str        # (megatron args, shape, backend, flags given) -> (decoder, vision) configs
-    build_fn: str          # shape + configs -> model
-    load_hf_state: str     # (model, HF state dict, shape) -> model filled in place
+    shape_fn: str  # variant name -> shape
+    shape_from_hf: str  # HF config -> shape
+    configs_fn: str  # (megatron args, shape, backend, flags given) -> (decoder, vision) configs
+    build_fn: str  # shape + configs -> model
+    load_hf_state: str  # (model, HF state dict, shape) -> model filled in place
 
     def load(self, attr: str):
         module_name, _, fn = getattr(self, attr).rpartition(".")

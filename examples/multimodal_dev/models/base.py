@@ -94,7 +94,8 @@ class VisionLanguageModel(MegatronModule):
         out = embedding(input_ids_BS)
         if getattr(embedding, "reduce_scatter_embeddings", False):
             out = tensor_parallel.gather_from_sequence_parallel_region(
-                out, tensor_parallel_output_grad=False, group=self.language_model.pg_collection.tp).transpose(0, 1)
+                out, tensor_parallel_output_grad=False, group=self.language_model.pg_collection.tp
+            ).transpose(0, 1)
         return out
 
     def _encode(self, pixels, grids) -> torch.Tensor:
@@ -132,10 +133,13 @@ class VisionLanguageModel(MegatronModule):
         replica's items in order, then padding), as the tower's replicas dealt them."""
         grids = [g for part in grids if part is not None for g in part.tolist()]
         owned, tokens, width = vision_context_parallel.shares_of(
-            grids, self.vision_item_flops, self.shape.vision.spatial_merge_size, self.received_shares)
+            grids, self.vision_item_flops, self.shape.vision.spatial_merge_size, self.received_shares
+        )
         if received.shape[0] != self.received_shares * width:
-            raise ValueError(f"the vision ranks sent {received.shape[0]} feature rows; {self.received_shares} shares "
-                             f"of {width} were expected for this micro-batch's grids")
+            raise ValueError(
+                f"the vision ranks sent {received.shape[0]} feature rows; {self.received_shares} shares "
+                f"of {width} were expected for this micro-batch's grids"
+            )
         if not grids:
             return received[:0]
         return received.index_select(0, vision_context_parallel.batch_order(owned, tokens, width).to(received.device))
@@ -147,17 +151,20 @@ class VisionLanguageModel(MegatronModule):
         counts = [int((input_ids_BS == token).sum()) for token in (self.image_token_id, self.video_token_id)]
         features = received if self.received_shares == 1 else self._in_batch_order(received, grids)
         if features.shape[0] != (max(sum(counts), 1) if self.received_shares == 1 else sum(counts)):
-            raise ValueError(f"the batch has {counts[0]} image and {counts[1]} video placeholder tokens but the vision "
-                             f"ranks sent {features.shape[0]} features")
-        image, video = features[:counts[0]], features[counts[0]:sum(counts)]
+            raise ValueError(
+                f"the batch has {counts[0]} image and {counts[1]} video placeholder tokens but the vision "
+                f"ranks sent {features.shape[0]} features"
+            )
+        image, video = features[: counts[0]], features[counts[0] : sum(counts)]
         if counts[0]:
             embeds_BSH = self._scatter_features(embeds_BSH, input_ids_BS, self.image_token_id, image, "images")
         if counts[1]:
             embeds_BSH = self._scatter_features(embeds_BSH, input_ids_BS, self.video_token_id, video, "videos")
         return embeds_BSH + (received.sum() * 0).to(embeds_BSH.dtype)
 
-    def embed(self, input_ids_BS, pixel_values=None, image_grid_thw=None,
-              pixel_values_videos=None, video_grid_thw=None) -> torch.Tensor:
+    def embed(
+        self, input_ids_BS, pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None
+    ) -> torch.Tensor:
         """Decoder input [S, B, H] with vision features merged at placeholder tokens."""
         embeds_BSH = self._word_embeddings(input_ids_BS)
         received = getattr(self, "_received_features", None)
@@ -175,13 +182,30 @@ class VisionLanguageModel(MegatronModule):
             embeds_BSH = self._scatter_features(embeds_BSH, input_ids_BS, self.video_token_id, feats, "videos")
         elif bool((input_ids_BS == self.video_token_id).any()):
             raise ValueError("the batch has video placeholder tokens but no pixel_values_videos")
-        if pixel_values is None and pixel_values_videos is None and torch.is_grad_enabled() and self.vision_model is not None:
+        if (
+            pixel_values is None
+            and pixel_values_videos is None
+            and torch.is_grad_enabled()
+            and self.vision_model is not None
+        ):
             embeds_BSH = embeds_BSH + vision_context_parallel.joined_zero(self.vision_model).to(embeds_BSH)
         return embeds_BSH.transpose(0, 1).contiguous()
 
-    def forward(self, input_ids, position_ids, attention_mask=None, labels=None, loss_mask=None,
-                pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
-                packed_seq_params=None, padding_mask=None, return_loss_mask: bool = False):
+    def forward(
+        self,
+        input_ids,
+        position_ids,
+        attention_mask=None,
+        labels=None,
+        loss_mask=None,
+        pixel_values=None,
+        image_grid_thw=None,
+        pixel_values_videos=None,
+        video_grid_thw=None,
+        packed_seq_params=None,
+        padding_mask=None,
+        return_loss_mask: bool = False,
+    ):
         """Logits [B, S_local, V] when ``labels`` is None, else per-token loss [B, S_local]
         (S_local = S / cp), plus the loss mask of those tokens when ``return_loss_mask``.
 
@@ -193,30 +217,40 @@ class VisionLanguageModel(MegatronModule):
         if attention_mask is not None:
             # Gated DeltaNet carries a recurrent state through every position: a padding mask on
             # the attention layers alone would leave the DeltaNet layers reading the padding.
-            raise ValueError("attention_mask: the Gated DeltaNet layers cannot honour a padding mask (their state "
-                             "runs through padded positions); pack samples (THD, cu_seqlens) or right-pad them "
-                             "(causal layers never see the padding) and pass attention_mask=None")
+            raise ValueError(
+                "attention_mask: the Gated DeltaNet layers cannot honour a padding mask (their state "
+                "runs through padded positions); pack samples (THD, cu_seqlens) or right-pad them "
+                "(causal layers never see the padding) and pass attention_mask=None"
+            )
         decoder_input = None  # later pipeline stages: the activations given to set_input_tensor
         if self.pre_process:
             decoder_input = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
         elif pixel_values is not None or pixel_values_videos is not None:
             raise ValueError("pixel values handed to a pipeline stage without the vision tower")
-        split = ContextParallelSplit.for_row(position_ids.shape[-1], self.language_model.pg_collection.cp,
-                                             packed_seq_params)
+        split = ContextParallelSplit.for_row(
+            position_ids.shape[-1], self.language_model.pg_collection.cp, packed_seq_params
+        )
         if split is not None:
             decoder_input = split.take(decoder_input, 0)
             input_ids, labels, loss_mask, padding_mask = (
-                split.take(t, 1) for t in (input_ids, labels, loss_mask, padding_mask))
+                split.take(t, 1) for t in (input_ids, labels, loss_mask, padding_mask)
+            )
             position_ids = split.take(position_ids, -1)
         if self.config.sequence_parallel:
             if decoder_input is not None:
                 decoder_input = tensor_parallel.scatter_to_sequence_parallel_region(
-                    decoder_input, group=self.language_model.pg_collection.tp)
+                    decoder_input, group=self.language_model.pg_collection.tp
+                )
             padding_mask = None
         output = self.language_model(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-            decoder_input=decoder_input, labels=labels, loss_mask=loss_mask,
-            packed_seq_params=packed_seq_params, padding_mask=padding_mask,
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            decoder_input=decoder_input,
+            labels=labels,
+            loss_mask=loss_mask,
+            packed_seq_params=packed_seq_params,
+            padding_mask=padding_mask,
         )
         return (output, loss_mask) if return_loss_mask else output
 
@@ -247,8 +281,11 @@ class VisionStage(MegatronModule):
     shares, share = 1, 0
 
     def forward(self, pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None):
-        kinds = [(pixels, grid) for pixels, grid in
-                 ((pixel_values, image_grid_thw), (pixel_values_videos, video_grid_thw)) if pixels is not None]
+        kinds = [
+            (pixels, grid)
+            for pixels, grid in ((pixel_values, image_grid_thw), (pixel_values_videos, video_grid_thw))
+            if pixels is not None
+        ]
         width = None
         if self.shares > 1:
             kinds, width = self._my_share(kinds)
@@ -264,7 +301,8 @@ class VisionStage(MegatronModule):
         """(this replica's items, by kind, as (pixels, grids); the rows every share sends)."""
         grids = [g for _, grid in kinds for g in grid.tolist()]
         owned, _, width = vision_context_parallel.shares_of(
-            grids, self.vision_model.item_flops, self.vision_model.shape.spatial_merge_size, self.shares)
+            grids, self.vision_model.item_flops, self.vision_model.shape.spatial_merge_size, self.shares
+        )
         mine, offset, out = owned[self.share], 0, []
         for pixels, grid in kinds:
             own = [i - offset for i in mine if offset <= i < offset + grid.shape[0]]

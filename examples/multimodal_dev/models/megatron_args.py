@@ -32,8 +32,11 @@ def check_model_flags(args, shape, source: str) -> None:
             continue  # megatron defaults it to 2 even for dense models
         if given is not None and given != expected:
             wrong.append(f"--{flag.replace('_', '-')} {given} (the {source} has {expected})")
-    if getattr(args, "ffn_hidden_size", None) and not shape.text.is_moe \
-            and args.ffn_hidden_size != shape.text.ffn_hidden_size:
+    if (
+        getattr(args, "ffn_hidden_size", None)
+        and not shape.text.is_moe
+        and args.ffn_hidden_size != shape.text.ffn_hidden_size
+    ):
         wrong.append(f"--ffn-hidden-size {args.ffn_hidden_size} (the {source} has {shape.text.ffn_hidden_size})")
     if getattr(args, "vocab_size", None) and args.vocab_size != shape.text.vocab_size:
         wrong.append(f"--vocab-size {args.vocab_size} (the {source} has {shape.text.vocab_size})")
@@ -48,33 +51,59 @@ def checkpoint_args(shape, **extra):
 
     t = shape.text
     values = {flag: value_of(shape) for flag, value_of in SHAPE_FLAGS.items()}
-    return Namespace(**values, group_query_attention=True, vocab_size=t.vocab_size,
-                     ffn_hidden_size=t.ffn_hidden_size or t.moe_ffn_hidden_size,
-                     untie_embeddings_and_output_weights=not t.tie_word_embeddings, normalization="RMSNorm",
-                     swiglu=True, position_embedding_type="rope", rotary_percent=t.partial_rotary_factor,
-                     rotary_base=int(t.rope_theta), mtp_num_layers=t.mtp_num_layers or None, **extra)
+    return Namespace(
+        **values,
+        group_query_attention=True,
+        vocab_size=t.vocab_size,
+        ffn_hidden_size=t.ffn_hidden_size or t.moe_ffn_hidden_size,
+        untie_embeddings_and_output_weights=not t.tie_word_embeddings,
+        normalization="RMSNorm",
+        swiglu=True,
+        position_embedding_type="rope",
+        rotary_percent=t.partial_rotary_factor,
+        rotary_base=int(t.rope_theta),
+        mtp_num_layers=t.mtp_num_layers or None,
+        **extra,
+    )
 
 
 # The run script's per-variant columns, in its order; the shape table in configuration.py is the
 # only copy of the numbers.
-SHAPE_ROW = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-             "ffn_hidden_size", "vocab_size", "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
-             "linear_num_key_heads", "linear_num_value_heads", "mtp_num_layers")
+SHAPE_ROW = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "ffn_hidden_size",
+    "vocab_size",
+    "num_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "mtp_num_layers",
+)
 
 
 def shape_row(shape) -> str:
     """``SHAPE_ROW`` of a shape, space-separated, 0 for what the shape does not have."""
     t = shape.text
-    args = vars(checkpoint_args(shape, linear_num_key_heads=t.linear_num_key_heads,
-                                linear_num_value_heads=t.linear_num_value_heads))
+    args = vars(
+        checkpoint_args(
+            shape, linear_num_key_heads=t.linear_num_key_heads, linear_num_value_heads=t.linear_num_value_heads
+        )
+    )
     args["ffn_hidden_size"] = 0 if t.is_moe else t.ffn_hidden_size
     args["mtp_num_layers"] = t.mtp_num_layers
     return " ".join(str(args[k] or 0) for k in SHAPE_ROW)
 
 
 # the commands of ``python -m ...megatron_args``: what each prints of the shape it is given
-COMMANDS = {"shape-row": ("the run script's model numbers: " + " ".join(SHAPE_ROW), shape_row),
-            "vision-heads": ("the vision tower's attention heads", lambda shape: str(shape.vision.num_heads))}
+COMMANDS = {
+    "shape-row": ("the run script's model numbers: " + " ".join(SHAPE_ROW), shape_row),
+    "vision-heads": ("the vision tower's attention heads", lambda shape: str(shape.vision.num_heads)),
+}
 
 
 def _shape_command(command: str, argv: list[str]) -> str:
@@ -94,11 +123,15 @@ def _shape_command(command: str, argv: list[str]) -> str:
     return output(get_variant(args.variant, moe=True if args.moe else None))
 
 
-if __name__ == "__main__":  # used by run_qwen35_vl.sh: -m examples.multimodal_dev.models.megatron_args shape-row|vision-heads (--variant V [--moe] | --hf-config C)
+if (
+    __name__ == "__main__"
+):  # used by run_qwen35_vl.sh: -m examples.multimodal_dev.models.megatron_args shape-row|vision-heads (--variant V [--moe] | --hf-config C)
     import sys
 
     if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
-        raise SystemExit("usage: megatron_args.py shape-row|vision-heads (--variant NAME [--moe] | --hf-config CONFIG_JSON)")
+        raise SystemExit(
+            "usage: megatron_args.py shape-row|vision-heads (--variant NAME [--moe] | --hf-config CONFIG_JSON)"
+        )
     try:
         print(_shape_command(sys.argv[1], sys.argv[2:]))
     except (KeyError, ValueError, FileNotFoundError) as err:

@@ -79,6 +79,7 @@ KERNELS = ("torch", "gpu")
 @dataclass(frozen=True)
 class ActivationBreakdown:
     """Bytes one rank keeps for the backward of one micro-batch, by part."""
+
     vision: float  # vision tower incl. patch merger (first stage)
     embedding: float  # word embedding output / merge of image features (first stage)
     gdn_layer: float  # ONE Gated DeltaNet layer's mixer part incl. its input norm
@@ -93,8 +94,11 @@ class ActivationBreakdown:
 
     def working(self, first: bool, last: bool) -> float:
         """Bytes live on top of the kept ones while the stage's largest layer is recomputed."""
-        return max(self.recompute_working, self.vision_recompute_working if first else 0.0,
-                   self.mtp_recompute_working if last else 0.0)
+        return max(
+            self.recompute_working,
+            self.vision_recompute_working if first else 0.0,
+            self.mtp_recompute_working if last else 0.0,
+        )
 
     def stage(self, n_gdn: int, n_attention: int, first: bool, last: bool) -> float:
         """Bytes of a pipeline stage holding these layers: its parts, plus the working set once."""
@@ -134,9 +138,21 @@ def _gdn(t, T, Tl, Tn, segs, b, tp, cp, packed, gpu):
     if gpu:
         repeat = 2 * b * T * nv * dk if nv > nk else 0.0  # else q, k are views of l2norm's output
         in_proj = b * T * (dc + vd + 2 * nv)  # FLA's conv saves its input: a view of in_proj's whole output
-        return (2 * b * Tn * h + 4 * Tn + in_proj + b * T * 2 * kd + 8 * T * nk + repeat + b * T * vd
-                + 2 * b * T * nv + 4 * T * nv + b * T * nv * CHUNK  # alpha, beta; FLA g, A
-                + 2 * b * T * vd + 4 * T * nv + out_proj)  # gated norm: kernel output, gate, rstd
+        return (
+            2 * b * Tn * h
+            + 4 * Tn
+            + in_proj
+            + b * T * 2 * kd
+            + 8 * T * nk
+            + repeat
+            + b * T * vd
+            + 2 * b * T * nv
+            + 4 * T * nv
+            + b * T * nv * CHUNK  # alpha, beta; FLA g, A
+            + 2 * b * T * vd
+            + 4 * T * nv
+            + out_proj
+        )  # gated norm: kernel output, gate, rstd
     bf16 = b < 4
     conv = 4 * dc * sum(n + w - 1 for n in segs) + 4 * T * dc + (16 * T if packed else 0) + (4 * dc * w if bf16 else 0)
     l2norm = (8 if bf16 else 4) * T * 2 * kd + 8 * T * nk  # fp32 input (cast twice in bf16), rsqrt
@@ -144,8 +160,13 @@ def _gdn(t, T, Tl, Tn, segs, b, tp, cp, packed, gpu):
     out_norm = 16 * T * vd + 4 * T * nv + 4 * dv + b * T * vd  # norm, fp32 gate, silu(gate), normed
     m, states = _chunks(segs)
     a, c, d = (5, 6, 3) if dk + dv <= CHUNK else (6, 7, 3)
-    kernel = (4 * m * nv * (a * CHUNK ** 2 + c * CHUNK * dk + d * CHUNK * dv + 4 * CHUNK + 1)
-              + 4 * nv * dk * dv * states + 16 * T + 8 * len(segs) + 2 * CHUNK ** 2)
+    kernel = (
+        4 * m * nv * (a * CHUNK**2 + c * CHUNK * dk + d * CHUNK * dv + 4 * CHUNK + 1)
+        + 4 * nv * dk * dv * states
+        + 16 * T
+        + 8 * len(segs)
+        + 2 * CHUNK**2
+    )
     return _norm(Tn, h) + b * Tn * h + conv + l2norm + gates + kernel + out_norm + out_proj
 
 
@@ -154,8 +175,9 @@ def _attention(t, T, Tl, Tn, b, tp, cp, packed, gpu):
     nh, ng = t.num_attention_heads / tp, max(1.0, t.num_kv_heads / tp)
     q, kv = Tl * nh * hd, Tl * ng * hd
     if gpu:  # fused norm+qkv; q/k norms; flash q, k, v, out, lse; gate; proj input
-        return (2 * b * Tn * h + 4 * Tn + b * (q + kv) + 4 * Tl * (nh + ng)
-                + b * (2 * q + 2 * kv) + 4 * Tl * nh + 2 * b * q)
+        return (
+            2 * b * Tn * h + 4 * Tn + b * (q + kv) + 4 * Tl * (nh + ng) + b * (2 * q + 2 * kv) + 4 * Tl * nh + 2 * b * q
+        )
     k_norm = _norm(Tl * ng, hd) if b < 4 else 4 * Tl * (2 * nh + 2 * ng) * hd + 4 * kv + 4 * Tl * ng + 4 * hd
     rotary = 4 * b * Tl * int(hd * t.partial_rotary_factor)
     sdpa = 2 * b * q + 2 * b * (T if cp > 1 else Tl) * nh * hd + 4 * Tl * nh  # the CP path gathers k, v
@@ -193,8 +215,20 @@ def _vision(v, grids, b, tp, cp, gpu):
     return stem + 2 * b * p * d + 2 * b * p * dl + 2 * b * p, block, p
 
 
-def micro_batch_activations(shape, lengths, grids=(), *, dtype_bytes=2, tp=1, sp=False, cp=1, etp=1,
-                            recompute=None, padded_to=None, kernels="torch") -> ActivationBreakdown:
+def micro_batch_activations(
+    shape,
+    lengths,
+    grids=(),
+    *,
+    dtype_bytes=2,
+    tp=1,
+    sp=False,
+    cp=1,
+    etp=1,
+    recompute=None,
+    padded_to=None,
+    kernels="torch",
+) -> ActivationBreakdown:
     """Bytes per part of a micro-batch of samples of these real token ``lengths`` and images of
     these ``grids`` [(t, h, w)]: packed (THD) or, with ``padded_to``, padded rows (BSHD)."""
     if kernels not in KERNELS:
@@ -220,17 +254,31 @@ def micro_batch_activations(shape, lengths, grids=(), *, dtype_bytes=2, tp=1, sp
     mtp_outer = 8 * Tl + b * Tn * h + 4 * Tl * vocab + 17 * Tl  # rolled ids, its output layer and loss
     embedding = 8 * T + (T if grids else 0) + (8 * Tl if cp > 1 else 0)
     if recompute is None:
-        return ActivationBreakdown(stem_merger + v.depth * block, embedding, gdn, attention, mlp, output,
-                                   t.mtp_num_layers * (mtp_layer + mtp_outer), 0.0)
+        return ActivationBreakdown(
+            stem_merger + v.depth * block,
+            embedding,
+            gdn,
+            attention,
+            mlp,
+            output,
+            t.mtp_num_layers * (mtp_layer + mtp_outer),
+            0.0,
+        )
     kept = b * Tn * h  # a checkpointed layer's input
     mask = 0 if sp else Tl  # the padding mask (the model drops it under SP)
     reused = kept if gpu or b == 4 else 0.0  # the recomputed first norm saves the kept input itself
     dh = v.hidden_size / v.num_heads
     vision = stem_merger + (v.depth * b * patches * v.hidden_size + 4 * patches * dh if grids else 0.0)
     return ActivationBreakdown(
-        vision, embedding, kept, kept, 0.0, output,
+        vision,
+        embedding,
+        kept,
+        kept,
+        0.0,
+        output,
         mtp=t.mtp_num_layers * (2 * kept + mask + mtp_outer),  # hidden, embeddings, rolled mask
         recompute_working=max(gdn, attention) + mlp - reused,
         per_stage=4 * Tl * int(t.head_dim * t.partial_rotary_factor) + mask,
         vision_recompute_working=block - (reused and b * patches * v.hidden_size) if grids else 0.0,
-        mtp_recompute_working=mtp_layer - 2 * reused if t.mtp_num_layers else 0.0)
+        mtp_recompute_working=mtp_layer - 2 * reused if t.mtp_num_layers else 0.0,
+    )

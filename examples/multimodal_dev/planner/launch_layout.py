@@ -10,13 +10,23 @@ from ..models.qwen35_vl.configuration import Qwen35VLShape
 from ..models.qwen35_vl.parallel import validate_parallel
 from .pipeline_layout import LAYOUTS, stage_layers
 
-LAYOUT_KEYS = {"TP": "tp", "PP": "pp", "VP": "vp", "CP": "cp", "EP": "ep", "ETP": "etp", "FIRST": "first",
-               "LAST": "last", "GPUS": "gpus"}
+LAYOUT_KEYS = {
+    "TP": "tp",
+    "PP": "pp",
+    "VP": "vp",
+    "CP": "cp",
+    "EP": "ep",
+    "ETP": "etp",
+    "FIRST": "first",
+    "LAST": "last",
+    "GPUS": "gpus",
+}
 
 
 @dataclass(frozen=True)
 class Layout:
     """One launch layout (a row of ``pipeline_layout.LAYOUTS`` or any other); None = unset."""
+
     tp: int = 1
     pp: int = 1
     vp: int | None = None
@@ -43,8 +53,10 @@ class Layout:
             field = LAYOUT_KEYS.get(key.upper())
             optional = field in ("vp", "first", "last")
             if field is None or not value.isdigit() or (int(value) == 0 and not optional):
-                raise ValueError(f"item {item!r}: expected KEY=N (N >= 1; 0 unsets VP, FIRST, LAST) with KEY one "
-                                 f"of {', '.join(LAYOUT_KEYS)}")
+                raise ValueError(
+                    f"item {item!r}: expected KEY=N (N >= 1; 0 unsets VP, FIRST, LAST) with KEY one "
+                    f"of {', '.join(LAYOUT_KEYS)}"
+                )
             if field in fields:
                 raise ValueError(f"item {item!r}: {key.upper()} is given twice")
             fields[field] = int(value) or None
@@ -68,9 +80,18 @@ class Layout:
         return self.gpus // (self.ep * self.etp * self.pp)
 
     def describe(self) -> str:
-        parts = [f"TP={self.tp}", f"PP={self.pp}"] + [f"{k}={v}" for k, v in (
-            ("VP", self.vp), ("CP", self.cp if self.cp > 1 else None), ("EP", self.ep if self.ep > 1 else None),
-            ("ETP", self.etp if self.ep > 1 else None), ("FIRST", self.first), ("LAST", self.last)) if v]
+        parts = [f"TP={self.tp}", f"PP={self.pp}"] + [
+            f"{k}={v}"
+            for k, v in (
+                ("VP", self.vp),
+                ("CP", self.cp if self.cp > 1 else None),
+                ("EP", self.ep if self.ep > 1 else None),
+                ("ETP", self.etp if self.ep > 1 else None),
+                ("FIRST", self.first),
+                ("LAST", self.last),
+            )
+            if v
+        ]
         return " ".join(parts) + f", DP={self.dp}, {self.gpus} GPUs"
 
     def check(self, shape: Qwen35VLShape) -> None:
@@ -78,13 +99,21 @@ class Layout:
         stage_layers(shape.text.num_layers, self.pp, self.vp, self.first, self.last)
         validate_parallel(shape, self.tp, self.cp, self.ep)
         if self.gpus % (self.tp * self.pp * self.cp) or self.gpus % (self.ep * self.etp * self.pp):
-            raise ValueError(f"{self.gpus} GPUs: not a multiple of TP x PP x CP = {self.tp * self.pp * self.cp} "
-                             f"and of EP x ETP x PP = {self.ep * self.etp * self.pp}")
+            raise ValueError(
+                f"{self.gpus} GPUs: not a multiple of TP x PP x CP = {self.tp * self.pp * self.cp} "
+                f"and of EP x ETP x PP = {self.ep * self.etp * self.pp}"
+            )
 
     def settings(self) -> dict:
         """The TransformerConfig fields of this layout."""
-        return dict(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
-                    virtual_pipeline_model_parallel_size=self.vp, context_parallel_size=self.cp,
-                    expert_model_parallel_size=self.ep, expert_tensor_parallel_size=self.etp,
-                    num_layers_in_first_pipeline_stage=self.first, num_layers_in_last_pipeline_stage=self.last,
-                    sequence_parallel=self.tp > 1)  # megatron requires SP for MoE with TP; same tensors
+        return dict(
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            virtual_pipeline_model_parallel_size=self.vp,
+            context_parallel_size=self.cp,
+            expert_model_parallel_size=self.ep,
+            expert_tensor_parallel_size=self.etp,
+            num_layers_in_first_pipeline_stage=self.first,
+            num_layers_in_last_pipeline_stage=self.last,
+            sequence_parallel=self.tp > 1,
+        )  # megatron requires SP for MoE with TP; same tensors

@@ -47,7 +47,7 @@ from .activation_memory import micro_batch_activations
 from .pipeline_layout import stage_layers
 from .rank_params import StageParams, stage_params
 
-GIB = 2 ** 30
+GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ class Hardware:
     """Peak dense bf16 TFLOP/s, memory, and the bandwidth a collective achieves per GPU (GB/s, one
     direction): NVLink within a node, the network across nodes (one NIC per GPU). Link figures are
     80 % of the nominal ones, about what NCCL's bus bandwidth reaches at large messages."""
+
     name: str
     peak_tflops: float
     memory_gib: float
@@ -79,7 +80,9 @@ class Candidate:
     recompute: str | None = None
 
     def describe(self) -> str:
-        return self.layout.describe() + f", MBS={self.mbs}" + (f", recompute {self.recompute}" if self.recompute else "")
+        return (
+            self.layout.describe() + f", MBS={self.mbs}" + (f", recompute {self.recompute}" if self.recompute else "")
+        )
 
 
 @dataclass
@@ -143,8 +146,11 @@ def state_bytes(params: StageParams, layout, distributed_optimizer: bool = True)
     bf16 parameter, sharded over DP x CP (experts: expert DP) by the distributed optimizer."""
     dense = layout.dense_shards if distributed_optimizer else 1
     expert = layout.expert_dp if distributed_optimizer else 1
-    return (2 * (params.dense + params.expert) + 4 * params.fp32, 4 * params.total,
-            12 * params.dense / dense + 8 * params.fp32 / dense + 12 * params.expert / expert)
+    return (
+        2 * (params.dense + params.expert) + 4 * params.fp32,
+        4 * params.total,
+        12 * params.dense / dense + 8 * params.fp32 / dense + 12 * params.expert / expert,
+    )
 
 
 def stage_memory(shape, cand: Candidate, rows, micro_batches: int, distributed_optimizer: bool = True):
@@ -186,8 +192,9 @@ def decoder_layer_flops(shape, fb, layers) -> float:
     return n_attn * attention + (len(layers) - n_attn) * gdn + len(layers) * (fb.mlp / t.num_layers)
 
 
-def step_time(shape, cand: Candidate, rows, micro_batches: int, dp_imbalance: float, hw: Hardware,
-              efficiency: float) -> StepTime:
+def step_time(
+    shape, cand: Candidate, rows, micro_batches: int, dp_imbalance: float, hw: Hardware, efficiency: float
+) -> StepTime:
     """Seconds of one training step (``micro_batches`` micro-batches of ``rows`` per pipeline)."""
     lay, t, h = cand.layout, shape.text, shape.text.hidden_size
     lengths = [n for r in rows for n in r.lengths]
@@ -252,6 +259,10 @@ def step_time(shape, cand: Candidate, rows, micro_batches: int, dp_imbalance: fl
     all_gather = 2 * (dp_bytes[0] * dense_link + dp_bytes[1] * expert_link)
     backward = per_mb * 2 / 3
     out.dp = max(0.0, reduce_scatter - backward) + max(0.0, all_gather - (per_mb - backward))
-    out.parts = dict(busiest_stage=stages.index(busiest), bubble=bubble, flops=fb.training * micro_batches * lay.dp,
-                     vision_flops=fb.vision * 3 * micro_batches * lay.dp)
+    out.parts = dict(
+        busiest_stage=stages.index(busiest),
+        bubble=bubble,
+        flops=fb.training * micro_batches * lay.dp,
+        vision_flops=fb.vision * 3 * micro_batches * lay.dp,
+    )
     return out

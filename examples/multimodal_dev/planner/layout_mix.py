@@ -14,7 +14,6 @@ that dealing: ``imbalance(dp, rows_per_rank)`` simulates it over a few steps of 
 from __future__ import annotations
 
 from collections import Counter
-
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -51,8 +50,10 @@ class Mix:
         dataset's ``describe(index)`` returns (``SkippingDataset.describe``). A conversation longer
         than ``seq_len`` is cut to it, as the loader's length limit does."""
         docs = [(min(int(n), seq_len), tuple(tuple(int(x) for x in g) for g in grids)) for n, grids in docs]
-        rows = [Row(tuple(docs[i][0] for i in row), tuple(g for i in row for g in docs[i][1]))
-                for row in first_fit_rows([n for n, _ in docs], seq_len)]
+        rows = [
+            Row(tuple(docs[i][0] for i in row), tuple(g for i in row for g in docs[i][1]))
+            for row in first_fit_rows([n for n, _ in docs], seq_len)
+        ]
         # the last rows of a first-fit pass hold the leftovers; a long-running loader fills them
         full = [r for r in rows if r.tokens >= 0.9 * seq_len] or rows
         return cls(shape, seq_len, full, name)
@@ -71,7 +72,7 @@ class Mix:
         docs = []
         for _ in range(draw):
             grids = [(1, *profile.grid(gen, merge)) for _ in range(profile.n_images(gen))]
-            vision = sum(h * w // merge ** 2 + 2 for _, h, w in grids)
+            vision = sum(h * w // merge**2 + 2 for _, h, w in grids)
             prompt, answer = profile.text_lengths(gen, seq_len - vision - TEMPLATE)
             docs.append((TEMPLATE + vision + prompt + answer, grids))
         return cls.from_documents(shape, seq_len, docs, "mock_mix")

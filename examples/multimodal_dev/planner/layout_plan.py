@@ -21,8 +21,8 @@ from functools import lru_cache
 
 from ..models.qwen35_vl.flops import micro_batch_flops
 from ..models.qwen35_vl.parallel import validate_parallel
-from .layout_cost import GIB, Candidate, Hardware, stage_memory, step_time
 from .launch_layout import Layout
+from .layout_cost import GIB, Candidate, Hardware, stage_memory, step_time
 from .pipeline_layout import stage_layers
 
 MIN_CP_TOKENS = 2048  # context parallelism is for long rows: below this a rank's GEMMs are too short to run at speed
@@ -120,7 +120,11 @@ def candidates(request: Request):
     tps = [tp for tp in (1, 2, 4, 8, 16) if tp <= node and gpus % tp == 0]
     for tp in tps:
         for cp in (1, 2, 4, 8):
-            if gpus % (tp * cp) or (cp > 1 and request.mix.seq_len // cp < MIN_CP_TOKENS) or not _valid(shape, tp, cp, 1):
+            if (
+                gpus % (tp * cp)
+                or (cp > 1 and request.mix.seq_len // cp < MIN_CP_TOKENS)
+                or not _valid(shape, tp, cp, 1)
+            ):
                 continue
             for pp in _divisors(gpus // (tp * cp)):
                 if pp > t.num_layers:
@@ -166,8 +170,9 @@ def evaluate(request: Request, cand: Candidate) -> Plan:
         state = worst.weights + worst.grads + worst.optimizer
         part = "weights + gradients + optimizer" if state > request.usable_bytes else "activations"
         return Plan(cand, m, memory, None, f"over memory ({part})")
-    time = step_time(request.shape, cand, rows, m, request.mix.imbalance(lay.dp, m * cand.mbs), request.hardware,
-                     request.efficiency)
+    time = step_time(
+        request.shape, cand, rows, m, request.mix.imbalance(lay.dp, m * cand.mbs), request.hardware, request.efficiency
+    )
     return Plan(cand, m, memory, time)
 
 

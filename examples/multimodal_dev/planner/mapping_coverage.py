@@ -76,10 +76,16 @@ def hf_shapes(shape: Qwen35VLShape) -> dict[str, torch.Size]:
     t = shape.text
     if t.mtp_num_layers:
         full = f"model.language_model.layers.{list(t.layer_types).index(FULL)}."
-        shapes.update({"mtp." + "layers.0." + n[len(full):]: s for n, s in shapes.items() if n.startswith(full)})
+        shapes.update({"mtp." + "layers.0." + n[len(full) :]: s for n, s in shapes.items() if n.startswith(full)})
         hidden = torch.Size([t.hidden_size])
-        shapes.update({"mtp.fc.weight": torch.Size([t.hidden_size, 2 * t.hidden_size]), "mtp.norm.weight": hidden,
-                       "mtp.pre_fc_norm_embedding.weight": hidden, "mtp.pre_fc_norm_hidden.weight": hidden})
+        shapes.update(
+            {
+                "mtp.fc.weight": torch.Size([t.hidden_size, 2 * t.hidden_size]),
+                "mtp.norm.weight": hidden,
+                "mtp.pre_fc_norm_embedding.weight": hidden,
+                "mtp.pre_fc_norm_hidden.weight": hidden,
+            }
+        )
     return shapes
 
 
@@ -100,11 +106,22 @@ def megatron_shapes(shape: Qwen35VLShape, rules=None, hf=None) -> dict[str, tupl
 def _gdn_splits(shape: Qwen35VLShape) -> dict[str, list[tuple[str, int]]]:
     """megatron-core's checkpoint split of the fused GDN tensors (rows, TP = 1)."""
     t = shape.text
-    qk, v, nv = t.linear_num_key_heads * t.linear_key_head_dim, t.linear_num_value_heads * t.linear_value_head_dim, \
-        t.linear_num_value_heads
-    return {"self_attention.in_proj.weight": [("query", qk), ("key", qk), ("value", v), ("z", v), ("beta", nv),
-                                              ("alpha", nv)],
-            "self_attention.conv1d.weight": [("query", qk), ("key", qk), ("value", v)]}
+    qk, v, nv = (
+        t.linear_num_key_heads * t.linear_key_head_dim,
+        t.linear_num_value_heads * t.linear_value_head_dim,
+        t.linear_num_value_heads,
+    )
+    return {
+        "self_attention.in_proj.weight": [
+            ("query", qk),
+            ("key", qk),
+            ("value", v),
+            ("z", v),
+            ("beta", nv),
+            ("alpha", nv),
+        ],
+        "self_attention.conv1d.weight": [("query", qk), ("key", qk), ("value", v)],
+    }
 
 
 def _rename_norms(rest: str, layer_type: str, moe: bool) -> str:
@@ -114,7 +131,7 @@ def _rename_norms(rest: str, layer_type: str, moe: bool) -> str:
                 fused = fused[layer_type]
             elif moe:
                 continue  # the MoE router reads the normed input: that norm keeps its own key
-            return fused + rest[len(local):]
+            return fused + rest[len(local) :]
     return rest
 
 
@@ -152,8 +169,10 @@ def expected_keys(shape: Qwen35VLShape, rules=None, hf=None) -> dict[str, Expect
                 for part, rows in splits[rest]:
                     add(f"{head}{rest}.{part}", (rows, *full[1:]), name)
                 if sum(rows for _, rows in splits[rest]) != full[0]:
-                    raise ValueError(f"{name}: {full[0]} rows; megatron's split {splits[rest]} needs "
-                                     f"{sum(r for _, r in splits[rest])}")
+                    raise ValueError(
+                        f"{name}: {full[0]} rows; megatron's split {splits[rest]} needs "
+                        f"{sum(r for _, r in splits[rest])}"
+                    )
                 continue
             key = head + rest
         add(key, (*lead, *full), name, index)
@@ -187,13 +206,17 @@ def coverage_errors(expected: dict[str, ExpectedKey], builds: list[RankBuild], l
                     errors.append(f"{where}: {sh.key} {sh.global_shape} is not in the converter's mapping")
                     continue
                 if tuple(sh.global_shape) != want.global_shape:
-                    errors.append(f"{where}: {sh.key} has global shape {tuple(sh.global_shape)}; the mapping "
-                                  f"gives {want.global_shape} ({want.sources[0]})")
+                    errors.append(
+                        f"{where}: {sh.key} has global shape {tuple(sh.global_shape)}; the mapping "
+                        f"gives {want.global_shape} ({want.sources[0]})"
+                    )
                     continue
                 local = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
                 if tuple(a * f for a, f in zip(local, sh.axis_fragmentations)) != want.global_shape:
-                    errors.append(f"{where}: {sh.key} local {local} x fragmentation {sh.axis_fragmentations} "
-                                  f"is not the global shape {want.global_shape}")
+                    errors.append(
+                        f"{where}: {sh.key} local {local} x fragmentation {sh.axis_fragmentations} "
+                        f"is not the global shape {want.global_shape}"
+                    )
                     continue
                 meta[sh.key] = (want.global_shape, local, tuple(sh.axis_fragmentations))
                 if is_main_replica(sh.replica_id):
@@ -201,14 +224,19 @@ def coverage_errors(expected: dict[str, ExpectedKey], builds: list[RankBuild], l
                     cells[sh.key][sh.local_chunk_offset_in_global()].append(build.rank)
     for key, want in expected.items():
         if want.slices and want.slices != set(range(want.global_shape[0])):
-            errors.append(f"{key}: the mapping fills {len(want.slices)} of its {want.global_shape[0]} stacked "
-                          f"slices (missing {sorted(set(range(want.global_shape[0])) - want.slices)[:8]})")
+            errors.append(
+                f"{key}: the mapping fills {len(want.slices)} of its {want.global_shape[0]} stacked "
+                f"slices (missing {sorted(set(range(want.global_shape[0])) - want.slices)[:8]})"
+            )
         if len(owners[key]) != 1:
-            errors.append(f"{key}: main replica in {len(owners[key])} (pipeline, virtual) stages "
-                          f"{sorted(owners[key], key=str)}; expected exactly one")
+            errors.append(
+                f"{key}: main replica in {len(owners[key])} (pipeline, virtual) stages "
+                f"{sorted(owners[key], key=str)}; expected exactly one"
+            )
     built = {b.rank for b in builds}
-    complete = {p for p in range(layout.pp)
-                if {r for r in main_replica_ranks(layout) if r // layout.stage_gpus == p} <= built}
+    complete = {
+        p for p in range(layout.pp) if {r for r in main_replica_ranks(layout) if r // layout.stage_gpus == p} <= built
+    }
     tiled_kinds = set()
     for key, grid in cells.items():
         doubled = {c: r for c, r in grid.items() if len(r) > 1}
@@ -218,8 +246,9 @@ def coverage_errors(expected: dict[str, ExpectedKey], builds: list[RankBuild], l
         if {p for p, _ in owners[key]} <= complete:
             missing = prod(meta[key][2]) - len(grid)
             if missing:
-                errors.append(f"{key}: {missing} of {prod(meta[key][2])} shards of the grid "
-                              f"{meta[key][2]} written by no rank")
+                errors.append(
+                    f"{key}: {missing} of {prod(meta[key][2])} shards of the grid {meta[key][2]} written by no rank"
+                )
             elif not doubled:
                 tiled_kinds.add((_kind(key), *meta[key]))
     for key in cells:
@@ -234,6 +263,7 @@ class ParameterCounts:
     is not a mapping tensor). ``total`` / ``active``: without the MTP head, the convention of the
     published figures (with it, 122B-A10B and 397B-A17B would be 3.1B and 6.6B above theirs);
     the vision tower (~0.45B, within the published rounding either way) is counted in both."""
+
     with_mtp: int
     mtp: int
     vision: int
@@ -251,10 +281,11 @@ def parameter_counts(shape: Qwen35VLShape, expected: dict[str, ExpectedKey]) -> 
     routed = count(lambda k: ".mlp.experts.experts." in k and not k.startswith(MG_LM + "mtp."))
     with_mtp = count(lambda k: True)
     unused = routed * (t.num_experts - t.moe_top_k) // t.num_experts if t.is_moe else 0
-    return ParameterCounts(with_mtp, mtp, count(lambda k: k.startswith(MG_VIS)), routed, with_mtp - mtp,
-                           with_mtp - mtp - unused)
+    return ParameterCounts(
+        with_mtp, mtp, count(lambda k: k.startswith(MG_VIS)), routed, with_mtp - mtp, with_mtp - mtp - unused
+    )
 
 
 def within_published_rounding(count: int, billions: int) -> bool:
     """A published whole number of billions is the count rounded down or up."""
-    return int(count // 10 ** 9) <= billions <= -(-count // 10 ** 9)
+    return int(count // 10**9) <= billions <= -(-count // 10**9)

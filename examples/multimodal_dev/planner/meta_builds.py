@@ -44,7 +44,9 @@ from torch.overrides import TorchFunctionMode
 from ..models.qwen35_vl.configuration import Qwen35VLShape
 from .launch_layout import Layout
 
-GIB = 2 ** 30
+GIB = 2**30
+
+
 @dataclass(frozen=True)
 class Param:
     name: str
@@ -56,6 +58,7 @@ class Param:
 @dataclass
 class Chunk:
     """One model chunk (virtual stage) of a rank: its parameters and checkpoint shards (no data)."""
+
     vp_stage: int | None
     pre_process: bool
     post_process: bool
@@ -109,19 +112,31 @@ def fake_world(layout: Layout, rank: int, seed: int = 1234):
     if not 0 <= rank < layout.gpus:
         raise ValueError(f"rank {rank}: the layout has {layout.gpus} GPUs")
     if dist.is_initialized():
-        raise RuntimeError("torch.distributed is already initialised in this process; meta builds need "
-                           "their own fake world (destroy the process group first)")
+        raise RuntimeError(
+            "torch.distributed is already initialised in this process; meta builds need "
+            "their own fake world (destroy the process group first)"
+        )
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.gpus)
     try:
         ps.initialize_model_parallel(
-            layout.tp, layout.pp, layout.vp, context_parallel_size=layout.cp,
-            expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
-            create_gloo_process_groups=False)
+            layout.tp,
+            layout.pp,
+            layout.vp,
+            context_parallel_size=layout.cp,
+            expert_model_parallel_size=layout.ep,
+            expert_tensor_parallel_size=layout.etp,
+            create_gloo_process_groups=False,
+        )
         model_parallel_cuda_manual_seed(seed)
-        coords = dict(pp=ps.get_pipeline_model_parallel_rank(), tp=ps.get_tensor_model_parallel_rank(),
-                      cp=ps.get_context_parallel_rank(), dp=ps.get_data_parallel_rank(),
-                      ep=ps.get_expert_model_parallel_rank(), etp=ps.get_expert_tensor_parallel_rank(),
-                      edp=ps.get_expert_data_parallel_rank())
+        coords = dict(
+            pp=ps.get_pipeline_model_parallel_rank(),
+            tp=ps.get_tensor_model_parallel_rank(),
+            cp=ps.get_context_parallel_rank(),
+            dp=ps.get_data_parallel_rank(),
+            ep=ps.get_expert_model_parallel_rank(),
+            etp=ps.get_expert_tensor_parallel_rank(),
+            edp=ps.get_expert_data_parallel_rank(),
+        )
         assert coords == coords_of(layout, rank), (rank, coords, coords_of(layout, rank))
         yield coords
     finally:
@@ -138,18 +153,27 @@ def _shards(model, rank: int, chunk: int) -> list:
         state = model.sharded_state_dict()
     except AssertionError as err:  # megatron-core's own consistency checks of a stage's checkpoint keys
         where = traceback.extract_tb(err.__traceback__)[-1]
-        raise RuntimeError(f"rank {rank} chunk {chunk}: megatron-core's sharded_state_dict asserts in "
-                           f"{where.name} ({os.path.basename(where.filename)}:{where.lineno}): {where.line}") from err
+        raise RuntimeError(
+            f"rank {rank} chunk {chunk}: megatron-core's sharded_state_dict asserts in "
+            f"{where.name} ({os.path.basename(where.filename)}:{where.lineno}): {where.line}"
+        ) from err
     apply_factories(state)
     return [t.without_data() for t in nested_values(state) if isinstance(t, ShardedTensor)]
 
 
-def rank_build(shape: Qwen35VLShape, layout: Layout, rank: int, backend: str = "local", shards: bool = True,
-               keep_models: bool = False) -> RankBuild:
+def rank_build(
+    shape: Qwen35VLShape,
+    layout: Layout,
+    rank: int,
+    backend: str = "local",
+    shards: bool = True,
+    keep_models: bool = False,
+) -> RankBuild:
     """Build every model chunk of ``rank`` on meta (bf16); returns its parameters and, with
     ``shards``, its checkpoint shards (and the modules themselves in ``models`` when ``keep_models``)."""
-    import megatron.cpu
     from megatron.core.pipeline_parallel.utils import is_vp_first_stage, is_vp_last_stage
+
+    import megatron.cpu
 
     from ..models.qwen35_vl.factory import build_model
 
@@ -164,13 +188,21 @@ def rank_build(shape: Qwen35VLShape, layout: Layout, rank: int, backend: str = "
             pre = coords["pp"] == 0 and (stage is None or is_vp_first_stage(stage, layout.vp))
             post = coords["pp"] == layout.pp - 1 and (stage is None or is_vp_last_stage(stage, layout.vp))
             with torch.device("meta"), _OnMeta():
-                model = build_model(shape, backend, params_dtype=torch.bfloat16, pre_process=pre,
-                                    post_process=post, vp_stage=stage, **settings)
+                model = build_model(
+                    shape,
+                    backend,
+                    params_dtype=torch.bfloat16,
+                    pre_process=pre,
+                    post_process=post,
+                    vp_stage=stage,
+                    **settings,
+                )
             off_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if not t.is_meta]
             if off_meta:
                 raise RuntimeError(f"rank {rank} chunk {v}: tensors not on the meta device: {off_meta[:8]}")
-            params = [Param(n, p.numel(), p.dtype, not getattr(p, "allreduce", True))
-                      for n, p in model.named_parameters()]
+            params = [
+                Param(n, p.numel(), p.dtype, not getattr(p, "allreduce", True)) for n, p in model.named_parameters()
+            ]
             build.chunks.append(Chunk(stage, pre, post, params, _shards(model, rank, v) if shards else []))
             models.append(model)
     if keep_models:
@@ -188,8 +220,7 @@ def rank_memory(build: RankBuild, layout: Layout) -> RankMemory:
         state = 8 + (0 if p.dtype == torch.float32 else 4)  # exp_avg + exp_avg_sq (+ fp32 main copy)
         optimizer += p.numel * state / (layout.expert_dp if p.expert else layout.dense_shards)
     params = build.params
-    return RankMemory(sum(p.numel for p in params), sum(p.numel for p in params if p.expert), weights, grads,
-                      optimizer)
+    return RankMemory(sum(p.numel for p in params), sum(p.numel for p in params if p.expert), weights, grads, optimizer)
 
 
 def coords_of(layout: Layout, rank: int) -> dict:

@@ -15,15 +15,26 @@ building; ``stage_layers`` checks them first and says which setting is wrong.
 from __future__ import annotations
 
 # How the run script and megatron name each setting, for messages.
-FLAG_NAMES = {"pp": "--pipeline-model-parallel-size", "vp": "--num-virtual-stages-per-pipeline-rank",
-              "first": "--decoder-first-pipeline-num-layers", "last": "--decoder-last-pipeline-num-layers"}
+FLAG_NAMES = {
+    "pp": "--pipeline-model-parallel-size",
+    "vp": "--num-virtual-stages-per-pipeline-rank",
+    "first": "--decoder-first-pipeline-num-layers",
+    "last": "--decoder-last-pipeline-num-layers",
+}
 ENV_NAMES = {"pp": "PP=", "vp": "VP=", "first": "PP_FIRST=", "last": "PP_LAST="}
 
 
-def stage_layers(num_layers: int, pp: int, vp: int | None = None, first: int | None = None,
-                 last: int | None = None, names: dict = FLAG_NAMES) -> list[list[range]]:
+def stage_layers(
+    num_layers: int,
+    pp: int,
+    vp: int | None = None,
+    first: int | None = None,
+    last: int | None = None,
+    names: dict = FLAG_NAMES,
+) -> list[list[range]]:
     """Global decoder layer indices of every (pipeline rank, virtual stage), or ValueError naming
     the setting that cannot be split."""
+
     def name(key, value):
         sep = "" if names[key].endswith("=") else " "
         return f"{names[key]}{sep}{value}"
@@ -38,32 +49,47 @@ def stage_layers(num_layers: int, pp: int, vp: int | None = None, first: int | N
     for key, value, index in (("first", first, 0), ("last", last, pp - 1)):
         if value is not None:
             if not 1 <= value < num_layers:
-                raise ValueError(f"{name(key, value)}: must be between 1 and {num_layers - 1} (the model has "
-                                 f"{num_layers} decoder layers)")
+                raise ValueError(
+                    f"{name(key, value)}: must be between 1 and {num_layers - 1} (the model has "
+                    f"{num_layers} decoder layers)"
+                )
             counts[index] = value
     rest, open_stages = num_layers - sum(c for c in counts if c), counts.count(None)
     if open_stages == 0 and rest != 0:
-        raise ValueError(f"{name('first', first)} + {name('last', last)} = {first + last} layers with "
-                         f"{name('pp', pp)}, but the model has {num_layers}")
+        raise ValueError(
+            f"{name('first', first)} + {name('last', last)} = {first + last} layers with "
+            f"{name('pp', pp)}, but the model has {num_layers}"
+        )
     if open_stages and (rest < open_stages or rest % open_stages):
         what = "the remaining" if first or last else "the"
-        raise ValueError(f"{name('pp', pp)}: {what} {rest} decoder layers do not split evenly over {open_stages} "
-                         f"stages" + (f" (set {names['first'].rstrip('=')} / {names['last'].rstrip('=')})"
-                                      if not (first or last) else ""))
+        raise ValueError(
+            f"{name('pp', pp)}: {what} {rest} decoder layers do not split evenly over {open_stages} "
+            f"stages"
+            + (f" (set {names['first'].rstrip('=')} / {names['last'].rstrip('=')})" if not (first or last) else "")
+        )
     if vp > 1 and open_stages == 0:  # its layer offset divides by the number of middle stages
-        raise ValueError(f"{name('vp', vp)} with both {name('first', first)} and {name('last', last)} at "
-                         f"{name('pp', pp)}: megatron-core places uneven virtual stages only when some stage "
-                         f"takes the even share; give one of the two")
+        raise ValueError(
+            f"{name('vp', vp)} with both {name('first', first)} and {name('last', last)} at "
+            f"{name('pp', pp)}: megatron-core places uneven virtual stages only when some stage "
+            f"takes the even share; give one of the two"
+        )
     counts = [c if c is not None else rest // open_stages for c in counts]
     bad = [(p, c) for p, c in enumerate(counts) if c % vp]
     if bad:
         p, c = bad[0]
-        raise ValueError(f"{name('vp', vp)}: pipeline stage {p} holds {c} layers, not a multiple of {vp} "
-                         f"(every virtual stage needs the same number of layers, at least one)")
+        raise ValueError(
+            f"{name('vp', vp)}: pipeline stage {p} holds {c} layers, not a multiple of {vp} "
+            f"(every virtual stage needs the same number of layers, at least one)"
+        )
     chunk = [c // vp for c in counts]  # layers per virtual stage of each rank
     # virtual round v runs chunk v of every rank in rank order: L/vp layers a round
-    return [[range(v * num_layers // vp + sum(chunk[:p]), v * num_layers // vp + sum(chunk[:p]) + chunk[p])
-             for v in range(vp)] for p in range(pp)]
+    return [
+        [
+            range(v * num_layers // vp + sum(chunk[:p]), v * num_layers // vp + sum(chunk[:p]) + chunk[p])
+            for v in range(vp)
+        ]
+        for p in range(pp)
+    ]
 
 
 # Recommended launch layouts: the layout planner's choice (``tools/plan_layout.py``,
@@ -74,11 +100,11 @@ def stage_layers(num_layers: int, pp: int, vp: int | None = None, first: int | N
 # parallelism (for a dense variant it is TP, as the run script sets it).
 LAYOUTS = {
     #             TP PP VP    CP EP  ETP FIRST LAST  GPUs
-    "9b":        (1, 2, None, 2, 1,  1,  18,   14,   8),
-    "27b":       (2, 4, None, 2, 1,  2,  15,   11,   16),
-    "35b_a3b":   (2, 2, None, 1, 4,  2,  16,   24,   16),
-    "122b_a10b": (2, 4, None, 2, 4,  2,  7,    7,    128),
-    "397b_a17b": (1, 8, None, 2, 8,  1,  4,    2,    256),
+    "9b": (1, 2, None, 2, 1, 1, 18, 14, 8),
+    "27b": (2, 4, None, 2, 1, 2, 15, 11, 16),
+    "35b_a3b": (2, 2, None, 1, 4, 2, 16, 24, 16),
+    "122b_a10b": (2, 4, None, 2, 4, 2, 7, 7, 128),
+    "397b_a17b": (1, 8, None, 2, 8, 1, 4, 2, 256),
 }
 
 

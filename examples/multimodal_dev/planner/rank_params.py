@@ -34,6 +34,7 @@ from .pipeline_layout import stage_layers
 class StageParams:
     """Parameters of one rank, by the bytes they cost: ``dense`` (bf16 weights, sharded over
     DP x CP), ``fp32`` (fp32 weights, their own main copy), ``expert`` (bf16, over expert DP)."""
+
     dense: int = 0
     fp32: int = 0
     expert: int = 0
@@ -47,10 +48,16 @@ class StageParams:
 
 def _vision(shape: Qwen35VLShape, tp: int) -> int:
     v, out = shape.vision, shape.vision.out_hidden_size
-    d, i, m = v.hidden_size, v.intermediate_size, v.spatial_merge_size ** 2
-    block = (4 * d  # two LayerNorms, weight and bias
-             + (3 * d * d + 3 * d) // tp + d * d // tp + d  # qkv (+ bias), proj (+ replicated bias)
-             + (d * i + i) // tp + i * d // tp + d)  # fc1 (+ bias), fc2 (+ replicated bias)
+    d, i, m = v.hidden_size, v.intermediate_size, v.spatial_merge_size**2
+    block = (
+        4 * d  # two LayerNorms, weight and bias
+        + (3 * d * d + 3 * d) // tp
+        + d * d // tp
+        + d  # qkv (+ bias), proj (+ replicated bias)
+        + (d * i + i) // tp
+        + i * d // tp
+        + d
+    )  # fc1 (+ bias), fc2 (+ replicated bias)
     merger = 2 * d + (m * d * m * d + m * d) // tp + m * d * out // tp + out
     return v.patch_dim * d + d + v.num_position_embeddings * d + v.depth * block + merger
 
@@ -65,8 +72,13 @@ def _layer(shape: Qwen35VLShape, layer_type: str, tp: int, ep: int, etp: int) ->
         kd = t.linear_num_key_heads * t.linear_key_head_dim
         vd = t.linear_num_value_heads * t.linear_value_head_dim
         nv = t.linear_num_value_heads
-        out.dense += (h + h * (2 * kd + 2 * vd + 2 * nv) // tp + (2 * kd + vd) * t.linear_conv_kernel_dim // tp
-                      + t.linear_value_head_dim + vd * h // tp)
+        out.dense += (
+            h
+            + h * (2 * kd + 2 * vd + 2 * nv) // tp
+            + (2 * kd + vd) * t.linear_conv_kernel_dim // tp
+            + t.linear_value_head_dim
+            + vd * h // tp
+        )
         out.fp32 += 2 * nv // tp
     out.dense += h  # pre-MLP norm
     if t.is_moe:

@@ -48,8 +48,11 @@ def _parser() -> argparse.ArgumentParser:
     imp.add_argument("--tp", type=int, default=1, help="tensor-parallel size you will train with (checked)")
     imp.add_argument("--ep", type=int, default=1, help="expert-parallel size you will train with (checked)")
     imp.add_argument("--overwrite", action="store_true")
-    imp.add_argument("--allow-mixed-dtypes", action="store_true",
-                     help="import tensors stored in another dtype than the checkpoint's as they are")
+    imp.add_argument(
+        "--allow-mixed-dtypes",
+        action="store_true",
+        help="import tensors stored in another dtype than the checkpoint's as they are",
+    )
     exp = sub.add_parser("export", help="Megatron checkpoint (any TP/EP) -> Hugging Face directory")
     exp.add_argument("--megatron-path", required=True)
     exp.add_argument("--hf-path", required=True)
@@ -57,8 +60,12 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--hf-config-path", default=None, help="config.json to describe the model (else inferred)")
     exp.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast every tensor (default: as stored)")
     exp.add_argument("--max-shard-size-gb", type=float, default=2.0)
-    exp.add_argument("--moe-layout", choices=MOE_LAYOUTS, default="per-expert",
-                     help="MoE experts one tensor per expert as on the hub (default) or packed [E, ...]")
+    exp.add_argument(
+        "--moe-layout",
+        choices=MOE_LAYOUTS,
+        default="per-expert",
+        help="MoE experts one tensor per expert as on the hub (default) or packed [E, ...]",
+    )
     exp.add_argument("--overwrite", action="store_true")
     ver = sub.add_parser("verify", help="logits of the Megatron checkpoint against the Hugging Face model")
     ver.add_argument("--hf-path", required=True, help="local Hugging Face folder, or hf://NAME for the Hub")
@@ -66,7 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     ver.add_argument("--atol", type=float, default=1e-3, help="largest allowed |logit difference| (fp32)")
     ver.add_argument("--prompt", default=None, help="text to run instead of the built-in batches")
     ver.add_argument("--image", default=None, help="an image file to go with --prompt")
-    ver.add_argument("--hf-processor-path", default=None, help="processor for --prompt (default: --hf-path); local, or hf://NAME")
+    ver.add_argument(
+        "--hf-processor-path", default=None, help="processor for --prompt (default: --hf-path); local, or hf://NAME"
+    )
     return parser
 
 
@@ -89,15 +98,28 @@ def main(argv=None) -> int:
     try:
         check_args(args)
         if args.command == "import":
-            info = import_hf(args.hf_path, args.megatron_path, args.tp, args.ep, args.overwrite,
-                             args.allow_mixed_dtypes)
-            print(f"import: {info['tensors']} Megatron tensors, {info['parameters'] / 1e6:.1f} M parameters "
-                  f"{info['dtypes']} -> {args.megatron_path} (iteration 0)")
+            info = import_hf(
+                args.hf_path, args.megatron_path, args.tp, args.ep, args.overwrite, args.allow_mixed_dtypes
+            )
+            print(
+                f"import: {info['tensors']} Megatron tensors, {info['parameters'] / 1e6:.1f} M parameters "
+                f"{info['dtypes']} -> {args.megatron_path} (iteration 0)"
+            )
         elif args.command == "export":
-            info = export_hf(args.megatron_path, args.hf_path, args.hf_processor_path, args.hf_config_path,
-                             args.dtype, int(args.max_shard_size_gb * 1024 ** 3), args.overwrite, args.moe_layout)
-            print(f"export: {info['bytes'] / 1e6:.1f} MB in {info['shards']} shard(s), "
-                  f"{info['processor_files']} processor file(s) -> {args.hf_path}")
+            info = export_hf(
+                args.megatron_path,
+                args.hf_path,
+                args.hf_processor_path,
+                args.hf_config_path,
+                args.dtype,
+                int(args.max_shard_size_gb * 1024**3),
+                args.overwrite,
+                args.moe_layout,
+            )
+            print(
+                f"export: {info['bytes'] / 1e6:.1f} MB in {info['shards']} shard(s), "
+                f"{info['processor_files']} processor file(s) -> {args.hf_path}"
+            )
         else:
             return 0 if verify(args) else 1
     except (OSError, SafetensorError, ValueError, KeyError) as err:  # OSError: not found, exists, cannot write

@@ -46,7 +46,10 @@ from examples.multimodal_dev.data.jsonl_media import MediaAccess, check_decodes,
 from examples.multimodal_dev.data.jsonl_source import Records, check_data_path, hold_out, parse_record
 from examples.multimodal_dev.data.sample import BadSample, DataError
 
-SPLIT_PATTERNS = {"train": "train-[0-9]+[.]tar$", "val": "val-[0-9]+[.]tar$"}  # no backslashes: energon brace-expands them
+SPLIT_PATTERNS = {
+    "train": "train-[0-9]+[.]tar$",
+    "val": "val-[0-9]+[.]tar$",
+}  # no backslashes: energon brace-expands them
 PROGRESS_EVERY_S = 5.0
 _EXT = re.compile(r"^[a-z0-9]{1,8}$")
 
@@ -102,7 +105,11 @@ class ShardWriter:
             self.tar, self.in_shard = tarfile.open(os.path.join(self.folder, name), "w", format=tarfile.USTAR_FORMAT), 0
         for part, data in files.items():
             info = tarfile.TarInfo(f"{key}.{part}")
-            info.size, info.mtime, info.mode = len(data), 0, 0o644  # no clock in the bytes: the same input, the same shards
+            info.size, info.mtime, info.mode = (
+                len(data),
+                0,
+                0o644,
+            )  # no clock in the bytes: the same input, the same shards
             self.tar.addfile(info, io.BytesIO(data))
         self.in_shard += 1
         self.samples += 1
@@ -113,14 +120,24 @@ class ShardWriter:
             self.tar = None
 
 
-def convert(data_path: str, out_dir: str, shard_size: int = 1000, media_root: str | None = None,
-            valid_fraction: float = 0.0, skip_bad: bool = False, log=print, media_anywhere: bool = False) -> dict:
+def convert(
+    data_path: str,
+    out_dir: str,
+    shard_size: int = 1000,
+    media_root: str | None = None,
+    valid_fraction: float = 0.0,
+    skip_bad: bool = False,
+    log=print,
+    media_anywhere: bool = False,
+) -> dict:
     """Write the dataset; returns {"train": n, "val": n, "skipped": {reason: n}}. DataError for a bad
     input (or the first bad record without ``skip_bad``); OUT_DIR is then left as it was."""
     specs = check_data_path(data_path, "IN")
     if any(s.weight is not None for s in specs):
-        raise DataError(f"IN {data_path!r}: weights are not stored in shards; convert each source on its own and "
-                        "blend them with an energon metadataset")
+        raise DataError(
+            f"IN {data_path!r}: weights are not stored in shards; convert each source on its own and "
+            "blend them with an energon metadataset"
+        )
     if shard_size < 1:
         raise DataError(f"--shard-size {shard_size}: must be at least 1")
     if not 0 <= valid_fraction < 1:
@@ -158,8 +175,9 @@ def _write_shards(specs, folder, shard_size, access, valid_fraction, skip_bad, l
                     files = _sample_files(records.read(i), path, line, access)
                 except BadSample as bad:
                     if not skip_bad:
-                        raise DataError(f"{path}:{line}: {bad.reason}: {bad.detail} (--skip-bad leaves such records "
-                                        "out)") from None
+                        raise DataError(
+                            f"{path}:{line}: {bad.reason}: {bad.detail} (--skip-bad leaves such records out)"
+                        ) from None
                     skipped[bad.reason] += 1
                     continue
                 split = "val" if held is not None and held[i] else "train"
@@ -167,16 +185,24 @@ def _write_shards(specs, folder, shard_size, access, valid_fraction, skip_bad, l
                 done += 1
                 if time.monotonic() - last >= PROGRESS_EVERY_S:
                     last = time.monotonic()
-                    log(f"jsonl_to_energon: {done} conversations in {sum(len(w.shards) for w in writers.values())} "
-                        f"shards ({done / (last - started):.0f}/s), at {path}:{line}")
+                    log(
+                        f"jsonl_to_energon: {done} conversations in {sum(len(w.shards) for w in writers.values())} "
+                        f"shards ({done / (last - started):.0f}/s), at {path}:{line}"
+                    )
     finally:
         for writer in writers.values():
             writer.close()
     if not writers["train"].samples:
-        raise DataError(f"IN {', '.join(s.text for s in specs)}: no conversation to train on "
-                        f"({sum(skipped.values())} bad, {writers['val'].samples} held out)")
-    return {"train": writers["train"].samples, "val": writers["val"].samples, "skipped": dict(skipped),
-            "shards": {split: w.shards for split, w in writers.items()}}
+        raise DataError(
+            f"IN {', '.join(s.text for s in specs)}: no conversation to train on "
+            f"({sum(skipped.values())} bad, {writers['val'].samples} held out)"
+        )
+    return {
+        "train": writers["train"].samples,
+        "val": writers["val"].samples,
+        "skipped": dict(skipped),
+        "shards": {split: w.shards for split, w in writers.items()},
+    }
 
 
 def _sample_files(line: bytes, path: str, number: int, access: MediaAccess) -> dict[str, bytes]:
@@ -194,37 +220,59 @@ def _prepare(folder: str, counts: dict) -> None:
 
     tars = [name for split in SPLIT_PATTERNS for name in counts["shards"][split]]
     patterns = [(split, pattern) for split, pattern in SPLIT_PATTERNS.items() if counts["shards"][split]]
-    BaseWebdatasetFactory.prepare_dataset(EPath(folder), tars, split_parts_patterns=patterns, shuffle_seed=None,
-                                          workers=1)
+    BaseWebdatasetFactory.prepare_dataset(
+        EPath(folder), tars, split_parts_patterns=patterns, shuffle_seed=None, workers=1
+    )
     with open(os.path.join(folder, ".nv-meta", "dataset.yaml"), "w") as f:
         f.write("__module__: megatron.energon\n__class__: CrudeWebdataset\n")
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m examples.multimodal_dev.tools.jsonl_to_energon",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m examples.multimodal_dev.tools.jsonl_to_energon", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("data_path", metavar="IN", help="a .jsonl file, a folder of them, or a comma-separated list")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="a new folder for the energon dataset")
     parser.add_argument("--shard-size", type=int, default=1000, help="conversations per tar shard (default 1000)")
     parser.add_argument("--media-root", help="the folder relative media paths start from (default: each JSONL's own)")
-    parser.add_argument("--allow-media-anywhere", action="store_true",
-                        help="pack media paths outside each JSONL's folder (or --media-root); refused otherwise")
-    parser.add_argument("--valid-fraction", type=float, default=0.0,
-                        help="share of the records held out in the val split (the last of every 1/f)")
+    parser.add_argument(
+        "--allow-media-anywhere",
+        action="store_true",
+        help="pack media paths outside each JSONL's folder (or --media-root); refused otherwise",
+    )
+    parser.add_argument(
+        "--valid-fraction",
+        type=float,
+        default=0.0,
+        help="share of the records held out in the val split (the last of every 1/f)",
+    )
     parser.add_argument("--skip-bad", action="store_true", help="leave bad records out (counted) instead of stopping")
     args = parser.parse_args(argv)
     try:
-        counts = convert(args.data_path, args.out_dir, args.shard_size, args.media_root, args.valid_fraction,
-                         args.skip_bad, log=lambda line: print(line, file=sys.stderr, flush=True),
-                         media_anywhere=args.allow_media_anywhere)
+        counts = convert(
+            args.data_path,
+            args.out_dir,
+            args.shard_size,
+            args.media_root,
+            args.valid_fraction,
+            args.skip_bad,
+            log=lambda line: print(line, file=sys.stderr, flush=True),
+            media_anywhere=args.allow_media_anywhere,
+        )
     except DataError as err:
         print(f"jsonl_to_energon: {err}", file=sys.stderr)
         return 2
     skipped = sum(counts["skipped"].values())
-    print(f"jsonl_to_energon: wrote {counts['train']} train and {counts['val']} val conversations in "
-          f"{sum(map(len, counts['shards'].values()))} shards to {args.out_dir}"
-          + (f"; left out {skipped} bad records ({', '.join(f'{k}={v}' for k, v in sorted(counts['skipped'].items()))})"
-             if skipped else ""), flush=True)
+    print(
+        f"jsonl_to_energon: wrote {counts['train']} train and {counts['val']} val conversations in "
+        f"{sum(map(len, counts['shards'].values()))} shards to {args.out_dir}"
+        + (
+            f"; left out {skipped} bad records ({', '.join(f'{k}={v}' for k, v in sorted(counts['skipped'].items()))})"
+            if skipped
+            else ""
+        ),
+        flush=True,
+    )
     return 0
 
 

@@ -32,8 +32,9 @@ from examples.multimodal_dev.planner.layout_cost import GIB, HARDWARE, Hardware
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m examples.multimodal_dev.tools.plan_layout",
-                                description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m examples.multimodal_dev.tools.plan_layout", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("variant", nargs="?", help="released variant (or give --hf-config)")
     p.add_argument("--hf-config", help="a Hugging Face config.json instead of a variant")
     p.add_argument("--gpus", type=int, help="GPUs of the cluster [9b ... 397b_a17b: the README's count]")
@@ -47,30 +48,44 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-tflops", type=float, help="dense bf16 TFLOP/s per GPU [the --gpu's]")
     p.add_argument("--nvlink-gbs", type=float, help="GB/s per GPU within a node [the --gpu's]")
     p.add_argument("--network-gbs", type=float, help="GB/s per GPU across nodes [the --gpu's]")
-    p.add_argument("--data-path", help="your conversation JSONL (file, folder or blend): plan for its mix "
-                                       "instead of mock_mix's (needs --hf-processor-path)")
+    p.add_argument(
+        "--data-path",
+        help="your conversation JSONL (file, folder or blend): plan for its mix "
+        "instead of mock_mix's (needs --hf-processor-path)",
+    )
     p.add_argument("--data-samples", type=int, default=512, help="conversations of --data-path to read [512]")
     p.add_argument("--hf-processor-path", help="the processor that tokenizes --data-path")
     p.add_argument("--media-root", help="where --data-path's relative media paths start")
-    p.add_argument("--allow-media-anywhere", action="store_true",
-                   help="read media outside --data-path's folder (or --media-root), as training's flag")
+    p.add_argument(
+        "--allow-media-anywhere",
+        action="store_true",
+        help="read media outside --data-path's folder (or --media-root), as training's flag",
+    )
     p.add_argument("--reserve", type=float, default=0.1, help="share of GPU memory kept back [0.1]")
     p.add_argument("--recompute", default="auto", choices=("auto", "none", "full"))
     p.add_argument("--no-distributed-optimizer", action="store_true")
     p.add_argument("--top", type=int, default=3, help="layouts to print [3]")
     p.add_argument("--brief", action="store_true", help="one line: the best layout's run-script settings")
-    p.add_argument("--readme-table", action="store_true",
-                   help="the README's table: every variant with a default count, planned with these settings")
+    p.add_argument(
+        "--readme-table",
+        action="store_true",
+        help="the README's table: every variant with a default count, planned with these settings",
+    )
     p.add_argument("--layout", help='cost this layout only, e.g. "TP=1 PP=2 EP=8 FIRST=16 LAST=24"')
     return p
 
 
 # Megatron-Bridge's H100 BF16 performance recipes for Qwen3.5-VL (perf_recipes/qwen_vl/h100/
 # qwen35_vl.py), for the README's comparison; the dense variants have none.
-BRIDGE_H100 = {"35b_a3b": "TP=1 PP=2 EP=8 (16 + 24 layers), 16 GPUs, GBS 512",
-               "122b_a10b": "TP=2 PP=8 VP=2 EP=16, 128 GPUs", "397b_a17b": "TP=2 PP=8 VP=4 EP=32, 256 GPUs"}
-README_HEADER = ("| variant | GPUs | planned layout | fullest rank GiB: state + activations | step s | TFLOP/s per GPU "
-                 "| tokens/s per GPU | Megatron-Bridge recipe |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
+BRIDGE_H100 = {
+    "35b_a3b": "TP=1 PP=2 EP=8 (16 + 24 layers), 16 GPUs, GBS 512",
+    "122b_a10b": "TP=2 PP=8 VP=2 EP=16, 128 GPUs",
+    "397b_a17b": "TP=2 PP=8 VP=4 EP=32, 256 GPUs",
+}
+README_HEADER = (
+    "| variant | GPUs | planned layout | fullest rank GiB: state + activations | step s | TFLOP/s per GPU "
+    "| tokens/s per GPU | Megatron-Bridge recipe |\n| --- | --- | --- | --- | --- | --- | --- | --- |"
+)
 
 
 def readme_row(result) -> str:
@@ -78,9 +93,11 @@ def readme_row(result) -> str:
     req, best = result.request, result.plans[0]
     m, t = best.busiest, best.time
     tokens = req.global_batch * req.mix.seq_len / t.total / req.gpus
-    return (f"| `{req.name}` | {req.gpus} | {run_settings(best, req, data=False)} {notes(best)} | {(m.weights + m.grads + m.optimizer) / GIB:.1f} + "
-            f"{m.activations / GIB:.1f} = {m.total / GIB:.1f} | {t.total:.2f} | {best.tflops_per_gpu(req):.0f} | "
-            f"{tokens:,.0f} | {BRIDGE_H100.get(req.name, '-')} |")
+    return (
+        f"| `{req.name}` | {req.gpus} | {run_settings(best, req, data=False)} {notes(best)} | {(m.weights + m.grads + m.optimizer) / GIB:.1f} + "
+        f"{m.activations / GIB:.1f} = {m.total / GIB:.1f} | {t.total:.2f} | {best.tflops_per_gpu(req):.0f} | "
+        f"{tokens:,.0f} | {BRIDGE_H100.get(req.name, '-')} |"
+    )
 
 
 MAX_GLOBAL_BATCH = 1 << 20  # rows a step: 4T tokens of 4096; the planner draws a row per sample
@@ -93,7 +110,6 @@ def _fail(message: str):
 def request_from_args(args):
     """The planner's Request, every setting checked (one line naming the flag otherwise)."""
     from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS
-    from examples.multimodal_dev.planner.layout_mix import Mix
     from examples.multimodal_dev.planner.layout_plan import MIN_CP_TOKENS, Request
     from examples.multimodal_dev.planner.pipeline_layout import LAYOUTS
 
@@ -112,9 +128,15 @@ def request_from_args(args):
         if name not in LAYOUTS:
             _fail(f"--gpus: needed for {name} (a GPU count is given by default for {', '.join(LAYOUTS)} only)")
         args.gpus = LAYOUTS[name][-1]
-    for flag, value, low in (("--gpus", args.gpus, 1), ("--gpus-per-node", args.gpus_per_node, 1),
-                             ("--micro-batch", args.micro_batch, 1), ("--global-batch", args.global_batch, 1),
-                             ("--top", args.top, 1), ("--data-samples", args.data_samples, 1), ("--seq-len", args.seq_len, MIN_CP_TOKENS // 8)):
+    for flag, value, low in (
+        ("--gpus", args.gpus, 1),
+        ("--gpus-per-node", args.gpus_per_node, 1),
+        ("--micro-batch", args.micro_batch, 1),
+        ("--global-batch", args.global_batch, 1),
+        ("--top", args.top, 1),
+        ("--data-samples", args.data_samples, 1),
+        ("--seq-len", args.seq_len, MIN_CP_TOKENS // 8),
+    ):
         if value < low:
             _fail(f"{flag} {value}: must be at least {low}")
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
@@ -126,15 +148,36 @@ def request_from_args(args):
     if not 0 <= args.reserve < 1:
         _fail(f"--reserve {args.reserve}: a share of the GPU's memory, in [0, 1)")
     base = HARDWARE[args.gpu]
-    for flag, value in (("--gpu-memory", args.gpu_memory), ("--peak-tflops", args.peak_tflops),
-                        ("--nvlink-gbs", args.nvlink_gbs), ("--network-gbs", args.network_gbs)):
+    for flag, value in (
+        ("--gpu-memory", args.gpu_memory),
+        ("--peak-tflops", args.peak_tflops),
+        ("--nvlink-gbs", args.nvlink_gbs),
+        ("--network-gbs", args.network_gbs),
+    ):
         if value is not None and not (0 < value < math.inf):
             _fail(f"{flag} {value}: must be a positive finite number")
-    hardware = Hardware(base.name, args.peak_tflops or base.peak_tflops, args.gpu_memory or base.memory_gib,
-                        args.nvlink_gbs or base.nvlink_gbs, args.network_gbs or base.network_gbs, args.gpus_per_node)
+    hardware = Hardware(
+        base.name,
+        args.peak_tflops or base.peak_tflops,
+        args.gpu_memory or base.memory_gib,
+        args.nvlink_gbs or base.nvlink_gbs,
+        args.network_gbs or base.network_gbs,
+        args.gpus_per_node,
+    )
     recompute = {"auto": (None, "full"), "none": (None,), "full": ("full",)}[args.recompute]
-    return Request(name, shape, args.gpus, hardware, _mix(args, shape), args.global_batch,
-                   args.micro_batch, args.efficiency, args.reserve, not args.no_distributed_optimizer, recompute)
+    return Request(
+        name,
+        shape,
+        args.gpus,
+        hardware,
+        _mix(args, shape),
+        args.global_batch,
+        args.micro_batch,
+        args.efficiency,
+        args.reserve,
+        not args.no_distributed_optimizer,
+        recompute,
+    )
 
 
 def _mix(args, shape):
@@ -142,8 +185,10 @@ def _mix(args, shape):
 
     if not args.data_path:
         if args.hf_processor_path or args.media_root or args.allow_media_anywhere:
-            _fail("--hf-processor-path / --media-root / --allow-media-anywhere: they describe --data-path, which is "
-                  "not given")
+            _fail(
+                "--hf-processor-path / --media-root / --allow-media-anywhere: they describe --data-path, which is "
+                "not given"
+            )
         return Mix.mock_mix(shape, args.seq_len)
     if not args.hf_processor_path:
         _fail(f"--data-path {args.data_path}: needs --hf-processor-path (the tokenizer that counts its tokens)")
@@ -151,9 +196,14 @@ def _mix(args, shape):
     from examples.multimodal_dev.data.sample import DataError
 
     try:
-        train, _, _ = build_datasets(args.seq_len, (args.data_samples, 0, 0), data_path=args.data_path,
-                                     hf_processor_path=args.hf_processor_path, media_root=args.media_root,
-                                     allow_media_anywhere=args.allow_media_anywhere)
+        train, _, _ = build_datasets(
+            args.seq_len,
+            (args.data_samples, 0, 0),
+            data_path=args.data_path,
+            hf_processor_path=args.hf_processor_path,
+            media_root=args.media_root,
+            allow_media_anywhere=args.allow_media_anywhere,
+        )
         return Mix.from_dataset(shape, args.seq_len, train, f"--data-path {args.data_path}", args.data_samples)
     except (DataError, OSError, ValueError) as err:
         _fail(" ".join(str(err).split()))
@@ -191,8 +241,10 @@ def no_fit_advice(result) -> str:
     """What to change when every layout was refused: memory wants more GPUs, a batch that no layout's
     data parallelism divides wants fewer GPUs or a larger --global-batch."""
     if result.refused and all(why.startswith("GBS") for why in result.refused):
-        return (f"no layout fits: --global-batch {result.request.global_batch} is not a multiple of any layout's DP x "
-                f"MBS on {result.request.gpus} GPUs; raise --global-batch or lower --gpus")
+        return (
+            f"no layout fits: --global-batch {result.request.global_batch} is not a multiple of any layout's DP x "
+            f"MBS on {result.request.gpus} GPUs; raise --global-batch or lower --gpus"
+        )
     return "no layout fits: raise --gpus, lower --seq-len / --micro-batch, or allow --recompute full"
 
 
@@ -200,14 +252,16 @@ def describe(result, seconds: float) -> str:
     req = result.request
     hw, mix = req.hardware, req.mix
     row = mix.mean_row
-    lines = [f"{req.name} on {req.gpus} x {hw.name} ({hw.gpus_per_node} a node): {req.usable_bytes / GIB:.1f} GiB "
-             f"usable a GPU ({req.reserve:.0%} of {hw.memory_gib:g} kept back); rows of {mix.seq_len} tokens from "
-             f"{mix.name} (median row: {len(row.lengths)} conversations, {len(row.grids)} images; vision "
-             f"{mix.vision_share():.0%} of the FLOPs), GBS {req.global_batch} rows, MBS {req.micro_batch}; compute "
-             f"at {req.efficiency:.0%} of {hw.peak_tflops:g} TFLOP/s, links {hw.nvlink_gbs:g} GB/s NVLink, "
-             f"{hw.network_gbs:g} GB/s network",
-             f"{result.examined} layouts in {seconds:.1f} s; refused: " +
-             (", ".join(f"{n} {why}" for why, n in sorted(result.refused.items(), key=lambda kv: -kv[1])) or "none")]
+    lines = [
+        f"{req.name} on {req.gpus} x {hw.name} ({hw.gpus_per_node} a node): {req.usable_bytes / GIB:.1f} GiB "
+        f"usable a GPU ({req.reserve:.0%} of {hw.memory_gib:g} kept back); rows of {mix.seq_len} tokens from "
+        f"{mix.name} (median row: {len(row.lengths)} conversations, {len(row.grids)} images; vision "
+        f"{mix.vision_share():.0%} of the FLOPs), GBS {req.global_batch} rows, MBS {req.micro_batch}; compute "
+        f"at {req.efficiency:.0%} of {hw.peak_tflops:g} TFLOP/s, links {hw.nvlink_gbs:g} GB/s NVLink, "
+        f"{hw.network_gbs:g} GB/s network",
+        f"{result.examined} layouts in {seconds:.1f} s; refused: "
+        + (", ".join(f"{n} {why}" for why, n in sorted(result.refused.items(), key=lambda kv: -kv[1])) or "none"),
+    ]
     if not result.plans:
         lines.append(no_fit_advice(result))
     for i, p in enumerate(result.plans, 1):
@@ -220,21 +274,23 @@ def describe(result, seconds: float) -> str:
             f"   memory GiB, stage {stage} of {len(p.memory)} (the fullest): weights {m.weights / GIB:.1f}, gradients "
             f"{m.grads / GIB:.1f}, optimizer {m.optimizer / GIB:.1f}, activations {m.activations / GIB:.1f} "
             f"({m.per_micro_batch / GIB:.2f} a micro-batch x {m.in_flight:g} in flight"
-            + (f"; recompute saves {m.recompute_saves / GIB:.1f}" if p.candidate.recompute else "") + ")"
+            + (f"; recompute saves {m.recompute_saves / GIB:.1f}" if p.candidate.recompute else "")
+            + ")"
             + f" = {m.total / GIB:.1f} of {req.usable_bytes / GIB:.1f}; of which vision tower {m.vision / GIB:.1f}, "
             f"MTP head {m.mtp / GIB:.1f}",
             f"   step s: compute {t.compute:.2f}, TP/SP {t.tp:.2f}, CP {t.cp:.2f}, EP {t.ep:.2f}, PP {t.pp:.2f} "
             f"(bubble {t.parts['bubble']:.2f}), DP not hidden {t.dp:.2f}, DP imbalance {t.imbalance:.2f}; "
             f"busiest stage {t.parts['busiest_stage']}",
-            f"   run {notes(p)}: {command(p, req)}"]
+            f"   run {notes(p)}: {command(p, req)}",
+        ]
     return "\n".join(lines)
 
 
 def _one_layout(request, text: str):
     """A Result holding the given layout (each recompute setting asked for), or its refusal."""
+    from examples.multimodal_dev.planner.launch_layout import Layout
     from examples.multimodal_dev.planner.layout_cost import Candidate
     from examples.multimodal_dev.planner.layout_plan import Result, evaluate
-    from examples.multimodal_dev.planner.launch_layout import Layout
 
     try:
         layout = Layout.parse(text)
@@ -282,9 +338,11 @@ def main(argv=None) -> int:
         if not result.plans:
             _fail(f"{request.name} on {args.gpus} GPUs of {request.hardware.memory_gib:g} GiB: {no_fit_advice(result)}")
         best = result.plans[0]
-        print(f"{run_settings(best, request)} {notes(best)} on {args.gpus} GPUs: {best.busiest.total / GIB:.1f} GiB on the fullest rank, "
-              f"step {best.time.total:.2f} s, {best.tflops_per_gpu(request):.0f} TFLOP/s per GPU (predicted, "
-              f"{request.hardware.name})")
+        print(
+            f"{run_settings(best, request)} {notes(best)} on {args.gpus} GPUs: {best.busiest.total / GIB:.1f} GiB on the fullest rank, "
+            f"step {best.time.total:.2f} s, {best.tflops_per_gpu(request):.0f} TFLOP/s per GPU (predicted, "
+            f"{request.hardware.name})"
+        )
         return 0
     print(describe(result, seconds))
     return 0 if result.plans else 1

@@ -26,8 +26,10 @@ import sys
 import time
 from math import prod
 
-HEADER = ("| variant | layout | rank | parameters | weights GiB | gradients GiB | optimizer GiB | total GiB |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- |")
+HEADER = (
+    "| variant | layout | rank | parameters | weights GiB | gradients GiB | optimizer GiB | total GiB |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- |"
+)
 
 
 def parse_layout(text: str, where: str = "rank_memory: --layout"):
@@ -48,9 +50,11 @@ def table_rows(name, shape, layout, build=None) -> list[str]:
     rows = []
     for label, rank in representative_ranks(layout).items():
         mem = rank_memory(build(rank), layout)
-        rows.append(f"| `{name}` | {layout.describe()} | {rank} ({label}) | {mem.params / 1e9:.2f} B | "
-                    f"{mem.weight_bytes / GIB:.1f} | {mem.grad_bytes / GIB:.1f} | {mem.optimizer_bytes / GIB:.1f} | "
-                    f"{mem.total_bytes / GIB:.1f} |")
+        rows.append(
+            f"| `{name}` | {layout.describe()} | {rank} ({label}) | {mem.params / 1e9:.2f} B | "
+            f"{mem.weight_bytes / GIB:.1f} | {mem.grad_bytes / GIB:.1f} | {mem.optimizer_bytes / GIB:.1f} | "
+            f"{mem.total_bytes / GIB:.1f} |"
+        )
     return rows
 
 
@@ -73,13 +77,16 @@ def _check(name, shape, layout) -> bool:
     errors = coverage_errors(expected, builds, layout)
     seconds = time.perf_counter() - start
     counts = parameter_counts(shape, expected)
-    main = sum(prod(sh.local_shape) for b in builds for c in b.chunks for sh in c.shards
-               if is_main_replica(sh.replica_id))
-    line = (f"{name}: {len(ranks)} ranks built, {len(expected)} checkpoint keys: "
-            + ("covered exactly once" if not errors else f"{len(errors)} errors, first: {errors[0]}")
-            + f" ({seconds:.0f} s). Parameters: {counts.total / 1e9:.2f} B total, {counts.active / 1e9:.2f} B active "
-            f"(without the MTP head's {counts.mtp / 1e9:.2f} B; vision tower {counts.vision / 1e9:.2f} B included); "
-            f"main replicas of all ranks hold {main / 1e9:.2f} B with the MTP head")
+    main = sum(
+        prod(sh.local_shape) for b in builds for c in b.chunks for sh in c.shards if is_main_replica(sh.replica_id)
+    )
+    line = (
+        f"{name}: {len(ranks)} ranks built, {len(expected)} checkpoint keys: "
+        + ("covered exactly once" if not errors else f"{len(errors)} errors, first: {errors[0]}")
+        + f" ({seconds:.0f} s). Parameters: {counts.total / 1e9:.2f} B total, {counts.active / 1e9:.2f} B active "
+        f"(without the MTP head's {counts.mtp / 1e9:.2f} B; vision tower {counts.vision / 1e9:.2f} B included); "
+        f"main replicas of all ranks hold {main / 1e9:.2f} B with the MTP head"
+    )
     ok = not errors and main == counts.with_mtp
     if name in PUBLISHED:
         total, active = PUBLISHED[name]
@@ -91,8 +98,9 @@ def _check(name, shape, layout) -> bool:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m examples.multimodal_dev.tools.rank_memory",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m examples.multimodal_dev.tools.rank_memory", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("variants", nargs="*", metavar="VARIANT")
     parser.add_argument("--layout", help='another layout, e.g. "TP=4 PP=2 GPUS=16" (default: the recommended one)')
     parser.add_argument("--check", action="store_true", help="check every rank's shards against the mapping")

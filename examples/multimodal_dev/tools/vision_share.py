@@ -23,8 +23,10 @@ import sys
 from dataclasses import dataclass, fields
 
 VARIANT_NAMES = ("0.8b", "2b", "4b", "9b", "27b", "35b_a3b", "122b_a10b", "397b_a17b")
-HEADER = ("| variant | vision tower parameters | vision share of FLOPs | planned layout: first stage "
-          "| vision / first stage's language FLOPs |\n| --- | --- | --- | --- | --- |")
+HEADER = (
+    "| variant | vision tower parameters | vision share of FLOPs | planned layout: first stage "
+    "| vision / first stage's language FLOPs |\n| --- | --- | --- | --- | --- |"
+)
 
 
 @dataclass
@@ -36,8 +38,10 @@ class Share:
     first_stage: float  # vision FLOPs / the first stage's language FLOPs
 
     def row(self) -> str:
-        return (f"| `{self.name}` | {self.vision_params / 1e6:.0f} M | {100 * self.share:.1f} % | {self.layout} "
-                f"| {100 * self.first_stage:.0f} % |")
+        return (
+            f"| `{self.name}` | {self.vision_params / 1e6:.0f} M | {100 * self.share:.1f} % | {self.layout} "
+            f"| {100 * self.first_stage:.0f} % |"
+        )
 
 
 def total_flops(shape, rows):
@@ -65,8 +69,13 @@ def vision_share(name, shape, mix) -> Share:
     first = [i for chunk in stage_layers(n, lay.pp, lay.vp, lay.first, lay.last)[0] for i in chunk]
     fb = total_flops(shape, mix.rows)
     where = f"TP={lay.tp} PP={lay.pp} CP={lay.cp}" if name in LAYOUTS else "none (one stage)"
-    return Share(name, stage_params(shape, Layout(), 0).vision, mix.vision_share(), f"{where}: {len(first)} of {n} "
-                 "layers", fb.vision / stage_language_flops(shape, fb, first, lay.pp == 1))
+    return Share(
+        name,
+        stage_params(shape, Layout(), 0).vision,
+        mix.vision_share(),
+        f"{where}: {len(first)} of {n} layers",
+        fb.vision / stage_language_flops(shape, fb, first, lay.pp == 1),
+    )
 
 
 def mixes(names, seq_len: int, samples: int) -> dict:
@@ -94,11 +103,13 @@ def table(seq_len: int = 4096, samples: int | None = None, names=VARIANT_NAMES) 
 def main(argv=None) -> int:
     from examples.multimodal_dev.planner.layout_mix import DRAW
 
-    parser = argparse.ArgumentParser(prog="python -m examples.multimodal_dev.tools.vision_share",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m examples.multimodal_dev.tools.vision_share", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--seq-len", type=int, default=4096, help="tokens of a packed row [4096, the planner's]")
-    parser.add_argument("--samples", type=int, default=DRAW,
-                        help=f"conversations drawn for the rows [{DRAW}, the planner's draw]")
+    parser.add_argument(
+        "--samples", type=int, default=DRAW, help=f"conversations drawn for the rows [{DRAW}, the planner's draw]"
+    )
     parser.add_argument("--readme-table", action="store_true", help="the README's Markdown table")
     args = parser.parse_args(argv)
     from examples.multimodal_dev.planner.layout_plan import MIN_CP_TOKENS
@@ -113,9 +124,12 @@ def main(argv=None) -> int:
     if args.readme_table:
         print(HEADER)
     for s in shares:
-        print(s.row() if args.readme_table else
-              f"{s.name:<10} vision tower {s.vision_params / 1e6:3.0f} M | {100 * s.share:4.1f} % of the FLOPs | "
-              f"{s.layout:<34} | vision / first stage's language FLOPs {100 * s.first_stage:3.0f} %")
+        print(
+            s.row()
+            if args.readme_table
+            else f"{s.name:<10} vision tower {s.vision_params / 1e6:3.0f} M | {100 * s.share:4.1f} % of the FLOPs | "
+            f"{s.layout:<34} | vision / first stage's language FLOPs {100 * s.first_stage:3.0f} %"
+        )
     return 0
 
 

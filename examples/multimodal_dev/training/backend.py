@@ -43,8 +43,9 @@ def backend_of(args) -> str:
 
 def check_backend(args) -> None:
     if args.transformer_impl not in ("transformer_engine", "local"):
-        raise ValueError(f"--transformer-impl {args.transformer_impl}: this model has transformer_engine and local "
-                         "backends")
+        raise ValueError(
+            f"--transformer-impl {args.transformer_impl}: this model has transformer_engine and local backends"
+        )
     if args.transformer_impl == "transformer_engine" and not (torch.cuda.is_available() and te_importable()):
         why = "no CUDA device" if not torch.cuda.is_available() else "transformer_engine does not import"
         raise ValueError(f"--transformer-impl transformer_engine: {why} here; use --transformer-impl local")
@@ -55,8 +56,10 @@ def check_attention_backend(args) -> None:
     from megatron.core.transformer.enums import AttnBackend
 
     if args.attention_backend == AttnBackend.local:
-        raise ValueError("--attention-backend local is megatron's own --spec local; this model takes auto, flash "
-                         "(torch varlen attention) or fused / unfused (SDPA per packed sample)")
+        raise ValueError(
+            "--attention-backend local is megatron's own --spec local; this model takes auto, flash "
+            "(torch varlen attention) or fused / unfused (SDPA per packed sample)"
+        )
 
 
 def prebuilt_helpers(compile_helpers, run=None):
@@ -64,6 +67,7 @@ def prebuilt_helpers(compile_helpers, run=None):
     in the installed package, which the wheel ships without a Makefile (``sys.exit(1)``) but with
     ``helpers_cpp`` already built: nothing to compile (megatron_changes row, applied when the
     built helpers import)."""
+
     def compile_nothing():
         return None
 

@@ -55,13 +55,17 @@ def hand_over(argv: list[str]) -> int | None:
         send(sock, {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()})
         answer = receive(sock)
     except OSError as err:
-        print(f"torchrun: {SERVER_VARIABLE}={address}: no warm engine answers ({err.strerror or err}); starting cold",
-              file=sys.stderr)
+        print(
+            f"torchrun: {SERVER_VARIABLE}={address}: no warm engine answers ({err.strerror or err}); starting cold",
+            file=sys.stderr,
+        )
         return None
     if answer is None or "refused" in answer:
         reason = answer["refused"] if answer else "it closed the connection"
-        print(f"torchrun: the warm engine at {address} does not run this launch ({reason}); starting cold",
-              file=sys.stderr)
+        print(
+            f"torchrun: the warm engine at {address} does not run this launch ({reason}); starting cold",
+            file=sys.stderr,
+        )
         return None
     try:
         done = receive(sock)  # held open until the job ends: closing it ends the job

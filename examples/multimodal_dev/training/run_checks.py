@@ -17,8 +17,11 @@ from examples.multimodal_dev.checkpoint.files import TRACKER, checkpoint_directo
 
 def check_finite_flags(args, given: dict[str, str]) -> None:
     """Every number typed on the command line is finite (``--lr 1e999`` parses as inf)."""
-    bad = [f"{option} {getattr(args, dest)}" for dest, option in given.items()
-           if isinstance(getattr(args, dest, None), float) and not math.isfinite(getattr(args, dest))]
+    bad = [
+        f"{option} {getattr(args, dest)}"
+        for dest, option in given.items()
+        if isinstance(getattr(args, dest, None), float) and not math.isfinite(getattr(args, dest))
+    ]
     if bad:
         raise ValueError(f"{', '.join(bad)}: not a finite number")
 
@@ -27,16 +30,20 @@ def check_lr_schedule(args) -> None:
     """megatron's scheduler asserts ``warmup < decay`` without naming either."""
     decay = args.lr_decay_iters or args.train_iters
     if args.lr_warmup_iters and decay and args.lr_warmup_iters >= decay:
-        raise ValueError(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than the decay iterations "
-                         f"({'--lr-decay-iters' if args.lr_decay_iters else '--train-iters'} {decay})")
+        raise ValueError(
+            f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than the decay iterations "
+            f"({'--lr-decay-iters' if args.lr_decay_iters else '--train-iters'} {decay})"
+        )
 
 
 def check_sequence_length(args) -> None:
     """megatron asserts this one bare: context parallelism cuts every sample into 2 x CP chunks."""
     cp = args.context_parallel_size
     if cp > 1 and args.seq_length % (2 * cp):
-        raise ValueError(f"--seq-length {args.seq_length} must be a multiple of 2 x --context-parallel-size = {2 * cp} "
-                         "(context parallelism cuts every sample into 2 x CP chunks)")
+        raise ValueError(
+            f"--seq-length {args.seq_length} must be a multiple of 2 x --context-parallel-size = {2 * cp} "
+            "(context parallelism cuts every sample into 2 x CP chunks)"
+        )
 
 
 def device_memory_bytes() -> tuple[int, str]:
@@ -56,7 +63,11 @@ def micro_batch_floor(args, hidden_size: int, num_layers: int, vocab_size: int) 
     layer keeps at least its input for the backward, recompute or not). Weights, optimizer state
     and everything else come on top, so a run refused here could never have fit; planning the rest
     is the layout planner's job."""
-    tokens = args.packed_seq_length or args.seq_length if args.packing == "tokens" else args.seq_length * args.micro_batch_size
+    tokens = (
+        args.packed_seq_length or args.seq_length
+        if args.packing == "tokens"
+        else args.seq_length * args.micro_batch_size
+    )
     tokens //= args.context_parallel_size
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     width = 2 if args.bf16 or args.fp16 else 4
@@ -74,10 +85,15 @@ def check_memory_floor(args, hidden_size: int, num_layers: int, vocab_size: int,
     if need > have:
         gib = 1 << 30
         what = " + ".join(f"{name} {size / gib:.1f}" for name, size in parts.items())
-        length = (f"--packed-seq-length {args.packed_seq_length or args.seq_length}" if args.packing == "tokens"
-                  else f"--seq-length {args.seq_length} x --micro-batch-size {args.micro_batch_size}")
-        raise ValueError(f"{length}: one micro-batch needs at least {need / gib:.1f} GiB per rank ({what}), more "
-                         f"than the {have / gib:.1f} GiB of {where}; shorten it, or raise TP / CP / PP")
+        length = (
+            f"--packed-seq-length {args.packed_seq_length or args.seq_length}"
+            if args.packing == "tokens"
+            else f"--seq-length {args.seq_length} x --micro-batch-size {args.micro_batch_size}"
+        )
+        raise ValueError(
+            f"{length}: one micro-batch needs at least {need / gib:.1f} GiB per rank ({what}), more "
+            f"than the {have / gib:.1f} GiB of {where}; shorten it, or raise TP / CP / PP"
+        )
 
 
 def vision_defaults(given, world: int) -> dict:
@@ -86,13 +102,21 @@ def vision_defaults(given, world: int) -> dict:
     from ..vision_ranks.layout import default_vision_tp
 
     if given.vision_nproc and not 0 < given.vision_nproc < world:
-        raise ValueError(f"--vision-nproc {given.vision_nproc}: of the {world} ranks it must leave at least one to the "
-                         "language model (run_qwen35_vl.sh: set VISION_NPROC, which sizes NPROC too)")
+        raise ValueError(
+            f"--vision-nproc {given.vision_nproc}: of the {world} ranks it must leave at least one to the "
+            "language model (run_qwen35_vl.sh: set VISION_NPROC, which sizes NPROC too)"
+        )
     if not given.vision_nproc or given.vision_tensor_parallel_size is not None:
         return {}
-    return {"vision_tensor_parallel_size": default_vision_tp(
-        world, given.tensor_model_parallel_size, given.context_parallel_size, given.pipeline_model_parallel_size,
-        given.vision_nproc)}
+    return {
+        "vision_tensor_parallel_size": default_vision_tp(
+            world,
+            given.tensor_model_parallel_size,
+            given.context_parallel_size,
+            given.pipeline_model_parallel_size,
+            given.vision_nproc,
+        )
+    }
 
 
 def check_vision_layout(args, vision_heads: int, world: int | None = None) -> None:
@@ -102,8 +126,12 @@ def check_vision_layout(args, vision_heads: int, world: int | None = None) -> No
     ``--vision-tensor-parallel-size`` takes its default here (``vision_ranks.layout.default_vision_tp``)."""
     from ..vision_ranks.layout import plan
 
-    world, tp, cp, pp = (world or args.world_size, args.tensor_model_parallel_size, args.context_parallel_size,
-                         args.pipeline_model_parallel_size)
+    world, tp, cp, pp = (
+        world or args.world_size,
+        args.tensor_model_parallel_size,
+        args.context_parallel_size,
+        args.pipeline_model_parallel_size,
+    )
     vars(args).update(vision_defaults(args, world))  # every later reader sees the default
     vtp = args.vision_tensor_parallel_size or tp
     plan(world, tp, cp, pp, vtp, args.vision_nproc, vision_heads, vp=args.virtual_pipeline_model_parallel_size or 1)
@@ -111,24 +139,32 @@ def check_vision_layout(args, vision_heads: int, world: int | None = None) -> No
         _check_separate_ranks(args)
     if (vtp != tp or args.vision_nproc) and args.use_distributed_optimizer and args.dist_ckpt_optim_dp_reshardable:
         own = f"--vision-nproc {args.vision_nproc}" if args.vision_nproc else f"--vision-tensor-parallel-size {vtp}"
-        raise ValueError(f"--dist-ckpt-optim-dp-reshardable with {own}: that format numbers optimizer shards by "
-                         "data-parallel group only, and the vision tower's would claim the language model's; keep "
-                         "the default (fully reshardable)")
+        raise ValueError(
+            f"--dist-ckpt-optim-dp-reshardable with {own}: that format numbers optimizer shards by "
+            "data-parallel group only, and the vision tower's would claim the language model's; keep "
+            "the default (fully reshardable)"
+        )
 
 
 def _check_separate_ranks(args) -> None:
     """What this build runs of the tower on ranks of its own (vision_ranks/groups.py)."""
     k = f"--vision-nproc {args.vision_nproc}"
     if not args.use_distributed_optimizer:
-        raise ValueError(f"{k} needs --use-distributed-optimizer: its gradient norm is summed over the world's "
-                         "shards, one module's on each rank")
+        raise ValueError(
+            f"{k} needs --use-distributed-optimizer: its gradient norm is summed over the world's "
+            "shards, one module's on each rank"
+        )
     if (args.save or args.load) and args.ckpt_format != "torch_dist":
-        raise ValueError(f"--ckpt-format {args.ckpt_format} with {k}: only torch_dist checkpoints hold the two "
-                         "modules' shards apart (the other formats name their files by TP and PP rank, which "
-                         "a vision rank and a language rank share); keep the default torch_dist")
+        raise ValueError(
+            f"--ckpt-format {args.ckpt_format} with {k}: only torch_dist checkpoints hold the two "
+            "modules' shards apart (the other formats name their files by TP and PP rank, which "
+            "a vision rank and a language rank share); keep the default torch_dist"
+        )
     if not args.calculate_per_token_loss:
-        raise ValueError(f"{k} needs --calculate-per-token-loss (the run script's default): the tower's gradients "
-                         "are scaled by the language model's token count")
+        raise ValueError(
+            f"{k} needs --calculate-per-token-loss (the run script's default): the tower's gradients "
+            "are scaled by the language model's token count"
+        )
 
 
 def check_resume_lr(args) -> None:
@@ -142,10 +178,12 @@ def check_resume_lr(args) -> None:
         return
     was, now = (stored.lr, stored.min_lr), (args.lr, args.min_lr)
     if was != now:
-        raise ValueError(f"--lr {args.lr} --min-lr {args.min_lr}: the checkpoint under --load {args.load} trained with "
-                         f"--lr {stored.lr} --min-lr {stored.min_lr}, which its optimizer state keeps; resume with "
-                         f"those (LR={stored.lr}), or start from its weights with a fresh optimizer "
-                         f"(CKPT_LOAD={args.load} instead of CKPT_RESUME)")
+        raise ValueError(
+            f"--lr {args.lr} --min-lr {args.min_lr}: the checkpoint under --load {args.load} trained with "
+            f"--lr {stored.lr} --min-lr {stored.min_lr}, which its optimizer state keeps; resume with "
+            f"those (LR={stored.lr}), or start from its weights with a fresh optimizer "
+            f"(CKPT_LOAD={args.load} instead of CKPT_RESUME)"
+        )
 
 
 def stop_at_first_nan(args, given: dict[str, str]) -> None:
@@ -174,6 +212,10 @@ def one_line(err: BaseException, args) -> str | None:
     if current is not None:
         iteration = current + 1
     latest = latest_iteration(args.save) if args.save and os.path.isdir(args.save) else None
-    kept = f"the last checkpoint is iteration {latest} in {args.save}" if latest is not None else "no checkpoint was saved"
-    return (f"iteration {iteration}: {what}; the run stopped before the optimizer step and saved nothing "
-            f"for it: {kept} (lower the LR, or look for a bad batch, then resume)")
+    kept = (
+        f"the last checkpoint is iteration {latest} in {args.save}" if latest is not None else "no checkpoint was saved"
+    )
+    return (
+        f"iteration {iteration}: {what}; the run stopped before the optimizer step and saved nothing "
+        f"for it: {kept} (lower the LR, or look for a bad batch, then resume)"
+    )

@@ -26,9 +26,19 @@ from examples.multimodal_dev.models.qwen35_vl.flops import FlopsBreakdown, micro
 # Dense (no sparsity) bf16 tensor-core peak per GPU, TFLOP/s, from the vendors' data sheets.
 # First match wins, so the more specific names come first.
 PEAK_DENSE_BF16_TFLOPS = (
-    ("GB200", 2500.0), ("B200", 2250.0), ("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H200", 989.0),
-    ("H100", 989.0), ("H800", 989.0), ("H20", 148.0), ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0),
-    ("L4", 121.0), ("A10G", 70.0),
+    ("GB200", 2500.0),
+    ("B200", 2250.0),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H200", 989.0),
+    ("H100", 989.0),
+    ("H800", 989.0),
+    ("H20", 148.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+    ("A10G", 70.0),
 )
 
 
@@ -96,8 +106,11 @@ class StepFlops:
             torch.distributed.all_reduce(totals)
             torch.distributed.all_reduce(busiest, op=torch.distributed.ReduceOp.MAX)
         totals, world = totals[:-1], totals[-1].item()  # the ranks that count
-        shared = (ps.get_tensor_model_parallel_world_size() * ps.get_context_parallel_world_size()
-                  * ps.get_pipeline_model_parallel_world_size())
+        shared = (
+            ps.get_tensor_model_parallel_world_size()
+            * ps.get_context_parallel_world_size()
+            * ps.get_pipeline_model_parallel_world_size()
+        )
         self.last = {k: v / shared for k, v in zip(self._KEYS, totals.tolist())}
         # Every rank of a data-parallel replica counts that replica's micro-batches, so the
         # world's mean per rank is the mean over data-parallel ranks.
@@ -136,16 +149,20 @@ def flops_function(meter: StepFlops):
 def window_rates(window: dict, seconds: float, world_size: int) -> dict:
     """Model TFLOP/s per GPU, real tokens per second and the padding percentage of a log window."""
     seconds = max(seconds, 1e-9)
-    return {"model TFLOP/s per GPU": window["model_flops"] / seconds / world_size / 1e12,
-            "tokens per second": window["real_tokens"] / seconds,
-            "padding percent": 100 * (1 - window["real_tokens"] / max(window["padded_tokens"], 1))}
+    return {
+        "model TFLOP/s per GPU": window["model_flops"] / seconds / world_size / 1e12,
+        "tokens per second": window["real_tokens"] / seconds,
+        "padding percent": 100 * (1 - window["real_tokens"] / max(window["padded_tokens"], 1)),
+    }
 
 
 def throughput_line(window: dict, iterations: int, seconds: float, world_size: int, peak: float | None) -> str:
     rates = window_rates(window, seconds, world_size)
     per_gpu = rates["model TFLOP/s per GPU"]
-    line = (f" model FLOPs (flops.py): {per_gpu:.4g} TFLOP/s per GPU over {iterations} iterations"
-            f" | tokens/s: {rates['tokens per second']:.0f} | padding: {rates['padding percent']:.1f}%")
+    line = (
+        f" model FLOPs (flops.py): {per_gpu:.4g} TFLOP/s per GPU over {iterations} iterations"
+        f" | tokens/s: {rates['tokens per second']:.0f} | padding: {rates['padding percent']:.1f}%"
+    )
     if "dp_imbalance" in window:
         line += f" | DP imbalance (max/mean FLOPs, worst step): {window['dp_imbalance']:.3f}"
     if peak:
@@ -173,8 +190,17 @@ def _scalar(value):
     return float(value.item() if hasattr(value, "item") else value) if value is not None else None
 
 
-def log_wrapper(original, meter: StepFlops, peak_of, get_args, get_timers, emit, metrics: MetricsFile | None = None,
-                side_losses: dict | None = None, get_writer=lambda: None):
+def log_wrapper(
+    original,
+    meter: StepFlops,
+    peak_of,
+    get_args,
+    get_timers,
+    emit,
+    metrics: MetricsFile | None = None,
+    side_losses: dict | None = None,
+    get_writer=lambda: None,
+):
     """``training_log`` that records every iteration in ``metrics`` and, on every
     ``--log-interval`` iteration, also emits ``throughput_line`` (``peak_of(args)``: the MFU peak,
     or None) and writes its rates to TensorBoard (``get_writer()``, None where megatron has no
@@ -189,9 +215,17 @@ def log_wrapper(original, meter: StepFlops, peak_of, get_args, get_timers, emit,
         at_log = iteration % margs.log_interval == 0
         seconds = get_timers()("interval-time").elapsed(reset=False, barrier=True) if at_log else 0.0
         result = original(*args, **kwargs)
-        if metrics is not None and metrics.path and torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
-            record = {"iteration": iteration, "learning rate": _scalar(bound.get("learning_rate")),
-                      "grad norm": _scalar(bound.get("grad_norm")), **meter.last}
+        if (
+            metrics is not None
+            and metrics.path
+            and torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+        ):
+            record = {
+                "iteration": iteration,
+                "learning rate": _scalar(bound.get("learning_rate")),
+                "grad norm": _scalar(bound.get("grad_norm")),
+                **meter.last,
+            }
             record.update({k: _scalar(v) for k, v in (bound.get("loss_dict") or {}).items()})
             record.update(side_losses or {})
             metrics.write(record)
@@ -233,11 +267,14 @@ def peak_for_args(args) -> float | None:
 
 def _expect_parameters(function, needed: tuple[str, ...]) -> None:
     if not all(p in inspect.signature(function).parameters for p in needed):
-        raise RuntimeError(f"megatron.training.training.{function.__name__} no longer takes {needed}; "
-                           "the throughput rows of megatron_changes need updating for this megatron-core")
+        raise RuntimeError(
+            f"megatron.training.training.{function.__name__} no longer takes {needed}; "
+            "the throughput rows of megatron_changes need updating for this megatron-core"
+        )
 
 
 # megatron_changes rows (group step-flops-and-log): ``run`` holds the run's args and its StepFlops meter.
+
 
 def counted_flops(original, run):
     """megatron.training's FLOPs count of a step, from ``run.meter``."""
@@ -251,9 +288,17 @@ def logged_step(original, run):
     from megatron.training.utils import print_rank_last
 
     _expect_parameters(original, ("iteration",))
-    return log_wrapper(original, run.meter, peak_for_args, get_args, get_timers, print_rank_last,
-                       MetricsFile(getattr(run.args, "metrics_file", None)), run.meter.side_losses,
-                       get_tensorboard_writer)
+    return log_wrapper(
+        original,
+        run.meter,
+        peak_for_args,
+        get_args,
+        get_timers,
+        print_rank_last,
+        MetricsFile(getattr(run.args, "metrics_file", None)),
+        run.meter.side_losses,
+        get_tensorboard_writer,
+    )
 
 
 def captured_mtp_losses(original, run):

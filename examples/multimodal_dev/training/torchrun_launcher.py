@@ -50,8 +50,10 @@ def forks_ranks(cuda: bool, nproc: int, cores: int, warm: bool = False) -> bool:
     if value not in ("0", "1"):
         raise SystemExit(f"torchrun: {FORK_SWITCH}={value}: expected 0 (fresh interpreters) or 1 (fork)")
     if value == "1" and cuda:
-        raise SystemExit(f"torchrun: {FORK_SWITCH}=1 needs a host without CUDA (a forked process cannot use "
-                         f"CUDA once its parent has initialised it)")
+        raise SystemExit(
+            f"torchrun: {FORK_SWITCH}=1 needs a host without CUDA (a forked process cannot use "
+            f"CUDA once its parent has initialised it)"
+        )
     return value == "1"
 
 

@@ -49,12 +49,17 @@ _IMPORTED_ENV: dict = {}
 def import_time_differences(launch_env: dict, *server_envs: dict) -> list[str]:
     """The import-time variables that ``launch_env`` sets otherwise than each of ``server_envs`` (the
     server's environment before and after its imports)."""
-    names = {k for env in (launch_env, *server_envs) for k in env
-             if k.startswith(IMPORT_TIME) and k not in APPLIED_BY_THE_CHILD}
+    names = {
+        k
+        for env in (launch_env, *server_envs)
+        for k in env
+        if k.startswith(IMPORT_TIME) and k not in APPLIED_BY_THE_CHILD
+    }
     return sorted(k for k in names if all(launch_env.get(k) != env.get(k) for env in server_envs))
 
 
 # --- the server's side -----------------------------------------------------------------------------
+
 
 def _refusal(env: dict) -> str | None:
     differing = import_time_differences(env, _START_ENV, _IMPORTED_ENV or _START_ENV)
@@ -223,8 +228,13 @@ class _Server:
             if self.dropped.pop(pid, None) is None:
                 self.selector.unregister(conn)
                 try:
-                    send(conn, {"exit": os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1,
-                                 "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0})
+                    send(
+                        conn,
+                        {
+                            "exit": os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1,
+                            "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0,
+                        },
+                    )
                 except OSError:
                     pass
             conn.close()
@@ -241,8 +251,11 @@ def main(argv: list[str]) -> int:
     from examples.multimodal_dev.training import torchrun_launcher
 
     if torch.cuda.is_available():
-        print("warm_engine.py: this host has CUDA; a process forked after CUDA was initialised cannot use it "
-              "(launch without ENGINE_SERVER)", file=sys.stderr)
+        print(
+            "warm_engine.py: this host has CUDA; a process forked after CUDA was initialised cannot use it "
+            "(launch without ENGINE_SERVER)",
+            file=sys.stderr,
+        )
         return 2
     for module in (*torchrun_launcher.PRELOAD, "torch.distributed.run", "torch.distributed.launcher.api"):
         importlib.import_module(module)

@@ -105,7 +105,11 @@ def _grid_groups(grid, expert_shape=None):
     g = ProcessGroupCollection()
     g.tp, g.cp, g.dp, g.pp = (grid.create_pg(d) for d in ("tp", "cp", "dp", "pp"))
     g.mp, g.tp_cp = grid.create_pg(["tp", "pp"]), grid.create_pg(["tp", "cp"])
-    g.dp_cp, g.tp_dp_cp, g.tp_dp = grid.create_pg(["dp", "cp"]), grid.create_pg(["tp", "cp", "dp"]), grid.create_pg(["tp", "dp"])
+    g.dp_cp, g.tp_dp_cp, g.tp_dp = (
+        grid.create_pg(["dp", "cp"]),
+        grid.create_pg(["tp", "cp", "dp"]),
+        grid.create_pg(["tp", "dp"]),
+    )
     if expert_shape is None:  # the tower has no experts: its expert groups are its dense ones
         g.ep, g.expt_tp, g.tp_ep, g.tp_ep_pp, g.expt_dp = g.cp, g.tp, g.tp, g.mp, g.dp
     else:
@@ -191,10 +195,16 @@ def _pipeline_config(args):
     from megatron.core.model_parallel_config import ModelParallelConfig
 
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-    return ModelParallelConfig(tensor_model_parallel_size=args.tensor_model_parallel_size,
-                               pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-                               sequence_parallel=args.sequence_parallel, pipeline_dtype=dtype, params_dtype=dtype,
-                               bf16=args.bf16, fp16=args.fp16, variable_seq_lengths=True)
+    return ModelParallelConfig(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        variable_seq_lengths=True,
+    )
 
 
 def setup(args) -> SeparateRanks:
@@ -209,8 +219,12 @@ def setup(args) -> SeparateRanks:
     from megatron.training.initialize import _set_random_seed
 
     if not dist.is_initialized():  # the whole world: args.world_size counts the language model's ranks
-        dist.init_process_group(backend=args.distributed_backend, world_size=int(os.environ["WORLD_SIZE"]),
-                                rank=int(os.environ["RANK"]), timeout=timedelta(minutes=args.distributed_timeout_minutes))
+        dist.init_process_group(
+            backend=args.distributed_backend,
+            world_size=int(os.environ["WORLD_SIZE"]),
+            rank=int(os.environ["RANK"]),
+            timeout=timedelta(minutes=args.distributed_timeout_minutes),
+        )
     k, world = args.vision_nproc, dist.get_world_size()
     tp, cp, pp = args.tensor_model_parallel_size, args.context_parallel_size, args.pipeline_model_parallel_size
     dp = (world - k) // (tp * cp * pp)
@@ -227,17 +241,31 @@ def setup(args) -> SeparateRanks:
     groups = vision if role == VISION else language
     fill_parallel_state(groups, gloo[role])
     communicator = MultiModulePipelineCommunicator(
-        {VISION: vision_grid, LANGUAGE: language_grid}, {VISION: [LANGUAGE], LANGUAGE: []}, _pipeline_config(args),
-        dim_mapping={"s": 0, "b": 1, "h": 2}, module_output_ndim={VISION: 2})
+        {VISION: vision_grid, LANGUAGE: language_grid},
+        {VISION: [LANGUAGE], LANGUAGE: []},
+        _pipeline_config(args),
+        dim_mapping={"s": 0, "b": 1, "h": 2},
+        module_output_ndim={VISION: 2},
+    )
     pg_collection = MultiModuleProcessGroupCollection({role: groups}, LANGUAGE if role == LANGUAGE else None)
-    _set_random_seed(args.seed, args.data_parallel_random_init, args.te_rng_tracker, args.inference_rng_tracker,
-                     use_cudagraphable_rng=args.cuda_graph_impl != "none", pp_group=groups.pp, dp_group=groups.dp,
-                     tp_group=groups.tp, ep_group=groups.ep, etp_group=groups.expt_tp)
+    _set_random_seed(
+        args.seed,
+        args.data_parallel_random_init,
+        args.te_rng_tracker,
+        args.inference_rng_tracker,
+        use_cudagraphable_rng=args.cuda_graph_impl != "none",
+        pp_group=groups.pp,
+        dp_group=groups.dp,
+        tp_group=groups.tp,
+        ep_group=groups.ep,
+        etp_group=groups.expt_tp,
+    )
     vdp = k // vtp
     fan_in, fan_out = max(vdp // dp, 1), max(dp // vdp, 1)
     data_rank = groups.dp.rank() // fan_in * fan_out if role == VISION else groups.dp.rank()
-    _LAYOUT = SeparateRanks(role, groups, pg_collection, communicator, k, fan_in, fan_out if role == VISION else 1,
-                            data_rank, dp)
+    _LAYOUT = SeparateRanks(
+        role, groups, pg_collection, communicator, k, fan_in, fan_out if role == VISION else 1, data_rank, dp
+    )
     apply_changes("vision-ranks", _LAYOUT)  # get_model and the checkpoint's common state
     if role == VISION:  # the language replica's first rank writes the stream both read
         from examples.multimodal_dev.checkpoint import loader_state
@@ -260,15 +288,19 @@ def _tower_rng_resumes(args, vtp: int) -> bool:
     stored = stored_args(checkpoint_directory(args.load))
     if stored is None:
         return True
-    saved = (getattr(stored, "vision_nproc", 0) or 0,
-             getattr(stored, "vision_tensor_parallel_size", None) or stored.tensor_model_parallel_size)
+    saved = (
+        getattr(stored, "vision_nproc", 0) or 0,
+        getattr(stored, "vision_tensor_parallel_size", None) or stored.tensor_model_parallel_size,
+    )
     if saved == (args.vision_nproc, vtp):
         return True
     if dist.get_rank() == 0:
         where = f"VISION_NPROC={saved[0]} VISION_TP={saved[1]}" if saved[0] else "the ordinary layout"
-        print(f"pretrain_multimodal.py: --load {args.load} was written with {where}: the vision tower's ranks "
-              f"(VISION_NPROC={args.vision_nproc} VISION_TP={vtp}) start their random state from the seed",
-              flush=True)
+        print(
+            f"pretrain_multimodal.py: --load {args.load} was written with {where}: the vision tower's ranks "
+            f"(VISION_NPROC={args.vision_nproc} VISION_TP={vtp}) start their random state from the seed",
+            flush=True,
+        )
     return False
 
 
@@ -276,6 +308,7 @@ def module_get_model(get_model, layout: SeparateRanks):
     """megatron.training's get_model reads ``pg_collection.pp`` off the collection it is handed: give
     it this rank's module groups (the schedule keeps the multi-module collection). A megatron_changes
     row, applied by ``setup``."""
+
     @functools.wraps(get_model)
     def module_get_model(model_provider_func, model_type, wrap_with_ddp=True, config=None, pg_collection=None):
         return get_model(model_provider_func, model_type, wrap_with_ddp, config, layout.groups)
@@ -286,6 +319,7 @@ def module_get_model(get_model, layout: SeparateRanks):
 def with_language_common(generate_state_dict, layout: SeparateRanks):
     """A saved checkpoint's common state is the language model's (``language_common``). A
     megatron_changes row, applied by ``setup``."""
+
     @functools.wraps(generate_state_dict)
     def with_language_common(*args, **kwargs):
         state = generate_state_dict(*args, **kwargs)

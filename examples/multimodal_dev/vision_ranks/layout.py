@@ -31,11 +31,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # How megatron / the playground and the run script name each setting, for messages.
-FLAG_NAMES = {"world": "the world size", "tp": "--tensor-model-parallel-size", "cp": "--context-parallel-size",
-              "pp": "--pipeline-model-parallel-size", "vp": "--num-virtual-stages-per-pipeline-rank",
-              "vtp": "--vision-tensor-parallel-size", "vnproc": "--vision-nproc"}
-ENV_NAMES = {"world": "NPROC=", "tp": "TP=", "cp": "CP=", "pp": "PP=", "vp": "VP=", "vtp": "VISION_TP=",
-             "vnproc": "VISION_NPROC="}
+FLAG_NAMES = {
+    "world": "the world size",
+    "tp": "--tensor-model-parallel-size",
+    "cp": "--context-parallel-size",
+    "pp": "--pipeline-model-parallel-size",
+    "vp": "--num-virtual-stages-per-pipeline-rank",
+    "vtp": "--vision-tensor-parallel-size",
+    "vnproc": "--vision-nproc",
+}
+ENV_NAMES = {
+    "world": "NPROC=",
+    "tp": "TP=",
+    "cp": "CP=",
+    "pp": "PP=",
+    "vp": "VP=",
+    "vtp": "VISION_TP=",
+    "vnproc": "VISION_NPROC=",
+}
 
 
 def _named(names: dict, key: str, value) -> str:
@@ -52,6 +65,7 @@ def _span(ranks: range) -> str:
 @dataclass(frozen=True)
 class VisionGroups:
     """Explicit rank lists, tp fastest."""
+
     vision_tp: list[list[int]]
     vision_dp: list[list[int]]
     language_tp: list[list[int]]  # of the language model's first pipeline stage
@@ -89,14 +103,17 @@ class VisionLayout:
         return VisionGroups(
             vision_tp=[list(range(start, start + self.vtp)) for start in range(span.start, span.stop, self.vtp)],
             vision_dp=[list(range(span.start + t, span.stop, self.vtp)) for t in range(self.vtp)],
-            language_tp=[list(range(start, start + self.tp)) for start in range(first.start, first.stop, self.tp)])
+            language_tp=[list(range(start, start + self.tp)) for start in range(first.start, first.stop, self.tp)],
+        )
 
     def table(self) -> list[str]:
         vision = f"TP={self.vtp} DP={self.vdp}"
         if self.colocated:
             vision += " (on the language model's " + ("first-stage ranks)" if self.pp > 1 else "ranks)")
-        rows = [(self.vision_ranks, "vision tower", vision),
-                (self.language_ranks, "language model", f"TP={self.tp} CP={self.cp} DP={self.dp} PP={self.pp}")]
+        rows = [
+            (self.vision_ranks, "vision tower", vision),
+            (self.language_ranks, "language model", f"TP={self.tp} CP={self.cp} DP={self.dp} PP={self.pp}"),
+        ]
         width = max(len(_span(ranks)) for ranks, _, _ in rows)
         return [f"ranks {_span(ranks):<{width}}  {module:<14}  {sizes}" for ranks, module, sizes in rows]
 
@@ -117,9 +134,19 @@ def default_vision_tp(world: int, tp: int, cp: int, pp: int, vnproc: int) -> int
     return tp
 
 
-def plan(world: int, tp: int, cp: int, pp: int, vtp: int, vnproc: int, vision_heads: int, vp: int = 1,
-         names: dict = FLAG_NAMES) -> VisionLayout:
+def plan(
+    world: int,
+    tp: int,
+    cp: int,
+    pp: int,
+    vtp: int,
+    vnproc: int,
+    vision_heads: int,
+    vp: int = 1,
+    names: dict = FLAG_NAMES,
+) -> VisionLayout:
     """The layout of these settings, or ValueError naming the one that cannot run."""
+
     def name(key, value):
         return _named(names, key, value)
 
@@ -135,29 +162,41 @@ def plan(world: int, tp: int, cp: int, pp: int, vtp: int, vnproc: int, vision_he
         if world % (tp * cp * pp):
             raise ValueError(f"{name('world', world)} is not divisible by {replica}")
         if tp % vtp:
-            raise ValueError(f"{name('vtp', vtp)} does not divide {name('tp', tp)}: on the language model's ranks "
-                             f"each vision tensor-parallel group sits inside one of its tensor-parallel groups")
+            raise ValueError(
+                f"{name('vtp', vtp)} does not divide {name('tp', tp)}: on the language model's ranks "
+                f"each vision tensor-parallel group sits inside one of its tensor-parallel groups"
+            )
         dp = world // (tp * cp * pp)
         return VisionLayout(world, tp, cp, pp, dp, vtp, tp * cp * dp // vtp, 0)
     if vnproc >= world:
         raise ValueError(f"{name('vnproc', vnproc)} leaves no ranks for the language model ({name('world', world)})")
     if vnproc % vtp:
-        raise ValueError(f"{name('vnproc', vnproc)} is not divisible by {name('vtp', vtp)}: the vision ranks are "
-                         f"whole tensor-parallel groups")
+        raise ValueError(
+            f"{name('vnproc', vnproc)} is not divisible by {name('vtp', vtp)}: the vision ranks are "
+            f"whole tensor-parallel groups"
+        )
     if (world - vnproc) % (tp * cp * pp):
-        raise ValueError(f"{name('world', world)} with {name('vnproc', vnproc)} leaves {world - vnproc} ranks to "
-                         f"the language model, not divisible by {replica}")
+        raise ValueError(
+            f"{name('world', world)} with {name('vnproc', vnproc)} leaves {world - vnproc} ranks to "
+            f"the language model, not divisible by {replica}"
+        )
     if cp > 1:
-        raise ValueError(f"{name('cp', cp)} with {name('vnproc', vnproc)}: megatron-core 0.19.2's bridge between "
-                         f"the vision and language ranks needs context parallel size 1")
+        raise ValueError(
+            f"{name('cp', cp)} with {name('vnproc', vnproc)}: megatron-core 0.19.2's bridge between "
+            f"the vision and language ranks needs context parallel size 1"
+        )
     if vp > 1:
-        raise ValueError(f"{name('vp', vp)} with {name('vnproc', vnproc)}: only the non-interleaved pipeline "
-                         f"schedule takes the vision/language communicator")
+        raise ValueError(
+            f"{name('vp', vp)} with {name('vnproc', vnproc)}: only the non-interleaved pipeline "
+            f"schedule takes the vision/language communicator"
+        )
     dp, vdp = (world - vnproc) // (tp * pp), vnproc // vtp
     if vdp % dp and dp % vdp:
-        raise ValueError(f"{name('vnproc', vnproc)} / {name('vtp', vtp)} = {vdp} vision data-parallel ranks and "
-                         f"{dp} language data-parallel ranks: one must divide the other (the bridge splits or "
-                         f"gathers the batch between them)")
+        raise ValueError(
+            f"{name('vnproc', vnproc)} / {name('vtp', vtp)} = {vdp} vision data-parallel ranks and "
+            f"{dp} language data-parallel ranks: one must divide the other (the bridge splits or "
+            f"gathers the batch between them)"
+        )
     return VisionLayout(world, tp, cp, pp, dp, vtp, vdp, vnproc)
 
 
@@ -171,13 +210,18 @@ def _main(argv: list[str]) -> str:
         except ValueError as err:
             if given or "VISION_TP=" not in err.args[0]:
                 raise
-            hint = ("VISION_TP unset: VISION_NPROC / the language model's DP where that divides, else 1 where "
-                    "VISION_NPROC divides that DP, else TP" if vnproc
-                    else "VISION_TP is TP unless set")
+            hint = (
+                "VISION_TP unset: VISION_NPROC / the language model's DP where that divides, else 1 where "
+                "VISION_NPROC divides that DP, else TP"
+                if vnproc
+                else "VISION_TP is TP unless set"
+            )
             raise ValueError(f"{err.args[0]} ({hint})") from None
         return "\n".join("# " + line for line in layout.table())
-    raise SystemExit("usage: vision_ranks/layout.py table NPROC TP CP PP VP VISION_TP VISION_NPROC VISION_HEADS (VISION_TP 0: "
-                     "the default)")
+    raise SystemExit(
+        "usage: vision_ranks/layout.py table NPROC TP CP PP VP VISION_TP VISION_NPROC VISION_HEADS (VISION_TP 0: "
+        "the default)"
+    )
 
 
 if __name__ == "__main__":

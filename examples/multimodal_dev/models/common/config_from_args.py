@@ -54,8 +54,9 @@ def _refuse_contradictions(base, architecture: dict, given: dict[str, str], sour
     for field, value in architecture.items():
         dest = _FLAG_OF_FIELD.get(field, field)
         if dest in given and getattr(base, field) != value:
-            wrong.append(f"{given[dest]} gives {field}={_describe(getattr(base, field))} (the {source} has "
-                         f"{_describe(value)})")
+            wrong.append(
+                f"{given[dest]} gives {field}={_describe(getattr(base, field))} (the {source} has {_describe(value)})"
+            )
     if wrong:
         raise ValueError("flags contradict the model shape: " + "; ".join(wrong))
 
@@ -75,8 +76,9 @@ def _settled_args(args, architecture: dict, given: dict[str, str], fused_kernels
     return settled
 
 
-def transformer_configs(args, architecture: dict, recipe: dict, vision_architecture: dict, source: str,
-                        backend: str, given: dict[str, str]):
+def transformer_configs(
+    args, architecture: dict, recipe: dict, vision_architecture: dict, source: str, backend: str, given: dict[str, str]
+):
     """(decoder config, vision config) for these args."""
     from megatron.training.argument_utils import core_transformer_config_from_args
 
@@ -98,9 +100,13 @@ def transformer_configs(args, architecture: dict, recipe: dict, vision_architect
 # Decoder-only settings that would not validate for the vision tower's shape, and their values for
 # it: the tower is whole on the first pipeline stage (no pipeline split of its own layers). It
 # shares every other setting (precision, TP, recompute, ...).
-VISION_PIPELINE = {"pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
-                   "num_layers_in_first_pipeline_stage": None, "num_layers_in_last_pipeline_stage": None,
-                   "pipeline_model_parallel_layout": None}
+VISION_PIPELINE = {
+    "pipeline_model_parallel_size": 1,
+    "virtual_pipeline_model_parallel_size": None,
+    "num_layers_in_first_pipeline_stage": None,
+    "num_layers_in_last_pipeline_stage": None,
+    "pipeline_model_parallel_layout": None,
+}
 
 
 def _vision_neutral(base) -> dict:

@@ -29,8 +29,10 @@ def thd_positions(cu_seqlens_padded: torch.Tensor, cp: int, rank: int) -> torch.
     cu = cu_seqlens_padded.detach().to("cpu", torch.long)
     lengths = torch.diff(cu)
     if bool((lengths % (2 * cp)).any()):
-        raise ValueError(f"context parallel size {cp}: padded sample lengths {lengths.tolist()} must be multiples "
-                         f"of 2*cp={2 * cp} (the collate pads to that when given the same --context-parallel-size)")
+        raise ValueError(
+            f"context parallel size {cp}: padded sample lengths {lengths.tolist()} must be multiples "
+            f"of 2*cp={2 * cp} (the collate pads to that when given the same --context-parallel-size)"
+        )
     chunk = lengths // (2 * cp)
     starts = torch.stack([cu[:-1] + rank * chunk, cu[:-1] + (2 * cp - 1 - rank) * chunk], dim=1).reshape(-1)
     return _runs(starts, chunk.repeat_interleave(2))
@@ -38,8 +40,9 @@ def thd_positions(cu_seqlens_padded: torch.Tensor, cp: int, rank: int) -> torch.
 
 def bshd_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     if seq_len % (2 * cp):
-        raise ValueError(f"context parallel size {cp}: the padded row length {seq_len} must be a multiple of "
-                         f"2*cp={2 * cp}")
+        raise ValueError(
+            f"context parallel size {cp}: the padded row length {seq_len} must be a multiple of 2*cp={2 * cp}"
+        )
     chunk = seq_len // (2 * cp)
     return _runs(torch.tensor([rank * chunk, (2 * cp - 1 - rank) * chunk]), torch.tensor([chunk, chunk]))
 
@@ -51,7 +54,9 @@ class ContextParallelSplit:
         self.seq_len, self.cp, self.rank = seq_len, cp, rank
         if cu_seqlens_padded is not None:
             if int(cu_seqlens_padded[-1]) != seq_len:
-                raise ValueError(f"cu_seqlens_padded ends at {int(cu_seqlens_padded[-1])} but the row has {seq_len} tokens")
+                raise ValueError(
+                    f"cu_seqlens_padded ends at {int(cu_seqlens_padded[-1])} but the row has {seq_len} tokens"
+                )
             self.positions = thd_positions(cu_seqlens_padded, cp, rank)
         else:
             self.positions = bshd_positions(seq_len, cp, rank)
@@ -69,8 +74,10 @@ class ContextParallelSplit:
         if tensor is None:
             return None
         if tensor.shape[dim] != self.seq_len:
-            raise ValueError(f"context-parallel split: dim {dim} of a {tuple(tensor.shape)} tensor is not the row "
-                             f"length {self.seq_len} (already split, or not a per-token tensor)")
+            raise ValueError(
+                f"context-parallel split: dim {dim} of a {tuple(tensor.shape)} tensor is not the row "
+                f"length {self.seq_len} (already split, or not a per-token tensor)"
+            )
         return tensor.index_select(dim, self.positions.to(tensor.device))
 
     def place(self, local: torch.Tensor, dim: int) -> torch.Tensor:

@@ -22,17 +22,25 @@ import functools
 
 import torch
 
+
 def group_consistent_count(roll_tensor, run=None):
     """``roll_tensor`` with the count of a rolled float mask made consistent over the CP group
     (megatron_changes row, group mtp-under-cp)."""
+
     @functools.wraps(roll_tensor)
     def roll(tensor, shifts=-1, dims=-1, cp_group=None, packed_seq_params=None):
-        rolled, rolled_sum = roll_tensor(tensor, shifts=shifts, dims=dims, cp_group=cp_group,
-                                         packed_seq_params=packed_seq_params)
+        rolled, rolled_sum = roll_tensor(
+            tensor, shifts=shifts, dims=dims, cp_group=cp_group, packed_seq_params=packed_seq_params
+        )
         # Loss masks are float and carry no gradient; ids, positions and padding masks are integer
         # or bool and their counts are unused.
-        if (cp_group is None or cp_group.size() == 1 or tensor is None or not tensor.is_floating_point()
-                or tensor.requires_grad):
+        if (
+            cp_group is None
+            or cp_group.size() == 1
+            or tensor is None
+            or not tensor.is_floating_point()
+            or tensor.requires_grad
+        ):
             return rolled, rolled_sum
         local = torch.stack([tensor.detach().sum(), rolled_sum.detach()]).to(torch.float64)
         group = local.clone()
@@ -41,5 +49,3 @@ def group_consistent_count(roll_tensor, run=None):
         return rolled, count.to(rolled_sum.dtype)
 
     return roll
-
-

@@ -69,7 +69,12 @@ class SDPACoreAttention(MegatronModule):
             v = v.repeat_interleave(repeat, dim=1)
         dropout = self.dropout_p if self.training else 0.0
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal and mask is None,
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=dropout,
+            is_causal=causal and mask is None,
             scale=self.softmax_scale,
         )
 
@@ -125,8 +130,9 @@ class SDPACoreAttention(MegatronModule):
         if kernel == VARLEN:  # one kernel over the whole row
             max_len = max(end - start for start, end in zip(bounds[:-1], bounds[1:]))
             try:
-                out = torch_varlen()(query.contiguous(), key.contiguous(), value.contiguous(), cu, max_len, causal,
-                                     self.softmax_scale)
+                out = torch_varlen()(
+                    query.contiguous(), key.contiguous(), value.contiguous(), cu, max_len, causal, self.softmax_scale
+                )
                 return out.reshape(out.shape[0], -1)
             except (RuntimeError, NotImplementedError, TypeError, ValueError) as err:
                 if self.attention_backend == AttnBackend.flash:
@@ -151,8 +157,10 @@ class SDPACoreAttention(MegatronModule):
         cp, rank = self.cp_size, self.cp_group.rank()
         local = query.shape[0]
         # [cp * local, ...] in rank-major order; backward reduce-scatters the key/value grads.
-        k_all, v_all = (gather_from_sequence_parallel_region(t, tensor_parallel_output_grad=True, group=self.cp_group)
-                        for t in (key, value))
+        k_all, v_all = (
+            gather_from_sequence_parallel_region(t, tensor_parallel_output_grad=True, group=self.cp_group)
+            for t in (key, value)
+        )
         total = cp * local
         if params is not None and params.qkv_format == "thd":
             cu = self._segments(params).to("cpu", torch.long)
@@ -160,7 +168,7 @@ class SDPACoreAttention(MegatronModule):
                 raise ValueError(f"THD under CP: cu_seqlens ends at {int(cu[-1])} but cp x local tokens is {total}")
             to_global, to_gathered = _build_thd_cp_a2a_perm(cu, cp, total)
             k_glob, v_glob = (t.index_select(0, to_global.to(t.device)) for t in (k_all, v_all))
-            q_pos = to_gathered[rank * local:(rank + 1) * local]  # global position of every local query
+            q_pos = to_gathered[rank * local : (rank + 1) * local]  # global position of every local query
             outs = []
             for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
                 lo, hi = start // cp, end // cp  # this sample's local query rows
@@ -175,8 +183,12 @@ class SDPACoreAttention(MegatronModule):
         # BSHD [s, b, h, d]: one sample per row, every row split the same way
         k_glob, v_glob = (_undo_attention_load_balancing(t, cp) for t in (k_all, v_all))
         chunk = local // 2
-        q_pos = torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
-                           torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])
+        q_pos = torch.cat(
+            [
+                torch.arange(rank * chunk, (rank + 1) * chunk),
+                torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk),
+            ]
+        )
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, k_glob, v_glob))
         out = self._attend(q, k, v, False, self._cp_mask(q_pos, total, causal, query.device))
         return out.permute(2, 0, 1, 3).reshape(local, query.shape[1], -1)

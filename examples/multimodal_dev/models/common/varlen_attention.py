@@ -72,8 +72,9 @@ def torch_varlen() -> TorchVarlen | None:
     return TorchVarlen(varlen_attn)
 
 
-def varlen_blocker(cuda: bool, dtype: torch.dtype, head_dim: int, dropout: float,
-                   available: bool | None = None) -> str | None:
+def varlen_blocker(
+    cuda: bool, dtype: torch.dtype, head_dim: int, dropout: float, available: bool | None = None
+) -> str | None:
     """Why a THD attention call with these properties cannot run on varlen (None: it can)."""
     if not cuda:
         return "varlen attention needs a CUDA device"
@@ -97,12 +98,16 @@ def varlen_failed(err: Exception) -> None:
     if not _FAILED:
         first_line = (str(err).strip().splitlines() or [""])[0][:200]
         _FAILED.append(f"torch's varlen_attn raised {type(err).__name__}: {first_line}")
-        print(f"packed (THD) attention: {_FAILED[0]}; SDPA per packed sample from here on "
-              "(--attention-backend flash would stop instead)", flush=True)
+        print(
+            f"packed (THD) attention: {_FAILED[0]}; SDPA per packed sample from here on "
+            "(--attention-backend flash would stop instead)",
+            flush=True,
+        )
 
 
-def thd_kernel(backend: AttnBackend, cuda: bool, dtype: torch.dtype, head_dim: int, dropout: float,
-               available: bool | None = None) -> tuple[str, str]:
+def thd_kernel(
+    backend: AttnBackend, cuda: bool, dtype: torch.dtype, head_dim: int, dropout: float, available: bool | None = None
+) -> tuple[str, str]:
     """(kernel, why) for a THD attention call under ``--attention-backend``; ``flash`` where varlen
     cannot run raises ValueError naming the flag."""
     if backend not in (AttnBackend.flash, AttnBackend.auto):
@@ -117,8 +122,13 @@ def thd_kernel(backend: AttnBackend, cuda: bool, dtype: torch.dtype, head_dim: i
 
 def config_thd_kernel(config) -> tuple[str, str]:
     """``thd_kernel`` for a model part's TransformerConfig on this host, in the run's parameter dtype."""
-    return thd_kernel(config.attention_backend, torch.cuda.is_available(), config.params_dtype, config.kv_channels,
-                      config.attention_dropout)
+    return thd_kernel(
+        config.attention_backend,
+        torch.cuda.is_available(),
+        config.params_dtype,
+        config.kv_channels,
+        config.attention_dropout,
+    )
 
 
 def describe_thd_kernels(parts: dict) -> str:

@@ -62,11 +62,15 @@ class VisionBridge:
         # group creation is collective over the world: every rank, in this order
         self.tp = vision_grid.create_pg(["tp"])
         self.dp = vision_grid.create_pg(["dp"])
-        copies = [[base + j + k * vision_tp for k in range(tp // vision_tp)]
-                  for base in range(0, span, tp) for j in range(vision_tp)]
+        copies = [
+            [base + j + k * vision_tp for k in range(tp // vision_tp)]
+            for base in range(0, span, tp)
+            for j in range(vision_tp)
+        ]
         self.copies, _ = dist.new_subgroups_by_enumeration(copies)
-        self.comm = ColocatedBridgeCommunicator(vision_grid, language_grid, "vision", "language",
-                                                dim_mapping={"b": 0, "h": 1})
+        self.comm = ColocatedBridgeCommunicator(
+            vision_grid, language_grid, "vision", "language", dim_mapping={"b": 0, "h": 1}
+        )
         self.cp = language_groups.cp
         self.slots = self.block // vision_tp
         self.slot = (rank % self.block) // vision_tp
@@ -92,8 +96,9 @@ class VisionBridge:
     def encode(self, vision_model, pixels: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
         """Vision features [N, H] of all items of the micro-batch, in its order; this slot encodes
         its share (``grids`` [n, 3] (t, h, w), ``pixels`` their patch rows in order)."""
-        owned, tokens, width = shares_of(grids.tolist(), vision_model.item_flops,
-                                         vision_model.shape.spatial_merge_size, self.slots)
+        owned, tokens, width = shares_of(
+            grids.tolist(), vision_model.item_flops, vision_model.shape.spatial_merge_size, self.slots
+        )
         mine = owned[self.slot]
         if mine:  # every slot sends ``width`` rows: the gather needs equal sizes
             features = vision_model(take_items(pixels, grids, mine), grids[mine])
@@ -133,13 +138,14 @@ def _check_megatron_order(language_groups, rank: int, tp: int, cp: int) -> None:
     """The grids above enumerate ranks as megatron's default order does (tp, cp, ..., dp, pp)."""
     base = rank - rank % tp
     block = rank - rank % (tp * cp)
-    expected = {"TP": list(range(base, base + tp)),
-                "CP": list(range(block + rank % tp, block + tp * cp, tp))}
+    expected = {"TP": list(range(base, base + tp)), "CP": list(range(block + rank % tp, block + tp * cp, tp))}
     for name, group in (("TP", language_groups.tp), ("CP", language_groups.cp)):
         if dist.get_process_group_ranks(group) != expected[name]:
-            raise RuntimeError(f"--vision-tensor-parallel-size: the language model's {name} group "
-                               f"{dist.get_process_group_ranks(group)} is not {expected[name]}; the vision "
-                               "layout needs megatron's default rank order (tp-cp-ep-dp-pp)")
+            raise RuntimeError(
+                f"--vision-tensor-parallel-size: the language model's {name} group "
+                f"{dist.get_process_group_ranks(group)} is not {expected[name]}; the vision "
+                "layout needs megatron's default rank order (tp-cp-ep-dp-pp)"
+            )
 
 
 def finalize_model_grads(model, *args, **kwargs):

@@ -35,7 +35,7 @@ def shares_of(grids: list, item_flops, merge: int, count: int) -> tuple[list[lis
     (each encoder's items, each item's feature rows, the rows every encoder sends: its largest share,
     padded, for a gather or a bridge's equal split, at least one). Both ends of a hand-over compute
     it from the grids alone, so no index list travels with the features."""
-    tokens = [t * h * w // merge ** 2 for t, h, w in grids]
+    tokens = [t * h * w // merge**2 for t, h, w in grids]
     owned = deal([item_flops(g) for g in grids], count)
     return owned, tokens, max(1, *(sum(tokens[i] for i in items) for items in owned))
 
@@ -44,7 +44,7 @@ def take_items(pixels: torch.Tensor, grids: torch.Tensor, items: list[int]) -> t
     """The patch rows of ``items`` (``pixels`` holds the rows of every item of ``grids``, in order)."""
     rows = [t * h * w for t, h, w in grids.tolist()]
     starts = torch.tensor([0, *rows]).cumsum(0).tolist()
-    return torch.cat([pixels[starts[i]:starts[i] + rows[i]] for i in items])
+    return torch.cat([pixels[starts[i] : starts[i] + rows[i]] for i in items])
 
 
 def encode(vision_model, pixels: torch.Tensor, grids: torch.Tensor, cp_group) -> torch.Tensor:

@@ -38,7 +38,7 @@ class VisionShape:
     @property
     def patch_dim(self) -> int:
         """Values per flattened patch row of ``pixel_values`` (C * t * p * p)."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
 
 @dataclass(frozen=True)
@@ -105,16 +105,32 @@ def _variant(text: TextShape, vision: VisionShape = VisionShape()) -> Qwen35VLSh
 
 
 def _dense(hidden, layers, heads, kv, ffn, v_heads, tie=False, k_heads=16):
-    return TextShape(hidden_size=hidden, num_layers=layers, num_attention_heads=heads, num_kv_heads=kv,
-                     ffn_hidden_size=ffn, linear_num_key_heads=k_heads, linear_num_value_heads=v_heads,
-                     tie_word_embeddings=tie, mtp_num_layers=1)
+    return TextShape(
+        hidden_size=hidden,
+        num_layers=layers,
+        num_attention_heads=heads,
+        num_kv_heads=kv,
+        ffn_hidden_size=ffn,
+        linear_num_key_heads=k_heads,
+        linear_num_value_heads=v_heads,
+        tie_word_embeddings=tie,
+        mtp_num_layers=1,
+    )
 
 
 def _moe(hidden, layers, heads, kv, v_heads, experts, top_k, expert_ffn):
-    return TextShape(hidden_size=hidden, num_layers=layers, num_attention_heads=heads, num_kv_heads=kv,
-                     linear_num_value_heads=v_heads, num_experts=experts, moe_top_k=top_k,
-                     moe_ffn_hidden_size=expert_ffn, shared_expert_ffn_hidden_size=expert_ffn,
-                     mtp_num_layers=1)
+    return TextShape(
+        hidden_size=hidden,
+        num_layers=layers,
+        num_attention_heads=heads,
+        num_kv_heads=kv,
+        linear_num_value_heads=v_heads,
+        num_experts=experts,
+        moe_top_k=top_k,
+        moe_ffn_hidden_size=expert_ffn,
+        shared_expert_ffn_hidden_size=expert_ffn,
+        mtp_num_layers=1,
+    )
 
 
 # Released checkpoints (Qwen/Qwen3.5-*). Dimensions follow their config.json files.
@@ -131,14 +147,29 @@ VARIANTS: dict[str, Qwen35VLShape] = {
     "proxy": _variant(_moe(4096, 4, 32, 2, 64, 8, 2, 1024)),
     # A few million parameters, every structural feature present; trains on CPU.
     "tiny": Qwen35VLShape(
-        text=TextShape(hidden_size=128, num_layers=4, num_attention_heads=4, num_kv_heads=2, head_dim=32,
-                       # 4 key / 8 value GDN heads so TP x CP up to 4 splits them whole
-                       ffn_hidden_size=256, vocab_size=8192, linear_num_key_heads=4,
-                       linear_num_value_heads=8, linear_key_head_dim=16, linear_value_head_dim=16,
-                       mrope_section=(2, 1, 1), partial_rotary_factor=0.25),
-        vision=VisionShape(depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
-                           num_position_embeddings=64, out_hidden_size=128),
-        image_token_id=8000, video_token_id=8001, vision_start_token_id=8002, vision_end_token_id=8003,
+        text=TextShape(
+            hidden_size=128,
+            num_layers=4,
+            num_attention_heads=4,
+            num_kv_heads=2,
+            head_dim=32,
+            # 4 key / 8 value GDN heads so TP x CP up to 4 splits them whole
+            ffn_hidden_size=256,
+            vocab_size=8192,
+            linear_num_key_heads=4,
+            linear_num_value_heads=8,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            mrope_section=(2, 1, 1),
+            partial_rotary_factor=0.25,
+        ),
+        vision=VisionShape(
+            depth=2, hidden_size=64, intermediate_size=128, num_heads=2, num_position_embeddings=64, out_hidden_size=128
+        ),
+        image_token_id=8000,
+        video_token_id=8001,
+        vision_start_token_id=8002,
+        vision_end_token_id=8003,
     ),
 }
 
@@ -150,8 +181,13 @@ def get_variant(name: str, moe: bool | None = None, mtp: bool | None = None) -> 
     shape = VARIANTS[name]
     text = shape.text
     if moe is True and not text.is_moe:
-        text = replace(text, num_experts=4, moe_top_k=2, moe_ffn_hidden_size=text.ffn_hidden_size // 2,
-                       shared_expert_ffn_hidden_size=text.ffn_hidden_size // 2)
+        text = replace(
+            text,
+            num_experts=4,
+            moe_top_k=2,
+            moe_ffn_hidden_size=text.ffn_hidden_size // 2,
+            shared_expert_ffn_hidden_size=text.ffn_hidden_size // 2,
+        )
     elif moe is False:
         text = replace(text, num_experts=None)
     if mtp is not None:
@@ -177,63 +213,118 @@ def from_hf_config(config) -> Qwen35VLShape:
     layer_types = tuple(t.get("layer_types") or hybrid_pattern(num_layers, t.get("full_attention_interval", 4)))
     moe = {}
     if model_type == "qwen3_5_moe" or t.get("num_experts"):
-        moe = dict(num_experts=t["num_experts"], moe_top_k=t["num_experts_per_tok"],
-                   moe_ffn_hidden_size=t["moe_intermediate_size"],
-                   shared_expert_ffn_hidden_size=t["shared_expert_intermediate_size"],
-                   router_aux_loss_coef=t.get("router_aux_loss_coef", 1e-3))
+        moe = dict(
+            num_experts=t["num_experts"],
+            moe_top_k=t["num_experts_per_tok"],
+            moe_ffn_hidden_size=t["moe_intermediate_size"],
+            shared_expert_ffn_hidden_size=t["shared_expert_intermediate_size"],
+            router_aux_loss_coef=t.get("router_aux_loss_coef", 1e-3),
+        )
     text = TextShape(
-        hidden_size=t["hidden_size"], num_layers=num_layers, num_attention_heads=t["num_attention_heads"],
-        num_kv_heads=t["num_key_value_heads"], head_dim=t.get("head_dim", 256),
-        ffn_hidden_size=t.get("intermediate_size") or 0, vocab_size=t["vocab_size"], layer_types=layer_types,
-        linear_num_key_heads=t["linear_num_key_heads"], linear_num_value_heads=t["linear_num_value_heads"],
-        linear_key_head_dim=t["linear_key_head_dim"], linear_value_head_dim=t["linear_value_head_dim"],
-        linear_conv_kernel_dim=t.get("linear_conv_kernel_dim", 4), rope_theta=rope.get("rope_theta", 1e7),
+        hidden_size=t["hidden_size"],
+        num_layers=num_layers,
+        num_attention_heads=t["num_attention_heads"],
+        num_kv_heads=t["num_key_value_heads"],
+        head_dim=t.get("head_dim", 256),
+        ffn_hidden_size=t.get("intermediate_size") or 0,
+        vocab_size=t["vocab_size"],
+        layer_types=layer_types,
+        linear_num_key_heads=t["linear_num_key_heads"],
+        linear_num_value_heads=t["linear_num_value_heads"],
+        linear_key_head_dim=t["linear_key_head_dim"],
+        linear_value_head_dim=t["linear_value_head_dim"],
+        linear_conv_kernel_dim=t.get("linear_conv_kernel_dim", 4),
+        rope_theta=rope.get("rope_theta", 1e7),
         partial_rotary_factor=rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 0.25)),
-        mrope_section=tuple(rope.get("mrope_section", (11, 11, 10))), rms_norm_eps=t.get("rms_norm_eps", 1e-6),
+        mrope_section=tuple(rope.get("mrope_section", (11, 11, 10))),
+        rms_norm_eps=t.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", t.get("tie_word_embeddings", False))),
-        mtp_num_layers=t.get("mtp_num_hidden_layers", 0), **moe,
+        mtp_num_layers=t.get("mtp_num_hidden_layers", 0),
+        **moe,
     )
     vision = VisionShape(
-        depth=v["depth"], hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"],
-        num_heads=v["num_heads"], in_channels=v.get("in_channels", 3), patch_size=v["patch_size"],
-        temporal_patch_size=v["temporal_patch_size"], spatial_merge_size=v["spatial_merge_size"],
-        num_position_embeddings=v["num_position_embeddings"], out_hidden_size=v["out_hidden_size"],
+        depth=v["depth"],
+        hidden_size=v["hidden_size"],
+        intermediate_size=v["intermediate_size"],
+        num_heads=v["num_heads"],
+        in_channels=v.get("in_channels", 3),
+        patch_size=v["patch_size"],
+        temporal_patch_size=v["temporal_patch_size"],
+        spatial_merge_size=v["spatial_merge_size"],
+        num_position_embeddings=v["num_position_embeddings"],
+        out_hidden_size=v["out_hidden_size"],
     )
-    return Qwen35VLShape(text=text, vision=vision, image_token_id=cfg["image_token_id"],
-                         video_token_id=cfg["video_token_id"], vision_start_token_id=cfg["vision_start_token_id"],
-                         vision_end_token_id=cfg["vision_end_token_id"])
+    return Qwen35VLShape(
+        text=text,
+        vision=vision,
+        image_token_id=cfg["image_token_id"],
+        video_token_id=cfg["video_token_id"],
+        vision_start_token_id=cfg["vision_start_token_id"],
+        vision_end_token_id=cfg["vision_end_token_id"],
+    )
 
 
 def to_hf_config_dict(shape: Qwen35VLShape) -> dict:
     """The inverse of ``from_hf_config``: a dict ``transformers`` builds the reference from."""
     t, v = shape.text, shape.vision
     text = dict(
-        hidden_size=t.hidden_size, num_hidden_layers=t.num_layers, num_attention_heads=t.num_attention_heads,
-        num_key_value_heads=t.num_kv_heads, head_dim=t.head_dim, vocab_size=t.vocab_size,
-        layer_types=list(t.layer_types), linear_num_key_heads=t.linear_num_key_heads,
-        linear_num_value_heads=t.linear_num_value_heads, linear_key_head_dim=t.linear_key_head_dim,
-        linear_value_head_dim=t.linear_value_head_dim, linear_conv_kernel_dim=t.linear_conv_kernel_dim,
-        rms_norm_eps=t.rms_norm_eps, hidden_act="silu", tie_word_embeddings=t.tie_word_embeddings,
-        rope_parameters=dict(rope_type="default", rope_theta=t.rope_theta, partial_rotary_factor=t.partial_rotary_factor,
-                             mrope_section=list(t.mrope_section), mrope_interleaved=True),
+        hidden_size=t.hidden_size,
+        num_hidden_layers=t.num_layers,
+        num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_kv_heads,
+        head_dim=t.head_dim,
+        vocab_size=t.vocab_size,
+        layer_types=list(t.layer_types),
+        linear_num_key_heads=t.linear_num_key_heads,
+        linear_num_value_heads=t.linear_num_value_heads,
+        linear_key_head_dim=t.linear_key_head_dim,
+        linear_value_head_dim=t.linear_value_head_dim,
+        linear_conv_kernel_dim=t.linear_conv_kernel_dim,
+        rms_norm_eps=t.rms_norm_eps,
+        hidden_act="silu",
+        tie_word_embeddings=t.tie_word_embeddings,
+        rope_parameters=dict(
+            rope_type="default",
+            rope_theta=t.rope_theta,
+            partial_rotary_factor=t.partial_rotary_factor,
+            mrope_section=list(t.mrope_section),
+            mrope_interleaved=True,
+        ),
         mtp_num_hidden_layers=t.mtp_num_layers,
     )
     if t.is_moe:
-        text.update(num_experts=t.num_experts, num_experts_per_tok=t.moe_top_k,
-                    moe_intermediate_size=t.moe_ffn_hidden_size,
-                    shared_expert_intermediate_size=t.shared_expert_ffn_hidden_size,
-                    router_aux_loss_coef=t.router_aux_loss_coef)
+        text.update(
+            num_experts=t.num_experts,
+            num_experts_per_tok=t.moe_top_k,
+            moe_intermediate_size=t.moe_ffn_hidden_size,
+            shared_expert_intermediate_size=t.shared_expert_ffn_hidden_size,
+            router_aux_loss_coef=t.router_aux_loss_coef,
+        )
     else:
         text["intermediate_size"] = t.ffn_hidden_size
-    vision = dict(depth=v.depth, hidden_size=v.hidden_size, intermediate_size=v.intermediate_size,
-                  num_heads=v.num_heads, in_channels=v.in_channels, patch_size=v.patch_size,
-                  temporal_patch_size=v.temporal_patch_size, spatial_merge_size=v.spatial_merge_size,
-                  num_position_embeddings=v.num_position_embeddings, out_hidden_size=v.out_hidden_size,
-                  hidden_act="gelu_pytorch_tanh")
-    return dict(model_type="qwen3_5_moe" if t.is_moe else "qwen3_5", text_config=text, vision_config=vision,
-                image_token_id=shape.image_token_id, video_token_id=shape.video_token_id,
-                vision_start_token_id=shape.vision_start_token_id, vision_end_token_id=shape.vision_end_token_id,
-                tie_word_embeddings=t.tie_word_embeddings)
+    vision = dict(
+        depth=v.depth,
+        hidden_size=v.hidden_size,
+        intermediate_size=v.intermediate_size,
+        num_heads=v.num_heads,
+        in_channels=v.in_channels,
+        patch_size=v.patch_size,
+        temporal_patch_size=v.temporal_patch_size,
+        spatial_merge_size=v.spatial_merge_size,
+        num_position_embeddings=v.num_position_embeddings,
+        out_hidden_size=v.out_hidden_size,
+        hidden_act="gelu_pytorch_tanh",
+    )
+    return dict(
+        model_type="qwen3_5_moe" if t.is_moe else "qwen3_5",
+        text_config=text,
+        vision_config=vision,
+        image_token_id=shape.image_token_id,
+        video_token_id=shape.video_token_id,
+        vision_start_token_id=shape.vision_start_token_id,
+        vision_end_token_id=shape.vision_end_token_id,
+        tie_word_embeddings=t.tie_word_embeddings,
+    )
 
 
 def _gelu_tanh(x):
@@ -248,23 +339,39 @@ def language_architecture(text: TextShape) -> dict:
     import torch.nn.functional as F
 
     arch = dict(
-        num_layers=text.num_layers, hidden_size=text.hidden_size, num_attention_heads=text.num_attention_heads,
-        num_query_groups=text.num_kv_heads, kv_channels=text.head_dim,
+        num_layers=text.num_layers,
+        hidden_size=text.hidden_size,
+        num_attention_heads=text.num_attention_heads,
+        num_query_groups=text.num_kv_heads,
+        kv_channels=text.head_dim,
         ffn_hidden_size=text.ffn_hidden_size or text.moe_ffn_hidden_size,
-        normalization="RMSNorm", layernorm_zero_centered_gamma=True, layernorm_epsilon=text.rms_norm_eps,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=False,
-        qk_layernorm=True, attention_output_gate=True, experimental_attention_variant="gated_delta_net",
+        normalization="RMSNorm",
+        layernorm_zero_centered_gamma=True,
+        layernorm_epsilon=text.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=True,
+        attention_output_gate=True,
+        experimental_attention_variant="gated_delta_net",
         linear_attention_freq=[1 if lt == LINEAR else 0 for lt in text.layer_types],
-        linear_conv_kernel_dim=text.linear_conv_kernel_dim, linear_key_head_dim=text.linear_key_head_dim,
-        linear_value_head_dim=text.linear_value_head_dim, linear_num_key_heads=text.linear_num_key_heads,
-        linear_num_value_heads=text.linear_num_value_heads, mrope_section=list(text.mrope_section),
-        mtp_num_layers=text.mtp_num_layers or None, num_moe_experts=text.num_experts,
+        linear_conv_kernel_dim=text.linear_conv_kernel_dim,
+        linear_key_head_dim=text.linear_key_head_dim,
+        linear_value_head_dim=text.linear_value_head_dim,
+        linear_num_key_heads=text.linear_num_key_heads,
+        linear_num_value_heads=text.linear_num_value_heads,
+        mrope_section=list(text.mrope_section),
+        mtp_num_layers=text.mtp_num_layers or None,
+        num_moe_experts=text.num_experts,
     )
     if text.is_moe:
         arch.update(
-            moe_router_topk=text.moe_top_k, moe_ffn_hidden_size=text.moe_ffn_hidden_size,
+            moe_router_topk=text.moe_top_k,
+            moe_ffn_hidden_size=text.moe_ffn_hidden_size,
             moe_shared_expert_intermediate_size=text.shared_expert_ffn_hidden_size,
-            moe_shared_expert_gate=True, moe_router_pre_softmax=False,  # softmax over the top-k
+            moe_shared_expert_gate=True,
+            moe_router_pre_softmax=False,  # softmax over the top-k
             moe_router_score_function="softmax",
         )
     return arch
@@ -283,15 +390,35 @@ def vision_architecture(vision: VisionShape) -> dict:
     context, sequence or expert parallelism (its TP linears take the full patch sequence,
     replicated over TP ranks), no experts, no Gated DeltaNet, no MTP."""
     return dict(
-        num_layers=vision.depth, hidden_size=vision.hidden_size, num_attention_heads=vision.num_heads,
-        num_query_groups=vision.num_heads, kv_channels=vision.hidden_size // vision.num_heads,
-        ffn_hidden_size=vision.intermediate_size, normalization="LayerNorm", layernorm_epsilon=1e-6,
-        layernorm_zero_centered_gamma=False, gated_linear_unit=False, activation_func=_gelu_tanh,
-        add_bias_linear=True, add_qkv_bias=True, qk_layernorm=False, attention_output_gate=False,
-        experimental_attention_variant=None, linear_attention_freq=None, mrope_section=None, mtp_num_layers=None,
-        num_moe_experts=None, moe_ffn_hidden_size=None, moe_router_topk=2, moe_shared_expert_intermediate_size=None,
-        moe_shared_expert_gate=False, context_parallel_size=1, expert_model_parallel_size=1, sequence_parallel=False,
-        hidden_dropout=0.0, attention_dropout=0.0,
+        num_layers=vision.depth,
+        hidden_size=vision.hidden_size,
+        num_attention_heads=vision.num_heads,
+        num_query_groups=vision.num_heads,
+        kv_channels=vision.hidden_size // vision.num_heads,
+        ffn_hidden_size=vision.intermediate_size,
+        normalization="LayerNorm",
+        layernorm_epsilon=1e-6,
+        layernorm_zero_centered_gamma=False,
+        gated_linear_unit=False,
+        activation_func=_gelu_tanh,
+        add_bias_linear=True,
+        add_qkv_bias=True,
+        qk_layernorm=False,
+        attention_output_gate=False,
+        experimental_attention_variant=None,
+        linear_attention_freq=None,
+        mrope_section=None,
+        mtp_num_layers=None,
+        num_moe_experts=None,
+        moe_ffn_hidden_size=None,
+        moe_router_topk=2,
+        moe_shared_expert_intermediate_size=None,
+        moe_shared_expert_gate=False,
+        context_parallel_size=1,
+        expert_model_parallel_size=1,
+        sequence_parallel=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
         bias_activation_fusion=False,  # megatron-core fuses bias+GELU (erf) and SwiGLU, not tanh-GELU
     )
 
@@ -299,16 +426,20 @@ def vision_architecture(vision: VisionShape) -> dict:
 # Settings of a model built outside megatron.training (tests, conversion, benchmarks): fp32-exact
 # torch paths, no fused kernels that need Transformer Engine or Apex.
 STANDALONE_SETTINGS = dict(
-    bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
-    persist_layer_norm=False, gradient_accumulation_fusion=False, moe_token_dispatcher_type="allgather",
+    bias_activation_fusion=False,
+    bias_dropout_fusion=False,
+    apply_rope_fusion=False,
+    masked_softmax_fusion=False,
+    persist_layer_norm=False,
+    gradient_accumulation_fusion=False,
+    moe_token_dispatcher_type="allgather",
     moe_grouped_gemm=False,
 )
 
 
 def _standalone_config(fields: dict, params_dtype, settings: dict):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     import torch
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
     params_dtype = params_dtype or torch.float32
     dtypes = dict(params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, pipeline_dtype=params_dtype)
@@ -336,11 +467,13 @@ def configs_from_args(args, shape: Qwen35VLShape, backend: str, given: dict[str,
     from ..common.config_from_args import transformer_configs
 
     vision_tp = getattr(args, "vision_tensor_parallel_size", None)
-    validate_parallel(shape, args.tensor_model_parallel_size, args.context_parallel_size,
-                      args.expert_model_parallel_size, vision_tp)
+    validate_parallel(
+        shape, args.tensor_model_parallel_size, args.context_parallel_size, args.expert_model_parallel_size, vision_tp
+    )
     source = f"--hf-config-path {args.hf_config_path}" if args.hf_config_path else f"variant {args.model_variant!r}"
     vision = vision_architecture(shape.vision)
     if vision_tp:
         vision["tensor_model_parallel_size"] = vision_tp
-    return transformer_configs(args, language_architecture(shape.text), language_recipe(shape.text),
-                               vision, source, backend, given)
+    return transformer_configs(
+        args, language_architecture(shape.text), language_recipe(shape.text), vision, source, backend, given
+    )

@@ -11,9 +11,19 @@ from .parallel import validate_parallel
 from .vision_encoder import Qwen35VisionModel
 
 
-def build_model(shape: Qwen35VLShape, backend: str = "local", params_dtype=torch.float32,
-                max_sequence_length: int = 4096, configs=None, pre_process: bool = True, post_process: bool = True,
-                vp_stage: int | None = None, module: str | None = None, groups=None, **settings):
+def build_model(
+    shape: Qwen35VLShape,
+    backend: str = "local",
+    params_dtype=torch.float32,
+    max_sequence_length: int = 4096,
+    configs=None,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: int | None = None,
+    module: str | None = None,
+    groups=None,
+    **settings,
+):
     """``configs``: (decoder, vision) TransformerConfigs made from megatron's args (training);
     without them, standalone configs from ``settings`` (TransformerConfig fields such as
     tensor_model_parallel_size) for tests, conversion and benchmarks. ``pre_process`` /
@@ -22,14 +32,30 @@ def build_model(shape: Qwen35VLShape, backend: str = "local", params_dtype=torch
     (vision_ranks/groups.py), the tower alone as a ``VisionStage`` on its process ``groups`` or the
     language model without it."""
     if configs is None:
-        configs = (language_transformer_config(shape.text, params_dtype, **settings),
-                   vision_transformer_config(shape.vision, params_dtype, **settings))
+        configs = (
+            language_transformer_config(shape.text, params_dtype, **settings),
+            vision_transformer_config(shape.vision, params_dtype, **settings),
+        )
     language_config, vision_config = configs
     tp, vision_tp = language_config.tensor_model_parallel_size, vision_config.tensor_model_parallel_size
-    validate_parallel(shape, tp, language_config.context_parallel_size, language_config.expert_model_parallel_size,
-                      vision_tp if vision_tp != tp else None, colocated=module is None)
+    validate_parallel(
+        shape,
+        tp,
+        language_config.context_parallel_size,
+        language_config.expert_model_parallel_size,
+        vision_tp if vision_tp != tp else None,
+        colocated=module is None,
+    )
     if module == "vision":
         return VisionStage(vision_config, Qwen35VisionModel(vision_config, shape.vision, backend), groups)
-    return Qwen35VLModel(shape, language_config, vision_config, backend, max_sequence_length,
-                         pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
-                         tower=module != "language")
+    return Qwen35VLModel(
+        shape,
+        language_config,
+        vision_config,
+        backend,
+        max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        vp_stage=vp_stage,
+        tower=module != "language",
+    )

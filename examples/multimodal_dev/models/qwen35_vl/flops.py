@@ -53,16 +53,29 @@ def _mlp_per_token(t) -> float:
     h = t.hidden_size
     if not t.is_moe:
         return 6.0 * h * t.ffn_hidden_size
-    return (2.0 * h * t.num_experts + t.moe_top_k * 6.0 * h * t.moe_ffn_hidden_size
-            + 6.0 * h * t.shared_expert_ffn_hidden_size + 2.0 * h)
+    return (
+        2.0 * h * t.num_experts
+        + t.moe_top_k * 6.0 * h * t.moe_ffn_hidden_size
+        + 6.0 * h * t.shared_expert_ffn_hidden_size
+        + 2.0 * h
+    )
 
 
 def gdn_layer_flops(t, tokens: int) -> float:
-    h, nk, nv, dk, dv = (t.hidden_size, t.linear_num_key_heads, t.linear_num_value_heads,
-                         t.linear_key_head_dim, t.linear_value_head_dim)
+    h, nk, nv, dk, dv = (
+        t.hidden_size,
+        t.linear_num_key_heads,
+        t.linear_num_value_heads,
+        t.linear_key_head_dim,
+        t.linear_value_head_dim,
+    )
     kd, vd = nk * dk, nv * dv
-    per_token = (2.0 * h * (2 * kd + 2 * vd + 2 * nv) + 2.0 * t.linear_conv_kernel_dim * (2 * kd + vd)
-                 + nv * (6.0 * dk * dv + 2.0 * GDN_CHUNK * (dk + dv)) + 2.0 * vd * h)
+    per_token = (
+        2.0 * h * (2 * kd + 2 * vd + 2 * nv)
+        + 2.0 * t.linear_conv_kernel_dim * (2 * kd + vd)
+        + nv * (6.0 * dk * dv + 2.0 * GDN_CHUNK * (dk + dv))
+        + 2.0 * vd * h
+    )
     return per_token * tokens
 
 
@@ -75,7 +88,7 @@ def attention_layer_flops(t, lengths) -> float:
 
 
 def vision_flops(v, out_hidden: int, grids) -> float:
-    d, m = v.hidden_size, v.spatial_merge_size ** 2
+    d, m = v.hidden_size, v.spatial_merge_size**2
     total = 0.0
     for t, hh, ww in grids:
         n, patches = hh * ww, t * hh * ww
@@ -100,7 +113,11 @@ def micro_batch_flops(shape, lengths, grids=()) -> FlopsBreakdown:
     out.attention = n_full * attention_layer_flops(t, lengths)
     out.mlp = t.num_layers * _mlp_per_token(t) * tokens
     out.output = 2.0 * t.hidden_size * t.vocab_size * tokens
-    mtp_layer = (4.0 * t.hidden_size ** 2 * tokens + attention_layer_flops(t, lengths)
-                 + _mlp_per_token(t) * tokens + 2.0 * t.hidden_size * t.vocab_size * tokens)
+    mtp_layer = (
+        4.0 * t.hidden_size**2 * tokens
+        + attention_layer_flops(t, lengths)
+        + _mlp_per_token(t) * tokens
+        + 2.0 * t.hidden_size * t.vocab_size * tokens
+    )
     out.mtp = t.mtp_num_layers * mtp_layer
     return out

@@ -74,6 +74,7 @@ def _gated_qkv_to_megatron(num_heads, num_groups, head_dim):
         q, gate = qg[:, :, 0].reshape(num_groups, -1, hidden), qg[:, :, 1].reshape(num_groups, -1, hidden)
         k, v = k_proj.view(num_groups, head_dim, hidden), v_proj.view(num_groups, head_dim, hidden)
         return [torch.cat([q, gate, k, v], dim=1).reshape(-1, hidden)]
+
     return fn
 
 
@@ -88,6 +89,7 @@ def _gated_qkv_to_hf(num_heads, num_groups, head_dim):
         gate = gate.reshape(num_groups, per_group, 1, head_dim, hidden)
         q_proj = torch.cat([q, gate], dim=2).reshape(-1, hidden)
         return [q_proj, k.reshape(-1, hidden), v.reshape(-1, hidden)]
+
     return fn
 
 
@@ -118,15 +120,20 @@ def _fuse(mg: str, hf: tuple[str, ...], sizes) -> Rule:
 
 def _decoder_layer_rules(t, layer_type: str, mg: str, hf: str) -> list[Rule]:
     """One decoder layer: Megatron names under ``mg``, HF names under ``hf`` (both end in '.')."""
-    rules = [_copy(mg + "input_layernorm.weight", hf + "input_layernorm.weight"),
-             _copy(mg + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight")]
+    rules = [
+        _copy(mg + "input_layernorm.weight", hf + "input_layernorm.weight"),
+        _copy(mg + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight"),
+    ]
     if layer_type == LINEAR:
         a, la = mg + "self_attention.", hf + "linear_attn."
         qk, v = t.linear_num_key_heads * t.linear_key_head_dim, t.linear_num_value_heads * t.linear_value_head_dim
         nv = t.linear_num_value_heads
         rules += [
-            _fuse(a + "in_proj.weight", (la + "in_proj_qkv.weight", la + "in_proj_z.weight", la + "in_proj_b.weight",
-                                         la + "in_proj_a.weight"), [2 * qk + v, v, nv, nv]),
+            _fuse(
+                a + "in_proj.weight",
+                (la + "in_proj_qkv.weight", la + "in_proj_z.weight", la + "in_proj_b.weight", la + "in_proj_a.weight"),
+                [2 * qk + v, v, nv, nv],
+            ),
             _copy(a + "conv1d.weight", la + "conv1d.weight"),
             _copy(a + "A_log", la + "A_log"),
             _copy(a + "dt_bias", la + "dt_bias"),
@@ -137,8 +144,12 @@ def _decoder_layer_rules(t, layer_type: str, mg: str, hf: str) -> list[Rule]:
         a, sa = mg + "self_attention.", hf + "self_attn."
         dims = (t.num_attention_heads, t.num_kv_heads, t.head_dim)
         rules += [
-            Rule((a + "linear_qkv.weight",), (sa + "q_proj.weight", sa + "k_proj.weight", sa + "v_proj.weight"),
-                 _gated_qkv_to_megatron(*dims), _gated_qkv_to_hf(*dims)),
+            Rule(
+                (a + "linear_qkv.weight",),
+                (sa + "q_proj.weight", sa + "k_proj.weight", sa + "v_proj.weight"),
+                _gated_qkv_to_megatron(*dims),
+                _gated_qkv_to_hf(*dims),
+            ),
             _copy(a + "q_layernorm.weight", sa + "q_norm.weight"),
             _copy(a + "k_layernorm.weight", sa + "k_norm.weight"),
             _copy(a + "linear_proj.weight", sa + "o_proj.weight"),
@@ -150,12 +161,23 @@ def _decoder_layer_rules(t, layer_type: str, mg: str, hf: str) -> list[Rule]:
         experts, shared = range(t.num_experts), t.shared_expert_ffn_hidden_size
         rules += [
             _copy(m + "router.weight", hm + "gate.weight"),
-            Rule(tuple(f"{m}experts.local_experts.{e}.linear_fc1.weight" for e in experts),
-                 (hm + "experts.gate_up_proj",), _unstack, _stack),
-            Rule(tuple(f"{m}experts.local_experts.{e}.linear_fc2.weight" for e in experts),
-                 (hm + "experts.down_proj",), _unstack, _stack),
-            _fuse(m + "shared_experts.linear_fc1.weight",
-                  (hm + "shared_expert.gate_proj.weight", hm + "shared_expert.up_proj.weight"), [shared, shared]),
+            Rule(
+                tuple(f"{m}experts.local_experts.{e}.linear_fc1.weight" for e in experts),
+                (hm + "experts.gate_up_proj",),
+                _unstack,
+                _stack,
+            ),
+            Rule(
+                tuple(f"{m}experts.local_experts.{e}.linear_fc2.weight" for e in experts),
+                (hm + "experts.down_proj",),
+                _unstack,
+                _stack,
+            ),
+            _fuse(
+                m + "shared_experts.linear_fc1.weight",
+                (hm + "shared_expert.gate_proj.weight", hm + "shared_expert.up_proj.weight"),
+                [shared, shared],
+            ),
             _copy(m + "shared_experts.linear_fc2.weight", hm + "shared_expert.down_proj.weight"),
             _copy(m + "shared_experts.gate_weight", hm + "shared_expert_gate.weight"),
         ]
@@ -170,16 +192,20 @@ def _decoder_layer_rules(t, layer_type: str, mg: str, hf: str) -> list[Rule]:
 
 def _mtp_rules(t) -> list[Rule]:
     if t.mtp_num_layers > 1:
-        raise ValueError(f"mtp_num_layers {t.mtp_num_layers}: the Hugging Face Qwen3.5 layout has one MTP "
-                         "layer (one mtp.fc); use --mtp-num-layers 1")
+        raise ValueError(
+            f"mtp_num_layers {t.mtp_num_layers}: the Hugging Face Qwen3.5 layout has one MTP "
+            "layer (one mtp.fc); use --mtp-num-layers 1"
+        )
     if not t.mtp_num_layers:
         return []
     mg = MG_LM + "mtp.layers.0."
-    return [_copy(mg + "eh_proj.weight", "mtp.fc.weight"),
-            _copy(mg + "enorm.weight", "mtp.pre_fc_norm_embedding.weight"),
-            _copy(mg + "hnorm.weight", "mtp.pre_fc_norm_hidden.weight"),
-            _copy(mg + "final_layernorm.weight", "mtp.norm.weight"),
-            *_decoder_layer_rules(t, FULL, mg + "mtp_model_layer.", "mtp.layers.0.")]
+    return [
+        _copy(mg + "eh_proj.weight", "mtp.fc.weight"),
+        _copy(mg + "enorm.weight", "mtp.pre_fc_norm_embedding.weight"),
+        _copy(mg + "hnorm.weight", "mtp.pre_fc_norm_hidden.weight"),
+        _copy(mg + "final_layernorm.weight", "mtp.norm.weight"),
+        *_decoder_layer_rules(t, FULL, mg + "mtp_model_layer.", "mtp.layers.0."),
+    ]
 
 
 def _vision_rules(shape: Qwen35VLShape) -> list[Rule]:
@@ -192,23 +218,31 @@ def _vision_rules(shape: Qwen35VLShape) -> list[Rule]:
             rules += [
                 _copy(mg + f"input_layernorm.{p}", hf + f"norm1.{p}"),
                 _copy(mg + f"pre_mlp_layernorm.{p}", hf + f"norm2.{p}"),
-                Rule((mg + f"self_attention.linear_qkv.{p}",), (hf + f"attn.qkv.{p}",),
-                     _vision_qkv_to_megatron(v.num_heads), _vision_qkv_to_hf(v.num_heads)),
+                Rule(
+                    (mg + f"self_attention.linear_qkv.{p}",),
+                    (hf + f"attn.qkv.{p}",),
+                    _vision_qkv_to_megatron(v.num_heads),
+                    _vision_qkv_to_hf(v.num_heads),
+                ),
                 _copy(mg + f"self_attention.linear_proj.{p}", hf + f"attn.proj.{p}"),
                 _copy(mg + f"mlp.linear_fc1.{p}", hf + f"mlp.linear_fc1.{p}"),
                 _copy(mg + f"mlp.linear_fc2.{p}", hf + f"mlp.linear_fc2.{p}"),
             ]
     for p in ("weight", "bias"):
-        rules += [_copy(MG_VIS + f"merger.patch_norm.{p}", HF_VIS + f"merger.norm.{p}"),
-                  _copy(MG_VIS + f"merger.linear_fc1.{p}", HF_VIS + f"merger.linear_fc1.{p}"),
-                  _copy(MG_VIS + f"merger.linear_fc2.{p}", HF_VIS + f"merger.linear_fc2.{p}")]
+        rules += [
+            _copy(MG_VIS + f"merger.patch_norm.{p}", HF_VIS + f"merger.norm.{p}"),
+            _copy(MG_VIS + f"merger.linear_fc1.{p}", HF_VIS + f"merger.linear_fc1.{p}"),
+            _copy(MG_VIS + f"merger.linear_fc2.{p}", HF_VIS + f"merger.linear_fc2.{p}"),
+        ]
     return rules
 
 
 def mapping_rules(shape: Qwen35VLShape) -> list[Rule]:
     t = shape.text
-    rules = [_copy(MG_LM + "embedding.word_embeddings.weight", HF_LM + "embed_tokens.weight"),
-             _copy(MG_LM + "decoder.final_layernorm.weight", HF_LM + "norm.weight")]
+    rules = [
+        _copy(MG_LM + "embedding.word_embeddings.weight", HF_LM + "embed_tokens.weight"),
+        _copy(MG_LM + "decoder.final_layernorm.weight", HF_LM + "norm.weight"),
+    ]
     if not t.tie_word_embeddings:
         rules.append(_copy(MG_LM + "output_layer.weight", "lm_head.weight"))
     for i in range(t.num_layers):
@@ -236,8 +270,10 @@ def hf_to_megatron(hf_state: dict, shape: Qwen35VLShape, strict: bool = True) ->
         consumed.add("lm_head.weight")  # the tied head is the embedding itself
     unconsumed = sorted(set(hf_state) - consumed)
     if missing or (strict and unconsumed):
-        raise MappingError(f"HF -> Megatron: {len(missing)} expected HF tensors missing {missing[:20]}; "
-                           f"{len(unconsumed)} HF tensors not consumed {unconsumed[:20]}")
+        raise MappingError(
+            f"HF -> Megatron: {len(missing)} expected HF tensors missing {missing[:20]}; "
+            f"{len(unconsumed)} HF tensors not consumed {unconsumed[:20]}"
+        )
     return out
 
 
@@ -266,11 +302,15 @@ def load_hf_into_model(model, hf_state: dict, shape: Qwen35VLShape, strict: bool
     target = model_state(model)
     unfilled = sorted(set(target) - set(converted))
     unknown = sorted(set(converted) - set(target))
-    bad_shape = [f"{k}: {tuple(converted[k].shape)} vs {tuple(target[k].shape)}"
-                 for k in set(converted) & set(target) if converted[k].shape != target[k].shape]
+    bad_shape = [
+        f"{k}: {tuple(converted[k].shape)} vs {tuple(target[k].shape)}"
+        for k in set(converted) & set(target)
+        if converted[k].shape != target[k].shape
+    ]
     if unfilled or unknown or bad_shape:
-        raise MappingError(f"Megatron tensors unfilled {unfilled[:20]}; not in model {unknown[:20]}; "
-                           f"shape mismatch {bad_shape[:20]}")
+        raise MappingError(
+            f"Megatron tensors unfilled {unfilled[:20]}; not in model {unknown[:20]}; shape mismatch {bad_shape[:20]}"
+        )
     with torch.no_grad():
         for name, tensor in converted.items():
             target[name].copy_(tensor.to(target[name].dtype))

@@ -13,8 +13,8 @@ import dataclasses
 
 from megatron.core.models.gpt import GPTModel
 
-from ..base import VisionLanguageModel
 from ...megatron_changes import apply
+from ..base import VisionLanguageModel
 from ..common import vision_bridge
 from ..common.context_parallel import ContextParallelSplit
 from .configuration import Qwen35VLShape
@@ -49,8 +49,12 @@ class _LanguageModel(GPTModel):
         per-token tensor is split once, by the VLM). megatron-core's THD rotary, however, slices
         the rotary table itself and so expects it for the global row; the local positions are put
         back at their global places (zeros elsewhere, never read) for that slice to find them."""
-        if (packed_seq_params is not None and packed_seq_params.qkv_format == "thd" and position_ids is not None
-                and packed_seq_params.cu_seqlens_q_padded is not None):
+        if (
+            packed_seq_params is not None
+            and packed_seq_params.qkv_format == "thd"
+            and position_ids is not None
+            and packed_seq_params.cu_seqlens_q_padded is not None
+        ):
             total = int(packed_seq_params.cu_seqlens_q_padded[-1])
             split = ContextParallelSplit.for_row(total, self.pg_collection.cp, packed_seq_params)
             if split is not None:
@@ -60,24 +64,37 @@ class _LanguageModel(GPTModel):
     def _postprocess(self, *args, packed_seq_params=None, **kwargs):
         if packed_seq_params is not None and packed_seq_params.cu_seqlens_q_padded is not None:
             packed_seq_params = dataclasses.replace(
-                packed_seq_params, cu_seqlens_q=packed_seq_params.cu_seqlens_q_padded,
-                cu_seqlens_kv=packed_seq_params.cu_seqlens_kv_padded)
+                packed_seq_params,
+                cu_seqlens_q=packed_seq_params.cu_seqlens_q_padded,
+                cu_seqlens_kv=packed_seq_params.cu_seqlens_kv_padded,
+            )
         return super()._postprocess(*args, packed_seq_params=packed_seq_params, **kwargs)
 
 
 class Qwen35VLModel(VisionLanguageModel):
-    def __init__(self, shape: Qwen35VLShape, language_config, vision_config, backend: str = "local",
-                 max_sequence_length: int = 4096, pre_process: bool = True, post_process: bool = True,
-                 vp_stage: int | None = None, tower: bool = True):
+    def __init__(
+        self,
+        shape: Qwen35VLShape,
+        language_config,
+        vision_config,
+        backend: str = "local",
+        max_sequence_length: int = 4096,
+        pre_process: bool = True,
+        post_process: bool = True,
+        vp_stage: int | None = None,
+        tower: bool = True,
+    ):
         """One pipeline stage (the whole model by default): the vision tower only where
         ``pre_process`` and ``tower`` (False: it runs on ranks of its own); GPTModel places the output
         layer, loss and MTP head where ``post_process``."""
         text = shape.text
         if language_config.mtp_num_layers:
             if language_config.mtp_num_layers > 1 and language_config.context_parallel_size > 1:
-                raise ValueError(f"--mtp-num-layers {language_config.mtp_num_layers} with --context-parallel-size "
-                                 f"{language_config.context_parallel_size}: the MTP loss is split-independent for "
-                                 "one MTP layer only (Qwen3.5 has one)")
+                raise ValueError(
+                    f"--mtp-num-layers {language_config.mtp_num_layers} with --context-parallel-size "
+                    f"{language_config.context_parallel_size}: the MTP loss is split-independent for "
+                    "one MTP layer only (Qwen3.5 has one)"
+                )
             apply("mtp-under-cp")
         language_model = _LanguageModel(
             config=language_config,
@@ -89,18 +106,23 @@ class Qwen35VLModel(VisionLanguageModel):
             rotary_base=int(text.rope_theta),
             share_embeddings_and_output_weights=text.tie_word_embeddings,
             mtp_block_spec=mtp_block_spec(language_config, backend),
-            pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+            pre_process=pre_process,
+            post_process=post_process,
+            vp_stage=vp_stage,
         )
         # megatron-core's MultimodalRotaryEmbedding concatenates the t/h/w sections; Qwen3.5
         # interleaves them channel by channel. Same call signature, so it drops in.
         language_model.rotary_pos_emb = InterleavedMRoPE(
-            text.head_dim, text.partial_rotary_factor, text.rope_theta, text.mrope_section)
+            text.head_dim, text.partial_rotary_factor, text.rope_theta, text.mrope_section
+        )
         bridge = None
         if tower and vision_config.tensor_model_parallel_size != language_config.tensor_model_parallel_size:
             # its own groups, made by every rank (collectively), the vision tower only on the first stage
             bridge = vision_bridge.for_layout(vision_config.tensor_model_parallel_size, language_model.pg_collection)
             language_config.finalize_model_grads_func = vision_bridge.finalize_model_grads
-        vision_model = Qwen35VisionModel(vision_config, shape.vision, backend, bridge) if pre_process and tower else None
+        vision_model = (
+            Qwen35VisionModel(vision_config, shape.vision, backend, bridge) if pre_process and tower else None
+        )
         super().__init__(language_config, vision_model, language_model, shape.image_token_id, shape.video_token_id)
         self.shape = shape
 

@@ -61,8 +61,9 @@ def sample_position_ids(tokens_1d: torch.Tensor, grids_thw: torch.Tensor, vision
     return out
 
 
-def packed_position_ids(tokens_T: torch.Tensor, grids_thw: torch.Tensor, vision_ids, spatial_merge: int,
-                        cu_seqlens: torch.Tensor) -> torch.Tensor:
+def packed_position_ids(
+    tokens_T: torch.Tensor, grids_thw: torch.Tensor, vision_ids, spatial_merge: int, cu_seqlens: torch.Tensor
+) -> torch.Tensor:
     """MRoPE positions [3, T] of a packed row, restarting at 0 at every ``cu_seqlens`` boundary.
 
     One scan over the whole row: positions are affine in the running shift, so treating the row
@@ -85,28 +86,47 @@ def split_video_frames(video_grid_thw: torch.Tensor | None) -> torch.Tensor | No
     return grids
 
 
-def run_grids(row: torch.Tensor, image_grids: torch.Tensor, video_frames: torch.Tensor, image_token_id: int,
-              video_token_id: int, first_image: int = 0, first_frame: int = 0, where: str = "the row"):
+def run_grids(
+    row: torch.Tensor,
+    image_grids: torch.Tensor,
+    video_frames: torch.Tensor,
+    image_token_id: int,
+    video_token_id: int,
+    first_image: int = 0,
+    first_frame: int = 0,
+    where: str = "the row",
+):
     """(the grid of every vision run of ``row`` in reading order, images used, frames used): image
     runs take ``image_grids`` and video runs ``video_frames`` (``split_video_frames``), each in
     order from ``first_image`` / ``first_frame``; a run's first token says which it is."""
     starts, _ = _vision_runs(row, torch.tensor([image_token_id, video_token_id], device=row.device))
     is_image = row[starts] == image_token_id
     n_img, n_vid = int(is_image.sum()), int((~is_image).sum())
-    for what, needed, have in (("images", first_image + n_img, len(image_grids)),
-                               ("videos", first_frame + n_vid, len(video_frames))):
+    for what, needed, have in (
+        ("images", first_image + n_img, len(image_grids)),
+        ("videos", first_frame + n_vid, len(video_frames)),
+    ):
         if needed > have:
             kind = "image_grid_thw" if what == "images" else "video frames in video_grid_thw"
-            raise ValueError(f"{what}: {where} {'have' if where.startswith('rows') else 'has'} {needed} placeholder "
-                             f"runs but {kind} lists {have}; the processor's token expansion and the grids disagree")
+            raise ValueError(
+                f"{what}: {where} {'have' if where.startswith('rows') else 'has'} {needed} placeholder "
+                f"runs but {kind} lists {have}; the processor's token expansion and the grids disagree"
+            )
     grids = torch.zeros(len(starts), 3, dtype=torch.long, device=row.device)
-    grids[is_image] = image_grids[first_image:first_image + n_img].to(row.device, torch.long)
-    grids[~is_image] = video_frames[first_frame:first_frame + n_vid].to(row.device, torch.long)
+    grids[is_image] = image_grids[first_image : first_image + n_img].to(row.device, torch.long)
+    grids[~is_image] = video_frames[first_frame : first_frame + n_vid].to(row.device, torch.long)
     return grids, n_img, n_vid
 
 
-def padded_batch_position_ids(tokens_BS, attention_mask_BS, image_grid_thw, video_grid_thw,
-                              image_token_id: int, video_token_id: int, spatial_merge: int):
+def padded_batch_position_ids(
+    tokens_BS,
+    attention_mask_BS,
+    image_grid_thw,
+    video_grid_thw,
+    image_token_id: int,
+    video_token_id: int,
+    spatial_merge: int,
+):
     """MRoPE positions [3, B, S] of a right- or left-padded batch; padding gets position 0
     (never attended by real tokens). Grids are consumed in order across the batch."""
     image_grids = image_grid_thw if image_grid_thw is not None else tokens_BS.new_zeros(0, 3)
@@ -115,10 +135,22 @@ def padded_batch_position_ids(tokens_BS, attention_mask_BS, image_grid_thw, vide
     out = tokens_BS.new_zeros((3,) + tuple(tokens_BS.shape), dtype=torch.long)
     next_img = next_vid = 0
     for b in range(tokens_BS.shape[0]):
-        keep = attention_mask_BS[b].bool() if attention_mask_BS is not None else torch.ones_like(tokens_BS[b], dtype=torch.bool)
+        keep = (
+            attention_mask_BS[b].bool()
+            if attention_mask_BS is not None
+            else torch.ones_like(tokens_BS[b], dtype=torch.bool)
+        )
         row = tokens_BS[b][keep]
-        grids, n_img, n_vid = run_grids(row, image_grids, video_grids, image_token_id, video_token_id, next_img,
-                                        next_vid, where=f"rows 0..{b} of the batch")
+        grids, n_img, n_vid = run_grids(
+            row,
+            image_grids,
+            video_grids,
+            image_token_id,
+            video_token_id,
+            next_img,
+            next_vid,
+            where=f"rows 0..{b} of the batch",
+        )
         next_img, next_vid = next_img + n_img, next_vid + n_vid
         out[:, b, keep] = sample_position_ids(row, grids, (image_token_id, video_token_id), spatial_merge)
     return out

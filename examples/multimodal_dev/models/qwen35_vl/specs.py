@@ -41,8 +41,7 @@ BACKENDS = ("local", "te")
 # TransformerLayer renames these key prefixes in its sharded_state_dict (module and parameter
 # names stay as they are), so one checkpoint loads into both backends and Megatron-Bridge.
 FUSED_NORM_KEYS = {
-    "input_layernorm.": {LINEAR: "self_attention.in_proj.layer_norm_",
-                         FULL: "self_attention.linear_qkv.layer_norm_"},
+    "input_layernorm.": {LINEAR: "self_attention.in_proj.layer_norm_", FULL: "self_attention.linear_qkv.layer_norm_"},
     "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",  # dense MLPs only: MoE keeps its own norm
 }
 
@@ -106,8 +105,11 @@ def _mixer_spec(m: _Modules, layer_type: str):
             module=SelfAttention,
             params={"attn_mask_type": AttnMaskType.causal},
             submodules=SelfAttentionSubmodules(
-                linear_qkv=first_linear, core_attention=m.attention, linear_proj=m.row,
-                q_layernorm=m.norm, k_layernorm=m.norm,
+                linear_qkv=first_linear,
+                core_attention=m.attention,
+                linear_proj=m.row,
+                q_layernorm=m.norm,
+                k_layernorm=m.norm,
             ),
         )
     else:
@@ -117,16 +119,24 @@ def _mixer_spec(m: _Modules, layer_type: str):
 
 def _decoder_layer_spec(m: _Modules, layer_type: str, config) -> ModuleSpec:
     is_moe = config.num_moe_experts is not None
-    mlp = get_mlp_module_spec_for_backend(backend=m.provider, num_experts=config.num_moe_experts,
-                                          moe_grouped_gemm=False)
+    mlp = get_mlp_module_spec_for_backend(
+        backend=m.provider, num_experts=config.num_moe_experts, moe_grouped_gemm=False
+    )
     # TE fuses the pre-MLP norm into a dense fc1; the MoE router needs the normed input itself.
     pre_mlp_norm = IdentityOp if (m.fused_norm and not is_moe) else m.norm
     input_norm, mixer = _mixer_spec(m, layer_type)
-    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-        input_layernorm=input_norm, self_attention=mixer, self_attn_bda=get_bias_dropout_add,
-        pre_mlp_layernorm=pre_mlp_norm, mlp=mlp, mlp_bda=get_bias_dropout_add,
-        sharded_state_dict_keys_map=m.norm_keys_map(layer_type, dense_mlp=not is_moe),
-    ))
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=input_norm,
+            self_attention=mixer,
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=pre_mlp_norm,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=m.norm_keys_map(layer_type, dense_mlp=not is_moe),
+        ),
+    )
 
 
 def stage_layer_types(config, layer_types, vp_stage=None) -> list:
@@ -139,7 +149,7 @@ def stage_layer_types(config, layer_types, vp_stage=None) -> list:
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     offset = get_transformer_layer_offset(config, vp_stage)
-    return list(layer_types[offset:offset + get_num_layers_to_build(config, vp_stage)])
+    return list(layer_types[offset : offset + get_num_layers_to_build(config, vp_stage)])
 
 
 def decoder_block_spec(config, layer_types, backend: str, vp_stage=None) -> TransformerBlockSubmodules:
@@ -147,7 +157,8 @@ def decoder_block_spec(config, layer_types, backend: str, vp_stage=None) -> Tran
     m = _Modules(backend)
     return TransformerBlockSubmodules(
         layer_specs=[_decoder_layer_spec(m, lt, config) for lt in stage_layer_types(config, layer_types, vp_stage)],
-        layer_norm=m.norm)
+        layer_norm=m.norm,
+    )
 
 
 def mtp_block_spec(config, backend: str) -> MultiTokenPredictionBlockSubmodules | None:
@@ -157,10 +168,16 @@ def mtp_block_spec(config, backend: str) -> MultiTokenPredictionBlockSubmodules 
     if not config.mtp_num_layers:
         return None
     m = _Modules(backend)
-    layer = ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
-        enorm=m.norm, hnorm=m.norm, layer_norm=m.norm, eh_proj=m.column,
-        mtp_model_layer=_decoder_layer_spec(m, FULL, config),
-    ))
+    layer = ModuleSpec(
+        module=MultiTokenPredictionLayer,
+        submodules=MultiTokenPredictionLayerSubmodules(
+            enorm=m.norm,
+            hnorm=m.norm,
+            layer_norm=m.norm,
+            eh_proj=m.column,
+            mtp_model_layer=_decoder_layer_spec(m, FULL, config),
+        ),
+    )
     return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * config.mtp_num_layers)
 
 
@@ -169,20 +186,25 @@ def vision_block_spec(config, backend: str) -> TransformerBlockSubmodules:
     m = _Modules(backend)
     input_norm, first_linear = m.input_norm_and_linear()
     mlp = get_mlp_module_spec_for_backend(backend=m.provider, num_experts=None)
-    layer = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-        input_layernorm=input_norm,
-        self_attention=ModuleSpec(
-            module=SelfAttention,
-            params={"attn_mask_type": AttnMaskType.no_mask},
-            submodules=SelfAttentionSubmodules(linear_qkv=first_linear, core_attention=m.attention,
-                                               linear_proj=m.row),
+    layer = ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=input_norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.no_mask},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=first_linear, core_attention=m.attention, linear_proj=m.row
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=IdentityOp if m.fused_norm else m.norm,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+            # the ViT uses LayerNorm: the map renames its bias with its weight (layer_norm_bias)
+            sharded_state_dict_keys_map=m.norm_keys_map(FULL, dense_mlp=True),
         ),
-        self_attn_bda=get_bias_dropout_add,
-        pre_mlp_layernorm=IdentityOp if m.fused_norm else m.norm,
-        mlp=mlp, mlp_bda=get_bias_dropout_add,
-        # the ViT uses LayerNorm: the map renames its bias with its weight (layer_norm_bias)
-        sharded_state_dict_keys_map=m.norm_keys_map(FULL, dense_mlp=True),
-    ))
+    )
     return TransformerBlockSubmodules(layer_specs=[layer] * config.num_layers, layer_norm=None)
 
 

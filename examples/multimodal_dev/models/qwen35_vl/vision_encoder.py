@@ -55,13 +55,28 @@ class PatchMerger(MegatronModule):
         if tp_group is not None:  # its own layout; otherwise megatron's TP group, as the linears'
             self.tp_group = tp_group
         column, row, _ = linear_classes(backend)
-        self.merged_dim = shape.hidden_size * shape.spatial_merge_size ** 2
+        self.merged_dim = shape.hidden_size * shape.spatial_merge_size**2
         self.patch_norm = nn.LayerNorm(shape.hidden_size, eps=1e-6, dtype=config.params_dtype)
-        self.linear_fc1 = column(self.merged_dim, self.merged_dim, config=config, init_method=config.init_method,
-                                 bias=True, gather_output=False, skip_bias_add=False, tp_group=tp_group)
-        self.linear_fc2 = row(self.merged_dim, shape.out_hidden_size, config=config,
-                              init_method=config.output_layer_init_method, bias=True, input_is_parallel=True,
-                              skip_bias_add=False, tp_group=tp_group)
+        self.linear_fc1 = column(
+            self.merged_dim,
+            self.merged_dim,
+            config=config,
+            init_method=config.init_method,
+            bias=True,
+            gather_output=False,
+            skip_bias_add=False,
+            tp_group=tp_group,
+        )
+        self.linear_fc2 = row(
+            self.merged_dim,
+            shape.out_hidden_size,
+            config=config,
+            init_method=config.output_layer_init_method,
+            bias=True,
+            input_is_parallel=True,
+            skip_bias_add=False,
+            tp_group=tp_group,
+        )
 
     def forward(self, x_PD: torch.Tensor) -> torch.Tensor:
         x = self.patch_norm(x_PD).view(-1, self.merged_dim)
@@ -82,18 +97,29 @@ class Qwen35VisionModel(MegatronModule):
             self.tp_group = groups.tp  # the checkpoint's TP coordinate of the plain parameters
         kernel = (shape.temporal_patch_size, shape.patch_size, shape.patch_size)
         self.patch_embed = nn.Module()
-        self.patch_embed.proj = nn.Conv3d(shape.in_channels, shape.hidden_size, kernel_size=kernel, stride=kernel,
-                                          bias=True, dtype=config.params_dtype)
+        self.patch_embed.proj = nn.Conv3d(
+            shape.in_channels,
+            shape.hidden_size,
+            kernel_size=kernel,
+            stride=kernel,
+            bias=True,
+            dtype=config.params_dtype,
+        )
         self.pos_embed = nn.Embedding(shape.num_position_embeddings, shape.hidden_size, dtype=config.params_dtype)
-        self.grid_side = int(shape.num_position_embeddings ** 0.5)
+        self.grid_side = int(shape.num_position_embeddings**0.5)
         head_dim = shape.hidden_size // shape.num_heads
         quarter = torch.arange(0, head_dim // 2, 2, dtype=torch.float32) / (head_dim // 2)
-        self.register_buffer("rope_inv_freq", 1.0 / (shape.rope_theta ** quarter), persistent=False)
+        self.register_buffer("rope_inv_freq", 1.0 / (shape.rope_theta**quarter), persistent=False)
         # Every CP rank runs the whole tower on all images (the split comes after the merge), so
         # its attention and rotary must not see the language model's CP group.
-        self.decoder = TransformerBlock(config=config, spec=vision_block_spec(config, backend),
-                                        pre_process=True, post_process=False, post_layer_norm=False,
-                                        pg_collection=groups)
+        self.decoder = TransformerBlock(
+            config=config,
+            spec=vision_block_spec(config, backend),
+            pre_process=True,
+            post_process=False,
+            post_layer_norm=False,
+            pg_collection=groups,
+        )
         self.merger = PatchMerger(config, shape, backend, tp_group=groups.tp if bridge is not None else None)
         if bridge is not None:
             bridge.adopt(self)
@@ -122,8 +148,10 @@ class Qwen35VisionModel(MegatronModule):
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         s = self.shape
         if pixel_values.shape[0] != int(grid_thw.prod(-1).sum()):
-            raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches but image_grid_thw "
-                             f"{grid_thw.tolist()} describes {int(grid_thw.prod(-1).sum())}")
+            raise ValueError(
+                f"pixel_values has {pixel_values.shape[0]} patches but image_grid_thw "
+                f"{grid_thw.tolist()} describes {int(grid_thw.prod(-1).sum())}"
+            )
         dtype = self.patch_embed.proj.weight.dtype
         patches = pixel_values.to(dtype).view(-1, s.in_channels, s.temporal_patch_size, s.patch_size, s.patch_size)
         x = self.patch_embed.proj(patches).view(-1, s.hidden_size)
@@ -132,8 +160,13 @@ class Qwen35VisionModel(MegatronModule):
         frame_lengths = torch.repeat_interleave(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0])
         cu = F.pad(frame_lengths.cumsum(0), (1, 0)).to(device=x.device, dtype=torch.int32)
         max_len = int(frame_lengths.max())
-        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                 max_seqlen_q=max_len, max_seqlen_kv=max_len)
-        hidden = self.decoder(hidden_states=x.unsqueeze(1), attention_mask=None,
-                              rotary_pos_emb=self.rotary_angles(rows, cols), packed_seq_params=packed)
+        packed = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len
+        )
+        hidden = self.decoder(
+            hidden_states=x.unsqueeze(1),
+            attention_mask=None,
+            rotary_pos_emb=self.rotary_angles(rows, cols),
+            packed_seq_params=packed,
+        )
         return self.merger(hidden.squeeze(1))
