@@ -32,13 +32,14 @@ from examples.multimodal_dev.checkpoint import (
 from examples.multimodal_dev.checkpoint.integrity import check_resumable
 from examples.multimodal_dev.checkpoint.run_shape import check_checkpoint_matches, declared_shape, resolve_shape
 from examples.multimodal_dev.data import get_dataset_provider
+from examples.multimodal_dev.data.batch import PackedBatch, ServedBatches, StageInput, to_megatron
 from examples.multimodal_dev.data.collate import Collator, pad_multiple_for
 from examples.multimodal_dev.data.jsonl_source import check_data_path
 from examples.multimodal_dev.data.loader import build_iterator
 from examples.multimodal_dev.data.sample import DataError, VisionTokens
 from examples.multimodal_dev.data.sources import resolve as resolve_source
 from examples.multimodal_dev.data.token_budget import check_packing_args, plan_factory
-from examples.multimodal_dev.forward_step import for_stage, forward_step
+from examples.multimodal_dev.forward_step import forward_step
 from examples.multimodal_dev.models import get_model_entry
 from examples.multimodal_dev.models.common.config_from_args import given_flags, megatron_parser
 from examples.multimodal_dev.models.common.varlen_attention import describe_thd_kernels
@@ -135,7 +136,7 @@ def check_tokens_agree(datasets, tokens: VisionTokens, args) -> None:
 def datasets_provider(train_val_test_num_samples, vp_stage=None):
     """(train, valid, test) iterators of collated micro-batches for this data-parallel rank; with
     pipeline parallelism, for one (virtual) stage: every stage draws the same micro-batches and
-    keeps only what it reads (``forward_step.for_stage``: no pixels after the first stage)."""
+    keeps only what it reads (``PackedBatch.for_stage``: no pixels after the first stage)."""
     from megatron.core import parallel_state
 
     args = get_args()
@@ -166,17 +167,19 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
     check_tokens_agree(datasets, tokens, args)
     pad_multiple = pad_multiple_for(args.context_parallel_size, args.tensor_model_parallel_size, args.sequence_parallel)
     collate = Collator(tokens, packed=args.use_packed_sequence, pad_multiple=pad_multiple, row_length=budget)
-    stage = (
-        parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-        parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-    )
+    first = StageInput.of(parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage))
+    stage = (first, parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
     separate = vision_ranks.active()
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     served = 1
     if separate:  # pixels for the tower's ranks, the rest for the language model's (grids too under fan-in,
         # to put the shares in order), each reading the micro-batches of the language replicas it serves
-        grids = separate.fan_in > 1 and stage[0]
-        stage = (True, False) if separate.on_vision else ("grids" if grids else False, stage[1])
+        grids = separate.fan_in > 1 and first is StageInput.PIXELS
+        stage = (
+            (StageInput.PIXELS, False)
+            if separate.on_vision
+            else (StageInput.GRIDS if grids else StageInput.HIDDEN, stage[1])
+        )
         dp_rank, dp_size, served = separate.data_rank, separate.data_size, separate.fan_out
     common = dict(
         micro_batch_size=args.micro_batch_size,
@@ -221,11 +224,11 @@ def _replica_iterators(datasets, args, dp_rank: int, budget, pad_multiple: int, 
 
 
 def _served_together(iterators):
-    """One micro-batch of each served language replica at a time, ``{"served": [...]}``
+    """One micro-batch of each served language replica at a time, ``ServedBatches``
     (forward_step.vision_features)."""
     if any(it is None for it in iterators):
         return None
-    return ({"served": list(batches)} for batches in zip(*iterators))
+    return (ServedBatches(list(batches)) for batches in zip(*iterators))
 
 
 def _no_validation(args) -> None:
@@ -268,12 +271,12 @@ def _resume_stream(split, args, dp_rank: int, dp_size: int) -> None:
     loader_state.track(split)
 
 
-def _collate_for_stage(collate, shape, stage, samples):
+def _collate_for_stage(collate, shape, stage: tuple[StageInput, bool], samples: list[dict]) -> PackedBatch:
     """The collate, plus the micro-batch's training FLOPs on its real tokens (for the log),
-    without the tensors the (pre_process, post_process) ``stage`` never reads."""
+    without the tensors the (first layer's input, post_process) ``stage`` never reads."""
     batch = collate(samples)
-    batch["stats"]["model_flops"] = batch_flops(shape, batch).training
-    return for_stage(batch, *stage)
+    batch.stats.model_flops = batch_flops(shape, batch).training
+    return batch.for_stage(*stage)
 
 
 datasets_provider.is_distributed = True  # every rank builds its own iterators (no TP broadcast)
@@ -288,6 +291,19 @@ def metered(provider, meter):
         # the tower's own ranks draw their language replica's micro-batches again: they add no FLOPs
         counted = not (vision_ranks.active() and vision_ranks.active().on_vision)
         return (meter.tap(train, counted) if vp_stage in (None, 0) else train), valid, test
+
+    datasets.is_distributed = provider.is_distributed
+    return datasets
+
+
+def plain_for_megatron(provider):
+    """``provider`` whose iterators hand megatron plain dicts (``batch.to_megatron`` says why)."""
+
+    def datasets(train_val_test_num_samples, vp_stage=None):
+        return tuple(
+            None if it is None else map(to_megatron, it)
+            for it in provider(train_val_test_num_samples, vp_stage=vp_stage)
+        )
 
     datasets.is_distributed = provider.is_distributed
     return datasets
@@ -423,7 +439,7 @@ def main():
     try:
         pretrain(
             pretrain_cfg_container_from_args(args),
-            metered(datasets_provider, meter),
+            plain_for_megatron(metered(datasets_provider, meter)),
             ModelType.encoder_or_decoder,
             forward_step,
             model_provider=model_provider,

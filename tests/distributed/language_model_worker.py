@@ -16,7 +16,7 @@ import sys
 import torch
 
 
-def text_only_batch(shape, pad_multiple: int) -> dict:
+def text_only_batch(shape, pad_multiple: int):  # a PackedBatch
     from examples.multimodal_dev.data.collate import pack_thd
     from examples.multimodal_dev.data.mock import MockConversations
     from examples.multimodal_dev.data.sample import VisionTokens
@@ -77,14 +77,14 @@ def main():
 
     with torch.no_grad():
         lm_losses = module.language_model(
-            input_ids=batch["tokens"],
-            position_ids=batch["position_ids"],
+            input_ids=batch.tokens,
+            position_ids=batch.position_ids,
             attention_mask=None,
-            labels=batch["labels"],
-            loss_mask=batch["loss_mask"],
+            labels=batch.labels,
+            loss_mask=batch.loss_mask,
             packed_seq_params=packed_seq_params(batch),
         )
-    mask = batch["loss_mask"]
+    mask = batch.loss_mask
     lm_loss = float((lm_losses * mask).sum() / mask.sum())
 
     model.zero_grad_buffer()
@@ -101,7 +101,7 @@ def main():
             "RESULT "
             + json.dumps(
                 {
-                    "row_tokens": batch["tokens"].shape[1],
+                    "row_tokens": batch.tokens.shape[1],
                     "lm_loss_shape": list(lm_losses.shape),
                     "lm_loss": lm_loss,
                     "vlm_loss": float(loss_sum / n_tokens),

@@ -9,8 +9,12 @@ Logits are compared on real tokens only, in sample order (both layouts list them
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from examples.multimodal_dev.data.batch import PackedBatch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -71,7 +75,7 @@ def megatron_model(shape, dtype, backend: str, hf_state: dict):
     return model.cuda().eval()
 
 
-def batches(shape, name: str, seed: int = 0) -> tuple[dict, dict]:
+def batches(shape, name: str, seed: int = 0) -> tuple[PackedBatch, PackedBatch]:
     """(THD batch with every sample padded to a multiple of 4, as the collate does for CP=2; BSHD batch)
     of the same mock samples, on the host."""
     from examples.multimodal_dev.benchmarks.bench_step import mock_samples
@@ -84,37 +88,35 @@ def batches(shape, name: str, seed: int = 0) -> tuple[dict, dict]:
     return pack_thd(samples, tokens, pad_multiple=4), pad_bshd(samples, tokens)
 
 
-def on_gpu(batch: dict, dtype) -> dict:
-    from examples.multimodal_dev.forward_step import batch_to_device
-
-    out = batch_to_device(batch, torch.device("cuda"))
-    if out.get("pixel_values") is not None:
-        out["pixel_values"] = out["pixel_values"].to(dtype)
+def on_gpu(batch: PackedBatch, dtype) -> PackedBatch:
+    out = batch.to(torch.device("cuda"))
+    if out.pixel_values is not None:
+        out.pixel_values = out.pixel_values.to(dtype)
     return out
 
 
-def real(logits: torch.Tensor, batch: dict) -> torch.Tensor:
+def real(logits: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
     """[N_real, V] logits of the real tokens, in sample order."""
-    return logits[~batch["padding_mask"].to(logits.device)]
+    return logits[~batch.padding_mask.to(logits.device)]
 
 
 @torch.no_grad()
-def megatron_logits(model, batch: dict) -> torch.Tensor:
+def megatron_logits(model, batch: PackedBatch) -> torch.Tensor:
     from examples.multimodal_dev.forward_step import packed_seq_params
 
     logits = model(
-        input_ids=batch["tokens"],
-        position_ids=batch["position_ids"],
+        input_ids=batch.tokens,
+        position_ids=batch.position_ids,
         attention_mask=None,
-        pixel_values=batch.get("pixel_values"),
-        image_grid_thw=batch.get("image_grid_thw"),
+        pixel_values=batch.pixel_values,
+        image_grid_thw=batch.image_grid_thw,
         packed_seq_params=packed_seq_params(batch),
     )
     return real(logits, batch)
 
 
 @torch.no_grad()
-def hf_logits(hf, bshd_host: dict, shape, dtype) -> torch.Tensor:
+def hf_logits(hf, bshd_host: PackedBatch, shape, dtype) -> torch.Tensor:
     from examples.multimodal_dev.benchmarks.bench_step import hf_inputs
 
     inputs = hf_inputs(bshd_host, shape.image_token_id)
@@ -126,7 +128,7 @@ def hf_logits(hf, bshd_host: dict, shape, dtype) -> torch.Tensor:
     return real(hf(**inputs).logits, bshd_host)
 
 
-def loss_of(model, batch: dict, backward: bool = False) -> float:
+def loss_of(model, batch: PackedBatch, backward: bool = False) -> float:
     """Per-token mean loss of the batch (forward_step's loss); with ``backward``, gradients too."""
     from examples.multimodal_dev.forward_step import batch_loss
 

@@ -1,10 +1,12 @@
-"""THD packing and BSHD padding: boundaries, pad values, MRoPE restarts (vs transformers), and
-the per-token loss of a packed batch equal to that of the padded batch (1e-5 abs)."""
+"""THD packing and BSHD padding: boundaries, pad values, MRoPE restarts (vs transformers), the
+per-token loss of a packed batch equal to that of the padded batch (1e-5 abs), and what a
+pipeline stage keeps of a batch."""
 
 import pytest
 import torch
 from hf_reference import hf_rope_index
 
+from examples.multimodal_dev.data.batch import StageInput
 from examples.multimodal_dev.data.collate import Collator, pack_thd, pad_bshd, pad_multiple_for
 from examples.multimodal_dev.data.mock import MockConversations
 from examples.multimodal_dev.data.mock_video import VideoProfile
@@ -43,8 +45,9 @@ def test_videos_pack_with_their_frames_positions_and_pixels():
     packed, padded = pack_thd(samples, TOKENS, 4), pad_bshd(samples, TOKENS)
     for field in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
         expected = torch.cat([s[field] for s in samples])
-        assert torch.equal(packed[field], expected) and torch.equal(padded[field], expected), field
-    for b, (start, s) in enumerate(zip(packed["cu_seqlens_padded"][:-1].tolist(), samples)):
+        assert torch.equal(getattr(packed, field), expected), field
+        assert torch.equal(getattr(padded, field), expected), field
+    for b, (start, s) in enumerate(zip(packed.cu_seqlens_padded[:-1].tolist(), samples)):
         n = s["input_ids"].numel()
         reference = padded_batch_position_ids(
             s["input_ids"][None],
@@ -55,18 +58,47 @@ def test_videos_pack_with_their_frames_positions_and_pixels():
             TOKENS.video,
             TOKENS.spatial_merge,
         )[:, 0]
-        assert torch.equal(packed["position_ids"][:, 0, start : start + n], reference), b
-        assert torch.equal(padded["position_ids"][:, b, :n], reference), b
+        assert torch.equal(packed.position_ids[:, 0, start : start + n], reference), b
+        assert torch.equal(padded.position_ids[:, b, :n], reference), b
     # a micro-batch's FLOPs count the videos' frames in the vision tower
     from examples.multimodal_dev.models.qwen35_vl.flops import vision_flops
     from examples.multimodal_dev.training.throughput import batch_flops
 
-    frames = [tuple(g) for g in packed["video_grid_thw"].tolist()]
-    images = [tuple(g) for g in packed["image_grid_thw"].tolist()]
+    frames = [tuple(g) for g in packed.video_grid_thw.tolist()]
+    images = [tuple(g) for g in packed.image_grid_thw.tolist()]
     assert batch_flops(SHAPE, packed).vision == pytest.approx(
         vision_flops(SHAPE.vision, SHAPE.text.hidden_size, images + frames)
     )
     assert vision_flops(SHAPE.vision, SHAPE.text.hidden_size, frames) > 0
+
+
+@pytest.mark.parametrize(
+    "first,kept",
+    [
+        (StageInput.PIXELS, {"pixel_values", "image_grid_thw"}),
+        (StageInput.GRIDS, {"image_grid_thw"}),
+        (StageInput.HIDDEN, set()),
+    ],
+)
+@pytest.mark.parametrize("post_process", [True, False])
+def test_a_stage_keeps_what_it_reads(first, kept, post_process):
+    """Vision inputs as the stage's first layer needs them, labels and loss mask on the last
+    stage; positions, boundaries, the padding mask and the token ids everywhere; stats shared."""
+    batch = pack_thd(_samples(4), TOKENS, 4)
+    assert batch.pixel_values is not None and batch.image_grid_thw is not None
+    view = batch.for_stage(first, post_process)
+    vision = {"pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"}
+    assert {k for k in vision if getattr(view, k) is not None} == kept
+    assert (view.labels is not None, view.loss_mask is not None) == (post_process, post_process)
+    assert set(view.tensors()) - vision - {"labels", "loss_mask"} == {
+        "tokens",
+        "position_ids",
+        "cu_seqlens",
+        "cu_seqlens_padded",
+        "padding_mask",
+    }
+    assert view.max_seqlen == batch.max_seqlen and view.stats is batch.stats
+    assert StageInput.of(True) is StageInput.PIXELS and StageInput.of(False) is StageInput.HIDDEN
 
 
 @pytest.mark.parametrize(
@@ -83,23 +115,23 @@ def test_cu_seqlens_and_pad_values(multiple):
     lengths = [s["input_ids"].numel() for s in samples]
     batch = pack_thd(samples, TOKENS, multiple)
     padded = [(n + multiple - 1) // multiple * multiple for n in lengths]
-    assert batch["cu_seqlens"].dtype == batch["cu_seqlens_padded"].dtype == torch.int32
-    assert batch["cu_seqlens"].tolist() == [sum(lengths[:i]) for i in range(6)]
-    assert batch["cu_seqlens_padded"].tolist() == [sum(padded[:i]) for i in range(6)]
-    assert batch["max_seqlen"] == max(padded)
-    assert batch["tokens"].shape == (1, sum(padded)) and batch["position_ids"].shape == (3, 1, sum(padded))
+    assert batch.cu_seqlens.dtype == batch.cu_seqlens_padded.dtype == torch.int32
+    assert batch.cu_seqlens.tolist() == [sum(lengths[:i]) for i in range(6)]
+    assert batch.cu_seqlens_padded.tolist() == [sum(padded[:i]) for i in range(6)]
+    assert batch.max_seqlen == max(padded)
+    assert batch.tokens.shape == (1, sum(padded)) and batch.position_ids.shape == (3, 1, sum(padded))
     real = torch.zeros(sum(padded), dtype=torch.bool)
-    for start, n, s in zip(batch["cu_seqlens_padded"][:-1].tolist(), lengths, samples):
+    for start, n, s in zip(batch.cu_seqlens_padded[:-1].tolist(), lengths, samples):
         real[start : start + n] = True
-        assert torch.equal(batch["tokens"][0, start : start + n], s["input_ids"])
-        assert torch.equal(batch["labels"][0, start : start + n], s["labels"])
+        assert torch.equal(batch.tokens[0, start : start + n], s["input_ids"])
+        assert torch.equal(batch.labels[0, start : start + n], s["labels"])
     pad = ~real
-    assert bool((batch["tokens"][0, pad] == 0).all()) and bool((batch["labels"][0, pad] == IGNORE_INDEX).all())
-    assert bool((batch["loss_mask"][0, pad] == 0).all())
-    assert batch["stats"]["real_tokens"] == sum(lengths) and batch["stats"]["padded_tokens"] == sum(padded)
+    assert bool((batch.tokens[0, pad] == 0).all()) and bool((batch.labels[0, pad] == IGNORE_INDEX).all())
+    assert bool((batch.loss_mask[0, pad] == 0).all())
+    assert batch.stats.real_tokens == sum(lengths) and batch.stats.padded_tokens == sum(padded)
     # Images concatenated in packing order.
-    assert torch.equal(batch["image_grid_thw"], torch.cat([s["image_grid_thw"] for s in samples]))
-    assert torch.equal(batch["pixel_values"], torch.cat([s["pixel_values"] for s in samples]))
+    assert torch.equal(batch.image_grid_thw, torch.cat([s["image_grid_thw"] for s in samples]))
+    assert torch.equal(batch.pixel_values, torch.cat([s["pixel_values"] for s in samples]))
 
 
 @pytest.mark.parametrize("kind", ["image", "video"])
@@ -135,14 +167,14 @@ def test_packed_positions_equal_padded_and_hf():
     packed = pack_thd(samples, TOKENS, 4)
     padded = pad_bshd(samples, TOKENS)
     lengths = [s["input_ids"].numel() for s in samples]
-    mask = torch.zeros_like(padded["tokens"])
+    mask = torch.zeros_like(padded.tokens)
     for b, n in enumerate(lengths):
         mask[b, :n] = 1
-    reference = hf_rope_index(SHAPE, padded["tokens"], mask, padded["image_grid_thw"])
-    for b, (start, n) in enumerate(zip(packed["cu_seqlens_padded"][:-1].tolist(), lengths)):
-        ours = packed["position_ids"][:, 0, start : start + n]
+    reference = hf_rope_index(SHAPE, padded.tokens, mask, padded.image_grid_thw)
+    for b, (start, n) in enumerate(zip(packed.cu_seqlens_padded[:-1].tolist(), lengths)):
+        ours = packed.position_ids[:, 0, start : start + n]
         assert int(ours[:, 0].abs().max()) == 0, f"sample {b} does not restart at 0"
-        assert torch.equal(ours, padded["position_ids"][:, b, :n])
+        assert torch.equal(ours, padded.position_ids[:, b, :n])
         assert torch.equal(ours, reference[:, b, :n]), f"sample {b} differs from transformers' get_rope_index"
 
 
@@ -201,13 +233,11 @@ def test_a_jsonl_video_sample_packs_and_pads(mcore, tmp_path):
         for name, collate in (("thd", Collator(t, packed=True, pad_multiple=4)), ("bshd", Collator(t, packed=False))):
             batch = collate(samples)
             for field in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
-                assert torch.equal(batch[field], torch.cat([s[field] for s in samples])), (name, field)
-            starts = batch["cu_seqlens_padded"][:-1].tolist() if name == "thd" else [0] * len(samples)
+                assert torch.equal(getattr(batch, field), torch.cat([s[field] for s in samples])), (name, field)
+            starts = batch.cu_seqlens_padded[:-1].tolist() if name == "thd" else [0] * len(samples)
             for b, (start, s) in enumerate(zip(starts, samples)):
                 n = s["input_ids"].numel()
-                got = (
-                    batch["position_ids"][:, 0, start : start + n] if name == "thd" else batch["position_ids"][:, b, :n]
-                )
+                got = batch.position_ids[:, 0, start : start + n] if name == "thd" else batch.position_ids[:, b, :n]
                 expected = hf_rope_positions(s["input_ids"], s["image_grid_thw"], s["video_grid_thw"], t)
                 assert torch.equal(got, expected), (name, b)
             loss_sum, n_tokens, _ = batch_loss(model, batch)

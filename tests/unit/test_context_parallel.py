@@ -10,6 +10,7 @@
 import pytest
 import torch
 
+from examples.multimodal_dev.data.batch import PackedBatch
 from examples.multimodal_dev.data.collate import pad_row_to
 from examples.multimodal_dev.models.common.context_parallel import ContextParallelSplit
 
@@ -45,18 +46,18 @@ def test_take_and_place_are_inverse_and_bad_lengths_are_refused():
 
 
 def test_pad_row_to_adds_a_padding_segment():
-    batch = {
-        "tokens": torch.ones(1, 8, dtype=torch.long),
-        "labels": torch.ones(1, 8, dtype=torch.long),
-        "loss_mask": torch.ones(1, 8),
-        "padding_mask": torch.zeros(1, 8, dtype=torch.bool),
-        "position_ids": torch.ones(3, 1, 8, dtype=torch.long),
-        "max_seqlen": 4,
-        "cu_seqlens": torch.tensor([0, 3, 7], dtype=torch.int32),
-        "cu_seqlens_padded": torch.tensor([0, 4, 8], dtype=torch.int32),
-    }
+    batch = PackedBatch(
+        tokens=torch.ones(1, 8, dtype=torch.long),
+        labels=torch.ones(1, 8, dtype=torch.long),
+        loss_mask=torch.ones(1, 8),
+        padding_mask=torch.zeros(1, 8, dtype=torch.bool),
+        position_ids=torch.ones(3, 1, 8, dtype=torch.long),
+        max_seqlen=4,
+        cu_seqlens=torch.tensor([0, 3, 7], dtype=torch.int32),
+        cu_seqlens_padded=torch.tensor([0, 4, 8], dtype=torch.int32),
+    )
     out = pad_row_to(batch, 12)
-    assert out["cu_seqlens"].tolist() == [0, 3, 7, 7] and out["cu_seqlens_padded"].tolist() == [0, 4, 8, 12]
-    assert out["padding_mask"][0, 8:].all() and not out["padding_mask"][0, :8].any()
-    assert out["loss_mask"][0, 8:].sum() == 0 and out["labels"][0, 8:].eq(-100).all()
-    assert out["position_ids"].shape == (3, 1, 12)
+    assert out.cu_seqlens.tolist() == [0, 3, 7, 7] and out.cu_seqlens_padded.tolist() == [0, 4, 8, 12]
+    assert out.padding_mask[0, 8:].all() and not out.padding_mask[0, :8].any()
+    assert out.loss_mask[0, 8:].sum() == 0 and out.labels[0, 8:].eq(-100).all()
+    assert out.position_ids.shape == (3, 1, 12)

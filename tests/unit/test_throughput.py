@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from examples.multimodal_dev.data.batch import BatchStats
 from examples.multimodal_dev.training import throughput
 from examples.multimodal_dev.training.throughput import (
     MetricsFile,
@@ -44,11 +45,21 @@ def test_peak_override():
         device_peak_tflops("NVIDIA H100", -1.0)
 
 
-def _batches(*stats):
-    """Micro-batches as the collate makes them: (model FLOPs, real tokens, padded tokens)."""
-    return iter(
-        [{"tokens": None, "stats": {"model_flops": f, "real_tokens": r, "padded_tokens": p}} for f, r, p in stats]
+def _stats(model_flops: float = 0.0, real: int = 0, padded: int = 0) -> BatchStats:
+    return BatchStats(
+        samples=1,
+        real_tokens=real,
+        padded_tokens=padded,
+        pad_fraction=1.0 - real / max(padded, 1),
+        lengths=[real],
+        model_flops=model_flops,
     )
+
+
+def _batches(*stats):
+    """Micro-batches as the tap sees them (only their stats are read): (model FLOPs, real tokens,
+    padded tokens)."""
+    return iter([SimpleNamespace(stats=_stats(f, r, p)) for f, r, p in stats])
 
 
 def test_iteration_sums_then_window_mean(mcore):
@@ -78,7 +89,7 @@ def test_iteration_sums_then_window_mean(mcore):
 
 def test_stats_missing_from_a_batch_count_as_zero(mcore):
     meter = StepFlops()
-    data = meter.tap(iter([{"tokens": None}, {"stats": {"model_flops": 5.0}}]))
+    data = meter.tap(iter([SimpleNamespace(), SimpleNamespace(stats=_stats(model_flops=5.0))]))
     assert len(list(data)) == 2 and meter.pending_batches == 2
     assert meter.end_iteration() == 5.0
     assert meter.last == {"model_flops": 5.0, "real_tokens": 0.0, "padded_tokens": 0.0, "dp_imbalance": 1.0}

@@ -72,17 +72,17 @@ def test_a_budget_row_is_one_static_shape_and_splits_no_image():
     row = next(r for r in _plan(dataset).step(0).ranks[0] if any(dataset.describe(i)[1] for i in r))
     samples = [dataset[i] for i in row]
     batch = Collator(TOKENS, row_length=BUDGET)(samples)
-    ids, grids = batch["tokens"][0], batch["image_grid_thw"]
-    assert ids.shape == (BUDGET,) and batch["stats"]["padded_tokens"] == BUDGET
-    assert batch["stats"]["real_tokens"] == sum(s["input_ids"].numel() for s in samples)
-    assert int(batch["cu_seqlens_padded"][-1]) == BUDGET and bool(batch["padding_mask"][0, -1])
+    ids, grids = batch.tokens[0], batch.image_grid_thw
+    assert ids.shape == (BUDGET,) and batch.stats.padded_tokens == BUDGET
+    assert batch.stats.real_tokens == sum(s["input_ids"].numel() for s in samples)
+    assert int(batch.cu_seqlens_padded[-1]) == BUDGET and bool(batch.padding_mask[0, -1])
     starts = torch.nonzero(ids == TOKENS.vision_start).flatten().tolist()
     ends = torch.nonzero(ids == TOKENS.vision_end).flatten().tolist()
     assert len(starts) == len(ends) == grids.shape[0] > 0
     for (t, h, w), a, b in zip(grids.tolist(), starts, ends):  # each image whole, in order, in one run
         assert b - a - 1 == t * h * w // TOKENS.spatial_merge**2
         assert bool((ids[a + 1 : b] == TOKENS.image).all())
-    assert batch["pixel_values"].shape[0] == int(grids.prod(-1).sum())
+    assert batch.pixel_values.shape[0] == int(grids.prod(-1).sum())
 
 
 def test_a_resumed_sampler_sees_exactly_the_same_rows():

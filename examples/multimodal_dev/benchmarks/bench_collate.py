@@ -87,8 +87,8 @@ def run(args):
     # Both sides must compute the same positions, or the timing compares different work.
     for batch in batches:
         packed = pack_thd(batch, tokens, args.pad_multiple)
-        for sample, start in zip(batch, packed["cu_seqlens_padded"][:-1].tolist()):
-            ours = packed["position_ids"][:, 0, start : start + sample["input_ids"].numel()]
+        for sample, start in zip(batch, packed.cu_seqlens_padded[:-1].tolist()):
+            ours = packed.position_ids[:, 0, start : start + sample["input_ids"].numel()]
             if not torch.equal(ours, reference(sample)[:, 0]):
                 raise RuntimeError("pack_thd positions differ from transformers' get_rope_index")
 

@@ -30,6 +30,7 @@ import time
 import torch
 
 from examples.multimodal_dev.data import get_dataset_provider
+from examples.multimodal_dev.data.batch import PackedBatch
 from examples.multimodal_dev.data.collate import Collator
 from examples.multimodal_dev.data.loader import build_iterator
 from examples.multimodal_dev.data.sample import VisionTokens
@@ -93,7 +94,7 @@ def written_mix(args, folder: str) -> str:
     return os.path.join(folder, "shards")
 
 
-def loader_rate(make_iterator, workers: int, micro_batches: int) -> tuple[float, list[dict]]:
+def loader_rate(make_iterator, workers: int, micro_batches: int) -> tuple[float, list[PackedBatch]]:
     """(conversations per second, the batches) over ``micro_batches`` after the first."""
     iterator = make_iterator(workers)
     next(iterator)  # worker start-up
@@ -101,10 +102,10 @@ def loader_rate(make_iterator, workers: int, micro_batches: int) -> tuple[float,
     for _ in range(micro_batches):
         batches.append(next(iterator))
     seconds = time.perf_counter() - start
-    return sum(b["stats"]["samples"] for b in batches) / seconds, batches
+    return sum(b.stats.samples for b in batches) / seconds, batches
 
 
-def consumption_rate(shape, batches: list[dict]) -> float:
+def consumption_rate(shape, batches: list[PackedBatch]) -> float:
     """Conversations per second of forward + backward on ``batches`` (after one warm-up step)."""
     from examples.multimodal_dev.forward_step import batch_loss
     from examples.multimodal_dev.models.qwen35_vl.factory import build_model
@@ -123,7 +124,7 @@ def consumption_rate(shape, batches: list[dict]) -> float:
     start = time.perf_counter()
     for batch in batches:
         step(batch)
-    return sum(b["stats"]["samples"] for b in batches) / (time.perf_counter() - start)
+    return sum(b.stats.samples for b in batches) / (time.perf_counter() - start)
 
 
 def main(argv=None) -> list[dict]:

@@ -86,7 +86,7 @@ def run(variant: str, lengths: list[int] | None, reps: int, mix: str = "text", m
     return {
         "times": times,
         "losses": losses,
-        "tokens": {name: b["tokens"].numel() for name, b in batches.items()},
+        "tokens": {name: b.tokens.numel() for name, b in batches.items()},
         "useful_flops": useful,
         "lengths": lengths,
         # the packed row holds only real tokens; the padded rows are all as long as the longest

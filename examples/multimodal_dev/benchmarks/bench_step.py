@@ -36,6 +36,7 @@ from dataclasses import replace
 
 import torch
 
+from examples.multimodal_dev.data.batch import PackedBatch
 from examples.multimodal_dev.data.sample import IGNORE_INDEX
 
 LOSS_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # same weights, same batch: same loss
@@ -89,17 +90,17 @@ def mock_samples(shape, count: int, mean_text_tokens: int, seed: int = 0) -> lis
     return [produce(i) for i in range(count)]
 
 
-def hf_inputs(padded: dict, image_token_id: int) -> dict:
+def hf_inputs(padded: PackedBatch, image_token_id: int) -> dict:
     """A padded (BSHD) collated batch as transformers takes it: attention_mask from the padding
     mask, and labels that the model shifts itself (position i carries our label of i - 1)."""
-    ids = padded["tokens"]
+    ids = padded.tokens
     return {
         "input_ids": ids,
-        "attention_mask": (~padded["padding_mask"]).long(),
-        "labels": torch.nn.functional.pad(padded["labels"][:, :-1], (1, 0), value=IGNORE_INDEX),
+        "attention_mask": (~padded.padding_mask).long(),
+        "labels": torch.nn.functional.pad(padded.labels[:, :-1], (1, 0), value=IGNORE_INDEX),
         "mm_token_type_ids": (ids == image_token_id).long(),
-        "pixel_values": padded["pixel_values"],
-        "image_grid_thw": padded["image_grid_thw"],
+        "pixel_values": padded.pixel_values,
+        "image_grid_thw": padded.image_grid_thw,
     }
 
 
@@ -115,15 +116,15 @@ def contenders(ours, hf, shape, samples, device, dtype) -> dict:
     its loss (mean over trained tokens)."""
     from examples.multimodal_dev.data.collate import pack_thd, pad_bshd
     from examples.multimodal_dev.data.sample import VisionTokens
-    from examples.multimodal_dev.forward_step import batch_loss, batch_to_device
+    from examples.multimodal_dev.forward_step import batch_loss
 
     tokens = VisionTokens.from_shape(shape)
     bshd_host = pad_bshd(samples, tokens)
-    thd = batch_to_device(pack_thd(samples, tokens), device)
-    bshd = batch_to_device(bshd_host, device)
+    thd = pack_thd(samples, tokens).to(device)
+    bshd = bshd_host.to(device)
     for batch in (thd, bshd):
-        if batch.get("pixel_values") is not None:
-            batch["pixel_values"] = batch["pixel_values"].to(dtype)
+        if batch.pixel_values is not None:
+            batch.pixel_values = batch.pixel_values.to(dtype)
     padded = _to(hf_inputs(bshd_host, shape.image_token_id), device, dtype)
     singles = [_to(hf_inputs(pad_bshd([s], tokens), shape.image_token_id), device, dtype) for s in samples]
     trained = sum(int(s["loss_mask"].sum()) for s in samples)

@@ -1,35 +1,29 @@
-"""Collate: contract samples -> one micro-batch, THD-packed (default) or BSHD-padded.
+"""Collate: contract samples -> one micro-batch (``batch.PackedBatch``), THD-packed (default) or
+BSHD-padded.
 
-Legend: T packed tokens (sum of padded sample lengths), B samples, S padded row length.
+THD (``pack_thd``): every sample is right-padded to a multiple of ``pad_multiple`` and laid end to
+end in one row (pad: input 0, label IGNORE_INDEX, loss mask 0, padding mask True); MRoPE positions
+restart at 0 for every sample; ``cu_seqlens`` holds the real-token boundaries and
+``cu_seqlens_padded`` the padded ones (what the kernels index by). Images and videos are
+concatenated in packing order. BSHD (``pad_bshd``): rows [B, S] padded on the right to the longest
+sample (rounded up to ``pad_multiple``), no ``cu_seqlens*``. Right padding never influences real
+tokens under causal attention and the causal Gated DeltaNet, so no attention mask is needed. Every
+tensor's layout: the legend of batch.py.
 
-THD (``pack_thd``): every sample is right-padded to a multiple of ``pad_multiple`` and laid
-end to end in one row:
-    tokens_1T, labels_1T, loss_mask_1T     pad: input 0, label IGNORE_INDEX, loss mask 0
-    position_ids_31T                       MRoPE, restarting at 0 for every sample
-    padding_mask_1T  bool                  True at padding (MoE routing statistics skip it)
-    cu_seqlens       [B+1] int32           real-token boundaries
-    cu_seqlens_padded[B+1] int32           padded boundaries (what the kernels index by)
-    max_seqlen       int                   longest padded sample
-    pixel_values, image_grid_thw           all images, concatenated in packing order (None without)
-    pixel_values_videos, video_grid_thw    all videos, likewise
-BSHD (``pad_bshd``): rows [B, S] padded on the right to the longest sample (rounded up to
-``pad_multiple``); ``cu_seqlens*`` are None; ``padding_mask`` [B, S] as above. Right padding
-never influences real tokens under causal attention and the causal Gated DeltaNet, so no
-attention mask is needed.
-
-Both add ``stats``: samples, real tokens, padded tokens, the padding fraction and the real
-per-sample lengths (for FLOPs accounting).
+Both fill ``stats`` (``batch.BatchStats``): samples, real tokens, padded tokens, the padding
+fraction and the real per-sample lengths (for FLOPs accounting).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
 from examples.multimodal_dev.models.qwen35_vl.mrope import packed_position_ids, run_grids, split_video_frames
 
+from .batch import BatchStats, PackedBatch
 from .sample import IGNORE_INDEX, VISION_KINDS, VisionTokens
-
-VISION_FIELDS = tuple(field for _, pixels, grids in VISION_KINDS for field in (pixels, grids))
 
 
 def pad_multiple_for(cp: int = 1, tp: int = 1, sequence_parallel: bool = False) -> int:
@@ -44,8 +38,9 @@ def _round_up(n: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def _vision_inputs(samples, tokens_1T: torch.Tensor, tokens: VisionTokens):
-    """(the micro-batch's pixel and grid fields, the grid of every vision run of the packed row in
-    reading order: images and video frames interleaved as the conversations have them)."""
+    """(the micro-batch's pixel and grid fields by name: the samples' keys, which are PackedBatch's
+    field names too; the grid of every vision run of the packed row in reading order: images and
+    video frames interleaved as the conversations have them)."""
     fields = {}
     for _, pixel_field, grid_field in VISION_KINDS:
         grids = torch.cat([s[grid_field].reshape(-1, 3) for s in samples])
@@ -69,15 +64,15 @@ def _vision_inputs(samples, tokens_1T: torch.Tensor, tokens: VisionTokens):
     return fields, runs
 
 
-def _stats(lengths: torch.Tensor, total: int) -> dict:
+def _stats(lengths: torch.Tensor, total: int) -> BatchStats:
     real = int(lengths.sum())
-    return {
-        "samples": int(lengths.numel()),
-        "real_tokens": real,
-        "padded_tokens": total,
-        "pad_fraction": 1.0 - real / max(total, 1),
-        "lengths": lengths.tolist(),
-    }
+    return BatchStats(
+        samples=int(lengths.numel()),
+        real_tokens=real,
+        padded_tokens=total,
+        pad_fraction=1.0 - real / max(total, 1),
+        lengths=lengths.tolist(),
+    )
 
 
 def _padding_mask(total: int, real_positions: torch.Tensor) -> torch.Tensor:
@@ -86,7 +81,7 @@ def _padding_mask(total: int, real_positions: torch.Tensor) -> torch.Tensor:
     return mask.unsqueeze(0)
 
 
-def pack_thd(samples: list[dict], tokens: VisionTokens, pad_multiple: int = 1) -> dict:
+def pack_thd(samples: list[dict], tokens: VisionTokens, pad_multiple: int = 1) -> PackedBatch:
     lengths = torch.tensor([s["input_ids"].numel() for s in samples], dtype=torch.long)
     padded = _round_up(lengths, pad_multiple)
     cu_padded = torch.nn.functional.pad(torch.cumsum(padded, 0), (1, 0))
@@ -109,21 +104,23 @@ def pack_thd(samples: list[dict], tokens: VisionTokens, pad_multiple: int = 1) -
     cu_seqlens = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0))
     # PackedSeqParams takes both: cu_seqlens counts real tokens only; sample b's real tokens
     # sit at cu_seqlens_padded[b] .. cu_seqlens_padded[b] + lengths[b] in the row.
-    return {
-        "tokens": tokens_1T,
-        "labels": scatter("labels", IGNORE_INDEX, torch.long),
-        "loss_mask": scatter("loss_mask", 0.0, torch.float32),
-        "padding_mask": _padding_mask(total, dest),
-        "position_ids": position_ids_3T.unsqueeze(1),
-        "cu_seqlens": cu_seqlens.to(torch.int32),
-        "cu_seqlens_padded": cu_padded.to(torch.int32),
-        "max_seqlen": int(padded.max()),
+    return PackedBatch(
+        tokens=tokens_1T,
+        labels=scatter("labels", IGNORE_INDEX, torch.long),
+        loss_mask=scatter("loss_mask", 0.0, torch.float32),
+        padding_mask=_padding_mask(total, dest),
+        position_ids=position_ids_3T.unsqueeze(1),
+        cu_seqlens=cu_seqlens.to(torch.int32),
+        cu_seqlens_padded=cu_padded.to(torch.int32),
+        max_seqlen=int(padded.max()),
         **vision,
-        "stats": _stats(lengths, total),
-    }
+        stats=_stats(lengths, total),
+    )
 
 
-def pad_bshd(samples: list[dict], tokens: VisionTokens, pad_multiple: int = 1, seq_length: int | None = None) -> dict:
+def pad_bshd(
+    samples: list[dict], tokens: VisionTokens, pad_multiple: int = 1, seq_length: int | None = None
+) -> PackedBatch:
     lengths = torch.tensor([s["input_ids"].numel() for s in samples], dtype=torch.long)
     width = int(_round_up(lengths.max(), pad_multiple)) if seq_length is None else seq_length
     if int(lengths.max()) > width:
@@ -137,27 +134,27 @@ def pad_bshd(samples: list[dict], tokens: VisionTokens, pad_multiple: int = 1, s
         out[rows, cols] = flat
         return out
 
-    position_ids = lay_out(packed["position_ids"][:, 0].transpose(0, 1), 0).permute(2, 0, 1).contiguous()
-    return {
-        "tokens": lay_out(packed["tokens"][0], 0),
-        "labels": lay_out(packed["labels"][0], IGNORE_INDEX),
-        "loss_mask": lay_out(packed["loss_mask"][0], 0.0),
-        "padding_mask": lay_out(packed["padding_mask"][0], True),
-        "position_ids": position_ids,
-        "cu_seqlens": None,
-        "cu_seqlens_padded": None,
-        "max_seqlen": width,
-        **{k: packed[k] for k in VISION_FIELDS},
-        "stats": _stats(lengths, len(samples) * width),
-    }
+    position_ids = lay_out(packed.position_ids[:, 0].transpose(0, 1), 0).permute(2, 0, 1).contiguous()
+    return replace(  # the vision inputs as packed
+        packed,
+        tokens=lay_out(packed.tokens[0], 0),
+        labels=lay_out(packed.labels[0], IGNORE_INDEX),
+        loss_mask=lay_out(packed.loss_mask[0], 0.0),
+        padding_mask=lay_out(packed.padding_mask[0], True),
+        position_ids=position_ids,
+        cu_seqlens=None,
+        cu_seqlens_padded=None,
+        max_seqlen=width,
+        stats=_stats(lengths, len(samples) * width),
+    )
 
 
-def pad_row_to(batch: dict, length: int) -> dict:
+def pad_row_to(batch: PackedBatch, length: int) -> PackedBatch:
     """The batch with every row right-padded to ``length`` tokens (input 0, label IGNORE_INDEX,
     loss mask 0, position 0, padding mask True). A THD row gains one extra segment with no real tokens, so every
     sample keeps its boundaries. Used to give ranks that must exchange equal-sized token buffers
     equal rows; the padding never reaches the loss."""
-    width = batch["tokens"].shape[1]
+    width = batch.tokens.shape[1]
     extra = length - width
     if extra < 0:
         raise ValueError(f"cannot pad a row of {width} tokens to {length}")
@@ -167,21 +164,21 @@ def pad_row_to(batch: dict, length: int) -> dict:
     def pad(t, value):  # None: a tensor this pipeline stage does not read
         return None if t is None else torch.nn.functional.pad(t, (0, extra), value=value)
 
-    out = dict(
+    out = replace(
         batch,
-        tokens=pad(batch["tokens"], 0),
-        labels=pad(batch["labels"], IGNORE_INDEX),
-        loss_mask=pad(batch["loss_mask"], 0.0),
-        position_ids=pad(batch["position_ids"], 0),
-        padding_mask=pad(batch["padding_mask"], True),
+        tokens=pad(batch.tokens, 0),
+        labels=pad(batch.labels, IGNORE_INDEX),
+        loss_mask=pad(batch.loss_mask, 0.0),
+        position_ids=pad(batch.position_ids, 0),
+        padding_mask=pad(batch.padding_mask, True),
     )
-    if batch.get("cu_seqlens") is not None:
-        cu, cu_padded = batch["cu_seqlens"], batch["cu_seqlens_padded"]
-        out["cu_seqlens"] = torch.cat([cu, cu[-1:]])
-        out["cu_seqlens_padded"] = torch.cat([cu_padded, cu_padded[-1:] + extra])
-        out["max_seqlen"] = max(batch["max_seqlen"], extra)
+    if batch.thd:
+        cu, cu_padded = batch.cu_seqlens, batch.cu_seqlens_padded
+        out.cu_seqlens = torch.cat([cu, cu[-1:]])
+        out.cu_seqlens_padded = torch.cat([cu_padded, cu_padded[-1:] + extra])
+        out.max_seqlen = max(batch.max_seqlen, extra)
     else:
-        out["max_seqlen"] = length
+        out.max_seqlen = length
     return out
 
 
@@ -201,11 +198,11 @@ class Collator:
         self.tokens, self.packed, self.pad_multiple, self.seq_length = tokens, packed, pad_multiple, seq_length
         self.row_length = row_length
 
-    def __call__(self, samples: list[dict]) -> dict:
+    def __call__(self, samples: list[dict]) -> PackedBatch:
         if not self.packed:
             return pad_bshd(samples, self.tokens, self.pad_multiple, self.seq_length)
         batch = pack_thd(samples, self.tokens, self.pad_multiple)
-        if self.row_length is None or batch["tokens"].shape[1] >= self.row_length:
+        if self.row_length is None or batch.tokens.shape[1] >= self.row_length:
             return batch
-        lengths = torch.tensor(batch["stats"]["lengths"], dtype=torch.long)
-        return dict(pad_row_to(batch, self.row_length), stats=_stats(lengths, self.row_length))
+        lengths = torch.tensor(batch.stats.lengths, dtype=torch.long)
+        return replace(pad_row_to(batch, self.row_length), stats=_stats(lengths, self.row_length))

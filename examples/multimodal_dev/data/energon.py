@@ -29,7 +29,7 @@ converter would import and call it) before energon reads it, and guards energon'
 
 Bad samples are skipped (energon's ``SkipSample``) with a warning naming the conversation's
 JSONL origin and shard key; counts reach the run's total through the batches like the map-style
-providers' (``loader.SKIPS_KEY``). ``--strict-data`` stops at the first one.
+providers' (``loader.hand_over_skips``). ``--strict-data`` stops at the first one.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from megatron.energon.errors import reraise_exception
 from ..megatron_changes import apply
 from . import energon_state
 from .energon_configs import check_dataset, read_config
-from .loader import SKIPS_KEY, exit_with_parent, summing_skips
+from .loader import exit_with_parent, hand_over_skips, summing_skips
 from .sample import BadSample, DataError, fit_to_budget, validate_sample
 from .skipping import RunSkipTotals, format_counts
 from .token_budget import first_fit_rows
@@ -209,11 +209,9 @@ class ConversationEncoder(DefaultTaskEncoder):
             return samples
         conversations = [c for s in samples for c in (s.samples if isinstance(s, PackedRow) else [s])]
         batch = self.collate_fn([{k: v for k, v in c.items() if k != RESTORE_KEY} for c in conversations])
-        stats = batch.get("stats") if isinstance(batch, dict) else None
-        if isinstance(stats, dict):  # this worker's new skips, summed in the main process (loader.py)
-            delta = self.skip_counts - self._handed_over
+        # this worker's new skips, summed in the main process (loader.py)
+        if hand_over_skips(batch, dict(self.skip_counts - self._handed_over)):
             self._handed_over = Counter(self.skip_counts)
-            stats[SKIPS_KEY] = dict(delta)
         return batch
 
 

@@ -16,10 +16,37 @@ import itertools
 import torch
 from megatron.training.datasets.data_samplers import MegatronPretrainingSampler
 
+from .batch import PackedBatch
 from .sample import DataError
 from .token_budget import TokenBudgetSampler
 
-SKIPS_KEY = "skipped"  # batch["stats"][SKIPS_KEY]: a worker's new skip counts, removed in the main process
+SKIPS_KEY = "skipped"  # a plain collate's batch["stats"][SKIPS_KEY]: a worker's new skip counts
+
+
+def hand_over_skips(batch, delta: dict) -> bool:
+    """Put a worker's new skip counts on ``batch``'s stats: ``PackedBatch.stats.skipped``, or for a
+    collate of plain dicts (the tests') its ``"stats"`` dict. False: the batch has no stats to
+    carry them."""
+    if isinstance(batch, PackedBatch):
+        if batch.stats is None:
+            return False
+        batch.stats.skipped = delta
+        return True
+    stats = batch.get("stats") if isinstance(batch, dict) else None
+    if isinstance(stats, dict):
+        stats[SKIPS_KEY] = delta
+    return isinstance(stats, dict)
+
+
+def take_skips(batch) -> dict | None:
+    """The skip counts ``hand_over_skips`` put on ``batch``, taken off it (None: there are none)."""
+    if isinstance(batch, PackedBatch):
+        delta = batch.stats.skipped if batch.stats is not None else None
+        if delta is not None:
+            batch.stats.skipped = None
+        return delta
+    stats = batch.get("stats") if isinstance(batch, dict) else None
+    return stats.pop(SKIPS_KEY) if isinstance(stats, dict) and SKIPS_KEY in stats else None
 
 
 def build_iterator(
@@ -99,16 +126,15 @@ def exit_with_parent(worker_id: int = 0) -> None:
 
 class _CollateWithSkips:
     """The collate, plus what the dataset skipped in this process (a DataLoader worker holds its
-    own copy of the dataset and its counts) since the last batch, in ``batch["stats"]``."""
+    own copy of the dataset and its counts) since the last batch, on the batch's stats."""
 
     def __init__(self, collate_fn, dataset):
         self.collate_fn, self.dataset = collate_fn, dataset
 
     def __call__(self, samples):
         batch = self.collate_fn(samples)
-        stats = batch.get("stats") if isinstance(batch, dict) else None
-        if isinstance(stats, dict) and hasattr(self.dataset, "new_skips"):
-            stats[SKIPS_KEY] = self.dataset.new_skips()
+        if hasattr(self.dataset, "new_skips"):
+            hand_over_skips(batch, self.dataset.new_skips())
         return batch
 
 
@@ -123,11 +149,9 @@ def summing_skips(batches, dataset):
             return
         except DataError as err:  # torch re-raises a worker's error with its traceback in the message
             raise DataError(_original_line(str(err))) from None
-        stats = batch.get("stats") if isinstance(batch, dict) else None
-        if isinstance(stats, dict) and SKIPS_KEY in stats:
-            delta = stats.pop(SKIPS_KEY)
-            if hasattr(dataset, "add_run_skips"):
-                dataset.add_run_skips(delta)
+        delta = take_skips(batch)
+        if delta is not None and hasattr(dataset, "add_run_skips"):
+            dataset.add_run_skips(delta)
         yield batch
 
 

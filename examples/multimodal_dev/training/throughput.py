@@ -20,7 +20,7 @@ import inspect
 
 import torch
 
-from examples.multimodal_dev.data.sample import VISION_KINDS
+from examples.multimodal_dev.data.batch import PackedBatch
 from examples.multimodal_dev.models.qwen35_vl.flops import FlopsBreakdown, micro_batch_flops
 
 # Dense (no sparsity) bf16 tensor-core peak per GPU, TFLOP/s, from the vendors' data sheets.
@@ -55,11 +55,11 @@ def device_peak_tflops(device_name: str, override: float | None = None) -> float
     return None
 
 
-def batch_flops(shape, batch: dict) -> FlopsBreakdown:
+def batch_flops(shape, batch: PackedBatch) -> FlopsBreakdown:
     """Forward FLOPs of a collated batch (THD or BSHD): real lengths from the collate's stats,
     so padding is never counted as work."""
-    grids = [g for _, _, key in VISION_KINDS if batch.get(key) is not None for g in batch[key].tolist()]
-    return micro_batch_flops(shape, batch["stats"]["lengths"], grids)
+    grids = [g for grid in (batch.image_grid_thw, batch.video_grid_thw) if grid is not None for g in grid.tolist()]
+    return micro_batch_flops(shape, batch.stats.lengths, grids)
 
 
 class StepFlops:
@@ -86,9 +86,10 @@ class StepFlops:
         another's micro-batches, still joining every iteration's sums)."""
         self.counted = counted
         for batch in iterator:
-            stats = batch.get("stats", {}) if counted else {}
+            # a micro-batch without stats (ServedBatches, a test's stand-in) counts nothing
+            stats = getattr(batch, "stats", None) if counted else None
             for key in self._KEYS:
-                self.pending[key] += stats.get(key, 0.0)
+                self.pending[key] += getattr(stats, key, 0.0)
             self.pending_batches += 1
             yield batch
 
