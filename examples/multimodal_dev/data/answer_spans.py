@@ -92,6 +92,23 @@ def trained_sample(
     return build_conversation_sample(input_ids, is_answer, pixels, grids, video_pixels, video_grids)
 
 
+def encoded_sample(processor, info, text: str, spans, **media) -> dict:
+    """The processor's encoding of a rendered conversation (``media``: its images / videos and
+    their settings, expanded in the text), trained on its answers."""
+    enc = processor(
+        text=[text], **media, return_tensors="pt", return_offsets_mapping=True, return_text_replacement_offsets=True
+    )
+    vision = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+    return trained_sample(
+        info,
+        enc["input_ids"][0],
+        enc["offset_mapping"][0],
+        enc["text_replacement_offsets"][0],
+        spans,
+        *(enc.get(key) for key in vision),
+    )
+
+
 def answer_token_mask(
     input_ids: torch.Tensor,
     offsets: torch.Tensor,

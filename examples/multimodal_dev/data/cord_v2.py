@@ -24,7 +24,7 @@ import json
 import torch
 
 from . import sources
-from .answer_spans import answer_char_spans, trained_sample
+from .answer_spans import answer_char_spans, encoded_sample, trained_sample
 from .conversations import Media, Turn
 from .processor import load_processor
 from .sample import BadSample, DataError
@@ -151,22 +151,7 @@ class CordV2Conversations:
             images, _ = process_vision_info(
                 self._messages(_open_image(row["image"])), image_patch_size=self.info.patch_size
             )
-            enc = self.processor(
-                text=[text],
-                images=images,
-                return_tensors="pt",
-                return_offsets_mapping=True,
-                return_text_replacement_offsets=True,
-            )
-        return trained_sample(
-            self.info,
-            enc["input_ids"][0],
-            enc["offset_mapping"][0],
-            enc["text_replacement_offsets"][0],
-            spans,
-            enc["pixel_values"],
-            enc["image_grid_thw"],
-        )
+            return encoded_sample(self.processor, self.info, text, spans, images=images)
 
     def describe(self, index: int) -> dict:
         """Sample ``index`` with its real token ids and grid but zero-stride pixels, from the

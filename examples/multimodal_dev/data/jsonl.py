@@ -32,7 +32,7 @@ import os
 
 import torch
 
-from .answer_spans import answer_char_spans, trained_sample
+from .answer_spans import answer_char_spans, encoded_sample, trained_sample
 from .conversations import normalise
 from .jsonl_media import ImageSizing, MediaAccess, VideoOptions, image_size, media_settings, open_image
 from .jsonl_source import Blend, Records, check_data_path, hold_out, parse_record
@@ -119,25 +119,7 @@ class JsonlConversations:
             video_inputs = dict(
                 videos=list(frames), video_metadata=list(metadata), videos_kwargs=self.videos.call_kwargs
             )
-        enc = self.processor(
-            text=[text],
-            images=images or None,
-            **video_inputs,
-            return_tensors="pt",
-            return_offsets_mapping=True,
-            return_text_replacement_offsets=True,
-        )
-        return trained_sample(
-            self.info,
-            enc["input_ids"][0],
-            enc["offset_mapping"][0],
-            enc["text_replacement_offsets"][0],
-            spans,
-            enc.get("pixel_values"),
-            enc.get("image_grid_thw"),
-            enc.get("pixel_values_videos"),
-            enc.get("video_grid_thw"),
-        )
+        return encoded_sample(self.processor, self.info, text, spans, images=images or None, **video_inputs)
 
     def _videos_fit(self, headers) -> None:
         """``over_budget`` when the videos alone, counted from their headers, exceed ``--seq-length``:
