@@ -1,8 +1,8 @@
-"""How a parallel setting is named in a message: as megatron's flag (``--tensor-model-parallel-size 2``,
+"""How a setting is named in a message: as megatron's flag (``--tensor-model-parallel-size 2``,
 where the training script or a tool checks it) or as the run script's variable (``TP=2``, where
 ``training/launch.py`` checks it before any rank starts). One check, two audiences: the checks
-of ``qwen35_vl/parallel.py``, ``planner/pipeline_layout.py`` and ``vision_ranks/layout.py`` take
-``names=FLAGS`` or ``names=VARIABLES``."""
+of ``qwen35_vl/parallel.py``, ``planner/pipeline_layout.py``, ``vision_ranks/layout.py`` and
+``schedule_problem`` below take ``names=FLAGS`` or ``names=VARIABLES``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ FLAGS = {
     "last": "--decoder-last-pipeline-num-layers",
     "vtp": "--vision-tensor-parallel-size",
     "vnproc": "--vision-nproc",
+    "warmup": "--lr-warmup-iters",
+    "decay": "--lr-decay-iters",
+    "iters": "--train-iters",
 }
 VARIABLES = {
     "world": "NPROC=",
@@ -29,6 +32,9 @@ VARIABLES = {
     "last": "PP_LAST=",
     "vtp": "VISION_TP=",
     "vnproc": "VISION_NPROC=",
+    "warmup": "LR_WARMUP_ITERS=",
+    "decay": "LR_DECAY_ITERS=",
+    "iters": "TRAIN_ITERS=",
 }
 
 
@@ -36,3 +42,14 @@ def named(names: dict, key: str, value) -> str:
     """``--tensor-model-parallel-size 2`` (FLAGS) or ``TP=2`` (VARIABLES)."""
     sep = "" if names[key].endswith("=") else " "
     return f"{names[key]}{sep}{value}"
+
+
+def schedule_problem(warmup: int | None, decay: int | None, train_iters: int, names: dict = FLAGS) -> str | None:
+    """megatron's LR scheduler asserts ``warmup < decay`` without naming either (decay: the decay
+    iterations, else the training iterations); the line naming both, or None."""
+    end, which = (decay, "decay") if decay else (train_iters, "iters")
+    if warmup and end and warmup >= end:
+        return (
+            f"{named(names, 'warmup', warmup)} must be smaller than the decay iterations ({named(names, which, end)})"
+        )
+    return None

@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass, field
 
 from ..models.qwen35_vl.parallel import parallel_problems
-from ..models.setting_names import VARIABLES
+from ..models.setting_names import VARIABLES, schedule_problem
 from ..planner.pipeline_layout import stage_layers
 from ..vision_ranks.layout import env_table
 from .run_variables import NAMES
@@ -202,10 +202,9 @@ def sizes(s: Settings, shape, gpu: bool) -> None:
         value = s.var(name)
         if value is not None and not re.fullmatch(r"[0-9]+", value):
             raise LaunchError(f"{name}={value} must be a number of iterations")
-    warmup, decay = s.values["LR_WARMUP_ITERS"], s.values["LR_DECAY_ITERS"]
-    if int(warmup or 0) >= int(decay or s.values["TRAIN_ITERS"]):
-        by = f"LR_DECAY_ITERS={decay}" if decay else f"TRAIN_ITERS={s.values['TRAIN_ITERS']}"
-        raise LaunchError(f"LR_WARMUP_ITERS={warmup} must be smaller than the decay iterations ({by})")
+    warmup, decay = (int(s.values[n]) if s.values[n] else None for n in ("LR_WARMUP_ITERS", "LR_DECAY_ITERS"))
+    if problem := schedule_problem(warmup, decay, s.int("TRAIN_ITERS"), names=VARIABLES):
+        raise LaunchError(problem)
     try:  # the split of the decoder over pipeline stages (megatron-core's rule, checked by name)
         stage_layers(
             t.num_layers,

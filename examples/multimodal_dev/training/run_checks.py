@@ -13,6 +13,7 @@ import os
 import re
 
 from examples.multimodal_dev.checkpoint.files import TRACKER, checkpoint_directory, latest_iteration, stored_args
+from examples.multimodal_dev.models.setting_names import schedule_problem
 
 
 def check_finite_flags(args, given: dict[str, str]) -> None:
@@ -28,12 +29,9 @@ def check_finite_flags(args, given: dict[str, str]) -> None:
 
 def check_lr_schedule(args) -> None:
     """megatron's scheduler asserts ``warmup < decay`` without naming either."""
-    decay = args.lr_decay_iters or args.train_iters
-    if args.lr_warmup_iters and decay and args.lr_warmup_iters >= decay:
-        raise ValueError(
-            f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than the decay iterations "
-            f"({'--lr-decay-iters' if args.lr_decay_iters else '--train-iters'} {decay})"
-        )
+    problem = schedule_problem(args.lr_warmup_iters, args.lr_decay_iters, args.train_iters)
+    if problem:
+        raise ValueError(problem)
 
 
 def check_sequence_length(args) -> None:
