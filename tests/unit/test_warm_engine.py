@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -122,3 +123,41 @@ def _holding(path) -> list[int]:
         except OSError:  # gone meanwhile, or not ours
             continue
     return found
+
+
+def test_a_dropped_jobs_processes_in_sessions_of_their_own_are_ended_too():
+    """torchrun starts each rank in a session of its own, out of the job's process group; a rank whose
+    agent is killed is reparented. The server remembers the job's processes when it first signals them:
+    here a grandchild in its own session that ignores SIGTERM outlives its parent, and the SIGKILL
+    after the grace period still reaches it."""
+    import psutil
+
+    from examples.multimodal_dev.training.warm_engine import _Server
+
+    server = _Server.__new__(_Server)  # its job bookkeeping alone: no socket, no stdin
+    server.dropped, server.members = {}, {}
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
+    job = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {stubborn!r}], "
+            "start_new_session=True); time.sleep(600)",
+        ],
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 30
+    while not psutil.Process(job.pid).children():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    grandchild = psutil.Process(job.pid).children()[0]
+    try:
+        server.dropped[job.pid] = time.monotonic()
+        server._signal_job(job.pid, signal.SIGTERM)  # the job ends; its grandchild ignores SIGTERM
+        job.wait(timeout=30)
+        assert grandchild.is_running()
+        server._signal_job(job.pid, signal.SIGKILL)  # after the grace period: reparented, and still reached
+        grandchild.wait(timeout=30)
+    finally:
+        if grandchild.is_running():
+            grandchild.kill()

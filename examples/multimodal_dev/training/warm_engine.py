@@ -143,6 +143,9 @@ class _Server:
             self.selector.register(sys.stdin, selectors.EVENT_READ, "stdin")
         self.jobs: dict[int, socket.socket] = {}  # child pid -> its launcher's connection
         self.dropped: dict[int, float] = {}  # child pid -> when its launcher vanished
+        # a dropped job's processes as last seen: torchrun starts each rank in a session of its own, out of
+        # the job's process group, and a rank whose agent is killed is reparented and out of its tree too
+        self.members: dict[int, list] = {}
 
     def serve(self) -> None:
         import time
@@ -162,6 +165,9 @@ class _Server:
             for pid, since in list(self.dropped.items()):
                 if time.monotonic() - since > GRACE_S:
                     self._signal_job(pid, signal.SIGKILL)
+                    if pid not in self.jobs:  # the child is reaped and every process it left is killed
+                        self.dropped.pop(pid)
+                        self.members.pop(pid, None)
 
     def _accept(self) -> None:
         import selectors
@@ -205,10 +211,23 @@ class _Server:
         self._signal_job(pid, signal.SIGTERM)
 
     def _signal_job(self, pid: int, sig: int) -> None:
+        """``sig`` to the job's process group and to every process of the job seen so far."""
+        import psutil
+
+        known = self.members.setdefault(pid, [])
+        try:
+            known += [p for p in psutil.Process(pid).children(recursive=True) if p not in known]
+        except psutil.NoSuchProcess:
+            pass
         try:
             os.killpg(pid, sig)
         except ProcessLookupError:
             pass
+        for process in known:
+            try:
+                process.send_signal(sig)  # psutil checks it is still that process, not a reused pid
+            except psutil.NoSuchProcess:
+                pass
 
     def _reap(self) -> None:
         while self.jobs:
@@ -221,7 +240,7 @@ class _Server:
             conn = self.jobs.pop(pid, None)
             if conn is None:  # a child of the server's own (none is expected): reaped, nothing to tell
                 continue
-            if self.dropped.pop(pid, None) is None:
+            if pid not in self.dropped:
                 self.selector.unregister(conn)
                 try:
                     send(
