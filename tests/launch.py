@@ -55,6 +55,11 @@ class WarmEngine:
 
     @classmethod
     def get(cls) -> str:
+        if cls.address is not None and cls.server.poll() is not None:
+            # every later launch would start cold, slower but passing: a test ended a process not its own
+            raise RuntimeError(
+                f"the tests' warm engine ended (status {cls.server.returncode}) while its tests ran:\n{cls.log_tail()}"
+            )
         if cls.address is None:
             folder = tempfile.mkdtemp(prefix="warm_engine_")
             address, log = os.path.join(folder, "socket"), open(os.path.join(folder, "log"), "w")
@@ -137,6 +142,9 @@ def run_script(extra_args=(), timeout: int = 600, **env) -> Run:
         raise AssertionError(
             f"the warm engine refused a launch that sets no import-time variable:\n{run.output[:3000]}"
         )
+    if env["ENGINE_SERVER"] and "no warm engine answers" in run.output:
+        WarmEngine.get()  # says how it ended where it did
+        raise AssertionError(f"the tests' warm engine did not answer:\n{run.output[-3000:]}")
     return run
 
 

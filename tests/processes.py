@@ -27,9 +27,13 @@ def assert_workers_die_with_rank(script: str, workers: int = 2) -> None:
         rank.wait()
         gone, alive = psutil.wait_procs(children, timeout=10)
         assert not alive, f"workers outlived the killed rank: {[p.pid for p in alive]}"
-    finally:  # nothing of the test outlives it, whatever failed
-        for p in [*children, *psutil.Process().children(recursive=True)]:
+    finally:  # nothing of the test outlives it, whatever failed; only the rank's own processes: this
+        # process's other children (the tests' warm engine) are not the test's to end
+        for p in children:
             try:
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
+        if rank.poll() is None:
+            rank.kill()
+            rank.wait()
