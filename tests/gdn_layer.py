@@ -6,9 +6,10 @@ project's spec: column / row parallel linears, the head-shared out norm), and a 
 import torch
 
 
-def tiny_gdn_layer(**config_settings):
+def tiny_gdn_layer(layer_class=None, **config_settings):
     """A fresh layer of the tiny variant's shape (4 key / 8 value heads of 16), initialised as
-    megatron-core initialises it (``A_log`` = log U(1, 16), ``dt_bias`` = 1)."""
+    megatron-core initialises it (``A_log`` = log U(1, 16), ``dt_bias`` = 1): megatron-core's class,
+    or ``layer_class`` (the model's, which also decodes)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -20,7 +21,7 @@ def tiny_gdn_layer(**config_settings):
     submodules = GatedDeltaNetSubmodules(
         in_proj=ColumnParallelLinear, out_norm=HeadSharedNorm, out_proj=RowParallelLinear
     )
-    return GatedDeltaNet(
+    return (layer_class or GatedDeltaNet)(
         config, submodules, layer_number=1, pg_collection=ProcessGroupCollection.use_mpu_process_groups()
     )
 

@@ -3,6 +3,7 @@ functions, runs down the stack, and no two modules import each other, directly o
 
     entry         pretrain_multimodal.py, arguments.py, forward_step.py
     training/     engine glue: backend, throughput, run checks, launcher
+    generation/   cached decoding and generate
     vision_ranks/ the vision tower's own layout, and its own ranks' process groups
     planner/      the layout planner: per-rank memory and step time of launch layouts, pipeline splits
     checkpoint/   formats and safety, HF <-> Megatron conversion
@@ -29,6 +30,7 @@ LAYERS = (
     f"{PACKAGE}.checkpoint",
     f"{PACKAGE}.planner",
     f"{PACKAGE}.vision_ranks",
+    f"{PACKAGE}.generation",
     f"{PACKAGE}.training",
     f"{PACKAGE}.entry",
     f"{PACKAGE}.commands",

@@ -8,6 +8,9 @@ bf16, so a GPU run would round them and train them in bf16. Here they are fp32 f
 and stay fp32 through any later cast to half precision (``Float16Module``'s ``.bfloat16()``).
 megatron's DDP keeps a separate fp32 gradient buffer for them and its optimizers treat them as
 fp32 parameters (no separate main copy), as they do any fp32 parameter of a half-precision model.
+
+Given an inference context (generation), the layer decodes with cached state (``gdn_decoding.py``),
+which megatron-core's own forward refuses.
 """
 
 from __future__ import annotations
@@ -15,11 +18,18 @@ from __future__ import annotations
 import torch
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
+from .gdn_decoding import cached_forward
+
 FP32_DECAY_PARAMS = ("A_log", "dt_bias")
 _HALF = (torch.bfloat16, torch.float16)
 
 
 class GatedDeltaNetFp32Decay(GatedDeltaNet):
+    def forward(self, hidden_states, attention_mask, inference_context=None, **kwargs):
+        if inference_context is None:
+            return super().forward(hidden_states, attention_mask, **kwargs)
+        return cached_forward(self, hidden_states, inference_context)
+
     def reset_parameters(self):
         # megatron-core draws ``A`` in params_dtype (and writes dt_bias with ``out=``, which must
         # match it); the values are kept as drawn, the same random stream, and only widened after.

@@ -1,0 +1,184 @@
+"""Generate from the training model: one prefill forward over the left-padded prompts (vision once per
+prompt), then one forward a new token, each continuing the attention layers' KV cache and the Gated
+DeltaNet layers' states (``context.py``).
+
+Positions continue as transformers' do: the prompt's MRoPE positions from the collate's function,
+then, for the i-th new token, ``i + rope_delta`` on all three axes, where ``rope_delta`` makes the first
+new token the prompt's largest position plus one.
+
+Every rank of a tensor-parallel group runs the same steps: logits are gathered over tensor-parallel
+ranks, the chosen tokens are broadcast from the group's first rank (sampling on every rank from one
+seed would agree too, but one source of truth costs one small broadcast), and a batch ends for all
+ranks together. MTP, sequence and context parallelism are off while decoding; pipeline parallelism is
+refused (``check_layout``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from megatron.core.inference.utils import InferenceMode
+
+from ..models.qwen35_vl.mrope import padded_batch_position_ids
+from .context import DecodingContext
+
+
+@dataclass
+class Prompt:
+    """One prompt: its token ids (vision placeholders expanded, as the processor leaves them) and the
+    pixel values and grids of its images and videos, as the data path produces them."""
+
+    input_ids: list[int]
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
+
+
+@dataclass
+class Sampling:
+    """Greedy where ``temperature`` is 0; else softmax(logits / temperature) restricted to the ``top_k``
+    most likely tokens (0: all) and to the smallest set whose probability reaches ``top_p``."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        for flag, value, ok in (
+            ("--temperature", self.temperature, self.temperature >= 0),
+            ("--top-k", self.top_k, self.top_k >= 0),
+            ("--top-p", self.top_p, 0 < self.top_p <= 1),
+        ):
+            if not ok:
+                raise ValueError(f"{flag} {value}: expected {'(0, 1]' if flag == '--top-p' else '>= 0'}")
+
+
+@dataclass
+class Generated:
+    tokens: list[list[int]]  # per prompt, the new tokens up to and including an end token
+    logits: list[torch.Tensor] = field(default_factory=list)  # per step [B, V] fp32, when kept
+
+
+def check_layout(config) -> None:
+    """One line for what decoding does not do."""
+    if config.pipeline_model_parallel_size > 1:
+        raise ValueError(
+            f"--pipeline-model-parallel-size {config.pipeline_model_parallel_size}: generation runs the "
+            "whole decoder on each rank; load the checkpoint with pipeline size 1 (it converts between layouts)"
+        )
+
+
+def choose(logits_BV: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
+    """The next token of every row [B]."""
+    if sampling.temperature == 0:
+        return logits_BV.argmax(-1)
+    scores = logits_BV.float() / sampling.temperature
+    if sampling.top_k:
+        kth = scores.topk(min(sampling.top_k, scores.shape[-1]), dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if sampling.top_p < 1:
+        ordered, order = scores.sort(dim=-1, descending=True)
+        before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)  # mass of the more likely tokens
+        ordered = ordered.masked_fill(before >= sampling.top_p, float("-inf"))  # the first always stays
+        scores = torch.full_like(scores, float("-inf")).scatter(-1, order, ordered)
+    return torch.multinomial(scores.softmax(-1).cpu(), 1, generator=generator)[:, 0].to(logits_BV.device)
+
+
+def _cat(parts):
+    parts = [p for p in parts if p is not None]
+    return torch.cat(parts) if parts else None
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompts: list[Prompt],
+    max_new_tokens: int,
+    end_ids=(),
+    sampling: Sampling | None = None,
+    pad_id: int = 0,
+    keep_logits: bool = False,
+) -> Generated:
+    """New tokens for ``prompts`` (at most ``max_new_tokens`` each; a row ends at a token of
+    ``end_ids``). ``model``: the VLM (megatron's wrappers around it are taken off)."""
+    from megatron.core.utils import unwrap_model
+
+    vlm = unwrap_model(model)
+    check_layout(vlm.config)
+    sampling = sampling or Sampling()
+    device = next(vlm.parameters()).device
+    batch, length = len(prompts), max(len(p.input_ids) for p in prompts)
+    ids = torch.full((batch, length), pad_id, dtype=torch.long, device=device)
+    real = torch.zeros(batch, length, dtype=torch.bool, device=device)
+    for b, prompt in enumerate(prompts):  # left padding: every row's next token at the same position
+        ids[b, length - len(prompt.input_ids) :] = torch.tensor(prompt.input_ids, device=device)
+        real[b, length - len(prompt.input_ids) :] = True
+    media = {
+        name: _cat([getattr(p, name) for p in prompts])
+        for name in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+    }
+    positions = torch.zeros(3, batch, length + max_new_tokens, dtype=torch.long, device=device)
+    positions[:, :, :length] = padded_batch_position_ids(
+        ids,
+        real,
+        media["image_grid_thw"],
+        media["video_grid_thw"],
+        vlm.image_token_id,
+        vlm.video_token_id,
+        vlm.shape.vision.spatial_merge_size,
+    )
+    first_new = positions[:, :, :length].amax(dim=(0, 2)) + 1  # [B]
+    positions[:, :, length:] = (first_new[:, None] + torch.arange(max_new_tokens, device=device))[None]
+
+    context = DecodingContext(real, max_new_tokens)
+    generator = torch.Generator().manual_seed(sampling.seed) if sampling.temperature else None
+    out = Generated(tokens=[[] for _ in prompts])
+    running = torch.ones(batch, dtype=torch.bool, device=device)
+    end = torch.tensor(sorted(set(end_ids)), dtype=torch.long, device=device)
+    decoder_input = vlm.embed(ids, **{k: v.to(device) if v is not None else None for k, v in media.items()})
+    step_ids = ids
+    with InferenceMode.active():
+        for step in range(max_new_tokens):
+            span = step_ids.shape[1]
+            logits = vlm.language_model(
+                input_ids=step_ids,
+                position_ids=positions[:, :, : context.sequence_len_offset + span],
+                attention_mask=context.attention_mask(span),
+                decoder_input=decoder_input,
+                inference_context=context,
+                runtime_gather_output=True,
+            )[:, -1].float()
+            if keep_logits:
+                out.logits.append(logits.cpu())
+            token = _agreed(choose(logits, sampling, generator), vlm)
+            for b in running.nonzero().flatten().tolist():
+                out.tokens[b].append(int(token[b]))
+            running &= ~torch.isin(token, end)
+            if not _any_running(running, step + 1 < max_new_tokens):
+                break
+            context.sequence_len_offset += span
+            context.enable_decode_mode()
+            step_ids = token[:, None]
+            decoder_input = vlm.embed(step_ids)
+    return out
+
+
+def _agreed(token: torch.Tensor, vlm) -> torch.Tensor:
+    """Tensor-parallel rank 0's choice, on every rank of its group."""
+    group = getattr(vlm.pg_collection, "tp", None)
+    if group is None or torch.distributed.get_world_size(group) == 1:
+        return token
+    torch.distributed.broadcast(token, torch.distributed.get_global_rank(group, 0), group=group)
+    return token
+
+
+def _any_running(running: torch.Tensor, more: bool) -> bool:
+    """Whether any row of any rank goes on: ranks that share experts step together even where their
+    own prompts have all ended."""
+    flag = torch.tensor([int(more and bool(running.any()))], device=running.device)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return bool(flag)
