@@ -98,3 +98,29 @@ def test_text_metrics_on_hand_made_pairs():
     assert metrics.anls("helo", ["hello"]) == pytest.approx(1 - 1 / 5)
     assert metrics.anls("abc", ["xyz", "abd"]) == pytest.approx(1 - 1 / 3)  # the best reference
     assert metrics.anls("abcdef", ["abcxyz"]) == 0.0  # distance 0.5: over the threshold
+
+
+def test_scores_of_a_set_add_up_across_shares():
+    """Two shares scored apart and added (as ranks all-reduce them) give the set's means; the field F1
+    is micro-averaged over the JSON answers, free-text answers add no fields."""
+    from examples.multimodal_dev.evaluation.scores import Scores
+
+    pairs = [
+        ("A red circle.", "a red circle"),
+        ("blue", "Blue square"),
+        ('{"menu": [{"nm": "cake", "cnt": "2"}]}', '{"menu": [{"nm": "cake", "cnt": "2"}, {"nm": "tea", "cnt": "1"}]}'),
+        ("not json", '{"total": {"total_price": "5.75"}}'),
+    ]
+    whole, first, second = Scores(), Scores(), Scores()
+    for i, (prediction, reference) in enumerate(pairs):
+        whole.add(prediction, reference)
+        (first if i % 2 else second).add(prediction, reference)
+    added = Scores([a + b for a, b in zip(first.vector(), second.vector())])
+    assert added.means() == whole.means()
+    means = whole.means()
+    assert means["exact_match"] == 0.25  # only the first, after normalisation
+    # "blue" vs "blue square": 2 * 1 / 3; the receipts' words "menu nm cake cnt 2" in 5 + 9: 10 / 14
+    assert means["token_f1"] == pytest.approx((1 + 2 / 3 + 10 / 14 + 0) / 4)
+    # fields: the cake's 2 matched of 2 predicted and 4 + 1 expected
+    assert means["field_f1"] == pytest.approx(2 * 2 / (2 + 5))
+    assert Scores().means() == {}

@@ -75,8 +75,9 @@ def detect_format(record) -> str:
     raise BadSample("bad_record", f"expected a 'messages' or 'conversations' list, found keys {sorted(record)[:8]}")
 
 
-def normalise(record) -> list[Turn]:
-    """The record's turns; raises ``BadSample`` for anything that cannot be one conversation."""
+def normalise(record, answered: bool = True) -> list[Turn]:
+    """The record's turns; raises ``BadSample`` for anything that cannot be one conversation (to train
+    on: with an assistant turn, unless not ``answered``: a prompt for generation)."""
     kind = detect_format(record)
     messages = record["conversations" if kind == "sharegpt" else "messages"]
     if not isinstance(messages, list) or not messages:
@@ -91,7 +92,7 @@ def normalise(record) -> list[Turn]:
         media = {k: _media_list(record, k) for k in KINDS}
         turns = [Turn(_role(m), _split_placeholders(_text_content(m))) for m in messages]
         turns = _place_media(turns, media)
-    if not any(t.role == "assistant" for t in turns):
+    if answered and not any(t.role == "assistant" for t in turns):
         raise BadSample("no_assistant_turn", "the conversation has no assistant turn to train on")
     for turn in turns:
         if turn.role == "assistant" and turn.media:

@@ -32,7 +32,7 @@ import os
 
 import torch
 
-from .answer_spans import answer_char_spans, encoded_sample, trained_sample
+from .answer_spans import answer_char_spans, encoded_sample, generation_prompt, trained_sample
 from .conversations import normalise
 from .jsonl_media import ImageSizing, MediaAccess, VideoOptions, image_size, media_settings, open_image
 from .jsonl_source import Blend, Records, check_data_path, hold_out, parse_record
@@ -95,8 +95,8 @@ class JsonlConversations:
                 ) from None
             raise BadSample(bad.reason, f"{where}: {detail}") from None
 
-    def _turns(self, line: bytes | str):
-        turns = normalise(parse_record(line))
+    def _turns(self, line: bytes | str, answered: bool = True):
+        turns = normalise(parse_record(line), answered)
         for turn in turns:
             for token in VISION_TOKEN_TEXT.values():
                 if token in turn.text:
@@ -106,20 +106,46 @@ class JsonlConversations:
                     )
         return turns
 
-    def _produce(self, text: str, spans, media) -> dict:
+    def prompt_sample(self, line: bytes | str, base_dir: str, where: str) -> tuple[dict, str | None]:
+        """What generation reads of one conversation: (the processor's encoding of every turn before its
+        last assistant turn, rendered with the generation prompt training's answers follow
+        (``answer_spans.generation_prompt``), with their media; that last assistant turn's text, the
+        reference answer, or None where the conversation ends with another turn)."""
+        try:
+            turns = self._turns(line, answered=False)
+            reference = None
+            if turns and turns[-1].role == "assistant":
+                reference, turns = turns[-1].text, turns[:-1]
+            if not turns:
+                raise BadSample("no_prompt", "the conversation has no turn before its answer")
+            media = [(m, self.access.locate(m.ref, base_dir)) for t in turns for m in t.media]
+            enc = self.processor(
+                text=[generation_prompt(self.processor, turns)], **self._media_inputs(media), return_tensors="pt"
+            )
+        except BadSample as bad:
+            raise DataError(f"{where}: {bad.reason}: {bad.detail}") from None
+        prompt = {
+            key: enc.get(key) for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+        }
+        return {"input_ids": enc["input_ids"][0], **prompt}, reference
+
+    def _media_inputs(self, media) -> dict:
+        """The processor's keyword arguments for ``media`` [(Media, location)]: images resized, videos
+        decoded, as training reads them."""
         opened = [(m, *self.videos.opened(m, location)) for m, location in media if m.kind == "video"]
         self._videos_fit([header for _, _, header in opened])
         images = [
             self.sizing.resize(open_image(location), m.options, location) for m, location in media if m.kind == "image"
         ]
         videos = [self.videos.load(m, source, header) for m, source, header in opened]
-        video_inputs = {}
+        inputs = {"images": images or None}
         if videos:
             frames, metadata = zip(*videos)
-            video_inputs = dict(
-                videos=list(frames), video_metadata=list(metadata), videos_kwargs=self.videos.call_kwargs
-            )
-        return encoded_sample(self.processor, self.info, text, spans, images=images or None, **video_inputs)
+            inputs.update(videos=list(frames), video_metadata=list(metadata), videos_kwargs=self.videos.call_kwargs)
+        return inputs
+
+    def _produce(self, text: str, spans, media) -> dict:
+        return encoded_sample(self.processor, self.info, text, spans, **self._media_inputs(media))
 
     def _videos_fit(self, headers) -> None:
         """``over_budget`` when the videos alone, counted from their headers, exceed ``--seq-length``:
@@ -159,6 +185,24 @@ class JsonlConversations:
 
 def _grid_tensor(grids) -> torch.Tensor:
     return torch.tensor(grids, dtype=torch.long).reshape(-1, 3)
+
+
+def prompt_reader(
+    hf_processor_path: str,
+    max_prompt_tokens: int,
+    media_root: str | None = None,
+    allow_remote_media: bool = False,
+    allow_media_anywhere: bool = False,
+) -> JsonlConversations:
+    """A reader of conversations as generation prompts (``JsonlConversations.prompt_sample``), with
+    media read and sized as training reads them; a video longer than ``max_prompt_tokens`` is refused
+    before it is decoded."""
+    if media_root and not os.path.isdir(media_root):
+        raise DataError(f"--media-root {media_root!r}: no such directory")
+    processor, info = load_processor(hf_processor_path)
+    sizing, videos = media_settings(processor, info, None, None, {})
+    access = MediaAccess(media_root, allow_remote_media, allow_media_anywhere)
+    return JsonlConversations(None, processor, info, sizing, max_prompt_tokens, "prompts", access, True, videos)
 
 
 def load_rows(value: str, flag: str) -> tuple[list[Records], list[float] | None]:

@@ -1,0 +1,169 @@
+"""Answer prompts with a checkpoint: cached decoding of the training model (``generation/``).
+
+    python -m examples.multimodal_dev.tools.generate --megatron-path CKPT --hf-processor-path HF \\
+        --prompt "What is on the receipt?" --image receipt.png
+    python -m examples.multimodal_dev.tools.generate --megatron-path CKPT --hf-processor-path HF \\
+        --prompts questions.jsonl --output answers.jsonl
+
+``--megatron-path``: a checkpoint of a training run, or a Hugging Face import
+(``convert_checkpoint import``), at any layout. ``--prompts``: conversations in any JSONL format the
+data path reads (docs/data.md); each is asked for its next assistant turn, and where it ends with an
+assistant turn, that turn is the reference answer: the answer is scored against it (exact match,
+token F1, ANLS; field F1 and tree accuracy for JSON answers) and the set's scores are printed at the
+end. The prompt is the chat template's generation prompt with thinking off, the format training
+gave its answers (``data/answer_spans.py``).
+
+Greedy by default; ``--temperature`` above 0 samples (``--top-k``, ``--top-p``, ``--seed``). A row
+ends at the end-of-turn or end-of-text token, or after ``--max-new-tokens``. Prompts are answered in
+batches of ``--batch-size`` (left-padded; each row's answer is the one it gets alone).
+
+It runs in one process on the CPU (it hides GPUs from itself), in fp32, with the whole model in host
+memory. A user's mistake is one line, ``generate: error: ...``, with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+if __name__ == "__main__":
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # as convert_checkpoint: a host-memory job
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="generate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--megatron-path", required=True, help="checkpoint folder (its latest iteration)")
+    parser.add_argument("--hf-config-path", default=None, help="config.json describing the model (else recorded)")
+    parser.add_argument("--hf-processor-path", required=True, help="tokenizer, chat template, image processor")
+    asked = parser.add_mutually_exclusive_group(required=True)
+    asked.add_argument("--prompts", help="JSONL file of conversations")
+    asked.add_argument("--prompt", help="one question (with --image / --video)")
+    parser.add_argument("--image", action="append", default=[], help="an image for --prompt (repeatable)")
+    parser.add_argument("--video", action="append", default=[], help="a video for --prompt (repeatable)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-prompt-tokens", type=int, default=8192, help="longer prompts are refused")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0: every token")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default=None, help="JSONL of answers (else printed)")
+    parser.add_argument("--with-token-ids", action="store_true", help="each answer's token ids too")
+    parser.add_argument("--media-root", default=None, help="where relative media paths start (else the file's folder)")
+    parser.add_argument("--allow-media-anywhere", action="store_true", help="records may name media outside it")
+    return parser
+
+
+def check_args(args) -> None:
+    for flag, value in (
+        ("--max-new-tokens", args.max_new_tokens),
+        ("--max-prompt-tokens", args.max_prompt_tokens),
+        ("--batch-size", args.batch_size),
+    ):
+        if value < 1:
+            raise ValueError(f"{flag} {value}: must be at least 1")
+    if args.prompts is not None and (args.image or args.video):
+        raise ValueError("--image / --video go with --prompt; a --prompts file names its media in each record")
+    for flag, path in [("--prompts", args.prompts)] * (args.prompts is not None) + [
+        *(("--image", p) for p in args.image),
+        *(("--video", p) for p in args.video),
+    ]:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{flag} {path}: no such file")
+
+
+def _records(args):
+    """(record text, where, folder its relative media start from) of every prompt."""
+    if args.prompt is not None:
+        content = [{"type": "image", "image": os.path.abspath(p)} for p in args.image]
+        content += [{"type": "video", "video": os.path.abspath(p)} for p in args.video]
+        record = {"messages": [{"role": "user", "content": content + [{"type": "text", "text": args.prompt}]}]}
+        return [(json.dumps(record), "--prompt", os.getcwd())]
+    with open(args.prompts, encoding="utf-8") as f:
+        lines = [(line, f"{args.prompts}:{n}") for n, line in enumerate(f, 1) if line.strip()]
+    if not lines:
+        raise ValueError(f"--prompts {args.prompts}: no records")
+    return [(line, where, os.path.dirname(os.path.abspath(args.prompts))) for line, where in lines]
+
+
+def run(args, log=print) -> list[dict]:
+    """Every prompt's answer ({"where", "answer"[, "reference"]}), written to ``--output`` as they come."""
+    from examples.multimodal_dev.checkpoint.hf_conversion import load_megatron
+    from examples.multimodal_dev.data.jsonl import prompt_reader
+    from examples.multimodal_dev.evaluation.scores import Scores
+    from examples.multimodal_dev.generation.decode import Prompt, Sampling, generate
+
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    records = _records(args)
+    # media named on the command line are the user's own choice; a file's records stay in their folder
+    anywhere = args.allow_media_anywhere or args.prompt is not None
+    reader = prompt_reader(args.hf_processor_path, args.max_prompt_tokens, args.media_root, False, anywhere)
+    model, _, _, _ = load_megatron(args.megatron_path, args.hf_config_path)
+    tokenizer = reader.processor.tokenizer
+    end_ids = {reader.info.end_of_turn_id, tokenizer.eos_token_id} - {None}
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    log(f"generate: {len(records)} prompt(s), batches of {args.batch_size}, {_describe(sampling)}")
+    out, scores, answers = open(args.output, "w") if args.output else None, Scores(), []
+    try:
+        for first in range(0, len(records), args.batch_size):
+            batch = records[first : first + args.batch_size]
+            encoded = [reader.prompt_sample(line, base_dir, where) for line, where, base_dir in batch]
+            for (sample, _), (_, where, _) in zip(encoded, batch):
+                if len(sample["input_ids"]) > args.max_prompt_tokens:
+                    raise ValueError(
+                        f"{where}: the prompt is {len(sample['input_ids'])} tokens > --max-prompt-tokens "
+                        f"{args.max_prompt_tokens}"
+                    )
+            prompts = [
+                Prompt(s["input_ids"].tolist(), **{k: v for k, v in s.items() if k != "input_ids"}) for s, _ in encoded
+            ]
+            started = time.monotonic()
+            done = generate(model, prompts, args.max_new_tokens, end_ids, sampling, pad_id)
+            new = sum(map(len, done.tokens))
+            log(
+                f"generate: prompts {first + 1}-{first + len(batch)} of {len(records)}: {new} tokens in "
+                f"{time.monotonic() - started:.1f} s"
+            )
+            for tokens, (_, reference), (_, where, _) in zip(done.tokens, encoded, batch):
+                answer = {"where": where, "answer": tokenizer.decode(tokens, skip_special_tokens=True).strip()}
+                if args.with_token_ids:
+                    answer["token_ids"] = tokens
+                if reference is not None:
+                    answer["reference"] = reference
+                    scores.add(answer["answer"], reference)
+                answers.append(answer)
+                print(json.dumps(answer, ensure_ascii=False), file=out or sys.stdout, flush=True)
+    finally:
+        if out is not None:
+            out.close()
+    if scores.sums["answers"]:
+        means = " | ".join(f"{name} {value:.4f}" for name, value in scores.means().items())
+        log(f"generate: scores over {int(scores.sums['answers'])} reference answer(s): {means}")
+    return answers
+
+
+def _describe(sampling) -> str:
+    if not sampling.temperature:
+        return "greedy"
+    s = sampling
+    return f"sampled (temperature {s.temperature}, top-k {s.top_k}, top-p {s.top_p}, seed {s.seed})"
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    from examples.multimodal_dev.data.sample import DataError
+
+    try:
+        check_args(args)
+        run(args, log=lambda line: print(line, file=sys.stderr, flush=True))
+    except (OSError, ValueError, KeyError, DataError) as err:
+        print(f"generate: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""``tools/generate.py`` end to end: a Hugging Face checkpoint imported, prompts read from JSONL and from
+``--prompt``/``--image`` through a Qwen3.5-style processor, greedy answers equal to those of
+transformers' ``generate`` on the same weights and the same prompt tokens, scores against the
+records' answers, and a user's mistake in one line."""
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from hf_checkpoints import write_hf_checkpoint
+from tiny_processor import QWEN35_CHAT_TEMPLATE, build_processor, png_bytes
+
+from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
+from examples.multimodal_dev.tools import convert_checkpoint, generate
+
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, mcore):
+    from examples.multimodal_dev.data.processor import load_processor
+
+    root = tmp_path_factory.mktemp("generate")
+    processor_dir = build_processor(str(root / "hf"), chat_template=QWEN35_CHAT_TEMPLATE)
+    t = load_processor(processor_dir)[1].tokens
+    shape = replace(
+        get_variant("tiny", moe=False, mtp=False),
+        image_token_id=t.image,
+        video_token_id=t.video,
+        vision_start_token_id=t.vision_start,
+        vision_end_token_id=t.vision_end,
+    )
+    write_hf_checkpoint(root / "hf", shape, dtype=torch.float32)
+    assert convert_checkpoint.main(["import", "--hf-path", str(root / "hf"), "--megatron-path", str(root / "mg")]) == 0
+    (root / "red.png").write_bytes(png_bytes((64, 48), (200, 40, 40)))
+    records = [
+        {
+            "messages": [{"role": "user", "content": "<image>What colour?"}, {"role": "assistant", "content": "Red."}],
+            "images": ["red.png"],
+        },
+        {
+            "messages": [
+                {"role": "user", "content": "Say a receipt."},
+                {"role": "assistant", "content": '{"total": {"total_price": "5.75"}}'},
+            ]
+        },
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"}]},
+    ]
+    (root / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return root, shape
+
+
+def _hf_answer(root, prompt_ids, pixel_values=None, image_grid_thw=None):
+    """transformers' greedy answer (token ids) to the same tokens, on the checkpoint the import read.
+    The random model's ids mostly lie past the tiny tokenizer's vocabulary and decode to nothing, so
+    ids are what is compared."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(str(root / "hf"))
+    hf = AutoModelForImageTextToText.from_pretrained(str(root / "hf"), dtype=torch.float32).eval()
+    tok = processor.tokenizer
+    ids = torch.tensor([prompt_ids])
+    media = {} if pixel_values is None else {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
+    out = hf.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        mm_token_type_ids=(ids == hf.config.image_token_id).long(),
+        **media,
+        do_sample=False,
+        max_new_tokens=NEW,
+        eos_token_id=[tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id],
+        pad_token_id=tok.pad_token_id,
+    )
+    return out[0, ids.shape[1] :].tolist()
+
+
+def test_answers_from_a_jsonl_file_equal_transformers_and_are_scored(checkpoint, capsys):
+    from examples.multimodal_dev.data.jsonl import prompt_reader
+
+    root, _ = checkpoint
+    out = root / "answers.jsonl"
+    argv = [
+        "--megatron-path",
+        str(root / "mg"),
+        "--hf-processor-path",
+        str(root / "hf"),
+        "--prompts",
+        str(root / "prompts.jsonl"),
+        "--max-new-tokens",
+        str(NEW),
+        "--batch-size",
+        "2",
+        "--output",
+        str(out),
+        "--with-token-ids",
+    ]
+    assert generate.main(argv) == 0
+    answers = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [a.get("reference") for a in answers] == ["Red.", '{"total": {"total_price": "5.75"}}', None]
+    reader = prompt_reader(str(root / "hf"), 8192)
+    for (n, line), answer in zip(enumerate(open(root / "prompts.jsonl"), 1), answers):
+        sample, _ = reader.prompt_sample(line, str(root), f"prompts.jsonl:{n}")
+        assert answer["where"].endswith(f"prompts.jsonl:{n}")
+        expected = _hf_answer(root, sample["input_ids"].tolist(), sample["pixel_values"], sample["image_grid_thw"])
+        assert answer["token_ids"] == expected, n
+        with capsys.disabled():
+            print(f"prompt {n}: {answer['token_ids']}")
+    err = capsys.readouterr().err
+    assert "generate: scores over 2 reference answer(s): exact_match" in err and "field_f1" in err, err
+
+
+def test_one_prompt_with_an_image(checkpoint, capsys):
+    root, _ = checkpoint
+    argv = [
+        "--megatron-path",
+        str(root / "mg"),
+        "--hf-processor-path",
+        str(root / "hf"),
+        "--prompt",
+        "What colour?",
+        "--image",
+        str(root / "red.png"),
+        "--max-new-tokens",
+        "4",
+    ]
+    assert generate.main(argv) == 0
+    answer = json.loads(capsys.readouterr().out.strip())
+    assert answer["where"] == "--prompt" and "reference" not in answer
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--prompts", "nowhere.jsonl"], "generate: error: --prompts nowhere.jsonl: no such file"),
+        (["--prompt", "x", "--max-new-tokens", "0"], "generate: error: --max-new-tokens 0: must be at least 1"),
+        (["--prompt", "x", "--temperature", "1", "--top-p", "0"], "generate: error: --top-p 0.0: expected (0, 1]"),
+        (["--prompt", "x", "--image", "missing.png"], "generate: error: --image missing.png: no such file"),
+    ],
+)
+def test_mistakes_are_one_line(checkpoint, capsys, extra, message):
+    root, _ = checkpoint
+    argv = ["--megatron-path", str(root / "mg"), "--hf-processor-path", str(root / "hf"), *extra]
+    assert generate.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
