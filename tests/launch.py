@@ -24,7 +24,8 @@ VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.
 class Run:
     def __init__(self, proc: subprocess.CompletedProcess, records: list[dict]):
         self.returncode, self.output = proc.returncode, proc.stdout + proc.stderr
-        self.records = {r["iteration"]: r for r in records}
+        self.records = {r["iteration"]: r for r in records if "iteration" in r}
+        self.gen_eval = {r["gen_eval_iteration"]: r for r in records if "gen_eval_iteration" in r}
         self.losses = {i: r["lm loss"] for i, r in self.records.items() if "lm loss" in r}
         self.mtp_losses = {i: r["mtp_1 loss"] for i, r in self.records.items() if "mtp_1 loss" in r}
         self.grad_norms = {i: r["grad norm"] for i, r in self.records.items() if r.get("grad norm") is not None}

@@ -208,6 +208,16 @@ def add_multimodal_args(parser):
         "throughput.py's table; 0: no MFU)",
     )
     group.add_argument(
+        "--gen-eval-interval",
+        type=int,
+        default=0,
+        help="every N iterations, answer validation conversations by generation and log their scores "
+        "(training/gen_eval.py; 0: never)",
+    )
+    group.add_argument("--gen-eval-samples", type=int, default=16, help="validation conversations answered")
+    group.add_argument("--gen-eval-max-new-tokens", type=int, default=128, help="longest answer generated")
+    group.add_argument("--gen-eval-batch-size", type=int, default=4, help="prompts decoded together per replica")
+    group.add_argument(
         "--metrics-file",
         default=None,
         help="append one JSON line per iteration (loss, grad norm, lr, tokens, FLOPs; full precision)",

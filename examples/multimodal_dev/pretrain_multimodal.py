@@ -45,7 +45,7 @@ from examples.multimodal_dev.models.common.config_from_args import given_flags, 
 from examples.multimodal_dev.models.common.varlen_attention import describe_thd_kernels
 from examples.multimodal_dev.models.megatron_args import with_model_shape
 from examples.multimodal_dev.planner.pipeline_layout import stage_layers
-from examples.multimodal_dev.training import run_checks
+from examples.multimodal_dev.training import gen_eval, run_checks
 from examples.multimodal_dev.training.backend import (
     backend_of,
     check_attention_backend,
@@ -195,7 +195,14 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
         )
         train["plan_fn"] = functools.partial(_resumed_plan, common["plan_fn"], args)
     if datasets[1] is None:
+        if args.gen_eval_interval:
+            raise DataError(
+                f"--gen-eval-interval {args.gen_eval_interval}: the data has no validation split to answer "
+                "(--eval-data-path or --valid-fraction, with --eval-iters above 0)"
+            )
         _no_validation(args)
+    elif args.gen_eval_interval:
+        gen_eval.remember_validation(datasets[1])
     # under fan-out a vision replica reads the micro-batches of each language replica it serves; a stream
     # holds one position, so each replica's from splits of its own
     replicas = [
@@ -365,6 +372,7 @@ def checked_args():
             )
         elif args.data_path:
             resolve_source(data_path_value(args), "--data-path")
+        gen_eval.check(args)
         run_checks.check_vision_layout(args, model_shape().vision.num_heads, int(os.environ.get("WORLD_SIZE", "1")))
         language, vision = model_configs()
         text = model_shape().text

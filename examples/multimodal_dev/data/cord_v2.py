@@ -24,7 +24,7 @@ import json
 import torch
 
 from . import sources
-from .answer_spans import answer_char_spans, encoded_sample, trained_sample
+from .answer_spans import answer_char_spans, encoded_sample, generation_prompt, trained_sample
 from .conversations import Media, Turn
 from .processor import load_processor
 from .sample import BadSample, DataError
@@ -152,6 +152,21 @@ class CordV2Conversations:
                 self._messages(_open_image(row["image"])), image_patch_size=self.info.patch_size
             )
             return encoded_sample(self.processor, self.info, text, spans, images=images)
+
+    def prompt(self, index: int) -> tuple[dict, str]:
+        """Receipt ``index`` as generation reads it: (the processor's encoding of the user turn with the
+        generation prompt training's answers follow, the ground truth's JSON: the reference)."""
+        from qwen_vl_utils import process_vision_info
+
+        row = self.ds[index]
+        text = generation_prompt(self.processor, [Turn("user", (Media("image", "receipt"), INSTRUCTION))])
+        with _aspect_ratio_is_bad_sample():
+            images, _ = process_vision_info(
+                self._messages(_open_image(row["image"])), image_patch_size=self.info.patch_size
+            )
+            enc = self.processor(text=[text], images=images, return_tensors="pt")
+        sample = {"input_ids": enc["input_ids"][0], "pixel_values": enc["pixel_values"]}
+        return {**sample, "image_grid_thw": enc["image_grid_thw"]}, _answer_text(row["ground_truth"])
 
     def describe(self, index: int) -> dict:
         """Sample ``index`` with its real token ids and grid but zero-stride pixels, from the

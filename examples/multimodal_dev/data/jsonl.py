@@ -106,6 +106,12 @@ class JsonlConversations:
                     )
         return turns
 
+    def prompt(self, index: int) -> tuple[dict, str | None]:
+        """Row ``index`` as generation reads it (``prompt_sample``)."""
+        records, i = self.rows[index]
+        path, line = records.where(i)
+        return self.prompt_sample(records.read(i), os.path.dirname(path), f"{path}:{line}")
+
     def prompt_sample(self, line: bytes | str, base_dir: str, where: str) -> tuple[dict, str | None]:
         """What generation reads of one conversation: (the processor's encoding of every turn before its
         last assistant turn, rendered with the generation prompt training's answers follow

@@ -77,6 +77,11 @@ class SkippingDataset(RunSkipTotals, Dataset):
     def __getitem__(self, index: int) -> dict:
         return self._first_usable(index, self.produce, count=True)
 
+    def prompt(self, index: int) -> tuple[dict, str | None]:
+        """Source record ``index`` as a generation prompt and its reference answer, from the provider's
+        ``prompt`` (``AttributeError`` where it has none): evaluation by generation reads these."""
+        return self.produce.prompt(index % self.num_source)
+
     def describe(self, index: int, skip: bool = True) -> tuple[int, list]:
         """(tokens, vision grids: images, then videos) of ``self[index]``, through the same skips
         and truncation, from the provider's ``describe`` when it has one (no pixels), else from

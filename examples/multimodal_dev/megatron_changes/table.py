@@ -209,6 +209,12 @@ CHANGES: tuple[Change, ...] = (
         "the MTP loss in the metrics file",
     ),
     Change(
+        "generation-eval",
+        "megatron.training.training:post_training_step_callbacks",
+        f"{_P}training.gen_eval:evaluated_callbacks",
+        "every --gen-eval-interval iterations, validation conversations answered by generation and scored",
+    ),
+    Change(
         "mtp-under-cp",
         "megatron.core.transformer.multi_token_prediction:roll_tensor",
         f"{_P}models.common.mtp_context_parallel:group_consistent_count",
