@@ -96,32 +96,35 @@ def test_parallel_run_matches_single_process(name, start, single):
         assert _rel(run.mtp_losses[1], ref.mtp_losses[1]) < REL
 
 
-def _language_model_alone(checkpoint, tp: int, sp: bool) -> dict:
-    """The worker's ``RESULT``, through the project's torchrun launcher on the tests' warm engine (the
-    worker a module on PYTHONPATH, so that its ranks fork from the engine)."""
+def _worker(module: str, nproc: int, *args) -> list[dict]:
+    """Every ``RESULT`` line of a worker module of this folder, through the project's torchrun launcher on
+    the tests' warm engine (the worker a module on PYTHONPATH, so that its ranks fork from the engine)."""
     cmd = [
         sys.executable,
         "-m",
         "examples.multimodal_dev.training.torchrun_launcher",
         "--nproc-per-node",
-        str(tp),
+        str(nproc),
         "--standalone",
         "--module",
-        "language_model_worker",
-        str(checkpoint),
-        str(tp),
-        str(int(sp)),
+        module,
+        *map(str, args),
     ]
     here = os.path.dirname(os.path.abspath(__file__))
     env = {
         **os.environ,
         "ENGINE_SERVER": WarmEngine.get(),
-        "PYTHONPATH": os.pathsep.join((here, os.environ.get("PYTHONPATH", ""))),
+        "PYTHONPATH": os.pathsep.join((here, os.path.dirname(here), os.environ.get("PYTHONPATH", ""))),
     }
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT ") :])
+    return [json.loads(line[len("RESULT ") :]) for line in lines]
+
+
+def _language_model_alone(checkpoint, tp: int, sp: bool) -> dict:
+    """The language-model worker's result (its last rank prints it)."""
+    return _worker("language_model_worker", tp, checkpoint, tp, int(sp))[-1]
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPU cores")
@@ -134,3 +137,26 @@ def test_language_model_alone_under_tp_and_sp(start):
     assert _rel(tp2["lm_loss"], one["lm_loss"]) < REL and _rel(tp2["vlm_loss"], one["vlm_loss"]) < REL
     assert _rel(tp2["lm_loss"], tp2["vlm_loss"]) < 1e-6  # text-only VLM == its language model
     assert _rel(tp2["grad_norm"], one["grad_norm"]) < REL
+
+
+def _generated(checkpoint, tp: int, ep: int, sp: bool, end: int) -> dict:
+    """Every prompt's tokens from ``generation_worker`` at TP x EP on TP * EP ranks."""
+    tokens = {}
+    for result in _worker("generation_worker", tp * ep, checkpoint, tp, ep, int(sp), end):
+        tokens.update(result["tokens"])
+    return tokens
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPU cores")
+def test_generation_at_tp_and_ep_equals_one_process(start):
+    """Greedy tokens of four prompts (images, text) at TP=2 with sequence parallelism (switched off while
+    decoding), at EP=2 with each data-parallel replica answering prompts of its own, and at both on four
+    ranks, equal one process's. An end token (prompt 2's third) ends rows early, so a replica keeps
+    stepping for the other's experts after its own rows are done."""
+    checkpoint = start / "iter_0000001"
+    single = _generated(checkpoint, 1, 1, False, -1)
+    end = single["2"][2]
+    expected = {p: t[: t.index(end) + 1] if end in t else t for p, t in single.items()}
+    assert len(expected["2"]) == 3 and any(len(t) == 10 for t in expected.values())
+    for tp, ep, sp in ((2, 1, True), (1, 2, False), (2, 2, True)):
+        assert _generated(checkpoint, tp, ep, sp, end) == expected, (tp, ep, sp)

@@ -31,7 +31,6 @@ GOOD = dict(
             "--gen-eval-interval 10: generation runs with --pipeline-model-parallel-size 1",
         ),
         (dict(context_parallel_size=2), "--gen-eval-interval 10: generation runs with --context-parallel-size 1"),
-        (dict(sequence_parallel=True), "--gen-eval-interval 10: generation runs without --sequence-parallel"),
         (
             dict(vision_nproc=2),
             "--gen-eval-interval 10: generation needs the vision tower on the language model's ranks",
@@ -46,4 +45,5 @@ def test_refused_in_one_line(change, message):
 
 def test_off_and_good_settings_pass():
     check(SimpleNamespace(**GOOD))
+    check(SimpleNamespace(**{**GOOD, "sequence_parallel": True}))  # switched off while decoding
     check(SimpleNamespace(**{**GOOD, "gen_eval_interval": 0, "dataset_provider": "mock", "sequence_parallel": True}))

@@ -6,15 +6,24 @@ Positions continue as transformers' do: the prompt's MRoPE positions from the co
 then, for the i-th new token, ``i + rope_delta`` on all three axes, where ``rope_delta`` makes the first
 new token the prompt's largest position plus one.
 
-Every rank of a tensor-parallel group runs the same steps: logits are gathered over tensor-parallel
-ranks, the chosen tokens are broadcast from the group's first rank (sampling on every rank from one
-seed would agree too, but one source of truth costs one small broadcast), and a batch ends for all
-ranks together. MTP, sequence and context parallelism are off while decoding; pipeline parallelism is
-refused (``check_layout``).
+Across ranks:
+- Every rank of a tensor-parallel group runs the same steps. Logits are gathered over its ranks and
+  the chosen tokens broadcast from its first rank (sampling on every rank from one seed would agree
+  too, but one source of truth costs one small broadcast).
+- Sequence parallelism is switched off while decoding (``without_sequence_parallelism``): a step
+  has one token a row.
+- Under expert parallelism every rank's batch has the same number of rows and the same prompt
+  length (megatron's dispatchers gather equal parts): a smaller batch gets rows of one pad token,
+  whose tokens are dropped.
+- A batch ends for all ranks together. Every rank calls ``generate`` as often, with the same
+  ``max_new_tokens``.
+- MTP is off while decoding. Context and pipeline parallelism are refused (``check_layout``, and
+  the Gated DeltaNet layer's own check).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -110,7 +119,9 @@ def generate(
     check_layout(vlm.config)
     sampling = sampling or Sampling()
     device = next(vlm.parameters()).device
-    batch, length = len(prompts), max(len(p.input_ids) for p in prompts)
+    asked = len(prompts)
+    batch, length = _common_shape(vlm, asked, max(len(p.input_ids) for p in prompts), device)
+    prompts = list(prompts) + [Prompt([pad_id])] * (batch - asked)  # rows that only keep the shapes equal
     ids = torch.full((batch, length), pad_id, dtype=torch.long, device=device)
     real = torch.zeros(batch, length, dtype=torch.bool, device=device)
     for b, prompt in enumerate(prompts):  # left padding: every row's next token at the same position
@@ -135,12 +146,12 @@ def generate(
 
     context = DecodingContext(real, max_new_tokens)
     generator = torch.Generator().manual_seed(sampling.seed) if sampling.temperature else None
-    out = Generated(tokens=[[] for _ in prompts])
-    running = torch.ones(batch, dtype=torch.bool, device=device)
+    out = Generated(tokens=[[] for _ in range(asked)])
+    running = torch.arange(batch, device=device) < asked
     end = torch.tensor(sorted(set(end_ids)), dtype=torch.long, device=device)
-    decoder_input = vlm.embed(ids, **{k: v.to(device) if v is not None else None for k, v in media.items()})
-    step_ids = ids
-    with InferenceMode.active():
+    with InferenceMode.active(), without_sequence_parallelism(vlm):
+        decoder_input = vlm.embed(ids, **{k: v.to(device) if v is not None else None for k, v in media.items()})
+        step_ids = ids
         for step in range(max_new_tokens):
             span = step_ids.shape[1]
             logits = vlm.language_model(
@@ -152,7 +163,7 @@ def generate(
                 runtime_gather_output=True,
             )[:, -1].float()
             if keep_logits:
-                out.logits.append(logits.cpu())
+                out.logits.append(logits[:asked].cpu())
             token = _agreed(choose(logits, sampling, generator), vlm)
             for b in running.nonzero().flatten().tolist():
                 out.tokens[b].append(int(token[b]))
@@ -164,6 +175,39 @@ def generate(
             step_ids = token[:, None]
             decoder_input = vlm.embed(step_ids)
     return out
+
+
+@contextlib.contextmanager
+def without_sequence_parallelism(model):
+    """Sequence parallelism off for the duration: a decoding step has one token a row, nothing to split
+    over tensor-parallel ranks. megatron's modules read it at run time from their configs and their own
+    ``sequence_parallel`` (linears) / ``reduce_scatter_embeddings`` (the embedding) flags; every one that
+    is on is turned off, and back on after. The weights are the same either way."""
+    switched = []
+    for module in model.modules():
+        for owner, name in ((module, "sequence_parallel"), (module, "reduce_scatter_embeddings")):
+            if getattr(owner, name, None) is True:
+                switched.append((owner, name))
+        config = getattr(module, "config", None)
+        if getattr(config, "sequence_parallel", None) is True and not any(o is config for o, _ in switched):
+            switched.append((config, "sequence_parallel"))
+    for owner, name in switched:
+        setattr(owner, name, False)
+    try:
+        yield
+    finally:
+        for owner, name in switched:
+            setattr(owner, name, True)
+
+
+def _common_shape(vlm, rows: int, length: int, device) -> tuple[int, int]:
+    """(rows, prompt length) of this rank's batch. Under expert parallelism megatron's token dispatchers
+    gather every rank's tokens in equal parts: every rank then pads to the largest batch of any."""
+    if vlm.config.expert_model_parallel_size == 1:
+        return rows, length
+    shape = torch.tensor([rows, length], device=device)
+    torch.distributed.all_reduce(shape, op=torch.distributed.ReduceOp.MAX)
+    return int(shape[0]), int(shape[1])
 
 
 def _agreed(token: torch.Tensor, vlm) -> torch.Tensor:

@@ -61,8 +61,6 @@ def layout_problems(args) -> list[str]:
         )
     if args.context_parallel_size > 1:
         problems.append(f"generation runs with --context-parallel-size 1, not {args.context_parallel_size}")
-    if args.sequence_parallel:
-        problems.append("generation runs without --sequence-parallel")
     if getattr(args, "vision_nproc", 0):
         problems.append("generation needs the vision tower on the language model's ranks (--vision-nproc 0)")
     return problems
