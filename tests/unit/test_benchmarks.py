@@ -7,6 +7,7 @@ import torch
 from examples.multimodal_dev.benchmarks import (
     bench_balance,
     bench_checkpoint_formats,
+    bench_decode,
     bench_gdn,
     bench_loader,
     bench_packing,
@@ -155,3 +156,9 @@ def test_bench_plan_layout_runs_within_its_budget(capsys):
     assert bench_plan_layout.main(["--variants", "2b", "--gpus", "8", "--reps", "1"]) == 0
     out = capsys.readouterr().out
     assert "| 2b | 8 |" in out and "budget 10 s: within" in out
+
+
+def test_bench_decode_contenders_choose_the_same_tokens(mcore):
+    """Cached decoding and whole-prefix recomputation are greedy on the same weights: the same tokens."""
+    result = bench_decode.run("tiny", num_layers=4, vocab_size=8192, prompt_tokens=12, new_tokens=6)
+    assert result["same_tokens"] and result["new_tokens"] == 6, result

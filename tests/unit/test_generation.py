@@ -6,7 +6,7 @@ import pytest
 import torch
 from hf_reference import build_hf_model, image_tokens, megatron_position_ids, pixel_values_for
 
-from examples.multimodal_dev.generation.decode import Prompt, Sampling, choose, generate
+from examples.multimodal_dev.generation.decode import Prompt, Sampling, choose, decode_positions, generate
 from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
 from examples.multimodal_dev.models.qwen35_vl.factory import build_model
 from examples.multimodal_dev.models.qwen35_vl.hf_mapping import load_hf_into_model
@@ -136,3 +136,29 @@ def test_sampling_keeps_to_top_k_and_top_p_and_repeats_with_its_seed():
     assert torch.equal(draw(Sampling()), torch.zeros(200, dtype=torch.long))  # greedy
     with pytest.raises(ValueError, match=r"--top-p 0: expected \(0, 1\]"):
         Sampling(temperature=1.0, top_p=0)
+
+
+def test_decode_positions_continue_as_transformers(pair):
+    """A left-padded batch with no image, one, two and a video: the prompts' positions and those of 8
+    new tokens equal transformers' (``get_rope_index``, then ``cache_position + rope_deltas`` over the
+    real tokens, as its generate computes them)."""
+    _, shape, hf, mg = pair
+    prompts = [
+        PROMPTS["text"](shape),
+        Prompt([9] + image_tokens(shape, 2, 4) + [10], image_grid_thw=torch.tensor([(1, 2, 4)])),
+        _image_prompt(shape),
+        _video_prompt(shape),
+    ]
+    length, new = max(len(p.input_ids) for p in prompts), 8
+    ids = torch.zeros(len(prompts), length, dtype=torch.long)
+    real = torch.zeros_like(ids, dtype=torch.bool)
+    for b, p in enumerate(prompts):
+        ids[b, length - len(p.input_ids) :], real[b, length - len(p.input_ids) :] = torch.tensor(p.input_ids), True
+    image_grids = torch.cat([p.image_grid_thw for p in prompts if p.image_grid_thw is not None])
+    video_grids = torch.cat([p.video_grid_thw for p in prompts if p.video_grid_thw is not None])
+    ours = decode_positions(mg, ids, real, image_grids, video_grids, new)
+    media_type = (ids == shape.image_token_id).long() + 2 * (ids == shape.video_token_id).long()
+    theirs, deltas = hf.model.get_rope_index(ids, media_type, image_grids, video_grids.clone(), real.long())
+    assert torch.equal(ours[:, :, :length][:, real], theirs[:, real])
+    cache_position = real.sum(1, keepdim=True) + torch.arange(new)  # the real tokens before each new one
+    assert torch.equal(ours[:, :, length:], (cache_position + deltas.view(-1, 1)).unsqueeze(0).expand(3, -1, -1))

@@ -11,18 +11,20 @@ from typing import Any, Callable
 
 
 def alternating_medians(
-    contenders: dict[str, Callable[[], Any]], reps: int, progress: bool = False
+    contenders: dict[str, Callable[[], Any]], reps: int, progress: bool = False, warm_up: bool = True
 ) -> tuple[dict[str, float], dict[str, Any]]:
-    """({name: median seconds}, {name: output of its warm-up call})."""
+    """({name: median seconds}, {name: output of its warm-up call, or of its first timed one where the
+    caller warmed them up itself})."""
     if reps < 1:
         raise ValueError(f"--reps {reps}: need at least one timed repetition")
-    outputs = {name: fn() for name, fn in contenders.items()}
+    outputs = {name: fn() for name, fn in contenders.items()} if warm_up else {}
     times: dict[str, list[float]] = {name: [] for name in contenders}
     for rep in range(reps):
         for name, fn in contenders.items():
             start = time.perf_counter()
-            fn()
+            out = fn()
             times[name].append(time.perf_counter() - start)
+            outputs.setdefault(name, out)
         if progress:
             print(
                 f"  repetition {rep + 1}/{reps}: " + ", ".join(f"{n} {t[-1]:.3f} s" for n, t in times.items()),

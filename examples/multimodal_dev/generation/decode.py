@@ -101,6 +101,26 @@ def _cat(parts):
     return torch.cat(parts) if parts else None
 
 
+def decode_positions(vlm, ids_BL, real_BL, image_grid_thw, video_grid_thw, max_new_tokens: int) -> torch.Tensor:
+    """MRoPE positions [3, B, L + max_new_tokens] of left-padded prompts (the collate's, 0 at padding)
+    and of the tokens generated after them: the i-th new token of a row is at its prompt's largest
+    position + 1 + i on all three axes (transformers' ``cache_position + rope_deltas``)."""
+    batch, length = ids_BL.shape
+    positions = torch.zeros(3, batch, length + max_new_tokens, dtype=torch.long, device=ids_BL.device)
+    positions[:, :, :length] = padded_batch_position_ids(
+        ids_BL,
+        real_BL,
+        image_grid_thw,
+        video_grid_thw,
+        vlm.image_token_id,
+        vlm.video_token_id,
+        vlm.shape.vision.spatial_merge_size,
+    )
+    first_new = positions[:, :, :length].amax(dim=(0, 2)) + 1  # [B]
+    positions[:, :, length:] = (first_new[:, None] + torch.arange(max_new_tokens, device=ids_BL.device))[None]
+    return positions
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -131,18 +151,7 @@ def generate(
         name: _cat([getattr(p, name) for p in prompts])
         for name in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
     }
-    positions = torch.zeros(3, batch, length + max_new_tokens, dtype=torch.long, device=device)
-    positions[:, :, :length] = padded_batch_position_ids(
-        ids,
-        real,
-        media["image_grid_thw"],
-        media["video_grid_thw"],
-        vlm.image_token_id,
-        vlm.video_token_id,
-        vlm.shape.vision.spatial_merge_size,
-    )
-    first_new = positions[:, :, :length].amax(dim=(0, 2)) + 1  # [B]
-    positions[:, :, length:] = (first_new[:, None] + torch.arange(max_new_tokens, device=device))[None]
+    positions = decode_positions(vlm, ids, real, media["image_grid_thw"], media["video_grid_thw"], max_new_tokens)
 
     context = DecodingContext(real, max_new_tokens)
     generator = torch.Generator().manual_seed(sampling.seed) if sampling.temperature else None
