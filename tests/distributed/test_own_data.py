@@ -84,9 +84,11 @@ def test_own_jsonl_trains_with_counted_skips(tmp_path):
 
 
 def test_own_jsonl_resumes_exactly_under_token_budget_packing(tmp_path):
-    """DP=2, rows of 1024 tokens planned from describe() (headers only), dropout 0.1: 6 iterations
-    straight, saving at step 3, against 3 resumed from that save, bitwise, with the plan continued from the
-    checkpoint."""
+    """DP=2, rows of 1024 tokens planned from describe() (headers only), shuffled records, dropout 0.1:
+    6 iterations straight, saving at step 3, against 3 resumed from that save, bitwise (losses, grad
+    norms, validation and the final checkpoint), with the plan continued from the checkpoint."""
+    from checkpoint_diff import entries, state_differences
+
     folder, processor, config = _example_data(tmp_path)
     env = dict(
         DATASET="jsonl",
@@ -108,6 +110,11 @@ def test_own_jsonl_resumes_exactly_under_token_budget_packing(tmp_path):
     assert second.losses == {i: straight.losses[i] for i in (4, 5, 6)}
     assert second.grad_norms == {i: straight.grad_norms[i] for i in (4, 5, 6)}
     assert second.validation == straight.validation
+    differing = state_differences(
+        entries(tmp_path / "straight" / "iter_0000006", tmp_path),
+        entries(tmp_path / "resumed" / "iter_0000006", tmp_path),
+    )
+    assert not differing, differing
 
 
 def test_energon_shards_train_and_resume_exactly_at_dp2(tmp_path):

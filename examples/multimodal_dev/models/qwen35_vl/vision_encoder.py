@@ -136,7 +136,10 @@ class Qwen35VisionModel(MegatronModule):
         out = 0
         for hi, wh in ((h0, wh0), (h1, wh1)):
             for ci, wc in ((c0, wc0), (c1, wc1)):
-                out = out + table[hi * side + ci] * (wh * wc).to(table.dtype)[:, None]
+                # an embedding lookup, not table[index]: the indexing's backward accumulates in a thread
+                # order that varies (CPU threads, CUDA atomics), so a resumed run's gradient differed in
+                # the last bits from the straight run's; the embedding's backward sums in a fixed order
+                out = out + F.embedding(hi * side + ci, table) * (wh * wc).to(table.dtype)[:, None]
         return out
 
     def rotary_angles(self, rows, cols) -> torch.Tensor:
