@@ -32,6 +32,12 @@ def _add_own_data_args(group):
         help="hold this fraction of the training records out for validation (deterministic)",
     )
     group.add_argument(
+        "--no-shuffle",
+        action="store_true",
+        help="jsonl: train on the records in file order (default: a seeded shuffle by --seed, a new one each "
+        "pass, the same on every rank and exact on resume)",
+    )
+    group.add_argument(
         "--media-root",
         default=None,
         help="relative image and video paths resolve here (default: the JSONL file's folder)",
@@ -99,6 +105,7 @@ def _add_energon_args(group):
 
 OWN_DATA_OPTIONS = (
     "eval_data_path",
+    "no_shuffle",
     "valid_fraction",
     "media_root",
     "allow_remote_media",

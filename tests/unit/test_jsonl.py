@@ -359,6 +359,31 @@ def test_weights_blend_by_a_documented_interleave(processors, tmp_path):
     assert answers == [f"{s}{i}<|im_end|>" for s, i in order]
 
 
+def test_a_seeded_shuffle_keeps_passes_and_shares_and_repeats_by_index(tmp_path):
+    """Shuffled: each pass over a source reads every record once, in an order of its own; each blend
+    period keeps its 3:1 shares; the same seed gives the same rows from any index on (every rank, a
+    resumed run); another seed, or none (file order), others."""
+    a = write_jsonl(str(tmp_path / "a.jsonl"), _text_records("a", 40))
+    b = write_jsonl(str(tmp_path / "b.jsonl"), _text_records("b", 8))
+
+    def rows(blend, start, stop):
+        return [(os.path.basename(p.files[0])[0], i) for p, i in (blend[j] for j in range(start, stop))]
+
+    single = Blend([Records.of([a])], seed=7)
+    first, second = rows(single, 0, 40), rows(single, 40, 80)
+    assert sorted(first) == sorted(second) == [("a", i) for i in range(40)]
+    assert first != second and first != sorted(first)
+    assert rows(Blend([Records.of([a])], seed=7), 55, 80) == rows(single, 55, 80)  # a fresh reader, mid-way
+    assert rows(Blend([Records.of([a])], seed=8), 0, 40) != first
+    assert rows(Blend([Records.of([a])]), 0, 40) == sorted(first)  # no seed: file order
+
+    blend = Blend([Records.of([a]), Records.of([b])], [3, 1], seed=7)
+    periods = [rows(blend, 4 * k, 4 * k + 4) for k in range(20)]
+    assert all(sum(s == "a" for s, _ in period) == 3 for period in periods)
+    assert len({tuple(s for s, _ in period) for period in periods}) > 1  # the rows of a period are dealt anew
+    assert sorted(i for period in periods[:8] for s, i in period if s == "b") == list(range(8))  # b's first pass
+
+
 def test_folder_and_line_index(processors, tmp_path):
     """A folder is its .jsonl files in sorted order; blank lines, CRLF, a byte-order mark and a
     missing final newline are read as the lines they are, with their line numbers."""

@@ -232,11 +232,16 @@ def build_datasets(
     strict_data: bool = False,
     min_pixels: int | None = None,
     max_pixels: int | None = None,
+    seed: int | None = None,
+    no_shuffle: bool = False,
     **options,
 ):
     """(train, valid, test) ``SkippingDataset``s over the JSONL records; None for a split with no
     records or no samples asked for. ``video_*``: ``VideoSettings`` fields (None: its default);
-    a video part's own keys override them."""
+    a video part's own keys override them. The training records are shuffled by ``seed``
+    (``jsonl_source.Blend``) unless ``no_shuffle`` or no seed is given; validation and test keep
+    file order."""
+    shuffle = None if no_shuffle else seed
     parts, weights = load_rows(data_path, "--data-path")
     valid_fraction = valid_fraction or 0.0  # None: a flag left unset
     if not 0 <= valid_fraction < 1:
@@ -246,7 +251,7 @@ def build_datasets(
     if media_root and not os.path.isdir(media_root):
         raise DataError(f"--media-root {media_root!r}: no such directory")
     processor, info = load_processor(hf_processor_path, min_pixels, max_pixels)
-    sources = {"train": (Blend(parts, weights), f"--data-path {data_path!r}")}
+    sources = {"train": (Blend(parts, weights, shuffle), f"--data-path {data_path!r}")}
     if valid_fraction:
         held = [hold_out(len(p), valid_fraction) for p in parts]
         if not any(h.any() for h in held):
@@ -255,7 +260,8 @@ def build_datasets(
                 f"{data_path!r} holds out none; raise it or give --eval-data-path"
             )
         sources["validation"] = (Blend([p.select(h) for p, h in zip(parts, held)]), f"--data-path {data_path!r}")
-        sources["train"] = (Blend([p.select(~h) for p, h in zip(parts, held)], weights), f"--data-path {data_path!r}")
+        train = Blend([p.select(~h) for p, h in zip(parts, held)], weights, shuffle)
+        sources["train"] = (train, f"--data-path {data_path!r}")
     for split, flag, value in (
         ("validation", "--eval-data-path", valid_data_path),
         ("test", "--test-data-path", test_data_path),

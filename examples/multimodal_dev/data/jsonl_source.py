@@ -17,6 +17,12 @@ weights are kept exactly, others to 1 part in 10,000), its ``k``-th row of the p
 in file order and starts again at its first when it runs out; one pass of the blend ends when
 every record of every source has been used at least once.
 
+Shuffled (``Blend(..., seed=S)``: training, unless ``--no-shuffle``): each source walks its records in
+a seeded permutation, a new one for each pass over it, and the rows of each period are dealt in a
+seeded order too; the share of every source within a period is unchanged. The order is a function of
+the seed and the row index alone: the same on every rank, and a run resumed at row ``j`` reads what
+the straight run read there.
+
 Validation held out of the training records (``valid_fraction`` f): record ``i`` of each source
 (in file order) is held out when ``floor((i + 1) f) > floor(i f)`` -- the last of every 1/f
 records -- and trains no more.
@@ -213,7 +219,10 @@ class Blend:
     """Rows of several ``Records`` interleaved by weight (by size without weights): row ``j`` is
     record ``blend[j][1]`` of part ``blend[j][0]``."""
 
-    def __init__(self, parts: list[Records], weights: list[float] | None = None):
+    def __init__(self, parts: list[Records], weights: list[float] | None = None, seed: int | None = None):
+        """``seed``: shuffled by it (see the module docstring); None: file order."""
+        self.seed = seed
+        self._orders: dict = {}  # (stream, part or period, pass) -> the permutation last drawn for it
         sizes = [len(p) for p in parts]
         by_size = weights is None
         weights = sizes if by_size else weights
@@ -236,7 +245,23 @@ class Blend:
 
     def __getitem__(self, j: int) -> tuple[Records, int]:
         if len(self.parts) == 1:
-            return self.parts[0], j % self.sizes[0]
+            return self.parts[0], self._record(0, j)
         cycle, slot = divmod(j, self.period)
+        if self.seed is not None:
+            slot = self._permuted("slots", 0, cycle, self.period, slot)
         part = int(self.slot_part[slot])
-        return self.parts[part], (cycle * self.quotas[part] + int(self.slot_rank[slot])) % self.sizes[part]
+        return self.parts[part], self._record(part, cycle * self.quotas[part] + int(self.slot_rank[slot]))
+
+    def _record(self, part: int, k: int) -> int:
+        """The record of ``part`` its ``k``-th row reads: in file order, or the seeded order of that pass."""
+        passes, index = divmod(k, self.sizes[part])
+        if self.seed is None:
+            return index
+        return self._permuted("records", part, passes, self.sizes[part], index)
+
+    def _permuted(self, stream: str, which: int, draw: int, size: int, index: int) -> int:
+        key = (stream, which)
+        if key not in self._orders or self._orders[key][0] != draw:  # one cached permutation per stream
+            rng = np.random.default_rng([self.seed, 0 if stream == "slots" else 1 + which, draw])
+            self._orders[key] = (draw, rng.permutation(size))
+        return int(self._orders[key][1][index])
