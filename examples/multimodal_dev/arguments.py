@@ -205,6 +205,13 @@ def add_multimodal_args(parser):
         help="ranks 0..N-1 run only the vision tower, the others only the language model "
         "(vision_ranks/layout.py; 0: every rank runs both)",
     )
+    group.add_argument(
+        "--vision-chunk-patches",
+        type=int,
+        default=0,
+        help="run the vision tower over chunks of whole frames of at most N patches, each recomputed in "
+        "backward: its activations are one chunk's at a time (0: all items in one pass)",
+    )
     group.add_argument("--freeze-vision", action="store_true", help="do not train the vision tower")
     group.add_argument("--freeze-language", action="store_true", help="do not train the language model")
     group.add_argument(

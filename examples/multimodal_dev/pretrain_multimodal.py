@@ -95,6 +95,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
             model.shares, model.share = separate.fan_in, separate.share
         else:
             model.received_shares = separate.fan_in
+    if model.vision_model is not None:
+        model.vision_model.chunk_patches = args.vision_chunk_patches
     for flag, part in (
         ("freeze_vision", model.vision_model),
         ("freeze_language", getattr(model, "language_model", None)),
@@ -373,6 +375,8 @@ def checked_args():
         elif args.data_path:
             resolve_source(data_path_value(args), "--data-path")
         gen_eval.check(args)
+        if args.vision_chunk_patches < 0:
+            raise ValueError(f"--vision-chunk-patches {args.vision_chunk_patches}: must be 0 (off) or a patch count")
         run_checks.check_vision_layout(args, model_shape().vision.num_heads, int(os.environ.get("WORLD_SIZE", "1")))
         language, vision = model_configs()
         text = model_shape().text

@@ -25,6 +25,23 @@ from .flops import vision_flops
 from .specs import linear_classes, vision_block_spec
 
 
+def frame_chunks(grid_thw: torch.Tensor, patches: int) -> list[torch.Tensor]:
+    """The items of ``grid_thw`` as frames (a video's temporal patches are independent segments of the
+    tower, each its own (1, h, w) grid, encoded alike), in order, grouped into runs of at most
+    ``patches`` patches; a frame larger than that is a chunk of its own."""
+    frames = torch.repeat_interleave(grid_thw, grid_thw[:, 0], dim=0).clone()
+    frames[:, 0] = 1
+    chunks, current, held = [], [], 0
+    for frame, size in zip(frames, frames.prod(-1).tolist()):
+        if current and held + size > patches:
+            chunks.append(torch.stack(current))
+            current, held = [], 0
+        current.append(frame)
+        held += size
+    chunks.append(torch.stack(current))
+    return chunks
+
+
 def merge_block_coords(grid_thw: torch.Tensor, merge: int):
     """(row, col, frame height, frame width) of every patch, in processor (merge-block) order."""
     rows, cols, heights, widths = [], [], [], []
@@ -148,13 +165,39 @@ class Qwen35VisionModel(MegatronModule):
         angles = torch.cat([rows.float()[:, None] * inv, cols.float()[:, None] * inv], dim=-1)
         return torch.cat([angles, angles], dim=-1)[:, None, None, :]
 
+    # --vision-chunk-patches: the tower runs over chunks of whole frames of at most this many patches,
+    # each recomputed in backward, so the activations it holds at once are one chunk's (0: one pass)
+    chunk_patches = 0
+
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        s = self.shape
         if pixel_values.shape[0] != int(grid_thw.prod(-1).sum()):
             raise ValueError(
                 f"pixel_values has {pixel_values.shape[0]} patches but image_grid_thw "
                 f"{grid_thw.tolist()} describes {int(grid_thw.prod(-1).sum())}"
             )
+        if not self.chunk_patches or pixel_values.shape[0] <= self.chunk_patches:
+            return self._encode(pixel_values, grid_thw)
+        from megatron.core import tensor_parallel
+
+        # megatron's recompute (its RNG states kept) hands back a gradient only where an input needs
+        # one, and the pixels do not: the output is tied to this anchor, whose gradient is dropped
+        anchor = torch.zeros((), device=pixel_values.device, requires_grad=torch.is_grad_enabled())
+        outs, start = [], 0
+        for grids in frame_chunks(grid_thw, self.chunk_patches):
+            rows = int(grids.prod(-1).sum())
+            pixels = pixel_values[start : start + rows]
+            start += rows
+            if torch.is_grad_enabled():  # only the chunk's input is kept; backward runs it again
+                outs.append(tensor_parallel.checkpoint(self._anchored_encode, False, anchor, pixels, grids))
+            else:
+                outs.append(self._encode(pixels, grids))
+        return torch.cat(outs)
+
+    def _anchored_encode(self, anchor, pixel_values, grid_thw):
+        return self._encode(pixel_values, grid_thw) + anchor.to(self.patch_embed.proj.weight.dtype)
+
+    def _encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        s = self.shape
         dtype = self.patch_embed.proj.weight.dtype
         patches = pixel_values.to(dtype).view(-1, s.in_channels, s.temporal_patch_size, s.patch_size, s.patch_size)
         x = self.patch_embed.proj(patches).view(-1, s.hidden_size)
