@@ -160,3 +160,37 @@ def test_generation_at_tp_and_ep_equals_one_process(start):
     assert len(expected["2"]) == 3 and any(len(t) == 10 for t in expected.values())
     for tp, ep, sp in ((2, 1, True), (1, 2, False), (2, 2, True)):
         assert _generated(checkpoint, tp, ep, sp, end) == expected, (tp, ep, sp)
+
+
+@pytest.fixture(scope="module")
+def video_runs(start, tmp_path_factory):
+    """mock_video (images, and videos whose frames are dealt to CP ranks one by one), one step from one
+    checkpoint: {CP: (run, the vision tower's grad norms)} for CP = 1, 2, 4."""
+    from launch import run_recording_vision_norms
+
+    folder = tmp_path_factory.mktemp("video_cp")
+    env = dict(MODEL, DATASET="mock_video", CKPT_LOAD=start, TRAIN_ITERS=1)
+    return {cp: run_recording_vision_norms(folder, f"cp{cp}", NO_EVAL, CP=cp, **env) for cp in (1, 2, 4)}
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPU cores")
+@pytest.mark.xfail(
+    strict=True,
+    reason="a known defect: under CP the vision tower's own grad norm differs from one process's, by 9.9e-5 "
+    "relative with images (mock) and 1.1e-3 (CP=2) to 3.5e-3 (CP=4) with videos (mock_video), the same "
+    "with videos dealt whole or by frame; the loss agrees to 1.1e-7, and the whole grad norm to 9.3e-6 "
+    "(CP=2) and 3.0e-5 (CP=4), past the 1e-5 bound. Not yet explained",
+)
+def test_video_frames_dealt_over_cp_ranks_track_one_process(video_runs):
+    """The loss, the grad norm and the vision tower's own grad norm of the first step at CP=2 and CP=4."""
+    ref, ref_norms = video_runs[1]
+    differences = {}
+    for cp in (2, 4):
+        run, norms = video_runs[cp]
+        differences[cp] = [
+            _rel(run.losses[1], ref.losses[1]),
+            _rel(run.grad_norms[1], ref.grad_norms[1]),
+            _rel(norms[1], ref_norms[1]),
+        ]
+    print(f"relative differences (loss, grad norm, vision grad norm) by CP: {differences}")
+    assert max(max(d) for d in differences.values()) < REL, differences

@@ -1,4 +1,5 @@
-"""The vision tower's work split over CP ranks: items dealt by FLOPs, and the gathered features of
+"""The vision tower's work split over CP ranks: images and video frames dealt by FLOPs, the busiest
+rank within 5% of an even share on a long video and on packed rows of the mock video data, and the gathered features of
 every rank equal to one tower encoding everything, in the batch's order (two ranks simulated in
 one process: the all-gather is replaced by the concatenation of both ranks' blocks). The numbers
 through megatron.training (CP=2, CP=4, TP=2 x CP=2 against one process) are test_parallelism.py's."""
@@ -54,9 +55,10 @@ def test_each_item_encoded_once_and_gathered_in_order(mcore, monkeypatch, cp):
     for rank in reversed(range(cp)):  # rank 0 last: it sees every block
         with torch.no_grad():
             out = vcp.encode(tower, pixels, grids, _Group(cp, rank))
-    owned = vcp.deal([vision_flops(SHAPE.vision, SHAPE.vision.out_hidden_size, [g]) for g in grids.tolist()], cp)
-    assert sorted(g for gs in encoded for g in gs) == sorted(grids.tolist())  # each item encoded once
-    assert encoded[-1] == grids[owned[0]].tolist()
+    frames = vcp.frames_of(grids)  # the videos' temporal patches are dealt one by one
+    owned = vcp.deal([vision_flops(SHAPE.vision, SHAPE.vision.out_hidden_size, [g]) for g in frames.tolist()], cp)
+    assert sorted(g for gs in encoded for g in gs) == sorted(frames.tolist())  # each frame encoded once
+    assert encoded[-1] == frames[owned[0]].tolist()
     torch.testing.assert_close(out, whole, rtol=1e-5, atol=1e-6)
     # fewer items than ranks: every rank encodes everything, no gather
     with torch.no_grad():
@@ -102,3 +104,38 @@ def test_fan_in_shares_join_into_the_batch_order(mcore, shares, videos):
     )
     with pytest.raises(ValueError, match=f"sent {joined.shape[0] - 1} feature rows; {shares} shares of"):
         VisionLanguageModel._in_batch_order(language, joined[1:], (image_grids, video_grids))
+
+
+def _busiest_share(grids: torch.Tensor, cp: int) -> float:
+    """The busiest CP rank's fraction of the tower's FLOPs under the deal ``encode`` makes."""
+    costs = [vision_flops(SHAPE.vision, SHAPE.vision.out_hidden_size, [g]) for g in vcp.frames_of(grids).tolist()]
+    return max(sum(costs[i] for i in items) for items in vcp.deal(costs, cp)) / sum(costs)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_busiest_rank_is_within_five_percent_of_an_even_share(cp):
+    """One 256-frame video, and rows of the mock video dataset packed as the token-budget packer fills a
+    4096-token row (images and videos of several conversations)."""
+    from examples.multimodal_dev.data.mock_video import build_datasets
+    from examples.multimodal_dev.data.sample import VisionTokens
+
+    long_video = torch.tensor([[256, 12, 16]])
+    train = build_datasets(
+        tokens=VisionTokens.from_shape(SHAPE),
+        vocab_size=SHAPE.text.vocab_size,
+        patch_dim=SHAPE.vision.patch_dim,
+        seq_length=1024,
+        num_samples=(64, 0, 0),
+        seed=1234,
+    )[0]
+    rows, row, held = [], [], 0
+    for i in range(64):
+        sample = train[i]
+        grids = [g for key in ("image_grid_thw", "video_grid_thw") for g in sample[key].tolist()]
+        if held + len(sample["input_ids"]) > 4096 and row:
+            rows.append(torch.tensor(row))
+            row, held = [], 0
+        row, held = row + grids, held + len(sample["input_ids"])
+    shares = [_busiest_share(g, cp) for g in [long_video, *rows] if len(g)]
+    print(f"CP={cp}: long video {shares[0]:.4f}, mock_video rows worst {max(shares[1:]):.4f} (even {1 / cp:.4f})")
+    assert max(shares) <= 1 / cp + 0.05

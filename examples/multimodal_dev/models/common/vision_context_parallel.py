@@ -1,22 +1,25 @@
 """The vision tower's work split over context-parallel ranks.
 
 Every CP rank holds the same micro-batch, so without a split each ran the vision tower on all of
-its images and videos: the same work CP times over. Here the images (and videos, each whole) are
-dealt to the CP ranks by their vision FLOPs (the tower's ``item_flops``; largest first, to the
+its images and videos: the same work CP times over. Here the images and video frames (a video's
+temporal patches are independent segments of the tower, so one long video spreads over every rank)
+are dealt to the CP ranks by their vision FLOPs (the tower's ``item_flops``; largest first, to the
 least-loaded rank), each rank encodes its own, and one all-gather over the CP group hands every
 rank every feature, in the batch's order, for the merge. The gather's backward reduce-scatters:
 each image's feature gradients, from the tokens of every CP rank, are summed on the rank that
 encoded it. The tower's weight gradients then come from one rank per image, and megatron reduces
 them over DP x CP, so they add up to the whole batch's.
 
-With fewer images than CP ranks every rank encodes all of them, as before: a rank with nothing to
-encode would leave the tower out of its backward.
+With fewer images and frames than CP ranks every rank encodes all of them, as before: a rank with
+nothing to encode would leave the tower out of its backward.
 """
 
 from __future__ import annotations
 
 import torch
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+from .video_frames import frames_of
 
 
 def deal(costs: list[float], ranks: int) -> list[list[int]]:
@@ -49,13 +52,16 @@ def take_items(pixels: torch.Tensor, grids: torch.Tensor, items: list[int]) -> t
 
 def encode(vision_model, pixels: torch.Tensor, grids: torch.Tensor, cp_group) -> torch.Tensor:
     """Vision features [N, H] of all items (``grids`` [n, 3] (t, h, w), ``pixels`` their patch rows
-    in order), each item encoded on one rank of ``cp_group``."""
+    in order), each frame encoded on one rank of ``cp_group``."""
     cp = cp_group.size() if cp_group is not None else 1
-    if cp == 1 or grids.shape[0] < cp:
+    frames = frames_of(grids) if cp > 1 else grids
+    if cp == 1 or frames.shape[0] < cp:
         return vision_model(pixels, grids)
-    owned, tokens, width = shares_of(grids.tolist(), vision_model.item_flops, vision_model.shape.spatial_merge_size, cp)
+    owned, tokens, width = shares_of(
+        frames.tolist(), vision_model.item_flops, vision_model.shape.spatial_merge_size, cp
+    )
     mine = owned[cp_group.rank()]
-    features = vision_model(take_items(pixels, grids, mine), grids[mine])  # [tokens of my items, H]
+    features = vision_model(take_items(pixels, frames, mine), frames[mine])  # [tokens of my frames, H]
     features = torch.nn.functional.pad(features, (0, 0, 0, width - features.shape[0]))  # every rank sends as many
     gathered = gather_from_sequence_parallel_region(features, tensor_parallel_output_grad=True, group=cp_group)
     return gathered.index_select(0, batch_order(owned, tokens, width).to(gathered.device))

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..common.video_frames import frames_of
+
 
 def _vision_runs(tokens_1d: torch.Tensor, vision_ids: torch.Tensor):
     """Start index and length of each maximal run of vision tokens in a 1-D token row."""
@@ -81,9 +83,7 @@ def split_video_frames(video_grid_thw: torch.Tensor | None) -> torch.Tensor | No
     """Qwen3.5 puts a timestamp between frames: each frame is its own (1, h, w) grid."""
     if video_grid_thw is None or video_grid_thw.numel() == 0:
         return video_grid_thw
-    grids = torch.repeat_interleave(video_grid_thw, video_grid_thw[:, 0], dim=0).clone()
-    grids[:, 0] = 1
-    return grids
+    return frames_of(video_grid_thw)
 
 
 def run_grids(

@@ -20,6 +20,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from torch import nn
 
 from ..common.context_parallel import process_groups_without_context_parallel
+from ..common.video_frames import frames_of
 from .configuration import VisionShape
 from .flops import vision_flops
 from .specs import linear_classes, vision_block_spec
@@ -29,8 +30,7 @@ def frame_chunks(grid_thw: torch.Tensor, patches: int) -> list[torch.Tensor]:
     """The items of ``grid_thw`` as frames (a video's temporal patches are independent segments of the
     tower, each its own (1, h, w) grid, encoded alike), in order, grouped into runs of at most
     ``patches`` patches; a frame larger than that is a chunk of its own."""
-    frames = torch.repeat_interleave(grid_thw, grid_thw[:, 0], dim=0).clone()
-    frames[:, 0] = 1
+    frames = frames_of(grid_thw)
     chunks, current, held = [], [], 0
     for frame, size in zip(frames, frames.prod(-1).tolist()):
         if current and held + size > patches:
