@@ -113,6 +113,24 @@ def build_processor(out_dir: str, specials=SPECIALS, chat_template=CHAT_TEMPLATE
     return out_dir
 
 
+def tiny_shape_for(processor_dir: str):
+    """The ``tiny`` variant (dense, no MTP head) with the processor's vision token ids: a model and the
+    processor that feeds it must agree on them."""
+    from dataclasses import replace
+
+    from examples.multimodal_dev.data.processor import load_processor
+    from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
+
+    t = load_processor(processor_dir)[1].tokens
+    return replace(
+        get_variant("tiny", moe=False, mtp=False),
+        image_token_id=t.image,
+        video_token_id=t.video,
+        vision_start_token_id=t.vision_start,
+        vision_end_token_id=t.vision_end,
+    )
+
+
 def png_bytes(size, color) -> bytes:
     from PIL import Image, ImageDraw
 

@@ -141,21 +141,10 @@ def test_import_errors_name_the_problem(hf_checkpoint, tmp_path, capsys):
 
 def test_verify_with_a_prompt_and_an_image_through_the_processor(tmp_path, capsys, mcore):
     """``--prompt``/``--image``: real text and a PNG through the checkpoint's own processor."""
-    from dataclasses import replace
-
-    from tiny_processor import build_processor, png_bytes
-
-    from examples.multimodal_dev.data.processor import load_processor
+    from tiny_processor import build_processor, png_bytes, tiny_shape_for
 
     processor_dir = build_processor(str(tmp_path / "hf"))
-    t = load_processor(processor_dir)[1].tokens
-    shape = replace(
-        get_variant("tiny", moe=False, mtp=False),
-        image_token_id=t.image,
-        video_token_id=t.video,
-        vision_start_token_id=t.vision_start,
-        vision_end_token_id=t.vision_end,
-    )
+    shape = tiny_shape_for(processor_dir)
     write_hf_checkpoint(tmp_path / "hf", shape, dtype=torch.float32)
     (tmp_path / "receipt.png").write_bytes(png_bytes((64, 48), (200, 180, 40)))
     assert main(["import", "--hf-path", str(tmp_path / "hf"), "--megatron-path", str(tmp_path / "mg")]) == 0

@@ -116,22 +116,15 @@ def test_unusable_processor_fails_at_startup(tmp_path):
 def test_cord_batch_feeds_the_model_packed_equals_padded(paths, mcore):
     """The processor's token ids drive the model shape (as ``resolve_shape`` does); a packed
     CORD-V2 micro-batch gives the padded batch's per-token loss."""
-    from dataclasses import replace
+    from tiny_processor import tiny_shape_for
 
     from examples.multimodal_dev.data.collate import Collator
     from examples.multimodal_dev.forward_step import batch_loss
-    from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
     from examples.multimodal_dev.models.qwen35_vl.factory import build_model
 
     _, info = load_processor(paths[0])
     t = info.tokens
-    shape = replace(
-        get_variant("tiny", moe=False, mtp=False),
-        image_token_id=t.image,
-        video_token_id=t.video,
-        vision_start_token_id=t.vision_start,
-        vision_end_token_id=t.vision_end,
-    )
+    shape = tiny_shape_for(paths[0])
     torch.manual_seed(0)
     model = build_model(shape).eval()
     train, _, _ = _datasets(paths)

@@ -4,14 +4,12 @@ transformers' ``generate`` on the same weights and the same prompt tokens, score
 records' answers, and a user's mistake in one line."""
 
 import json
-from dataclasses import replace
 
 import pytest
 import torch
 from hf_checkpoints import write_hf_checkpoint
-from tiny_processor import QWEN35_CHAT_TEMPLATE, build_processor, png_bytes
+from tiny_processor import QWEN35_CHAT_TEMPLATE, build_processor, png_bytes, tiny_shape_for
 
-from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
 from examples.multimodal_dev.tools import convert_checkpoint, generate
 
 NEW = 12
@@ -19,18 +17,9 @@ NEW = 12
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, mcore):
-    from examples.multimodal_dev.data.processor import load_processor
-
     root = tmp_path_factory.mktemp("generate")
     processor_dir = build_processor(str(root / "hf"), chat_template=QWEN35_CHAT_TEMPLATE)
-    t = load_processor(processor_dir)[1].tokens
-    shape = replace(
-        get_variant("tiny", moe=False, mtp=False),
-        image_token_id=t.image,
-        video_token_id=t.video,
-        vision_start_token_id=t.vision_start,
-        vision_end_token_id=t.vision_end,
-    )
+    shape = tiny_shape_for(processor_dir)
     write_hf_checkpoint(root / "hf", shape, dtype=torch.float32)
     assert convert_checkpoint.main(["import", "--hf-path", str(root / "hf"), "--megatron-path", str(root / "mg")]) == 0
     (root / "red.png").write_bytes(png_bytes((64, 48), (200, 40, 40)))

@@ -468,23 +468,16 @@ def test_describe_matches_the_sample_through_skips_and_truncation(processors, me
 def test_packed_equals_padded_on_jsonl_batches(processors, media, tmp_path, mcore):
     """Multi-turn jsonl samples feed the model: a packed micro-batch gives the padded batch's
     per-token loss (1e-5 abs)."""
-    from dataclasses import replace
+    from tiny_processor import tiny_shape_for
 
     from examples.multimodal_dev.data.collate import Collator
     from examples.multimodal_dev.forward_step import batch_loss
-    from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
     from examples.multimodal_dev.models.qwen35_vl.factory import build_model
 
     data = write_jsonl(str(tmp_path / "d.jsonl"), [as_placeholder(), _text_records("q", 1)[0]])
     train = train_split(processors["qwen35"], data, media_root=media)
     t = load_processor(processors["qwen35"])[1].tokens
-    shape = replace(
-        get_variant("tiny", moe=False, mtp=False),
-        image_token_id=t.image,
-        video_token_id=t.video,
-        vision_start_token_id=t.vision_start,
-        vision_end_token_id=t.vision_end,
-    )
+    shape = tiny_shape_for(processors["qwen35"])
     torch.manual_seed(0)
     model = build_model(shape).eval()
     samples = [train[j] for j in range(2)]
