@@ -86,3 +86,14 @@ def load_processor(path: str | None, min_pixels: int | None = None, max_pixels: 
     if size.shortest_edge > size.longest_edge:
         raise ValueError(f"--min-pixels {size.shortest_edge} is larger than --max-pixels {size.longest_edge}")
     return processor, info
+
+
+def answer_end_ids(processor, info: ProcessorInfo) -> list[int]:
+    """The tokens that end a generated answer: the end of turn training puts after every answer, and
+    the tokenizer's end of text."""
+    return sorted({info.end_of_turn_id, processor.tokenizer.eos_token_id} - {None})
+
+
+def answer_text(processor, tokens: list[int]) -> str:
+    """A generated answer's text, its special tokens (the end of turn) left out."""
+    return processor.tokenizer.decode(tokens, skip_special_tokens=True).strip()

@@ -93,6 +93,7 @@ def run(args, log=print) -> list[dict]:
     """Every prompt's answer ({"where", "answer"[, "reference"]}), written to ``--output`` as they come."""
     from examples.multimodal_dev.checkpoint.hf_conversion import load_megatron
     from examples.multimodal_dev.data.jsonl import prompt_reader
+    from examples.multimodal_dev.data.processor import answer_end_ids, answer_text
     from examples.multimodal_dev.evaluation.scores import Scores
     from examples.multimodal_dev.generation.decode import Prompt, Sampling, generate
 
@@ -103,7 +104,7 @@ def run(args, log=print) -> list[dict]:
     reader = prompt_reader(args.hf_processor_path, args.max_prompt_tokens, args.media_root, False, anywhere)
     model, _, _, _ = load_megatron(args.megatron_path, args.hf_config_path)
     tokenizer = reader.processor.tokenizer
-    end_ids = {reader.info.end_of_turn_id, tokenizer.eos_token_id} - {None}
+    end_ids = answer_end_ids(reader.processor, reader.info)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     log(f"generate: {len(records)} prompt(s), batches of {args.batch_size}, {_describe(sampling)}")
     out, scores, answers = open(args.output, "w") if args.output else None, Scores(), []
@@ -128,7 +129,7 @@ def run(args, log=print) -> list[dict]:
                 f"{time.monotonic() - started:.1f} s"
             )
             for tokens, (_, reference), (_, where, _) in zip(done.tokens, encoded, batch):
-                answer = {"where": where, "answer": tokenizer.decode(tokens, skip_special_tokens=True).strip()}
+                answer = {"where": where, "answer": answer_text(reader.processor, tokens)}
                 if args.with_token_ids:
                     answer["token_ids"] = tokens
                 if reference is not None:

@@ -25,6 +25,7 @@ import os
 
 import torch
 
+from ..data.processor import answer_end_ids, answer_text
 from ..data.sample import BadSample, DataError
 from ..evaluation.scores import Scores
 
@@ -132,15 +133,12 @@ def _evaluate_between_steps(model_chunks, optimizer, iteration: int, args) -> No
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, f"iter_{iteration:07d}.jsonl"), "w") as f:
             f.write(json.dumps({"iteration": iteration, **means}) + "\n")
-            for answer in sorted((a for part in everyone[:: _tp_size(args)] for a in part), key=lambda a: a["index"]):
+            # the ranks of one replica hold the same answers: one copy each (tensor-parallel ranks are
+            # consecutive in megatron's order; expert parallelism splits data-parallel ranks)
+            replicas = everyone[:: args.tensor_model_parallel_size]
+            for answer in sorted((a for part in replicas for a in part), key=lambda a: a["index"]):
                 f.write(json.dumps(answer, ensure_ascii=False) + "\n")
     timers("interval-time", log_level=0).start(barrier=True)
-
-
-def _tp_size(args) -> int:
-    """Ranks of one data-parallel replica hold the same answers: one copy each (tensor-parallel ranks
-    are consecutive in megatron's default order; expert parallelism splits data-parallel ranks)."""
-    return args.tensor_model_parallel_size
 
 
 @torch.no_grad()
@@ -151,13 +149,12 @@ def evaluate(model, args) -> tuple[Scores, list[dict], int]:
 
     from ..generation.decode import Prompt, generate
 
-    dataset = _VALIDATION.get("dataset")
+    dataset = _VALIDATION["dataset"]  # datasets_provider refuses --gen-eval-interval without a validation split
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    count = min(args.gen_eval_samples, dataset.num_source) if dataset is not None else 0
-    mine = list(range(dp_rank, count, dp_size))
+    count = min(args.gen_eval_samples, dataset.num_source)
     per_replica = -(-count // dp_size)
     prompts, skipped = [], 0
-    for index in mine:
+    for index in range(dp_rank, count, dp_size):
         try:
             sample, reference = dataset.prompt(index)
         except (BadSample, DataError):
@@ -166,28 +163,21 @@ def evaluate(model, args) -> tuple[Scores, list[dict], int]:
         if reference is not None:
             media = {k: v for k, v in sample.items() if k != "input_ids"}
             prompts.append((index, Prompt(sample["input_ids"].tolist(), **media), reference))
-    tokenizer = dataset.produce.processor.tokenizer if dataset is not None else None
-    end_ids = _end_ids(dataset)
+    processor = dataset.produce.processor
+    end_ids = answer_end_ids(processor, dataset.produce.info)
     scores, answers = Scores(), []
     size = args.gen_eval_batch_size
     for first in range(0, per_replica, size):  # the same number of batches on every replica
         batch = prompts[first : first + size]
         scored = len(batch)
         if not batch:  # this replica has run out: repeat a prompt, unscored, to step with the others
-            batch = prompts[-1:] or [(None, Prompt([end_ids[0] if end_ids else 0]), None)]
+            batch = prompts[-1:] or [(None, Prompt([end_ids[0]]), None)]
         done = generate(model, [p for _, p, _ in batch], args.gen_eval_max_new_tokens, end_ids)
         for (index, _, reference), tokens in list(zip(batch, done.tokens))[:scored]:
-            prediction = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+            prediction = answer_text(processor, tokens)
             scores.add(prediction, reference)
             answers.append({"index": index, "prediction": prediction, "reference": reference})
     device = next(model.parameters()).device  # NCCL reduces device tensors
     totals = torch.tensor(scores.vector() + [skipped], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(totals, group=parallel_state.get_data_parallel_group())
     return Scores(totals[:-1].tolist()), answers, int(totals[-1])
-
-
-def _end_ids(dataset) -> list[int]:
-    if dataset is None:
-        return []
-    tokenizer = dataset.produce.processor.tokenizer
-    return sorted({dataset.produce.info.end_of_turn_id, tokenizer.eos_token_id} - {None})
