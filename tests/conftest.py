@@ -25,6 +25,22 @@ def fresh_moe_metrics():
         logging_module.destroy_moe_metrics_tracker()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_writer_manager_outlives_the_session():
+    """An in-process checkpoint save (an HF import) forks megatron's writer-queue manager from this
+    process (checkpoint/write_queue.py). A pytest-xdist worker ends without running the exit handlers
+    that would stop it, so the manager lived on after the run, holding every file the worker had open
+    when it forked (1.6 GB resident, seen after CI runs). It is stopped here."""
+    yield
+    strategies = sys.modules.get("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    queue = getattr(strategies, "_results_queue", None)
+    if queue is not None:
+        try:
+            queue._manager.shutdown()
+        except (OSError, EOFError, AttributeError):  # already gone, or not a manager's queue
+            pass
+
+
 @pytest.fixture(scope="session")
 def mcore():
     """megatron-core initialised for a single CPU process (gloo, world size 1)."""
