@@ -1,6 +1,7 @@
 """The documentation stays true: README.md and docs/*.md link only to files and headings that exist,
 name only repository paths that exist, name only ``python -m`` commands that answer ``--help``, keep
-every table's rows as wide as its header, and the README stays a front door (under 250 lines).
+every table's rows as wide as its header, name only ``--flags`` that the training script or a named
+command takes, and the README stays a front door (under 250 lines).
 
 Tables that a tool prints are held equal to the tool elsewhere (docs/contributing.md lists them)."""
 
@@ -210,3 +211,88 @@ def test_table_rows_have_the_headers_columns():
             ]
     assert tables >= 20
     assert not uneven, "table rows of another width:\n" + "\n".join(uneven)
+
+
+# Flags of the outside tools the pages show (pip, torchrun, ruff), which no command here defines.
+OUTSIDE_FLAGS = {"--find-links", "--no-index", "--platform", "--format", "--standalone", "--nproc-per-node", "--fix"}
+
+# Builds each command's argument parser as a run would and records every option it (and its
+# subcommands) takes, stopping at the parse: {command: [flags]}.
+_FLAGS_RUNNER = r"""
+import argparse, contextlib, io, json, runpy, sys
+
+class Collected(BaseException):
+    pass
+
+def options(parser):
+    for action in parser._actions:
+        yield from action.option_strings
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                yield from options(sub)
+
+def collect(self, *args, **kwargs):
+    raise Collected(sorted(options(self)))
+
+argparse.ArgumentParser.parse_known_args = collect
+found = {}
+for command in json.loads(sys.argv[1]):
+    sys.argv = [command]
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            if command.endswith(".py"):
+                runpy.run_path(command, run_name="__main__")
+            else:
+                runpy.run_module(command, run_name="__main__", alter_sys=True)
+        found[command] = "no argument parser"
+    except Collected as flags:
+        found[command] = flags.args[0]
+    except BaseException as err:
+        found[command] = f"{type(err).__name__}: {err}"
+print("\nFLAGS " + json.dumps(found))
+"""
+
+
+def _scripts() -> set[str]:
+    """The repository's scripts the pages name by path: ``python tools/x.py`` and benchmarks."""
+    found = set()
+    for page in PAGES:
+        text = _text(page)
+        found |= set(re.findall(r"python3?\s+((?:tools|tests)/[\w/]+\.py)", text))
+        found |= {f"examples/multimodal_dev/{b}" for b in re.findall(r"(benchmarks/bench_\w+\.py)", text)}
+    return {path for path in found if os.path.exists(os.path.join(ROOT, path))}
+
+
+def _named_flags():
+    for page in PAGES:
+        for number, line in enumerate(_text(page).splitlines(), 1):
+            for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*[a-z0-9]", line):
+                yield f"{_rel(page)}:{number}", flag
+
+
+def test_named_flags_exist():
+    """Every ``--flag`` a page names is taken by the training script (megatron's parser with this
+    project's flags), by a command or script the pages name, or by an outside tool they show."""
+    from examples.multimodal_dev.arguments import add_multimodal_args
+    from examples.multimodal_dev.models.common.config_from_args import megatron_parser
+
+    commands = sorted({*_commands(), *_scripts()})
+    assert "examples.multimodal_dev.tools.convert_checkpoint" in commands and "tools/make_wheelhouse.py" in commands
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))}
+    run = subprocess.run(
+        [sys.executable, "-c", _FLAGS_RUNNER, json.dumps(commands)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "FLAGS " in run.stdout, run.stderr[-3000:]
+    taken = json.loads(run.stdout.rsplit("FLAGS ", 1)[1])
+    known = set(megatron_parser(add_multimodal_args)._option_string_actions) | OUTSIDE_FLAGS
+    for flags in taken.values():
+        known |= set(flags) if isinstance(flags, list) else set()
+    assert "--hf-path" in known and "--gpu-extras" in known  # subcommands' and scripts' flags are read
+    unknown = [f"{where}: {flag}" for where, flag in _named_flags() if flag not in known]
+    unread = {c: why for c, why in taken.items() if not isinstance(why, list)}
+    assert not unknown, f"flags that nothing takes (commands without a parser: {unread}):\n" + "\n".join(unknown)
