@@ -10,7 +10,7 @@ Under context parallelism the model returns the losses of this rank's tokens tog
 loss mask (the model splits every per-token tensor once); the loss function uses that mask.
 
 Under pipeline parallelism every stage draws the same micro-batch and keeps only what it reads
-(``PackedBatch.for_stage``, applied once by each (virtual) stage's collate in pretrain_multimodal.py,
+(``PackedBatch.for_stage``, applied once by each (virtual) stage's collate in dataset_provider.py,
 so later stages never move pixels to the device): pixels and grids on the first stage, labels and
 loss mask on the last; positions, packed-sequence boundaries, the padding mask and the token ids
 (the row's length for MoE dispatch; the MTP head's input on the last stage) everywhere. Only decoder

@@ -142,7 +142,7 @@ def test_saved_train_split_alone_turns_megatron_evaluation_off(processor_path, t
 
     from examples.multimodal_dev.data.collate import Collator
     from examples.multimodal_dev.data.processor import load_processor
-    from examples.multimodal_dev.pretrain_multimodal import _no_validation
+    from examples.multimodal_dev.dataset_provider import _no_validation
 
     data = build_cord_dataset(str(tmp_path / "cord"), ROWS, splits=("train",))
     train, valid, test = _build(processor_path, data)
@@ -152,7 +152,7 @@ def test_saved_train_split_alone_turns_megatron_evaluation_off(processor_path, t
 
     args = _megatron_args()
 
-    def provider(num_samples):  # what pretrain_multimodal.datasets_provider does with these splits
+    def provider(num_samples):  # what dataset_provider.datasets_provider does with these splits
         if valid is None:
             _no_validation(args)
         return (

@@ -1,7 +1,8 @@
 """The package's layers (README, "Layout"): every import of every module, including the ones inside
 functions, runs down the stack, and no two modules import each other, directly or round a circle.
 
-    entry         pretrain_multimodal.py, arguments.py, forward_step.py
+    entry         pretrain_multimodal.py and what it hands megatron: arguments.py, checked_args.py,
+                  model_provider.py, dataset_provider.py, forward_step.py
     training/     engine glue: backend, throughput, run checks, launcher
     generation/   cached decoding and generate
     vision_ranks/ the vision tower's own layout, and its own ranks' process groups
@@ -11,6 +12,7 @@ functions, runs down the stack, and no two modules import each other, directly o
     models/       registry, model code, MRoPE, FLOPs
     megatron_changes/  the table of changes to megatron: imports nothing of the project (names by path)
     evaluation/   scoring generated answers (text and JSON metrics): imports nothing of the project
+    console.py    the training script's one-line messages: imports nothing of the project
     megatron/cpu  the device layer
     tools/, benchmarks/   commands: they import the layers; nothing imports them
 """
@@ -23,6 +25,7 @@ PACKAGE = "examples.multimodal_dev"
 # lowest first; a module may import its own layer and the layers before it
 LAYERS = (
     "megatron.cpu",
+    f"{PACKAGE}.console",
     f"{PACKAGE}.megatron_changes",
     f"{PACKAGE}.evaluation",
     f"{PACKAGE}.models",
@@ -35,7 +38,17 @@ LAYERS = (
     f"{PACKAGE}.entry",
     f"{PACKAGE}.commands",
 )
-ENTRY = {f"{PACKAGE}.{name}" for name in ("pretrain_multimodal", "arguments", "forward_step")}
+ENTRY = {
+    f"{PACKAGE}.{name}"
+    for name in (
+        "pretrain_multimodal",
+        "arguments",
+        "checked_args",
+        "model_provider",
+        "dataset_provider",
+        "forward_step",
+    )
+}
 COMMANDS = (f"{PACKAGE}.tools", f"{PACKAGE}.benchmarks")
 
 

@@ -16,6 +16,8 @@ import os
 
 import torch
 
+from examples.multimodal_dev.console import fail
+
 from .files import latest_iteration
 
 
@@ -50,7 +52,7 @@ def refuse_nonfinite(iteration: int, model, args) -> None:
         else "no earlier checkpoint exists"
     )
     mine = f" ({len(bad)} tensor(s) on this rank, e.g. {bad[0]})" if bad else ""
-    raise SystemExit(
-        f"pretrain_multimodal.py: iteration {iteration} has NaN or inf weights{mine}; not saved: "
+    fail(
+        f"iteration {iteration} has NaN or inf weights{mine}; not saved: "
         f"{kept} (a non-finite learning rate or a diverged step: resume from it with a lower LR)"
     )

@@ -29,6 +29,8 @@ from __future__ import annotations
 import functools
 import os
 
+from examples.multimodal_dev.console import say
+
 from . import optimizer_switch
 from .files import TRACKER, checkpoint_directory, stored_args
 
@@ -172,11 +174,9 @@ def check_layout_change(args) -> None:
             "playground's default) and save, or load the weights alone with --no-load-optim"
         )
     if switched:
-        if args.rank == 0:
-            print(
-                f"pretrain_multimodal.py: --load {args.load}: optimizer state saved "
-                f"{'with' if saved_dist else 'without'} --use-distributed-optimizer, resumed "
-                f"{'without' if saved_dist else 'with'} it",
-                flush=True,
-            )
+        say(
+            f"--load {args.load}: optimizer state saved "
+            f"{'with' if saved_dist else 'without'} --use-distributed-optimizer, resumed "
+            f"{'without' if saved_dist else 'with'} it"
+        )
         optimizer_switch.expect(saved_dist, bool(getattr(stored, "bf16", False) or getattr(stored, "fp16", False)))

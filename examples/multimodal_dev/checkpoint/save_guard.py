@@ -22,6 +22,8 @@ import os
 import re
 import shutil
 
+from examples.multimodal_dev.console import fail
+
 from .files import TRACKER, iteration_dir, latest_iteration
 from .writer_errors import WriterLog, causes
 
@@ -80,7 +82,7 @@ def full_disk_in_one_line(save_dir: str, iteration: int):
         if latest != iteration:
             shutil.rmtree(partial, ignore_errors=True)
         kept = f"iteration {latest}" if latest is not None else "none"
-        raise SystemExit(
-            f"pretrain_multimodal.py: no space left on {save_dir} while saving iteration {iteration}: "
+        fail(
+            f"no space left on {save_dir} while saving iteration {iteration}: "
             f"removed the partial {partial}; the last complete checkpoint is {kept}"
-        ) from None
+        )

@@ -60,7 +60,7 @@ class BatchStats:
     padded_tokens: int  # tokens of the row(s), padding included
     pad_fraction: float
     lengths: list[int]  # every sample's real length, in packing order
-    model_flops: float = 0.0  # training FLOPs on the real tokens; pretrain_multimodal.py fills it in
+    model_flops: float = 0.0  # training FLOPs on the real tokens; dataset_provider.py fills it in
     skipped: dict | None = None  # a DataLoader worker's new skip counts on their way to the main process (loader.py)
 
     def as_dict(self) -> dict:

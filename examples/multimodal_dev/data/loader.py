@@ -6,7 +6,7 @@ hold variable-length conversations; the playground therefore hands megatron.trai
 ready-made iterators (``--dataloader-type external``) on every host.
 
 A split without data gives no iterator (None); the training script turns evaluation off when
-that is the validation split (``pretrain_multimodal.datasets_provider``).
+that is the validation split (``dataset_provider.datasets_provider``).
 """
 
 from __future__ import annotations

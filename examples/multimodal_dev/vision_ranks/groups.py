@@ -18,7 +18,7 @@ world-wide is said where it happens:
   each rank adds its shards' squares once (TP duplicates dropped by its module's own TP rank);
 * per-token loss: the token count lives on the language model's last stage; every rank divides its
   gradients by the world's count (``finalize_model_grads``);
-* the FLOPs meter: the tower's ranks join its all-reduce and add nothing (pretrain_multimodal.py);
+* the FLOPs meter: the tower's ranks join its all-reduce and add nothing (dataset_provider.py);
 * checkpoints: each module's ranks write their own shards of the ordinary layout's keys, the
   tower's RNG states under ``vision.rng_state`` (``VisionStage.rng_state_key_prefix``), and the
   common state is the language model's (``language_common``).
@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from examples.multimodal_dev.console import say
 from examples.multimodal_dev.megatron_changes import apply as apply_changes
 
 VISION, LANGUAGE = "vision", "language"
@@ -294,13 +295,11 @@ def _tower_rng_resumes(args, vtp: int) -> bool:
     )
     if saved == (args.vision_nproc, vtp):
         return True
-    if dist.get_rank() == 0:
-        where = f"VISION_NPROC={saved[0]} VISION_TP={saved[1]}" if saved[0] else "the ordinary layout"
-        print(
-            f"pretrain_multimodal.py: --load {args.load} was written with {where}: the vision tower's ranks "
-            f"(VISION_NPROC={args.vision_nproc} VISION_TP={vtp}) start their random state from the seed",
-            flush=True,
-        )
+    where = f"VISION_NPROC={saved[0]} VISION_TP={saved[1]}" if saved[0] else "the ordinary layout"
+    say(
+        f"--load {args.load} was written with {where}: the vision tower's ranks "
+        f"(VISION_NPROC={args.vision_nproc} VISION_TP={vtp}) start their random state from the seed"
+    )
     return False
 
 

@@ -1,0 +1,129 @@
+"""megatron's args for this run, every setting checked before any process group exists: a mistake is
+one line naming the flag and its value (``console.fail``), never a traceback.
+
+The model's shape reaches megatron as its parser's defaults (``models/megatron_args.py``), so a
+model flag given on the command line must agree with the variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from examples.multimodal_dev.arguments import add_multimodal_args
+from examples.multimodal_dev.checkpoint import optimizer_format, safety
+from examples.multimodal_dev.checkpoint.integrity import check_resumable
+from examples.multimodal_dev.checkpoint.run_shape import check_checkpoint_matches, declared_shape
+from examples.multimodal_dev.console import fail, say
+from examples.multimodal_dev.data.jsonl_source import check_data_path
+from examples.multimodal_dev.data.sources import resolve as resolve_source
+from examples.multimodal_dev.data.token_budget import check_packing_args
+from examples.multimodal_dev.dataset_provider import data_path_value
+from examples.multimodal_dev.model_provider import model_configs, model_shape
+from examples.multimodal_dev.models.common.config_from_args import given_flags, megatron_parser
+from examples.multimodal_dev.models.common.varlen_attention import describe_thd_kernels
+from examples.multimodal_dev.models.megatron_args import with_model_shape
+from examples.multimodal_dev.planner.pipeline_layout import stage_layers
+from examples.multimodal_dev.training import gen_eval, run_checks
+from examples.multimodal_dev.training.backend import backend_of, check_attention_backend, check_backend, engine_defaults
+from examples.multimodal_dev.vision_ranks import groups as vision_ranks
+
+
+def check_pipeline_split(args) -> None:
+    """Refuse a pipeline split of the decoder that megatron-core cannot build, by flag name
+    (``--num-layers`` is checked against the model shape later)."""
+    if (
+        args.num_layers is None
+        or args.pipeline_model_parallel_size == 1
+        and not args.num_virtual_stages_per_pipeline_rank
+    ):
+        return
+    stage_layers(
+        args.num_layers,
+        args.pipeline_model_parallel_size,
+        args.num_virtual_stages_per_pipeline_rank,
+        args.decoder_first_pipeline_num_layers,
+        args.decoder_last_pipeline_num_layers,
+    )
+
+
+def checked_args() -> argparse.Namespace:
+    """megatron's args, the user's settings checked before any process group exists: a mistake is
+    one line naming the flag and the value, never a traceback."""
+    from megatron.training.arguments import parse_and_validate_args, parse_args
+
+    try:
+        # the shape's numbers are the defaults of megatron's model flags (a flag given must agree)
+        named = parse_args(add_multimodal_args)
+        flags = with_model_shape(add_multimodal_args, declared_shape(named)[0], named.seq_length)
+        given = parse_args(flags)
+        typed = given_flags(megatron_parser(add_multimodal_args))
+        check_pipeline_split(given)  # before megatron asserts on these
+        check_attention_backend(given)
+        run_checks.check_finite_flags(given, typed)
+        run_checks.check_lr_schedule(given)
+        run_checks.check_sequence_length(given)
+        defaults = {**engine_defaults(), **run_checks.vision_defaults(given, int(os.environ.get("WORLD_SIZE", "1")))}
+        with vision_ranks.language_world(given):  # megatron sizes data parallelism from the language model's ranks
+            args = parse_and_validate_args(extra_args_provider=flags, args_defaults=defaults)
+        run_checks.stop_at_first_nan(args, typed)
+        optimizer_format.default_to_reshardable(args)
+        check_backend(args)
+        check_packing_args(args)
+        check_data_args(args)
+        gen_eval.check(args)
+        run_checks.check_vision_layout(args, model_shape().vision.num_heads, int(os.environ.get("WORLD_SIZE", "1")))
+        language, vision = model_configs()
+        text = model_shape().text
+        run_checks.check_memory_floor(args, text.hidden_size, text.num_layers, text.vocab_size)
+        if backend_of(args) == "local":  # refuses --attention-backend flash where varlen cannot run
+            thd_line = describe_thd_kernels({"language model": language, "vision encoder": vision})
+            say(thd_line)
+        check_checkpoints(args)
+    except (ValueError, KeyError, FileNotFoundError) as err:
+        fail(err.args[0] if err.args else str(err))
+    except BaseException as err:  # reading --load's stored args may meet a planted pickle
+        exit_in_one_line(err, None)
+    return args
+
+
+def check_checkpoints(args) -> None:
+    """What ``--load`` / ``--pretrained-checkpoint`` hold fits this run, before megatron reads it: a
+    readable tracker, a whole latest iteration, the same model shape, the same LR, an optimizer
+    format that loads at this layout."""
+    for flag, directory in (("--load", args.load), ("--pretrained-checkpoint", args.pretrained_checkpoint)):
+        safety.check_tracker(directory, flag)
+        check_resumable(directory, flag)
+        check_checkpoint_matches(directory, model_shape(), flag)
+    run_checks.check_resume_lr(args)
+    optimizer_format.check_layout_change(args)
+
+
+def check_data_args(args) -> None:
+    """The data the flags name exists and reads, before any process group: a wrong path is one line."""
+    if args.dataset_provider == "jsonl":
+        check_data_path(data_path_value(args), "--data-path")
+        if args.eval_data_path:
+            check_data_path(args.eval_data_path, "--eval-data-path")
+    elif args.dataset_provider == "energon":  # a prepared folder or a metadataset .yaml
+        from examples.multimodal_dev.data.energon import check_energon_path, energon_sizes
+
+        check_energon_path(data_path_value(args), "--data-path")
+        energon_sizes(
+            args.energon_shuffle_buffer_size,
+            args.energon_max_samples_per_sequence,
+            args.energon_packing_buffer_size,
+        )
+    elif args.data_path:
+        resolve_source(data_path_value(args), "--data-path")
+    if args.vision_chunk_patches < 0:
+        raise ValueError(f"--vision-chunk-patches {args.vision_chunk_patches}: must be 0 (off) or a patch count")
+
+
+def exit_in_one_line(err: BaseException, args) -> None:
+    """One line for a checkpoint refused as code (DCP wraps it in its CheckpointException, a
+    BaseException) and for a NaN found during training; anything else propagates unchanged."""
+    line = safety.refusal(err) or (run_checks.one_line(err, args) if args is not None else None)
+    if line is None:
+        raise err
+    fail(line)

@@ -1,0 +1,78 @@
+"""The model of one pipeline stage, for ``megatron.training.pretrain``: ``MODEL_REGISTRY``'s entry for
+``--model-arch`` builds it from the shape of ``--model-variant`` (or ``HF_CONFIG``) and megatron's args.
+
+``model_shape()`` and ``model_configs()`` are computed once a process: the argument checks, the
+datasets and the model all read the same shape.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from megatron.training import get_args
+
+from examples.multimodal_dev.arguments import add_multimodal_args
+from examples.multimodal_dev.checkpoint.run_shape import resolve_shape
+from examples.multimodal_dev.models import get_model_entry
+from examples.multimodal_dev.models.common.config_from_args import given_flags, megatron_parser
+from examples.multimodal_dev.training.backend import backend_of
+from examples.multimodal_dev.vision_ranks import groups as vision_ranks
+
+
+@functools.lru_cache(maxsize=None)
+def model_shape():
+    """The model's shape: the variant's table row, or the Hugging Face config's (``HF_CONFIG``)."""
+    return resolve_shape(get_args())
+
+
+@functools.lru_cache(maxsize=None)
+def model_configs():
+    """(decoder, vision) TransformerConfigs: megatron's args with the shape laid over them."""
+    args = get_args()
+    configs_fn = get_model_entry(args.model_arch).load("configs_fn")
+    return configs_fn(args, model_shape(), backend_of(args), given_flags(megatron_parser(add_multimodal_args)))
+
+
+def model_provider(
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: int | None = None,
+    config=None,
+    pg_collection=None,
+) -> torch.nn.Module:
+    """One pipeline stage (megatron.training's get_model calls it per virtual stage)."""
+    args = get_args()
+    entry = get_model_entry(args.model_arch)
+    shape, backend = model_shape(), backend_of(args)
+    separate = vision_ranks.active()  # the vision tower on ranks of its own: this rank builds one module
+    if separate:
+        for config in model_configs():  # the features' shapes vary by micro-batch; both modules' gradients
+            config.variable_seq_lengths = True  # are finalised on their own groups, scaled by the world's tokens
+            config.finalize_model_grads_func = vision_ranks.finalize_model_grads
+    model = entry.load("build_fn")(
+        shape,
+        backend=backend,
+        max_sequence_length=args.seq_length,
+        configs=model_configs(),
+        pre_process=pre_process,
+        post_process=post_process,
+        vp_stage=vp_stage,
+        module=separate and separate.role,
+        groups=separate and separate.groups,
+    )
+    if separate and separate.fan_in > 1:  # several vision replicas serve one language replica
+        if separate.on_vision:
+            model.shares, model.share = separate.fan_in, separate.share
+        else:
+            model.received_shares = separate.fan_in
+    if model.vision_model is not None:
+        model.vision_model.chunk_patches = args.vision_chunk_patches
+    for flag, part in (
+        ("freeze_vision", model.vision_model),
+        ("freeze_language", getattr(model, "language_model", None)),
+    ):
+        if getattr(args, flag) and part is not None:
+            for p in part.parameters():
+                p.requires_grad_(False)
+    return model
