@@ -30,7 +30,7 @@ def model_shape():
 def model_configs():
     """(decoder, vision) TransformerConfigs: megatron's args with the shape laid over them."""
     args = get_args()
-    configs_fn = get_model_entry(args.model_arch).load("configs_fn")
+    configs_fn = get_model_entry(args.model_arch).configs_fn
     return configs_fn(args, model_shape(), backend_of(args), given_flags(megatron_parser(add_multimodal_args)))
 
 
@@ -50,7 +50,7 @@ def model_provider(
         for config in model_configs():  # the features' shapes vary by micro-batch; both modules' gradients
             config.variable_seq_lengths = True  # are finalised on their own groups, scaled by the world's tokens
             config.finalize_model_grads_func = vision_ranks.finalize_model_grads
-    model = entry.load("build_fn")(
+    model = entry.build_fn(
         shape,
         backend=backend,
         max_sequence_length=args.seq_length,

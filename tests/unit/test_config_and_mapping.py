@@ -1,5 +1,9 @@
 """Variant table, HF config import/export, registry and mapping round trip."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from hf_reference import HFMtpHead, build_hf_model
@@ -43,11 +47,42 @@ def test_hf_config_errors(tmp_path):
 
 def test_registry():
     assert "qwen35_vl" in MODEL_REGISTRY
-    assert get_model_entry("qwen35_vl").load("shape_fn")("tiny") == VARIANTS["tiny"]
+    assert get_model_entry("qwen35_vl").shape_fn("tiny") == VARIANTS["tiny"]
     with pytest.raises(KeyError, match="valid: qwen35_vl"):
         get_model_entry("llava")
     with pytest.raises(KeyError, match="valid:"):
         get_variant("1t")
+
+
+def test_every_seam_of_every_entry_resolves():
+    """Each seam the other layers call is there, imported on first use; an entry missing one (or
+    naming one no layer knows) is refused when the registry is built, and a seam asked by a wrong
+    name says which exist."""
+    from examples.multimodal_dev.models import SEAMS, ModelEntry, model_of
+
+    for arch, entry in MODEL_REGISTRY.items():
+        for seam in SEAMS:
+            assert getattr(entry, seam) is not None, (arch, seam)
+    assert model_of(VARIANTS["tiny"]) is MODEL_REGISTRY["qwen35_vl"]
+    paths = {seam: "configuration.get_variant" for seam in SEAMS if seam != "build_fn"}
+    with pytest.raises(TypeError, match=r"missing seams \['build_fn'\]"):
+        ModelEntry(".qwen35_vl", **paths)
+    with pytest.raises(AttributeError, match="no seam 'flops'"):
+        get_model_entry("qwen35_vl").flops
+
+
+def test_the_variant_table_is_read_without_torch():
+    """The launcher reads the variants through the registry on every launch and dry run: that must
+    not import torch or megatron-core (about 2 s and 6 s)."""
+    code = (
+        "import sys; from examples.multimodal_dev.models import default_model; "
+        "default_model().variants['tiny']; default_model().shape_fn('9b'); "
+        "print(sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
 
 
 def test_parallel_validation_names_flag_and_value():

@@ -162,3 +162,31 @@ def test_tools_hold_only_commands():
         if dep.startswith(COMMANDS)
     ]
     assert not importers, importers
+
+
+# The planner is this architecture's cost model (it counts Gated DeltaNet and gated-attention layers,
+# builds the model on the meta device and walks its Hugging Face name table), so it reads the model's
+# own modules; every other layer serves any registered model and reaches it through its entry.
+MODEL_PACKAGES = (f"{PACKAGE}.models.qwen35_vl",)
+READS_THE_MODEL_ITSELF = (f"{PACKAGE}.models", f"{PACKAGE}.planner")
+
+
+def model_package_imports(graph) -> list[str]:
+    return [
+        f"{m} imports {dep}"
+        for m, deps in sorted(graph.items())
+        if not m.startswith(READS_THE_MODEL_ITSELF)
+        for dep in sorted(deps)
+        if dep.startswith(MODEL_PACKAGES)
+    ]
+
+
+def test_other_layers_reach_the_model_through_the_registry():
+    """Outside ``models/`` (and the planner), a model's package is reached through its
+    ``MODEL_REGISTRY`` entry's seams, never imported: the registry is the seam, not a facade."""
+    assert not model_package_imports(GRAPH), "imports of a model's package:\n  " + "\n  ".join(
+        model_package_imports(GRAPH)
+    )
+    planted = {m: set(deps) for m, deps in GRAPH.items()}
+    planted[f"{PACKAGE}.data.collate"].add(f"{PACKAGE}.models.qwen35_vl.mrope")
+    assert model_package_imports(planted) == [f"{PACKAGE}.data.collate imports {PACKAGE}.models.qwen35_vl.mrope"]

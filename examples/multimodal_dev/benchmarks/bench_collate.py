@@ -18,7 +18,10 @@ import torch
 from examples.multimodal_dev.data.collate import pack_thd
 from examples.multimodal_dev.data.mock import MockConversations
 from examples.multimodal_dev.data.sample import VisionTokens
-from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant, to_hf_config_dict
+from examples.multimodal_dev.models import default_model
+
+get_variant = default_model().shape_fn
+to_hf_config_dict = default_model().shape_to_hf
 
 
 def hf_rope_index_fn(shape):

@@ -24,7 +24,7 @@ import torch
 def contenders(model, shape, prompt: list[int], device):
     """{name: run(new_tokens) -> new tokens}: cached decoding and whole-prefix recomputation."""
     from examples.multimodal_dev.generation.decode import Prompt, generate
-    from examples.multimodal_dev.models.qwen35_vl.mrope import padded_batch_position_ids
+    from examples.multimodal_dev.models import model_of
 
     def cached(new_tokens):
         return generate(model, [Prompt(prompt)], new_tokens).tokens[0]
@@ -33,7 +33,7 @@ def contenders(model, shape, prompt: list[int], device):
     def recomputed(new_tokens):
         ids = torch.tensor([prompt], device=device)
         for _ in range(new_tokens):
-            positions = padded_batch_position_ids(
+            positions = model_of(shape).padded_position_ids(
                 ids, None, None, None, shape.image_token_id, shape.video_token_id, shape.vision.spatial_merge_size
             )
             token = model(ids, positions, None)[0, -1].argmax()
@@ -56,7 +56,9 @@ def run(
     import megatron.cpu
     from examples.multimodal_dev.benchmarks.bench_step import bench_shape
     from examples.multimodal_dev.benchmarks.timing import alternating_medians
-    from examples.multimodal_dev.models.qwen35_vl.factory import build_model
+    from examples.multimodal_dev.models import default_model
+
+    build_model = default_model().build_fn
     from megatron.cpu.single_process import init_single_process
 
     for flag, value in (("--prompt-tokens", prompt_tokens), ("--new-tokens", new_tokens)):

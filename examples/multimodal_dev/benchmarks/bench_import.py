@@ -22,7 +22,10 @@ def write_random_checkpoint(variant: str, path: str) -> int:
     import torch
 
     from examples.multimodal_dev.checkpoint.hf_models import hf_classes
-    from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant, to_hf_config_dict
+    from examples.multimodal_dev.models import default_model
+
+    get_variant = default_model().shape_fn
+    to_hf_config_dict = default_model().shape_to_hf
 
     shape = get_variant(variant, mtp=False)  # transformers does not build (or save) the MTP head
     cfg = to_hf_config_dict(shape)

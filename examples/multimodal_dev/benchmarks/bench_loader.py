@@ -35,7 +35,9 @@ from examples.multimodal_dev.data.collate import Collator
 from examples.multimodal_dev.data.loader import build_iterator
 from examples.multimodal_dev.data.sample import VisionTokens
 from examples.multimodal_dev.data.token_budget import plan_factory
-from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
+from examples.multimodal_dev.models import default_model
+
+get_variant = default_model().shape_fn
 
 PROCESSED = ("cord_v2", "jsonl", "energon")  # read through the model's HF processor
 
@@ -108,7 +110,9 @@ def loader_rate(make_iterator, workers: int, micro_batches: int) -> tuple[float,
 def consumption_rate(shape, batches: list[PackedBatch]) -> float:
     """Conversations per second of forward + backward on ``batches`` (after one warm-up step)."""
     from examples.multimodal_dev.forward_step import batch_loss
-    from examples.multimodal_dev.models.qwen35_vl.factory import build_model
+    from examples.multimodal_dev.models import default_model
+
+    build_model = default_model().build_fn
     from megatron.cpu.single_process import init_single_process
 
     init_single_process()

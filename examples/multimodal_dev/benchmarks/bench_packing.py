@@ -58,11 +58,12 @@ def run(variant: str, lengths: list[int] | None, reps: int, mix: str = "text", m
     from examples.multimodal_dev.data.collate import pack_thd, pad_bshd
     from examples.multimodal_dev.data.sample import VisionTokens
     from examples.multimodal_dev.forward_step import batch_loss
-    from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
-    from examples.multimodal_dev.models.qwen35_vl.factory import build_model
-    from examples.multimodal_dev.models.qwen35_vl.flops import micro_batch_flops
+    from examples.multimodal_dev.models import default_model
     from megatron.cpu.single_process import init_single_process
 
+    get_variant = default_model().shape_fn
+    build_model = default_model().build_fn
+    micro_batch_flops = default_model().micro_batch_flops
     init_single_process()
     shape = get_variant(variant, mtp=False)
     model = build_model(shape)

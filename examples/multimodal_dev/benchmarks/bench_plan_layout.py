@@ -22,7 +22,9 @@ BUDGET_S = 10.0
 
 
 def plan_seconds(name: str, gpus: int, reps: int):
-    from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS
+    from examples.multimodal_dev.models import default_model
+
+    VARIANTS = default_model().variants
     from examples.multimodal_dev.planner.layout_cost import HARDWARE
     from examples.multimodal_dev.planner.layout_mix import Mix
     from examples.multimodal_dev.planner.layout_plan import Request, plan
@@ -41,7 +43,9 @@ def plan_seconds(name: str, gpus: int, reps: int):
 
 
 def meta_build_seconds(name: str) -> float:
-    from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS
+    from examples.multimodal_dev.models import default_model
+
+    VARIANTS = default_model().variants
     from examples.multimodal_dev.planner.launch_layout import Layout
     from examples.multimodal_dev.planner.meta_builds import rank_build, representative_ranks
 

@@ -18,7 +18,9 @@ import time
 from examples.multimodal_dev.data import mock_mix
 from examples.multimodal_dev.data.sample import VisionTokens
 from examples.multimodal_dev.data.token_budget import plan_factory
-from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
+from examples.multimodal_dev.models import default_model
+
+get_variant = default_model().shape_fn
 
 
 class Counted:

@@ -47,14 +47,16 @@ def bench_shape(
 ):
     """The variant's dimensions with optionally fewer layers, a smaller vocabulary (the four vision
     token ids move to its top) and a shallower vision tower; no MTP (transformers trains none)."""
-    from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant, hybrid_pattern
+    from examples.multimodal_dev.models import default_model
+
+    get_variant = default_model().shape_fn
 
     shape = get_variant(variant, moe=True if moe else None, mtp=False)
     text, vision = shape.text, shape.vision
     if num_layers is not None:
         if num_layers < 1:
             raise ValueError(f"--num-layers {num_layers}: need at least one layer")
-        text = replace(text, num_layers=num_layers, layer_types=hybrid_pattern(num_layers, 4))
+        text = replace(text, num_layers=num_layers, layer_types=())  # () : the default hybrid pattern
     if vision_depth is not None:
         if vision_depth < 1:
             raise ValueError(f"--vision-depth {vision_depth}: need at least one vision block")
@@ -164,8 +166,10 @@ def contenders(ours, hf, shape, samples, device, dtype) -> dict:
 def build_pair(shape, device, dtype, hf_attention: str):
     """(this model, transformers model) with the same weights, both in train mode."""
     from examples.multimodal_dev.checkpoint.hf_models import hf_model_for_shape
-    from examples.multimodal_dev.models.qwen35_vl.factory import build_model
-    from examples.multimodal_dev.models.qwen35_vl.hf_mapping import load_hf_into_model
+    from examples.multimodal_dev.models import default_model
+
+    build_model = default_model().build_fn
+    load_hf_into_model = default_model().load_hf_state
 
     hf = hf_model_for_shape(shape, attn_implementation=hf_attention)
     from examples.multimodal_dev.training.backend import te_importable
@@ -203,7 +207,9 @@ def main() -> None:
         parser.error(f"--samples {args.samples}: need at least one sample")
 
     from examples.multimodal_dev.benchmarks.timing import alternating_medians
-    from examples.multimodal_dev.models.qwen35_vl.flops import micro_batch_flops
+    from examples.multimodal_dev.models import default_model
+
+    micro_batch_flops = default_model().micro_batch_flops
     from megatron.cpu.single_process import init_single_process
 
     device = torch.device(

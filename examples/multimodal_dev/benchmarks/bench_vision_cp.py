@@ -15,9 +15,11 @@ import argparse
 
 from examples.multimodal_dev.data import mock_mix
 from examples.multimodal_dev.data.sample import VisionTokens
+from examples.multimodal_dev.models import default_model
 from examples.multimodal_dev.models.common.vision_context_parallel import deal
-from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
-from examples.multimodal_dev.models.qwen35_vl.flops import vision_flops
+
+get_variant = default_model().shape_fn
+vision_flops = default_model().vision_flops
 
 
 def rows_of_grids(conversations: int, row: int) -> list[list]:

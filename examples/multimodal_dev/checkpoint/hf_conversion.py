@@ -38,10 +38,8 @@ from collections import Counter
 import torch
 from safetensors import SafetensorError
 
+from examples.multimodal_dev.models import DEFAULT_ARCH, get_model_entry, model_of
 from examples.multimodal_dev.models.megatron_args import checkpoint_args
-from examples.multimodal_dev.models.qwen35_vl.configuration import from_hf_config, to_hf_config_dict
-from examples.multimodal_dev.models.qwen35_vl.hf_mapping import FP32_HF_SUFFIXES, mapping_rules, model_state
-from examples.multimodal_dev.models.qwen35_vl.parallel import validate_parallel
 
 from ..megatron_changes import apply
 from .files import TRACKER, checkpoint_directory, iteration_dir, load_model_weights, save_model_checkpoint, stored_args
@@ -76,7 +74,7 @@ def config_shape(config: dict, path: str):
     """The model shape of a config.json read from ``path``; a config missing a key (or with a key of
     the wrong type) is named with its file, not a bare KeyError."""
     try:
-        return from_hf_config(config)
+        return get_model_entry(DEFAULT_ARCH).shape_from_hf(config)  # the converter reads Qwen3.5 configs
     except (KeyError, TypeError, AttributeError) as err:
         what = f"no {err.args[0]!r}" if isinstance(err, KeyError) else str(err)
         raise ValueError(f"{path}: not a valid Qwen3.5 config.json: {what}") from None
@@ -91,12 +89,11 @@ def _progress(iterable, total: int, desc: str):
 def conversion_model(shape, params_dtype=torch.float32):
     """The model on the host at TP = 1, with megatron-core initialised for one process."""
     import megatron.cpu
-    from examples.multimodal_dev.models.qwen35_vl.factory import build_model
     from megatron.cpu.single_process import init_single_process
 
     init_single_process()
     megatron.cpu.register_torch_gdn_kernels()  # GPUs are hidden; FLA's Triton kernels cannot run
-    return build_model(shape, params_dtype=params_dtype, use_cpu_initialization=True)
+    return model_of(shape).build_fn(shape, params_dtype=params_dtype, use_cpu_initialization=True)
 
 
 def _checkpoint_dtype(config: dict, source: HFTensorSource) -> tuple[torch.dtype, str]:
@@ -112,14 +109,14 @@ def _checkpoint_dtype(config: dict, source: HFTensorSource) -> tuple[torch.dtype
     return DTYPES[name], where
 
 
-def _check_dtypes(source: HFTensorSource, dtype: torch.dtype, where: str) -> None:
+def _check_dtypes(source: HFTensorSource, dtype: torch.dtype, where: str, shape) -> None:
     """A tensor stored in a dtype of its own (one fp16 tensor in a bf16 checkpoint) is a conversion
     accident upstream; imported as is it would train in that dtype unnoticed."""
     expected = str(dtype).removeprefix("torch.")
     odd = {
         n: d
         for n, d in sorted(source.dtypes.items())
-        if d != expected and not (d == "float32" and n.endswith(FP32_HF_SUFFIXES))
+        if d != expected and not (d == "float32" and n.endswith(model_of(shape).hf_fp32_suffixes))
     }
     if odd:
         listed = ", ".join(f"{n} is {d}" for n, d in list(odd.items())[:5])
@@ -144,17 +141,17 @@ def import_hf(
     source = HFTensorSource(hf_path)
     config = source.config()
     shape = config_shape(config, os.path.join(hf_path, "config.json"))
-    validate_parallel(shape, tp=tp, ep=ep)
+    model_of(shape).validate_parallel(shape, tp=tp, ep=ep)
     if os.path.exists(os.path.join(megatron_path, TRACKER)) and not overwrite:
         raise FileExistsError(
             f"--megatron-path {megatron_path} already holds a checkpoint; pass --overwrite to replace it"
         )
     dtype, where = _checkpoint_dtype(config, source)
     if not allow_mixed_dtypes:
-        _check_dtypes(source, dtype, where)
+        _check_dtypes(source, dtype, where, shape)
     model = conversion_model(shape, dtype)
     params = dict(model.named_parameters())
-    rules = mapping_rules(shape)
+    rules = model_of(shape).hf_mapping_rules(shape)
     filled, missing_hf, bad_shape = set(), [], []
     for rule in _progress(rules, len(rules), "import"):
         absent = [n for n in rule.hf if n not in source]
@@ -202,7 +199,7 @@ def _save_import(megatron_path: str, config: dict, shape, model) -> None:
     args = checkpoint_args(
         shape,
         save=megatron_path,
-        model_arch="qwen35_vl",
+        model_arch=type(shape).arch,
         hf_config_path=os.path.abspath(final_config),
         tensor_model_parallel_size=1,
         pipeline_model_parallel_size=1,
@@ -435,9 +432,9 @@ def _write_hf_dir(
     out: str, model, shape, config, stored: dict, dtype: str | None, moe_layout: str, max_shard_bytes: int
 ) -> dict:
     """Shards, index and config.json of the export into ``out``."""
-    state = model_state(model)
+    state = model_of(shape).hf_model_state(model)
     writer = ShardedWriter(out, max_shard_bytes)
-    rules = mapping_rules(shape)
+    rules = model_of(shape).hf_mapping_rules(shape)
     for rule in _progress(rules, len(rules), "export"):
         out_dtype = DTYPES[dtype] if dtype else stored[rule.megatron[0]]
         for name, tensor in zip(rule.hf, rule.to_hf([state[n] for n in rule.megatron])):
@@ -445,7 +442,7 @@ def _write_hf_dir(
                 writer.add(piece_name, piece.to(out_dtype))
     shards = writer.close()
     if config is None:
-        config = to_hf_config_dict(shape)
+        config = model_of(shape).shape_to_hf(shape)
     # A run without the MTP head has none to export; say so in the config too.
     text_config = {**config["text_config"], "mtp_num_hidden_layers": shape.text.mtp_num_layers}
     config = {**config, "text_config": text_config, "architectures": [hf_classes(config["model_type"])[1].__name__]}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from examples.multimodal_dev.models.qwen35_vl.configuration import Qwen35VLShape, to_hf_config_dict
+from examples.multimodal_dev.models import model_of
 
 
 def hf_classes(model_type: str):
@@ -21,10 +21,10 @@ def hf_classes(model_type: str):
     return classes[model_type]
 
 
-def hf_model_for_shape(shape: Qwen35VLShape, attn_implementation: str = "sdpa", seed: int = 0):
+def hf_model_for_shape(shape, attn_implementation: str = "sdpa", seed: int = 0):
     """``Qwen3_5(Moe)ForConditionalGeneration`` of this shape in fp32, with transformers' own
     random initialisation (seeded)."""
-    cfg = to_hf_config_dict(shape)
+    cfg = model_of(shape).shape_to_hf(shape)
     config_cls, model_cls = hf_classes(cfg.pop("model_type"))
     config = config_cls(**cfg)
     config._attn_implementation = attn_implementation

@@ -22,9 +22,9 @@ def declared_shape(args):
     Face config of ``--hf-config-path``; megatron's model flags are not read."""
     entry = get_model_entry(args.model_arch)
     if args.hf_config_path:
-        return entry.load("shape_from_hf")(args.hf_config_path), f"--hf-config-path {args.hf_config_path}"
+        return entry.shape_from_hf(args.hf_config_path), f"--hf-config-path {args.hf_config_path}"
     moe = {"auto": None, "on": True, "off": False}[args.variant_moe]
-    return entry.load("shape_fn")(args.model_variant, moe=moe), f"variant {args.model_variant!r}"
+    return entry.shape_fn(args.model_variant, moe=moe), f"variant {args.model_variant!r}"
 
 
 def resolve_shape(args):
@@ -98,10 +98,10 @@ def stored_shape(stored):
     entry = get_model_entry(arch)
     config = getattr(stored, "hf_config_path", None)
     if config:
-        return entry.load("shape_from_hf")(config) if os.path.exists(config) else None
+        return entry.shape_from_hf(config) if os.path.exists(config) else None
     variant = getattr(stored, "model_variant", None)
     moe = {"auto": None, "on": True, "off": False}.get(getattr(stored, "variant_moe", "auto"))
-    return entry.load("shape_fn")(variant, moe=moe) if variant else None
+    return entry.shape_fn(variant, moe=moe) if variant else None
 
 
 def shape_differences(

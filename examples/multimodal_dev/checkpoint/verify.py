@@ -23,7 +23,7 @@ import os
 import torch
 
 from examples.multimodal_dev.data.sources import resolve
-from examples.multimodal_dev.models.qwen35_vl.mrope import padded_batch_position_ids
+from examples.multimodal_dev.models import model_of
 
 from . import hf_conversion
 from .hf_safetensors import read_config
@@ -160,7 +160,7 @@ def _logits_pair(hf, mg, shape, case: dict):
         pixel_values=case.get("pixel_values"),
         image_grid_thw=grid,
     ).logits
-    position_ids = padded_batch_position_ids(
+    position_ids = model_of(shape).padded_position_ids(
         ids, mask, grid, None, shape.image_token_id, shape.video_token_id, shape.vision.spatial_merge_size
     )
     mg_out = mg(ids, position_ids, None, pixel_values=case.get("pixel_values"), image_grid_thw=grid)

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from examples.multimodal_dev.models.qwen35_vl.mrope import packed_position_ids, run_grids, split_video_frames
+from examples.multimodal_dev.models import get_model_entry
 
 from .batch import BatchStats, PackedBatch
 from .sample import IGNORE_INDEX, VISION_KINDS, VisionTokens
@@ -48,8 +48,9 @@ def _vision_inputs(samples, tokens_1T: torch.Tensor, tokens: VisionTokens):
         fields[pixel_field] = torch.cat([s[pixel_field] for s in samples]) if grids.shape[0] else None
     none = torch.zeros(0, 3, dtype=torch.long)
     images = fields["image_grid_thw"] if fields["image_grid_thw"] is not None else none
-    frames = split_video_frames(fields["video_grid_thw"]) if fields["video_grid_thw"] is not None else none
-    runs, n_img, n_vid = run_grids(tokens_1T, images, frames, tokens.image, tokens.video, where="the micro-batch")
+    model = get_model_entry(tokens.arch)
+    frames = model.split_video_frames(fields["video_grid_thw"]) if fields["video_grid_thw"] is not None else none
+    runs, n_img, n_vid = model.run_grids(tokens_1T, images, frames, tokens.image, tokens.video, where="the micro-batch")
     # run_grids refuses too few grids; a grid left over would shift every later image's pixels
     # onto the wrong placeholders of a later micro-batch's model call, so refuse too many too
     for what, used, listed, field in (
@@ -100,7 +101,9 @@ def pack_thd(samples: list[dict], tokens: VisionTokens, pad_multiple: int = 1) -
 
     tokens_1T = scatter("input_ids", 0, torch.long)
     vision, grids = _vision_inputs(samples, tokens_1T[0], tokens)
-    position_ids_3T = packed_position_ids(tokens_1T[0], grids, tokens.vision_ids, tokens.spatial_merge, cu_padded)
+    position_ids_3T = get_model_entry(tokens.arch).packed_position_ids(
+        tokens_1T[0], grids, tokens.vision_ids, tokens.spatial_merge, cu_padded
+    )
     cu_seqlens = torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0))
     # PackedSeqParams takes both: cu_seqlens counts real tokens only; sample b's real tokens
     # sit at cu_seqlens_padded[b] .. cu_seqlens_padded[b] + lengths[b] in the row.

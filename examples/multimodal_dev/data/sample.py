@@ -30,9 +30,11 @@ token). ``build_sft_sample`` is its single-turn form (prompt, then one answer).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from examples.multimodal_dev.models import DEFAULT_ARCH
 
 IGNORE_INDEX = -100
 FIELDS = ("input_ids", "labels", "loss_mask", "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
@@ -63,6 +65,9 @@ class VisionTokens:
     vision_start: int
     vision_end: int
     spatial_merge: int
+    # the model whose MRoPE positions the collate computes (its MODEL_REGISTRY key); a processor's
+    # tokens do not know it and agree with any model's
+    arch: str = field(default=DEFAULT_ARCH, compare=False)
 
     @property
     def vision_ids(self) -> tuple[int, int]:
@@ -77,6 +82,7 @@ class VisionTokens:
             shape.vision_start_token_id,
             shape.vision_end_token_id,
             shape.vision.spatial_merge_size,
+            type(shape).arch,
         )
 
 

@@ -310,7 +310,9 @@ def swap_conversations(ranks: list[list[list[Item]]], budget: int, pool: list[It
 def plan_factory(shape, budget: int, rows_per_step: int, dp_size: int, pad_multiple: int = 1, window: int = 4096):
     """``plan_fn(dataset, cyclic)`` for ``loader.build_iterator``: plans that price a
     conversation at its training FLOPs under ``shape`` (``models/qwen35_vl/flops.py``)."""
-    from examples.multimodal_dev.models.qwen35_vl.flops import micro_batch_flops
+    from examples.multimodal_dev.models import model_of
+
+    micro_batch_flops = model_of(shape).micro_batch_flops
 
     def cost(tokens: int, grids) -> float:
         return micro_batch_flops(shape, [tokens], grids).training

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from megatron.core.inference.utils import InferenceMode
 
-from ..models.qwen35_vl.mrope import padded_batch_position_ids
+from ..models import model_of
 from .context import DecodingContext
 
 
@@ -107,7 +107,7 @@ def decode_positions(vlm, ids_BL, real_BL, image_grid_thw, video_grid_thw, max_n
     position + 1 + i on all three axes (transformers' ``cache_position + rope_deltas``)."""
     batch, length = ids_BL.shape
     positions = torch.zeros(3, batch, length + max_new_tokens, dtype=torch.long, device=ids_BL.device)
-    positions[:, :, :length] = padded_batch_position_ids(
+    positions[:, :, :length] = model_of(vlm.shape).padded_position_ids(
         ids_BL,
         real_BL,
         image_grid_thw,

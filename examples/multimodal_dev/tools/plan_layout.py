@@ -111,12 +111,16 @@ def _fail(message: str):
 
 def request_from_args(args):
     """The planner's Request, every setting checked (one line naming the flag otherwise)."""
-    from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS
+    from examples.multimodal_dev.models import default_model
+
+    VARIANTS = default_model().variants
     from examples.multimodal_dev.planner.layout_plan import MIN_CP_TOKENS, Request
     from examples.multimodal_dev.planner.pipeline_layout import LAYOUTS
 
     if args.hf_config:
-        from examples.multimodal_dev.models.qwen35_vl.configuration import from_hf_config
+        from examples.multimodal_dev.models import default_model
+
+        from_hf_config = default_model().shape_from_hf
 
         try:
             shape, name = from_hf_config(args.hf_config), args.hf_config

@@ -106,7 +106,9 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true", help="check every rank's shards against the mapping")
     args = parser.parse_args(argv)
 
-    from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS
+    from examples.multimodal_dev.models import default_model
+
+    VARIANTS = default_model().variants
     from examples.multimodal_dev.planner.pipeline_layout import LAYOUTS
 
     names = args.variants or list(LAYOUTS)

@@ -46,7 +46,10 @@ class Share:
 
 def total_flops(shape, rows):
     """``micro_batch_flops`` of every row, summed part by part (a ``FlopsBreakdown``)."""
-    from examples.multimodal_dev.models.qwen35_vl.flops import FlopsBreakdown, micro_batch_flops
+    from examples.multimodal_dev.models import default_model
+
+    FlopsBreakdown = default_model().flops_breakdown
+    micro_batch_flops = default_model().micro_batch_flops
 
     parts = [micro_batch_flops(shape, r.lengths, r.grids) for r in rows]
     return FlopsBreakdown(**{f.name: sum(getattr(p, f.name) for p in parts) for f in fields(FlopsBreakdown)})
@@ -81,7 +84,9 @@ def vision_share(name, shape, mix) -> Share:
 def mixes(names, seq_len: int, samples: int) -> dict:
     """The planner's mix for each variant. ``mock_mix`` reads the shape only for its spatial merge,
     so the rows are drawn once for each merge size and costed for each variant."""
-    from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS
+    from examples.multimodal_dev.models import default_model
+
+    VARIANTS = default_model().variants
     from examples.multimodal_dev.planner import layout_mix
 
     drawn, out = {}, {}
@@ -94,7 +99,9 @@ def mixes(names, seq_len: int, samples: int) -> dict:
 
 
 def table(seq_len: int = 4096, samples: int | None = None, names=VARIANT_NAMES) -> list[Share]:
-    from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS
+    from examples.multimodal_dev.models import default_model
+
+    VARIANTS = default_model().variants
     from examples.multimodal_dev.planner.layout_mix import DRAW
 
     return [vision_share(n, VARIANTS[n], mix) for n, mix in mixes(names, seq_len, samples or DRAW).items()]

@@ -19,7 +19,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
-from ..models.qwen35_vl.parallel import parallel_problems
+from ..models import DEFAULT_ARCH, get_model_entry, model_of
 from ..models.setting_names import VARIABLES, schedule_problem
 from ..planner.pipeline_layout import stage_layers
 from ..vision_ranks.layout import env_table
@@ -130,8 +130,7 @@ def refuse_variable_flags(argv: list[str]) -> None:
 
 def model_shape(s: Settings, gpu: bool, launch: Launch):
     """The shape and the flags that name it, from HF_CONFIG, MOE or MODEL_VARIANT."""
-    from ..models.qwen35_vl.configuration import from_hf_config, get_variant
-
+    model = get_model_entry(DEFAULT_ARCH)  # the script trains the registry's default architecture
     hf_config, ckpt_load = s.var("HF_CONFIG"), s.var("CKPT_LOAD")
     if not hf_config and ckpt_load and os.path.isfile(os.path.join(ckpt_load, "hf_config.json")):
         hf_config = os.path.join(ckpt_load, "hf_config.json")
@@ -150,14 +149,14 @@ def model_shape(s: Settings, gpu: bool, launch: Launch):
     try:
         if hf_config:
             what = f"HF_CONFIG={hf_config}"
-            return from_hf_config(hf_config), ["--hf-config-path", hf_config]
+            return model.shape_from_hf(hf_config), ["--hf-config-path", hf_config]
         if moe == "1":  # tiny with 4 experts (top-2), for expert-parallel runs on CPU
             if variant != "tiny":
                 raise LaunchError(f"MOE=1 applies to MODEL_VARIANT=tiny only ({variant} is fixed)")
             what = "MOE=1"
-            return get_variant("tiny", moe=True), ["--variant-moe", "on"]
+            return model.shape_fn("tiny", moe=True), ["--variant-moe", "on"]
         what = f"MODEL_VARIANT={variant}"
-        return get_variant(variant), []
+        return model.shape_fn(variant), []
     except LaunchError:
         raise
     except (KeyError, ValueError, OSError) as err:
@@ -255,7 +254,10 @@ def layout(s: Settings, shape) -> list[str]:
     )
     # the model's own checks (heads, Gated DeltaNet heads, experts), in the variables' names, after the
     # sequence-parallel ones and before the process counts
-    model = [f"{line} ({variant})" for line in parallel_problems(shape, tp, cp, ep, names=VARIABLES, vision=False)]
+    model = [
+        f"{line} ({variant})"
+        for line in model_of(shape).parallel_problems(shape, tp, cp, ep, names=VARIABLES, vision=False)
+    ]
     problems = [message for ok, message in checks[:3] if not ok] + model + [m for ok, m in checks[3:] if not ok]
     if problems:
         raise LaunchError(problems[0])
@@ -319,7 +321,7 @@ def model_flags(s: Settings, shape, variant_flags: list[str], data: list[str], g
     train_iters, lr = s.int("TRAIN_ITERS"), v["LR"]
     args = [
         "--model-arch",
-        "qwen35_vl",
+        DEFAULT_ARCH,
         "--model-variant",
         v["MODEL_VARIANT"],
         "--seq-length",

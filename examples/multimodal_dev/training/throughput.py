@@ -21,7 +21,7 @@ import inspect
 import torch
 
 from examples.multimodal_dev.data.batch import PackedBatch
-from examples.multimodal_dev.models.qwen35_vl.flops import FlopsBreakdown, micro_batch_flops
+from examples.multimodal_dev.models import model_of
 
 # Dense (no sparsity) bf16 tensor-core peak per GPU, TFLOP/s, from the vendors' data sheets.
 # First match wins, so the more specific names come first.
@@ -55,11 +55,11 @@ def device_peak_tflops(device_name: str, override: float | None = None) -> float
     return None
 
 
-def batch_flops(shape, batch: PackedBatch) -> FlopsBreakdown:
-    """Forward FLOPs of a collated batch (THD or BSHD): real lengths from the collate's stats,
-    so padding is never counted as work."""
+def batch_flops(shape, batch: PackedBatch):
+    """Forward FLOPs of a collated batch (THD or BSHD), the model's ``FlopsBreakdown``: real lengths
+    from the collate's stats, so padding is never counted as work."""
     grids = [g for grid in (batch.image_grid_thw, batch.video_grid_thw) if grid is not None for g in grid.tolist()]
-    return micro_batch_flops(shape, batch.stats.lengths, grids)
+    return model_of(shape).micro_batch_flops(shape, batch.stats.lengths, grids)
 
 
 class StepFlops:

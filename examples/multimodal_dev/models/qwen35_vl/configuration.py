@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 from .parallel import validate_parallel
 
@@ -84,6 +85,7 @@ class TextShape:
 
 @dataclass(frozen=True)
 class Qwen35VLShape:
+    arch: ClassVar[str] = "qwen35_vl"  # its MODEL_REGISTRY key (models.model_of)
     text: TextShape = field(default_factory=TextShape)
     vision: VisionShape = field(default_factory=VisionShape)
     image_token_id: int = 248056
