@@ -18,6 +18,7 @@ from examples.multimodal_dev.models import get_model_entry
 from examples.multimodal_dev.models.common.config_from_args import given_flags, megatron_parser
 from examples.multimodal_dev.training.backend import backend_of
 from examples.multimodal_dev.vision_ranks import groups as vision_ranks
+from examples.multimodal_dev.vision_ranks.stage import own_ranks_module
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,13 +60,9 @@ def model_provider(
         post_process=post_process,
         vp_stage=vp_stage,
         module=separate and separate.role,
-        groups=separate and separate.groups,
     )
-    if separate and separate.fan_in > 1:  # several vision replicas serve one language replica
-        if separate.on_vision:
-            model.shares, model.share = separate.fan_in, separate.share
-        else:
-            model.received_shares = separate.fan_in
+    if separate:  # the tower as a stage of its own, or the language model fed its features
+        model = own_ranks_module(model, separate)
     if model.vision_model is not None:
         model.vision_model.chunk_patches = args.vision_chunk_patches
     for flag, part in (

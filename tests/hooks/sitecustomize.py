@@ -185,7 +185,7 @@ if os.environ.get("CUT_VISION_GRAD") == "1" and _RANK_PROCESS:  # training ranks
     _bridge_communicate = ColocatedBridgeCommunicator.communicate
     ColocatedBridgeCommunicator.communicate = lambda self, tensor: _bridge_communicate(self, tensor.detach())
 
-    from examples.multimodal_dev.models.base import VisionStage  # the tower on ranks of its own
+    from examples.multimodal_dev.vision_ranks.stage import VisionStage  # the tower on ranks of its own
 
     _stage_forward = VisionStage.forward
     VisionStage.forward = lambda self, *args, **kwargs: _stage_forward(self, *args, **kwargs).detach()

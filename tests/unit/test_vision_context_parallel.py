@@ -70,12 +70,13 @@ def test_each_item_encoded_once_and_gathered_in_order(mcore, monkeypatch, cp):
 )
 def test_fan_in_shares_join_into_the_batch_order(mcore, shares, videos):
     """Vision replicas each encode a share of a micro-batch (``VisionStage``, fan-in); the bridge joins
-    their outputs in replica order; the language side (``_in_batch_order``, which sees only the grids)
-    must recover one tower's features of every item, images then videos."""
+    their outputs in replica order; the language side (``ReceivedFeatures.in_batch_order``, which sees
+    only the grids) must recover one tower's features of every item, images then videos."""
+    import functools
     from types import SimpleNamespace
 
-    from examples.multimodal_dev.models.base import VisionLanguageModel, VisionStage
     from examples.multimodal_dev.models.qwen35_vl.model import Qwen35VLModel
+    from examples.multimodal_dev.vision_ranks.stage import ReceivedFeatures, VisionStage
 
     torch.manual_seed(0)
     config = vision_transformer_config(SHAPE.vision)
@@ -84,8 +85,7 @@ def test_fan_in_shares_join_into_the_batch_order(mcore, shares, videos):
     video_grids = torch.tensor([[2, 8, 8], [3, 6, 4]]) if videos else None
     images = torch.randn(int(image_grids.prod(-1).sum()), SHAPE.vision.patch_dim)
     clips = torch.randn(int(video_grids.prod(-1).sum()), SHAPE.vision.patch_dim) if videos else None
-    stage = VisionStage(config, tower, groups=None)
-    stage.shares = shares
+    stage = VisionStage(tower, groups=None, shares=shares)
     with torch.no_grad():
         expected = torch.cat([tower(images, image_grids)] + ([tower(clips, video_grids)] if videos else []))
         sent = []
@@ -93,17 +93,17 @@ def test_fan_in_shares_join_into_the_batch_order(mcore, shares, videos):
             stage.share = share
             sent.append(stage(images, image_grids, clips, video_grids))
     assert len({s.shape[0] for s in sent}) == 1  # equal widths: the bridge splits the gradient back evenly
-    language = SimpleNamespace(shape=SHAPE, received_shares=shares)
-    language.vision_item_flops = lambda grid: Qwen35VLModel.vision_item_flops(language, grid)
+    item_flops = functools.partial(Qwen35VLModel.vision_item_flops, SimpleNamespace(shape=SHAPE))  # the LM's own
+    language = ReceivedFeatures(item_flops, SHAPE.vision.spatial_merge_size, shares=shares)
     joined = torch.cat(sent)
     torch.testing.assert_close(
-        VisionLanguageModel._in_batch_order(language, joined, (image_grids, video_grids)),
+        language.in_batch_order(joined, (image_grids, video_grids)),
         expected,
         rtol=1e-5,
         atol=1e-6,
     )
     with pytest.raises(ValueError, match=f"sent {joined.shape[0] - 1} feature rows; {shares} shares of"):
-        VisionLanguageModel._in_batch_order(language, joined[1:], (image_grids, video_grids))
+        language.in_batch_order(joined[1:], (image_grids, video_grids))
 
 
 def _busiest_share(grids: torch.Tensor, cp: int) -> float:

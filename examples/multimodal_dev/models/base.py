@@ -37,7 +37,10 @@ from .common.context_parallel import ContextParallelSplit
 
 
 class VisionLanguageModel(MegatronModule):
-    vision_only = False  # see VisionStage
+    vision_only = False  # the tower alone is another module (vision_ranks/stage.py)
+    # Features encoded elsewhere, by the tower's own ranks: vision_ranks/stage.py's ReceivedFeatures
+    # (``take`` the schedule's input, ``pending`` features, ``merge`` them). None: this model encodes.
+    received = None
 
     def __init__(self, config, vision_model, language_model, image_token_id: int, video_token_id: int):
         """``vision_model`` is None on pipeline stages other than the first, and where the tower runs on
@@ -62,16 +65,13 @@ class VisionLanguageModel(MegatronModule):
         return self.language_model.shared_embedding_or_output_weight()
 
     def set_input_tensor(self, input_tensor):
-        """With the vision tower on ranks of its own (vision_ranks/groups.py) megatron's multi-module
-        schedule hands a dict a module: the tower's features ("vision", on the first stage) and the
-        previous stage's activations ("language")."""
-        if isinstance(input_tensor, list) and input_tensor and isinstance(input_tensor[0], dict):
-            self._received_features = input_tensor[0].get("vision")
-            activations = input_tensor[0].get("language")  # [tensor] from megatron's p2p communicator
-            input_tensor = activations if isinstance(activations, list) else [activations]
+        """The previous stage's activations; with the tower on ranks of its own, what arrives also
+        carries its features, which ``received`` keeps for ``embed``."""
+        if self.received is not None:
+            input_tensor = self.received.take(input_tensor)
         self.language_model.set_input_tensor(input_tensor)
 
-    def _scatter_features(self, embeds_BSH, input_ids_BS, token_id, features, what):
+    def scatter_features(self, embeds_BSH, input_ids_BS, token_id, features, what):
         mask = input_ids_BS == token_id
         n_tokens = int(mask.sum())
         if n_tokens != features.shape[0]:
@@ -119,67 +119,27 @@ class VisionLanguageModel(MegatronModule):
             out.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, own))
         return out
 
-    # With the tower on ranks of its own, how many of its replicas each encode a share of one
-    # micro-batch's items and send it (vision_ranks/groups.py's fan-in; 1: one replica sends all).
-    received_shares = 1
-
     def vision_item_flops(self, grid_thw) -> float:
         """The tower's forward FLOPs of one item of this (t, h, w) grid, where the tower is elsewhere:
         the cost its replicas deal the items by (``vision_context_parallel.shares_of``)."""
         raise NotImplementedError(f"{type(self).__name__} does not say its vision tower's FLOPs per item")
-
-    def _in_batch_order(self, received, grids) -> torch.Tensor:
-        """The items' features in batch order from ``received_shares`` shares of equal width (each
-        replica's items in order, then padding), as the tower's replicas dealt them."""
-        grids = [g for part in grids if part is not None for g in part.tolist()]
-        owned, tokens, width = vision_context_parallel.shares_of(
-            grids, self.vision_item_flops, self.shape.vision.spatial_merge_size, self.received_shares
-        )
-        if received.shape[0] != self.received_shares * width:
-            raise ValueError(
-                f"the vision ranks sent {received.shape[0]} feature rows; {self.received_shares} shares "
-                f"of {width} were expected for this micro-batch's grids"
-            )
-        if not grids:
-            return received[:0]
-        return received.index_select(0, vision_context_parallel.batch_order(owned, tokens, width).to(received.device))
-
-    def _merge_received(self, embeds_BSH, input_ids_BS, received, grids) -> torch.Tensor:
-        """The features the tower's own ranks sent: the micro-batch's images, then its videos (at least
-        one row: a zero row when it has none; in shares, ``_in_batch_order``). They join the graph
-        even when no row is used, so their gradient, sent back to the tower, always exists."""
-        counts = [int((input_ids_BS == token).sum()) for token in (self.image_token_id, self.video_token_id)]
-        features = received if self.received_shares == 1 else self._in_batch_order(received, grids)
-        if features.shape[0] != (max(sum(counts), 1) if self.received_shares == 1 else sum(counts)):
-            raise ValueError(
-                f"the batch has {counts[0]} image and {counts[1]} video placeholder tokens but the vision "
-                f"ranks sent {features.shape[0]} features"
-            )
-        image, video = features[: counts[0]], features[counts[0] : sum(counts)]
-        if counts[0]:
-            embeds_BSH = self._scatter_features(embeds_BSH, input_ids_BS, self.image_token_id, image, "images")
-        if counts[1]:
-            embeds_BSH = self._scatter_features(embeds_BSH, input_ids_BS, self.video_token_id, video, "videos")
-        return embeds_BSH + (received.sum() * 0).to(embeds_BSH.dtype)
 
     def embed(
         self, input_ids_BS, pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None
     ) -> torch.Tensor:
         """Decoder input [S, B, H] with vision features merged at placeholder tokens."""
         embeds_BSH = self._word_embeddings(input_ids_BS)
-        received = getattr(self, "_received_features", None)
-        if received is not None:  # encoded on the vision tower's own ranks
-            self._received_features = None
+        if self.received is not None and self.received.pending is not None:  # encoded on the tower's own ranks
             grids = (image_grid_thw, video_grid_thw)
-            return self._merge_received(embeds_BSH, input_ids_BS, received, grids).transpose(0, 1).contiguous()
+            return self.received.merge(self, embeds_BSH, input_ids_BS, grids).transpose(0, 1).contiguous()
         if pixel_values is not None:
             feats = self._encode(pixel_values, image_grid_thw)
-            embeds_BSH = self._scatter_features(embeds_BSH, input_ids_BS, self.image_token_id, feats, "images")
+            embeds_BSH = self.scatter_features(embeds_BSH, input_ids_BS, self.image_token_id, feats, "images")
         elif bool((input_ids_BS == self.image_token_id).any()):
             raise ValueError("the batch has image placeholder tokens but no pixel_values")
         if pixel_values_videos is not None:
             feats = self._encode(pixel_values_videos, video_grid_thw)
-            embeds_BSH = self._scatter_features(embeds_BSH, input_ids_BS, self.video_token_id, feats, "videos")
+            embeds_BSH = self.scatter_features(embeds_BSH, input_ids_BS, self.video_token_id, feats, "videos")
         elif bool((input_ids_BS == self.video_token_id).any()):
             raise ValueError("the batch has video placeholder tokens but no pixel_values_videos")
         if (
@@ -253,60 +213,3 @@ class VisionLanguageModel(MegatronModule):
             padding_mask=padding_mask,
         )
         return (output, loss_mask) if return_loss_mask else output
-
-
-class VisionStage(MegatronModule):
-    """The vision tower alone, on ranks of its own (vision_ranks/groups.py): a pipeline stage ahead
-    of the language model. Its output, the micro-batch's image features then its video features
-    ([N, H], at least one row), goes to the language model's first stage."""
-
-    vision_only = True
-    rng_state_key_prefix = "vision."  # megatron.training's checkpoints: the tower's RNG states apart from the LM's
-
-    def __init__(self, config, vision_model, groups):
-        super().__init__(config=config)
-        self.vision_model = vision_model
-        self.groups = groups
-        self.pre_process, self.post_process, self.share_embeddings_and_output_weights = True, False, False
-
-    @property
-    def pg_collection(self):
-        return self.groups
-
-    def set_input_tensor(self, input_tensor):
-        """The first stage of the whole model: nothing arrives."""
-
-    # Under fan-in (vision_ranks/groups.py) ``shares`` replicas of the tower serve one language
-    # replica: each encodes share ``share`` of a micro-batch's items, dealt by FLOPs.
-    shares, share = 1, 0
-
-    def forward(self, pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None):
-        kinds = [
-            (pixels, grid)
-            for pixels, grid in ((pixel_values, image_grid_thw), (pixel_values_videos, video_grid_thw))
-            if pixels is not None
-        ]
-        width = None
-        if self.shares > 1:
-            kinds, width = self._my_share(kinds)
-        parts = [self.vision_model(pixels, grid) for pixels, grid in kinds]
-        if not parts:  # nothing to encode: zero rows, joined to every weight (joined_zero says why)
-            return vision_context_parallel.idle_features(self.vision_model, width or 1)
-        features = torch.cat(parts) if len(parts) > 1 else parts[0]
-        if width is not None:  # the language side splits the gradient back into equal shares
-            features = torch.nn.functional.pad(features, (0, 0, 0, width - features.shape[0]))
-        return features
-
-    def _my_share(self, kinds):
-        """(this replica's items, by kind, as (pixels, grids); the rows every share sends)."""
-        grids = [g for _, grid in kinds for g in grid.tolist()]
-        owned, _, width = vision_context_parallel.shares_of(
-            grids, self.vision_model.item_flops, self.vision_model.shape.spatial_merge_size, self.shares
-        )
-        mine, offset, out = owned[self.share], 0, []
-        for pixels, grid in kinds:
-            own = [i - offset for i in mine if offset <= i < offset + grid.shape[0]]
-            if own:
-                out.append((vision_context_parallel.take_items(pixels, grid, own), grid[own]))
-            offset += grid.shape[0]
-        return out, width

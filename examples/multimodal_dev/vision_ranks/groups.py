@@ -20,7 +20,7 @@ world-wide is said where it happens:
   gradients by the world's count (``finalize_model_grads``);
 * the FLOPs meter: the tower's ranks join its all-reduce and add nothing (dataset_provider.py);
 * checkpoints: each module's ranks write their own shards of the ordinary layout's keys, the
-  tower's RNG states under ``vision.rng_state`` (``VisionStage.rng_state_key_prefix``), and the
+  tower's RNG states under ``vision.rng_state`` (``stage.VisionStage.rng_state_key_prefix``), and the
   common state is the language model's (``language_common``).
 
 Data parallelism: the tower's DP is a multiple or a divisor of the language model's.

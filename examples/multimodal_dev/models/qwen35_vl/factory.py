@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from ..base import VisionStage
 from .configuration import Qwen35VLShape, language_transformer_config, vision_transformer_config
 from .model import Qwen35VLModel
 from .parallel import validate_parallel
@@ -21,7 +20,6 @@ def build_model(
     post_process: bool = True,
     vp_stage: int | None = None,
     module: str | None = None,
-    groups=None,
     **settings,
 ):
     """``configs``: (decoder, vision) TransformerConfigs made from megatron's args (training);
@@ -29,8 +27,7 @@ def build_model(
     tensor_model_parallel_size) for tests, conversion and benchmarks. ``pre_process`` /
     ``post_process`` / ``vp_stage``: the pipeline stage to build (megatron.training's get_model).
     ``module``: "vision" or "language" where the tower runs on ranks of its own
-    (vision_ranks/groups.py), the tower alone as a ``VisionStage`` on its process ``groups`` or the
-    language model without it."""
+    (vision_ranks/stage.py), the tower alone or the language model without it."""
     if configs is None:
         configs = (
             language_transformer_config(shape.text, params_dtype, **settings),
@@ -47,7 +44,7 @@ def build_model(
         colocated=module is None,
     )
     if module == "vision":
-        return VisionStage(vision_config, Qwen35VisionModel(vision_config, shape.vision, backend), groups)
+        return Qwen35VisionModel(vision_config, shape.vision, backend)
     return Qwen35VLModel(
         shape,
         language_config,
