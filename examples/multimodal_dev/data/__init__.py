@@ -5,7 +5,7 @@ with their own ``build_iterator`` (energon: an iterable that shards by rank itse
 
 from __future__ import annotations
 
-import importlib
+from examples.multimodal_dev.megatron_changes.applier import load
 
 DATASET_PROVIDERS = {
     "mock": ".mock.build_datasets",
@@ -21,4 +21,4 @@ def get_dataset_provider(name: str):
     if name not in DATASET_PROVIDERS:
         raise KeyError(f"unknown --dataset-provider {name!r}; valid: {', '.join(sorted(DATASET_PROVIDERS))}")
     module_name, _, fn = DATASET_PROVIDERS[name].rpartition(".")
-    return getattr(importlib.import_module(module_name, __name__), fn)
+    return load(f"{__name__}{module_name}:{fn}")

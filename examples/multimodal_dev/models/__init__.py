@@ -11,7 +11,7 @@ planner's tables) does not import megatron-core or the model code.
 
 from __future__ import annotations
 
-import importlib
+from examples.multimodal_dev.megatron_changes.applier import load
 
 DEFAULT_ARCH = "qwen35_vl"  # --model-arch's default
 
@@ -58,8 +58,7 @@ class ModelEntry:
             raise AttributeError(f"a model entry has no seam {seam!r}; the seams are {', '.join(SEAMS)}")
         if seam not in self._loaded:
             module_name, _, name = paths[seam].rpartition(".")
-            module = importlib.import_module(f"{self.package}.{module_name}", __name__)
-            self._loaded[seam] = getattr(module, name)
+            self._loaded[seam] = load(f"{__name__}{self.package}.{module_name}:{name}")
         return self._loaded[seam]
 
 
