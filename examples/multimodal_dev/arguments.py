@@ -7,6 +7,8 @@ shape ``--model-variant`` / ``--hf-config-path`` names (``models/megatron_args.p
 
 from __future__ import annotations
 
+from examples.multimodal_dev.lora.targets import DEFAULT_TARGETS
+
 
 def _non_negative(text: str) -> float:
     import argparse
@@ -243,7 +245,25 @@ def add_multimodal_args(parser):
         "cheaper saves, but it resumes at another DP size only; this playground saves "
         "--dist-ckpt-optim-fully-reshardable otherwise (checkpoint/optimizer_format.py)",
     )
+    _add_lora_args(parser.add_argument_group("LoRA fine-tuning (lora/)"))
     # No default here: backend.engine_defaults() picks transformer_engine or local by what the
     # host has, and an explicit --transformer-impl always wins.
     parser.set_defaults(transformer_impl=None)
     return parser
+
+
+def _add_lora_args(group):
+    group.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="train LoRA adapters of this rank on the --lora-targets linears, every other weight frozen (0: off)",
+    )
+    group.add_argument("--lora-alpha", type=float, default=None, help="adapter scale alpha / rank [the rank: scale 1]")
+    group.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the adapters' input")
+    group.add_argument(
+        "--lora-targets",
+        default=",".join(DEFAULT_TARGETS),
+        help="linears that get an adapter, by megatron-core's names, comma-separated (lora/targets.py) "
+        f"[{','.join(DEFAULT_TARGETS)}: every linear of the language model, Gated DeltaNet included]",
+    )

@@ -19,6 +19,7 @@ from examples.multimodal_dev.data.jsonl_source import check_data_path
 from examples.multimodal_dev.data.sources import resolve as resolve_source
 from examples.multimodal_dev.data.token_budget import check_packing_args
 from examples.multimodal_dev.dataset_provider import data_path_value
+from examples.multimodal_dev.lora import targets as lora_targets
 from examples.multimodal_dev.model_provider import model_configs, model_shape
 from examples.multimodal_dev.models.common.config_from_args import given_flags, megatron_parser
 from examples.multimodal_dev.models.common.varlen_attention import describe_thd_kernels
@@ -72,6 +73,7 @@ def checked_args() -> argparse.Namespace:
         check_packing_args(args)
         check_data_args(args)
         gen_eval.check(args)
+        lora_targets.check(args, model_shape().text.is_moe, backend_of(args))
         run_checks.check_vision_layout(args, model_shape().vision.num_heads, int(os.environ.get("WORLD_SIZE", "1")))
         language, vision = model_configs()
         text = model_shape().text

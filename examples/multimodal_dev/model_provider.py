@@ -14,6 +14,8 @@ from megatron.training import get_args
 
 from examples.multimodal_dev.arguments import add_multimodal_args
 from examples.multimodal_dev.checkpoint.run_shape import resolve_shape
+from examples.multimodal_dev.lora import apply as lora
+from examples.multimodal_dev.lora.targets import parse_targets
 from examples.multimodal_dev.models import get_model_entry
 from examples.multimodal_dev.models.common.config_from_args import given_flags, megatron_parser
 from examples.multimodal_dev.training.backend import backend_of
@@ -63,6 +65,9 @@ def model_provider(
     )
     if separate:  # the tower as a stage of its own, or the language model fed its features
         model = own_ranks_module(model, separate)
+    if args.lora_rank:  # every weight frozen, adapters on the targets (lora/)
+        targets = parse_targets(args.lora_targets)
+        lora.apply(model, args.lora_rank, args.lora_alpha, args.lora_dropout, targets, args.seed)
     if model.vision_model is not None:
         model.vision_model.chunk_patches = args.vision_chunk_patches
     for flag, part in (

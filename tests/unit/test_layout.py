@@ -9,6 +9,7 @@ functions, runs down the stack, and no two modules import each other, directly o
     planner/      the layout planner: per-rank memory and step time of launch layouts, pipeline splits
     checkpoint/   formats and safety, HF <-> Megatron conversion
     data/         providers, collate, packing
+    lora/         LoRA adapters on megatron-core's linears, their targets
     models/       registry, model code, MRoPE, FLOPs
     megatron_changes/  the table of changes to megatron: imports nothing of the project (names by path)
     evaluation/   scoring generated answers (text and JSON metrics): imports nothing of the project
@@ -29,6 +30,7 @@ LAYERS = (
     f"{PACKAGE}.megatron_changes",
     f"{PACKAGE}.evaluation",
     f"{PACKAGE}.models",
+    f"{PACKAGE}.lora",
     f"{PACKAGE}.data",
     f"{PACKAGE}.checkpoint",
     f"{PACKAGE}.planner",

@@ -1,0 +1,156 @@
+"""A LoRA adapter on one of megatron-core's tensor-parallel linears, sharded as its weight is.
+
+``y = W x + (alpha / r) * B A dropout(x)``, with ``W`` frozen, ``A`` [r, in] and ``B`` [out, r]
+trained, and ``B = 0`` at the start so the adapted model begins as the base model.
+
+The adapter is put on the linear itself (``attach``: the instance's class becomes a subclass that
+adds the adapter), so the base weight keeps its checkpoint key and its ``isinstance``, and the
+adapter's parameters sit beside it as ``lora_A`` / ``lora_B``.
+
+How each half is split under tensor parallelism follows from which side of the weight is split:
+
+- **column-parallel** (``W`` split by output rows): ``B`` is split like ``W`` (its rows follow
+  ``W``'s rows: the fused Gated DeltaNet ``in_proj`` and the gated MLP's ``linear_fc1`` keep their
+  per-rank layouts, and their checkpoint splits apply to ``B`` too); ``A`` is whole on every rank.
+  ``A x`` is complete on every rank; its gradient, a sum over the ranks' rows of ``B``, is
+  all-reduced (``copy_to_tensor_model_parallel_region``), so ``A``'s gradient and the adapter's
+  share of the input gradient are complete, and are not reduced again (under sequence
+  parallelism the gathered input's gradient is split back, not reduce-scattered).
+- **row-parallel** (``W`` split by input columns, the input split with it): ``A`` is split like
+  ``W``; ``A x`` is summed over the ranks the way ``W x`` is (all-reduce, or reduce-scatter under
+  sequence parallelism); ``B`` is whole on every rank. Under sequence parallelism each rank sees
+  its own tokens, so ``B``'s gradient is summed over the ranks by megatron's own rule for such
+  weights (``sequence_parallel`` on the parameter, ``finalize_model_grads``).
+
+Experts: an expert's linear does no communication of its own (the token dispatcher does), so its
+adapter is local too: expert tensor parallelism above 1 is refused (``targets.check``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from megatron.core.tensor_parallel import layers, mappings
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+COLUMN, ROW = "column", "row"
+
+
+def kind_of(linear) -> str | None:
+    """``COLUMN`` / ``ROW`` for megatron-core's local tensor-parallel linears, else None."""
+    if isinstance(linear, layers.ColumnParallelLinear):
+        return COLUMN
+    if isinstance(linear, layers.RowParallelLinear):
+        return ROW
+    return None
+
+
+class LoraLinear:
+    """Mixed into a megatron linear's class by ``attach``; ``lora_*`` attributes are set there."""
+
+    def forward(self, input_, *args, **kwargs):
+        output, bias = super().forward(input_, *args, **kwargs)
+        return output + self.lora_delta(input_).to(output.dtype), bias
+
+    def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
+        """``(alpha / r) * B A dropout(x)``, laid out as this linear's output on this rank."""
+        x = self.lora_dropout(x)
+        group = self.tp_group
+        if self.lora_kind == COLUMN:
+            if self.sequence_parallel and not self.explicit_expert_comm:  # the tokens of every TP rank
+                x = mappings.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=group)
+            h = torch.nn.functional.linear(x, self.lora_A.to(x.dtype))
+            if not self.explicit_expert_comm:
+                h = mappings.copy_to_tensor_model_parallel_region(h, group=group)
+            return torch.nn.functional.linear(h, self.lora_B.to(x.dtype)) * self.lora_scale
+        h = torch.nn.functional.linear(x, self.lora_A.to(x.dtype))
+        if not self.explicit_expert_comm:
+            if self.sequence_parallel:
+                h = mappings.reduce_scatter_to_sequence_parallel_region(h, group=group)
+            else:
+                h = mappings.reduce_from_tensor_model_parallel_region(h, group=group)
+        return torch.nn.functional.linear(h, self.lora_B.to(x.dtype)) * self.lora_scale
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """megatron's, with the adapter's halves sharded as the weight's sides are (and ``B`` split
+        into the weight's named sections where the module above splits the weight)."""
+        state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        axis = 0 if self.lora_kind == COLUMN else 1
+        name = "lora_B" if self.lora_kind == COLUMN else "lora_A"
+        sharded = make_sharded_tensors_for_checkpoint(
+            {name: getattr(self, name)},
+            prefix,
+            {name: axis},
+            sharded_offsets,
+            tp_group=self.tp_group,
+            dp_cp_group=metadata["dp_cp_group"],
+        )
+        if self.lora_rows is not None and name == "lora_B":
+            sharded = {k: self.lora_rows(v, sharded_offsets, metadata) for k, v in sharded.items()}
+        state.update(sharded)
+        return state
+
+    @torch.no_grad()
+    def merged_weight(self) -> torch.Tensor:
+        """This rank's ``W + (alpha / r) B A`` (its shard of the merged weight)."""
+        delta = (self.lora_B.double() @ self.lora_A.double()) * self.lora_scale
+        return (self.weight.double() + delta).to(self.weight.dtype)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def attach(linear, rank: int, alpha: float, dropout: float, generator: torch.Generator, rows=None) -> None:
+    """Give ``linear`` (column- or row-parallel) a LoRA adapter of ``rank`` and freeze its own weights.
+
+    ``generator`` draws ``A`` (whole, then this rank's slice: see ``_init_a``).
+    ``rows(sharded_tensor, sharded_offsets, metadata)``: how the module above splits this linear's
+    weight in checkpoints (a gated MLP's gate and up halves, Gated DeltaNet's in_proj sections),
+    applied to ``B`` too, whose rows follow the weight's."""
+    kind = kind_of(linear)
+    if kind is None:
+        raise TypeError(f"{type(linear).__name__} is not one of megatron-core's tensor-parallel linears")
+    if kind == COLUMN and linear.gather_output:
+        raise ValueError("a column-parallel linear that gathers its output has no adapter layout here")
+    if kind == ROW and not linear.input_is_parallel:
+        raise ValueError("a row-parallel linear that splits its own input has no adapter layout here")
+    base = type(linear)
+    if base not in _CLASSES:
+        _CLASSES[base] = type(f"Lora{base.__name__}", (LoraLinear, base), {})
+    out_local, in_local = linear.weight.shape
+    weight = linear.weight
+    a_shape = (rank, in_local)
+    b_shape = (out_local, rank)
+    lora_A = torch.nn.Parameter(torch.empty(a_shape, dtype=weight.dtype, device=weight.device))
+    lora_B = torch.nn.Parameter(torch.zeros(b_shape, dtype=weight.dtype, device=weight.device))
+    _init_a(lora_A, kind, linear, generator)
+    for p in linear.parameters():
+        p.requires_grad_(False)
+    split = lora_B if kind == COLUMN else lora_A
+    layers.set_tensor_model_parallel_attributes(split, is_parallel=True, dim=0 if kind == COLUMN else 1, stride=1)
+    for param in (lora_A, lora_B):
+        if hasattr(weight, "allreduce"):  # experts: reduced over the expert data-parallel group
+            param.allreduce = weight.allreduce
+    if kind == ROW and linear.sequence_parallel and not linear.explicit_expert_comm:
+        lora_B.sequence_parallel = True  # each TP rank's gradient covers its own tokens: summed over TP
+    linear.__class__ = _CLASSES[base]
+    linear.lora_A, linear.lora_B = lora_A, lora_B
+    linear.lora_kind, linear.lora_rank, linear.lora_scale = kind, rank, alpha / rank
+    linear.lora_dropout = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
+    linear.lora_rows = rows
+
+
+def _init_a(lora_A: torch.nn.Parameter, kind: str, linear, generator: torch.Generator) -> None:
+    """Kaiming-uniform as PEFT's default, drawn whole and sliced under row parallelism: with a
+    generator seeded by the linear's name in the whole model, every layout starts from the same
+    adapter (the seed, not the layout, decides it)."""
+    rank, in_local = lora_A.shape
+    fan_in = in_local * (linear.tp_group.size() if kind == ROW and not linear.explicit_expert_comm else 1)
+    bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform_ with a = sqrt(5)
+    whole = (torch.rand(rank, fan_in, generator=generator, dtype=torch.float64) * 2 - 1) * bound
+    if kind == ROW and not linear.explicit_expert_comm:
+        tp_rank = linear.tp_group.rank()
+        whole = whole[:, tp_rank * in_local : (tp_rank + 1) * in_local]
+    with torch.no_grad():
+        lora_A.copy_(whole.to(lora_A.dtype))

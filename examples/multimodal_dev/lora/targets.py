@@ -1,0 +1,83 @@
+"""Which linears get a LoRA adapter (``apply.py`` puts them on a built model).
+
+A target is a linear's name, as megatron-core names it:
+
+    linear_qkv, linear_proj     gated attention (query/gate/key/value in; output out)
+    in_proj, out_proj           Gated DeltaNet (the fused q, k, v, z, beta, alpha in; output out)
+    linear_fc1, linear_fc2      the MLP: dense, every routed expert and the shared expert
+    vision.NAME                 the same names in the vision tower's blocks
+    vision.merger.linear_fc1    the patch merger (and .linear_fc2)
+
+``DEFAULT_TARGETS`` covers every linear of the language model's decoder: three layers in four of
+Qwen3.5 are Gated DeltaNet, so adapters named only after attention and the MLP would leave most of
+the model without one. The vision tower, the output layer, the router and the MTP head keep their
+weights frozen unless named.
+"""
+
+from __future__ import annotations
+
+LANGUAGE_TARGETS = ("linear_qkv", "linear_proj", "in_proj", "out_proj", "linear_fc1", "linear_fc2")
+VISION_TARGETS = tuple(f"vision.{n}" for n in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")) + (
+    "vision.merger.linear_fc1",
+    "vision.merger.linear_fc2",
+)
+TARGETS = LANGUAGE_TARGETS + VISION_TARGETS
+DEFAULT_TARGETS = LANGUAGE_TARGETS
+EXPERT_TARGETS = ("linear_fc1", "linear_fc2")  # bare names reach the routed experts too
+
+_LANGUAGE_PREFIX = "language_model.decoder.layers."
+_VISION_BLOCKS = "vision_model.decoder.layers."
+_VISION_MERGER = "vision_model.merger."
+
+
+def parse_targets(spec: str) -> tuple[str, ...]:
+    """``--lora-targets``: names separated by commas, each one of ``TARGETS``; refused by name."""
+    names = tuple(dict.fromkeys(n.strip() for n in spec.split(",") if n.strip()))
+    unknown = [n for n in names if n not in TARGETS]
+    if not names or unknown:
+        raise ValueError(
+            f"--lora-targets {spec!r}: {'no target named' if not names else 'no linear is named ' + ', '.join(unknown)}"
+            f"; the targets are {', '.join(TARGETS)}"
+        )
+    return names
+
+
+def target_of(name: str, targets: tuple[str, ...]) -> str | None:
+    """The target that module ``name`` (a dotted path in the model) answers to, if any."""
+    last = name.rpartition(".")[2]
+    if name.startswith(_LANGUAGE_PREFIX) or f".{_LANGUAGE_PREFIX}" in name:
+        return last if last in targets else None
+    if _VISION_MERGER in name:
+        target = f"vision.merger.{last}"
+    elif _VISION_BLOCKS in name:
+        target = f"vision.{last}"
+    else:
+        return None
+    return target if target in targets else None
+
+
+def check(args, moe: bool, backend: str) -> None:
+    """The LoRA flags of a run, refused by name before any process group (and ``--lora-alpha``
+    defaulted to the rank). ``moe``: the model has routed experts; ``backend``: the module backend."""
+    if args.lora_rank < 0:
+        raise ValueError(f"--lora-rank {args.lora_rank}: must be 0 (off) or a positive rank")
+    if not args.lora_rank:
+        return
+    if args.lora_alpha is None:
+        args.lora_alpha = float(args.lora_rank)
+    if not (0 < args.lora_alpha < float("inf")):
+        raise ValueError(f"--lora-alpha {args.lora_alpha}: must be a positive number")
+    if not 0 <= args.lora_dropout < 1:
+        raise ValueError(f"--lora-dropout {args.lora_dropout}: must be in [0, 1)")
+    targets = parse_targets(args.lora_targets)
+    if backend != "local":
+        raise ValueError(
+            f"--lora-rank {args.lora_rank}: adapters are put on megatron-core's own linears; "
+            f"run with --transformer-impl local (TRANSFORMER_IMPL=local), not {backend}"
+        )
+    etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    if moe and etp > 1 and set(targets) & set(EXPERT_TARGETS):
+        raise ValueError(
+            f"--lora-targets {args.lora_targets}: adapters on the routed experts need whole experts per rank; "
+            f"set --expert-tensor-parallel-size 1 (ETP=1), not {etp}"
+        )
