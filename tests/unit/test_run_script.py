@@ -120,6 +120,18 @@ def test_each_own_data_variable_reaches_its_flag(variable):
         assert rc == 0 and flag not in _flags(out), err
 
 
+def test_lora_variables_reach_their_flags_on_the_local_backend():
+    """One variable turns LoRA on; the other two reach their flags only when it does, and the backend
+    is megatron-core's own linears unless TRANSFORMER_IMPL says otherwise (the script then refuses)."""
+    rc, out, err = _script(LORA_RANK="8", LORA_ALPHA="16", LORA_TARGETS="in_proj,out_proj")
+    assert rc == 0, err
+    flags = _flags(out)
+    assert (flags["lora_rank"], flags["lora_alpha"], flags["lora_targets"]) == ("8", "16", "in_proj,out_proj")
+    assert flags["transformer_impl"] == "local"
+    rc, out, err = _script(LORA_ALPHA="16", LORA_TARGETS="in_proj")
+    assert rc == 0 and not {"lora_rank", "lora_alpha", "lora_targets"} & set(_flags(out)), err
+
+
 # Read by the processes the launch starts (training/torchrun_launcher.py, training/engine_handover.py)
 LAUNCHER_VARIABLES = {"FORK_RANKS": "torchrun_launcher.py", "ENGINE_SERVER": "engine_handover.py"}
 
@@ -150,6 +162,7 @@ def test_every_variable_in_the_table_is_read_by_a_launch(tmp_path):
             GPUS="8",
             MODEL_VARIANT="9b",
         ),
+        dict(LORA_RANK="8", LORA_ALPHA="16", LORA_TARGETS="in_proj"),
     ):
         read |= set(launch.prepare(environ, [], False, launch.Launch()).read)
     assert read | set(LAUNCHER_VARIABLES) == run_variables.NAMES, sorted(run_variables.NAMES - read)
@@ -168,6 +181,7 @@ def test_every_variable_in_the_table_is_read_by_a_launch(tmp_path):
         (dict(MODEL_VARIANT="nope"), "MODEL_VARIANT=nope: unknown --model-variant .nope.; valid: 0.8b"),
         (dict(DATASET="cord_v2"), "DATASET=cord_v2 needs DATA_PATH"),
         (dict(DATASET="webvid"), "DATASET=webvid must be mock, mock_mix, mock_video, cord_v2, jsonl or energon"),
+        (dict(LORA_RANK="-4"), "LORA_RANK=-4 must be 0 \\(off\\) or a positive rank"),
         (dict(DATASET="jsonl"), "DATASET=jsonl needs DATA_PATH"),
         (dict(STRICT_DATA="1"), "apply to DATASET=jsonl \\(and energon\\) only \\(DATASET=mock\\)"),
         (

@@ -173,6 +173,13 @@ CHANGES: tuple[Change, ...] = (
         f"{_P}checkpoint.rng_per_rank:own_rank_first",
         "... and on load each DP rank takes its own entry",
     ),
+    Change(
+        "lora-from-base",
+        f"{_CKPT}_load_base_checkpoint",
+        f"{_P}checkpoint.adapters_from_base:base_without_adapters",
+        "a model with LoRA adapters loads a checkpoint without any (the base it adapts) instead of stopping on "
+        "the missing adapter keys; the adapters keep their start",
+    ),
     # Save-time work, one wrapper with its hooks in order (checkpoint/save_hooks.py).
     Change(
         "save-hooks",

@@ -50,6 +50,9 @@ VARIABLE_OF_FLAG = {
     "--packed-seq-length": "PACKED_SEQ_LENGTH",
     "--dataset-provider": "DATASET",
     "--transformer-impl": "TRANSFORMER_IMPL",
+    "--lora-rank": "LORA_RANK",
+    "--lora-alpha": "LORA_ALPHA",
+    "--lora-targets": "LORA_TARGETS",
 }
 DATASETS = ("mock", "mock_mix", "mock_video", "cord_v2", "jsonl", "energon")
 OWN_DATA = (
@@ -176,6 +179,8 @@ def sizes(s: Settings, shape, gpu: bool) -> None:
     vision_nproc = s.var("VISION_NPROC", "0")
     if not re.fullmatch(r"0|[1-9][0-9]*", vision_nproc):
         raise LaunchError(f"VISION_NPROC={vision_nproc} must be a non-negative integer")
+    if not re.fullmatch(r"0|[1-9][0-9]*", s.var("LORA_RANK", "0")):
+        raise LaunchError(f"LORA_RANK={s.values['LORA_RANK']} must be 0 (off) or a positive rank")
     s.var("PP_FIRST", "0")
     s.var("PP_LAST", "0")
     s.var("SP", "1" if s.int("TP") > 1 and t.is_moe else "0")
@@ -395,6 +400,10 @@ def model_flags(s: Settings, shape, variant_flags: list[str], data: list[str], g
     args += ["--mtp-num-layers", "1", "--position-embedding-type", "rope"] if mtp == "1" else []
     for name, flag in (("DATA_PATH", "--data-path"), ("HF_PROCESSOR_PATH", "--hf-processor-path")):
         args += [flag, s.var(name)] if s.var(name) else []
+    if s.int("LORA_RANK"):  # the training script checks the values (lora/targets.py)
+        args += ["--lora-rank", v["LORA_RANK"]]
+        for name, flag in (("LORA_ALPHA", "--lora-alpha"), ("LORA_TARGETS", "--lora-targets")):
+            args += [flag, s.var(name)] if s.var(name) else []
     return args
 
 
@@ -407,7 +416,11 @@ def backend_flags(s: Settings, gpu: bool, launch: Launch) -> list[str]:
     """Transformer Engine where a GPU has it, else megatron-core's local modules (the same checkpoint
     keys either way); the host decides precision and the collective backend."""
     impl = s.var("TRANSFORMER_IMPL")
-    if not impl:
+    if not impl and s.int("LORA_RANK"):  # adapters sit on megatron-core's own linears
+        impl = "local"
+        s.set("TRANSFORMER_IMPL", impl)
+        launch.said.append("backend local (LoRA adapters are on megatron-core's own linears)")
+    elif not impl:
         impl = "transformer_engine" if gpu and _te_imports() else "local"
         s.set("TRANSFORMER_IMPL", impl)
         launch.said.append(f"backend {impl} ({'GPU' if gpu else 'CPU'} host; TRANSFORMER_IMPL overrides)")

@@ -119,6 +119,17 @@ VARIABLES: tuple[tuple[tuple[str, ...], str, str], ...] = (
         "frame after resizing",
     ),
     (
+        ("LORA_RANK",),
+        "0",
+        "LoRA fine-tuning: adapters of this rank, every other weight frozen; with `CKPT_LOAD` (an import "
+        "from Hugging Face) they adapt its weights ([docs/lora.md](docs/lora.md))",
+    ),
+    (
+        ("LORA_ALPHA", "LORA_TARGETS"),
+        "`LORA_RANK`, every linear of the language model",
+        "the adapters' scale alpha / rank, and the linears that get one (`lora/targets.py`)",
+    ),
+    (
         ("TRANSFORMER_IMPL",),
         "`transformer_engine` on a GPU host where it imports, else `local` (the script says which)",
         "module backend; both write the same checkpoint keys (Transformer Engine / Megatron-Bridge names)",

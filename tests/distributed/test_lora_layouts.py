@@ -1,0 +1,78 @@
+"""LoRA through ``run_qwen35_vl.sh`` (``LORA_RANK``) on the tiny MoE model with the MTP head, fp32:
+adapters on every linear of the decoder (attention, Gated DeltaNet, the routed and shared experts).
+
+- From a base checkpoint (``parallel_start``: no adapters) a LoRA run starts: the adapters start at
+  ``B = 0``, so its first loss is the base model's, and its checkpoint holds the base weights
+  bitwise as they were, plus adapters that moved.
+- From that LoRA checkpoint every layout tracks the single process (the bounds of
+  ``test_parallelism.py``): TP with SP, EP, CP, DP with the distributed optimizer, PP.
+"""
+
+import os
+
+import pytest
+from checkpoint_diff import differences, entries
+from launch import LAYOUT_MODEL as MODEL
+from launch import NO_EVAL, run_script
+from test_parallelism import REL, REL_LATER_STEPS, _rel
+
+LORA = dict(LORA_RANK=4, LORA_ALPHA=8)
+
+# name -> (environment, iterations, extra flags)
+LAYOUTS = {
+    "TP=2 SP EP=2 ETP=1": (dict(TP=2, EP=2, ETP=1), 3, ()),
+    "CP=2": (dict(CP=2), 1, ()),
+    "EP=2": (dict(EP=2, NPROC=2), 1, ()),
+    "DP=2 distributed optimizer": (dict(NPROC=2), 2, ("--use-distributed-optimizer",)),
+    "PP=2": (dict(PP=2), 1, ()),
+}
+
+
+@pytest.fixture(scope="module")
+def lora_start(parallel_start, tmp_path_factory):
+    """One LoRA step from the base checkpoint, saved: (the run, its checkpoint directory)."""
+    path = tmp_path_factory.mktemp("lora") / "start"
+    run = run_script(NO_EVAL, CKPT_LOAD=parallel_start, CKPT_SAVE=path, TRAIN_ITERS=1, **MODEL, **LORA).check()
+    return run, path
+
+
+@pytest.fixture(scope="module")
+def lora_single(lora_start):
+    return run_script(NO_EVAL, CKPT_LOAD=lora_start[1], TRAIN_ITERS=3, **MODEL, **LORA).check()
+
+
+def test_a_lora_run_from_the_base_keeps_the_base_bitwise(parallel_start, one_process, lora_start, tmp_path):
+    """The adapters start at B = 0: the first loss is the base model's (the same step of the full
+    run from the same checkpoint). Only adapters are in the optimizer: every base weight saved after
+    the step equals the base checkpoint's, bitwise, and the adapters are new entries that moved."""
+    run, path = lora_start
+    assert "holds no LoRA adapters" in run.output
+    assert run.losses[1] == one_process[0].losses[1], (run.losses[1], one_process[0].losses[1])
+    base = entries(parallel_start / "iter_0000001", tmp_path)
+    tuned = entries(path / "iter_0000001", tmp_path)
+    weights = [k for k in base if k.startswith(("language_model.", "vision_model."))]
+    assert weights and all(k in tuned for k in weights)
+    changed = [d for k in weights for d in differences(base[k], tuned[k], k)]
+    assert not changed, f"base weights changed by LoRA training: {changed[:5]}"
+    adapters = sorted(k for k in tuned if ".lora_" in k)
+    assert any(".in_proj.lora_B" in k for k in adapters) and any(".experts.experts." in k for k in adapters)
+    assert any(tuned[k].abs().max() > 0 for k in adapters if ".lora_B" in k)  # B left zero after a step
+    moments = [k for k in tuned if k.startswith("optimizer.state.exp_avg.")]
+    assert moments and all(".lora_" in k for k in moments), [k for k in moments if ".lora_" not in k][:5]
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPU cores")
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_lora_layout_matches_single_process(name, lora_start, lora_single):
+    env, iters, flags = LAYOUTS[name]
+    run = run_script((*flags, *NO_EVAL), CKPT_LOAD=lora_start[1], TRAIN_ITERS=iters, **MODEL, **LORA, **env).check()
+    ref = lora_single
+    loss_rel = [_rel(run.losses[i], ref.losses[i]) for i in range(1, iters + 1)]
+    norm_rel = _rel(run.grad_norms[1], ref.grad_norms[1])
+    print(
+        f"LoRA {name}: losses {[run.losses[i] for i in range(1, iters + 1)]} "
+        f"vs {[ref.losses[i] for i in range(1, iters + 1)]} (max rel {max(loss_rel):.1e}); "
+        f"grad norm {run.grad_norms[1]} vs {ref.grad_norms[1]} (rel {norm_rel:.1e})"
+    )
+    assert loss_rel[0] < REL and norm_rel < REL
+    assert max(loss_rel) < REL_LATER_STEPS
