@@ -5,7 +5,8 @@ adapters on every linear of the decoder (attention, Gated DeltaNet, the routed a
   ``B = 0``, so its first loss is the base model's, and its checkpoint holds the base weights
   bitwise as they were, plus adapters that moved.
 - From that LoRA checkpoint every layout tracks the single process (the bounds of
-  ``test_parallelism.py``): TP with SP, EP, CP, DP with the distributed optimizer, PP.
+  ``test_parallelism.py``): TP with SP, EP, the experts split over TP or not, CP, DP with the
+  distributed optimizer, PP.
 """
 
 import os
@@ -21,6 +22,10 @@ LORA = dict(LORA_RANK=4, LORA_ALPHA=8)
 # name -> (environment, iterations, extra flags)
 LAYOUTS = {
     "TP=2 SP EP=2 ETP=1": (dict(TP=2, EP=2, ETP=1), 3, ()),
+    # the experts split over TP too (ETP=TP, the default): their adapters' whole halves sum their
+    # gradients over the expert-TP ranks
+    "TP=2 SP ETP=2": (dict(TP=2), 2, ()),
+    "TP=2 x CP=2": (dict(TP=2, CP=2), 1, ()),
     "CP=2": (dict(CP=2), 1, ()),
     "EP=2": (dict(EP=2, NPROC=2), 1, ()),
     "DP=2 distributed optimizer": (dict(NPROC=2), 2, ("--use-distributed-optimizer",)),

@@ -145,27 +145,18 @@ def test_targets_and_settings_are_refused_by_name():
     assert set(DEFAULT_TARGETS) <= set(TARGETS)
 
     def args(**kw):
-        base = dict(
-            lora_rank=8,
-            lora_alpha=None,
-            lora_dropout=0.0,
-            lora_targets="in_proj,linear_fc1",
-            expert_tensor_parallel_size=None,
-            tensor_model_parallel_size=1,
-        )
+        base = dict(lora_rank=8, lora_alpha=None, lora_dropout=0.0, lora_targets="in_proj,linear_fc1")
         return SimpleNamespace(**{**base, **kw})
 
     ok = args()
-    check(ok, moe=True, backend="local")
+    check(ok, backend="local")
     assert ok.lora_alpha == 8.0
     for settings, backend, message in (
         (dict(lora_rank=-1), "local", "--lora-rank -1"),
         (dict(lora_alpha=float("nan")), "local", "--lora-alpha nan"),
         (dict(lora_dropout=1.0), "local", "--lora-dropout 1.0"),
+        (dict(lora_targets="q_proj"), "local", "no linear is named q_proj"),
         ({}, "transformer_engine", "--transformer-impl local"),
-        (dict(tensor_model_parallel_size=2), "local", "--expert-tensor-parallel-size 1"),
     ):
         with pytest.raises(ValueError, match=message):
-            check(args(**settings), moe=True, backend=backend)
-    check(args(tensor_model_parallel_size=2, lora_targets="in_proj"), moe=True, backend="local")
-    check(args(tensor_model_parallel_size=2), moe=False, backend="local")
+            check(args(**settings), backend=backend)

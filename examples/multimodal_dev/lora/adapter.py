@@ -22,8 +22,12 @@ How each half is split under tensor parallelism follows from which side of the w
   its own tokens, so ``B``'s gradient is summed over the ranks by megatron's own rule for such
   weights (``sequence_parallel`` on the parameter, ``finalize_model_grads``).
 
-Experts: an expert's linear does no communication of its own (the token dispatcher does), so its
-adapter is local too: expert tensor parallelism above 1 is refused (``targets.check``).
+Experts: an expert's linear does no communication of its own; the token dispatcher sums the
+partial outputs of a row-parallel expert linear and the partial input gradients of a
+column-parallel one over the expert-TP ranks. The adapter leaves those sums to it too, so its own
+partial terms stay partial, and only the half that is whole on every expert-TP rank (``A`` of a
+column-parallel linear, ``B`` of a row-parallel one), whose gradient each rank sees a part of, has
+that gradient summed over the expert-TP group in the backward (``_WeightGradSummed``).
 """
 
 from __future__ import annotations
@@ -35,6 +39,29 @@ from megatron.core.tensor_parallel import layers, mappings
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 COLUMN, ROW = "column", "row"
+
+
+class _WeightGradSummed(torch.autograd.Function):
+    """``linear(x, w)`` whose weight gradient is summed over ``group``: ``w`` is whole on every rank
+    of it, while each rank's gradient covers only its part of the product; the input gradient
+    stays this rank's part (what the base linear's is)."""
+
+    @staticmethod
+    def forward(ctx, x, w, group):
+        ctx.save_for_backward(x, w)
+        ctx.group = group
+        return torch.nn.functional.linear(x, w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        grad_w = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        torch.distributed.all_reduce(grad_w, group=ctx.group)
+        return grad @ w, grad_w, None
+
+
+def _whole_weight_linear(x, w, group):
+    return _WeightGradSummed.apply(x, w, group) if group.size() > 1 else torch.nn.functional.linear(x, w)
 
 
 def kind_of(linear) -> str | None:
@@ -57,20 +84,22 @@ class LoraLinear:
         """``(alpha / r) * B A dropout(x)``, laid out as this linear's output on this rank."""
         x = self.lora_dropout(x)
         group = self.tp_group
+        a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
+        if self.is_expert:  # the dispatcher sums over the expert-TP ranks (its group may be of one)
+            if self.lora_kind == COLUMN:
+                return torch.nn.functional.linear(_whole_weight_linear(x, a, group), b) * self.lora_scale
+            return _whole_weight_linear(torch.nn.functional.linear(x, a), b, group) * self.lora_scale
         if self.lora_kind == COLUMN:
-            if self.sequence_parallel and not self.explicit_expert_comm:  # the tokens of every TP rank
+            if self.sequence_parallel:  # the tokens of every TP rank
                 x = mappings.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=group)
-            h = torch.nn.functional.linear(x, self.lora_A.to(x.dtype))
-            if not self.explicit_expert_comm:
-                h = mappings.copy_to_tensor_model_parallel_region(h, group=group)
-            return torch.nn.functional.linear(h, self.lora_B.to(x.dtype)) * self.lora_scale
-        h = torch.nn.functional.linear(x, self.lora_A.to(x.dtype))
-        if not self.explicit_expert_comm:
-            if self.sequence_parallel:
-                h = mappings.reduce_scatter_to_sequence_parallel_region(h, group=group)
-            else:
-                h = mappings.reduce_from_tensor_model_parallel_region(h, group=group)
-        return torch.nn.functional.linear(h, self.lora_B.to(x.dtype)) * self.lora_scale
+            h = mappings.copy_to_tensor_model_parallel_region(torch.nn.functional.linear(x, a), group=group)
+            return torch.nn.functional.linear(h, b) * self.lora_scale
+        h = torch.nn.functional.linear(x, a)
+        if self.sequence_parallel:
+            h = mappings.reduce_scatter_to_sequence_parallel_region(h, group=group)
+        else:
+            h = mappings.reduce_from_tensor_model_parallel_region(h, group=group)
+        return torch.nn.functional.linear(h, b) * self.lora_scale
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """megatron's, with the adapter's halves sharded as the weight's sides are (and ``B`` split
@@ -132,7 +161,7 @@ def attach(linear, rank: int, alpha: float, dropout: float, generator: torch.Gen
     for param in (lora_A, lora_B):
         if hasattr(weight, "allreduce"):  # experts: reduced over the expert data-parallel group
             param.allreduce = weight.allreduce
-    if kind == ROW and linear.sequence_parallel and not linear.explicit_expert_comm:
+    if kind == ROW and linear.sequence_parallel and not linear.is_expert:
         lora_B.sequence_parallel = True  # each TP rank's gradient covers its own tokens: summed over TP
     linear.__class__ = _CLASSES[base]
     linear.lora_A, linear.lora_B = lora_A, lora_B
@@ -146,10 +175,10 @@ def _init_a(lora_A: torch.nn.Parameter, kind: str, linear, generator: torch.Gene
     generator seeded by the linear's name in the whole model, every layout starts from the same
     adapter (the seed, not the layout, decides it)."""
     rank, in_local = lora_A.shape
-    fan_in = in_local * (linear.tp_group.size() if kind == ROW and not linear.explicit_expert_comm else 1)
+    fan_in = in_local * (linear.tp_group.size() if kind == ROW else 1)  # an expert's: its expert-TP group
     bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform_ with a = sqrt(5)
     whole = (torch.rand(rank, fan_in, generator=generator, dtype=torch.float64) * 2 - 1) * bound
-    if kind == ROW and not linear.explicit_expert_comm:
+    if kind == ROW:
         tp_rank = linear.tp_group.rank()
         whole = whole[:, tp_rank * in_local : (tp_rank + 1) * in_local]
     with torch.no_grad():

@@ -23,7 +23,6 @@ VISION_TARGETS = tuple(f"vision.{n}" for n in ("linear_qkv", "linear_proj", "lin
 )
 TARGETS = LANGUAGE_TARGETS + VISION_TARGETS
 DEFAULT_TARGETS = LANGUAGE_TARGETS
-EXPERT_TARGETS = ("linear_fc1", "linear_fc2")  # bare names reach the routed experts too
 
 _LANGUAGE_PREFIX = "language_model.decoder.layers."
 _VISION_BLOCKS = "vision_model.decoder.layers."
@@ -56,9 +55,9 @@ def target_of(name: str, targets: tuple[str, ...]) -> str | None:
     return target if target in targets else None
 
 
-def check(args, moe: bool, backend: str) -> None:
+def check(args, backend: str) -> None:
     """The LoRA flags of a run, refused by name before any process group (and ``--lora-alpha``
-    defaulted to the rank). ``moe``: the model has routed experts; ``backend``: the module backend."""
+    defaulted to the rank). ``backend``: the module backend."""
     if args.lora_rank < 0:
         raise ValueError(f"--lora-rank {args.lora_rank}: must be 0 (off) or a positive rank")
     if not args.lora_rank:
@@ -69,15 +68,9 @@ def check(args, moe: bool, backend: str) -> None:
         raise ValueError(f"--lora-alpha {args.lora_alpha}: must be a positive number")
     if not 0 <= args.lora_dropout < 1:
         raise ValueError(f"--lora-dropout {args.lora_dropout}: must be in [0, 1)")
-    targets = parse_targets(args.lora_targets)
+    parse_targets(args.lora_targets)
     if backend != "local":
         raise ValueError(
             f"--lora-rank {args.lora_rank}: adapters are put on megatron-core's own linears; "
             f"run with --transformer-impl local (TRANSFORMER_IMPL=local), not {backend}"
-        )
-    etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
-    if moe and etp > 1 and set(targets) & set(EXPERT_TARGETS):
-        raise ValueError(
-            f"--lora-targets {args.lora_targets}: adapters on the routed experts need whole experts per rank; "
-            f"set --expert-tensor-parallel-size 1 (ETP=1), not {etp}"
         )
