@@ -169,6 +169,9 @@ def test_mix_imbalance_is_one_for_one_replica_and_small_when_dealt(mixes):
             "divide the 16 attention heads; ",
         ),
         (["9b", "--layout", "XP=2"], "--layout XP=2: item 'XP=2': expected KEY=N"),
+        (["9b", "--gpus", "8", "--lora-rank", "-2"], "--lora-rank -2: must be 0 (off) or a positive rank"),
+        (["9b", "--gpus", "8", "--lora-targets", "in_proj"], "--lora-targets in_proj: needs --lora-rank"),
+        (["9b", "--gpus", "8", "--lora-rank", "8", "--lora-targets", "qkv"], "no linear is named qkv"),
     ],
 )
 def test_bad_settings_are_refused_in_one_line(argv, message):
@@ -261,3 +264,25 @@ def test_the_mix_of_your_own_jsonl_is_what_its_dataset_describes(tmp_path, capsy
     data.write_text(json.dumps(bad) + "\n")
     with pytest.raises(SystemExit, match=r"none of the 1 conversations read would train \(missing_image=1\)$"):
         tool.main(["9b", "--gpus", "8", "--data-path", str(data), "--hf-processor-path", processor])
+
+
+def test_a_lora_run_is_planned_with_the_base_frozen(mixes):
+    """The same layout of 35b_a3b under LoRA: the weights stay, gradients and optimizer state shrink
+    to the adapters'; the step computes no weight gradients (two passes, not three), runs the
+    tower without adapters forward only, and moves no base gradients over DP."""
+    from examples.multimodal_dev.lora.targets import LoraSettings
+
+    layout = Layout.recommended("35b_a3b")
+    cand = cost.Candidate(layout, 1)
+    full = evaluate(_request(mixes, "35b_a3b", layout.gpus), cand)
+    lora = evaluate(_request(mixes, "35b_a3b", layout.gpus, lora=LoraSettings(16)), cand)
+    for a, b in zip(full.memory, lora.memory):
+        assert a.weights < b.weights < 1.05 * a.weights  # plus the adapters (3.5 % at rank 16)
+        assert b.grads < 0.05 * a.grads and b.optimizer < 0.05 * a.optimizer
+    assert lora.memory[0].vision < full.memory[0].vision
+    # the busiest stage is the last (no tower): two passes of three
+    assert lora.time.parts["busiest_stage"] == full.time.parts["busiest_stage"] == 1
+    assert lora.time.compute == pytest.approx(full.time.compute * 2 / 3, rel=1e-12)
+    assert lora.time.dp <= full.time.dp
+    settings = tool.run_settings(lora, _request(mixes, "35b_a3b", layout.gpus, lora=LoraSettings(16)))
+    assert settings.endswith("LORA_RANK=16")

@@ -26,6 +26,7 @@ import pytest
 import torch
 from megatron.core.dist_checkpointing.mapping import is_main_replica
 
+from examples.multimodal_dev.lora.targets import TARGETS, LoraSettings
 from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS
 from examples.multimodal_dev.models.qwen35_vl.hf_mapping import mapping_rules
 from examples.multimodal_dev.planner import mapping_coverage as cov
@@ -423,3 +424,58 @@ def test_a_miscounted_tensor_is_caught(plans, monkeypatch):
     monkeypatch.setattr(rank_params, "_layer", one_more)
     with pytest.raises(AssertionError):
         _assert_counted_equals_built(plan.shape, plan.layout, plan.builds[0], "9b rank 0")
+
+
+LORA = LoraSettings(16)
+
+
+@pytest.mark.parametrize(
+    "variant,layout",
+    [
+        ("35b_a3b", mb.Layout.recommended("35b_a3b")),  # experts split over TP (ETP=2)
+        ("397b_a17b", mb.Layout.recommended("397b_a17b")),  # CP, EP=8, eight stages
+        ("9b", mb.Layout(tp=2, pp=2, gpus=4)),  # dense, with the vision tower's adapters too
+    ],
+    ids=lambda v: v if isinstance(v, str) else v.describe(),
+)
+def test_lora_adapters_counted_equal_the_builds(no_process_group, variant, layout):
+    """With LoRA the planner's count is the build's: the frozen base as without (``stage_params``),
+    the trainable adapters by kind (``adapter_params``), and the bytes of weights, gradients and
+    optimizer state (the base's gradients and state gone)."""
+    from examples.multimodal_dev.planner.layout_cost import state_bytes
+    from examples.multimodal_dev.planner.rank_params import adapter_params
+
+    lora = LORA if variant != "9b" else LoraSettings(8, TARGETS)
+    for label, rank in mb.representative_ranks(layout).items():
+        build = mb.rank_build(VARIANTS[variant], layout, rank, shards=False, lora=lora)
+        pp = build.coords["pp"]
+        frozen = [p for p in build.params if not p.trainable]
+        trained = [p for p in build.params if p.trainable]
+        assert {p.name.rsplit(".", 1)[-1] for p in trained} == {"lora_A", "lora_B"}, label
+        counted = adapter_params(VARIANTS[variant], layout, pp, lora)
+        built = dict(
+            dense=sum(p.numel for p in trained if not p.expert),
+            expert=sum(p.numel for p in trained if p.expert),
+            vision=sum(p.numel for p in trained if p.name.startswith("vision_model.")),
+        )
+        assert built == dict(dense=counted.dense, expert=counted.expert, vision=counted.vision), label
+        assert (counted.expert > 0) == VARIANTS[variant].text.is_moe and (counted.vision > 0) == (
+            pp == 0 and lora.trains_vision
+        )
+        base = _counted(VARIANTS[variant], layout, pp)
+        assert sum(p.numel for p in frozen) == base.total, label
+        mem = mb.rank_memory(build, layout)
+        assert state_bytes(base, layout, adapters=counted) == (
+            mem.weight_bytes,
+            mem.grad_bytes,
+            pytest.approx(mem.optimizer_bytes),
+        ), label
+
+
+def test_docs_lora_table_is_what_the_tool_prints(no_process_group):
+    with open(PLANNER_PAGE) as f:
+        page = set(f.read().splitlines())
+    for variant in ("35b_a3b", "397b_a17b"):
+        layout = mb.Layout.recommended(variant)
+        for row in tool.table_rows(variant, VARIANTS[variant], layout, lora=LORA):
+            assert row in page, f"docs/planner.md lacks the row\n{row}"

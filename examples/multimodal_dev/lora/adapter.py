@@ -153,7 +153,8 @@ def attach(linear, rank: int, alpha: float, dropout: float, generator: torch.Gen
     b_shape = (out_local, rank)
     lora_A = torch.nn.Parameter(torch.empty(a_shape, dtype=weight.dtype, device=weight.device))
     lora_B = torch.nn.Parameter(torch.zeros(b_shape, dtype=weight.dtype, device=weight.device))
-    _init_a(lora_A, kind, linear, generator)
+    if not weight.is_meta:  # a meta build (the planner's) counts the adapter, it draws nothing
+        _init_a(lora_A, kind, linear, generator)
     for p in linear.parameters():
         p.requires_grad_(False)
     split = lora_B if kind == COLUMN else lora_A

@@ -16,6 +16,8 @@ weights frozen unless named.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 LANGUAGE_TARGETS = ("linear_qkv", "linear_proj", "in_proj", "out_proj", "linear_fc1", "linear_fc2")
 VISION_TARGETS = tuple(f"vision.{n}" for n in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")) + (
     "vision.merger.linear_fc1",
@@ -27,6 +29,23 @@ DEFAULT_TARGETS = LANGUAGE_TARGETS
 _LANGUAGE_PREFIX = "language_model.decoder.layers."
 _VISION_BLOCKS = "vision_model.decoder.layers."
 _VISION_MERGER = "vision_model.merger."
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """A run's adapters: their rank and targets (the planner's and the meta builds' input)."""
+
+    rank: int
+    targets: tuple[str, ...] = DEFAULT_TARGETS
+
+    @property
+    def trains_vision(self) -> bool:
+        """Adapters in the vision tower: without, nothing flows back into it (forward only, nothing kept)."""
+        return any(t.startswith("vision.") for t in self.targets)
+
+    def describe(self) -> str:
+        named = "" if self.targets == DEFAULT_TARGETS else f" on {','.join(self.targets)}"
+        return f"LoRA rank {self.rank}{named}"
 
 
 def parse_targets(spec: str) -> tuple[str, ...]:

@@ -39,13 +39,13 @@ EP, expert DP), the network otherwise; an all-to-all splits its bytes by where i
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..models.qwen35_vl.configuration import FULL
 from ..models.qwen35_vl.flops import micro_batch_flops
 from .activation_memory import micro_batch_activations
 from .pipeline_layout import stage_layers
-from .rank_params import StageParams, stage_params
+from .rank_params import StageParams, adapter_params, stage_params
 
 GIB = 2**30
 
@@ -140,27 +140,38 @@ def in_flight(layout, pp_rank: int, micro_batches: int) -> float:
     return chunks / vp
 
 
-def state_bytes(params: StageParams, layout, distributed_optimizer: bool = True) -> tuple:
+def state_bytes(params: StageParams, layout, distributed_optimizer: bool = True, adapters=None) -> tuple:
     """(weights, gradients, optimizer state) bytes of a rank's parameters: bf16 weights (fp32 for
     the fp32 ones), one fp32 gradient each, Adam's two fp32 moments plus an fp32 main copy of each
-    bf16 parameter, sharded over DP x CP (experts: expert DP) by the distributed optimizer."""
+    bf16 parameter, sharded over DP x CP (experts: expert DP) by the distributed optimizer.
+    ``adapters`` (LoRA's, bf16): ``params`` are frozen, only the adapters have gradients and state."""
     dense = layout.dense_shards if distributed_optimizer else 1
     expert = layout.expert_dp if distributed_optimizer else 1
+    weights = 2 * (params.dense + params.expert) + 4 * params.fp32
+    if adapters is not None:
+        return (
+            weights + 2 * adapters.total,
+            4 * adapters.total,
+            12 * adapters.dense / dense + 12 * adapters.expert / expert,
+        )
     return (
-        2 * (params.dense + params.expert) + 4 * params.fp32,
+        weights,
         4 * params.total,
         12 * params.dense / dense + 8 * params.fp32 / dense + 12 * params.expert / expert,
     )
 
 
-def stage_memory(shape, cand: Candidate, rows, micro_batches: int, distributed_optimizer: bool = True):
-    """[StageMemory of every pipeline stage] for micro-batches of ``rows`` (``layout_mix.Row``s)."""
+def stage_memory(shape, cand: Candidate, rows, micro_batches: int, distributed_optimizer: bool = True, lora=None):
+    """[StageMemory of every pipeline stage] for micro-batches of ``rows`` (``layout_mix.Row``s);
+    ``lora`` (``lora.targets.LoraSettings``): a LoRA run, the base frozen."""
     lay, t = cand.layout, shape.text
     lengths = [n for r in rows for n in r.lengths]
     grids = [g for r in rows for g in r.grids]
     kw = dict(dtype_bytes=2, tp=lay.tp, sp=lay.tp > 1, cp=lay.cp, etp=lay.etp, kernels="gpu")
     act = micro_batch_activations(shape, lengths, grids, recompute=cand.recompute, **kw)
     plain = micro_batch_activations(shape, lengths, grids, recompute=None, **kw) if cand.recompute else act
+    if lora and not lora.trains_vision:  # a frozen tower without adapters keeps nothing for a backward
+        act, plain = (replace(a, vision=0.0, vision_recompute_working=0.0) for a in (act, plain))
     out = []
     for p, chunks in enumerate(stage_layers(t.num_layers, lay.pp, lay.vp, lay.first, lay.last)):
         sp = stage_params(shape, lay, p)
@@ -171,11 +182,14 @@ def stage_memory(shape, cand: Candidate, rows, micro_batches: int, distributed_o
         per_mb = act.stage(len(layers) - n_attn, n_attn, first, last)
         saves = (plain.stage(len(layers) - n_attn, n_attn, first, last) - per_mb) * flight if cand.recompute else 0.0
 
-        w, g, o = state_bytes(sp, lay, distributed_optimizer)
-        vision = sum(state_bytes(StageParams(dense=sp.vision), lay, distributed_optimizer))
+        adapters = adapter_params(shape, lay, p, lora) if lora else None
+        w, g, o = state_bytes(sp, lay, distributed_optimizer, adapters)
+        vision_adapters = StageParams(dense=adapters.vision) if adapters else None
+        vision = sum(state_bytes(StageParams(dense=sp.vision), lay, distributed_optimizer, vision_adapters))
         vision += act.vision * flight if first else 0.0
         mtp_share = sp.mtp / sp.total if sp.total else 0.0
-        mtp = (w + g + o) * mtp_share + (act.mtp * flight if last else 0.0)  # its parameters' share
+        own = 2 * sp.mtp if adapters else (w + g + o) * mtp_share  # frozen under LoRA: bf16 weights alone
+        mtp = own + (act.mtp * flight if last else 0.0)  # its parameters' share
         working = act.working(first, last) if cand.recompute else 0.0  # one layer recomputed at a time
         activations = (per_mb - working) * flight + working
         out.append(StageMemory(w, g, o, activations, per_mb, flight, vision, mtp, saves))
@@ -193,16 +207,29 @@ def decoder_layer_flops(shape, fb, layers) -> float:
 
 
 def step_time(
-    shape, cand: Candidate, rows, micro_batches: int, dp_imbalance: float, hw: Hardware, efficiency: float
+    shape,
+    cand: Candidate,
+    rows,
+    micro_batches: int,
+    dp_imbalance: float,
+    hw: Hardware,
+    efficiency: float,
+    lora=None,
 ) -> StepTime:
-    """Seconds of one training step (``micro_batches`` micro-batches of ``rows`` per pipeline)."""
+    """Seconds of one training step (``micro_batches`` micro-batches of ``rows`` per pipeline).
+    ``lora``: a LoRA run. Its frozen weights need no weight gradient, so the backward is the input
+    gradient alone (2 forward-sized passes, not 3; the adapters' own are negligible), a tower
+    without adapters runs forward only (nothing flows back into it), and the distributed
+    optimizer moves the adapters' gradients and weights alone."""
     lay, t, h = cand.layout, shape.text, shape.text.hidden_size
     lengths = [n for r in rows for n in r.lengths]
     grids = [g for r in rows for g in r.grids]
     tokens = sum(lengths)
     fb = micro_batch_flops(shape, lengths, grids)
     flop_rate = hw.peak_tflops * 1e12 * efficiency
-    recompute = 4.0 / 3.0 if cand.recompute else 1.0  # the forward runs again in the backward
+    passes = 2 if lora else 3  # forward, input gradient (, weight gradient)
+    recompute = (passes + 1) / passes if cand.recompute else 1.0  # the forward runs again in the backward
+    vision_passes = 1 if lora and not lora.trains_vision else passes * recompute
 
     local_tokens = tokens / lay.cp  # a TP group's tokens (each TP rank 1/TP of them under SP)
     act_bytes = local_tokens * h * 2
@@ -218,12 +245,12 @@ def step_time(
         layers = [i for c in chunks for i in c]
         n_attn = sum(t.layer_types[i] == FULL for i in layers)
         n_gdn = len(layers) - n_attn
-        flops = decoder_layer_flops(shape, fb, layers) * 3 * recompute
+        flops = decoder_layer_flops(shape, fb, layers) * passes * recompute
         vision_tokens = sum(tt * hh * ww for tt, hh, ww in grids)
         if p == 0:
-            flops += fb.vision * 3 * recompute
+            flops += fb.vision * vision_passes
         if p == lay.pp - 1:
-            flops += (fb.output + fb.mtp) * 3
+            flops += (fb.output + fb.mtp) * passes
         compute = flops / (lay.tp * lay.cp) / flop_rate
         tp = 8 * ring * act_bytes * (len(layers) + (t.mtp_num_layers if p == lay.pp - 1 else 0)) * tp_link
         if p == 0:
@@ -251,7 +278,8 @@ def step_time(
 
     # distributed optimizer: reduce-scatter fp32 grads, all-gather bf16 weights, per parameter group
     dense_n, expert_n = lay.dense_shards, lay.expert_dp
-    heaviest = max((stage_params(shape, lay, p) for p in range(lay.pp)), key=lambda s: s.total)
+    trained = (lambda p: adapter_params(shape, lay, p, lora)) if lora else (lambda p: stage_params(shape, lay, p))
+    heaviest = max((trained(p) for p in range(lay.pp)), key=lambda s: s.total)
     dense_link = _link(hw, dense_n, lay.tp)
     expert_link = _link(hw, expert_n, lay.etp * lay.ep)
     dp_bytes = [(heaviest.dense + heaviest.fp32) * (dense_n - 1) / dense_n, heaviest.expert * (expert_n - 1) / expert_n]

@@ -41,6 +41,7 @@ class Request:
     reserve: float = 0.1  # of the GPU's memory kept back
     distributed_optimizer: bool = True
     recompute: tuple = (None, "full")
+    lora: object = None  # lora.targets.LoraSettings: a LoRA run, the base frozen
 
     @property
     def usable_bytes(self) -> float:
@@ -164,15 +165,14 @@ def evaluate(request: Request, cand: Candidate) -> Plan:
         return Plan(cand, 0, [], None, f"GBS {request.global_batch} is not a multiple of DP x MBS = {per_step}")
     m = request.global_batch // per_step
     rows = [request.mix.mean_row] * cand.mbs
-    memory = stage_memory(request.shape, cand, rows, m, request.distributed_optimizer)
+    memory = stage_memory(request.shape, cand, rows, m, request.distributed_optimizer, request.lora)
     worst = max(memory, key=lambda s: s.total)
     if worst.total > request.usable_bytes:
         state = worst.weights + worst.grads + worst.optimizer
         part = "weights + gradients + optimizer" if state > request.usable_bytes else "activations"
         return Plan(cand, m, memory, None, f"over memory ({part})")
-    time = step_time(
-        request.shape, cand, rows, m, request.mix.imbalance(lay.dp, m * cand.mbs), request.hardware, request.efficiency
-    )
+    imbalance = request.mix.imbalance(lay.dp, m * cand.mbs)
+    time = step_time(request.shape, cand, rows, m, imbalance, request.hardware, request.efficiency, request.lora)
     return Plan(cand, m, memory, time)
 
 

@@ -53,6 +53,7 @@ class Param:
     numel: int
     dtype: torch.dtype
     expert: bool  # reduced and sharded over expert DP
+    trainable: bool = True  # False: frozen (LoRA's base), no gradient or optimizer state
 
 
 @dataclass
@@ -168,13 +169,16 @@ def rank_build(
     backend: str = "local",
     shards: bool = True,
     keep_models: bool = False,
+    lora=None,
 ) -> RankBuild:
     """Build every model chunk of ``rank`` on meta (bf16); returns its parameters and, with
-    ``shards``, its checkpoint shards (and the modules themselves in ``models`` when ``keep_models``)."""
+    ``shards``, its checkpoint shards (and the modules themselves in ``models`` when ``keep_models``).
+    ``lora`` (``lora.targets.LoraSettings``): the chunks get adapters as a LoRA run's do."""
     from megatron.core.pipeline_parallel.utils import is_vp_first_stage, is_vp_last_stage
 
     import megatron.cpu
 
+    from ..lora.apply import apply as lora_apply
     from ..models.qwen35_vl.factory import build_model
 
     layout.check(shape)
@@ -197,11 +201,14 @@ def rank_build(
                     vp_stage=stage,
                     **settings,
                 )
+            if lora is not None:
+                lora_apply(model, lora.rank, float(lora.rank), 0.0, lora.targets, seed=0)
             off_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if not t.is_meta]
             if off_meta:
                 raise RuntimeError(f"rank {rank} chunk {v}: tensors not on the meta device: {off_meta[:8]}")
             params = [
-                Param(n, p.numel(), p.dtype, not getattr(p, "allreduce", True)) for n, p in model.named_parameters()
+                Param(n, p.numel(), p.dtype, not getattr(p, "allreduce", True), p.requires_grad)
+                for n, p in model.named_parameters()
             ]
             build.chunks.append(Chunk(stage, pre, post, params, _shards(model, rank, v) if shards else []))
             models.append(model)
@@ -216,6 +223,8 @@ def rank_memory(build: RankBuild, layout: Layout) -> RankMemory:
     optimizer = 0.0
     for p in build.params:
         weights += p.numel * p.dtype.itemsize
+        if not p.trainable:
+            continue
         grads += p.numel * 4
         state = 8 + (0 if p.dtype == torch.float32 else 4)  # exp_avg + exp_avg_sq (+ fp32 main copy)
         optimizer += p.numel * state / (layout.expert_dp if p.expert else layout.dense_shards)

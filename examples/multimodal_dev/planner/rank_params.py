@@ -96,6 +96,73 @@ def _add(into: StageParams, part: StageParams, times: int = 1) -> None:
     into.expert += part.expert * times
 
 
+def _adapter(rank: int, kind: str, n_in: int, n_out: int, tp: int) -> int:
+    """A LoRA adapter's parameters on one rank: ``A`` [r, in] and ``B`` [out, r], the side the
+    weight splits over TP split alike (``lora/adapter.py``)."""
+    return rank * (n_in + n_out // tp) if kind == "column" else rank * (n_in // tp + n_out)
+
+
+def _layer_adapters(shape: Qwen35VLShape, layer_type: str, layout, lora) -> StageParams:
+    """Adapters of one decoder layer on a rank: ``dense`` and ``expert`` (the routed experts')."""
+    t, h, tp, r = shape.text, shape.text.hidden_size, layout.tp, lora.rank
+    linears = []  # (target, column or row, in, out)
+    if layer_type == FULL:
+        q, kv = t.num_attention_heads * t.head_dim, t.num_kv_heads * t.head_dim
+        linears += [("linear_qkv", "column", h, 2 * q + 2 * kv), ("linear_proj", "row", q, h)]
+    else:
+        kd = t.linear_num_key_heads * t.linear_key_head_dim
+        vd = t.linear_num_value_heads * t.linear_value_head_dim
+        out = 2 * kd + 2 * vd + 2 * t.linear_num_value_heads
+        linears += [("in_proj", "column", h, out), ("out_proj", "row", vd, h)]
+    ffn = t.shared_expert_ffn_hidden_size if t.is_moe else t.ffn_hidden_size  # the shared expert's, or dense
+    linears += [("linear_fc1", "column", h, 2 * ffn), ("linear_fc2", "row", ffn, h)]
+    out = StageParams(dense=sum(_adapter(r, k, i, o, tp) for n, k, i, o in linears if n in lora.targets))
+    if t.is_moe:
+        f, etp = t.moe_ffn_hidden_size, layout.etp
+        per_expert = (_adapter(r, "column", h, 2 * f, etp) if "linear_fc1" in lora.targets else 0) + (
+            _adapter(r, "row", f, h, etp) if "linear_fc2" in lora.targets else 0
+        )
+        out.expert = t.num_experts // layout.ep * per_expert
+    return out
+
+
+def _vision_adapters(shape: Qwen35VLShape, tp: int, lora) -> int:
+    v, r = shape.vision, lora.rank
+    d, i, md = v.hidden_size, v.intermediate_size, v.spatial_merge_size**2 * v.hidden_size
+    block = {
+        "vision.linear_qkv": ("column", d, 3 * d),
+        "vision.linear_proj": ("row", d, d),
+        "vision.linear_fc1": ("column", d, i),
+        "vision.linear_fc2": ("row", i, d),
+    }
+    merger = {
+        "vision.merger.linear_fc1": ("column", md, md),
+        "vision.merger.linear_fc2": ("row", md, v.out_hidden_size),
+    }
+    return sum(
+        _adapter(r, *linear, tp) * times
+        for table, times in ((block, v.depth), (merger, 1))
+        for name, linear in table.items()
+        if name in lora.targets
+    )
+
+
+def adapter_params(shape: Qwen35VLShape, layout, pp_rank: int, lora) -> StageParams:
+    """LoRA adapters (``lora``: ``lora.targets.LoraSettings``) on any rank of stage ``pp_rank``:
+    the parameters that train, all of them bf16 (``dense``, or ``expert`` for the routed experts')."""
+    t = shape.text
+    chunks = stage_layers(t.num_layers, layout.pp, layout.vp, layout.first, layout.last)[pp_rank]
+    kinds = {kind: _layer_adapters(shape, kind, layout, lora) for kind in set(t.layer_types)}
+    out = StageParams()
+    for chunk in chunks:
+        for i in chunk:
+            _add(out, kinds[t.layer_types[i]])
+    if pp_rank == 0:
+        out.vision = _vision_adapters(shape, layout.tp, lora)
+        out.dense += out.vision
+    return out
+
+
 def stage_params(shape: Qwen35VLShape, layout, pp_rank: int) -> StageParams:
     """Parameters of any rank of pipeline stage ``pp_rank`` (every rank of a stage holds the same
     counts: TP and EP shards are equal). ``layout``: ``meta_builds.Layout``."""

@@ -64,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reserve", type=float, default=0.1, help="share of GPU memory kept back [0.1]")
     p.add_argument("--recompute", default="auto", choices=("auto", "none", "full"))
     p.add_argument("--no-distributed-optimizer", action="store_true")
+    p.add_argument("--lora-rank", type=int, default=0, help="plan a LoRA run: adapters of this rank, the base frozen")
+    p.add_argument("--lora-targets", help="the adapters' linears, as the training flag [its default]")
     p.add_argument("--top", type=int, default=3, help="layouts to print [3]")
     p.add_argument("--brief", action="store_true", help="one line: the best layout's run-script settings")
     p.add_argument(
@@ -171,6 +173,7 @@ def request_from_args(args):
         args.gpus_per_node,
     )
     recompute = {"auto": (None, "full"), "none": (None,), "full": ("full",)}[args.recompute]
+    lora = _lora(args)
     return Request(
         name,
         shape,
@@ -183,7 +186,24 @@ def request_from_args(args):
         args.reserve,
         not args.no_distributed_optimizer,
         recompute,
+        lora,
     )
+
+
+def _lora(args):
+    from examples.multimodal_dev.lora.targets import DEFAULT_TARGETS, LoraSettings, parse_targets
+
+    if args.lora_rank < 0:
+        _fail(f"--lora-rank {args.lora_rank}: must be 0 (off) or a positive rank")
+    if args.lora_targets and not args.lora_rank:
+        _fail(f"--lora-targets {args.lora_targets}: needs --lora-rank")
+    if not args.lora_rank:
+        return None
+    try:
+        targets = parse_targets(args.lora_targets) if args.lora_targets else DEFAULT_TARGETS
+    except ValueError as err:
+        _fail(str(err))
+    return LoraSettings(args.lora_rank, targets)
 
 
 def _mix(args, shape):
@@ -230,6 +250,11 @@ def run_settings(plan, request, data: bool = True) -> str:
     if data:
         env += ["PACKING=tokens", f"SEQ_LEN={seq}"] + ([f"PACKED_SEQ_LENGTH={mbs * seq}"] if mbs > 1 else [])
         env += [f"GBS={request.global_batch // mbs}"]
+    if request.lora:
+        from examples.multimodal_dev.lora.targets import DEFAULT_TARGETS
+
+        env += [f"LORA_RANK={request.lora.rank}"]
+        env += [f"LORA_TARGETS={','.join(request.lora.targets)}"] if request.lora.targets != DEFAULT_TARGETS else []
     return " ".join(env)
 
 

@@ -2,7 +2,7 @@
 state of representative ranks, every rank built on the meta device in this process (no GPU).
 
     python -m examples.multimodal_dev.tools.rank_memory [VARIANT ...] [--layout "TP=2 PP=8 ..."]
-                                                        [--check]
+                                                        [--check] [--lora-rank R]
 
 VARIANT: released variants with a recommended layout (default: all of them). ``--layout`` builds
 another layout instead (keys TP PP VP CP EP ETP FIRST LAST GPUS; unset ones as in
@@ -11,6 +11,8 @@ table of docs/planner.md. Representative ranks: the first rank of the first, a m
 pipeline stage, and an expert-parallel rank other than 0 (``meta_builds.representative_ranks``).
 Assumptions (``meta_builds``): bf16 weights, fp32 gradient buffers, distributed optimizer (fp32
 main parameters + two Adam moments) sharded over each parameter's data-parallel group.
+``--lora-rank R``: a LoRA run (the default targets): the base frozen, gradients and optimizer
+state for the adapters alone.
 
 ``--check`` also builds every main-replica rank of the layout and checks that their checkpoint
 shards cover the converter's mapping exactly once (``planner/mapping_coverage.py``), and prints
@@ -41,17 +43,18 @@ def parse_layout(text: str, where: str = "rank_memory: --layout"):
         raise SystemExit(f"{where} {err}")
 
 
-def table_rows(name, shape, layout, build=None) -> list[str]:
+def table_rows(name, shape, layout, build=None, lora=None) -> list[str]:
     """docs/planner.md's table rows of one variant: its representative ranks (``build(rank)``: a
-    ``RankBuild``, by default built here)."""
+    ``RankBuild``, by default built here; ``lora``: ``lora.targets.LoraSettings``, a LoRA run)."""
     from examples.multimodal_dev.planner.meta_builds import GIB, rank_build, rank_memory, representative_ranks
 
-    build = build or (lambda rank: rank_build(shape, layout, rank, shards=False))
+    build = build or (lambda rank: rank_build(shape, layout, rank, shards=False, lora=lora))
+    described = layout.describe() + (f", {lora.describe()}" if lora else "")
     rows = []
     for label, rank in representative_ranks(layout).items():
         mem = rank_memory(build(rank), layout)
         rows.append(
-            f"| `{name}` | {layout.describe()} | {rank} ({label}) | {mem.params / 1e9:.2f} B | "
+            f"| `{name}` | {described} | {rank} ({label}) | {mem.params / 1e9:.2f} B | "
             f"{mem.weight_bytes / GIB:.1f} | {mem.grad_bytes / GIB:.1f} | {mem.optimizer_bytes / GIB:.1f} | "
             f"{mem.total_bytes / GIB:.1f} |"
         )
@@ -104,7 +107,13 @@ def main(argv=None) -> int:
     parser.add_argument("variants", nargs="*", metavar="VARIANT")
     parser.add_argument("--layout", help='another layout, e.g. "TP=4 PP=2 GPUS=16" (default: the recommended one)')
     parser.add_argument("--check", action="store_true", help="check every rank's shards against the mapping")
+    parser.add_argument("--lora-rank", type=int, default=0, help="a LoRA run: adapters of this rank, the base frozen")
     args = parser.parse_args(argv)
+    if args.lora_rank < 0:
+        raise SystemExit(f"rank_memory: --lora-rank {args.lora_rank}: must be 0 (off) or a positive rank")
+    from examples.multimodal_dev.lora.targets import LoraSettings
+
+    lora = LoraSettings(args.lora_rank) if args.lora_rank else None
 
     from examples.multimodal_dev.models import default_model
 
@@ -130,7 +139,7 @@ def main(argv=None) -> int:
             chosen.check(VARIANTS[name])
         except ValueError as err:
             raise SystemExit(f"rank_memory: {name} at {args.layout or 'its layout'}: {err}")
-        for row in table_rows(name, VARIANTS[name], chosen):
+        for row in table_rows(name, VARIANTS[name], chosen, lora=lora):
             print(row, flush=True)
     if args.check:
         for name in names:
