@@ -49,6 +49,24 @@ def mcore():
     init_single_process()
 
 
+@pytest.fixture(scope="module")
+def no_process_group():
+    """Meta builds (``planner/meta_builds.py``) make their own fake world; a single-process group of
+    another test is put back afterwards."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    had = dist.is_initialized()
+    if had:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    yield
+    if had:
+        from megatron.cpu.single_process import init_single_process
+
+        init_single_process()
+
+
 # The engine tests (marker ``engine``) are the folder tests/distributed.
 ENGINE_TESTS = os.path.join(ROOT, "tests", "distributed") + os.sep
 

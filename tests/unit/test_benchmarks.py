@@ -162,3 +162,18 @@ def test_bench_decode_contenders_choose_the_same_tokens(mcore):
     """Cached decoding and whole-prefix recomputation are greedy on the same weights: the same tokens."""
     result = bench_decode.run("tiny", num_layers=4, vocab_size=8192, prompt_tokens=12, new_tokens=6)
     assert result["same_tokens"] and result["new_tokens"] == 6, result
+
+
+def test_bench_lora_counts_and_steps(no_process_group):
+    """The memory rows come from meta builds with and without adapters (far fewer trainable
+    parameters, less gradient and optimizer memory); the step's two contenders start from the
+    same loss and train different numbers of parameters."""
+    from examples.multimodal_dev.benchmarks import bench_lora
+    from examples.multimodal_dev.planner.meta_builds import Layout
+
+    rows = bench_lora.memory("tiny", 4, Layout(tp=2, gpus=2))
+    assert rows and all(r["lora"][0] < r["full"][0] / 10 and r["lora"][2] < r["full"][2] for r in rows)
+    result = bench_lora.step("tiny", 4, layers=4, samples=2, reps=1)
+    full, lora = result["losses"].values()
+    assert abs(full - lora) <= 1e-6 * abs(full)
+    assert result["trainable"]["LoRA rank 4"] < result["trainable"]["full"] / 10

@@ -38,24 +38,6 @@ PLANNER_PAGE = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "plan
 FULLY_BUILT = ("9b", "27b", "35b_a3b")
 
 
-@pytest.fixture(scope="module")
-def no_process_group():
-    """Meta builds make their own fake world; a single-process group of another test is put
-    back afterwards."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    had = dist.is_initialized()
-    if had:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-    yield
-    if had:
-        from megatron.cpu.single_process import init_single_process
-
-        init_single_process()
-
-
 class Plan:
     def __init__(self, variant):
         self.name, self.shape, self.layout = variant, VARIANTS[variant], mb.Layout.recommended(variant)
