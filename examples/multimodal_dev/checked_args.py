@@ -12,6 +12,7 @@ import os
 
 from examples.multimodal_dev.arguments import add_multimodal_args
 from examples.multimodal_dev.checkpoint import optimizer_format, safety
+from examples.multimodal_dev.checkpoint.adapters_from_base import check_adapters_kept
 from examples.multimodal_dev.checkpoint.integrity import check_resumable
 from examples.multimodal_dev.checkpoint.run_shape import check_checkpoint_matches, declared_shape
 from examples.multimodal_dev.console import fail, say
@@ -91,12 +92,13 @@ def checked_args() -> argparse.Namespace:
 
 def check_checkpoints(args) -> None:
     """What ``--load`` / ``--pretrained-checkpoint`` hold fits this run, before megatron reads it: a
-    readable tracker, a whole latest iteration, the same model shape, the same LR, an optimizer
-    format that loads at this layout."""
+    readable tracker, a whole latest iteration, the same model shape, the LoRA adapters it trained,
+    the same LR, an optimizer format that loads at this layout."""
     for flag, directory in (("--load", args.load), ("--pretrained-checkpoint", args.pretrained_checkpoint)):
         safety.check_tracker(directory, flag)
         check_resumable(directory, flag)
         check_checkpoint_matches(directory, model_shape(), flag)
+        check_adapters_kept(args, directory, flag)
     run_checks.check_resume_lr(args)
     optimizer_format.check_layout_change(args)
 

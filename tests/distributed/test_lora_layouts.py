@@ -30,6 +30,11 @@ LAYOUTS = {
     "EP=2": (dict(EP=2, NPROC=2), 1, ()),
     "DP=2 distributed optimizer": (dict(NPROC=2), 2, ("--use-distributed-optimizer",)),
     "PP=2": (dict(PP=2), 1, ()),
+    "PP=2 VP=2": (dict(PP=2, VP=2), 1, ()),
+    # the vision tower on a layout of its own: its own TP size, or ranks of its own (where, with the
+    # default targets, nothing trains)
+    "VISION_TP=1 TP=2": (dict(TP=2, VISION_TP=1), 1, ()),
+    "VISION_NPROC=1 TP=2": (dict(TP=2, VISION_NPROC=1), 1, ()),
 }
 
 
@@ -51,7 +56,7 @@ def test_a_lora_run_from_the_base_keeps_the_base_bitwise(parallel_start, one_pro
     run from the same checkpoint). Only adapters are in the optimizer: every base weight saved after
     the step equals the base checkpoint's, bitwise, and the adapters are new entries that moved."""
     run, path = lora_start
-    assert "holds no LoRA adapters" in run.output
+    assert "holds no LoRA adapters: its weights are the base" in run.output
     assert run.losses[1] == one_process[0].losses[1], (run.losses[1], one_process[0].losses[1])
     base = entries(parallel_start / "iter_0000001", tmp_path)
     tuned = entries(path / "iter_0000001", tmp_path)
@@ -100,3 +105,29 @@ def test_lora_resumes_exactly(parallel_start, tmp_path):
     assert any(".lora_B" in k for k in a)
     differing = state_differences(a, b)
     assert not differing, differing
+
+
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        (dict(), "holds LoRA adapters of rank 4; this run has none: train on with --lora-rank 4"),
+        (dict(LORA_RANK=8), "holds LoRA adapters of rank 4; this run has rank 8"),
+        (dict(LORA_RANK=4, LORA_TARGETS="in_proj,out_proj"), "holds LoRA adapters on linear_qkv,linear_proj,"),
+    ],
+    ids=["no LoRA", "another rank", "fewer targets"],
+)
+def test_a_run_that_would_drop_trained_adapters_is_refused(lora_start, settings, message):
+    """megatron ignores what a checkpoint holds beyond the model: without the refusal these runs
+    would silently train on without the adapters the checkpoint learned."""
+    run = run_script(NO_EVAL, CKPT_LOAD=lora_start[1], TRAIN_ITERS=1, **MODEL, **settings)
+    assert run.returncode != 0 and message in run.output, run.output[-2000:]
+    assert "Traceback" not in run.output
+
+
+def test_added_targets_start_fresh_beside_the_trained_ones(lora_start, lora_single):
+    """A LoRA checkpoint loaded with more targets: its adapters load, the new ones (the vision
+    tower's) start at B = 0, so the first loss is the one the checkpoint's adapters give."""
+    targets = "linear_qkv,linear_proj,in_proj,out_proj,linear_fc1,linear_fc2,vision.linear_qkv"
+    run = run_script(NO_EVAL, CKPT_LOAD=lora_start[1], TRAIN_ITERS=1, LORA_TARGETS=targets, **MODEL, **LORA).check()
+    assert "adapter tensors fewer; the adapters it lacks start at B = 0" in run.output
+    assert run.losses[1] == lora_single.losses[1]

@@ -1,11 +1,14 @@
-"""LoRA from base weights: a run with adapters (``--lora-rank``) loads a checkpoint that has none.
+"""LoRA and the checkpoints a run loads.
 
-A checkpoint of the base model (an import from Hugging Face, a full training run) holds no
-``lora_A`` / ``lora_B``. megatron would ask it for them and stop on the missing keys, so the load
-(``_load_base_checkpoint``, a megatron_changes row) leaves the adapters out of what it asks for
-when the checkpoint has none at all, and hands back the model's own adapters: they keep their
-start (``B = 0``), the base weights are the checkpoint's. A checkpoint with adapters (a LoRA run's,
-resumed or moved to another layout) loads them as it loads everything else.
+- From base weights: a checkpoint of the base model (an import from Hugging Face, a full training
+  run) holds no ``lora_A`` / ``lora_B``. megatron would ask it for them and stop on the missing
+  keys, so the load (``_load_base_checkpoint``, a megatron_changes row) leaves out of what it asks
+  for the adapters the checkpoint does not hold, and hands back the model's own: they keep their
+  start (``B = 0``). A LoRA run's checkpoint loads its adapters as it loads everything else, and
+  targets added since start fresh the same way.
+- Nothing trained is dropped: megatron ignores what a checkpoint holds beyond the model, so a run
+  without the adapters a checkpoint was trained with (no ``--lora-rank``, another rank, fewer
+  targets) is refused before it starts (``check_adapters_kept``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import os
 
 from examples.multimodal_dev.console import say
 
-from .files import checkpoint_directory
+from .files import TRACKER, checkpoint_directory, stored_args
 
 ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
 
@@ -25,13 +28,39 @@ def is_adapter_key(key: str) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def holds_adapters(directory: str) -> bool:
-    """Whether the checkpoint iteration at ``directory`` stores any adapter tensor (sections included:
-    a split ``B`` is stored as ``...lora_B.query`` and so on)."""
+def stored_adapters(directory: str) -> frozenset[str]:
+    """The adapter tensors the checkpoint iteration at ``directory`` stores, by key (a ``B`` split
+    into the weight's sections, stored as ``...lora_B.query`` and so on, under its own key)."""
     from megatron.core import dist_checkpointing
 
-    keys = dist_checkpointing.load_tensors_metadata(directory).keys()
-    return any(f"{suffix}." in f"{key}." for key in keys for suffix in ADAPTER_SUFFIXES)
+    out = set()
+    for key in dist_checkpointing.load_tensors_metadata(directory).keys():
+        for suffix in ADAPTER_SUFFIXES:
+            if f"{suffix}." in f"{key}.":
+                out.add(key[: key.index(suffix) + len(suffix)])
+    return frozenset(out)
+
+
+def check_adapters_kept(args, load_dir: str | None, flag: str) -> None:
+    """Refuse, by name, a run that would drop the adapters the checkpoint at ``load_dir`` trained."""
+    if not load_dir or not os.path.isfile(os.path.join(load_dir, TRACKER)):
+        return
+    stored = stored_args(checkpoint_directory(load_dir))
+    rank = getattr(stored, "lora_rank", 0) or 0
+    if not rank:
+        return
+    fix = (
+        f"train on with --lora-rank {rank} --lora-targets {stored.lora_targets} (LORA_RANK, LORA_TARGETS), "
+        "or fold the adapters into the weights first (convert_checkpoint export)"
+    )
+    if args.lora_rank != rank:
+        raise ValueError(
+            f"{flag} {load_dir} holds LoRA adapters of rank {rank}; this run has "
+            f"{'none' if not args.lora_rank else f'rank {args.lora_rank}'}: {fix}"
+        )
+    dropped = [t for t in stored.lora_targets.split(",") if t not in args.lora_targets.split(",")]
+    if dropped:
+        raise ValueError(f"{flag} {load_dir} holds LoRA adapters on {','.join(dropped)}, not in --lora-targets: {fix}")
 
 
 def base_without_adapters(load_base, run=None):
@@ -49,15 +78,16 @@ def base_without_adapters(load_base, run=None):
                 for key, value in state.items()
                 if is_adapter_key(key)
             }
-            if own and holds_adapters(checkpoint_directory(load_dir)):
-                own = {}
+            held = stored_adapters(checkpoint_directory(load_dir)) if own else frozenset()
+            own = {where: value for where, value in own.items() if value.key not in held}
             for part, key in own:
                 del sharded[part][key]
         loaded = load_base(load_dir, args, *rest, **kwargs)
         if own and loaded[0] is not None:
             for (part, key), value in own.items():
                 loaded[0][part][key] = value.data  # the model's own adapter: its start stays
-            say(f"{load_dir} holds no LoRA adapters: its weights are the base, the adapters start at B = 0")
+            fresh = "no LoRA adapters: its weights are the base" if not held else f"{len(own)} adapter tensors fewer"
+            say(f"{load_dir} holds {fresh}; the adapters it lacks start at B = 0")
         return loaded
 
     return load
