@@ -364,3 +364,18 @@ def test_replay_is_the_recompute(mcore, dtype):
     _, real = measure(model, vlm, batch, recompute=True, backward=True)
     assert len(real) == shape.text.num_layers + shape.vision.depth + shape.text.mtp_num_layers
     assert replayed == real
+
+
+def test_under_cp_the_tower_counts_the_fullest_ranks_frames():
+    """The model deals frames to CP ranks by FLOPs (``vision_context_parallel``): a long video splits
+    evenly, two unequal images cannot, and the planner counts the rank with the most patches."""
+    from examples.multimodal_dev.planner.activation_memory import rank_frames
+
+    shape = get_variant("9b")
+    video = rank_frames(shape, [(256, 12, 16)], 4)
+    assert video == [(1, 12, 16)] * 64
+    images = rank_frames(shape, [(1, 32, 32), (1, 8, 8)], 2)
+    assert images == [(1, 32, 32)]  # 1024 of 1088 patches, not half
+    plain = micro_batch_activations(shape, [4096], [(1, 32, 32), (1, 8, 8)], cp=2)
+    alone = micro_batch_activations(shape, [4096], [(1, 32, 32)], cp=1)
+    assert plain.vision == alone.vision

@@ -286,3 +286,17 @@ def test_a_lora_run_is_planned_with_the_base_frozen(mixes):
     assert lora.time.dp <= full.time.dp
     settings = tool.run_settings(lora, _request(mixes, "35b_a3b", layout.gpus, lora=LoraSettings(16)))
     assert settings.endswith("LORA_RANK=16")
+
+
+def test_a_chunked_tower_is_planned_with_one_chunk_held(mixes):
+    """``--vision-chunk-patches``: the first stage keeps the tower's pixels and one chunk's
+    activations, not every patch's, and the step runs the tower's forward once more."""
+    layout = Layout.recommended("9b")
+    cand = cost.Candidate(layout, 1)
+    whole = evaluate(_request(mixes, "9b", layout.gpus), cand)
+    chunked = evaluate(_request(mixes, "9b", layout.gpus, vision_chunk_patches=1024), cand)
+    assert chunked.memory[0].vision < 0.5 * whole.memory[0].vision
+    assert chunked.memory[1].total == whole.memory[1].total  # the other stage holds no tower
+    assert chunked.time.compute > whole.time.compute
+    request = _request(mixes, "9b", layout.gpus, vision_chunk_patches=1024)
+    assert tool.command(chunked, request).endswith("bash run_qwen35_vl.sh --vision-chunk-patches 1024")

@@ -15,8 +15,10 @@ fraction; nk / nv GDN key / value heads of dk / dv, Kd = nk dk, Vd = nv dv, Dc =
 width; F dense FFN; E experts, k top-k, Fe / Fs expert / shared FFN, R = Tn x etp x k routed
 tokens (balanced routing: what a rank's experts see whatever EP is); V vocabulary. Head and FFN
 counts are this rank's: /tp (experts' FFN /etp); the GDN interior runs on all T tokens with
-heads /(tp cp) (its all-to-all). Vision: P patches /cp (CP deals images to ranks), D hidden
-(D' = D/tp per rank), I MLP /tp, hv heads /tp, dh = D/heads.
+heads /(tp cp) (its all-to-all). Vision: P patches of this rank: under CP the frames (an image,
+or one temporal patch of a video) its deal gives the rank with the most patches (the model's deal:
+``vision_context_parallel.deal`` by FLOPs); D hidden (D' = D/tp per rank), I MLP /tp, hv heads /tp,
+dh = D/heads.
 
 kernels="torch" (what a CPU host runs, measured): torch norms keep their fp32 input (a copy
 in bf16), the fp32 normalised product and rsqrt: norm(n, c) = 8nc + 4n + 4c.
@@ -59,6 +61,11 @@ output gate) run under torch.compile on a GPU host and are taken to keep their i
 norm's fp32 rstd). Experts stay a SequentialMLP (``specs.py``): fc1 output 2Fe, product, scaled
 product per routed token.
 
+vision_chunk_patches=N (``--vision-chunk-patches``): the tower runs over chunks of whole frames of at
+most N patches, each under recompute: it keeps its pixels (b P C t p^2), and while one chunk is
+recomputed it saves what one pass over that chunk saves, pixels left out (a view of those kept);
+the largest chunk counts.
+
 recompute="full" (uniform, 1 layer): a decoder (or MTP) layer keeps its input bTnH (in
 ``gdn_layer`` / ``attention_layer``; ``mlp_layer`` 0; MTP keeps two: hidden and embeddings);
 ``per_stage`` the table and mask every checkpoint shares (4Tl rd + Tl); the vision tower shares
@@ -71,6 +78,9 @@ tensor (torch fp32, and TE).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ..models.common.vision_context_parallel import deal
+from ..models.qwen35_vl.flops import vision_flops
 
 CHUNK = 64  # the GDN kernels' chunk length (torch and FLA)
 KERNELS = ("torch", "gpu")
@@ -200,9 +210,31 @@ def _mlp(t, Tl, Tn, b, tp, etp, gpu):
     return norm + b * Tn * h + router + experts + shared
 
 
-def _vision(v, grids, b, tp, cp, gpu):
-    """(stem + merger, one block, patches) of this rank."""
-    p = sum(t * h * w for t, h, w in grids) / cp
+def rank_frames(shape, grids, cp: int) -> list[tuple]:
+    """The frames the CP rank with the most patches encodes (all items when cp is 1)."""
+    if cp == 1 or not grids:
+        return list(grids)
+    v = shape.vision
+    frames = [(1, h, w) for t, h, w in grids for _ in range(t)]
+    owned = deal([vision_flops(v, v.out_hidden_size, [f]) for f in frames], cp)
+    return [frames[i] for i in max(owned, key=lambda items: sum(frames[i][1] * frames[i][2] for i in items))]
+
+
+def chunk_patches(frames, patches: int) -> list[int]:
+    """Patches of each chunk of whole frames of at most ``patches`` (``vision_encoder.frame_chunks``)."""
+    chunks, held = [], 0
+    for t, h, w in frames:
+        for _ in range(t):
+            if held and held + h * w > patches:
+                chunks.append(held)
+                held = 0
+            held += h * w
+    return chunks + ([held] if held else [])
+
+
+def _vision(v, grids, b, tp, gpu):
+    """(stem + merger, one block, patches) of this rank's ``grids``."""
+    p = sum(t * h * w for t, h, w in grids)
     if not p:
         return 0.0, 0.0, 0.0
     d, dl, i, hv = v.hidden_size, v.hidden_size / tp, v.intermediate_size / tp, v.num_heads / tp
@@ -213,6 +245,19 @@ def _vision(v, grids, b, tp, cp, gpu):
     norms = 2 * (4 * p * d + 8 * p + (8 * d if b < 4 else 0))
     block = norms + 2 * b * p * d + 7 * b * p * dl + 4 * b * p * d / v.num_heads + 4 * p * hv + 2 * b * p * i
     return stem + 2 * b * p * d + 2 * b * p * dl + 2 * b * p, block, p
+
+
+def _vision_saved(v, frames, b, tp, gpu, recompute, reuses: bool) -> tuple[float, float]:
+    """(kept through the forward, saved while one block is recomputed) of the tower over ``frames``."""
+    stem_merger, block, p = _vision(v, frames, b, tp, gpu)
+    if not p:
+        return 0.0, 0.0
+    if recompute is None:
+        return stem_merger + v.depth * block, 0.0
+    dh = v.hidden_size / v.num_heads
+    return stem_merger + v.depth * b * p * v.hidden_size + 4 * p * dh, block - (
+        b * p * v.hidden_size if reuses else 0.0
+    )
 
 
 def micro_batch_activations(
@@ -228,6 +273,7 @@ def micro_batch_activations(
     recompute=None,
     padded_to=None,
     kernels="torch",
+    vision_chunk_patches=0,
 ) -> ActivationBreakdown:
     """Bytes per part of a micro-batch of samples of these real token ``lengths`` and images of
     these ``grids`` [(t, h, w)]: packed (THD) or, with ``padded_to``, padded rows (BSHD)."""
@@ -243,7 +289,13 @@ def micro_batch_activations(
     Tl = T / cp
     Tn = Tl / tp if sp else Tl
     grids = [tuple(int(x) for x in g) for g in grids]
-    stem_merger, block, patches = _vision(v, grids, b, tp, cp, gpu)
+    frames = rank_frames(shape, grids, cp)
+    vision, vision_working = _vision_saved(v, frames, b, tp, gpu, recompute, reuses=gpu or b == 4)
+    patches = sum(t * h * w for t, h, w in frames)
+    if vision_chunk_patches and patches > vision_chunk_patches:  # kept: the pixels; one chunk at a time
+        largest = max(chunk_patches(frames, vision_chunk_patches))
+        kept, working = _vision_saved(v, [(1, largest, 1)], b, tp, gpu, recompute, reuses=gpu or b == 4)
+        vision, vision_working = b * patches * v.patch_dim, kept + working - b * largest * v.patch_dim
     gdn = _gdn(t, T, Tl, Tn, segs, b, tp, cp, padded_to is None, gpu)
     attention = _attention(t, T, Tl, Tn, b, tp, cp, padded_to is None, gpu)
     mlp = _mlp(t, Tl, Tn, b, tp, etp, gpu)
@@ -255,7 +307,7 @@ def micro_batch_activations(
     embedding = 8 * T + (T if grids else 0) + (8 * Tl if cp > 1 else 0)
     if recompute is None:
         return ActivationBreakdown(
-            stem_merger + v.depth * block,
+            vision,
             embedding,
             gdn,
             attention,
@@ -263,12 +315,11 @@ def micro_batch_activations(
             output,
             t.mtp_num_layers * (mtp_layer + mtp_outer),
             0.0,
+            vision_recompute_working=vision_working,
         )
     kept = b * Tn * h  # a checkpointed layer's input
     mask = 0 if sp else Tl  # the padding mask (the model drops it under SP)
     reused = kept if gpu or b == 4 else 0.0  # the recomputed first norm saves the kept input itself
-    dh = v.hidden_size / v.num_heads
-    vision = stem_merger + (v.depth * b * patches * v.hidden_size + 4 * patches * dh if grids else 0.0)
     return ActivationBreakdown(
         vision,
         embedding,
@@ -279,6 +330,6 @@ def micro_batch_activations(
         mtp=t.mtp_num_layers * (2 * kept + mask + mtp_outer),  # hidden, embeddings, rolled mask
         recompute_working=max(gdn, attention) + mlp - reused,
         per_stage=4 * Tl * int(t.head_dim * t.partial_rotary_factor) + mask,
-        vision_recompute_working=block - (reused and b * patches * v.hidden_size) if grids else 0.0,
+        vision_recompute_working=vision_working,
         mtp_recompute_working=mtp_layer - 2 * reused if t.mtp_num_layers else 0.0,
     )

@@ -161,13 +161,30 @@ def state_bytes(params: StageParams, layout, distributed_optimizer: bool = True,
     )
 
 
-def stage_memory(shape, cand: Candidate, rows, micro_batches: int, distributed_optimizer: bool = True, lora=None):
+def stage_memory(
+    shape,
+    cand: Candidate,
+    rows,
+    micro_batches: int,
+    distributed_optimizer: bool = True,
+    lora=None,
+    vision_chunk_patches: int = 0,
+):
     """[StageMemory of every pipeline stage] for micro-batches of ``rows`` (``layout_mix.Row``s);
-    ``lora`` (``lora.targets.LoraSettings``): a LoRA run, the base frozen."""
+    ``lora`` (``lora.targets.LoraSettings``): a LoRA run, the base frozen; ``vision_chunk_patches``:
+    the tower run in chunks of at most that many patches."""
     lay, t = cand.layout, shape.text
     lengths = [n for r in rows for n in r.lengths]
     grids = [g for r in rows for g in r.grids]
-    kw = dict(dtype_bytes=2, tp=lay.tp, sp=lay.tp > 1, cp=lay.cp, etp=lay.etp, kernels="gpu")
+    kw = dict(
+        dtype_bytes=2,
+        tp=lay.tp,
+        sp=lay.tp > 1,
+        cp=lay.cp,
+        etp=lay.etp,
+        kernels="gpu",
+        vision_chunk_patches=vision_chunk_patches,
+    )
     act = micro_batch_activations(shape, lengths, grids, recompute=cand.recompute, **kw)
     plain = micro_batch_activations(shape, lengths, grids, recompute=None, **kw) if cand.recompute else act
     if lora and not lora.trains_vision:  # a frozen tower without adapters keeps nothing for a backward
@@ -190,7 +207,7 @@ def stage_memory(shape, cand: Candidate, rows, micro_batches: int, distributed_o
         mtp_share = sp.mtp / sp.total if sp.total else 0.0
         own = 2 * sp.mtp if adapters else (w + g + o) * mtp_share  # frozen under LoRA: bf16 weights alone
         mtp = own + (act.mtp * flight if last else 0.0)  # its parameters' share
-        working = act.working(first, last) if cand.recompute else 0.0  # one layer recomputed at a time
+        working = act.working(first, last)  # one layer (or vision chunk) recomputed at a time; 0 without
         activations = (per_mb - working) * flight + working
         out.append(StageMemory(w, g, o, activations, per_mb, flight, vision, mtp, saves))
     return out
@@ -215,12 +232,14 @@ def step_time(
     hw: Hardware,
     efficiency: float,
     lora=None,
+    vision_chunk_patches: int = 0,
 ) -> StepTime:
     """Seconds of one training step (``micro_batches`` micro-batches of ``rows`` per pipeline).
     ``lora``: a LoRA run. Its frozen weights need no weight gradient, so the backward is the input
     gradient alone (2 forward-sized passes, not 3; the adapters' own are negligible), a tower
     without adapters runs forward only (nothing flows back into it), and the distributed
-    optimizer moves the adapters' gradients and weights alone."""
+    optimizer moves the adapters' gradients and weights alone. ``vision_chunk_patches``: the chunked
+    tower runs its forward again in the backward (as recompute does)."""
     lay, t, h = cand.layout, shape.text, shape.text.hidden_size
     lengths = [n for r in rows for n in r.lengths]
     grids = [g for r in rows for g in r.grids]
@@ -229,7 +248,8 @@ def step_time(
     flop_rate = hw.peak_tflops * 1e12 * efficiency
     passes = 2 if lora else 3  # forward, input gradient (, weight gradient)
     recompute = (passes + 1) / passes if cand.recompute else 1.0  # the forward runs again in the backward
-    vision_passes = 1 if lora and not lora.trains_vision else passes * recompute
+    chunked = vision_chunk_patches and sum(t * h * w for t, h, w in grids) / lay.cp > vision_chunk_patches
+    vision_passes = 1 if lora and not lora.trains_vision else passes + (1 if cand.recompute or chunked else 0)
 
     local_tokens = tokens / lay.cp  # a TP group's tokens (each TP rank 1/TP of them under SP)
     act_bytes = local_tokens * h * 2

@@ -42,6 +42,7 @@ class Request:
     distributed_optimizer: bool = True
     recompute: tuple = (None, "full")
     lora: object = None  # lora.targets.LoraSettings: a LoRA run, the base frozen
+    vision_chunk_patches: int = 0  # --vision-chunk-patches: the tower's activations one chunk at a time
 
     @property
     def usable_bytes(self) -> float:
@@ -165,14 +166,26 @@ def evaluate(request: Request, cand: Candidate) -> Plan:
         return Plan(cand, 0, [], None, f"GBS {request.global_batch} is not a multiple of DP x MBS = {per_step}")
     m = request.global_batch // per_step
     rows = [request.mix.mean_row] * cand.mbs
-    memory = stage_memory(request.shape, cand, rows, m, request.distributed_optimizer, request.lora)
+    memory = stage_memory(
+        request.shape, cand, rows, m, request.distributed_optimizer, request.lora, request.vision_chunk_patches
+    )
     worst = max(memory, key=lambda s: s.total)
     if worst.total > request.usable_bytes:
         state = worst.weights + worst.grads + worst.optimizer
         part = "weights + gradients + optimizer" if state > request.usable_bytes else "activations"
         return Plan(cand, m, memory, None, f"over memory ({part})")
     imbalance = request.mix.imbalance(lay.dp, m * cand.mbs)
-    time = step_time(request.shape, cand, rows, m, imbalance, request.hardware, request.efficiency, request.lora)
+    time = step_time(
+        request.shape,
+        cand,
+        rows,
+        m,
+        imbalance,
+        request.hardware,
+        request.efficiency,
+        request.lora,
+        request.vision_chunk_patches,
+    )
     return Plan(cand, m, memory, time)
 
 

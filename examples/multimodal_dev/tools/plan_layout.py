@@ -64,6 +64,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reserve", type=float, default=0.1, help="share of GPU memory kept back [0.1]")
     p.add_argument("--recompute", default="auto", choices=("auto", "none", "full"))
     p.add_argument("--no-distributed-optimizer", action="store_true")
+    p.add_argument(
+        "--vision-chunk-patches",
+        type=int,
+        default=0,
+        help="the tower in chunks of at most N patches, as training's flag",
+    )
     p.add_argument("--lora-rank", type=int, default=0, help="plan a LoRA run: adapters of this rank, the base frozen")
     p.add_argument("--lora-targets", help="the adapters' linears, as the training flag [its default]")
     p.add_argument("--top", type=int, default=3, help="layouts to print [3]")
@@ -174,6 +180,8 @@ def request_from_args(args):
     )
     recompute = {"auto": (None, "full"), "none": (None,), "full": ("full",)}[args.recompute]
     lora = _lora(args)
+    if args.vision_chunk_patches < 0:
+        _fail(f"--vision-chunk-patches {args.vision_chunk_patches}: must be 0 (off) or a patch count")
     return Request(
         name,
         shape,
@@ -187,6 +195,7 @@ def request_from_args(args):
         not args.no_distributed_optimizer,
         recompute,
         lora,
+        args.vision_chunk_patches,
     )
 
 
@@ -258,13 +267,18 @@ def run_settings(plan, request, data: bool = True) -> str:
     return " ".join(env)
 
 
+def extra_flags(request) -> str:
+    """Training flags the plan assumes that no run-script variable sets."""
+    return f" --vision-chunk-patches {request.vision_chunk_patches}" if request.vision_chunk_patches else ""
+
+
 def notes(plan) -> str:
     """(DP=.., recompute full): what the settings imply or add."""
     return f"(DP={plan.candidate.layout.dp}" + (", recompute full)" if plan.candidate.recompute else ")")
 
 
 def command(plan, request) -> str:
-    flags = f" {RECOMPUTE_FLAGS}" if plan.candidate.recompute else ""
+    flags = (f" {RECOMPUTE_FLAGS}" if plan.candidate.recompute else "") + extra_flags(request)
     return f"{run_settings(plan, request)} bash run_qwen35_vl.sh{flags}"
 
 
