@@ -8,7 +8,7 @@
 import   Hugging Face directory -> Megatron checkpoint (iteration 0, torch_dist, resharded to any
          TP/EP/PP by the run that loads it)
 export   Megatron checkpoint saved at any layout -> Hugging Face directory (config.json, sharded
-         safetensors, tokenizer/processor files)
+         safetensors, tokenizer/processor files); a LoRA run's adapters merged into the base weights
 verify   the HF model and the Megatron checkpoint (CPU, fp32) on the same deterministic text-only and
          image+text batches (or ``--prompt``/``--image``); exit 1 above ``--atol``. ``--hf-path`` and
          ``--hf-processor-path`` are local folders that must exist, or ``hf://NAME`` for the Hub
@@ -116,9 +116,10 @@ def main(argv=None) -> int:
                 args.overwrite,
                 args.moe_layout,
             )
+            merged = f", merged {info['merged_adapters']} LoRA adapters" if info["merged_adapters"] else ""
             print(
                 f"export: {info['bytes'] / 1e6:.1f} MB in {info['shards']} shard(s), "
-                f"{info['processor_files']} processor file(s) -> {args.hf_path}"
+                f"{info['processor_files']} processor file(s){merged} -> {args.hf_path}"
             )
         else:
             return 0 if verify(args) else 1
