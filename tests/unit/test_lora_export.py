@@ -1,10 +1,11 @@
 """A LoRA run's checkpoint exported to Hugging Face (tiny dense and MoE models, fp32, CPU): merged into
-the base by ``convert_checkpoint export``, it gives our adapted model's logits in transformers, Gated
-DeltaNet layers and the routed experts included.
+the base by ``convert_checkpoint export``, and as a PEFT adapter by ``export-peft`` that ``peft`` loads
+onto transformers' model of the base. Both give our adapted model's logits, Gated DeltaNet layers and
+the routed experts included, and the adapter's self-check refuses a wrong mapping.
 
 Tolerance: max |logit diff| <= 1e-5 * max |logit| (fp32). The two sides are different implementations
 summing in different orders (fused against split projections, chunked against reference GDN kernels),
-and the merged model folds B A into W where ours adds B A x beside W x; the plain model parity
+and PEFT adds B A x beside W x where the merged model folds it into W; the plain model parity
 (tests/unit/test_hf_parity.py) measures ~1e-6 relative at this size. B is drawn so that each
 adapter's change is about a tenth of its weight, which still moves the largest logit by about its
 own size; with changes as large as the weights themselves the merge's own fp32 rounding (our merged
@@ -16,11 +17,13 @@ routed expert its own)."""
 
 import json
 import os
+import re
 
 import pytest
 import torch
 from hf_reference import HFMtpHead, build_hf_model, hf_forward, image_tokens, megatron_position_ids, pixel_values_for
 
+from examples.multimodal_dev.checkpoint import peft_adapter
 from examples.multimodal_dev.checkpoint.files import save_model_checkpoint
 from examples.multimodal_dev.checkpoint.hf_conversion import HF_CONFIG
 from examples.multimodal_dev.checkpoint.hf_models import hf_classes
@@ -122,6 +125,66 @@ def test_merged_export_gives_the_adapted_logits(lora_run, tmp_path, capsys):
     hf, info = _hf_class(shape).from_pretrained(tmp_path / "merged", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     _assert_close(f"{kind} merged export", _logits(hf, shape, batch), ours, base)
+
+
+def test_peft_adapter_on_transformers_gives_the_adapted_logits(lora_run, tmp_path, capsys, monkeypatch):
+    from peft import PeftModel, get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    kind, shape, base_ckpt, tuned, batch, base, ours, count = lora_run
+    monkeypatch.setattr(peft_adapter, "CHECK_BYTES", 1)  # the self-check one expert at a time, as on a large model
+    base_dir, adapter_dir = str(tmp_path / "base"), str(tmp_path / "adapter")
+    assert main(["export", "--megatron-path", base_ckpt, "--hf-path", base_dir]) == 0
+    assert "merged" not in capsys.readouterr().out
+    args = ["export-peft", "--megatron-path", tuned, "--peft-path", adapter_dir, "--base-model-name-or-path", base_dir]
+    assert main(args) == 0
+    line = capsys.readouterr().out
+    print(line)
+    assert re.search(rf"export-peft: {count} LoRA adapters as \d+ transformers linears", line), line
+    config = json.load(open(os.path.join(adapter_dir, "adapter_config.json")))
+    assert (config["peft_type"], config["r"], config["lora_alpha"], config["bias"]) == ("LORA", RANK, ALPHA, "none")
+    assert config["base_model_name_or_path"] == base_dir
+    gdn = {"in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"}
+    assert gdn | {"q_proj", "k_proj", "v_proj", "o_proj"} <= set(config["target_modules"])
+    if kind == "moe":  # every routed expert its own adapter, on transformers' 3D expert parameters
+        assert sorted(config["target_parameters"]) == ["down_proj", "gate_up_proj"]
+        assert config["lora_dropout"] == 0 and "PEFT's expert adapters take no dropout" in line
+    else:
+        assert {"qkv", "attn.proj", "linear_fc1", "linear_fc2"} <= set(config["target_modules"])  # the vision tower
+        assert not config["target_parameters"] and config["lora_dropout"] == DROPOUT
+
+    peft_model = PeftModel.from_pretrained(_hf_class(shape).from_pretrained(base_dir), adapter_dir)
+    written = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    loaded = get_peft_model_state_dict(peft_model)
+    assert loaded.keys() == written.keys()  # PEFT found a place for every tensor and made no other
+    assert all(torch.equal(loaded[k], written[k]) for k in written)
+    _assert_close(f"{kind} PEFT adapter", _logits(peft_model, shape, batch), ours, base)
+
+
+def test_the_self_check_refuses_a_wrong_adapter_mapping(lora_run, tmp_path, monkeypatch, capsys):
+    """B of attention's fused qkv cut into q / k / v as plain row blocks, without the per-group
+    reordering its weight gets: the adapter would load and run, wrongly; the export refuses it."""
+    kind, _, base_ckpt, tuned, *_ = lora_run
+    if kind != "dense":
+        pytest.skip("one model is enough for the refusals")
+    right = peft_adapter.hf_halves
+
+    def unordered(rule, a_list, b_list):
+        if not rule.hf[0].endswith("self_attn.q_proj.weight"):
+            return right(rule, a_list, b_list)
+        sizes = [t.shape[0] for t in rule.to_hf(b_list)]
+        return [(a_list[0], b) for b in torch.split(b_list[0], sizes)]
+
+    monkeypatch.setattr(peft_adapter, "hf_halves", unordered)
+    out = tmp_path / "adapter"
+    assert main(["export-peft", "--megatron-path", tuned, "--peft-path", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"the PEFT adapter of \S+self_attn\.q_proj\.weight .* is not the weight's own change", err), err
+    assert not os.path.exists(out) and not os.path.exists(f"{out}.partial")
+
+    monkeypatch.setattr(peft_adapter, "hf_halves", right)
+    assert main(["export-peft", "--megatron-path", base_ckpt, "--peft-path", str(out)]) == 2
+    assert "holds no LoRA adapters" in capsys.readouterr().err
 
 
 def test_stored_args_and_tensors_that_disagree_are_refused(mcore):
