@@ -45,6 +45,7 @@ from ..megatron_changes import apply
 from .files import TRACKER, checkpoint_directory, iteration_dir, load_model_weights, save_model_checkpoint, stored_args
 from .hf_models import hf_classes
 from .hf_safetensors import INDEX, HFTensorSource, ShardedWriter, per_expert, read_config
+from .lora_checkpoint import MergedState, attach_adapters, stored_lora
 from .run_shape import resolve_shape
 from .safety import check_tracker, refusal
 from .writer_errors import WriterLog, causes
@@ -328,19 +329,28 @@ def _read_checkpoint(megatron_path: str, read, *args):
 
 
 def load_megatron(megatron_path: str, hf_config_path: str | None = None):
-    """(model at TP = 1 in fp32 with the checkpoint's weights, shape, HF config, stored dtypes)."""
+    """(model at TP = 1 in fp32 with the checkpoint's weights, shape, HF config, stored dtypes).
+    A LoRA run's checkpoint loads with its adapters on the model (``lora_checkpoint.py``)."""
+    return load_megatron_with_lora(megatron_path, hf_config_path)[:4]
+
+
+def load_megatron_with_lora(megatron_path: str, hf_config_path: str | None = None):
+    """``load_megatron``'s answer and the run's LoRA settings (None without adapters)."""
     check_checkpoint_dir(megatron_path)
     shape, config = checkpoint_shape(megatron_path, hf_config_path)
     directory = checkpoint_directory(megatron_path)
     model = conversion_model(shape).eval()
     stored = _read_checkpoint(megatron_path, _read_metadata, directory).state_dict_metadata
+    lora = stored_lora(megatron_path, _read_checkpoint(megatron_path, stored_args, directory), stored)
+    if lora is not None:
+        attach_adapters(model, lora, stored, megatron_path)
     described_by = f"--hf-config-path {hf_config_path}" if hf_config_path else f"the shape recorded in {megatron_path}"
     check_model_matches(model, stored, described_by)
     _read_checkpoint(megatron_path, load_model_weights, model, directory)
     by_key = _weight_dtypes(stored)
     common = max(set(by_key.values()), key=list(by_key.values()).count)
     dtypes = {name: by_key.get(getattr(sh, "key", None), common) for name, sh in model.sharded_state_dict().items()}
-    return model, shape, config, dtypes
+    return model, shape, config, dtypes, lora
 
 
 def check_model_matches(model, stored: dict, described_by: str) -> None:
@@ -387,16 +397,16 @@ def _processor_files(processor_dir: str) -> list[str]:
     return files
 
 
-def _write_failure(hf_path: str, err: BaseException) -> ExportWriteError:
+def write_failure(hf_path: str, err: BaseException, flag: str = "--hf-path") -> ExportWriteError:
     if isinstance(err, OSError) and err.strerror:
         cause = err.strerror + (f" ({err.filename})" if err.filename else "")
     else:  # safetensors' writer wraps the OS error: '... IoError(Os { code: 28, ..., message: "No space ..." })'
         found = re.search(r'message: "([^"]*)"', str(err))
         cause = found.group(1) if found else " ".join(str(err).split())
-    return ExportWriteError(f"--hf-path {hf_path}: cannot write the export: {cause}; nothing left behind")
+    return ExportWriteError(f"{flag} {hf_path}: cannot write the export: {cause}; nothing left behind")
 
 
-def _check_apart(megatron_path: str, hf_path: str) -> None:
+def check_apart(megatron_path: str, hf_path: str, flag: str = "--hf-path") -> None:
     """The export and the checkpoint it reads are separate trees: ``--overwrite`` empties the output
     (and writes ``OUT.partial`` next to it), so an output equal to, above or inside the checkpoint
     would delete or change the checkpoint. Compared as real paths (symlinks and ``..`` resolved)."""
@@ -409,30 +419,30 @@ def _check_apart(megatron_path: str, hf_path: str) -> None:
         where = f"is inside the Megatron checkpoint {megatron_path}"
     else:
         return
-    raise ValueError(f"--hf-path {hf_path} {where}; choose an output outside it (nothing written)")
+    raise ValueError(f"{flag} {hf_path} {where}; choose an output outside it (nothing written)")
 
 
-def _start_output(hf_path: str, overwrite: bool) -> str:
+def start_output(hf_path: str, overwrite: bool, flag: str = "--hf-path") -> str:
     """Checks OUT and creates ``OUT.partial``, before the (long) checkpoint load: a place that cannot
     be written fails now."""
     if os.path.exists(hf_path) and not os.path.isdir(hf_path):
-        raise ExportWriteError(f"--hf-path {hf_path}: an existing file, not a directory; nothing written")
+        raise ExportWriteError(f"{flag} {hf_path}: an existing file, not a directory; nothing written")
     if os.path.exists(hf_path) and os.listdir(hf_path) and not overwrite:
-        raise FileExistsError(f"--hf-path {hf_path} exists and is not empty; pass --overwrite to replace it")
+        raise FileExistsError(f"{flag} {hf_path} exists and is not empty; pass --overwrite to replace it")
     partial = hf_path.rstrip("/") + ".partial"
     shutil.rmtree(partial, ignore_errors=True)
     try:
         os.makedirs(partial)
     except OSError as err:
-        raise _write_failure(hf_path, err) from None
+        raise write_failure(hf_path, err, flag) from None
     return partial
 
 
 def _write_hf_dir(
-    out: str, model, shape, config, stored: dict, dtype: str | None, moe_layout: str, max_shard_bytes: int
+    out: str, state: dict, shape, config, stored: dict, dtype: str | None, moe_layout: str, max_shard_bytes: int
 ) -> dict:
-    """Shards, index and config.json of the export into ``out``."""
-    state = model_of(shape).hf_model_state(model)
+    """Shards, index and config.json of the export into ``out``; ``state``: the model's tensors by
+    Megatron name, as the rules read them."""
     writer = ShardedWriter(out, max_shard_bytes)
     rules = model_of(shape).hf_mapping_rules(shape)
     for rule in _progress(rules, len(rules), "export"):
@@ -463,21 +473,25 @@ def export_hf(
 ) -> dict:
     if moe_layout not in MOE_LAYOUTS:
         raise ValueError(f"--moe-layout {moe_layout!r}: not one of {', '.join(MOE_LAYOUTS)}")
-    _check_apart(megatron_path, hf_path)
+    check_apart(megatron_path, hf_path)
     processor_files = _processor_files(hf_processor_path) if hf_processor_path else []  # checked before any write
-    partial = _start_output(hf_path, overwrite)
+    partial = start_output(hf_path, overwrite)
     try:
         model, shape, config, stored = load_megatron(megatron_path, hf_config_path)
+        # a LoRA run's adapters are folded into its base weights as the rules read them
+        state = MergedState(
+            model_of(shape).hf_model_state(model), model, lambda name: DTYPES[dtype] if dtype else stored[name]
+        )
         try:
-            info = _write_hf_dir(partial, model, shape, config, stored, dtype, moe_layout, max_shard_bytes)
+            info = _write_hf_dir(partial, state, shape, config, stored, dtype, moe_layout, max_shard_bytes)
             for name in processor_files:
                 shutil.copy2(os.path.join(hf_processor_path, name), os.path.join(partial, name))
             if os.path.exists(hf_path):
                 shutil.rmtree(hf_path)
             os.replace(partial, hf_path)
         except (OSError, SafetensorError) as err:
-            raise _write_failure(hf_path, err) from err
+            raise write_failure(hf_path, err) from err
     except BaseException:  # interrupted too: never leave OUT.partial behind
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    return {**info, "processor_files": len(processor_files)}
+    return {**info, "processor_files": len(processor_files), "merged_adapters": len(state.linears)}

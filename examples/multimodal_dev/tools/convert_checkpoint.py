@@ -4,11 +4,15 @@
     python -m examples.multimodal_dev.tools.convert_checkpoint verify --hf-path HF --megatron-path CKPT
     python -m examples.multimodal_dev.tools.convert_checkpoint export --megatron-path CKPT --hf-path OUT \
         [--hf-processor-path HF] [--moe-layout packed]
+    python -m examples.multimodal_dev.tools.convert_checkpoint export-peft --megatron-path CKPT --peft-path OUT \
+        [--base-model-name-or-path NAME]
 
 import   Hugging Face directory -> Megatron checkpoint (iteration 0, torch_dist, resharded to any
          TP/EP/PP by the run that loads it)
 export   Megatron checkpoint saved at any layout -> Hugging Face directory (config.json, sharded
-         safetensors, tokenizer/processor files)
+         safetensors, tokenizer/processor files); a LoRA run's adapters merged into the base weights
+export-peft  a LoRA run's checkpoint -> Hugging Face PEFT adapter (adapter_config.json,
+         adapter_model.safetensors) for transformers' model of the base (``checkpoint/peft_adapter.py``)
 verify   the HF model and the Megatron checkpoint (CPU, fp32) on the same deterministic text-only and
          image+text batches (or ``--prompt``/``--image``); exit 1 above ``--atol``. ``--hf-path`` and
          ``--hf-processor-path`` are local folders that must exist, or ``hf://NAME`` for the Hub
@@ -36,6 +40,7 @@ if __name__ == "__main__":
 from safetensors import SafetensorError
 
 from examples.multimodal_dev.checkpoint.hf_conversion import DTYPES, MOE_LAYOUTS, export_hf, import_hf
+from examples.multimodal_dev.checkpoint.peft_adapter import export_peft
 from examples.multimodal_dev.checkpoint.verify import verify
 
 
@@ -67,6 +72,16 @@ def _parser() -> argparse.ArgumentParser:
         help="MoE experts one tensor per expert as on the hub (default) or packed [E, ...]",
     )
     exp.add_argument("--overwrite", action="store_true")
+    peft = sub.add_parser("export-peft", help="a LoRA run's checkpoint -> Hugging Face PEFT adapter")
+    peft.add_argument("--megatron-path", required=True)
+    peft.add_argument("--peft-path", required=True, help="folder for adapter_config.json and adapter_model.safetensors")
+    peft.add_argument(
+        "--base-model-name-or-path",
+        default=None,
+        help="the base model's Hub name or folder, recorded in adapter_config.json for PEFT to find it",
+    )
+    peft.add_argument("--hf-config-path", default=None, help="config.json to describe the model (else inferred)")
+    peft.add_argument("--overwrite", action="store_true")
     ver = sub.add_parser("verify", help="logits of the Megatron checkpoint against the Hugging Face model")
     ver.add_argument("--hf-path", required=True, help="local Hugging Face folder, or hf://NAME for the Hub")
     ver.add_argument("--megatron-path", required=True)
@@ -89,8 +104,25 @@ def check_args(args) -> None:
         raise ValueError(f"--max-shard-size-gb {args.max_shard_size_gb}: must be a positive finite number")
     if args.command == "verify" and not 0 <= args.atol < math.inf:
         raise ValueError(f"--atol {args.atol}: must be a finite number at least 0")
-    if args.command != "export" and os.path.isfile(args.hf_path):
+    if args.command in ("import", "verify") and os.path.isfile(args.hf_path):
         raise ValueError(f"--hf-path {args.hf_path}: a file; give the Hugging Face model's folder")
+
+
+def peft_summary(info: dict, out: str) -> str:
+    """export-peft's line: what went where, and what PEFT could not carry as the run had it."""
+    parameters = f" and {info['expert_parameters']} expert parameters" if info["expert_parameters"] else ""
+    line = (
+        f"export-peft: {info['adapters']} LoRA adapters as {info['linears']} transformers linears{parameters}, "
+        f"r={info['rank']} lora_alpha={info['alpha']:g}; target_modules {','.join(info['target_modules'])}"
+    )
+    if info["target_parameters"]:
+        line += f"; target_parameters {','.join(info['target_parameters'])}"
+    if info["dropout"] != info["run_dropout"]:
+        line += (
+            f"; lora_dropout {info['dropout']:g}, not the run's {info['run_dropout']:g}: PEFT's expert "
+            "adapters take no dropout (inference is the same)"
+        )
+    return f"{line} -> {out}"
 
 
 def main(argv=None) -> int:
@@ -116,10 +148,16 @@ def main(argv=None) -> int:
                 args.overwrite,
                 args.moe_layout,
             )
+            merged = f", merged {info['merged_adapters']} LoRA adapters" if info["merged_adapters"] else ""
             print(
                 f"export: {info['bytes'] / 1e6:.1f} MB in {info['shards']} shard(s), "
-                f"{info['processor_files']} processor file(s) -> {args.hf_path}"
+                f"{info['processor_files']} processor file(s){merged} -> {args.hf_path}"
             )
+        elif args.command == "export-peft":
+            info = export_peft(
+                args.megatron_path, args.peft_path, args.base_model_name_or_path, args.hf_config_path, args.overwrite
+            )
+            print(peft_summary(info, args.peft_path))
         else:
             return 0 if verify(args) else 1
     except (OSError, SafetensorError, ValueError, KeyError) as err:  # OSError: not found, exists, cannot write
