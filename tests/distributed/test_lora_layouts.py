@@ -15,7 +15,7 @@ import pytest
 from checkpoint_diff import differences, entries, state_differences
 from launch import LAYOUT_MODEL as MODEL
 from launch import NO_EVAL, run_script
-from test_parallelism import REL, REL_LATER_STEPS, _rel
+from test_parallelism import assert_tracks
 
 LORA = dict(LORA_RANK=4, LORA_ALPHA=8)
 
@@ -76,16 +76,7 @@ def test_a_lora_run_from_the_base_keeps_the_base_bitwise(parallel_start, one_pro
 def test_lora_layout_matches_single_process(name, lora_start, lora_single):
     env, iters, flags = LAYOUTS[name]
     run = run_script((*flags, *NO_EVAL), CKPT_LOAD=lora_start[1], TRAIN_ITERS=iters, **MODEL, **LORA, **env).check()
-    ref = lora_single
-    loss_rel = [_rel(run.losses[i], ref.losses[i]) for i in range(1, iters + 1)]
-    norm_rel = _rel(run.grad_norms[1], ref.grad_norms[1])
-    print(
-        f"LoRA {name}: losses {[run.losses[i] for i in range(1, iters + 1)]} "
-        f"vs {[ref.losses[i] for i in range(1, iters + 1)]} (max rel {max(loss_rel):.1e}); "
-        f"grad norm {run.grad_norms[1]} vs {ref.grad_norms[1]} (rel {norm_rel:.1e})"
-    )
-    assert loss_rel[0] < REL and norm_rel < REL
-    assert max(loss_rel) < REL_LATER_STEPS
+    assert_tracks(f"LoRA {name}", run, lora_single, iters)
 
 
 def test_lora_resumes_exactly(parallel_start, tmp_path):

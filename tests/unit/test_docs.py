@@ -164,20 +164,26 @@ print("\nRESULTS " + json.dumps(results))
 """
 
 
-def test_python_m_commands_answer_help():
-    commands = _commands()
-    assert "examples.multimodal_dev.tools.plan_layout" in commands
+def _run_in_one_interpreter(runner: str, commands, marker: str) -> dict:
+    """What ``runner`` (one of the scripts above) prints after ``marker`` for ``commands``, run in one
+    fresh interpreter with the repository on the path."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))}
     run = subprocess.run(
-        [sys.executable, "-c", _HELP_RUNNER, json.dumps(sorted(commands))],
+        [sys.executable, "-c", runner, json.dumps(sorted(commands))],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert "RESULTS " in run.stdout, run.stderr[-3000:]
-    results = json.loads(run.stdout.rsplit("RESULTS ", 1)[1])
+    assert marker in run.stdout, run.stderr[-3000:]
+    return json.loads(run.stdout.rsplit(marker, 1)[1])
+
+
+def test_python_m_commands_answer_help():
+    commands = _commands()
+    assert "examples.multimodal_dev.tools.plan_layout" in commands
+    results = _run_in_one_interpreter(_HELP_RUNNER, commands, "RESULTS ")
     bad = [f"{commands[m]}: python -m {m} --help: {status}" for m, status in results.items() if status != 0]
     assert not bad, "commands that do not answer --help:\n" + "\n".join(bad)
 
@@ -276,19 +282,9 @@ def test_named_flags_exist():
     from examples.multimodal_dev.arguments import add_multimodal_args
     from examples.multimodal_dev.models.common.config_from_args import megatron_parser
 
-    commands = sorted({*_commands(), *_scripts()})
+    commands = {*_commands(), *_scripts()}
     assert "examples.multimodal_dev.tools.convert_checkpoint" in commands and "tools/make_wheelhouse.py" in commands
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (ROOT, os.environ.get("PYTHONPATH"))))}
-    run = subprocess.run(
-        [sys.executable, "-c", _FLAGS_RUNNER, json.dumps(commands)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert "FLAGS " in run.stdout, run.stderr[-3000:]
-    taken = json.loads(run.stdout.rsplit("FLAGS ", 1)[1])
+    taken = _run_in_one_interpreter(_FLAGS_RUNNER, commands, "FLAGS ")
     known = set(megatron_parser(add_multimodal_args)._option_string_actions) | OUTSIDE_FLAGS
     for flags in taken.values():
         known |= set(flags) if isinstance(flags, list) else set()

@@ -31,7 +31,7 @@ from examples.multimodal_dev.lora import apply as lora
 from examples.multimodal_dev.lora.adapter import LoraLinear
 from examples.multimodal_dev.lora.targets import DEFAULT_TARGETS, TARGETS
 from examples.multimodal_dev.models import model_of
-from examples.multimodal_dev.models.megatron_args import checkpoint_args
+from examples.multimodal_dev.models.megatron_args import one_process_checkpoint_args
 from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
 from examples.multimodal_dev.models.qwen35_vl.factory import build_model
 from examples.multimodal_dev.models.qwen35_vl.hf_mapping import load_hf_into_model
@@ -45,18 +45,7 @@ def _save(path, shape, model, **lora_args) -> str:
     os.makedirs(path)
     with open(path / HF_CONFIG, "w") as f:
         json.dump(model_of(shape).shape_to_hf(shape), f)
-    args = checkpoint_args(
-        shape,
-        save=str(path),
-        model_arch=type(shape).arch,
-        hf_config_path=str(path / HF_CONFIG),
-        tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1,
-        context_parallel_size=1,
-        expert_model_parallel_size=1,
-        world_size=1,
-        **lora_args,
-    )
+    args = one_process_checkpoint_args(shape, str(path), str(path / HF_CONFIG), **lora_args)
     save_model_checkpoint(args, 1, model)
     return str(path)
 

@@ -39,7 +39,7 @@ import torch
 from safetensors import SafetensorError
 
 from examples.multimodal_dev.models import DEFAULT_ARCH, get_model_entry, model_of
-from examples.multimodal_dev.models.megatron_args import checkpoint_args
+from examples.multimodal_dev.models.megatron_args import one_process_checkpoint_args
 
 from ..megatron_changes import apply
 from .files import TRACKER, checkpoint_directory, iteration_dir, load_model_weights, save_model_checkpoint, stored_args
@@ -197,17 +197,7 @@ def _save_import(megatron_path: str, config: dict, shape, model) -> None:
     final_config = os.path.join(megatron_path, HF_CONFIG)
     with open(final_config + ".partial", "w") as f:
         json.dump(config, f, indent=2)
-    args = checkpoint_args(
-        shape,
-        save=megatron_path,
-        model_arch=type(shape).arch,
-        hf_config_path=os.path.abspath(final_config),
-        tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1,
-        context_parallel_size=1,
-        expert_model_parallel_size=1,
-        world_size=1,
-    )
+    args = one_process_checkpoint_args(shape, megatron_path, os.path.abspath(final_config))
     save_model_checkpoint(args, 0, model)
     os.replace(final_config + ".partial", final_config)
 

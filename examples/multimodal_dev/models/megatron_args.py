@@ -65,6 +65,21 @@ def checkpoint_args(shape, **extra):
     )
 
 
+def one_process_checkpoint_args(shape, save: str, hf_config_path: str, **extra):
+    """``checkpoint_args`` of a checkpoint written by one process at no parallelism (an import from
+    Hugging Face, a test's), which names the shape's architecture and its Hugging Face config."""
+    sizes = ("tensor", "pipeline", "context", "expert")
+    return checkpoint_args(
+        shape,
+        save=save,
+        model_arch=type(shape).arch,
+        hf_config_path=hf_config_path,
+        world_size=1,
+        **{f"{size}_model_parallel_size": 1 for size in sizes},
+        **extra,
+    )
+
+
 def model_flag_defaults(shape, seq_length: int | None) -> dict:
     """The values megatron's model flags take for ``shape`` when the command line does not give them:
     the training script makes them its parser's defaults (``with_model_shape``), so the numbers reach
