@@ -197,3 +197,23 @@ def test_video_frames_dealt_over_cp_ranks_track_one_process(video_runs):
         ]
     print(f"relative differences (loss, grad norm, vision grad norm) by CP: {differences}")
     assert max(max(d) for d in differences.values()) < REL, differences
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPU cores")
+def test_a_chunked_tower_on_ranks_of_its_own_tracks_one_process(video_runs, start, tmp_path):
+    """The same first step with the tower on a rank of its own (VISION_NPROC=1) running its frames in
+    chunks of at most 64 patches (``--vision-chunk-patches``): the recomputed chunks' features cross to
+    the language model's rank and their gradients come back as one pass's would."""
+    from launch import run_recording_vision_norms
+
+    ref, ref_norms = video_runs[1]
+    flags = (*NO_EVAL, "--moe-aux-loss-coeff", "0", "--vision-chunk-patches", "64")
+    env = dict(MODEL, DATASET="mock_video", CKPT_LOAD=start, TRAIN_ITERS=1, VISION_NPROC=1)
+    run, norms = run_recording_vision_norms(tmp_path, "chunked", flags, **env)
+    differences = [
+        _rel(run.losses[1], ref.losses[1]),
+        _rel(run.grad_norms[1], ref.grad_norms[1]),
+        _rel(norms[1], ref_norms[1]),
+    ]
+    print(f"chunked tower on its own rank against one process (loss, grad norm, vision grad norm): {differences}")
+    assert max(differences) < REL, differences
