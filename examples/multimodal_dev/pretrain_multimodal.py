@@ -20,7 +20,7 @@ if __name__ == "__main__":  # a run: the imports make ~0.8M objects and little g
 from megatron.training import get_args
 
 from examples.multimodal_dev import megatron_changes
-from examples.multimodal_dev.arguments import OWN_DATA_OPTIONS, VIDEO_OPTIONS, add_multimodal_args
+from examples.multimodal_dev.arguments import OWN_DATA_OPTIONS, PATCH_BUDGET_OPTIONS, VIDEO_OPTIONS, add_multimodal_args
 from examples.multimodal_dev.checkpoint import (
     loader_state,
     optimizer_format,
@@ -36,6 +36,7 @@ from examples.multimodal_dev.data.batch import PackedBatch, ServedBatches, Stage
 from examples.multimodal_dev.data.collate import Collator, pad_multiple_for
 from examples.multimodal_dev.data.jsonl_source import check_data_path
 from examples.multimodal_dev.data.loader import build_iterator
+from examples.multimodal_dev.data.patch_budget import check_patch_budget_args
 from examples.multimodal_dev.data.sample import DataError, VisionTokens
 from examples.multimodal_dev.data.sources import resolve as resolve_source
 from examples.multimodal_dev.data.token_budget import check_packing_args, plan_factory
@@ -163,7 +164,11 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
         max_pixels=args.max_pixels,
         mean_text_tokens=args.mock_text_tokens,
         valid_data_path=args.eval_data_path,
-        **{name: getattr(args, name) for name in OWN_DATA_OPTIONS + VIDEO_OPTIONS if name != "eval_data_path"},
+        **{
+            name: getattr(args, name)
+            for name in OWN_DATA_OPTIONS + VIDEO_OPTIONS + PATCH_BUDGET_OPTIONS
+            if name != "eval_data_path"
+        },
     )
     datasets = build_splits()
     check_tokens_agree(datasets, tokens, args)
@@ -359,6 +364,7 @@ def checked_args():
         optimizer_format.default_to_reshardable(args)
         check_backend(args)
         check_packing_args(args)
+        check_patch_budget_args(args)
         if args.dataset_provider == "jsonl":  # before any process group: a wrong path is one line
             check_data_path(data_path_value(args), "--data-path")
             if args.eval_data_path:

@@ -28,8 +28,9 @@ A dataset is data: ``energon_configs`` refuses any of its YAML that names code (
 converter would import and call it) before energon reads it, and guards energon's resolver too.
 
 Bad samples are skipped (energon's ``SkipSample``) with a warning naming the conversation's
-JSONL origin and shard key; counts reach the run's total through the batches like the map-style
-providers' (``loader.hand_over_skips``). ``--strict-data`` stops at the first one.
+JSONL origin and shard key (one over a vision patch budget too, ``patch_budget.py``); counts
+reach the run's total through the batches like the map-style providers'
+(``loader.hand_over_skips``). ``--strict-data`` stops at the first one.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ from ..megatron_changes import apply
 from . import energon_state
 from .energon_configs import check_dataset, read_config
 from .loader import exit_with_parent, hand_over_skips, summing_skips
-from .patch_budget import patches
+from .patch_budget import PatchBudget, patches
 from .sample import BadSample, DataError, fit_to_budget, validate_sample
 from .skipping import RunSkipTotals, format_counts
 from .token_budget import first_fit_rows
@@ -326,7 +327,7 @@ class EnergonSplit(RunSkipTotals):
         self.seq_length, self.patch_dim, self.seed, self.name = seq_length, patch_dim, seed, name
         self.shuffle_buffer_size, self.max_samples_per_sequence = shuffle_buffer_size, max_samples_per_sequence
         self.packing_buffer_size = packing_buffer_size
-        self.max_patches = max_patches  # vision patches a packed row may hold (0: no limit)
+        self.max_patches = max_patches  # --max-vision-patches-per-micro-batch: packed rows close under it
         self.row_tokens, self.pad_multiple = None, 1  # pack_rows
         self.run_skip_counts: Counter = Counter()
         self.loader = None  # energon's loader once an iterator is built
@@ -334,7 +335,7 @@ class EnergonSplit(RunSkipTotals):
 
     def pack_rows(self, row_tokens: int, pad_multiple: int) -> None:
         """Token-budget packing: each micro-batch one row of at most ``row_tokens`` tokens (and of at most
-        ``max_patches`` vision patches, when set), filled from
+        ``max_patches`` vision patches, the split's micro-batch patch budget, when set), filled from
         ``packing_buffer_size`` conversations at a time on this rank (rows are not dealt across ranks
         by cost, as the map-style plan does: each rank reads its own stream)."""
         self.row_tokens, self.pad_multiple = row_tokens, pad_multiple
@@ -541,6 +542,7 @@ def build_datasets(
         raise DataError(f"--data-path {path!r}: no shard in its train split")
     processor, info = load_processor(hf_processor_path, min_pixels, max_pixels)
     sizing, videos = media_settings(processor, info, min_pixels, max_pixels, options)
+    patch_budget = PatchBudget.from_options(options)
     out = []
     for split, n in zip(SPLIT_PARTS, num_samples):
         if not n or split not in splits:
@@ -548,7 +550,15 @@ def build_datasets(
             continue
         source = f"--data-path {path!r} [{split}]"
         produce = JsonlConversations(
-            None, processor, info, sizing, seq_length, source, strict=strict_data, videos=videos
+            None,
+            processor,
+            info,
+            sizing,
+            seq_length,
+            source,
+            strict=strict_data,
+            videos=videos,
+            patch_budget=patch_budget,
         )
         out.append(
             EnergonSplit(
@@ -562,6 +572,7 @@ def build_datasets(
                 *sizes[:2],
                 f"energon[{split}]",
                 packing_buffer_size=sizes[2],
+                max_patches=patch_budget.per_micro_batch,
             )
         )
     return tuple(out)

@@ -18,8 +18,8 @@ The policy, and why:
   every row to exactly ``budget`` tokens: one static shape every micro-batch. With a vision patch
   budget (``max_patches``: ``--max-vision-patches-per-micro-batch``, ``patch_budget.py``) a row also
   closes before a conversation whose patches would take it past the budget; ``describe`` gives each
-  conversation's grids, so the plan knows its patches without decoding a pixel. One over the
-  limit on its own takes all of a row's patches (only conversations without vision join it).
+  conversation's grids, so the plan knows its patches without decoding a pixel. A conversation
+  over the budget on its own is skipped by the dataset and never reaches the plan.
 - **Rows are dealt to ranks by cost**, the model FLOPs of their conversations (``models/qwen35_vl/flops.py``:
   attention is quadratic in a conversation's length and images cost their vision tower, so
   tokens alone do not balance): largest first to the least-loaded rank with room, then
@@ -241,7 +241,7 @@ class TokenBudgetPlan:
         self._carried = []
         for item in order:  # first-fit decreasing by tokens
             needs = min(item.tokens, self.budget)  # one longer than the budget needs an empty row
-            sees = min(item.patches, self.max_patches or math.inf)  # the same for patches
+            sees = min(item.patches, self.max_patches or math.inf)  # the same for patches (the dataset skips those)
             row = next((r for r in range(self.rows_per_step) if room[r] >= needs and patch_room[r] >= sees), None)
             if row is None:
                 self._carried.append(item)
@@ -341,7 +341,9 @@ def swap_conversations(ranks: list[list[list[Item]]], budget: int, pool: list[It
 
 def plan_factory(shape, budget: int, rows_per_step: int, dp_size: int, pad_multiple: int = 1, window: int = 4096):
     """``plan_fn(dataset, cyclic)`` for ``loader.build_iterator``: plans that price a
-    conversation at its training FLOPs under ``shape`` (``models/qwen35_vl/flops.py``)."""
+    conversation at its training FLOPs under ``shape`` (``models/qwen35_vl/flops.py``) and close
+    rows under the dataset's own micro-batch patch budget (``SkippingDataset.patch_budget``), the
+    one it skips conversations by, so the two cannot disagree."""
     from examples.multimodal_dev.models.qwen35_vl.flops import micro_batch_flops
 
     def cost(tokens: int, grids) -> float:
@@ -357,6 +359,7 @@ def plan_factory(shape, budget: int, rows_per_step: int, dp_size: int, pad_multi
         pad_multiple=pad_multiple,
         window=window,
         cyclic=cyclic,
+        max_patches=dataset.patch_budget.per_micro_batch,
     )
 
 
