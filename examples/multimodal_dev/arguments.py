@@ -117,6 +117,12 @@ OWN_DATA_OPTIONS = (
     "energon_max_samples_per_sequence",
     "energon_packing_buffer_size",
 )
+# every provider's (data/patch_budget.py): a conversation over one is a named skip, rows close under them
+PATCH_BUDGET_OPTIONS = (
+    "max_vision_patches_per_image",
+    "max_vision_patches_per_video",
+    "max_vision_patches_per_micro_batch",
+)
 VIDEO_OPTIONS = (
     "video_fps",
     "video_max_frames",
@@ -125,6 +131,31 @@ VIDEO_OPTIONS = (
     "video_min_pixels",
     "video_total_pixels",
 )
+
+
+def _add_patch_budget_args(group):
+    # what bounds the vision tower's activations: its input patches (t*h*w of a grid), before the spatial merge
+    group.add_argument(
+        "--max-vision-patches-per-image",
+        type=int,
+        default=0,
+        help="skip, by name, a conversation with an image of more vision patches (t*h*w) than this (0: no budget)",
+    )
+    group.add_argument(
+        "--max-vision-patches-per-video",
+        type=int,
+        default=0,
+        help="skip, by name, a conversation with a video of more vision patches (t*h*w, all its frames) than "
+        "this (a file's video is counted from its header, before it is decoded; 0: no budget)",
+    )
+    group.add_argument(
+        "--max-vision-patches-per-micro-batch",
+        type=int,
+        default=0,
+        help="most vision patches of a micro-batch's images and videos: a conversation over it is skipped by "
+        "name, and --packing tokens closes a row before a conversation would take it over (with --packing "
+        "samples, --micro-batch-size 1 only; 0: no budget; data/patch_budget.py)",
+    )
 
 
 def add_multimodal_args(parser):
@@ -158,6 +189,7 @@ def add_multimodal_args(parser):
     group.add_argument("--max-pixels", type=int, default=None, help="largest image area after resizing")
     _add_own_data_args(parser.add_argument_group("your own data (--dataset-provider jsonl)"))
     _add_energon_args(parser.add_argument_group("Megatron-Energon shards (--dataset-provider energon)"))
+    _add_patch_budget_args(parser.add_argument_group("vision patch budgets (every --dataset-provider)"))
     group.add_argument(
         "--use-packed-sequence",
         dest="use_packed_sequence",

@@ -17,6 +17,7 @@ from examples.multimodal_dev.checkpoint.integrity import check_resumable
 from examples.multimodal_dev.checkpoint.run_shape import check_checkpoint_matches, declared_shape
 from examples.multimodal_dev.console import fail, say
 from examples.multimodal_dev.data.jsonl_source import check_data_path
+from examples.multimodal_dev.data.patch_budget import check_patch_budget_args
 from examples.multimodal_dev.data.sources import resolve as resolve_source
 from examples.multimodal_dev.data.token_budget import check_packing_args
 from examples.multimodal_dev.dataset_provider import data_path_value
@@ -72,6 +73,7 @@ def checked_args() -> argparse.Namespace:
         optimizer_format.default_to_reshardable(args)
         check_backend(args)
         check_packing_args(args)
+        check_patch_budget_args(args)
         check_data_args(args)
         gen_eval.check(args)
         lora_targets.check(args, backend_of(args))

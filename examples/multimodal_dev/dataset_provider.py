@@ -17,7 +17,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.training import get_args
 
-from examples.multimodal_dev.arguments import OWN_DATA_OPTIONS, VIDEO_OPTIONS
+from examples.multimodal_dev.arguments import OWN_DATA_OPTIONS, PATCH_BUDGET_OPTIONS, VIDEO_OPTIONS
 from examples.multimodal_dev.checkpoint import loader_state, plan_state
 from examples.multimodal_dev.console import say
 from examples.multimodal_dev.data import get_dataset_provider
@@ -89,7 +89,11 @@ def datasets_provider(train_val_test_num_samples, vp_stage: int | None = None) -
         max_pixels=args.max_pixels,
         mean_text_tokens=args.mock_text_tokens,
         valid_data_path=args.eval_data_path,
-        **{name: getattr(args, name) for name in OWN_DATA_OPTIONS + VIDEO_OPTIONS if name != "eval_data_path"},
+        **{
+            name: getattr(args, name)
+            for name in OWN_DATA_OPTIONS + VIDEO_OPTIONS + PATCH_BUDGET_OPTIONS
+            if name != "eval_data_path"
+        },
     )
     datasets = build_splits()
     check_tokens_agree(datasets, tokens, args)

@@ -28,6 +28,7 @@ class Counted:
 
     def __init__(self, dataset):
         self.dataset, self.read = dataset, 0
+        self.patch_budget = dataset.patch_budget  # the plan closes rows under the dataset's own
 
     def __len__(self):
         return len(self.dataset)

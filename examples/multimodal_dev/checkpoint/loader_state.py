@@ -68,7 +68,11 @@ def resume(split, load_dir: str | None, iteration: int, consumed_samples: int, s
             why = f"{path} does not exist"
         elif state.get("settings") != settings:
             old = state.get("settings") or {}
-            changed = ", ".join(f"{k} {old.get(k)!r} -> {v!r}" for k, v in settings.items() if old.get(k) != v)
+            changed = ", ".join(  # both sides' keys: a setting saved only when set may be on either side
+                f"{k} {old.get(k)!r} -> {settings.get(k)!r}"
+                for k in {**old, **settings}
+                if old.get(k) != settings.get(k)
+            )
             why = f"it was saved with other settings ({changed})"
         else:
             split.restore_state(state)

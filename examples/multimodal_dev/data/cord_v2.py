@@ -26,6 +26,7 @@ import torch
 from . import sources
 from .answer_spans import answer_char_spans, encoded_sample, generation_prompt, trained_sample
 from .conversations import Media, Turn
+from .patch_budget import PatchBudget
 from .processor import load_processor
 from .sample import BadSample, DataError
 from .skipping import SkippingDataset
@@ -215,9 +216,11 @@ def build_datasets(
     hf_processor_path: str | None = None,
     min_pixels: int | None = None,
     max_pixels: int | None = None,
-    **_unused,
+    **options,
 ):
-    """(train, valid, test) over the CORD-V2 splits, each repeated to the requested size."""
+    """(train, valid, test) over the CORD-V2 splits, each repeated to the requested size. ``options``: the
+    vision patch budgets (``patch_budget.FLAGS``' names); the other data options do not apply here."""
+    patch_budget = PatchBudget.from_options(options)
     if not data_path:
         raise ValueError(
             "--data-path is required for --dataset-provider cord_v2 (saved dataset, parquet files "
@@ -244,6 +247,7 @@ def build_datasets(
                 info.patch_dim,
                 name=f"cord_v2[{split}]",
                 source=f"--data-path {data_path!r}",
+                patch_budget=patch_budget,
             )
         )
     return tuple(out)

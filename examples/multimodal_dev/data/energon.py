@@ -28,8 +28,9 @@ A dataset is data: ``energon_configs`` refuses any of its YAML that names code (
 converter would import and call it) before energon reads it, and guards energon's resolver too.
 
 Bad samples are skipped (energon's ``SkipSample``) with a warning naming the conversation's
-JSONL origin and shard key; counts reach the run's total through the batches like the map-style
-providers' (``loader.hand_over_skips``). ``--strict-data`` stops at the first one.
+JSONL origin and shard key (one over a vision patch budget too, ``patch_budget.py``); counts
+reach the run's total through the batches like the map-style providers'
+(``loader.hand_over_skips``). ``--strict-data`` stops at the first one.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from ..megatron_changes import apply
 from . import energon_state
 from .energon_configs import check_dataset, read_config
 from .loader import exit_with_parent, hand_over_skips, summing_skips
+from .patch_budget import PatchBudget, patches
 from .sample import BadSample, DataError, fit_to_budget, validate_sample
 from .skipping import RunSkipTotals, format_counts
 from .token_budget import first_fit_rows
@@ -154,7 +156,8 @@ class ConversationEncoder(DefaultTaskEncoder):
 
     Token-budget packing (``row_tokens``): energon's packing stage hands a buffer of encoded
     conversations to ``select_samples_to_pack``, which fills rows of at most ``row_tokens`` tokens
-    first-fit decreasing (lengths padded to ``pad_multiple``); a micro-batch is one such row."""
+    first-fit decreasing (lengths padded to ``pad_multiple``), and of at most ``max_patches`` vision
+    patches when that is set (``patch_budget.py``); a micro-batch is one such row."""
 
     decoder = None  # members stay bytes: images and videos are decoded as the jsonl provider does
     cookers = (Cooker(cook_conversation),)
@@ -169,11 +172,12 @@ class ConversationEncoder(DefaultTaskEncoder):
         name="energon",
         row_tokens: int | None = None,
         pad_multiple: int = 1,
+        max_patches: int = 0,
     ):
         super().__init__()
         self.produce, self.tokens, self.seq_length, self.patch_dim = produce, tokens, seq_length, patch_dim
         self.collate_fn, self.name = collate_fn, name
-        self.row_tokens, self.pad_multiple = row_tokens, pad_multiple
+        self.row_tokens, self.pad_multiple, self.max_patches = row_tokens, pad_multiple, max_patches
         self.skip_counts, self._handed_over = Counter(), Counter()
 
     @stateless
@@ -197,7 +201,9 @@ class ConversationEncoder(DefaultTaskEncoder):
     @stateless
     def select_samples_to_pack(self, samples):
         lengths = [-(-s["input_ids"].numel() // self.pad_multiple) * self.pad_multiple for s in samples]
-        return [[samples[i] for i in row] for row in first_fit_rows(lengths, self.row_tokens)]
+        counts = [patches(s["image_grid_thw"].tolist()) + patches(s["video_grid_thw"].tolist()) for s in samples]
+        rows = first_fit_rows(lengths, self.row_tokens, counts, self.max_patches)
+        return [[samples[i] for i in row] for row in rows]
 
     @stateless
     def pack_selected_samples(self, samples):
@@ -315,18 +321,21 @@ class EnergonSplit(RunSkipTotals):
         max_samples_per_sequence: int | None,
         name: str,
         packing_buffer_size: int = DEFAULT_PACKING_BUFFER,
+        max_patches: int = 0,
     ):
         self.path, self.split, self.produce, self.tokens = path, split, produce, tokens
         self.seq_length, self.patch_dim, self.seed, self.name = seq_length, patch_dim, seed, name
         self.shuffle_buffer_size, self.max_samples_per_sequence = shuffle_buffer_size, max_samples_per_sequence
         self.packing_buffer_size = packing_buffer_size
+        self.max_patches = max_patches  # --max-vision-patches-per-micro-batch: packed rows close under it
         self.row_tokens, self.pad_multiple = None, 1  # pack_rows
         self.run_skip_counts: Counter = Counter()
         self.loader = None  # energon's loader once an iterator is built
         self._settings, self._restore = None, None
 
     def pack_rows(self, row_tokens: int, pad_multiple: int) -> None:
-        """Token-budget packing: each micro-batch one row of at most ``row_tokens`` tokens, filled from
+        """Token-budget packing: each micro-batch one row of at most ``row_tokens`` tokens (and of at most
+        ``max_patches`` vision patches, the split's micro-batch patch budget, when set), filled from
         ``packing_buffer_size`` conversations at a time on this rank (rows are not dealt across ranks
         by cost, as the map-style plan does: each rank reads its own stream)."""
         self.row_tokens, self.pad_multiple = row_tokens, pad_multiple
@@ -341,6 +350,7 @@ class EnergonSplit(RunSkipTotals):
             self.name,
             self.row_tokens,
             self.pad_multiple,
+            self.max_patches,
         )
 
     def stream_settings(self, micro_batch_size: int, dp_rank: int, dp_size: int, num_workers: int) -> dict:
@@ -358,6 +368,8 @@ class EnergonSplit(RunSkipTotals):
             row_tokens=self.row_tokens,
             pad_multiple=self.pad_multiple,
             packing_buffer_size=self.packing_buffer_size if self.row_tokens else None,
+            # a budget closes rows elsewhere; unset, the settings are what a run before budgets saved
+            **({"max_patches": self.max_patches} if self.row_tokens and self.max_patches else {}),
         )
 
     def save_state(self) -> dict | None:
@@ -530,6 +542,7 @@ def build_datasets(
         raise DataError(f"--data-path {path!r}: no shard in its train split")
     processor, info = load_processor(hf_processor_path, min_pixels, max_pixels)
     sizing, videos = media_settings(processor, info, min_pixels, max_pixels, options)
+    patch_budget = PatchBudget.from_options(options)
     out = []
     for split, n in zip(SPLIT_PARTS, num_samples):
         if not n or split not in splits:
@@ -537,7 +550,15 @@ def build_datasets(
             continue
         source = f"--data-path {path!r} [{split}]"
         produce = JsonlConversations(
-            None, processor, info, sizing, seq_length, source, strict=strict_data, videos=videos
+            None,
+            processor,
+            info,
+            sizing,
+            seq_length,
+            source,
+            strict=strict_data,
+            videos=videos,
+            patch_budget=patch_budget,
         )
         out.append(
             EnergonSplit(
@@ -551,6 +572,7 @@ def build_datasets(
                 *sizes[:2],
                 f"energon[{split}]",
                 packing_buffer_size=sizes[2],
+                max_patches=patch_budget.per_micro_batch,
             )
         )
     return tuple(out)

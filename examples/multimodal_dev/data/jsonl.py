@@ -17,8 +17,10 @@ videos are sampled and sized by ``video.py`` (``--video-*`` flags, a part's own 
 Bad records are skips (``SkippingDataset``) whose message starts ``file:line``: a line that is
 not JSON, an unknown format or role, placeholders that do not match the media, no assistant
 turn, a missing, remote or undecodable image or video, a conversation over ``--seq-length``
-that cannot be cut after its last image. With ``--strict-data`` the first one is a one-line
-``DataError`` instead.
+that cannot be cut after its last image, an image or video over its vision patch budget or a
+conversation over the micro-batch's (``patch_budget.py``: videos, and images read from files, are
+counted from their headers before anything is decoded). With ``--strict-data`` the first one is a
+one-line ``DataError`` instead.
 
 ``describe(index)`` gives the same ids and grids from image headers (and ``video_header``)
 without decoding pixels; a test holds it to the sample. An image whose header reads but whose
@@ -34,8 +36,17 @@ import torch
 
 from .answer_spans import answer_char_spans, encoded_sample, generation_prompt, trained_sample
 from .conversations import normalise
-from .jsonl_media import ImageSizing, MediaAccess, VideoOptions, image_size, media_settings, open_image
+from .jsonl_media import (
+    REMOTE_SCHEMES,
+    ImageSizing,
+    MediaAccess,
+    VideoOptions,
+    image_size,
+    media_settings,
+    open_image,
+)
 from .jsonl_source import Blend, Records, check_data_path, hold_out, parse_record
+from .patch_budget import NO_BUDGET, PatchBudget
 from .processor import VISION_TOKEN_TEXT, load_processor
 from .sample import BadSample, DataError, fit_to_budget
 from .skipping import SkippingDataset
@@ -57,10 +68,12 @@ class JsonlConversations:
         access: MediaAccess = MediaAccess(),
         strict: bool = False,
         videos: VideoOptions | None = None,
+        patch_budget: PatchBudget = NO_BUDGET,
     ):
         self.rows, self.processor, self.info, self.sizing = rows, processor, info, sizing
         self.seq_length, self.source, self.access, self.strict = seq_length, source, access, strict
         self.videos = videos or VideoOptions(processor)
+        self.patch_budget = patch_budget
 
     def __call__(self, index: int) -> dict:
         return self._at_record(index, self._produce)
@@ -86,7 +99,8 @@ class JsonlConversations:
             turns = self._turns(line)
             media = [(m, locate_media(m)) for t in turns for m in t.media]
             text, spans = answer_char_spans(self.processor, turns)
-            return fit_to_budget(make(text, spans, media), self.info.tokens, self.seq_length)
+            sample = fit_to_budget(make(text, spans, media), self.info.tokens, self.seq_length)
+            return self.patch_budget.check_sample(sample)  # a cut falls after the last image: the grids stay
         except BadSample as bad:
             detail = bad.detail.replace("\n", " ")
             if self.strict:
@@ -140,6 +154,7 @@ class JsonlConversations:
         decoded, as training reads them."""
         opened = [(m, *self.videos.opened(m, location)) for m, location in media if m.kind == "video"]
         self._videos_fit([header for _, _, header in opened])
+        self._patches_fit(media, [header for _, _, header in opened])
         images = [
             self.sizing.resize(open_image(location), m.options, location) for m, location in media if m.kind == "image"
         ]
@@ -161,10 +176,20 @@ class JsonlConversations:
         if tokens > self.seq_length:
             raise BadSample("over_budget", f"its videos alone are {tokens} tokens > --seq-length {self.seq_length}")
 
+    def _patches_fit(self, media, headers) -> None:
+        """The patch budgets from the media's headers, before anything is decoded. A URL's image is left
+        to the check of the made sample: reading its header here would fetch it twice."""
+        if not self.patch_budget:
+            return
+        remote = any(m.kind == "image" and location.startswith(REMOTE_SCHEMES) for m, location in media)
+        images = [] if remote else [self._image_grid(m, location) for m, location in media if m.kind == "image"]
+        self.patch_budget.check(images, [header.grid_thw for header in headers], total=not remote)
+
+    def _image_grid(self, media, location) -> tuple[int, int, int]:
+        return self.sizing.grid(*image_size(location), media.options)
+
     def _describe(self, text: str, spans, media) -> dict:
-        grids = _grid_tensor(
-            [self.sizing.grid(*image_size(location), m.options) for m, location in media if m.kind == "image"]
-        )
+        grids = _grid_tensor([self._image_grid(m, location) for m, location in media if m.kind == "image"])
         headers = [self.videos.header(m, location) for m, location in media if m.kind == "video"]
         video_grids = _grid_tensor([h.grid_thw for h in headers])
         image_text = [self.processor.replace_image_token({"image_grid_thw": grids}, j) for j in range(len(grids))]
@@ -238,9 +263,9 @@ def build_datasets(
 ):
     """(train, valid, test) ``SkippingDataset``s over the JSONL records; None for a split with no
     records or no samples asked for. ``video_*``: ``VideoSettings`` fields (None: its default);
-    a video part's own keys override them. The training records are shuffled by ``seed``
-    (``jsonl_source.Blend``) unless ``no_shuffle`` or no seed is given; validation and test keep
-    file order."""
+    a video part's own keys override them. ``max_vision_patches_*``: the patch budgets
+    (``patch_budget.py``). The training records are shuffled by ``seed`` (``jsonl_source.Blend``)
+    unless ``no_shuffle`` or no seed is given; validation and test keep file order."""
     shuffle = None if no_shuffle else seed
     parts, weights = load_rows(data_path, "--data-path")
     valid_fraction = valid_fraction or 0.0  # None: a flag left unset
@@ -274,6 +299,7 @@ def build_datasets(
             f"{' or held out' if valid_fraction else ''})"
         )
     sizing, videos = media_settings(processor, info, min_pixels, max_pixels, options)
+    patch_budget = PatchBudget.from_options(options)
     out = []
     for split, n in zip(SPLITS, num_samples):
         rows, source = sources.get(split, (None, None))
@@ -281,10 +307,20 @@ def build_datasets(
             out.append(None)
             continue
         access = MediaAccess(media_root, allow_remote_media, allow_media_anywhere)
-        produce = JsonlConversations(rows, processor, info, sizing, seq_length, source, access, strict_data, videos)
+        produce = JsonlConversations(
+            rows, processor, info, sizing, seq_length, source, access, strict_data, videos, patch_budget
+        )
         out.append(
             SkippingDataset(
-                produce, len(rows), n, info.tokens, seq_length, info.patch_dim, name=f"jsonl[{split}]", source=source
+                produce,
+                len(rows),
+                n,
+                info.tokens,
+                seq_length,
+                info.patch_dim,
+                name=f"jsonl[{split}]",
+                source=source,
+                patch_budget=patch_budget,
             )
         )
     return tuple(out)

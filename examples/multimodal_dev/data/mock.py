@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .patch_budget import PatchBudget
 from .sample import VisionTokens, build_sft_sample
 from .skipping import SkippingDataset
 
@@ -121,10 +122,12 @@ def build_datasets(
     seed: int = 1234,
     mean_text_tokens: int = 96,
     profile_fn=None,
-    **_unused,
+    **options,
 ):
     """(train, valid, test) of the requested sizes; the splits use disjoint seeds. ``profile_fn``:
-    a profile per split (``mock_mix.py``), else the uniform one."""
+    a profile per split (``mock_mix.py``), else the uniform one. ``options``: the vision patch budgets
+    (``patch_budget.FLAGS``' names); the other data options do not apply to a mock."""
+    patch_budget = PatchBudget.from_options(options)
     splits = []
     for split, n in enumerate(num_samples):
         produce = MockConversations(
@@ -145,6 +148,7 @@ def build_datasets(
                 max_length=seq_length,
                 patch_dim=patch_dim,
                 name=f"mock[{('train', 'valid', 'test')[split]}]",
+                patch_budget=patch_budget,
             )
         )
     return tuple(splits)

@@ -3,9 +3,9 @@
 A provider implements ``produce(index) -> sample`` and raises ``BadSample`` for anything that
 cannot be trained on. ``SkippingDataset[i]`` then tries ``i+1, i+2, ...`` (deterministically,
 so resumed runs see the same samples, wrapping at the end), logs a warning per skipped sample, and
-validates every sample it returns against the contract. However long a run of bad rows, the next
-usable row is found: only a split whose every row is unusable stops the run, in one line giving
-the count per reason.
+validates every sample it returns against the contract; one over a vision patch budget
+(``patch_budget.py``) is a skip too. However long a run of bad rows, the next usable row is found:
+only a split whose every row is unusable stops the run, in one line giving the count per reason.
 
 Skip counts: each DataLoader worker holds its own copy of the dataset, so ``skip_counts`` is
 this process's count only. ``new_skips()`` hands over what this process skipped since it was
@@ -20,6 +20,7 @@ from collections import Counter
 
 from torch.utils.data import Dataset
 
+from .patch_budget import NO_BUDGET, PatchBudget
 from .sample import VISION_KINDS, BadSample, DataError, VisionTokens, fit_to_budget, validate_sample
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class SkippingDataset(RunSkipTotals, Dataset):
         patch_dim: int | None = None,
         name: str = "dataset",
         source: str | None = None,
+        patch_budget: PatchBudget = NO_BUDGET,
     ):
         if num_source <= 0:
             raise ValueError(f"{name}: the source has no samples")
@@ -67,6 +69,7 @@ class SkippingDataset(RunSkipTotals, Dataset):
         self.tokens, self.max_length, self.patch_dim = tokens, max_length, patch_dim
         self.name = name
         self.source = source  # the flag and value the rows come from, for the user's error line
+        self.patch_budget = patch_budget  # token-budget packing closes its rows under it too (plan_factory)
         self.skip_counts: Counter = Counter()  # skipped in this process
         self._handed_over: Counter = Counter()  # the part of skip_counts new_skips() returned
         self.run_skip_counts: Counter = Counter()  # the run's total, summed in the main process
@@ -98,7 +101,7 @@ class SkippingDataset(RunSkipTotals, Dataset):
 
     def _usable(self, produce, source_index: int) -> dict:
         sample = fit_to_budget(produce(source_index), self.tokens, self.max_length)
-        return validate_sample(sample, self.tokens, self.patch_dim)
+        return self.patch_budget.check_sample(validate_sample(sample, self.tokens, self.patch_dim))
 
     def _first_usable(self, index: int, produce, count: bool) -> dict:
         reasons: Counter = Counter()

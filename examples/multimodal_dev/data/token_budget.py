@@ -15,7 +15,11 @@ The policy, and why:
   conversations are placed first, so none waits more than one step in practice. A conversation
   is never split, so neither is an image; one longer than the budget gets a row to itself.
   Lengths are padded to ``pad_multiple`` (CP / SP) before they are fitted, and the collate pads
-  every row to exactly ``budget`` tokens: one static shape every micro-batch.
+  every row to exactly ``budget`` tokens: one static shape every micro-batch. With a vision patch
+  budget (``max_patches``: ``--max-vision-patches-per-micro-batch``, ``patch_budget.py``) a row also
+  closes before a conversation whose patches would take it past the budget; ``describe`` gives each
+  conversation's grids, so the plan knows its patches without decoding a pixel. A conversation
+  over the budget on its own is skipped by the dataset and never reaches the plan.
 - **Rows are dealt to ranks by cost**, the model FLOPs of their conversations (``models/qwen35_vl/flops.py``:
   attention is quadratic in a conversation's length and images cost their vision tower, so
   tokens alone do not balance): largest first to the least-loaded rank with room, then
@@ -31,7 +35,11 @@ The policy, and why:
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
+
+from .patch_budget import patches
 
 LOOKAHEAD = 1.25  # buffer tokens per step's tokens: the slack first-fit decreasing packs from
 STATES_KEPT = 16  # steps whose starting state stays available: the loader plans a few steps ahead of a save
@@ -45,6 +53,7 @@ class Item:
     tokens: int  # padded to the per-sample multiple
     cost: float
     carried: bool = False  # already deferred once
+    patches: int = 0  # vision patches (t*h*w of its grids), for the row's patch budget
 
 
 def deal_rows(costs: list[float], ranks: int) -> list[list[int]]:
@@ -115,6 +124,7 @@ class TokenBudgetPlan:
         pad_multiple: int = 1,
         window: int = 4096,
         cyclic: bool = False,
+        max_patches: int = 0,
     ):
         if budget % pad_multiple:
             raise ValueError(
@@ -127,6 +137,7 @@ class TokenBudgetPlan:
         self.rows_per_step, self.dp_size, self.pad_multiple = rows_per_step, dp_size, pad_multiple
         self.cost = cost or (lambda tokens, grids: float(tokens))
         self.window, self.cyclic = window, cyclic
+        self.max_patches = max_patches  # 0: rows are bounded by tokens only
         self._cursor = 0  # next stream position to read
         self._carried: list[Item] = []
         self._steps: dict[int, Step | None] = {}
@@ -157,6 +168,8 @@ class TokenBudgetPlan:
             "num_samples": self.num_samples,
             "cyclic": self.cyclic,
             "lookahead": LOOKAHEAD,
+            # only when set: a state saved before patch budgets existed still restores without one
+            **({"max_patches": self.max_patches} if self.max_patches else {}),
         }
 
     def state(self, s: int) -> dict | None:
@@ -176,7 +189,8 @@ class TokenBudgetPlan:
         """Continue at ``state``'s step, as if every step before it had been planned here. Returns
         None, or why the state does not fit this plan (which is then left as it was)."""
         if state.get("settings") != self.settings():
-            differ = sorted(k for k, v in self.settings().items() if state.get("settings", {}).get(k) != v)
+            theirs, ours = state.get("settings", {}), self.settings()
+            differ = sorted(k for k in {**theirs, **ours} if theirs.get(k) != ours.get(k))
             return "it was planned with other settings: " + ", ".join(differ)
         carried = [Item(index, tokens, cost, carried=True) for index, tokens, cost in state["carried"]]
         indices = [item.index for item in carried]
@@ -187,9 +201,12 @@ class TokenBudgetPlan:
         cursor = state["cursor"]
         if not isinstance(cursor, int) or cursor < 0 or not self.cyclic and cursor > self.num_samples:
             return f"its stream position {state['cursor']!r} is not a position in this dataset"
-        for item in carried:  # the same data: each carried conversation still has its length
-            if self._padded(self.describe(item.index)[0]) != item.tokens:
+        described = [self.describe(item.index) for item in carried]
+        for item, (tokens, _) in zip(carried, described):  # the same data: each still has its length
+            if self._padded(tokens) != item.tokens:
                 return f"conversation {item.index} has another length in this dataset"
+        # patches are not stored: the grids described here give them
+        carried = [dataclasses.replace(item, patches=patches(grids)) for item, (_, grids) in zip(carried, described)]
         self._cursor, self._carried = state["cursor"], carried
         self._steps, self._starts, self._next_step = {}, {}, state["step"]
         return None
@@ -200,7 +217,7 @@ class TokenBudgetPlan:
         index = self._cursor % self.num_samples
         self._cursor += 1
         tokens, grids = self.describe(index)
-        return Item(index, self._padded(tokens), self.cost(tokens, grids))
+        return Item(index, self._padded(tokens), self.cost(tokens, grids), patches=patches(grids))
 
     def _padded(self, tokens: int) -> int:
         return -(-tokens // self.pad_multiple) * self.pad_multiple
@@ -220,22 +237,25 @@ class TokenBudgetPlan:
         )
         rows: list[list[Item]] = [[] for _ in range(self.rows_per_step)]
         room = [self.budget] * self.rows_per_step
+        patch_room = [self.max_patches or math.inf] * self.rows_per_step
         self._carried = []
         for item in order:  # first-fit decreasing by tokens
             needs = min(item.tokens, self.budget)  # one longer than the budget needs an empty row
-            row = next((r for r in range(self.rows_per_step) if room[r] >= needs), None)
+            sees = min(item.patches, self.max_patches or math.inf)  # the same for patches (the dataset skips those)
+            row = next((r for r in range(self.rows_per_step) if room[r] >= needs and patch_room[r] >= sees), None)
             if row is None:
                 self._carried.append(item)
                 continue
             rows[row].append(item)
             room[row] -= needs
+            patch_room[row] -= sees
         if any(not row for row in rows):  # the stream ran out: no whole step left
             self.unplaced = sorted(i.index for i in order)  # the last, partial step: dropped, as megatron does
             return None
         dealt = deal_rows([sum(i.cost for i in row) for row in rows], self.dp_size)
         ranks = [[rows[j] for j in group] for group in dealt]
-        swap_conversations(ranks, self.budget, self._carried)
-        self._carried = [Item(i.index, i.tokens, i.cost, carried=True) for i in self._carried]
+        swap_conversations(ranks, self.budget, self._carried, self.max_patches)
+        self._carried = [dataclasses.replace(i, carried=True) for i in self._carried]
         return Step(
             ranks=[[[i.index for i in row] for row in rank_rows] for rank_rows in ranks],
             filled_tokens=sum(i.tokens for row in rows for i in row),
@@ -244,31 +264,41 @@ class TokenBudgetPlan:
         )
 
 
-def first_fit_rows(lengths: list[int], budget: int) -> list[list[int]]:
-    """Every index of ``lengths`` in rows of at most ``budget`` tokens, first-fit decreasing (one
-    longer than the budget gets a row to itself). For streams packed from a buffer as they come
-    (``energon.py``), where a fixed number of rows a step cannot be planned ahead."""
+def first_fit_rows(
+    lengths: list[int], budget: int, patch_counts: list[int] | None = None, max_patches: int = 0
+) -> list[list[int]]:
+    """Every index of ``lengths`` in rows of at most ``budget`` tokens, and of at most ``max_patches``
+    of ``patch_counts`` when that is set, first-fit decreasing (one longer than the budget gets a row
+    to itself; one over ``max_patches`` takes all of a row's, which only text may join). For streams
+    packed from a buffer as they come (``energon.py``), where a fixed number of rows a step cannot be
+    planned ahead."""
     rows: list[list[int]] = []
     room: list[int] = []
+    patch_room: list[float] = []
+    limit = max_patches or math.inf
     for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
-        needs = min(lengths[i], budget)
-        row = next((r for r in range(len(rows)) if room[r] >= needs), None)
+        needs, sees = min(lengths[i], budget), min(patch_counts[i] if patch_counts else 0, limit)
+        row = next((r for r in range(len(rows)) if room[r] >= needs and patch_room[r] >= sees), None)
         if row is None:
             rows.append([])
             room.append(budget)
+            patch_room.append(limit)
             row = len(rows) - 1
         rows[row].append(i)
         room[row] -= needs
+        patch_room[row] -= sees
     return rows
 
 
-def swap_conversations(ranks: list[list[list[Item]]], budget: int, pool: list[Item]) -> None:
+def swap_conversations(ranks: list[list[list[Item]]], budget: int, pool: list[Item], max_patches: int = 0) -> None:
     """Lower max / mean of the ranks' costs, in place, by single-conversation swaps that keep
-    rows within ``budget``: between a row of the most-loaded rank and a row of one of the
-    ``SWAP_PARTNERS`` least-loaded ranks, or with a conversation of ``pool`` (the carried-over
-    buffer) that has never been carried (so nothing is deferred twice). Whole rows cannot
-    balance a step where one long conversation costs a quarter of it; swaps can."""
+    rows within ``budget`` (and ``max_patches`` vision patches, when set): between a row of the
+    most-loaded rank and a row of one of the ``SWAP_PARTNERS`` least-loaded ranks, or with a
+    conversation of ``pool`` (the carried-over buffer) that has never been carried (so nothing is
+    deferred twice). Whole rows cannot balance a step where one long conversation costs a quarter
+    of it; swaps can."""
     n = len(ranks)
+    limit = max_patches or math.inf
     loads = [sum(i.cost for row in rank_rows for i in row) for rank_rows in ranks]
     for _ in range(MAX_SWAP_ROUNDS):
         by_load = sorted(range(n), key=lambda r: (-loads[r], r))
@@ -284,16 +314,18 @@ def swap_conversations(ranks: list[list[list[Item]]], budget: int, pool: list[It
         partners = [(lo, row) for lo in by_load[:0:-1][:SWAP_PARTNERS] for row in ranks[lo]] + [(None, pool)]
         for row_hi in ranks[hi]:
             free_hi = budget - sum(i.tokens for i in row_hi)
+            patches_hi = limit - sum(i.patches for i in row_hi)
             for a in row_hi:
                 for lo, row_lo in partners:
                     free_lo = budget - sum(i.tokens for i in row_lo) if lo is not None else 0
+                    patches_lo = limit - sum(i.patches for i in row_lo) if lo is not None else 0
                     for b in row_lo:
                         d = a.cost - b.cost
-                        if d <= 0 or b.tokens - a.tokens > free_hi:
+                        if d <= 0 or b.tokens - a.tokens > free_hi or b.patches - a.patches > patches_hi:
                             continue
                         if lo is None and (b.carried or a.tokens - b.tokens > a.tokens // 8):
                             continue  # the pool: first-timers only, and no worse fill than an eighth
-                        if lo is not None and a.tokens - b.tokens > free_lo:
+                        if lo is not None and (a.tokens - b.tokens > free_lo or a.patches - b.patches > patches_lo):
                             continue
                         ratio = ratio_after(d, lo)
                         if ratio < current * (1 - 1e-9) and (best is None or ratio < best[0]):
@@ -309,7 +341,9 @@ def swap_conversations(ranks: list[list[list[Item]]], budget: int, pool: list[It
 
 def plan_factory(shape, budget: int, rows_per_step: int, dp_size: int, pad_multiple: int = 1, window: int = 4096):
     """``plan_fn(dataset, cyclic)`` for ``loader.build_iterator``: plans that price a
-    conversation at its training FLOPs under ``shape`` (``models/qwen35_vl/flops.py``)."""
+    conversation at its training FLOPs under ``shape`` (``models/qwen35_vl/flops.py``) and close
+    rows under the dataset's own micro-batch patch budget (``SkippingDataset.patch_budget``), the
+    one it skips conversations by, so the two cannot disagree."""
     from examples.multimodal_dev.models import model_of
 
     micro_batch_flops = model_of(shape).micro_batch_flops
@@ -327,6 +361,7 @@ def plan_factory(shape, budget: int, rows_per_step: int, dp_size: int, pad_multi
         pad_multiple=pad_multiple,
         window=window,
         cyclic=cyclic,
+        max_patches=dataset.patch_budget.per_micro_batch,
     )
 
 
