@@ -95,9 +95,7 @@ class MergedState(Mapping):
         linear = self.linears.get(name)
         if linear is None:
             return self._state[name]
-        with torch.no_grad():
-            delta = (linear.lora_B.double() @ linear.lora_A.double()) * linear.lora_scale
-            return (linear.weight.double() + delta).to(self._dtype_of(name))
+        return linear.merged_weight(self._dtype_of(name))
 
     def __iter__(self):
         return iter(self._state)

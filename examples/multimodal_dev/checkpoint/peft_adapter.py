@@ -102,7 +102,7 @@ def self_check(megatron_path: str, rule, linears: dict, written: dict, experts: 
     for first in range(0, len(modules), step):
         part = [linears[m] for m in modules[first : first + step]]
         # a rule over several weights (the routed experts) maps each on its own: a slice at a time
-        wants = rule.to_hf([(m.lora_B.double() @ m.lora_A.double()) * m.lora_scale for m in part])
+        wants = rule.to_hf([m.delta_weight() for m in part])
         for name, want in zip(rule.hf, wants):
             lora_a, lora_b = written[name]
             count = experts.get(name)

@@ -121,10 +121,15 @@ class LoraLinear:
         return state
 
     @torch.no_grad()
-    def merged_weight(self) -> torch.Tensor:
-        """This rank's ``W + (alpha / r) B A`` (its shard of the merged weight)."""
-        delta = (self.lora_B.double() @ self.lora_A.double()) * self.lora_scale
-        return (self.weight.double() + delta).to(self.weight.dtype)
+    def delta_weight(self) -> torch.Tensor:
+        """This rank's ``(alpha / r) B A`` (its shard of the adapter's change), in float64."""
+        return (self.lora_B.double() @ self.lora_A.double()) * self.lora_scale
+
+    @torch.no_grad()
+    def merged_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """This rank's ``W + (alpha / r) B A``, summed in float64 and rounded once to ``dtype``
+        (the weight's by default)."""
+        return (self.weight.double() + self.delta_weight()).to(dtype or self.weight.dtype)
 
 
 _CLASSES: dict[type, type] = {}

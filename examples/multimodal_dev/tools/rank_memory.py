@@ -112,14 +112,11 @@ def main(argv=None) -> int:
     if args.lora_rank < 0:
         raise SystemExit(f"rank_memory: --lora-rank {args.lora_rank}: must be 0 (off) or a positive rank")
     from examples.multimodal_dev.lora.targets import LoraSettings
-
-    lora = LoraSettings(args.lora_rank) if args.lora_rank else None
-
     from examples.multimodal_dev.models import default_model
-
-    VARIANTS = default_model().variants
     from examples.multimodal_dev.planner.pipeline_layout import LAYOUTS
 
+    lora = LoraSettings(args.lora_rank) if args.lora_rank else None
+    VARIANTS = default_model().variants
     names = args.variants or list(LAYOUTS)
     valid = list(VARIANTS) if args.layout else list(LAYOUTS)
     bad = [n for n in names if n not in valid]
