@@ -76,7 +76,7 @@ def checked_args() -> argparse.Namespace:
         check_patch_budget_args(args)
         check_data_args(args)
         gen_eval.check(args)
-        lora_targets.check(args, backend_of(args))
+        lora_targets.check(args)
         run_checks.check_vision_layout(args, model_shape().vision.num_heads, int(os.environ.get("WORLD_SIZE", "1")))
         language, vision = model_configs()
         text = model_shape().text

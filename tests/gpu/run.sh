@@ -172,7 +172,7 @@ main() {
   checks fla "fla kernels fp32" 90 "${ieee[@]}" -- tests/gpu/test_fla_kernels.py -k fp32
   checks parity "model parity fp32" 120 "${ieee[@]}" -- tests/gpu/test_model_parity.py -k fp32
   checks parity "model parity bf16" 90 -- tests/gpu/test_model_parity.py -k bf16
-  checks te "TE vs local" 90 -- tests/gpu/test_te_backend.py
+  checks te "TE vs local" 120 -- tests/gpu/test_te_backend.py
   checks parallel "TP / EP" 400 -- tests/gpu/test_parallel.py
   echo "== [gpu] table =="
   "$PY" tests/gpu/gpu_results.py collect --rows "$GPU_RESULTS" --outdir "$OUTDIR" --env "$SCRATCH/env.json" \

@@ -42,9 +42,8 @@ def _load_through_checkpoint(source, target, path) -> list:
     return [k for k in result.missing_keys if not k.endswith("_extra_state")] + list(result.unexpected_keys)
 
 
-@pytest.mark.parametrize("dtype_name", list(gm.DTYPES))
-@pytest.mark.parametrize("shape_name", ["tiny-moe", "wide-moe"])
-def test_te_equals_local(shape_name, dtype_name, te, megatron_gpu, record, tmp_path):
+def _both_backends(shape_name, dtype_name, tmp_path):
+    """(dtype, shape, the local model, the TE model with the local model's weights)."""
     from examples.multimodal_dev.models.qwen35_vl.factory import build_model
 
     dtype, shape, hf = gm.case(shape_name, dtype_name)
@@ -53,7 +52,11 @@ def test_te_equals_local(shape_name, dtype_name, te, megatron_gpu, record, tmp_p
     te_model = build_model(shape, backend="te", params_dtype=dtype).cuda().eval()
     unfilled = _load_through_checkpoint(local, te_model, tmp_path / "ckpt")
     assert not unfilled, f"TE model tensors not in the local checkpoint: {unfilled[:10]}"
-    thd = gm.on_gpu(gm.batches(shape, shape_name)[0], dtype)
+    return dtype, shape, local, te_model
+
+
+def _compare(local, te_model, thd, dtype_name, record, row: str) -> bool:
+    """Logits, then one training step's loss and gradient norm, TE against local; recorded as ``row``."""
     logits = gm.errors(gm.megatron_logits(te_model, thd), gm.megatron_logits(local, thd))
     steps = {}
     for name, model in (("local", local), ("te", te_model)):
@@ -66,7 +69,7 @@ def test_te_equals_local(shape_name, dtype_name, te, megatron_gpu, record, tmp_p
     logits_measure = logits["rel"] if dtype_name == "fp32" else logits["mean"] / max(logits["scale"], 1.0)
     ok = logits_measure <= bars["logits"] and loss_rel <= bars["loss"] and grad_rel <= bars["grad"]
     record(
-        f"{shape_name} {dtype_name}",
+        row,
         "pass" if ok else "fail",
         {
             "logits max": logits["max"],
@@ -81,6 +84,45 @@ def test_te_equals_local(shape_name, dtype_name, te, megatron_gpu, record, tmp_p
         },
         f"bars {bars}",
     )
+    return ok
+
+
+@pytest.mark.parametrize("dtype_name", list(gm.DTYPES))
+@pytest.mark.parametrize("shape_name", ["tiny-moe", "wide-moe"])
+def test_te_equals_local(shape_name, dtype_name, te, megatron_gpu, record, tmp_path):
+    dtype, shape, local, te_model = _both_backends(shape_name, dtype_name, tmp_path)
+    thd = gm.on_gpu(gm.batches(shape, shape_name)[0], dtype)
+    ok = _compare(local, te_model, thd, dtype_name, record, f"{shape_name} {dtype_name}")
+    del local, te_model
+    torch.cuda.empty_cache()
+    assert ok
+
+
+@pytest.mark.parametrize("dtype_name", list(gm.DTYPES))
+def test_lora_on_te_equals_local(dtype_name, te, megatron_gpu, record, tmp_path):
+    """LoRA adapters (lora/adapter.py) on TE's linears against the local backend's, on the same base
+    weights: A drawn from one seed and each linear's name, B set away from zero by name (B = 0 would
+    leave the base model). TE's LayerNorm-linears (linear_qkv, in_proj) have the adapter compute
+    their norm itself; the gradient norm is the adapters' alone (the base is frozen)."""
+    import hashlib
+
+    from examples.multimodal_dev.lora import apply as lora
+    from examples.multimodal_dev.lora.adapter import LoraLinear
+    from examples.multimodal_dev.lora.targets import DEFAULT_TARGETS
+
+    dtype, shape, local, te_model = _both_backends("tiny-moe", dtype_name, tmp_path)
+    for model in (local, te_model):
+        lora.apply(model, 8, 16.0, 0.0, DEFAULT_TARGETS, seed=1)
+        for name, module in model.named_modules():
+            if isinstance(module, LoraLinear):
+                seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
+                b = torch.randn(module.lora_B.shape, generator=torch.Generator().manual_seed(seed)) * 0.02
+                with torch.no_grad():
+                    module.lora_B.copy_(b.to(module.lora_B.dtype))
+    adapters = [sorted(n for n, m in model.named_modules() if isinstance(m, LoraLinear)) for model in (local, te_model)]
+    assert adapters[0] == adapters[1] and adapters[0], "the two backends' adapted linears differ"
+    thd = gm.on_gpu(gm.batches(shape, "tiny-moe")[0], dtype)
+    ok = _compare(local, te_model, thd, dtype_name, record, f"LoRA tiny-moe {dtype_name}")
     del local, te_model
     torch.cuda.empty_cache()
     assert ok

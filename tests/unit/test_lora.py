@@ -149,14 +149,82 @@ def test_targets_and_settings_are_refused_by_name():
         return SimpleNamespace(**{**base, **kw})
 
     ok = args()
-    check(ok, backend="local")
+    check(ok)
     assert ok.lora_alpha == 8.0
-    for settings, backend, message in (
-        (dict(lora_rank=-1), "local", "--lora-rank -1"),
-        (dict(lora_alpha=float("nan")), "local", "--lora-alpha nan"),
-        (dict(lora_dropout=1.0), "local", "--lora-dropout 1.0"),
-        (dict(lora_targets="q_proj"), "local", "no linear is named q_proj"),
-        ({}, "transformer_engine", "--transformer-impl local"),
+    for settings, message in (
+        (dict(lora_rank=-1), "--lora-rank -1"),
+        (dict(lora_alpha=float("nan")), "--lora-alpha nan"),
+        (dict(lora_dropout=1.0), "--lora-dropout 1.0"),
+        (dict(lora_targets="q_proj"), "no linear is named q_proj"),
     ):
         with pytest.raises(ValueError, match=message):
-            check(args(**settings), backend=backend)
+            check(args(**settings))
+
+
+class _TEStandIn(torch.nn.Module):
+    """What the adapter reads of megatron-core's Transformer Engine wrappers (TE is not on this
+    host): ``weight``, ``config``, ``_tp_group``, a forward returning (output, bias); and for the
+    LayerNorm-linear, TE's norm attributes. Named and placed as megatron's classes are, which is how
+    ``linear_facts`` knows them."""
+
+    def __init__(self, weight, config, group, norm=None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight.detach().clone())
+        self.config, self._tp_group = config, group
+        if norm is not None:  # TE's LayerNormLinear: normalization, eps, zero_centered_gamma, layer_norm_weight
+            self.normalization = "RMSNorm" if norm.rms else "LayerNorm"
+            self.eps, self.zero_centered_gamma = norm.eps, norm.zero_centered
+            self.layer_norm_weight = torch.nn.Parameter(norm.weight.detach().clone())
+        self.norm = norm
+
+    def forward(self, x):
+        return torch.nn.functional.linear(self.norm(x) if self.norm is not None else x, self.weight), None
+
+
+def _te_class(name):
+    from examples.multimodal_dev.lora.adapter import _TE_MODULE
+
+    return type(name, (_TEStandIn,), {"__module__": _TE_MODULE})
+
+
+def test_te_linears_take_the_adapter_the_local_ones_do(mcore):
+    """A Gated DeltaNet layer's input norm + in_proj and its out_proj, as local linears and as TE's
+    (the norm fused into in_proj): the same adapters give the same outputs and gradients, the
+    adapter behind the fused norm computing that norm itself; an expert flag the linear contradicts
+    is refused."""
+    from examples.multimodal_dev.lora.adapter import COLUMN, ROW, attach, linear_facts
+
+    _, model = _model(False)
+    layer = model.language_model.decoder.layers[0]
+    norm, in_proj, out_proj = layer.input_layernorm, layer.self_attention.in_proj, layer.self_attention.out_proj
+    with torch.no_grad():
+        norm.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(2))
+    te_in = _te_class("TELayerNormColumnParallelLinear")(in_proj.weight, in_proj.config, in_proj.tp_group, norm)
+    te_out = _te_class("TERowParallelLinear")(out_proj.weight, out_proj.config, out_proj.tp_group)
+    assert linear_facts(te_in, False).fused_norm and linear_facts(te_in, False).kind == COLUMN
+    assert linear_facts(te_out, False).kind == ROW and not linear_facts(te_out, False).fused_norm
+    with pytest.raises(ValueError, match="is_expert is False, its place says True"):
+        linear_facts(in_proj, True)
+    with pytest.raises(TypeError, match="Linear is not one of megatron-core's tensor-parallel linears"):
+        linear_facts(torch.nn.Linear(2, 2), False)
+    pairs = ((in_proj, te_in), (out_proj, te_out))
+    for i, (local, te) in enumerate(pairs):
+        for linear in (local, te):
+            attach(linear, 4, 8.0, 0.0, torch.Generator().manual_seed(i), False)
+            with torch.no_grad():
+                linear.lora_B.copy_(torch.randn(linear.lora_B.shape, generator=torch.Generator().manual_seed(9)))
+    x = torch.randn(5, 1, in_proj.weight.shape[1], generator=torch.Generator().manual_seed(4))
+    outputs = {}
+    for name, first, second in (
+        ("local", lambda t: in_proj(norm(t))[0], out_proj),
+        ("te", lambda t: te_in(t)[0], te_out),
+    ):
+        inputs = x.clone().requires_grad_(True)
+        hidden = first(inputs)
+        out = second(hidden[..., : second.weight.shape[1]])[0]
+        out.square().sum().backward()
+        outputs[name] = (hidden, out, inputs.grad)
+    got = [*outputs["te"], *(getattr(te, h).grad for _, te in pairs for h in ("lora_A", "lora_B"))]
+    want = [*outputs["local"], *(getattr(local, h).grad for local, _ in pairs for h in ("lora_A", "lora_B"))]
+    for g, w in zip(got, want):  # fp32, summed in other orders: within 1e-5 of the tensor's largest entry
+        assert (g - w).abs().max() <= 1e-5 * w.abs().max()

@@ -122,7 +122,7 @@ def test_each_own_data_variable_reaches_its_flag(variable):
 
 def test_lora_variables_reach_their_flags_on_the_local_backend():
     """One variable turns LoRA on; the other two reach their flags only when it does, and the backend
-    is megatron-core's own linears unless TRANSFORMER_IMPL says otherwise (the script then refuses)."""
+    is megatron-core's local linears unless TRANSFORMER_IMPL says otherwise."""
     rc, out, err = _script(LORA_RANK="8", LORA_ALPHA="16", LORA_TARGETS="in_proj,out_proj")
     assert rc == 0, err
     flags = _flags(out)

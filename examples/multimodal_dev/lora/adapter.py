@@ -28,17 +28,37 @@ column-parallel one over the expert-TP ranks. The adapter leaves those sums to i
 partial terms stay partial, and only the half that is whole on every expert-TP rank (``A`` of a
 column-parallel linear, ``B`` of a row-parallel one), whose gradient each rank sees a part of, has
 that gradient summed over the expert-TP group in the backward (``_WeightGradSummed``).
+
+Backends: the local backend's ``ColumnParallelLinear`` / ``RowParallelLinear`` and megatron-core's
+Transformer Engine wrappers (``TEColumnParallelLinear``, ``TERowParallelLinear``,
+``TELayerNormColumnParallelLinear``) take the same adapter; ``linear_facts`` reads from each what
+the adapter needs. TE's LayerNorm-linear normalises its input inside the fused kernel and keeps the
+result, so its adapter computes that norm again from the module's own norm weights (one more norm
+of the layer's input); TE's own ``return_layernorm_output`` is left alone, since how TE sums the
+gradient of a returned norm output over the TP ranks depends on its version.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from megatron.core.tensor_parallel import layers, mappings
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
+from ..models.common.norms import normalise
+
 COLUMN, ROW = "column", "row"
+
+# megatron-core's Transformer Engine wrappers, by name (importing their module needs TE): the side
+# their weight is split on, and whether the linear normalises its input first.
+_TE_MODULE = "megatron.core.extensions.transformer_engine"
+_TE_LINEARS = {
+    "TEColumnParallelLinear": (COLUMN, False),
+    "TELayerNormColumnParallelLinear": (COLUMN, True),
+    "TERowParallelLinear": (ROW, False),
+}
 
 
 class _WeightGradSummed(torch.autograd.Function):
@@ -64,13 +84,38 @@ def _whole_weight_linear(x, w, group):
     return _WeightGradSummed.apply(x, w, group) if group.size() > 1 else torch.nn.functional.linear(x, w)
 
 
-def kind_of(linear) -> str | None:
-    """``COLUMN`` / ``ROW`` for megatron-core's local tensor-parallel linears, else None."""
-    if isinstance(linear, layers.ColumnParallelLinear):
-        return COLUMN
-    if isinstance(linear, layers.RowParallelLinear):
-        return ROW
-    return None
+@dataclass(frozen=True)
+class LinearFacts:
+    """What an adapter needs to know of the linear it sits on."""
+
+    kind: str  # COLUMN or ROW: the side the weight is split on
+    tp_group: object  # the (expert-)TP group the weight is split over
+    sequence_parallel: bool  # its input (column) or output (row) is this rank's sequence shard
+    is_expert: bool  # a routed expert's: the token dispatcher does its TP communication
+    fused_norm: bool  # the linear normalises its input first (TE's LayerNorm-linear)
+
+
+def linear_facts(linear, is_expert: bool) -> LinearFacts:
+    """The facts of one of megatron-core's tensor-parallel linears, local or Transformer Engine.
+    ``is_expert``: whether the model puts it in a routed expert (TE's wrappers do not record it)."""
+    if isinstance(linear, (layers.ColumnParallelLinear, layers.RowParallelLinear)):
+        if linear.is_expert != is_expert:
+            raise ValueError(f"{type(linear).__name__}: is_expert is {linear.is_expert}, its place says {is_expert}")
+        if isinstance(linear, layers.ColumnParallelLinear) and linear.gather_output:
+            raise ValueError("a column-parallel linear that gathers its output has no adapter layout here")
+        if isinstance(linear, layers.RowParallelLinear) and not linear.input_is_parallel:
+            raise ValueError("a row-parallel linear that splits its own input has no adapter layout here")
+        kind = COLUMN if isinstance(linear, layers.ColumnParallelLinear) else ROW
+        return LinearFacts(kind, linear.tp_group, bool(linear.sequence_parallel) and not is_expert, is_expert, False)
+    te = next(
+        (c.__name__ for c in type(linear).__mro__ if c.__module__ == _TE_MODULE and c.__name__ in _TE_LINEARS), None
+    )
+    if te is None:
+        raise TypeError(f"{type(linear).__name__} is not one of megatron-core's tensor-parallel linears")
+    kind, fused_norm = _TE_LINEARS[te]
+    # megatron's wrappers keep the (expert-)TP group as _tp_group; TE's own is None for experts
+    sequence_parallel = bool(linear.config.sequence_parallel) and not is_expert
+    return LinearFacts(kind, linear._tp_group, sequence_parallel, is_expert, fused_norm)
 
 
 class LoraLinear:
@@ -78,24 +123,33 @@ class LoraLinear:
 
     def forward(self, input_, *args, **kwargs):
         output, bias = super().forward(input_, *args, **kwargs)
-        return output + self.lora_delta(input_).to(output.dtype), bias
+        return output + self.lora_delta(self.lora_input(input_)).to(output.dtype), bias
+
+    def lora_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the weight multiplies: ``x``, or its norm where the linear normalises first."""
+        if not self.lora_facts.fused_norm:
+            return x
+        rms = self.normalization == "RMSNorm"
+        bias = None if rms else self.layer_norm_bias
+        return normalise(x, self.layer_norm_weight, bias, self.eps, rms=rms, zero_centered=self.zero_centered_gamma)
 
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
         """``(alpha / r) * B A dropout(x)``, laid out as this linear's output on this rank."""
         x = self.lora_dropout(x)
-        group = self.tp_group
+        facts = self.lora_facts
+        group = facts.tp_group
         a, b = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
-        if self.is_expert:  # the dispatcher sums over the expert-TP ranks (its group may be of one)
-            if self.lora_kind == COLUMN:
+        if facts.is_expert:  # the dispatcher sums over the expert-TP ranks (its group may be of one)
+            if facts.kind == COLUMN:
                 return torch.nn.functional.linear(_whole_weight_linear(x, a, group), b) * self.lora_scale
             return _whole_weight_linear(torch.nn.functional.linear(x, a), b, group) * self.lora_scale
-        if self.lora_kind == COLUMN:
-            if self.sequence_parallel:  # the tokens of every TP rank
+        if facts.kind == COLUMN:
+            if facts.sequence_parallel:  # the tokens of every TP rank
                 x = mappings.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=group)
             h = mappings.copy_to_tensor_model_parallel_region(torch.nn.functional.linear(x, a), group=group)
             return torch.nn.functional.linear(h, b) * self.lora_scale
         h = torch.nn.functional.linear(x, a)
-        if self.sequence_parallel:
+        if facts.sequence_parallel:
             h = mappings.reduce_scatter_to_sequence_parallel_region(h, group=group)
         else:
             h = mappings.reduce_from_tensor_model_parallel_region(h, group=group)
@@ -105,14 +159,14 @@ class LoraLinear:
         """megatron's, with the adapter's halves sharded as the weight's sides are (and ``B`` split
         into the weight's named sections where the module above splits the weight)."""
         state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        axis = 0 if self.lora_kind == COLUMN else 1
-        name = "lora_B" if self.lora_kind == COLUMN else "lora_A"
+        axis = 0 if self.lora_facts.kind == COLUMN else 1
+        name = "lora_B" if self.lora_facts.kind == COLUMN else "lora_A"
         sharded = make_sharded_tensors_for_checkpoint(
             {name: getattr(self, name)},
             prefix,
             {name: axis},
             sharded_offsets,
-            tp_group=self.tp_group,
+            tp_group=self.lora_facts.tp_group,
             dp_cp_group=metadata["dp_cp_group"],
         )
         if self.lora_rows is not None and name == "lora_B":
@@ -135,57 +189,52 @@ class LoraLinear:
 _CLASSES: dict[type, type] = {}
 
 
-def attach(linear, rank: int, alpha: float, dropout: float, generator: torch.Generator, rows=None) -> None:
-    """Give ``linear`` (column- or row-parallel) a LoRA adapter of ``rank`` and freeze its own weights.
+def attach(
+    linear, rank: int, alpha: float, dropout: float, generator: torch.Generator, is_expert: bool, rows=None
+) -> None:
+    """Give ``linear`` (column- or row-parallel, local or TE) a LoRA adapter of ``rank`` and freeze
+    its own weights. ``is_expert``: the linear is in a routed expert.
 
     ``generator`` draws ``A`` (whole, then this rank's slice: see ``_init_a``).
     ``rows(sharded_tensor, sharded_offsets, metadata)``: how the module above splits this linear's
     weight in checkpoints (a gated MLP's gate and up halves, Gated DeltaNet's in_proj sections),
     applied to ``B`` too, whose rows follow the weight's."""
-    kind = kind_of(linear)
-    if kind is None:
-        raise TypeError(f"{type(linear).__name__} is not one of megatron-core's tensor-parallel linears")
-    if kind == COLUMN and linear.gather_output:
-        raise ValueError("a column-parallel linear that gathers its output has no adapter layout here")
-    if kind == ROW and not linear.input_is_parallel:
-        raise ValueError("a row-parallel linear that splits its own input has no adapter layout here")
+    facts = linear_facts(linear, is_expert)
     base = type(linear)
     if base not in _CLASSES:
         _CLASSES[base] = type(f"Lora{base.__name__}", (LoraLinear, base), {})
     out_local, in_local = linear.weight.shape
     weight = linear.weight
-    a_shape = (rank, in_local)
-    b_shape = (out_local, rank)
-    lora_A = torch.nn.Parameter(torch.empty(a_shape, dtype=weight.dtype, device=weight.device))
-    lora_B = torch.nn.Parameter(torch.zeros(b_shape, dtype=weight.dtype, device=weight.device))
+    lora_A = torch.nn.Parameter(torch.empty((rank, in_local), dtype=weight.dtype, device=weight.device))
+    lora_B = torch.nn.Parameter(torch.zeros((out_local, rank), dtype=weight.dtype, device=weight.device))
     if not weight.is_meta:  # a meta build (the planner's) counts the adapter, it draws nothing
-        _init_a(lora_A, kind, linear, generator)
+        _init_a(lora_A, facts, generator)
     for p in linear.parameters():
         p.requires_grad_(False)
-    split = lora_B if kind == COLUMN else lora_A
-    layers.set_tensor_model_parallel_attributes(split, is_parallel=True, dim=0 if kind == COLUMN else 1, stride=1)
+    split = lora_B if facts.kind == COLUMN else lora_A
+    layers.set_tensor_model_parallel_attributes(split, is_parallel=True, dim=0 if facts.kind == COLUMN else 1, stride=1)
     for param in (lora_A, lora_B):
         if hasattr(weight, "allreduce"):  # experts: reduced over the expert data-parallel group
             param.allreduce = weight.allreduce
-    if kind == ROW and linear.sequence_parallel and not linear.is_expert:
+    if facts.kind == ROW and facts.sequence_parallel:
         lora_B.sequence_parallel = True  # each TP rank's gradient covers its own tokens: summed over TP
     linear.__class__ = _CLASSES[base]
     linear.lora_A, linear.lora_B = lora_A, lora_B
-    linear.lora_kind, linear.lora_rank, linear.lora_scale = kind, rank, alpha / rank
+    linear.lora_facts, linear.lora_rank, linear.lora_scale = facts, rank, alpha / rank
     linear.lora_dropout = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
     linear.lora_rows = rows
 
 
-def _init_a(lora_A: torch.nn.Parameter, kind: str, linear, generator: torch.Generator) -> None:
+def _init_a(lora_A: torch.nn.Parameter, facts: LinearFacts, generator: torch.Generator) -> None:
     """Kaiming-uniform as PEFT's default, drawn whole and sliced under row parallelism: with a
     generator seeded by the linear's name in the whole model, every layout starts from the same
     adapter (the seed, not the layout, decides it)."""
     rank, in_local = lora_A.shape
-    fan_in = in_local * (linear.tp_group.size() if kind == ROW else 1)  # an expert's: its expert-TP group
+    fan_in = in_local * (facts.tp_group.size() if facts.kind == ROW else 1)  # an expert's: its expert-TP group
     bound = 1.0 / math.sqrt(fan_in)  # kaiming_uniform_ with a = sqrt(5)
     whole = (torch.rand(rank, fan_in, generator=generator, dtype=torch.float64) * 2 - 1) * bound
-    if kind == ROW:
-        tp_rank = linear.tp_group.rank()
+    if facts.kind == ROW:
+        tp_rank = facts.tp_group.rank()
         whole = whole[:, tp_rank * in_local : (tp_rank + 1) * in_local]
     with torch.no_grad():
         lora_A.copy_(whole.to(lora_A.dtype))

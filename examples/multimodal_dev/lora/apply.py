@@ -24,7 +24,8 @@ def apply(model: torch.nn.Module, rank: int, alpha: float, dropout: float, targe
         if target is None:
             continue
         parent = modules[name.rpartition(".")[0]]
-        attach(module, rank, alpha, dropout, _generator(seed, global_name(name, modules)), _row_layout(parent, name))
+        generator = _generator(seed, global_name(name, modules))
+        attach(module, rank, alpha, dropout, generator, ".local_experts." in name, _row_layout(parent, name))
         counts[target] += 1
     return counts
 
@@ -70,7 +71,7 @@ def _row_layout(parent, name: str):
                 sharded,
                 sharded_offsets,
                 metadata.get("singleton_local_shards", False),
-                tp_group=parent.linear_fc1.tp_group,
+                tp_group=parent.tp_group,
                 dp_group=metadata["dp_cp_group"],
             )
 

@@ -74,9 +74,9 @@ def target_of(name: str, targets: tuple[str, ...]) -> str | None:
     return target if target in targets else None
 
 
-def check(args, backend: str) -> None:
+def check(args) -> None:
     """The LoRA flags of a run, refused by name before any process group (and ``--lora-alpha``
-    defaulted to the rank). ``backend``: the module backend."""
+    defaulted to the rank)."""
     if args.lora_rank < 0:
         raise ValueError(f"--lora-rank {args.lora_rank}: must be 0 (off) or a positive rank")
     if not args.lora_rank:
@@ -88,8 +88,3 @@ def check(args, backend: str) -> None:
     if not 0 <= args.lora_dropout < 1:
         raise ValueError(f"--lora-dropout {args.lora_dropout}: must be in [0, 1)")
     parse_targets(args.lora_targets)
-    if backend != "local":
-        raise ValueError(
-            f"--lora-rank {args.lora_rank}: adapters are put on megatron-core's own linears; "
-            f"run with --transformer-impl local (TRANSFORMER_IMPL=local), not {backend}"
-        )

@@ -416,10 +416,10 @@ def backend_flags(s: Settings, gpu: bool, launch: Launch) -> list[str]:
     """Transformer Engine where a GPU has it, else megatron-core's local modules (the same checkpoint
     keys either way); the host decides precision and the collective backend."""
     impl = s.var("TRANSFORMER_IMPL")
-    if not impl and s.int("LORA_RANK"):  # adapters sit on megatron-core's own linears
+    if not impl and s.int("LORA_RANK"):  # the adapters' checked backend (docs/lora.md, Transformer Engine)
         impl = "local"
         s.set("TRANSFORMER_IMPL", impl)
-        launch.said.append("backend local (LoRA adapters are on megatron-core's own linears)")
+        launch.said.append("backend local (LoRA's default; TRANSFORMER_IMPL=transformer_engine puts adapters on TE)")
     elif not impl:
         impl = "transformer_engine" if gpu and _te_imports() else "local"
         s.set("TRANSFORMER_IMPL", impl)

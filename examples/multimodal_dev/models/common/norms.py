@@ -13,6 +13,19 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def normalise(x, weight, bias, eps: float, *, rms: bool, zero_centered: bool) -> torch.Tensor:
+    """RMSNorm (``bias`` None) or LayerNorm of ``x`` over its last dimension, in fp32, returned in
+    ``x``'s dtype; scale ``1 + weight`` when ``zero_centered``. The one formula of the project's
+    norms, and of the input a LoRA adapter sees behind Transformer Engine's fused norm."""
+    scale = weight.float() + 1.0 if zero_centered else weight.float()
+    xf = x.float()
+    if rms:
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * scale
+    else:
+        y = F.layer_norm(xf, xf.shape[-1:], scale, bias.float(), eps)
+    return y.to(x.dtype)
+
+
 class TorchNorm(nn.Module):
     """RMSNorm or LayerNorm chosen by ``config.normalization``; computed in fp32."""
 
@@ -32,13 +45,7 @@ class TorchNorm(nn.Module):
         return self._normalise(x, self.weight)
 
     def _normalise(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        scale = weight.float() + 1.0 if self.zero_centered else weight.float()
-        xf = x.float()
-        if self.rms:
-            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * scale
-        else:
-            y = F.layer_norm(xf, xf.shape[-1:], scale, self.bias.float(), self.eps)
-        return y.to(x.dtype)
+        return normalise(x, weight, self.bias, self.eps, rms=self.rms, zero_centered=self.zero_centered)
 
 
 class HeadSharedNorm(TorchNorm):
