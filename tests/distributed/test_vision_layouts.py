@@ -313,7 +313,7 @@ def one_image_a_micro_batch(parallel_start, tmp_path_factory):
     "layout", [LAYOUT, dict(VISION_TP=1, VISION_NPROC=2)], ids=["colocated", "separate ranks, fan-in"]
 )
 def test_every_image_of_a_step_on_one_rank(layout, one_image_a_micro_batch, tmp_path):
-    from examples.multimodal_dev.models.common.vision_context_parallel import deal
+    from examples.multimodal_dev.models.common.work_deal import deal
 
     seed, samples, flags, common, (ref, ref_norms) = one_image_a_micro_batch
     assert all(deal([1.0] * n, 2) == [list(range(n)), []] for n, _ in samples)  # one image: the first encoder's

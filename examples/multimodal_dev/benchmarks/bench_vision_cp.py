@@ -16,7 +16,7 @@ import argparse
 from examples.multimodal_dev.data import mock_mix
 from examples.multimodal_dev.data.sample import VisionTokens
 from examples.multimodal_dev.models import default_model
-from examples.multimodal_dev.models.common.vision_context_parallel import deal
+from examples.multimodal_dev.models.common.work_deal import deal
 
 get_variant = default_model().shape_fn
 vision_flops = default_model().vision_flops

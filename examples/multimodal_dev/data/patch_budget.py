@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .sample import BadSample, DataError
+from .errors import BadSample, DataError
 
 # the flags' argparse dests (arguments.PATCH_BUDGET_OPTIONS) -> the flags
 FLAGS = {

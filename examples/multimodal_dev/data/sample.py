@@ -36,24 +36,12 @@ import torch
 
 from examples.multimodal_dev.models import DEFAULT_ARCH
 
+from .errors import BadSample, DataError  # noqa: F401 - the data layer's errors, named here too
+
 IGNORE_INDEX = -100
 FIELDS = ("input_ids", "labels", "loss_mask", "pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 # (kind: also the VisionTokens attribute of its placeholder id, pixel field, grid field)
 VISION_KINDS = (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw"))
-
-
-class BadSample(Exception):
-    """A sample that must be skipped (corrupt image, empty answer, over budget, ...).
-    ``reason`` is a short key used for the running skip counts."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason, self.detail = reason, detail
-
-
-class DataError(ValueError):
-    """The user's data cannot be trained on at all (a missing or empty train split, wrong
-    columns, every row unusable): one line naming the flag and the value, never a traceback."""
 
 
 @dataclass(frozen=True)

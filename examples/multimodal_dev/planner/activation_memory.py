@@ -17,7 +17,7 @@ tokens (balanced routing: what a rank's experts see whatever EP is); V vocabular
 counts are this rank's: /tp (experts' FFN /etp); the GDN interior runs on all T tokens with
 heads /(tp cp) (its all-to-all). Vision: P patches of this rank: under CP the frames (an image,
 or one temporal patch of a video) its deal gives the rank with the most patches (the model's deal:
-``vision_context_parallel.deal`` by FLOPs); D hidden (D' = D/tp per rank), I MLP /tp, hv heads /tp,
+``work_deal.deal`` by FLOPs); D hidden (D' = D/tp per rank), I MLP /tp, hv heads /tp,
 dh = D/heads.
 
 kernels="torch" (what a CPU host runs, measured): torch norms keep their fp32 input (a copy
@@ -79,7 +79,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..models.common.vision_context_parallel import deal
+from ..models.common.work_deal import deal
 from ..models.qwen35_vl.flops import vision_flops
 
 CHUNK = 64  # the GDN kernels' chunk length (torch and FLA)

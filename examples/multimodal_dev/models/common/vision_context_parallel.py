@@ -20,17 +20,7 @@ import torch
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from .video_frames import frames_of
-
-
-def deal(costs: list[float], ranks: int) -> list[list[int]]:
-    """Item indices per rank: largest cost first to the least-loaded rank (ties: the lower rank);
-    each rank's items in their original order."""
-    loads, owned = [0.0] * ranks, [[] for _ in range(ranks)]
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        r = min(range(ranks), key=lambda r: (loads[r], r))
-        loads[r] += costs[i]
-        owned[r].append(i)
-    return [sorted(items) for items in owned]
+from .work_deal import deal
 
 
 def shares_of(grids: list, item_flops, merge: int, count: int) -> tuple[list[list[int]], list[int], int]:
