@@ -224,6 +224,10 @@ def test_te_linears_take_the_adapter_the_local_ones_do(mcore):
         out = second(hidden[..., : second.weight.shape[1]])[0]
         out.square().sum().backward()
         outputs[name] = (hidden, out, inputs.grad)
+    saved, x_in = [], x.clone().requires_grad_(True)  # what the fused norm's adapter input keeps for
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):  # backward:
+        te_in.lora_input(x_in)  # its inputs alone, alive anyway (the norm is recomputed)
+    assert saved and {t.data_ptr() for t in saved} <= {x_in.data_ptr(), te_in.layer_norm_weight.data_ptr()}
     got = [*outputs["te"], *(getattr(te, h).grad for _, te in pairs for h in ("lora_A", "lora_B"))]
     want = [*outputs["local"], *(getattr(local, h).grad for local, _ in pairs for h in ("lora_A", "lora_B"))]
     for g, w in zip(got, want):  # fp32, summed in other orders: within 1e-5 of the tensor's largest entry

@@ -44,6 +44,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.utils.checkpoint
 from megatron.core.tensor_parallel import layers, mappings
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
@@ -126,12 +127,23 @@ class LoraLinear:
         return output + self.lora_delta(self.lora_input(input_)).to(output.dtype), bias
 
     def lora_input(self, x: torch.Tensor) -> torch.Tensor:
-        """What the weight multiplies: ``x``, or its norm where the linear normalises first."""
+        """What the weight multiplies: ``x``, or its norm where the linear normalises first. That
+        norm is recomputed in the backward rather than kept: it holds ``x`` alone, which the fused
+        linear keeps anyway, instead of its fp32 intermediates."""
         if not self.lora_facts.fused_norm:
             return x
         rms = self.normalization == "RMSNorm"
         bias = None if rms else self.layer_norm_bias
-        return normalise(x, self.layer_norm_weight, bias, self.eps, rms=rms, zero_centered=self.zero_centered_gamma)
+        return torch.utils.checkpoint.checkpoint(
+            normalise,
+            x,
+            self.layer_norm_weight,
+            bias,
+            self.eps,
+            rms=rms,
+            zero_centered=self.zero_centered_gamma,
+            use_reentrant=False,
+        )
 
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
         """``(alpha / r) * B A dropout(x)``, laid out as this linear's output on this rank."""
