@@ -15,7 +15,8 @@ How each half is split under tensor parallelism follows from which side of the w
   ``A x`` is complete on every rank; its gradient, a sum over the ranks' rows of ``B``, is
   all-reduced (``copy_to_tensor_model_parallel_region``), so ``A``'s gradient and the adapter's
   share of the input gradient are complete, and are not reduced again (under sequence
-  parallelism the gathered input's gradient is split back, not reduce-scattered).
+  parallelism the gathered input's gradient is split back, not reduce-scattered, and the backward
+  gathers the input again rather than keep the whole sequence: ``_SequenceGatheredLinear``).
 - **row-parallel** (``W`` split by input columns, the input split with it): ``A`` is split like
   ``W``; ``A x`` is summed over the ranks the way ``W x`` is (all-reduce, or reduce-scatter under
   sequence parallelism); ``B`` is whole on every rank. Under sequence parallelism each rank sees
@@ -83,6 +84,31 @@ class _WeightGradSummed(torch.autograd.Function):
 
 def _whole_weight_linear(x, w, group):
     return _WeightGradSummed.apply(x, w, group) if group.size() > 1 else torch.nn.functional.linear(x, w)
+
+
+def _gather_sequence(x, group):
+    return mappings.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=group)
+
+
+class _SequenceGatheredLinear(torch.autograd.Function):
+    """``linear(gather(x), w)``, ``x`` this rank's sequence shard, that keeps the shard for the
+    backward and gathers it again there, as megatron's own sequence-parallel linears do, rather
+    than keeping the whole sequence (a [s, b, hidden] tensor on every rank, per adapter). The
+    output's gradient arrives complete (``copy_to_tensor_model_parallel_region`` after this sums it
+    over TP), so the input's gradient is split back to the shard, not reduced."""
+
+    @staticmethod
+    def forward(ctx, x, w, group):
+        ctx.save_for_backward(x, w)
+        ctx.group = group
+        return torch.nn.functional.linear(_gather_sequence(x, group), w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        whole = _gather_sequence(x, ctx.group)
+        grad_w = grad.reshape(-1, grad.shape[-1]).t() @ whole.reshape(-1, whole.shape[-1])
+        return mappings.scatter_to_sequence_parallel_region(grad @ w, group=ctx.group), grad_w, None
 
 
 @dataclass(frozen=True)
@@ -157,8 +183,10 @@ class LoraLinear:
             return _whole_weight_linear(torch.nn.functional.linear(x, a), b, group) * self.lora_scale
         if facts.kind == COLUMN:
             if facts.sequence_parallel:  # the tokens of every TP rank
-                x = mappings.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False, group=group)
-            h = mappings.copy_to_tensor_model_parallel_region(torch.nn.functional.linear(x, a), group=group)
+                h = _SequenceGatheredLinear.apply(x, a, group)
+            else:
+                h = torch.nn.functional.linear(x, a)
+            h = mappings.copy_to_tensor_model_parallel_region(h, group=group)
             return torch.nn.functional.linear(h, b) * self.lora_scale
         h = torch.nn.functional.linear(x, a)
         if facts.sequence_parallel:
