@@ -13,7 +13,8 @@ the gradient components within bf16's rounding of zero, and the loss difference 
 walk, u * sqrt(k) after k steps. The bound is twice that, 2 u sqrt(k). Measured over 10 iterations
 (CPU): at most 0.88 u sqrt(k) at DP=2 and 0.39 u sqrt(k) at TP=2 (both at iteration 7); the vision
 tower on a rank of its own ahead of TP=2, against TP=2's fp32 run, at most 1.12 u sqrt(k) (iteration
-7). (Over 20 iterations, at an earlier commit: 0.82, 1.02 and 1.01.) It is tight enough to see a
+7); LoRA at TP=2 (the adapters alone trained, from the import), at most 0.18 u (iteration 1). (Over
+20 iterations, at an earlier commit: 0.82, 1.02 and 1.01.) It is tight enough to see a
 training change: an fp32 run at 1.5 x the learning rate leaves it from iteration 8 (3.8 u sqrt(k),
 4.3% apart), and stays out through iteration 10.
 
@@ -42,6 +43,9 @@ LAYOUTS = {
     # the tower on a rank of its own (3 processes): megatron hands its output back in fp32 under
     # --bf16, and the bridge to the language ranks moves the pipeline dtype (forward_step.vision_features)
     "VISION_NPROC=1 TP=2": ((), dict(TP=2, VISION_TP=1, VISION_NPROC=1)),
+    # LoRA from the import (adapters in bf16, their fp32 main weights in the optimizer; sequence
+    # parallel, as MoE at TP=2 always is, so the column adapters gather their input in bf16)
+    "LoRA TP=2": ((), dict(TP=2, LORA_RANK=4, LORA_ALPHA=8)),
 }
 # A layout held to another's fp32 run: where the tower runs moves fp32 figures by 1e-5 (test_vision_layouts),
 # far inside the bf16 bound
