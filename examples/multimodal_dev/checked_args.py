@@ -12,7 +12,7 @@ import os
 
 from examples.multimodal_dev.arguments import add_multimodal_args
 from examples.multimodal_dev.checkpoint import optimizer_format, safety
-from examples.multimodal_dev.checkpoint.adapters_from_base import check_adapters_kept
+from examples.multimodal_dev.checkpoint.adapters_from_base import check_adapters_kept, record_base
 from examples.multimodal_dev.checkpoint.integrity import check_resumable
 from examples.multimodal_dev.checkpoint.run_shape import check_checkpoint_matches, declared_shape
 from examples.multimodal_dev.console import fail, say
@@ -101,6 +101,7 @@ def check_checkpoints(args) -> None:
         check_resumable(directory, flag)
         check_checkpoint_matches(directory, model_shape(), flag)
         check_adapters_kept(args, directory, flag)
+    record_base(args)
     run_checks.check_resume_lr(args)
     optimizer_format.check_layout_change(args)
 

@@ -96,6 +96,13 @@ def test_lora_resumes_exactly(parallel_start, tmp_path):
     assert any(".lora_B" in k for k in a)
     differing = state_differences(a, b)
     assert not differing, differing
+    # every checkpoint names the base its adapters adapt, the resumed run's too (carried on)
+    from examples.multimodal_dev.checkpoint.files import checkpoint_directory, stored_args
+
+    base = os.path.abspath(checkpoint_directory(str(parallel_start)))
+    assert f"LoRA adapters adapt {base}" in second.output, second.output[-2000:]
+    for path in ("straight", "resumed"):
+        assert stored_args(checkpoint_directory(str(tmp_path / path))).lora_base == base
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,9 @@
   for the adapters the checkpoint does not hold, and hands back the model's own: they keep their
   start (``B = 0``). A LoRA run's checkpoint loads its adapters as it loads everything else, and
   targets added since start fresh the same way.
+- The base is named: ``args.lora_base`` (``record_base``), saved with the run's args in every
+  checkpoint, is the checkpoint iteration the adapters adapt: the loaded one when it holds no
+  adapters, else the one its own args name, so resumes carry it on.
 - Nothing trained is dropped: megatron ignores what a checkpoint holds beyond the model, so a run
   without the adapters a checkpoint was trained with (no ``--lora-rank``, another rank, fewer
   targets) is refused before it starts (``check_adapters_kept``).
@@ -61,6 +64,24 @@ def check_adapters_kept(args, load_dir: str | None, flag: str) -> None:
     dropped = [t for t in stored.lora_targets.split(",") if t not in args.lora_targets.split(",")]
     if dropped:
         raise ValueError(f"{flag} {load_dir} holds LoRA adapters on {','.join(dropped)}, not in --lora-targets: {fix}")
+
+
+def record_base(args) -> None:
+    """Set ``args.lora_base`` for a LoRA run (see the module's docstring) and name it in one line."""
+    if not args.lora_rank:
+        return
+    # megatron loads --load where it holds a checkpoint, else --pretrained-checkpoint
+    loaded = next(
+        (d for d in (args.load, args.pretrained_checkpoint) if d and os.path.isfile(os.path.join(d, TRACKER))), None
+    )
+    args.lora_base = None
+    if loaded is not None:
+        directory = checkpoint_directory(loaded)
+        stored = stored_args(directory)
+        trained = getattr(stored, "lora_rank", 0)
+        args.lora_base = getattr(stored, "lora_base", None) if trained else os.path.abspath(directory)
+    named = args.lora_base or ("a base its checkpoint does not record" if loaded else "the random initialisation")
+    say(f"LoRA adapters adapt {named}")
 
 
 def base_without_adapters(load_base, run=None):
