@@ -78,7 +78,9 @@ def lora_run(request, tmp_path_factory, mcore):
         for m in adapted:  # as a trained adapter: both halves away from their start (see the top for B's size)
             m.lora_A.mul_(1 + torch.rand(m.lora_A.shape, generator=generator))
             m.lora_B.copy_(0.1 * torch.randn(m.lora_B.shape, generator=generator) / m.lora_B.shape[1] ** 0.5)
-    lora_args = dict(lora_rank=RANK, lora_alpha=ALPHA, lora_targets=",".join(targets), lora_dropout=DROPOUT)
+    lora_args = dict(
+        lora_rank=RANK, lora_alpha=ALPHA, lora_targets=",".join(targets), lora_dropout=DROPOUT, lora_base=base
+    )
     tuned = _save(root / "lora", shape, model, **lora_args)
     ids, pixels, grids = _batch(shape)
     positions = megatron_position_ids(shape, ids, torch.ones_like(ids), grids)
@@ -130,6 +132,7 @@ def test_peft_adapter_on_transformers_gives_the_adapted_logits(lora_run, tmp_pat
     line = capsys.readouterr().out
     print(line)
     assert re.search(rf"export-peft: {count} LoRA adapters as \d+ transformers linears", line), line
+    assert f"; trained on {base_ckpt} -> {adapter_dir}" in line  # the base the adapter goes on
     config = json.load(open(os.path.join(adapter_dir, "adapter_config.json")))
     assert (config["peft_type"], config["r"], config["lora_alpha"], config["bias"]) == ("LORA", RANK, ALPHA, "none")
     assert config["base_model_name_or_path"] == base_dir

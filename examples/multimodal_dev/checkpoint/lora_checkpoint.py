@@ -29,6 +29,7 @@ class StoredLora:
     alpha: float
     targets: tuple[str, ...]
     dropout: float
+    base: str | None = None  # the checkpoint iteration the adapters adapt (args.lora_base), if recorded
 
 
 def _adapter_keys(stored: dict) -> list[str]:
@@ -56,6 +57,7 @@ def stored_lora(megatron_path: str, saved_args, stored: dict) -> StoredLora | No
         alpha=float(rank if alpha is None else alpha),  # the training script's default: scale 1
         targets=parse_targets(saved_args.lora_targets),
         dropout=float(getattr(saved_args, "lora_dropout", 0.0) or 0.0),
+        base=getattr(saved_args, "lora_base", None),
     )
 
 

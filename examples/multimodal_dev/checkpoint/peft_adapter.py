@@ -243,6 +243,7 @@ def export_peft(
         "alpha": lora.alpha,
         "dropout": config.lora_dropout,
         "run_dropout": lora.dropout,
+        "base": lora.base,
     }
 
 

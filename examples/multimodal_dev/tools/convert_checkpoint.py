@@ -122,6 +122,8 @@ def peft_summary(info: dict, out: str) -> str:
             f"; lora_dropout {info['dropout']:g}, not the run's {info['run_dropout']:g}: PEFT's expert "
             "adapters take no dropout (inference is the same)"
         )
+    if info.get("base"):  # the Megatron checkpoint the run trained the adapters on: load them on its export
+        line += f"; trained on {info['base']}"
     return f"{line} -> {out}"
 
 
