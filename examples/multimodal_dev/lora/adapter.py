@@ -34,9 +34,10 @@ Backends: the local backend's ``ColumnParallelLinear`` / ``RowParallelLinear`` a
 Transformer Engine wrappers (``TEColumnParallelLinear``, ``TERowParallelLinear``,
 ``TELayerNormColumnParallelLinear``) take the same adapter; ``linear_facts`` reads from each what
 the adapter needs. TE's LayerNorm-linear normalises its input inside the fused kernel and keeps the
-result, so its adapter computes that norm again from the module's own norm weights (one more norm
-of the layer's input); TE's own ``return_layernorm_output`` is left alone, since how TE sums the
-gradient of a returned norm output over the TP ranks depends on its version.
+result, so its adapter computes that norm again from the module's own norm weights (once more in
+the forward and once in the backward, keeping nothing); TE's own ``return_layernorm_output`` is
+left alone, since how TE sums the gradient of a returned norm output over the TP ranks depends on
+its version.
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ _TE_LINEARS = {
 }
 
 
+def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``w`` in ``linear(x, w)`` from the output's ``grad``, over every leading dim."""
+    return grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+
+
 class _WeightGradSummed(torch.autograd.Function):
     """``linear(x, w)`` whose weight gradient is summed over ``group``: ``w`` is whole on every rank
     of it, while each rank's gradient covers only its part of the product; the input gradient
@@ -77,7 +83,7 @@ class _WeightGradSummed(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, w = ctx.saved_tensors
-        grad_w = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        grad_w = _weight_grad(grad, x)
         torch.distributed.all_reduce(grad_w, group=ctx.group)
         return grad @ w, grad_w, None
 
@@ -106,8 +112,7 @@ class _SequenceGatheredLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, w = ctx.saved_tensors
-        whole = _gather_sequence(x, ctx.group)
-        grad_w = grad.reshape(-1, grad.shape[-1]).t() @ whole.reshape(-1, whole.shape[-1])
+        grad_w = _weight_grad(grad, _gather_sequence(x, ctx.group))
         return mappings.scatter_to_sequence_parallel_region(grad @ w, group=ctx.group), grad_w, None
 
 

@@ -1,7 +1,7 @@
 """Dealing items of work (images, video frames) to ranks by their cost: the vision tower's split
 over context-parallel ranks (``vision_context_parallel.py``) and the planner's count of the
 activations it leaves on the busiest rank (``planner/activation_memory.py``) are the same deal.
-Imports nothing, so the planner and the launcher's dry run stay free of torch."""
+Imports nothing, so the planner and the launcher's dry run stay free of megatron-core."""
 
 from __future__ import annotations
 
