@@ -221,15 +221,16 @@ def docs_table(folder: str) -> str:
     where = os.path.relpath(folder, ROOT)
     lines = [
         TABLE_BEGIN,
-        f"Measured on {meta['device']}, {meta['date']}; {meta['image']}. Every row comes from "
+        f"Measured on {meta['device']}, {meta['date']}"
+        + (f", commit {meta['commit']}" if meta.get("commit") else "")
+        + f"; {meta['image']}. Every row comes from "
         f"`{where}/` (meta.json says which commit each run ran and how).",
         "",
         "| run | check | case | status | numbers | why |",
         "|---|---|---|---|---|---|",
     ]
-    for run in meta["runs"]:
-        with open(os.path.join(folder, run, "results.json")) as f:
-            rows = json.load(f)["rows"]
+    for run, how in meta["runs"].items():
+        rows = _run_rows(os.path.join(folder, run), how)
         for row in rows:
             why = row.get("note", "") if row.get("status") in ("fail", "skip") else ""
             lines.append(
@@ -248,6 +249,17 @@ def docs_table(folder: str) -> str:
                 + " |"
             )
     return "\n".join([*lines, TABLE_END])
+
+
+def _run_rows(run_dir: str, how: str) -> list[dict]:
+    """A run's rows; a run that wrote no results.json (a bare pytest call under a timeout) is one row
+    naming the files it left and what meta.json says of it."""
+    path = os.path.join(run_dir, "results.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)["rows"]
+    files = ", ".join(sorted(os.listdir(run_dir))) if os.path.isdir(run_dir) else "nothing"
+    return [{"check": "no results.json", "case": files, "status": "fail", "note": how}]
 
 
 def docs_block(text: str) -> str:
