@@ -5,7 +5,6 @@ cut of 35b_a3b that fits one GPU. Parsing and sizing need no GPU (tests/gpu/test
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import re
@@ -13,7 +12,6 @@ import statistics
 import subprocess
 import threading
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -108,28 +106,35 @@ def steady_state(run: TrainRun, first: int, last: int) -> dict:
     return out
 
 
-def top_kernels(trace_path: str, steps: int, n: int = 10) -> list[dict]:
-    """GPU kernels of a torch.profiler Chrome trace, by total time: [{kernel, calls, ms/step, share %}]."""
-    opener = gzip.open if trace_path.endswith(".gz") else open
-    with opener(trace_path, "rt") as f:
-        data = json.load(f)
-    events = data.get("traceEvents", []) if isinstance(data, dict) else data
-    total_us, calls = defaultdict(float), defaultdict(int)
-    for ev in events:
-        if ev.get("ph") == "X" and str(ev.get("cat", "")).lower() == "kernel":
-            total_us[ev.get("name", "?")] += float(ev.get("dur", 0.0))
-            calls[ev.get("name", "?")] += 1
-    grand = sum(total_us.values()) or 1.0
-    ranked = sorted(total_us.items(), key=lambda kv: -kv[1])[:n]
-    return [
-        {
-            "kernel": name[:100],
-            "calls": calls[name],
-            "ms/step": us / 1000.0 / max(steps, 1),
-            "share %": 100.0 * us / grand,
-        }
-        for name, us in ranked
-    ]
+def mean(values: list) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def loss_falls(losses: list) -> bool:
+    """The last three losses average at least 1% below the first three, all finite."""
+    return len(losses) >= 2 and all(v == v for v in losses) and mean(losses[-3:]) < 0.99 * mean(losses[:3])
+
+
+def training_verdict(losses: list, iters: int, returncode: int | None, timed_out: bool, cap_s: float) -> tuple:
+    """(status, why) of a training run from its logged losses (in iteration order). A run stopped by its
+    time cap is judged on the iterations it completed: all of them with a falling loss is a pass whose
+    note says where the cap struck (the end-of-run evaluation or exit); fewer is a fail that says how
+    many it completed, not that the loss did not fall. bash reports 0 for a run killed at its cap."""
+    done, falls = len(losses), loss_falls(losses)
+    trend = f"loss {mean(losses[:3]):.4g} -> {mean(losses[-3:]):.4g}" if losses else "no loss logged"
+    if timed_out:
+        where = f"stopped by its time cap ({cap_s:.0f} s) after {done} iterations"
+        if done >= iters and falls:
+            return "pass", f"{where}, all it had to run (the cap struck after training); {trend}"
+        fell = "falling" if falls else "not falling"
+        return "fail", f"{where} of {iters}; {trend}, {fell} over those"
+    if returncode != 0:
+        return "fail", f"exit {returncode} after {done} of {iters} iterations; {trend}"
+    if done < iters:
+        return "fail", f"exit 0 with {done} of {iters} iterations logged; {trend}"
+    if not falls:
+        return "fail", f"loss did not fall: {trend}"
+    return "pass", trend
 
 
 class GpuMemoryPoller:

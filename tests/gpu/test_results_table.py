@@ -1,12 +1,13 @@
 """CPU checks of the GPU checks' plumbing (not marked gpu: they run in the normal suite, in well under
 a second): the rows file and the table written from it, the parsers of a training run's output and
-profiler trace, and the parameter count the 35b_a3b cut is sized with."""
+profiler trace, the verdict of a training run, and the parameter count the 35b_a3b cut is sized with."""
 
 import gzip
 import json
 import os
 from dataclasses import replace
 
+import gpu_profile
 import gpu_results
 import gpu_train as gt
 
@@ -105,20 +106,50 @@ def test_log_parsing_and_steady_state(tmp_path):
 
 
 def test_top_kernels_from_a_chrome_trace(tmp_path):
+    """calls are per step, like ms/step: 4 gemm launches over 2 profiled steps are 2 a step."""
     events = [
-        {"ph": "X", "cat": "kernel", "name": "gemm", "dur": 300.0},
-        {"ph": "X", "cat": "kernel", "name": "gemm", "dur": 100.0},
+        *({"ph": "X", "cat": "kernel", "name": "gemm", "dur": d} for d in (300.0, 100.0, 50.0, 50.0)),
         {"ph": "X", "cat": "kernel", "name": "chunk_fwd_o", "dur": 100.0},
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "dur": 5000.0},
     ]
     path = tmp_path / "rank-0.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
-    top = gt.top_kernels(str(path), steps=2)
+    top = gpu_profile.top_kernels(gpu_profile.load_trace(str(path)), steps=2)
     assert top == [
-        {"kernel": "gemm", "calls": 2, "ms/step": 0.2, "share %": 80.0},
-        {"kernel": "chunk_fwd_o", "calls": 1, "ms/step": 0.05, "share %": 20.0},
+        {"kernel": "gemm", "calls/step": 2.0, "ms/step": 0.25, "share %": 500 / 6},
+        {"kernel": "chunk_fwd_o", "calls/step": 0.5, "ms/step": 0.05, "share %": 100 / 6},
     ]
+
+
+def _committed_cut_losses() -> list:
+    """The 35b_a3b cut's 20 losses of 2026-11-28 (H200): stopped at its 200 s cap while exiting."""
+    path = os.path.join(gpu_results.RESULTS_ROOT, "2026-11-28-h200", "run1_train", "results.json")
+    with open(path) as f:
+        row = next(r for r in json.load(f)["rows"] if r["case"] == "35b_a3b-cut")
+    return [it["lm loss"] for it in row["details"]["per iteration"]]
+
+
+def test_a_capped_run_is_judged_on_its_completed_iterations():
+    losses = _committed_cut_losses()
+    assert len(losses) == 20 and losses[0] > 12 and losses[-1] < 0.2
+    status, why = gt.training_verdict(losses, 20, 0, True, 200.0)  # bash exits 0 when the cap kills it
+    assert status == "pass" and "stopped by its time cap (200 s) after 20 iterations" in why
+    assert "did not fall" not in why and "loss 11.37 -> 0.1106" in why
+    status, why = gt.training_verdict(losses[:12], 20, 0, True, 200.0)
+    assert status == "fail" and why.startswith("stopped by its time cap (200 s) after 12 iterations of 20")
+    assert "falling over those" in why
+    status, why = gt.training_verdict([5.0] * 8, 20, 0, True, 200.0)
+    assert status == "fail" and "not falling over those" in why
+
+
+def test_an_uncapped_runs_verdict():
+    falling = [10.0 - 0.4 * i for i in range(20)]
+    assert gt.training_verdict(falling, 20, 0, False, 200.0) == ("pass", "loss 9.6 -> 2.8")
+    assert gt.training_verdict([5.0] * 20, 20, 0, False, 200.0)[1] == "loss did not fall: loss 5 -> 5"
+    assert gt.training_verdict(falling[:4], 20, 1, False, 200.0)[1].startswith("exit 1 after 4 of 20 iterations")
+    assert gt.training_verdict(falling[:4], 20, 0, False, 200.0)[0] == "fail"
+    assert gt.training_verdict([*falling[:19], float("nan")], 20, 0, False, 200.0)[0] == "fail"
 
 
 def test_param_count_equals_the_built_models():
