@@ -7,6 +7,9 @@
 #                           written (read-only image, an externally managed system Python).
 #   PYDEPS_DIR              that folder [.pydeps/ at the repository root]; put on PYTHONPATH.
 #   WHEELHOUSE=DIR          install from DIR only, no index (tools/make_wheelhouse.py writes it).
+#   WHEELHOUSE=FILE.tar.xz  the same folder as one file (make_wheelhouse.py --pack): unpacked into a
+#                           temporary folder when something is to be installed, which is then exported
+#                           as WHEELHOUSE, so the scripts this one starts reuse it.
 #   (unset)                 create .venv/ at the repository root from Python 3.12 found on
 #                           PATH or under pyenv, and install requirements.txt into it.
 #   INSTALL_GPU_EXTRAS=1    also install requirements-gpu.txt (CUDA hosts only).
@@ -57,12 +60,23 @@ _check_free_space() {
 }
 
 if [ -n "${WHEELHOUSE:-}" ]; then
-  [ -d "$WHEELHOUSE" ] || {
+  [ -d "$WHEELHOUSE" ] || [[ -f "$WHEELHOUSE" && "$WHEELHOUSE" == *.tar.xz ]] || {
     echo "[bootstrap] WHEELHOUSE=$WHEELHOUSE is not a directory (write one with tools/make_wheelhouse.py)" >&2; exit 1; }
-  PIP_SOURCE=(--no-index --find-links "$(cd "$WHEELHOUSE" && pwd)")
-else
-  PIP_SOURCE=()
 fi
+PIP_SOURCE=()
+
+# Before pip runs (not on every sourcing: a run whose stamp matches installs nothing and unpacks
+# nothing): a packed wheelhouse becomes a folder, and pip is pointed at the folder.
+_open_wheelhouse() {
+  [ -n "${WHEELHOUSE:-}" ] || return 0
+  if [ -f "$WHEELHOUSE" ]; then
+    local folder
+    folder="$(mktemp -d "${TMPDIR:-/tmp}/wheelhouse.XXXXXX")"
+    "$PY" "$REPO_ROOT/tools/wheel_archive.py" unpack "$WHEELHOUSE" "$folder" >&2 || exit 1
+    export WHEELHOUSE="$folder"
+  fi
+  PIP_SOURCE=(--no-index --find-links "$(cd "$WHEELHOUSE" && pwd)")
+}
 
 # pip's report of a wheel missing from a wheelhouse is a screenful of resolver output; the cause is
 # nearly always one absent package, so name it in one line (other failures keep pip's own output).
@@ -111,6 +125,7 @@ for pin in wanted.values():
 _install_wheels_only() {
   local wheels=()
   [ -n "${WHEELHOUSE:-}" ] || { echo "[bootstrap] BOOTSTRAP_WHEELS_ONLY=1 needs WHEELHOUSE" >&2; exit 1; }
+  _open_wheelhouse
   shopt -s nullglob; wheels=("$WHEELHOUSE"/*.whl); shopt -u nullglob
   [ "${#wheels[@]}" -gt 0 ] || { echo "[bootstrap] WHEELHOUSE=$WHEELHOUSE holds no wheels" >&2; exit 1; }
   echo "[bootstrap] installing the ${#wheels[@]} wheels of $WHEELHOUSE as they are${PYDEPS:+ into $PYDEPS}" >&2
@@ -133,6 +148,7 @@ _install_requirements() {
         "(needs install --dry-run --report); upgrade pip or use a writable Python" >&2; exit 1; }
   fi
   _check_free_space "$(dirname "$stamp")"
+  _open_wheelhouse
   echo "[bootstrap] installing requirements with $PY${PYDEPS:+ into $PYDEPS}${WHEELHOUSE:+ from $WHEELHOUSE}" \
     "(first run takes a few minutes)" >&2
   _install_file "$REPO_ROOT/requirements.txt"

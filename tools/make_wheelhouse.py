@@ -16,6 +16,9 @@ then, on the target (no index is contacted):
 --gpu-extras    also requirements-gpu.txt, as far as wheels exist; an extra that needs a source build
                 is skipped with the reason.
 --platform      manylinux_2_N_ARCH means glibc >= 2.N: every older manylinux tag is accepted too.
+--pack FILE     also write DEST as one FILE.tar.xz of the wheels stored uncompressed
+                (tools/wheel_archive.py: ~25% smaller than the folder, for a machine that takes a
+                limited upload); WHEELHOUSE=FILE unpacks it on the target.
 
 Works with the pip of the interpreter running it (pip >= 22.2). Run it with network access; it
 ends with an offline resolution check (pip --no-index against DEST and the freeze only).
@@ -318,10 +321,13 @@ def main() -> None:
         default="manylinux_2_28_x86_64",
         help="target platform tag, e.g. manylinux_2_35_x86_64 (glibc 2.35) [manylinux_2_28_x86_64]",
     )
+    parser.add_argument("--pack", type=Path, metavar="FILE", help="also write the folder as one FILE.tar.xz")
     args = parser.parse_args()
 
     if not re.fullmatch(r"3\.\d+", args.python_version):
         fail(f"--python-version {args.python_version}: expected X.Y, e.g. 3.12")
+    if args.pack is not None and not args.pack.name.endswith(".tar.xz"):
+        fail(f"--pack {args.pack}: name the file FILE.tar.xz (what run.sh and the bootstrap unpack)")
     if args.freeze is not None and not args.freeze.is_file():
         fail(f"--freeze {args.freeze}: no such file")
     present = read_freeze(args.freeze) if args.freeze else {}
@@ -356,7 +362,14 @@ def main() -> None:
     if skipped:
         say("INSTALL_GPU_EXTRAS=1 installs all of requirements-gpu.txt: the target must already have the skipped ones")
     gpu = "INSTALL_GPU_EXTRAS=1 " if kept and not skipped else ""
-    say(f"on the target: {gpu}WHEELHOUSE={dest} PYTHON=/path/to/python{args.python_version} bash tests/run.sh")
+    where = dest
+    if args.pack:
+        # A script beside this one, run as one: tools/ is not a package.
+        packer = Path(__file__).with_name("wheel_archive.py")
+        if subprocess.run([sys.executable, str(packer), "pack", str(dest), str(args.pack)]).returncode:
+            fail(f"--pack {args.pack}: packing failed (output above)")
+        where = args.pack.resolve()
+    say(f"on the target: {gpu}WHEELHOUSE={where} PYTHON=/path/to/python{args.python_version} bash tests/run.sh")
 
 
 if __name__ == "__main__":

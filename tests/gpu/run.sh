@@ -18,17 +18,15 @@
 #    if set (the GPU machine returns that folder), else to tests/gpu/results/, and prints the table.
 #
 # The wheelhouse, built where the package index is (the freeze keeps torch and the image's other big
-# packages out; ~38 MiB, within what travels to the GPU machine):
+# packages out), packed as one file:
 #   python tools/make_wheelhouse.py wheelhouse --freeze tests/gpu/target-freeze.txt --gpu-extras \
-#       --python-version 3.12 --platform manylinux_2_28_x86_64
+#       --python-version 3.12 --platform manylinux_2_28_x86_64 --pack wheelhouse.tar.xz
+# The GPU machine takes 64 MiB a call, tree and wheels together: the folder for its image is ~66 MiB,
+# the file 49 MB (its wheels stored uncompressed under one xz), so one call carries both:
+#   WHEELHOUSE=wheelhouse.tar.xz PYTHON=python3 bash tests/gpu/run.sh
+# A WHEELHOUSE that is a .tar.xz is unpacked into the scratch folder first (tools/wheel_archive.py).
 #
-# The GPU machine takes 64 MiB a call, tree and wheels together, and the wheelhouse for its image is
-# ~66 MiB (av 35, botocore 16): bring the biggest wheels first, in a call of their own to the same warm
-# machine, which installs them where the bootstrap installs (the image's venv, else .pydeps/):
-#   WHEELHOUSE=part1 PYTHON=python3 BOOTSTRAP_WHEELS_ONLY=1 bash tools/bootstrap_env.sh
-# then run this script with WHEELHOUSE=part2 (the rest); its bootstrap sees part 1 installed.
-#
-# Environment: WHEELHOUSE [wheelhouse/ at the repository root, if present], PYTHON [python3],
+# Environment: WHEELHOUSE [wheelhouse/ or wheelhouse.tar.xz at the repository root, if present], PYTHON [python3],
 #   GPU_CHECKS     groups to run [fla attn parity train resume te parallel]; they always run in the order below
 #   GPU_CHECKS_BUDGET_S [560]; GPU_TRAIN_RUNS, GPU_TRAIN_ITERS, GPU_35B_LAYERS, ... (test_training.py)
 # Exit status 0 when no row failed.
@@ -46,6 +44,10 @@ mkdir -p "$SCRATCH"
 export GPU_RESULTS="$OUTDIR/rows.jsonl" GPU_CHECKS_OUTDIR="$OUTDIR" GPU_CHECKS_SCRATCH="$SCRATCH" PYTHONUNBUFFERED=1
 export PYTHON=${PYTHON:-python3}
 if [[ -z "${WHEELHOUSE:-}" && -d "$ROOT/wheelhouse" ]]; then WHEELHOUSE="$ROOT/wheelhouse"; fi
+if [[ -z "${WHEELHOUSE:-}" && -f "$ROOT/wheelhouse.tar.xz" ]]; then WHEELHOUSE="$ROOT/wheelhouse.tar.xz"; fi
+if [[ -f "${WHEELHOUSE:-}" ]]; then  # one file: a folder of its own once, for every bootstrap below
+  "$PYTHON" tools/wheel_archive.py unpack "$WHEELHOUSE" "$SCRATCH/wheelhouse" && WHEELHOUSE="$SCRATCH/wheelhouse"
+fi
 if [[ -n "${WHEELHOUSE:-}" ]]; then
   [[ -d "$WHEELHOUSE" ]] && WHEELHOUSE="$(cd "$WHEELHOUSE" && pwd)"  # absolute: run_qwen35_vl.sh bootstraps again
   export WHEELHOUSE
