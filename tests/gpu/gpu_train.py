@@ -14,6 +14,8 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
+import gpu_profile
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
 THROUGHPUT = re.compile(
@@ -38,6 +40,7 @@ class TrainRun:
     iter_ms: dict = field(default_factory=dict)  # iteration -> elapsed ms (megatron's line)
     memory_mib: dict = field(default_factory=dict)  # "max allocated" / "max reserved" (megatron's lines)
     gpu_peak_mib: dict = field(default_factory=dict)  # GPU index -> nvidia-smi peak used, minus the baseline
+    timers: dict = field(default_factory=dict)  # iteration -> {megatron timer: ms} (--timing-log-level)
     trace_path: str | None = None
 
     @property
@@ -244,7 +247,9 @@ def run_training(
                 except (ValueError, KeyError):
                     continue
     with open(log_path, errors="replace") as f:
-        run.throughput, run.iter_ms, run.memory_mib = parse_log(f.read())
+        text = f.read()
+    run.throughput, run.iter_ms, run.memory_mib = parse_log(text)
+    run.timers = gpu_profile.parse_timers(text)
     trace = os.path.join(workdir, "torch_profile", "rank-0.json.gz")
     run.trace_path = trace if os.path.exists(trace) else None
     _keep_tail(log_path)

@@ -22,9 +22,13 @@ iterations it completed, gpu_train.training_verdict), and over the steady iterat
 6..(profile start - 1): tokens/s, model TFLOP/s per GPU (flops.py's count of the real work, from the
 run's log line) and MFU against the device's dense bf16 peak (throughput.py's table), iteration
 time; peak memory two ways: nvidia-smi polled every 0.5 s during the run (minus what was in use
-before it) and megatron's own "max allocated" (--log-memory-interval 5); the 10 kernels with the
-most GPU time over two steady iterations, from megatron's --profile --use-pytorch-profiler (a
-torch.profiler Chrome trace of exactly the training step, no extra code in the run).
+before it) and megatron's own "max allocated" (--log-memory-interval 5); megatron's timers
+(--timing-log-level 2: forward / backward compute, optimizer, ...; median over the steady iterations).
+From megatron's --profile --use-pytorch-profiler (a torch.profiler Chrome trace of exactly two steady
+training steps, no extra code in the run; tests/gpu/gpu_profile.py), per step: the GPU busy share
+(union of kernel intervals over the step's wall time), kernels and kernel launches, host syncs
+(stream and device synchronizes, device-to-host copies) and the time waited in them, the 10 CPU ops
+with the most self time and the 10 with the most calls, and the 10 kernels with the most GPU time.
 """
 
 import os
@@ -103,6 +107,22 @@ def _plan(run_name: str, workdir: str):
     raise ValueError(f"GPU_TRAIN_RUNS: unknown run {run_name!r} (proxy, 35b_a3b-cut)")
 
 
+def _record_profile(record, run_name: str, events: list) -> None:
+    """One row of where the profiled steps' time went (gpu_profile.step_profile), with the top kernels."""
+    steps = PROFILE_END - PROFILE_START
+    profile = gpu_profile.step_profile(events)
+    tables = {"top 10 kernels by GPU time": gpu_profile.top_kernels(events, steps)}
+    tables.update((title, profile[title]) for title in ("per step", "top CPU ops by self time", "top CPU ops by count"))
+    record(
+        f"{run_name} profile",
+        "info",
+        profile["summary"],
+        "torch.profiler (megatron --profile --use-pytorch-profiler), per profiled step; the device syncs "
+        "include megatron's timers' own (--timing-log-level 2 synchronizes at each timer's start and stop)",
+        tables,
+    )
+
+
 @pytest.mark.parametrize("run_name", RUNS)
 def test_training_run(run_name, record):
     left = gpu_results.deadline_left() - 25
@@ -126,6 +146,8 @@ def test_training_run(run_name, record):
         PROFILE_START,
         "--profile-step-end",
         PROFILE_END,
+        "--timing-log-level",
+        "2",
     ]
     run = gt.run_training(run_name, env, args, min(RUN_CAP_S, left), workdir, log_path)
 
@@ -159,6 +181,7 @@ def test_training_run(run_name, record):
     if not ok:
         note += f"; {run.error_line()}"
         print(f"---- {run_name}: last lines of {log_path} ----\n{run.tail()}")
+    timers = gpu_profile.timer_table(run.timers, 6, PROFILE_START - 1)
     per_iteration = [
         {
             "iteration": i,
@@ -169,19 +192,15 @@ def test_training_run(run_name, record):
         }
         for i, r in sorted(run.records.items())
     ]
-    record(run_name, status, metrics, note, {"per iteration": per_iteration})
+    details = {"per iteration": per_iteration}
+    if timers:
+        details["megatron timers, ms per iteration (median over the steady iterations)"] = timers
+    record(run_name, status, metrics, note, details)
     if run.trace_path:
         try:
-            kernels = gpu_profile.top_kernels(gpu_profile.load_trace(run.trace_path), PROFILE_END - PROFILE_START)
-            record(
-                f"{run_name} top kernels",
-                "info",
-                {"profiled iterations": PROFILE_END - PROFILE_START},
-                "torch.profiler (megatron --profile --use-pytorch-profiler), GPU time per kernel name",
-                {"top 10 kernels by GPU time": kernels},
-            )
-        except Exception as e:  # noqa: BLE001 - the run's result stands without the kernel table
-            record(f"{run_name} top kernels", "info", note=f"trace unreadable: {e!r}"[:300])
+            _record_profile(record, run_name, gpu_profile.load_trace(run.trace_path))
+        except Exception as e:  # noqa: BLE001 - the run's result stands without the profile
+            record(f"{run_name} profile", "info", note=f"trace unreadable: {e!r}"[:300])
     elif run.returncode == 0:
-        record(f"{run_name} top kernels", "info", note="no profiler trace written (torch_profile/rank-0.json.gz)")
+        record(f"{run_name} profile", "info", note="no profiler trace written (torch_profile/rank-0.json.gz)")
     assert ok, note
