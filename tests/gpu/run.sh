@@ -27,7 +27,7 @@
 # A WHEELHOUSE that is a .tar.xz is unpacked into the scratch folder first (tools/wheel_archive.py).
 #
 # Environment: WHEELHOUSE [wheelhouse/ or wheelhouse.tar.xz at the repository root, if present], PYTHON [python3],
-#   GPU_CHECKS     groups to run [fla attn parity train resume te parallel]; they always run in the order below
+#   GPU_CHECKS     groups to run [micro fla attn parity train resume te parallel]; they always run in the order below
 #   GPU_CHECKS_BUDGET_S [560]; GPU_TRAIN_RUNS, GPU_TRAIN_ITERS, GPU_35B_LAYERS, ... (test_training.py)
 # Exit status 0 when no row failed.
 set -uo pipefail
@@ -52,7 +52,7 @@ if [[ -n "${WHEELHOUSE:-}" ]]; then
   [[ -d "$WHEELHOUSE" ]] && WHEELHOUSE="$(cd "$WHEELHOUSE" && pwd)"  # absolute: run_qwen35_vl.sh bootstraps again
   export WHEELHOUSE
 fi
-GROUPS_WANTED=" ${GPU_CHECKS:-fla attn parity train resume te parallel} "
+GROUPS_WANTED=" ${GPU_CHECKS:-micro fla attn parity train resume te parallel} "
 STEPS=""  # "name: seconds, exit code" of every step, for the table's header
 
 add_row() {  # add_row CHECK CASE STATUS NOTE
@@ -167,6 +167,9 @@ main() {
   # bf16 kernels first, in the default Triton cache: the 35b_a3b training run reuses what they compile.
   # Caps (s) share out the budget; a group that ends early leaves its time to the next. The first run
   # on a fresh machine pays for Triton compiling and autotuning FLA's kernels once per dtype and shape.
+  # Micro-checks first (seconds each, plus FLA's compile): grouped_mm at the 35b_a3b cut's expert
+  # shapes, and FLA's gated rule on all six gradients at K = V = 128 beside the #640 control.
+  checks micro "micro-checks" 120 -- tests/gpu/test_grouped_mm.py tests/gpu/test_fla_kernels.py -k "grouped_mm or six_gradients"
   checks fla "fla kernels bf16" 120 -- tests/gpu/test_fla_kernels.py -k bf16
   checks attn "thd attention bf16" 60 -- tests/gpu/test_thd_attention.py
   checks train "training" 300 -- tests/gpu/test_training.py
