@@ -19,12 +19,22 @@ def errors(candidates, references: dict) -> dict:
     return worst
 
 
-def median_ms(fn, reps: int = 10, warmup: int = 2) -> float:
-    """Median GPU time of ``fn()`` in milliseconds, after ``warmup`` untimed calls."""
+def median_ms(fn, reps: int = 10, warmup: int = 2, device: str = "cuda") -> float:
+    """Median time of ``fn()`` in milliseconds, after ``warmup`` untimed calls: GPU time between CUDA
+    events, or on ``device="cpu"`` the wall clock (a check's CPU variant times the same code)."""
+    import time
+
     import torch
 
     for _ in range(warmup):
         fn()
+    if device == "cpu":
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(1000 * (time.perf_counter() - t0))
+        return statistics.median(times)
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):

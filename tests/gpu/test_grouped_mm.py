@@ -8,12 +8,9 @@ measured against the loop in fp32; target: grouped RMS error <= 1e-2, as bf16 ro
 CPU (a unit test of the same code, fp32, small shapes): grouped_mm equals the loop to 1e-5.
 """
 
-import statistics
-import time
-
 import pytest
 import torch
-from gpu_measure import errors
+from gpu_measure import errors, median_ms
 
 CHECK = "grouped_mm"
 CUT = dict(hidden=2048, ffn=512, experts=256, top_k=8, tokens=4 * 4096)
@@ -54,20 +51,6 @@ def expert_mlp_loop(x, w_in, w_out, offs):
     return torch.cat([_swiglu(x[a:b] @ w_in[e]) @ w_out[e] for e, (a, b) in enumerate(zip(starts, ends))])
 
 
-def _median_ms(fn, reps=5) -> float:
-    """Wall-clock median; on CUDA the work is synchronized before each clock read."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    fn()
-    times = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(1000 * (time.perf_counter() - t0))
-    return statistics.median(times)
-
-
 def compare(device, dtype, **shape) -> dict:
     """Errors of grouped_mm and of the loop against the loop in fp32, and the time of each."""
     x, w_in, w_out, offs = routed_inputs(device=device, dtype=dtype, **shape)
@@ -75,8 +58,8 @@ def compare(device, dtype, **shape) -> dict:
         ref = expert_mlp_loop(x.float(), w_in.float(), w_out.float(), offs)
         grouped = errors([expert_mlp_grouped(x, w_in, w_out, offs)], {"out": ref})
         loop = errors([expert_mlp_loop(x, w_in, w_out, offs)], {"out": ref})
-        grouped_ms = _median_ms(lambda: expert_mlp_grouped(x, w_in, w_out, offs))
-        loop_ms = _median_ms(lambda: expert_mlp_loop(x, w_in, w_out, offs))
+        grouped_ms = median_ms(lambda: expert_mlp_grouped(x, w_in, w_out, offs), 5, 1, device)
+        loop_ms = median_ms(lambda: expert_mlp_loop(x, w_in, w_out, offs), 5, 1, device)
     counts = torch.diff(offs, prepend=offs.new_zeros(1))
     return {
         "grouped max rel": grouped["rel"],
@@ -118,7 +101,8 @@ def test_grouped_mm_at_the_35b_cut_shapes(record):
     note = (
         f"{_grouped_mm()[1]}, bf16, forward of the expert MLP (gate+up, SwiGLU, down); hidden {CUT['hidden']}, "
         f"expert ffn {CUT['ffn']}, {CUT['experts']} experts top-{CUT['top_k']}, {CUT['tokens']} tokens; "
-        f"errors against the loop in fp32, target grouped RMS <= {BF16_RMS:g}; median of 5 after one warm-up"
+        f"errors against the loop in fp32, target grouped RMS <= {BF16_RMS:g}; "
+        "times: median of 5 after one warm-up (CUDA events)"
     )
     record("35b_a3b cut experts", "pass" if ok else "fail", m, note)
     assert ok, f"{m} ({note})"
