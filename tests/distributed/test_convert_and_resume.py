@@ -1,8 +1,9 @@
 """Start from Hugging Face weights, end to end through ``run_qwen35_vl.sh``:
 
-- import a tiny bf16 checkpoint, train from it (``CKPT_LOAD``, shape taken from the import's
-  hf_config.json): the first-iteration loss equals the HF model's per-token loss on the same four
-  mock samples (1e-5 relative; both fp32 on the CPU, the bf16 weights upcast exactly);
+- import a tiny bf16 checkpoint, train LoRA adapters from it (``CKPT_LOAD``, shape taken from the
+  import's hf_config.json): the first-iteration loss equals the HF model's per-token loss on the
+  same four mock samples (1e-5 relative; both fp32 on the CPU, the bf16 weights upcast exactly; the
+  adapters start at B = 0), and the run's checkpoint leaves as docs/lora.md shows (export, PEFT);
 - import an fp32 checkpoint with MTP, save it from a TP=2 run (and from a PP=2 x VP=2 run: the
   import trains directly at PP>1) whose step leaves the weights untouched (LR=0), export that
   sharded checkpoint (the converter loads it at TP=PP=1): every tensor bitwise equal to the
@@ -16,15 +17,19 @@ import os
 
 import pytest
 import torch
+from checkpoint_diff import entries
 from hf_checkpoints import write_hf_checkpoint
 from launch import NO_EVAL, run_script
+from lora_exports import peft_equals_merged
 
+from examples.multimodal_dev.checkpoint.files import checkpoint_directory
 from examples.multimodal_dev.checkpoint.hf_conversion import export_hf, import_hf
 from examples.multimodal_dev.checkpoint.hf_safetensors import HFTensorSource
 from examples.multimodal_dev.checkpoint.verify import HFSource, _hf_model
 from examples.multimodal_dev.data import get_dataset_provider
 from examples.multimodal_dev.data.sample import VisionTokens
 from examples.multimodal_dev.models.qwen35_vl.configuration import from_hf_config, get_variant
+from examples.multimodal_dev.tools.convert_checkpoint import main
 
 
 def _hf_loss_on_first_batch(hf_path: str, seq_length: int, global_batch: int, train_iters: int) -> float:
@@ -59,16 +64,24 @@ def _hf_loss_on_first_batch(hf_path: str, seq_length: int, global_batch: int, tr
     return loss_sum / tokens
 
 
-def test_training_resumes_from_an_import_with_the_hf_loss(tmp_path, mcore):
-    hf_path, ckpt = tmp_path / "hf", tmp_path / "imported"
+def test_lora_from_an_import_starts_at_the_hf_loss_and_leaves_as_docs_lora_md_shows(tmp_path, mcore):
+    """docs/lora.md's commands: import, a LoRA run from the import through the run script (saving
+    as it does by default, optimizer state and all), then ``export`` and ``export-peft``; the
+    adapter, loaded by ``peft`` onto transformers' model of the imported folder, gives the merged
+    export's logits. The adapters start at B = 0, so the run's first loss is the HF model's."""
+    hf_path, ckpt, tuned = tmp_path / "hf", tmp_path / "imported", tmp_path / "lora"
     write_hf_checkpoint(hf_path, get_variant("tiny", moe=False, mtp=True))
-    import_hf(str(hf_path), str(ckpt))
-    run = run_script(NO_EVAL, CKPT_LOAD=ckpt, TRAIN_ITERS=2, SEQ_LEN=512, GBS=4, MBS=2).check()
+    assert main(["import", "--hf-path", str(hf_path), "--megatron-path", str(ckpt)]) == 0
+    lora = dict(LORA_RANK=4, LORA_ALPHA=12, CKPT_SAVE=tuned, LR=5e-3)
+    run = run_script(NO_EVAL, CKPT_LOAD=ckpt, TRAIN_ITERS=2, SEQ_LEN=512, GBS=4, MBS=2, **lora).check()
     assert "model shape from" in run.output and "successfully loaded checkpoint" in run.output
     reference = _hf_loss_on_first_batch(str(hf_path), 512, 4, 2)
     rel = abs(run.losses[1] - reference) / reference
     print(f"first iteration after import: Megatron {run.losses[1]:.6f}, HF {reference:.6f} (rel {rel:.1e})")
     assert rel < 1e-5
+    assert any(k.startswith("optimizer.state.exp_avg.") for k in entries(tuned / "iter_0000002", tmp_path))
+    line = peft_equals_merged(tuned, hf_path, tmp_path, "dense, from an import")
+    assert f"trained on {os.path.abspath(checkpoint_directory(str(ckpt)))}" in line
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPU cores for two ranks")

@@ -7,6 +7,8 @@ adapters on every linear of the decoder (attention, Gated DeltaNet, the routed a
 - From that LoRA checkpoint every layout tracks the single process (the bounds of
   ``test_parallelism.py``): TP with SP, EP, the experts split over TP or not, CP, DP with the
   distributed optimizer, PP.
+- A LoRA checkpoint as the run script saves it (optimizer state and all) leaves as docs/lora.md
+  shows: merged, and as a PEFT adapter that ``peft`` loads onto the base's export.
 """
 
 import os
@@ -15,7 +17,10 @@ import pytest
 from checkpoint_diff import differences, entries, state_differences
 from launch import LAYOUT_MODEL as MODEL
 from launch import NO_EVAL, run_script
+from lora_exports import peft_equals_merged
 from test_parallelism import assert_tracks
+
+from examples.multimodal_dev.tools.convert_checkpoint import main
 
 LORA = dict(LORA_RANK=4, LORA_ALPHA=8)
 
@@ -79,19 +84,30 @@ def test_lora_layout_matches_single_process(name, lora_start, lora_single):
     assert_tracks(f"LoRA {name}", run, lora_single, iters)
 
 
-def test_lora_resumes_exactly(parallel_start, tmp_path):
+# DP=2 with the distributed optimizer, dropout on the adapters' input (each DP rank's RNG matters)
+RESUMED = ("--lora-dropout", "0.1", "--use-distributed-optimizer", *NO_EVAL)
+
+
+@pytest.fixture(scope="module")
+def lora_straight(parallel_start, tmp_path_factory):
+    """4 LoRA steps from the base checkpoint (``RESUMED``'s settings), saved: (the run, its directory)."""
+    path = tmp_path_factory.mktemp("lora_straight") / "straight"
+    common = dict(CKPT_LOAD=parallel_start, TRAIN_ITERS=4, NPROC=2, **MODEL, **LORA)
+    return run_script(RESUMED, CKPT_SAVE=path, **common).check(), path
+
+
+def test_lora_resumes_exactly(parallel_start, lora_straight, tmp_path):
     """From the base checkpoint, 4 LoRA steps straight against 2 + 2 resumed (DP=2, distributed
     optimizer, dropout on the adapters' input, so each DP rank's RNG must come back too): the same
     losses and grad norms, bitwise, and the same final checkpoint, entry by entry."""
-    flags = ["--lora-dropout", "0.1", "--use-distributed-optimizer", *NO_EVAL]
     common = dict(CKPT_LOAD=parallel_start, TRAIN_ITERS=4, NPROC=2, **MODEL, **LORA)
-    straight = run_script(flags, CKPT_SAVE=tmp_path / "straight", **common).check()
-    first = run_script([*flags, "--exit-interval", "2"], CKPT_RESUME=tmp_path / "resumed", **common).check()
-    second = run_script(flags, CKPT_RESUME=tmp_path / "resumed", **common).check()
+    straight, straight_path = lora_straight
+    first = run_script([*RESUMED, "--exit-interval", "2"], CKPT_RESUME=tmp_path / "resumed", **common).check()
+    second = run_script(RESUMED, CKPT_RESUME=tmp_path / "resumed", **common).check()
     assert sorted(first.losses) == [1, 2] and sorted(second.losses) == [3, 4]
     assert {**first.losses, **second.losses} == straight.losses
     assert {**first.grad_norms, **second.grad_norms} == straight.grad_norms
-    a = entries(tmp_path / "straight" / "iter_0000004", tmp_path)
+    a = entries(straight_path / "iter_0000004", tmp_path)
     b = entries(tmp_path / "resumed" / "iter_0000004", tmp_path)
     assert any(".lora_B" in k for k in a)
     differing = state_differences(a, b)
@@ -101,8 +117,18 @@ def test_lora_resumes_exactly(parallel_start, tmp_path):
 
     base = os.path.abspath(checkpoint_directory(str(parallel_start)))
     assert f"LoRA adapters adapt {base}" in second.output, second.output[-2000:]
-    for path in ("straight", "resumed"):
-        assert stored_args(checkpoint_directory(str(tmp_path / path))).lora_base == base
+    for path in (straight_path, tmp_path / "resumed"):
+        assert stored_args(checkpoint_directory(str(path))).lora_base == base
+
+
+def test_a_lora_checkpoint_leaves_as_docs_lora_md_shows(parallel_start, lora_straight, tmp_path):
+    """The distributed optimizer's LoRA checkpoint (AdamW's state of every adapter beside it, on the
+    MoE model: the routed experts' adapters too) exported merged and as a PEFT adapter; the adapter,
+    loaded by ``peft`` onto the base's own export, gives the merged export's logits."""
+    base = tmp_path / "base"
+    assert main(["export", "--megatron-path", str(parallel_start), "--hf-path", str(base)]) == 0
+    line = peft_equals_merged(lora_straight[1], base, tmp_path, "MoE, distributed optimizer")
+    assert "PEFT's expert adapters take no dropout" in line, line  # the run's 0.1 cannot be carried
 
 
 @pytest.mark.parametrize(

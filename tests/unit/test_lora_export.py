@@ -21,12 +21,12 @@ import re
 
 import pytest
 import torch
-from hf_reference import HFMtpHead, build_hf_model, hf_forward, image_tokens, megatron_position_ids, pixel_values_for
+from hf_reference import HFMtpHead, build_hf_model, megatron_position_ids
+from lora_exports import assert_close, hf_class, image_batch, logits
 
 from examples.multimodal_dev.checkpoint import peft_adapter
 from examples.multimodal_dev.checkpoint.files import save_model_checkpoint
 from examples.multimodal_dev.checkpoint.hf_conversion import HF_CONFIG
-from examples.multimodal_dev.checkpoint.hf_models import hf_classes
 from examples.multimodal_dev.lora import apply as lora
 from examples.multimodal_dev.lora.adapter import LoraLinear
 from examples.multimodal_dev.lora.targets import DEFAULT_TARGETS, TARGETS
@@ -37,7 +37,6 @@ from examples.multimodal_dev.models.qwen35_vl.factory import build_model
 from examples.multimodal_dev.models.qwen35_vl.hf_mapping import load_hf_into_model
 from examples.multimodal_dev.tools.convert_checkpoint import main
 
-REL_TOL = 1e-5
 RANK, ALPHA, DROPOUT = 4, 8.0, 0.1
 
 
@@ -48,13 +47,6 @@ def _save(path, shape, model, **lora_args) -> str:
     args = one_process_checkpoint_args(shape, str(path), str(path / HF_CONFIG), **lora_args)
     save_model_checkpoint(args, 1, model)
     return str(path)
-
-
-def _batch(shape):
-    grids = [(1, 4, 6)]
-    ids = torch.tensor([[5, 6, *image_tokens(shape, 4, 6), 7, 8, 9, 10, 11, 12, 13, 14]])
-    pixels = pixel_values_for(shape, grids, torch.Generator().manual_seed(3))
-    return ids, pixels, torch.tensor(grids)
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
@@ -82,7 +74,7 @@ def lora_run(request, tmp_path_factory, mcore):
         lora_rank=RANK, lora_alpha=ALPHA, lora_targets=",".join(targets), lora_dropout=DROPOUT, lora_base=base
     )
     tuned = _save(root / "lora", shape, model, **lora_args)
-    ids, pixels, grids = _batch(shape)
+    ids, pixels, grids = image_batch(shape)
     positions = megatron_position_ids(shape, ids, torch.ones_like(ids), grids)
     with torch.no_grad():
         ours = model(input_ids=ids, position_ids=positions, pixel_values=pixels, image_grid_thw=grids)
@@ -92,33 +84,16 @@ def lora_run(request, tmp_path_factory, mcore):
     return kind, shape, base, tuned, (ids, pixels, grids), without, ours, len(adapted)
 
 
-def _hf_class(shape):
-    return hf_classes(model_of(shape).shape_to_hf(shape)["model_type"])[1]
-
-
-def _logits(hf, shape, batch):
-    ids, pixels, grids = batch
-    return hf_forward(hf.eval(), shape, ids, torch.ones_like(ids), pixels, grids)
-
-
-def _assert_close(name, theirs, ours, base):
-    diff, scale = (theirs - ours).abs().max().item(), ours.abs().max().item()
-    moved = (ours - base).abs().max().item()
-    print(f"{name}: max abs diff {diff:.2e} (largest logit {scale:.2f}; the adapters move logits by {moved:.2f})")
-    assert moved > 1e3 * REL_TOL * scale  # the adapters change the model far beyond the tolerance
-    assert diff <= REL_TOL * scale, f"{name}: {diff} > {REL_TOL} * {scale}"
-
-
-def test_merged_export_gives_the_adapted_logits(lora_run, tmp_path, capsys):
+def test_merged_export_gives_the_adaptedlogits(lora_run, tmp_path, capsys):
     kind, shape, _, tuned, batch, base, ours, count = lora_run
     assert main(["export", "--megatron-path", tuned, "--hf-path", str(tmp_path / "merged")]) == 0
     assert f"merged {count} LoRA adapters" in capsys.readouterr().out
-    hf, info = _hf_class(shape).from_pretrained(tmp_path / "merged", output_loading_info=True)
+    hf, info = hf_class(shape).from_pretrained(tmp_path / "merged", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    _assert_close(f"{kind} merged export", _logits(hf, shape, batch), ours, base)
+    assert_close(f"{kind} merged export", logits(hf, shape, batch), ours, base)
 
 
-def test_peft_adapter_on_transformers_gives_the_adapted_logits(lora_run, tmp_path, capsys, monkeypatch):
+def test_peft_adapter_on_transformers_gives_the_adaptedlogits(lora_run, tmp_path, capsys, monkeypatch):
     from peft import PeftModel, get_peft_model_state_dict
     from safetensors.torch import load_file
 
@@ -145,12 +120,12 @@ def test_peft_adapter_on_transformers_gives_the_adapted_logits(lora_run, tmp_pat
         assert {"qkv", "attn.proj", "linear_fc1", "linear_fc2"} <= set(config["target_modules"])  # the vision tower
         assert not config["target_parameters"] and config["lora_dropout"] == DROPOUT
 
-    peft_model = PeftModel.from_pretrained(_hf_class(shape).from_pretrained(base_dir), adapter_dir)
+    peft_model = PeftModel.from_pretrained(hf_class(shape).from_pretrained(base_dir), adapter_dir)
     written = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
     loaded = get_peft_model_state_dict(peft_model)
     assert loaded.keys() == written.keys()  # PEFT found a place for every tensor and made no other
     assert all(torch.equal(loaded[k], written[k]) for k in written)
-    _assert_close(f"{kind} PEFT adapter", _logits(peft_model, shape, batch), ours, base)
+    assert_close(f"{kind} PEFT adapter", logits(peft_model, shape, batch), ours, base)
 
 
 def test_the_self_check_refuses_a_wrong_adapter_mapping(lora_run, tmp_path, monkeypatch, capsys):
@@ -206,3 +181,32 @@ def test_stored_args_and_tensors_that_disagree_are_refused(mcore):
             {**adapters, f"{attention}.lora_A": None, f"{attention}.lora_B": None},
             "ck",
         )
+
+
+def test_the_optimizers_state_of_an_adapter_is_no_adapter(mcore):
+    """A training checkpoint stores each adapter's Adam moments under the adapter's own name behind
+    the optimizer's prefix: plain and distributed (fully reshardable) optimizer ``optimizer.state.*``,
+    the distributed one's fp32 copy ``optimizer.state.fp32_param.*``, and with two chained optimizers
+    (experts over EP) ``chained_N.``. None of them is an adapter the stored targets fail to name."""
+    from types import SimpleNamespace
+
+    from examples.multimodal_dev.checkpoint.lora_checkpoint import attach_adapters, stored_lora
+
+    layer = "language_model.decoder.layers.0.self_attention.in_proj"
+    model_keys = {f"{layer}.weight": None, f"{layer}.lora_A": None, f"{layer}.lora_B.query": None}
+    optimizer = {
+        f"{prefix}.{key}": None
+        for key in model_keys
+        for prefix in (
+            "optimizer.state.exp_avg",
+            "optimizer.state.exp_avg_sq",
+            "optimizer.state.fp32_param",
+            "chained_1.optimizer.state.exp_avg",
+        )
+    }
+    run = SimpleNamespace(lora_rank=4, lora_alpha=8, lora_targets="in_proj", lora_dropout=0.0)
+    stored = {**model_keys, **optimizer}
+    lora = stored_lora("ck", run, stored)
+    attach_adapters(build_model(get_variant("tiny")), lora, stored, "ck")  # nothing refused
+    with pytest.raises(ValueError, match="its stored args have lora_rank 4 but it holds no adapter tensors"):
+        stored_lora("ck", run, {f"{layer}.weight": None, **{k: v for k, v in optimizer.items() if "lora" in k}})

@@ -18,12 +18,23 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 
 from examples.multimodal_dev.console import say
 
 from .files import TRACKER, checkpoint_directory, stored_args
 
 ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
+# megatron stores a parameter's optimizer state under the parameter's own key behind the optimizer's
+# prefix (``optimizer.state.exp_avg.KEY``: the plain and the fully reshardable distributed optimizer;
+# ``optimizer.distributed.*``: the DP-reshardable buckets), with ``chained_N.`` ahead where it chains a
+# dense and an expert optimizer: an adapter's moments are not an adapter
+_OPTIMIZER_KEY = re.compile(r"(chained_\d+\.)?optimizer\.")
+
+
+def is_model_key(key: str) -> bool:
+    """Whether a checkpoint's tensor ``key`` is the model's own, not the optimizer's state of one."""
+    return _OPTIMIZER_KEY.match(key) is None
 
 
 def is_adapter_key(key: str) -> bool:
@@ -37,7 +48,7 @@ def stored_adapters(directory: str) -> frozenset[str]:
     from megatron.core import dist_checkpointing
 
     out = set()
-    for key in dist_checkpointing.load_tensors_metadata(directory).keys():
+    for key in filter(is_model_key, dist_checkpointing.load_tensors_metadata(directory).keys()):
         for suffix in ADAPTER_SUFFIXES:
             if f"{suffix}." in f"{key}.":
                 out.add(key[: key.index(suffix) + len(suffix)])

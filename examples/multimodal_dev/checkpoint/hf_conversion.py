@@ -42,6 +42,7 @@ from examples.multimodal_dev.models import DEFAULT_ARCH, get_model_entry, model_
 from examples.multimodal_dev.models.megatron_args import one_process_checkpoint_args
 
 from ..megatron_changes import apply
+from .adapters_from_base import is_model_key
 from .files import TRACKER, checkpoint_directory, iteration_dir, load_model_weights, save_model_checkpoint, stored_args
 from .hf_models import hf_classes
 from .hf_safetensors import INDEX, HFTensorSource, ShardedWriter, per_expert, read_config
@@ -365,9 +366,7 @@ def _weight_dtypes(stored: dict) -> dict:
     three fp32 optimizer tensors per bf16 weight). megatron-core stores GDN's fused ``in_proj`` /
     ``conv1d`` as pieces (``KEY.query``, ``KEY.z`` ...); the whole tensor's key is added with the
     pieces' dtype."""
-    weights = {
-        k: m.properties.dtype for k, m in stored.items() if hasattr(m, "properties") and not k.startswith("optimizer.")
-    }
+    weights = {k: m.properties.dtype for k, m in stored.items() if hasattr(m, "properties") and is_model_key(k)}
     wholes: dict[str, set] = {}
     for key, dtype in weights.items():
         wholes.setdefault(key.rsplit(".", 1)[0], set()).add(dtype)

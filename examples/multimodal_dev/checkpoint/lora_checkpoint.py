@@ -20,7 +20,7 @@ from examples.multimodal_dev.lora import apply as lora_apply
 from examples.multimodal_dev.lora.adapter import LoraLinear
 from examples.multimodal_dev.lora.targets import parse_targets
 
-from .adapters_from_base import ADAPTER_SUFFIXES
+from .adapters_from_base import ADAPTER_SUFFIXES, is_model_key
 
 
 @dataclass(frozen=True)
@@ -33,8 +33,9 @@ class StoredLora:
 
 
 def _adapter_keys(stored: dict) -> list[str]:
-    """Checkpoint keys of adapter tensors; a split ``B`` is stored as ``KEY.lora_B.query`` and so on."""
-    return sorted(k for k in stored if any(f"{s}." in f"{k}." for s in ADAPTER_SUFFIXES))
+    """Checkpoint keys of the model's adapter tensors (not their optimizer state); a split ``B`` is
+    stored as ``KEY.lora_B.query`` and so on."""
+    return sorted(k for k in stored if is_model_key(k) and any(f"{s}." in f"{k}." for s in ADAPTER_SUFFIXES))
 
 
 def stored_lora(megatron_path: str, saved_args, stored: dict) -> StoredLora | None:
