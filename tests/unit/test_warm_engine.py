@@ -13,8 +13,9 @@ import time
 import pytest
 from launch import ROOT, WarmEngine, run_script
 
+from examples.multimodal_dev.training import engine_handover
 from examples.multimodal_dev.training.engine_handover import hand_over
-from examples.multimodal_dev.training.warm_engine import _listen, import_time_differences
+from examples.multimodal_dev.training.warm_engine import _identity, _listen, _remove_own, import_time_differences
 
 
 @pytest.mark.parametrize(
@@ -64,6 +65,104 @@ def test_a_socket_file_left_by_a_dead_server_is_replaced_and_a_live_one_refused(
         live.close()
     with pytest.raises(SystemExit, match="No such file or directory"):
         _listen(str(tmp_path / "no" / "socket"))
+
+
+def test_only_a_socket_of_this_users_is_ever_removed(tmp_path, monkeypatch):
+    """A path that is not a socket ("connection refused" too) is refused by name and left as it was;
+    at its end the server removes its own socket only, not what has taken the path since."""
+    kept = tmp_path / "notes.txt"
+    kept.write_text("the user's own file")
+    with pytest.raises(SystemExit, match=f"warm_engine.py: {kept} exists and is not a socket: name a path"):
+        _listen(str(kept))
+    with pytest.raises(SystemExit, match=f"warm_engine.py: {tmp_path} exists and is not a socket"):
+        _listen(str(tmp_path))
+    assert kept.read_text() == "the user's own file"
+
+    address = str(tmp_path / "socket")
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(address)
+    dead.close()
+    monkeypatch.setattr(os, "getuid", lambda: os.geteuid() + 1)  # as if another user had left it
+    with pytest.raises(SystemExit, match=f"{address} exists and is a socket of user id {os.geteuid()}, not this"):
+        _listen(address)
+    monkeypatch.undo()
+    assert os.path.exists(address)
+
+    listener = _listen(address)
+    listener.close()
+    own = _identity(address)
+    os.unlink(address)
+    kept.rename(address)  # something else took the path while the server ran
+    _remove_own(address, own)
+    assert open(address).read() == "the user's own file"
+
+
+def _peer(tmp_path, answer: bytes | None):
+    """A socket server that accepts one connection, writes ``answer`` (None: nothing) and records
+    what the other side sends: (address, thread, received bytes)."""
+    import threading
+
+    address, received = str(tmp_path / "peer"), bytearray()
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(address)
+    listener.listen()
+
+    def serve():
+        conn, _ = listener.accept()
+        with conn:
+            if answer is not None:
+                conn.sendall(answer)
+            conn.settimeout(3)
+            try:
+                while chunk := conn.recv(4096):
+                    received.extend(chunk)
+            except OSError:
+                pass
+        listener.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return address, thread, received
+
+
+@pytest.mark.parametrize(
+    "answer,said",
+    [
+        (None, "no warm engine answers (no answer in 0.5 s)"),
+        (b"HTTP/1.1 400 Bad Request\r\n\r\n", "not a warm engine of this user's (a message of "),
+        (b"\x00" * 7 + b"\x05hello", "not a warm engine of this user's (a message that is not JSON)"),
+        (b"\x00" * 7 + b"\x02[]", "not a warm engine of this user's (a message that is not a JSON object)"),
+        (b"\x00" * 7 + b"\x02{}", "not a warm engine of this user's (it says {})"),
+    ],
+    ids=["silent", "http", "not json", "a list", "another protocol"],
+)
+def test_a_foreign_socket_gets_nothing_and_the_launch_starts_cold(tmp_path, monkeypatch, capsys, answer, said):
+    """The launcher hands over its environment and streams only to a server that spoke the protocol
+    first: a silent or foreign socket gets not a byte, and the launch starts cold in one line."""
+    monkeypatch.setattr(engine_handover, "ANSWER_TIMEOUT_S", 0.5)
+    monkeypatch.setenv("ENGINE_SERVER", "")
+    address, thread, received = _peer(tmp_path, answer)
+    monkeypatch.setenv("ENGINE_SERVER", address)
+    started = time.monotonic()
+    assert hand_over(["--help"]) is None
+    assert time.monotonic() - started < 5
+    thread.join(5)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"torchrun: ENGINE_SERVER={address}: {said}" in err, err
+    assert err.rstrip().endswith("starting cold")
+    assert bytes(received) == b""
+
+
+def test_a_socket_of_another_user_gets_nothing(tmp_path, monkeypatch, capsys):
+    address, thread, received = _peer(tmp_path, None)
+    monkeypatch.setattr(os, "getuid", lambda: os.geteuid() + 1)
+    monkeypatch.setenv("ENGINE_SERVER", address)
+    assert hand_over(["--help"]) is None
+    monkeypatch.undo()
+    socket.socket(socket.AF_UNIX).connect(address)  # lets the peer's accept return
+    thread.join(5)
+    assert f"{address}: not a warm engine of this user's (a socket of user id {os.geteuid()}" in capsys.readouterr().err
+    assert bytes(received) == b""
 
 
 def test_a_refused_launch_starts_cold_and_a_failed_one_says_which_rank():

@@ -3,6 +3,12 @@ server of ``ENGINE_SERVER``, and the messages both sides send (a length, then JS
 
 Imported by ``training/torchrun_launcher.py`` before anything heavy: a launch that the server runs
 imports nothing more than this.
+
+A launch hands over its environment and its standard streams, so the launcher trusts a server only
+as far as it proves itself: the socket must be this user's (its file and the process serving it),
+and the server speaks first (``HELLO``) before the launcher sends anything. Anything else (another
+user's socket, a foreign protocol, silence past ``ANSWER_TIMEOUT_S``) is one line, and the launch
+starts cold.
 """
 
 from __future__ import annotations
@@ -11,11 +17,19 @@ import json
 import os
 import signal
 import socket
+import stat
 import struct
 import sys
 
 SERVER_VARIABLE = "ENGINE_SERVER"
 _HEADER = struct.Struct("!Q")
+HELLO = {"warm_engine": 1}  # the server's first message on every connection: protocol and version
+ANSWER_TIMEOUT_S = 10.0  # for the server's hello and its answer to a request (the job itself has no limit)
+MAX_MESSAGE = 64 << 20  # a launch's request (its environment) is kilobytes; a foreign length is refused
+
+
+class ForeignPeer(Exception):
+    """The other end of the socket does not speak this protocol."""
 
 
 def private_listener(address: str) -> socket.socket:
@@ -38,11 +52,61 @@ def send(sock: socket.socket, payload: dict) -> None:
 
 
 def receive(sock: socket.socket) -> dict | None:
+    """The next message (None: the peer closed); ``ForeignPeer`` for bytes that are not one."""
     header = _read_exactly(sock, _HEADER.size)
     if header is None:
         return None
-    data = _read_exactly(sock, _HEADER.unpack(header)[0])
-    return None if data is None else json.loads(data)
+    size = _HEADER.unpack(header)[0]
+    if size > MAX_MESSAGE:
+        raise ForeignPeer(f"a message of {size} bytes")
+    data = _read_exactly(sock, size)
+    if data is None:
+        return None
+    try:
+        message = json.loads(data)
+    except ValueError:  # not UTF-8, not JSON
+        raise ForeignPeer("a message that is not JSON") from None
+    if not isinstance(message, dict):
+        raise ForeignPeer("a message that is not a JSON object")
+    return message
+
+
+def own_socket_problem(address: str) -> str | None:
+    """Why ``address`` is not a socket of this user's (None: it is one); ``OSError`` where nothing is there."""
+    info = os.lstat(address)
+    if not stat.S_ISSOCK(info.st_mode):
+        return "not a socket"
+    if info.st_uid != os.getuid():
+        return f"a socket of user id {info.st_uid}, not this user's"
+    return None
+
+
+def _peer_uid(sock: socket.socket) -> int | None:
+    if not hasattr(socket, "SO_PEERCRED"):  # Linux's; elsewhere the socket file's owner is the check
+        return None
+    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
+
+
+def _connect(address: str) -> socket.socket:
+    """A connection to the warm engine at ``address`` that has said hello; ``ForeignPeer`` or
+    ``OSError`` (``TimeoutError`` for silence) otherwise. Nothing is sent before the hello."""
+    problem = own_socket_problem(address)
+    if problem:
+        raise ForeignPeer(problem)
+    sock = socket.socket(socket.AF_UNIX)
+    try:
+        sock.settimeout(ANSWER_TIMEOUT_S)
+        sock.connect(address)
+        uid = _peer_uid(sock)
+        if uid is not None and uid != os.getuid():
+            raise ForeignPeer(f"served by user id {uid}, not this user")
+        hello = receive(sock)
+        if hello != HELLO:
+            raise ForeignPeer("it closed the connection" if hello is None else f"it says {str(hello)[:80]}")
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _read_exactly(sock: socket.socket, size: int) -> bytes | None:
@@ -62,17 +126,29 @@ def hand_over(argv: list[str]) -> int | None:
     address = os.environ.get(SERVER_VARIABLE)
     if not address:
         return None
-    sock = socket.socket(socket.AF_UNIX)
     try:
-        sock.connect(address)
+        sock = _connect(address)
+    except ForeignPeer as err:
+        print(
+            f"torchrun: {SERVER_VARIABLE}={address}: not a warm engine of this user's ({err}); starting cold",
+            file=sys.stderr,
+        )
+        return None
+    except OSError as err:
+        print(
+            f"torchrun: {SERVER_VARIABLE}={address}: no warm engine answers ({_why(err)}); starting cold",
+            file=sys.stderr,
+        )
+        return None
+    try:
         socket.send_fds(sock, [b"R"], [0, 1, 2])
         send(sock, {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()})
         answer = receive(sock)
-    except OSError as err:
-        print(
-            f"torchrun: {SERVER_VARIABLE}={address}: no warm engine answers ({err.strerror or err}); starting cold",
-            file=sys.stderr,
-        )
+        if answer is not None and not ("refused" in answer or answer.get("running") is True):
+            raise ForeignPeer(f"it answered {str(answer)[:80]}")
+    except (OSError, ForeignPeer) as err:
+        print(f"torchrun: the warm engine at {address} failed the launch ({_why(err)}); starting cold", file=sys.stderr)
+        sock.close()
         return None
     if answer is None or "refused" in answer:
         reason = answer["refused"] if answer else "it closed the connection"
@@ -80,16 +156,27 @@ def hand_over(argv: list[str]) -> int | None:
             f"torchrun: the warm engine at {address} does not run this launch ({reason}); starting cold",
             file=sys.stderr,
         )
+        sock.close()
         return None
+    sock.settimeout(None)  # the job runs as long as it runs
     try:
         done = receive(sock)  # held open until the job ends: closing it ends the job
     except KeyboardInterrupt:  # the job is a session of its own: ^C reaches it through the server
         print("torchrun: interrupted; the warm engine ends the job", file=sys.stderr)
         return 130
-    if done is None:
+    except (OSError, ForeignPeer) as err:
+        print(f"torchrun: the warm engine at {address} stopped answering during the run ({_why(err)})", file=sys.stderr)
+        return 1
+    if done is None or not isinstance(done.get("exit"), int) or not isinstance(done.get("signal"), int):
         print(f"torchrun: the warm engine at {address} stopped during the run", file=sys.stderr)
         return 1
     if done["signal"]:
         signal.signal(done["signal"], signal.SIG_DFL)
         os.kill(os.getpid(), done["signal"])  # as the launcher's own death by that signal
     return done["exit"]
+
+
+def _why(err: BaseException) -> str:
+    if isinstance(err, TimeoutError):
+        return f"no answer in {ANSWER_TIMEOUT_S:g} s"
+    return getattr(err, "strerror", None) or str(err) or type(err).__name__

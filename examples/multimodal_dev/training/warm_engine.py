@@ -21,17 +21,30 @@ A ``sitecustomize`` that the launch's ``PYTHONPATH`` adds runs in the child, as 
 would run it at start. The child is a session of its own: the job's processes are one process group,
 as ``run_qwen35_vl.sh``'s are, and it ends with the launcher that asked for it (a launcher killed
 mid-run takes its job with it). The launcher exits with the child's status.
+
+SOCKET is a path the server creates: what is there already is refused by name (a file, a folder,
+another user's socket, a live server's), except this user's socket that nobody serves any more, the
+leftover of a server that died, which is replaced. At its end the server removes its own socket
+only. Each connection starts with the server's hello (``engine_handover.py`` says why).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import socket
 import stat
 import sys
 
-from examples.multimodal_dev.training.engine_handover import private_listener, receive, send
+from examples.multimodal_dev.training.engine_handover import (
+    HELLO,
+    ForeignPeer,
+    own_socket_problem,
+    private_listener,
+    receive,
+    send,
+)
 
 # Read while torch, Triton, OpenMP or the interpreter start: a forked child keeps the server's values
 IMPORT_TIME = ("PYTHON", "TORCH", "PYTORCH", "TRITON", "OMP_", "MKL_", "CUDA", "NCCL", "LD_", "MEGATRON_CPU_FLA")
@@ -110,23 +123,45 @@ def _take_on(request: dict, fds: list[int]) -> None:
 
 
 def _listen(address: str) -> socket.socket:
-    """A listening socket at ``address``; a socket file left by a server that died is replaced, one that
-    a server answers on is refused in one line."""
+    """A listening socket at ``address``; a socket file of this user's left by a server that died is
+    replaced, one that a server answers on is refused in one line, and so is anything else there: a
+    path is only ever removed when it is this user's socket and nobody listens on it."""
     try:
         return private_listener(address)
     except OSError as err:
-        probe = socket.socket(socket.AF_UNIX)
-        try:
-            probe.connect(address)
-        except ConnectionRefusedError:  # nobody listens: what a dead server left
-            os.unlink(address)
-            return private_listener(address)
-        except OSError:
+        if err.errno != errno.EADDRINUSE:
             raise SystemExit(f"warm_engine.py: {address}: {err.strerror}") from None
-        else:
-            raise SystemExit(f"warm_engine.py: {address}: a warm engine serves there already")
-        finally:
-            probe.close()
+    try:
+        problem = own_socket_problem(address)
+    except OSError as err:  # gone since the bind failed
+        raise SystemExit(f"warm_engine.py: {address}: {err.strerror}") from None
+    if problem:
+        raise SystemExit(f"warm_engine.py: {address} exists and is {problem}: name a path that does not exist")
+    probe = socket.socket(socket.AF_UNIX)
+    try:
+        probe.connect(address)
+    except ConnectionRefusedError:  # nobody listens: what a dead server left
+        os.unlink(address)
+        return private_listener(address)
+    except OSError as err:
+        raise SystemExit(f"warm_engine.py: {address}: {err.strerror}") from None
+    finally:
+        probe.close()
+    raise SystemExit(f"warm_engine.py: {address}: a warm engine serves there already")
+
+
+def _identity(address: str) -> tuple[int, int] | None:
+    try:
+        info = os.lstat(address)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
+
+
+def _remove_own(address: str, identity: tuple[int, int]) -> None:
+    """Remove the server's socket file, unless something else has taken its path since."""
+    if _identity(address) == identity:
+        os.unlink(address)
 
 
 class _Server:
@@ -134,6 +169,7 @@ class _Server:
         import selectors
 
         self.listener = _listen(address)
+        self.identity = _identity(address)  # the file this server made: the only one it removes
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.listener, selectors.EVENT_READ, "accept")
         # started by a program (stdin a pipe): it ends when that program does, seen as the pipe's end or,
@@ -174,13 +210,14 @@ class _Server:
 
         conn, _ = self.listener.accept()
         conn.settimeout(30)
+        fds: list[int] = []
         try:
+            send(conn, HELLO)  # first: a launcher sends nothing to a socket that has not said this
             _, fds, _, _ = socket.recv_fds(conn, 1, 3)
             request = receive(conn)
-        except OSError:
-            conn.close()
-            return
-        if request is None or len(fds) != 3:
+        except (OSError, ForeignPeer):
+            request = None
+        if request is None or len(fds) != 3 or not isinstance(request.get("env"), dict):
             for fd in fds:
                 os.close(fd)
             conn.close()
@@ -289,7 +326,7 @@ def main(argv: list[str]) -> int:
     finally:
         for pid in list(server.jobs):
             server._signal_job(pid, signal.SIGKILL)
-        os.unlink(argv[0])
+        _remove_own(argv[0], server.identity)
     return 0
 
 
