@@ -193,6 +193,11 @@ def test_a_host_file_is_packed_only_when_allowed_and_only_if_it_decodes(tmp_path
     assert "media_outside_root" in capsys.readouterr().err
     assert jsonl_to_energon.main([str(source), str(tmp_path / "out"), "--allow-media-anywhere"]) == 0
     assert conversations(tmp_path / "out")[0].media["img0.png"] == image.read_bytes()
+    # named inside the folder, a symlink to it: where it leads is outside, so it is refused too
+    os.symlink(image, source.parent / "red.png")
+    source.write_text(json.dumps({**record, "images": ["red.png"]}) + "\n")
+    assert jsonl_to_energon.main([str(source), str(tmp_path / "linked")]) == 2
+    assert f"media_outside_root: 'red.png' is a symlink to '{image}'" in capsys.readouterr().err
 
 
 def test_a_shard_sample_reads_media_only_from_its_own_members(example_data, tmp_path):

@@ -399,3 +399,42 @@ def test_example_files_load(name, processor_path, tmp_path):
     )
     if name != "sharegpt":  # the first record of both is this conversation
         assert torch.equal(train[0]["input_ids"], first["input_ids"][0])
+
+
+def test_a_symlink_cannot_lead_media_out_of_the_folder(tmp_path):
+    """``images/x.png -> a host file`` inside a downloaded dataset passes the check as written; where
+    it leads is checked too, as ``..`` is: a link (to a file, or a folder on the way) out of the
+    folder or ``--media-root`` is refused, one that stays inside is followed, and a Hugging Face
+    cache's snapshot links into its repository's ``blobs`` still work."""
+    from examples.multimodal_dev.data.jsonl_media import MediaAccess
+
+    secret = tmp_path / "home" / "id_rsa"
+    secret.parent.mkdir()
+    secret.write_bytes(b"key")
+    data = tmp_path / "data"
+    (data / "images").mkdir(parents=True)
+    (data / "images" / "real.png").write_bytes(b"png")
+    os.symlink(secret, data / "images" / "x.png")
+    os.symlink("real.png", data / "images" / "inside.png")
+    os.symlink(secret.parent, data / "elsewhere")
+    access = MediaAccess()
+    for ref in ("images/x.png", "elsewhere/id_rsa", str(data / "images" / "x.png")):
+        with pytest.raises(BadSample, match=rf"media_outside_root: .* is a symlink to '{secret}', outside '{data}'"):
+            access.locate(ref, str(data))
+    with pytest.raises(BadSample, match="is a symlink to"):
+        MediaAccess(media_root=str(data)).locate("images/x.png", str(tmp_path))
+    assert access.locate("images/inside.png", str(data)) == str(data / "images" / "inside.png")
+    assert MediaAccess(anywhere=True).locate("images/x.png", str(data)) == str(data / "images" / "x.png")
+
+    # the Hugging Face cache: REPO/snapshots/REV/FILE -> ../../blobs/HASH
+    repo = tmp_path / "hub" / "datasets--user--set"
+    snapshot = repo / "snapshots" / "abc123"
+    (repo / "blobs").mkdir(parents=True)
+    (snapshot / "images").mkdir(parents=True)
+    (repo / "blobs" / "f00d").write_bytes(b"png")
+    os.symlink("../../../blobs/f00d", snapshot / "images" / "a.png")
+    os.symlink(secret, repo / "blobs" / "bad")  # a blob that leads out of the repository
+    os.symlink("../../../blobs/bad", snapshot / "images" / "b.png")
+    assert access.locate("images/a.png", str(snapshot)) == str(snapshot / "images" / "a.png")
+    with pytest.raises(BadSample, match=f"is a symlink to '{secret}'"):
+        access.locate("images/b.png", str(snapshot))

@@ -3,8 +3,9 @@ the sample) or reading only its header (for ``describe``), and an image's patch 
 
 A reference is a path relative to the JSONL file's folder (or to ``media_root`` when given), an
 absolute or ``file://`` path, a ``data:`` URI, or an http(s) URL. A dataset is data, so what it
-may reach is bounded (``MediaAccess``): a path must lie inside that folder (as written, ``..``
-resolved; symlinks the folder holds are followed, as a Hugging Face snapshot's are) unless
+may reach is bounded (``MediaAccess``): a path must lie inside that folder, as written (``..``
+resolved) and where its symlinks lead (a Hugging Face snapshot's links into its repository's
+``blobs`` are followed; a link out of the folder is refused, as ``..`` is) unless
 ``anywhere`` (``--allow-media-anywhere``), and a URL is refused unless ``allow_remote``
 (``--allow-remote-media``): a run should not depend on hosts it cannot see.
 
@@ -48,14 +49,39 @@ class MediaAccess:
             return ref
         root = os.path.abspath(self.media_root or base_dir)
         path = os.path.normpath(os.path.join(root, os.path.expanduser(ref.removeprefix("file://"))))
-        if not self.anywhere and os.path.commonpath([path, root]) != root:
+        if self.anywhere:
+            return path
+        fix = "(set --media-root to the folder holding it, or pass --allow-media-anywhere)"
+        if not _inside(path, root):
+            raise BadSample(
+                "media_outside_root", f"{_short(ref)} lies outside {root!r}, the folder media may come from {fix}"
+            )
+        # as written it is inside; a symlink on the way may still lead out (images/x.png -> ~/.ssh/id_rsa)
+        real = os.path.realpath(path)
+        if not any(_inside(real, area) for area in _media_areas(root)):
             raise BadSample(
                 "media_outside_root",
-                f"{_short(ref)} lies outside {root!r}, the folder media may come "
-                "from (set --media-root to the folder holding it, or pass "
-                "--allow-media-anywhere)",
+                f"{_short(ref)} is a symlink to {real!r}, outside {root!r}, the folder media may come from {fix}",
             )
         return path
+
+
+def _inside(path: str, folder: str) -> bool:
+    return os.path.commonpath([path, folder]) == folder
+
+
+@functools.lru_cache(maxsize=64)
+def _media_areas(root: str) -> tuple[str, ...]:
+    """The real folders a path under ``root`` may resolve into: ``root`` itself and, where ``root``
+    lies in a Hugging Face cache repository (``REPO/snapshots/REV/...``, its files links to
+    ``REPO/blobs/HASH``), that repository's folder, where its snapshot links point."""
+    real = os.path.realpath(root)
+    parts = real.split(os.sep)
+    for i in range(len(parts) - 2, 0, -1):
+        repo = os.sep.join(parts[:i]) or os.sep
+        if parts[i] == "snapshots" and os.path.isdir(os.path.join(repo, "blobs")):
+            return real, repo
+    return (real,)
 
 
 def fetch(location: str, kind: str):
