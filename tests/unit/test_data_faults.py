@@ -274,8 +274,8 @@ def test_an_all_bad_split_stops_in_one_line_from_a_worker():
 
 
 def test_a_long_run_of_bad_rows_is_skipped_to_the_next_good_row(caplog):
-    """The run stops only when no usable row is left: 100 bad rows in a row (more than any fixed
-    limit would allow) lead to the good row after them, every one counted."""
+    """A long run of bad rows (200, fewer than ``MAX_SKIPS_IN_A_ROW``) leads to the good row after
+    them, every one counted."""
     bad, forced, good = set(range(900, 1000)) | set(range(100)), _ForcedBad(bad_every=1), _ForcedBad()
     dataset = SkippingDataset(
         lambda i: forced(i) if i in bad else good(1),
@@ -288,3 +288,27 @@ def test_a_long_run_of_bad_rows_is_skipped_to_the_next_good_row(caplog):
     )
     assert dataset[900]["input_ids"].tolist() == [1, 2, 3, 4, 5]
     assert dataset.skip_counts == {"forced": 200}
+
+
+def test_a_long_run_of_skips_stops_with_the_count_per_reason(monkeypatch, caplog):
+    """The providers' one rule (``SkipLog``): ``MAX_SKIPS_IN_A_ROW`` skips in a row stop the run in one
+    line counting each reason, though the split has usable rows further on; each reason's own skip
+    line is printed the first few times only."""
+    from examples.multimodal_dev.data import skipping
+    from examples.multimodal_dev.data.sample import DataError
+
+    monkeypatch.setattr(skipping, "MAX_SKIPS_IN_A_ROW", 10)
+
+    def produce(i):
+        raise BadSample("missing_image" if i % 2 else "too_long", f"row {i}")
+
+    data = SkippingDataset(produce, 1000, 1000, TOKENS, 64, name="jsonl[train]", source="--data-path 'x'")
+    with pytest.raises(DataError) as err:
+        data[0]
+    assert str(err.value) == (
+        "--data-path 'x': 10 samples in a row of jsonl[train] were skipped (missing_image=5, too_long=5); "
+        "check the data and --seq-length"
+    )
+    lines = [r.getMessage() for r in caplog.records if "skipped sample" in r.getMessage()]
+    assert len(lines) == 2 * skipping.LINES_PER_REASON, lines
+    assert data.skip_counts == {"missing_image": 5, "too_long": 5}

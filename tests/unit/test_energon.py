@@ -279,3 +279,46 @@ def test_a_metadataset_blends_datasets_by_weight(example_data, tmp_path):
     print(f"metadataset 3:1 blend: {share:.3f} of 400 conversations from the weight-3 dataset")
     assert {"messages.jsonl", "sharegpt.jsonl"} == {os.path.basename(s.rsplit(":", 1)[0]) for s in drawn}
     assert 0.68 < share < 0.82, share
+
+
+def test_an_energon_dataset_with_nothing_usable_stops_in_one_line(example_data, monkeypatch, caplog):
+    """Every sample skipped: the run stops after ``MAX_SKIPS_IN_A_ROW`` in a row with the count per
+    reason (it looped forever, a line a sample), and each reason's skip line is printed only the
+    first few times; a usable sample between two runs of skips starts the count again."""
+    from megatron.energon import SkipSample
+
+    from examples.multimodal_dev.data import skipping
+    from examples.multimodal_dev.data.loader import build_iterator
+
+    _, out, _, processor = example_data
+    monkeypatch.setattr(skipping, "MAX_SKIPS_IN_A_ROW", 6)
+    train, _, _ = energon.build_datasets(SEQ, (1, 0, 0), data_path=str(out), hf_processor_path=processor, **OPTIONS)
+    encoder = energon.ConversationEncoder(train.produce, train.tokens, SEQ, train.patch_dim, name="energon[train]")
+    good = conversations(out)[0]
+    bad = energon.cook_conversation(
+        {
+            "__key__": "k",
+            "__restore_key__": (),
+            "json": json.dumps({**json.loads(good.text), "images": ["x.png"]}).encode(),
+        }
+    )
+    for conversation in [bad] * 5 + [good] + [bad] * 5:
+        if conversation is good:
+            encoder.encode_sample(good)
+            continue
+        with pytest.raises(SkipSample):
+            encoder.encode_sample(conversation)
+    with pytest.raises(DataError, match=r"^6 samples in a row of energon\[train\] were skipped \(\w+=6\)"):
+        encoder.encode_sample(bad)
+    lines = [r.getMessage() for r in caplog.records if "skipped a conversation" in r.getMessage()]
+    assert len(lines) == skipping.LINES_PER_REASON and "skips are counted, not printed" in lines[-1], lines
+    assert sum(encoder.skip_counts.values()) == 11
+
+    # through energon's loader, as a run reads it: one line, not an endless loop
+    def unusable(*args):
+        raise BadSample("missing_image", "no member 'x.png' in the shard sample")
+
+    monkeypatch.setattr(energon, "conversation_sample", unusable)
+    batches = build_iterator(train, 0, micro_batch_size=1, dp_rank=0, dp_size=1, collate_fn=lambda s: s)
+    with pytest.raises(DataError, match=r"6 samples in a row of energon\[train\] were skipped \(missing_image=6\)"):
+        next(batches)

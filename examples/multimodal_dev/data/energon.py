@@ -30,7 +30,8 @@ converter would import and call it) before energon reads it, and guards energon'
 Bad samples are skipped (energon's ``SkipSample``) with a warning naming the conversation's
 JSONL origin and shard key (one over a vision patch budget too, ``patch_budget.py``); counts
 reach the run's total through the batches like the map-style providers'
-(``loader.hand_over_skips``). ``--strict-data`` stops at the first one.
+(``loader.hand_over_skips``), under their rule (``skipping.SkipLog``: a few lines per reason, and a
+stop after ``MAX_SKIPS_IN_A_ROW`` in a row). ``--strict-data`` stops at the first one.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ from .energon_configs import check_dataset, read_config
 from .loader import exit_with_parent, hand_over_skips, summing_skips
 from .patch_budget import PatchBudget, patches
 from .sample import BadSample, DataError, fit_to_budget, validate_sample
-from .skipping import RunSkipTotals, format_counts
+from .skipping import RunSkipTotals, SkipLog
 from .token_budget import first_fit_rows
 
 log = logging.getLogger(__name__)
@@ -178,7 +179,8 @@ class ConversationEncoder(DefaultTaskEncoder):
         self.produce, self.tokens, self.seq_length, self.patch_dim = produce, tokens, seq_length, patch_dim
         self.collate_fn, self.name = collate_fn, name
         self.row_tokens, self.pad_multiple, self.max_patches = row_tokens, pad_multiple, max_patches
-        self.skip_counts, self._handed_over = Counter(), Counter()
+        self.skips = SkipLog(name)  # the providers' one rule: a few lines per reason, a stop after many in a row
+        self.skip_counts, self._handed_over = self.skips.counts, Counter()
 
     @stateless
     def encode_sample(self, sample):
@@ -187,14 +189,9 @@ class ConversationEncoder(DefaultTaskEncoder):
         try:
             encoded = conversation_sample(self.produce, sample, self.tokens, self.seq_length, self.patch_dim)
         except BadSample as bad:
-            self.skip_counts[bad.reason] += 1
-            log.warning(
-                "%s: skipped a conversation (%s); skipped so far in this process: %s",
-                self.name,
-                bad,
-                format_counts(self.skip_counts),
-            )
+            self.skips.skipped(bad, "a conversation")
             raise SkipSample() from None
+        self.skips.usable()
         # energon finds a buffered sample again by this key when its loader state is restored
         return {**encoded, RESTORE_KEY: sample.__restore_key__}
 

@@ -2,10 +2,15 @@
 
 A provider implements ``produce(index) -> sample`` and raises ``BadSample`` for anything that
 cannot be trained on. ``SkippingDataset[i]`` then tries ``i+1, i+2, ...`` (deterministically,
-so resumed runs see the same samples, wrapping at the end), logs a warning per skipped sample, and
+so resumed runs see the same samples, wrapping at the end), tells of the skips (the rule below), and
 validates every sample it returns against the contract; one over a vision patch budget
-(``patch_budget.py``) is a skip too. However long a run of bad rows, the next usable row is found:
-only a split whose every row is unusable stops the run, in one line giving the count per reason.
+(``patch_budget.py``) is a skip too.
+
+One rule for every provider's skips (``SkipLog``; energon's encoder follows it too): a skip's own
+line is printed the first ``LINES_PER_REASON`` times per reason in a process, later ones are only
+counted; ``MAX_SKIPS_IN_A_ROW`` skips in a row (or every row of a smaller split) stop the run in one
+line giving the count per reason: a dataset where nothing is usable ends, rather than skipping
+forever.
 
 Skip counts: each DataLoader worker holds its own copy of the dataset, so ``skip_counts`` is
 this process's count only. ``new_skips()`` hands over what this process skipped since it was
@@ -26,8 +31,46 @@ from .sample import VISION_KINDS, BadSample, DataError, VisionTokens, fit_to_bud
 log = logging.getLogger(__name__)
 
 
+# High enough that a run of bad records (a folder of missing images, an energon shard read whole)
+# is skipped; low enough that a dataset with nothing usable stops within seconds to minutes
+MAX_SKIPS_IN_A_ROW = 1000
+LINES_PER_REASON = 3
+
+
 def format_counts(counts) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(counts.items()))
+
+
+class SkipLog:
+    """A process's skips by reason (``counts``), each reason's first few told in a line, and the
+    skips since the last usable sample (``in_a_row``), which stop the run at ``MAX_SKIPS_IN_A_ROW``."""
+
+    def __init__(self, name: str, source: str | None = None):
+        self.name, self.source = name, source
+        self.counts: Counter = Counter()
+        self.in_a_row: Counter = Counter()
+
+    def skipped(self, bad: BadSample, what: str, count: bool = True) -> None:
+        """``what`` was skipped for ``bad``; ``count=False``: a look that is not training (no line)."""
+        self.in_a_row[bad.reason] += 1
+        if count:
+            self.counts[bad.reason] += 1
+            told = self.counts[bad.reason]
+            if told <= LINES_PER_REASON:
+                later = f"; later {bad.reason} skips are counted, not printed" if told == LINES_PER_REASON else ""
+                log.warning("%s: skipped %s (%s)%s", self.name, what, bad, later)
+        if sum(self.in_a_row.values()) >= MAX_SKIPS_IN_A_ROW:
+            self.stop(f"{MAX_SKIPS_IN_A_ROW} samples in a row of {self.name} were skipped")
+
+    def usable(self) -> None:
+        self.in_a_row.clear()
+
+    def stop(self, what: str):
+        """``DataError``: ``what`` happened, with the count per reason since the last usable sample."""
+        where = f"{self.source}: " if self.source else ""
+        counts = format_counts(self.in_a_row)
+        self.in_a_row.clear()
+        raise DataError(f"{where}{what} ({counts}); check the data and --seq-length")
 
 
 class RunSkipTotals:
@@ -70,7 +113,8 @@ class SkippingDataset(RunSkipTotals, Dataset):
         self.name = name
         self.source = source  # the flag and value the rows come from, for the user's error line
         self.patch_budget = patch_budget  # token-budget packing closes its rows under it too (plan_factory)
-        self.skip_counts: Counter = Counter()  # skipped in this process
+        self.skips = SkipLog(name, source)
+        self.skip_counts: Counter = self.skips.counts  # skipped in this process
         self._handed_over: Counter = Counter()  # the part of skip_counts new_skips() returned
         self.run_skip_counts: Counter = Counter()  # the run's total, summed in the main process
 
@@ -104,25 +148,15 @@ class SkippingDataset(RunSkipTotals, Dataset):
         return self.patch_budget.check_sample(validate_sample(sample, self.tokens, self.patch_dim))
 
     def _first_usable(self, index: int, produce, count: bool) -> dict:
-        reasons: Counter = Counter()
+        skips = self.skips if count else SkipLog(self.name, self.source)  # describe() counts nothing
         for attempt in range(self.num_source):
             source_index = (index + attempt) % self.num_source
             try:
-                return self._usable(produce, source_index)
+                sample = self._usable(produce, source_index)
             except BadSample as bad:
-                reasons[bad.reason] += 1
-                if count:
-                    self.skip_counts[bad.reason] += 1
-                    # A worker knows only its own count; the run's total is logged by add_run_skips.
-                    log.warning(
-                        "%s: skipped sample %d (%s); skipped so far in this process: %s",
-                        self.name,
-                        source_index,
-                        bad,
-                        format_counts(self.skip_counts),
-                    )
-        where = f"{self.source}: " if self.source else ""  # tried every row once: trying again cannot help
-        raise DataError(
-            f"{where}every one of the {self.num_source} rows of {self.name} was skipped "
-            f"({format_counts(reasons)}); check the data and --seq-length"
-        )
+                skips.skipped(bad, f"sample {source_index}", count)
+                continue
+            skips.usable()
+            return sample
+        # tried every row once: trying again cannot help
+        skips.stop(f"every one of the {self.num_source} rows of {self.name} was skipped")
