@@ -4,6 +4,7 @@ transformers' ``generate`` on the same weights and the same prompt tokens, score
 records' answers, and a user's mistake in one line."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -125,6 +126,8 @@ def test_one_prompt_with_an_image(checkpoint, capsys):
         (["--prompt", "x", "--max-new-tokens", "0"], "generate: error: --max-new-tokens 0: must be at least 1"),
         (["--prompt", "x", "--temperature", "1", "--top-p", "0"], "generate: error: --top-p 0.0: expected (0, 1]"),
         (["--prompt", "x", "--image", "missing.png"], "generate: error: --image missing.png: no such file"),
+        (["--prompt", "x", "--temperature", "inf"], "generate: error: --temperature inf: expected finite, >= 0"),
+        (["--prompt", "x", "--temperature", "nan"], "generate: error: --temperature nan: expected finite, >= 0"),
     ],
 )
 def test_mistakes_are_one_line(checkpoint, capsys, extra, message):
@@ -133,3 +136,34 @@ def test_mistakes_are_one_line(checkpoint, capsys, extra, message):
     assert generate.main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_an_output_over_an_input_and_a_prompts_file_that_is_not_utf8_are_refused(checkpoint, tmp_path, capsys):
+    """Opening ``--output`` truncates it: the same file as an input (as named, through a link, or an
+    image) is refused before anything is written. Undecodable prompts name the file and line."""
+    root, _ = checkpoint
+    base = ["--megatron-path", str(root / "mg"), "--hf-processor-path", str(root / "hf")]
+    prompts = tmp_path / "questions.jsonl"
+    prompts.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    link = tmp_path / "answers.jsonl"
+    os.symlink(prompts, link)
+    image = str(root / "red.png")
+    for asked, output, flag, source in [
+        (["--prompts", str(prompts)], prompts, "--prompts", prompts),
+        (["--prompts", str(prompts)], link, "--prompts", prompts),
+        (["--prompt", "x", "--image", image], image, "--image", image),
+    ]:
+        assert generate.main([*base, *asked, "--output", str(output)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert (
+            err
+            == f"generate: error: --output {output}: is the {flag} input {source}; name another file for the answers"
+        )
+    assert prompts.read_text().startswith('{"messages"') and open(image, "rb").read(4) == b"\x89PNG"
+
+    prompts.write_bytes(
+        '{"messages": [{"role": "user", "content": "hi"}]}\n\n{"messages": "caf\xe9"}\n'.encode("latin-1")
+    )
+    assert generate.main([*base, "--prompts", str(prompts)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"generate: error: --prompts {prompts}:3: not UTF-8 text (invalid continuation byte at byte 17)", err

@@ -24,6 +24,7 @@ Across ranks:
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -56,13 +57,19 @@ class Sampling:
     seed: int = 0
 
     def __post_init__(self):
-        for flag, value, ok in (
-            ("--temperature", self.temperature, self.temperature >= 0),
-            ("--top-k", self.top_k, self.top_k >= 0),
-            ("--top-p", self.top_p, 0 < self.top_p <= 1),
+        for flag, value, ok, expected in (
+            # inf would divide every logit to 0 or nan: no token could be drawn
+            (
+                "--temperature",
+                self.temperature,
+                math.isfinite(self.temperature) and self.temperature >= 0,
+                "finite, >= 0",
+            ),
+            ("--top-k", self.top_k, self.top_k >= 0, ">= 0"),
+            ("--top-p", self.top_p, 0 < self.top_p <= 1, "(0, 1]"),
         ):
             if not ok:
-                raise ValueError(f"{flag} {value}: expected {'(0, 1]' if flag == '--top-p' else '>= 0'}")
+                raise ValueError(f"{flag} {value}: expected {expected}")
 
 
 @dataclass

@@ -73,6 +73,9 @@ def check_args(args) -> None:
     ]:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{flag} {path}: no such file")
+        # opening the output truncates it: an input named again (a link, another spelling) would be lost
+        if args.output is not None and os.path.exists(args.output) and os.path.samefile(args.output, path):
+            raise ValueError(f"--output {args.output}: is the {flag} input {path}; name another file for the answers")
 
 
 def _records(args):
@@ -82,8 +85,17 @@ def _records(args):
         content += [{"type": "video", "video": os.path.abspath(p)} for p in args.video]
         record = {"messages": [{"role": "user", "content": content + [{"type": "text", "text": args.prompt}]}]}
         return [(json.dumps(record), "--prompt", os.getcwd())]
-    with open(args.prompts, encoding="utf-8") as f:
-        lines = [(line, f"{args.prompts}:{n}") for n, line in enumerate(f, 1) if line.strip()]
+    lines = []
+    with open(args.prompts, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"--prompts {args.prompts}:{n}: not UTF-8 text ({err.reason} at byte {err.start})"
+                ) from None
+            if line.strip():
+                lines.append((line, f"{args.prompts}:{n}"))
     if not lines:
         raise ValueError(f"--prompts {args.prompts}: no records")
     return [(line, where, os.path.dirname(os.path.abspath(args.prompts))) for line, where in lines]
