@@ -172,7 +172,10 @@ def _device_name(*_args, **_kwargs) -> str:
 
 
 def _capability(*_args, **_kwargs) -> tuple[int, int]:
-    return (0, 0)
+    # The host's answer to megatron's feature checks: Ampere's, the oldest architecture whose features
+    # the CPU kernels provide (bf16, and grouped GEMM: torch's grouped_mm runs on CPU, which
+    # --moe-grouped-gemm's check, compute capability >= 8, asks about). Nothing newer is claimed.
+    return (8, 0)
 
 
 def _rng_state(*_args, **_kwargs) -> torch.Tensor:

@@ -31,6 +31,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from ..common.gated_delta_net_fp32_decay import GatedDeltaNetFp32Decay
+from ..common.grouped_experts import GroupedExperts
 from ..common.norms import HeadSharedNorm, TorchNorm
 from .configuration import FULL, LINEAR
 
@@ -44,6 +45,14 @@ FUSED_NORM_KEYS = {
     "input_layernorm.": {LINEAR: "self_attention.in_proj.layer_norm_", FULL: "self_attention.linear_qkv.layer_norm_"},
     "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",  # dense MLPs only: MoE keeps its own norm
 }
+
+
+class _LocalProvider(LocalSpecProvider):
+    """megatron-core's local modules, with ``--moe-grouped-gemm`` taking effect: its own local provider
+    builds ``SequentialMLP`` whatever the flag says (``models/common/grouped_experts.py``)."""
+
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool):
+        return GroupedExperts if moe_use_grouped_gemm else super().grouped_mlp_modules(False)
 
 
 class _Modules:
@@ -70,7 +79,7 @@ class _Modules:
         else:
             from ..common.sdpa_attention import SDPACoreAttention
 
-            self.provider = LocalSpecProvider()
+            self.provider = _LocalProvider()
             self.norm, self.attention = TorchNorm, SDPACoreAttention
             self.column, self.row = ColumnParallelLinear, RowParallelLinear
             self.norm_column = ColumnParallelLinear
@@ -120,7 +129,7 @@ def _mixer_spec(m: _Modules, layer_type: str):
 def _decoder_layer_spec(m: _Modules, layer_type: str, config) -> ModuleSpec:
     is_moe = config.num_moe_experts is not None
     mlp = get_mlp_module_spec_for_backend(
-        backend=m.provider, num_experts=config.num_moe_experts, moe_grouped_gemm=False
+        backend=m.provider, num_experts=config.num_moe_experts, moe_grouped_gemm=bool(config.moe_grouped_gemm)
     )
     # TE fuses the pre-MLP norm into a dense fc1; the MoE router needs the normed input itself.
     pre_mlp_norm = IdentityOp if (m.fused_norm and not is_moe) else m.norm

@@ -1,0 +1,187 @@
+"""The routed experts of one MoE layer as two grouped GEMMs, on megatron-core's local backend.
+
+megatron-core's local spec always builds ``SequentialMLP``: a Python loop over the experts, each an
+``MLP`` of two linears. At 256 experts that is ~11k eager ops per layer and micro-batch, and 512
+parameter tensors per layer for the gradient hooks and the optimizer to walk. Here the experts of a
+layer are one weight per projection and one ``torch.nn.functional.grouped_mm`` each way, so the
+layer's op count does not depend on the expert count:
+
+    tokens_TH  [T, hidden]       tokens sorted by local expert (the dispatcher's permuted input)
+    offsets_E  [E] int32         end row of each expert's tokens (cumulative tokens_per_expert)
+    weight1    [E, F1, hidden]   linear_fc1 of every local expert; F1 = 2 * ffn / ETP with SwiGLU
+                                 ([gate; up] rows of this rank, as ``MLP`` splits its fc1)
+    weight2    [E, hidden, F]    linear_fc2 of every local expert; F = ffn / ETP
+
+Each expert's slice is laid out as its ``MLP``'s weight is, and ``sharded_state_dict`` writes it
+under that expert's key and offsets (``...experts.linear_fc1.weight`` with the expert axis, the
+SwiGLU halves split as ``apply_swiglu_sharded_factory`` splits them): a checkpoint of either
+implementation loads into the other, at any EP / ETP, and the conversion and LoRA code that reads
+``SequentialMLP`` keep reading the same files. No communication happens here: like the experts'
+linears in ``SequentialMLP``, the token dispatcher does every expert-parallel and expert-TP
+exchange.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_object_for_checkpoint
+
+# Settings under which SequentialMLP's experts compute something this module does not.
+_UNSUPPORTED = {
+    "add_bias_linear": "biases on the experts' linears",
+    "moe_apply_probs_on_input": "router probabilities applied to the input",
+    "fp8": "FP8 experts",
+    "fp4": "FP4 experts",
+}
+
+
+class _ExpertWeights(torch.nn.Module):
+    """One projection of every local expert: ``weight`` [E, out, in] (named as the linear it replaces,
+    so parameter names read ``...experts.linear_fc1.weight``)."""
+
+    def __init__(self, experts: int, out_features: int, in_features: int, dtype, device):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(experts, out_features, in_features, dtype=dtype, device=device))
+
+    # megatron's local linears checkpoint an (empty) ``_extra_state`` per expert; this module writes and
+    # reads the same entries (sharded_state_dict below) so either implementation's checkpoint loads strictly.
+    def get_extra_state(self):
+        return None
+
+    def set_extra_state(self, state):
+        pass
+
+
+class GroupedExperts(MegatronModule):
+    """``SequentialMLP``'s computation and checkpoint layout with one grouped GEMM per projection."""
+
+    def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None, name=None):
+        super().__init__(config=config)
+        for flag, what in _UNSUPPORTED.items():
+            if getattr(config, flag, False):
+                raise ValueError(
+                    f"--moe-grouped-gemm on the local backend does not support {what} (--{flag.replace('_', '-')})"
+                )
+        self.num_local_experts = num_local_experts
+        self.ep_group, self.tp_group, self.dp_group = pg_collection.ep, pg_collection.expt_tp, pg_collection.expt_dp
+        tp = self.tp_group.size()
+        ffn = config.moe_ffn_hidden_size
+        if ffn % tp:
+            raise ValueError(f"--moe-ffn-hidden-size {ffn} does not split over expert TP {tp}")
+        self.glu = config.gated_linear_unit
+        per_rank = ffn // tp
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        dtype = config.params_dtype
+        self.linear_fc1 = _ExpertWeights(
+            num_local_experts, per_rank * (2 if self.glu else 1), config.hidden_size, dtype, device
+        )
+        self.linear_fc2 = _ExpertWeights(num_local_experts, config.hidden_size, per_rank, dtype, device)
+        # As megatron's expert linears mark them: reduced over the expert-DP group when experts are
+        # split over EP or have a TP of their own, else over the dense DP group like any weight.
+        own_groups = (
+            config.expert_model_parallel_size > 1
+            or config.expert_tensor_parallel_size != config.tensor_model_parallel_size
+        )
+        for linear, split_dim, init in (
+            (self.linear_fc1, 1, config.init_method),
+            (self.linear_fc2, 2, config.output_layer_init_method),
+        ):
+            set_tensor_model_parallel_attributes(linear.weight, is_parallel=True, dim=split_dim, stride=1)
+            linear.weight.allreduce = not own_groups
+            if config.perform_initialization:
+                with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                    for e in range(num_local_experts):  # each expert drawn as its own linear would be
+                        init(linear.weight.data[e])
+
+    def forward(self, tokens_TH, tokens_per_expert, permuted_probs):
+        """SequentialMLP's forward: per expert, fc1 -> activation -> scale by the router's probability
+        -> fc2; returns (output [T, hidden], None)."""
+        # Device-side offsets: no host sync to split the tokens (SequentialMLP reads the counts back).
+        offsets_E = torch.cumsum(tokens_per_expert.to(tokens_TH.device), 0, dtype=torch.int32)
+        fc1 = F.grouped_mm(tokens_TH, self.linear_fc1.weight.transpose(1, 2), offs=offsets_E)
+        if self.glu:
+            gate, up = torch.chunk(fc1, 2, dim=-1)
+            hidden = self.config.activation_func(gate) * up
+        else:
+            hidden = self.config.activation_func(fc1)
+        hidden = (hidden * permuted_probs.unsqueeze(-1)).to(tokens_TH.dtype)
+        return F.grouped_mm(hidden, self.linear_fc2.weight.transpose(1, 2), offs=offsets_E), None
+
+    def backward_dw(self):
+        """Weight gradients are computed in the backward pass itself (no delayed wgrad)."""
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Each local expert's slice under ``SequentialMLP``'s key, expert offset and TP split."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        if metadata.get("singleton_local_shards", False):
+            raise ValueError(
+                "--moe-grouped-gemm on the local backend: singleton_local_shards checkpoints are not supported"
+            )
+        expert_axis = len(sharded_offsets)
+        first = self.ep_group.rank() * self.num_local_experts
+        total = self.ep_group.size() * self.num_local_experts
+        tp_rank, tp = self.tp_group.rank(), self.tp_group.size()
+        replica_id = (0, 0, self.dp_group.rank())
+
+        def factory(name: str, tp_axis: int, glu: bool) -> ShardedTensorFactory:
+            def build(key, weight, replica, flattened_range):
+                if flattened_range is not None:
+                    raise ValueError(
+                        "--moe-grouped-gemm on the local backend: flattened checkpoint tensors are not supported"
+                    )
+                pieces = []
+                for e in range(self.num_local_experts):
+                    offsets = (*sharded_offsets, (expert_axis, first + e, total))
+                    axis = expert_axis + 1 + tp_axis
+                    if glu:  # [gate; up] of this rank -> global [gate(all ranks); up(all ranks)]
+                        halves = torch.chunk(weight[e], 2, dim=0)
+                        splits = ((axis, tp_rank, 2 * tp), (axis, tp_rank + tp, 2 * tp))
+                        pieces.append(
+                            [
+                                ShardedTensor.from_rank_offsets(
+                                    key, half, *offsets, split, replica_id=replica, prepend_axis_num=expert_axis + 1
+                                )
+                                for half, split in zip(halves, splits)
+                            ]
+                        )
+                    else:
+                        pieces.append(
+                            ShardedTensor.from_rank_offsets(
+                                key,
+                                weight[e],
+                                *offsets,
+                                (axis, tp_rank, tp),
+                                replica_id=replica,
+                                prepend_axis_num=expert_axis + 1,
+                            )
+                        )
+                return pieces
+
+            def merge(loaded):
+                return torch.stack([torch.cat(p, dim=0) if isinstance(p, list) else p for p in loaded])
+
+            weight = getattr(self, name).weight
+            return ShardedTensorFactory(f"{prefix}experts.{name}.weight", weight, build, merge, replica_id)
+
+        def extra_states(name: str) -> list:
+            return [
+                make_sharded_object_for_checkpoint(
+                    None,
+                    f"{prefix}experts.{name}._extra_state",
+                    (*sharded_offsets, (expert_axis, first + e, total)),
+                    replica_id=(0, tp_rank, self.dp_group.rank()),
+                )
+                for e in range(self.num_local_experts)
+            ]
+
+        return {
+            f"{prefix}linear_fc1.weight": factory("linear_fc1", 0, self.glu),
+            f"{prefix}linear_fc2.weight": factory("linear_fc2", 1, False),
+            f"{prefix}linear_fc1._extra_state": extra_states("linear_fc1"),
+            f"{prefix}linear_fc2._extra_state": extra_states("linear_fc2"),
+        }
