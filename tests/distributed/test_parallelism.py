@@ -46,6 +46,9 @@ SETTINGS = {
     "EP=2": (dict(EP=2, NPROC=2), 1, ()),
     "DP=2 distributed optimizer": (dict(NPROC=2), 3, ("--use-distributed-optimizer",)),
     "BSHD CP=2": (dict(PACKED=0, CP=2), 1, ()),
+    # the layouts above run the experts as grouped GEMMs (the script's default for MoE); megatron-core's
+    # SequentialMLP computes the same, from the checkpoint the grouped experts saved
+    "SequentialMLP experts": (dict(GROUPED_EXPERTS=0), 3, ()),
     # not parallelism, but the same promise: recomputing every layer (GDN, attention, MoE, the vision
     # tower's blocks) in the backward changes no number
     "recompute full": (

@@ -141,6 +141,30 @@ def test_the_readme_variable_table_is_the_launchers_table():
         assert run_variables.markdown() in f.read(), "README.md's variable table differs from training/run_variables.py"
 
 
+@pytest.mark.parametrize(
+    "env,gpu,grouped,dispatcher",
+    [
+        (dict(MOE="1"), False, True, "allgather"),
+        (dict(MOE="1", GROUPED_EXPERTS="0"), False, False, "allgather"),
+        (dict(MOE="1", LORA_RANK="4"), False, False, "allgather"),  # the adapters sit on per-expert linears
+        (dict(MOE="1", LORA_RANK="4", LORA_TARGETS="in_proj,linear_qkv"), False, True, "allgather"),
+        (dict(MODEL_VARIANT="35b_a3b"), True, True, "allgather"),  # EP=1: no all-to-all for nothing
+        (dict(MODEL_VARIANT="35b_a3b", EP="2", NPROC="2"), True, True, "alltoall"),
+        (dict(MODEL_VARIANT="9b"), True, None, None),  # dense: no MoE flags at all
+    ],
+)
+def test_moe_experts_and_dispatcher_fit_the_layout(env, gpu, grouped, dispatcher):
+    plan = launch.prepare({"TRANSFORMER_IMPL": "local", **env}, [], gpu, launch.Launch())
+    args = plan.torchrun
+    if grouped is None:
+        assert "--moe-grouped-gemm" not in args and "--moe-token-dispatcher-type" not in args
+        return
+    assert ("--moe-grouped-gemm" in args) == grouped
+    assert args[args.index("--moe-token-dispatcher-type") + 1] == dispatcher
+    said = [line for line in plan.said if line.startswith("MoE: ")]
+    assert len(said) == 1 and f"{dispatcher} token dispatcher" in said[0], plan.said
+
+
 def test_every_variable_in_the_table_is_read_by_a_launch(tmp_path):
     """The launch reads the environment only through the table's names (``Settings.var`` refuses
     others), and a few launches that reach every branch read every name of it."""
@@ -162,7 +186,7 @@ def test_every_variable_in_the_table_is_read_by_a_launch(tmp_path):
             GPUS="8",
             MODEL_VARIANT="9b",
         ),
-        dict(LORA_RANK="8", LORA_ALPHA="16", LORA_TARGETS="in_proj"),
+        dict(LORA_RANK="8", LORA_ALPHA="16", LORA_TARGETS="in_proj", MOE="1"),
     ):
         read |= set(launch.prepare(environ, [], False, launch.Launch()).read)
     assert read | set(LAUNCHER_VARIABLES) == run_variables.NAMES, sorted(run_variables.NAMES - read)
@@ -201,6 +225,10 @@ def test_every_variable_in_the_table_is_read_by_a_launch(tmp_path):
         (dict(PACKING="budget"), "PACKING=budget: expected samples or tokens"),
         (dict(PACKING="tokens", PACKED_SEQ_LENGTH="2k"), "PACKED_SEQ_LENGTH=2k must be a positive integer"),
         (dict(LR="1e999"), "LR=1e999: expected a finite learning rate"),
+        (dict(MOE=1, GROUPED_EXPERTS=2), "GROUPED_EXPERTS=2: expected 0 or 1"),
+        (dict(MOE=1, LORA_RANK=4, GROUPED_EXPERTS=1), "GROUPED_EXPERTS=1 with LoRA on linear_fc1/linear_fc2"),
+        (dict(MOE=1, MOE_DISPATCHER="alltoall"), "MOE_DISPATCHER=alltoall needs GPUs"),
+        (dict(MOE=1, MOE_DISPATCHER="flex"), "MOE_DISPATCHER=flex: expected allgather or alltoall"),
         (dict(CP=2, SEQ_LEN=335), "SEQ_LEN=335 must be a multiple of 2\\*CP=4"),
         (dict(LR_WARMUP_ITERS=30), "LR_WARMUP_ITERS=30 must be smaller than the decay iterations \\(TRAIN_ITERS=30\\)"),
         (

@@ -87,4 +87,10 @@ def check(args) -> None:
         raise ValueError(f"--lora-alpha {args.lora_alpha}: must be a positive number")
     if not 0 <= args.lora_dropout < 1:
         raise ValueError(f"--lora-dropout {args.lora_dropout}: must be in [0, 1)")
-    parse_targets(args.lora_targets)
+    targets = parse_targets(args.lora_targets)
+    routed = {"linear_fc1", "linear_fc2"} & set(targets)
+    if routed and getattr(args, "num_experts", None) and getattr(args, "moe_grouped_gemm", False):
+        raise ValueError(
+            f"--lora-targets {','.join(sorted(routed))} with --moe-grouped-gemm: adapters on the routed experts sit on "
+            "SequentialMLP's per-expert linears (GROUPED_EXPERTS=0 in the run script), or name no linear_fc1/linear_fc2"
+        )

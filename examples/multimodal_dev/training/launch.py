@@ -19,6 +19,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+from ..lora.targets import DEFAULT_TARGETS
 from ..models import DEFAULT_ARCH, get_model_entry, model_of
 from ..models.setting_names import VARIABLES, schedule_problem
 from ..planner.pipeline_layout import stage_layers
@@ -53,6 +54,8 @@ VARIABLE_OF_FLAG = {
     "--lora-rank": "LORA_RANK",
     "--lora-alpha": "LORA_ALPHA",
     "--lora-targets": "LORA_TARGETS",
+    "--moe-grouped-gemm": "GROUPED_EXPERTS",
+    "--moe-token-dispatcher-type": "MOE_DISPATCHER",
 }
 DATASETS = ("mock", "mock_mix", "mock_video", "cord_v2", "jsonl", "energon")
 OWN_DATA = (
@@ -389,8 +392,6 @@ def model_flags(s: Settings, shape, variant_flags: list[str], data: list[str], g
     args += ["--decoder-first-pipeline-num-layers", v["PP_FIRST"]] if s.int("PP_FIRST") else []
     args += ["--decoder-last-pipeline-num-layers", v["PP_LAST"]] if s.int("PP_LAST") else []
     args += ["--sequence-parallel"] if v["SP"] == "1" else []
-    # gloo runs the allgather token dispatcher; GPUs use alltoall (uneven per-rank token counts, less traffic)
-    args += ["--moe-token-dispatcher-type", "alltoall"] if shape.text.is_moe and gpu else []
     hf_mtp = shape.text.mtp_num_layers if s.values["HF_CONFIG"] else 0  # never read from the environment
     mtp = s.var("MTP", "1" if hf_mtp > 0 else "0")
     if mtp not in ("0", "1"):
@@ -405,6 +406,40 @@ def model_flags(s: Settings, shape, variant_flags: list[str], data: list[str], g
         for name, flag in (("LORA_ALPHA", "--lora-alpha"), ("LORA_TARGETS", "--lora-targets")):
             args += [flag, s.var(name)] if s.var(name) else []
     return args
+
+
+def moe_flags(s: Settings, shape, gpu: bool, launch: Launch) -> list[str]:
+    """How an MoE model's experts run: grouped GEMMs unless LoRA adapts the experts' linears (its
+    adapters sit on SequentialMLP's per-expert linears), and the token dispatcher that fits the layout:
+    all-to-all only where experts are split over EP ranks on GPUs (at EP=1 it splits and joins the
+    tokens once per expert for nothing; gloo has no uneven all-to-all)."""
+    if not shape.text.is_moe:
+        return []
+    targets = (s.var("LORA_TARGETS") or ",".join(DEFAULT_TARGETS)).split(",")
+    lora_on_experts = s.int("LORA_RANK") > 0 and bool({"linear_fc1", "linear_fc2"} & set(targets))
+    if s.var("GROUPED_EXPERTS") is None:
+        s.set("GROUPED_EXPERTS", int(not lora_on_experts))
+    grouped = s.switch("GROUPED_EXPERTS", " (1: grouped GEMM experts, 0: SequentialMLP)")
+    if grouped and lora_on_experts:
+        raise LaunchError(
+            "GROUPED_EXPERTS=1 with LoRA on linear_fc1/linear_fc2: the adapters need SequentialMLP's per-expert "
+            "linears (GROUPED_EXPERTS=0, or LORA_TARGETS without them)"
+        )
+    ep = s.int("EP")
+    dispatcher = s.var("MOE_DISPATCHER", "alltoall" if gpu and ep > 1 else "allgather")
+    if dispatcher not in ("allgather", "alltoall"):
+        raise LaunchError(f"MOE_DISPATCHER={dispatcher}: expected allgather or alltoall")
+    if dispatcher == "alltoall" and not gpu:
+        raise LaunchError("MOE_DISPATCHER=alltoall needs GPUs: gloo has no uneven all-to-all (use allgather)")
+    experts = (
+        "grouped GEMM experts"
+        if grouped
+        else "SequentialMLP experts" + (" (LoRA adapts them)" if lora_on_experts else "")
+    )
+    launch.said.append(
+        f"MoE: {experts}, {dispatcher} token dispatcher at EP={ep} (GROUPED_EXPERTS, MOE_DISPATCHER override)"
+    )
+    return ["--moe-token-dispatcher-type", dispatcher] + (["--moe-grouped-gemm"] if grouped else [])
 
 
 def own_vision_layout(s: Settings) -> bool:
@@ -475,6 +510,7 @@ def prepare(environ, argv: list[str], gpu: bool, launch: Launch) -> Launch:
     sizes(s, shape, gpu)
     vision_table = layout(s, shape)
     args = model_flags(s, shape, variant_flags, data_flags(s), gpu)
+    args += moe_flags(s, shape, gpu, launch)
     args += backend_flags(s, gpu, launch) + checkpoint_flags(s, launch)
     # several runs may share a host: without MASTER_PORT, torchrun --standalone picks a free port
     port = s.var("MASTER_PORT")

@@ -130,6 +130,19 @@ VARIABLES: tuple[tuple[tuple[str, ...], str, str], ...] = (
         "the adapters' scale alpha / rank, and the linears that get one (`lora/targets.py`)",
     ),
     (
+        ("GROUPED_EXPERTS",),
+        "1 for MoE, 0 with LoRA on `linear_fc1` / `linear_fc2`",
+        "1: each MoE layer's routed experts as two grouped GEMMs (`--moe-grouped-gemm`: "
+        "`models/common/grouped_experts.py` on `local`, megatron's `TEGroupedMLP` on `transformer_engine`); "
+        "0: megatron-core's `SequentialMLP`, one MLP call per expert. Same checkpoint keys either way",
+    ),
+    (
+        ("MOE_DISPATCHER",),
+        "`alltoall` on GPUs where `EP>1`, else `allgather` (the script says which)",
+        "the MoE token dispatcher (`--moe-token-dispatcher-type`): `allgather` or `alltoall` (GPUs only: "
+        "gloo has no uneven all-to-all)",
+    ),
+    (
         ("TRANSFORMER_IMPL",),
         "`transformer_engine` on a GPU host where it imports, else `local` (the script says which)",
         "module backend; both write the same checkpoint keys (Transformer Engine / Megatron-Bridge names)",
