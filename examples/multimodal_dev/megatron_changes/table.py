@@ -124,6 +124,37 @@ CHANGES: tuple[Change, ...] = (
         "an in-place copy into an fp32 leaf that requires grad, which torch refuses outside no_grad",
         NO_FUSED_ADAM,
     ),
+    # The optimizer step without a per-parameter loop on the host (training/optimizer_host_work.py).
+    Change(
+        "optimizer-host-work",
+        "megatron.core.optimizer.clip_grads:l2_norm_impl",
+        f"{_P}training.optimizer_host_work:foreach_l2_norm",
+        "the grad norm's fallback took one norm per parameter and read each back to the host (a GPU sync per "
+        "parameter); one foreach norm instead, left on the device",
+        NO_FUSED_ADAM,
+    ),
+    Change(
+        "optimizer-host-work",
+        "megatron.core.optimizer.clip_grads:multi_tensor_scale_impl",
+        f"{_P}training.optimizer_host_work:foreach_scale",
+        "gradient clipping scaled one gradient at a time; one foreach multiply",
+        NO_FUSED_ADAM,
+    ),
+    Change(
+        "optimizer-host-work",
+        f"{_OPT}multi_tensor_scale_impl",
+        f"{_P}training.optimizer_host_work:foreach_scale",
+        "the main-to-model parameter copy ran one copy per parameter; one foreach copy",
+        NO_FUSED_ADAM,
+    ),
+    Change(
+        "optimizer-host-work",
+        "megatron.core.optimizer:_get_megatron_optimizer_based_on_param_groups",
+        f"{_P}training.optimizer_host_work:foreach_adam",
+        "torch's AdamW loops over the parameters in Python unless every one is on a GPU; its foreach path on "
+        "every host, so a CPU host runs (and counts) the GPU's step",
+        NO_FUSED_ADAM,
+    ),
     # A bf16 model with fp32 A_log / dt_bias (checkpoint/mixed_dtype_optimizer.py).
     Change(
         "mixed-dtype-optimizer",

@@ -1,0 +1,62 @@
+"""The optimizer step's foreach replacements (training/optimizer_host_work.py) compute what megatron's
+per-parameter fallbacks compute: the grad norm, the scaled / copied tensor lists, and torch AdamW's
+updates; and the foreach path stays chosen after a checkpoint's parameter groups are loaded."""
+
+import pytest
+import torch
+from megatron.core import utils as mcore_utils
+
+from examples.multimodal_dev.training import optimizer_host_work as host_work
+
+
+def _tensors(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g).to(dtype) for shape in ((7, 3), (5,), (2, 4, 6), (1,))]
+
+
+def test_grad_norm_equals_megatrons_fallback(mcore):
+    tensors = _tensors()
+    theirs, _ = mcore_utils.local_multi_tensor_l2_norm(0, None, [tensors], False)
+    ours, none = host_work.foreach_l2_norm(None)(0, None, [tensors], False)
+    assert none is None and ours.shape == (1,) and ours.dtype == torch.float32
+    assert torch.allclose(ours, theirs, rtol=1e-6), (ours, theirs)
+    empty, _ = host_work.foreach_l2_norm(None)(0, None, [[]], False)
+    assert float(empty) == 0.0
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_scale_equals_megatrons_fallback(scale, in_place):
+    sources = _tensors(1)
+    want = [t.clone() for t in (sources if in_place else _tensors(2, torch.bfloat16))]
+    got = [t.clone() for t in want]
+    mcore_utils.local_multi_tensor_scale(0, None, [[s.clone() for s in sources] if not in_place else want, want], scale)
+    host_work.foreach_scale(None)(0, None, [sources if not in_place else got, got], scale)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def _adam(foreach_hook: bool):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(t) for t in _tensors(3)]
+    opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    if foreach_hook:
+        host_work.foreach_adam(lambda: opt)()
+    return params, opt
+
+
+def test_adam_runs_foreach_with_the_same_updates():
+    (p_loop, loop), (p_each, each) = _adam(False), _adam(True)
+    assert each.param_groups[0]["foreach"] is None  # set before each step, not at build
+    for step in range(3):
+        for ps in (p_loop, p_each):
+            for i, p in enumerate(ps):
+                p.grad = torch.full_like(p, 0.1 * (i + 1) * (step + 1))
+        loop.step()
+        each.step()
+        assert each.param_groups[0]["foreach"] is True
+        assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(p_loop, p_each))
+    # a checkpoint's groups (saved by a loop run) put foreach back to None; the next step asks again
+    each.load_state_dict(loop.state_dict())
+    assert each.param_groups[0]["foreach"] is None
+    each.step()
+    assert each.param_groups[0]["foreach"] is True
