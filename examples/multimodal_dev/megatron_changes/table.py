@@ -155,6 +155,13 @@ CHANGES: tuple[Change, ...] = (
         "every host, so a CPU host runs (and counts) the GPU's step",
         NO_FUSED_ADAM,
     ),
+    Change(
+        "thd-rotary-in-one-pass",
+        "megatron.core.models.common.embeddings.rope_utils:_apply_rotary_pos_emb_thd",
+        f"{_P}models.common.rope_thd:rotary_thd",
+        "the unfused THD rotary read cu_seqlens back to the host and rotated one sequence at a time (every "
+        "vision block, every image frame); one device-side index and one rotation, the same result",
+    ),
     # A bf16 model with fp32 A_log / dt_bias (checkpoint/mixed_dtype_optimizer.py).
     Change(
         "mixed-dtype-optimizer",

@@ -1,0 +1,44 @@
+"""The one-pass THD rotary (models/common/rope_thd.py) against megatron-core's per-sequence
+original: the same tensor, with freqs per sequence or per token of the packed row, with and without
+context parallelism (every rank's zigzag chunks), interleaved or not."""
+
+import pytest
+import torch
+from megatron.core.models.common.embeddings import rope_utils
+
+from examples.multimodal_dev.models.common.rope_thd import rotary_thd
+
+
+class _Group:
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+# megatron-core's own function, whatever the table has put in its place in this process
+ORIGINAL = rope_utils.__dict__.get("_apply_rotary_pos_emb_thd")
+while hasattr(ORIGINAL, "__wrapped__"):
+    ORIGINAL = ORIGINAL.__wrapped__
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["freqs per sequence", "freqs per token"])
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_one_pass_equals_per_sequence(packed, cp, interleaved):
+    torch.manual_seed(0)
+    lengths = [8 * cp, 24 * cp, 16 * cp, 8 * cp]  # multiples of 2 * cp, as the collate pads them
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+    total, rot = int(cu[-1]), 16
+    freqs = torch.randn(total if packed else max(lengths) + 5, 1, 1, rot)
+    ours = rotary_thd(ORIGINAL)
+    for rank in range(cp):
+        t = torch.randn(total // cp, 3, rot + 8)  # 8 channels past the rotary ones pass through
+        group = _Group(cp, rank)
+        want = ORIGINAL(t, cu, freqs, rotary_interleaved=interleaved, cp_group=group)
+        got = ours(t, cu, freqs, rotary_interleaved=interleaved, cp_group=group)
+        assert torch.equal(got, want), (cp, rank, (got - want).abs().max())
