@@ -113,16 +113,22 @@ class SDPACoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     @staticmethod
-    def _segments(params) -> torch.Tensor:
+    def _segments(params) -> tuple[torch.Tensor, list[int]]:
+        """(cu_seqlens on the device, the same bounds on the host). The host copy is read once per
+        micro-batch and kept on ``params``, which every layer of a tower shares: reading it back in
+        each layer stopped the host at every attention layer of a GPU run."""
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
-        if cu_kv is not None and not torch.equal(cu.cpu(), cu_kv.cpu()):
-            raise NotImplementedError("SDPACoreAttention THD needs identical q and kv segments")
-        return cu
+        bounds = getattr(params, "_sdpa_host_bounds", None)
+        if bounds is None:
+            cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
+            if cu_kv is not None and not torch.equal(cu.cpu(), cu_kv.cpu()):
+                raise NotImplementedError("SDPACoreAttention THD needs identical q and kv segments")
+            bounds = cu.tolist()
+            params._sdpa_host_bounds = bounds
+        return cu, bounds
 
     def _forward_thd(self, query, key, value, params, causal: bool):
-        cu = self._segments(params)
-        bounds = cu.tolist()
+        cu, bounds = self._segments(params)
         if bounds[-1] != query.shape[0]:
             raise ValueError(f"THD: cu_seqlens ends at {bounds[-1]} but the packed row has {query.shape[0]} tokens")
         dropout = self.dropout_p if self.training else 0.0
@@ -163,7 +169,7 @@ class SDPACoreAttention(MegatronModule):
         )
         total = cp * local
         if params is not None and params.qkv_format == "thd":
-            cu = self._segments(params).to("cpu", torch.long)
+            cu = torch.tensor(self._segments(params)[1], dtype=torch.long)
             if int(cu[-1]) != total:
                 raise ValueError(f"THD under CP: cu_seqlens ends at {int(cu[-1])} but cp x local tokens is {total}")
             to_global, to_gathered = _build_thd_cp_a2a_perm(cu, cp, total)
