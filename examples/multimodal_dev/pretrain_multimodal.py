@@ -43,11 +43,14 @@ def main() -> None:
         megatron.cpu.tune_host()
         say(megatron.cpu.gdn_kernels_line())
     elif reason := megatron.cpu.fla_unusable_reason():
+        names = megatron.cpu.torch_gdn_kernel_names()
+        rest = sorted(set(megatron.cpu.GDN_KERNELS) - set(names))
         say(
-            "Gated DeltaNet runs on the torch kernels of megatron.cpu (correct, slower), "
-            f"not flash-linear-attention's: {reason}"
+            f"Gated DeltaNet runs {', '.join(names)} on the torch kernels of megatron.cpu (correct, slower)"
+            + (f" and {', '.join(rest)} on flash-linear-attention's" if rest else ", not flash-linear-attention's")
+            + f": {reason}"
         )
-        megatron.cpu.register_torch_gdn_kernels()
+        megatron.cpu.register_torch_gdn_kernels(names)
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args

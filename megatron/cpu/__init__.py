@@ -76,17 +76,35 @@ def _fla_tilelang_usable() -> bool:
         return False
 
 
-def register_torch_gdn_kernels() -> None:
-    """Bind the torch kernels to the names megatron-core's GatedDeltaNet imports from FLA.
-    ``gdn.py`` copies the names at import time, so both modules are patched."""
+GDN_KERNELS = ("causal_conv1d", "chunk_gated_delta_rule", "l2norm")
+
+
+def torch_gdn_kernel_names() -> tuple[str, ...]:
+    """The GatedDeltaNet kernels that must run on torch's kernels on this CUDA host: all of them where
+    FLA does not import; on Hopper with the miscompiling Triton, the gated chunk rule alone (#640 is in
+    its backward; FLA's causal conv1d and l2norm compile right there and are several times faster than
+    the torch ones); none where FLA's kernels are right."""
+    if not torch.cuda.is_available():
+        return GDN_KERNELS
+    reason = fla_unusable_reason()
+    if reason is None:
+        return ()
+    return ("chunk_gated_delta_rule",) if "#640" in reason else GDN_KERNELS
+
+
+def register_torch_gdn_kernels(names: tuple[str, ...] = GDN_KERNELS) -> None:
+    """Bind the torch kernels to these names megatron-core's GatedDeltaNet imports from FLA (the others
+    keep FLA's). ``gdn.py`` copies the names at import time, so both modules are patched."""
     from megatron.core.ssm.gated_delta_net import common, gdn
 
     from . import gdn_kernels
 
+    unknown = set(names) - set(GDN_KERNELS)
+    if unknown:
+        raise ValueError(f"no torch GatedDeltaNet kernel named {sorted(unknown)}; the kernels are {GDN_KERNELS}")
     for module in (common, gdn):
-        module.causal_conv1d = gdn_kernels.causal_conv1d
-        module.chunk_gated_delta_rule = gdn_kernels.chunk_gated_delta_rule
-        module.l2norm = gdn_kernels.l2norm
+        for name in names:
+            setattr(module, name, getattr(gdn_kernels, name))
     common.HAVE_FLA = True
 
 

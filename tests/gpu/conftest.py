@@ -44,7 +44,7 @@ def megatron_gpu():
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
     if megatron.cpu.fla_unusable_reason():
-        megatron.cpu.register_torch_gdn_kernels()
+        megatron.cpu.register_torch_gdn_kernels(megatron.cpu.torch_gdn_kernel_names())
     model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
     return torch.distributed.get_backend()

@@ -141,9 +141,32 @@ def test_fla_refused_where_triton_miscompiles_its_backward(monkeypatch, capabili
     monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__=triton_version))
     monkeypatch.setattr(megatron.cpu, "_fla_tilelang_usable", lambda: tilelang)
     reason = megatron.cpu.fla_unusable_reason()
+    on_torch = megatron.cpu.torch_gdn_kernel_names()
     if refused == "no fla":
         assert reason.startswith("flash-linear-attention does not import"), reason
+        assert on_torch == megatron.cpu.GDN_KERNELS
     elif refused:
         assert f"Triton {triton_version} on a Hopper GPU" in reason and "#640" in reason, reason
+        # the bug is in the gated chunk rule's backward: FLA's conv1d and l2norm stay
+        assert on_torch == ("chunk_gated_delta_rule",)
     else:
-        assert reason is None, reason
+        assert reason is None and on_torch == (), reason
+
+
+def test_only_the_named_kernels_are_bound(monkeypatch):
+    """Where only the gated chunk rule is refused, FLA's conv1d and l2norm stay bound."""
+    from megatron.core.ssm.gated_delta_net import common, gdn
+
+    import megatron.cpu
+    from megatron.cpu import gdn_kernels
+
+    sentinel = object()
+    for module in (common, gdn):
+        for name in megatron.cpu.GDN_KERNELS:
+            monkeypatch.setattr(module, name, sentinel, raising=False)
+    megatron.cpu.register_torch_gdn_kernels(("chunk_gated_delta_rule",))
+    for module in (common, gdn):
+        assert module.chunk_gated_delta_rule is gdn_kernels.chunk_gated_delta_rule
+        assert module.causal_conv1d is sentinel and module.l2norm is sentinel
+    with pytest.raises(ValueError, match="no torch GatedDeltaNet kernel named"):
+        megatron.cpu.register_torch_gdn_kernels(("conv2d",))
