@@ -167,3 +167,102 @@ def test_an_output_over_an_input_and_a_prompts_file_that_is_not_utf8_are_refused
     assert generate.main([*base, "--prompts", str(prompts)]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"generate: error: --prompts {prompts}:3: not UTF-8 text (invalid continuation byte at byte 17)", err
+
+
+def _bad_processor(root, name: str, **image_processor) -> str:
+    """A copy of the fixture's processor with other image-processor sizes or token ids."""
+    from tiny_processor import SPECIALS
+
+    if "swap_vision_tokens" in image_processor:  # image and video pads trade ids
+        image_processor.pop("swap_vision_tokens")
+        specials = [{"<|image_pad|>": "<|video_pad|>", "<|video_pad|>": "<|image_pad|>"}.get(s, s) for s in SPECIALS]
+        return build_processor(str(root / name), specials=specials, chat_template=QWEN35_CHAT_TEMPLATE)
+    path = build_processor(str(root / name), chat_template=QWEN35_CHAT_TEMPLATE)
+    config = json.loads((root / name / "processor_config.json").read_text())
+    config["image_processor"].update(image_processor)
+    (root / name / "processor_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize(
+    "change, differs",
+    [
+        ({"patch_size": 14}, "image patch_size 14 (processor) vs 16 (checkpoint)"),
+        (
+            {"merge_size": 4, "temporal_patch_size": 1},
+            "image merge_size 4 (processor) vs 2 (checkpoint); image temporal",
+        ),
+        ({"swap_vision_tokens": True}, "image_token_id 6 (processor) vs 5 (checkpoint); video_token_id 5 (processor)"),
+    ],
+)
+def test_a_processor_that_does_not_fit_the_checkpoint_is_refused_before_weights_load(
+    checkpoint, tmp_path, monkeypatch, capsys, change, differs
+):
+    """Its prompts would scatter vision features at the wrong places (or at another patch size) and end
+    in a tensor-size RuntimeError inside the model; it is named before the weights are read."""
+    from examples.multimodal_dev.checkpoint import hf_conversion
+
+    root, _ = checkpoint
+    bad = _bad_processor(tmp_path, "bad", **change)
+    monkeypatch.setattr(hf_conversion, "load_megatron", lambda *a: pytest.fail("weights loaded"))
+    argv = ["--megatron-path", str(root / "mg"), "--hf-processor-path", bad, "--prompt", "x"]
+    assert generate.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"generate: error: --hf-processor-path {bad} does not fit the checkpoint --megatron-path")
+    assert differs in err and len(err.splitlines()) == 1, err
+
+
+def test_a_vocabulary_past_the_embedding_is_a_difference(checkpoint):
+    from dataclasses import replace
+
+    from examples.multimodal_dev.data.processor import load_processor, processor_differences
+
+    root, shape = checkpoint
+    processor, info = load_processor(str(root / "hf"))
+    assert processor_differences(processor, info, shape) == []
+    small = replace(shape, text=replace(shape.text, vocab_size=50))
+    assert processor_differences(processor, info, small) == [
+        f"a vocabulary of {len(processor.tokenizer)} tokens (processor) > 50 (checkpoint)"
+    ]
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--megatron-path", "missing", "--megatron-path {}: no such directory"),
+        ("--hf-processor-path", "missing", "--hf-processor-path '{}': no such file or directory"),
+        ("--hf-config-path", "missing.json", "--hf-config-path {}: no such file"),
+        ("--media-root", "missing", "--media-root {}: no such directory"),
+    ],
+)
+def test_every_path_is_checked_before_anything_loads(checkpoint, tmp_path, monkeypatch, capsys, flag, value, message):
+    """A missing checkpoint was named only after the processor had loaded (141 s on a slow host)."""
+    from examples.multimodal_dev.data import jsonl
+
+    root, _ = checkpoint
+    monkeypatch.setattr(jsonl, "prompt_reader", lambda *a, **k: pytest.fail("the processor loaded"))
+    paths = {"--megatron-path": str(root / "mg"), "--hf-processor-path": str(root / "hf")}
+    paths[flag] = str(tmp_path / value)
+    argv = [x for kv in paths.items() for x in kv] + ["--prompt", "x"]
+    assert generate.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"generate: error: {message.format(tmp_path / value)}") and len(err.splitlines()) == 1, err
+
+
+def test_stdout_carries_only_the_answers(checkpoint):
+    """A script reads the answers from stdout as JSONL; megatron's log lines (its root logger writes to
+    stdout once megatron.training is imported) go to stderr."""
+    import subprocess
+    import sys
+
+    root, _ = checkpoint
+    out = subprocess.run(
+        [sys.executable, "-m", "examples.multimodal_dev.tools.generate", "--megatron-path", str(root / "mg")]
+        + ["--hf-processor-path", str(root / "hf"), "--prompt", "x", "--max-new-tokens", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [json.loads(line)["where"] for line in out.stdout.splitlines()] == ["--prompt"], out.stdout
+    assert "generate: 1 prompt(s)" in out.stderr

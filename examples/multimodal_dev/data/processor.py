@@ -97,3 +97,30 @@ def answer_end_ids(processor, info: ProcessorInfo) -> list[int]:
 def answer_text(processor, tokens: list[int]) -> str:
     """A generated answer's text, its special tokens (the end of turn) left out."""
     return processor.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+
+
+def processor_differences(processor, info: ProcessorInfo, shape) -> list[str]:
+    """What of the processor disagrees with the model ``shape`` (its vocabulary, vision token ids and
+    patch sizes): a prompt built by it would place its vision features wrong or reach past the
+    embedding, and the model would fail deep inside its forward, or answer from the wrong tokens."""
+    vision, image = shape.vision, processor.image_processor
+    pairs = [
+        ("image_token_id", info.tokens.image, shape.image_token_id),
+        ("video_token_id", info.tokens.video, shape.video_token_id),
+        ("vision_start_token_id", info.tokens.vision_start, shape.vision_start_token_id),
+        ("vision_end_token_id", info.tokens.vision_end, shape.vision_end_token_id),
+    ]
+    # videos go through a processor of their own, which carries its own sizes
+    for name, part in (("image", image), ("video", getattr(processor, "video_processor", None))):
+        for key, want in (
+            ("patch_size", vision.patch_size),
+            ("merge_size", vision.spatial_merge_size),
+            ("temporal_patch_size", vision.temporal_patch_size),
+        ):
+            if getattr(part, key, None) is not None:
+                pairs.append((f"{name} {key}", getattr(part, key), want))
+    differ = [f"{what} {got} (processor) vs {want} (checkpoint)" for what, got, want in pairs if got != want]
+    size = len(processor.tokenizer)
+    if size > shape.text.vocab_size:
+        differ.append(f"a vocabulary of {size} tokens (processor) > {shape.text.vocab_size} (checkpoint)")
+    return differ

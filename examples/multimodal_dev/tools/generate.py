@@ -24,7 +24,9 @@ memory. A user's mistake is one line, ``generate: error: ...``, with exit status
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import os
 import sys
 import time
@@ -67,6 +69,16 @@ def check_args(args) -> None:
             raise ValueError(f"{flag} {value}: must be at least 1")
     if args.prompts is not None and (args.image or args.video):
         raise ValueError("--image / --video go with --prompt; a --prompts file names its media in each record")
+    # every path before anything loads: the processor alone takes minutes on a slow disk
+    from examples.multimodal_dev.data.sources import resolve
+
+    if not os.path.isdir(args.megatron_path):
+        raise FileNotFoundError(f"--megatron-path {args.megatron_path}: no such directory")
+    resolve(args.hf_processor_path, "--hf-processor-path")
+    if args.hf_config_path is not None and not os.path.isfile(args.hf_config_path):
+        raise FileNotFoundError(f"--hf-config-path {args.hf_config_path}: no such file")
+    if args.media_root is not None and not os.path.isdir(args.media_root):
+        raise FileNotFoundError(f"--media-root {args.media_root}: no such directory")
     for flag, path in [("--prompts", args.prompts)] * (args.prompts is not None) + [
         *(("--image", p) for p in args.image),
         *(("--video", p) for p in args.video),
@@ -101,19 +113,38 @@ def _records(args):
     return [(line, where, os.path.dirname(os.path.abspath(args.prompts))) for line, where in lines]
 
 
-def run(args, log=print) -> list[dict]:
-    """Every prompt's answer ({"where", "answer"[, "reference"]}), written to ``--output`` as they come."""
-    from examples.multimodal_dev.checkpoint.hf_conversion import load_megatron
+def _fitting_reader(args):
+    """The prompt reader of ``--hf-processor-path``, once its processor is found to fit the checkpoint
+    (read from its recorded shape, before any weight loads)."""
+    from examples.multimodal_dev.checkpoint.hf_conversion import check_checkpoint_dir, checkpoint_shape
     from examples.multimodal_dev.data.jsonl import prompt_reader
+    from examples.multimodal_dev.data.processor import processor_differences
+
+    check_checkpoint_dir(args.megatron_path)
+    shape, _ = checkpoint_shape(args.megatron_path, args.hf_config_path)
+    # media named on the command line are the user's own choice; a file's records stay in their folder
+    anywhere = args.allow_media_anywhere or args.prompt is not None
+    reader = prompt_reader(args.hf_processor_path, args.max_prompt_tokens, args.media_root, False, anywhere)
+    differ = processor_differences(reader.processor, reader.info, shape)
+    if differ:
+        raise ValueError(
+            f"--hf-processor-path {args.hf_processor_path} does not fit the checkpoint --megatron-path "
+            f"{args.megatron_path}: {'; '.join(differ)} (use the processor the checkpoint was trained with)"
+        )
+    return reader
+
+
+def run(args, log=print, answers_to=None) -> list[dict]:
+    """Every prompt's answer ({"where", "answer"[, "reference"]}), written to ``--output`` as they come
+    (else to ``answers_to``, stdout by default)."""
+    from examples.multimodal_dev.checkpoint.hf_conversion import load_megatron
     from examples.multimodal_dev.data.processor import answer_end_ids, answer_text
     from examples.multimodal_dev.evaluation.scores import Scores
     from examples.multimodal_dev.generation.decode import Prompt, Sampling, generate
 
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     records = _records(args)
-    # media named on the command line are the user's own choice; a file's records stay in their folder
-    anywhere = args.allow_media_anywhere or args.prompt is not None
-    reader = prompt_reader(args.hf_processor_path, args.max_prompt_tokens, args.media_root, False, anywhere)
+    reader = _fitting_reader(args)
     model, _, _, _ = load_megatron(args.megatron_path, args.hf_config_path)
     tokenizer = reader.processor.tokenizer
     end_ids = answer_end_ids(reader.processor, reader.info)
@@ -148,7 +179,7 @@ def run(args, log=print) -> list[dict]:
                     answer["reference"] = reference
                     scores.add(answer["answer"], reference)
                 answers.append(answer)
-                print(json.dumps(answer, ensure_ascii=False), file=out or sys.stdout, flush=True)
+                print(json.dumps(answer, ensure_ascii=False), file=out or answers_to or sys.stdout, flush=True)
     finally:
         if out is not None:
             out.close()
@@ -169,9 +200,14 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     from examples.multimodal_dev.data.sample import DataError
 
+    # stdout carries the answers only (JSONL a script reads): megatron.training gives the root logger a
+    # handler to stdout on import unless one is there already, and megatron prints progress.
+    logging.basicConfig(stream=sys.stderr)
+    answers_to = sys.stdout
     try:
         check_args(args)
-        run(args, log=lambda line: print(line, file=sys.stderr, flush=True))
+        with contextlib.redirect_stdout(sys.stderr):
+            run(args, lambda line: print(line, file=sys.stderr, flush=True), answers_to)
     except (OSError, ValueError, KeyError, DataError) as err:
         print(f"generate: error: {err}", file=sys.stderr)
         return 2
