@@ -192,6 +192,20 @@ def test_every_variable_in_the_table_is_read_by_a_launch(tmp_path):
     assert read | set(LAUNCHER_VARIABLES) == run_variables.NAMES, sorted(run_variables.NAMES - read)
 
 
+def _video(**env) -> dict:
+    """A JSONL run's settings (VIDEO_* apply to it), with ``env``."""
+    return dict(DATASET="jsonl", DATA_PATH="x", HF_PROCESSOR_PATH="p", **env)
+
+
+def test_the_video_limits_are_those_of_a_records_own_keys():
+    from examples.multimodal_dev.data.video import OVERRIDE_LIMITS
+
+    limits = {names[0]: limit for names, limit, _ in run_variables.LIMITS}
+    assert limits["VIDEO_FPS"] == OVERRIDE_LIMITS["fps"]
+    assert limits["VIDEO_MAX_FRAMES"] == OVERRIDE_LIMITS["max_frames"]
+    assert limits["VIDEO_MAX_PIXELS"] == OVERRIDE_LIMITS["max_pixels"]
+
+
 @pytest.mark.parametrize(
     "env,message",
     [
@@ -250,6 +264,27 @@ def test_every_variable_in_the_table_is_read_by_a_launch(tmp_path):
             dict(MOE=1, EP=2, ETP=2, VISION_NPROC=1, NPROC=3),
             "EP=2: \\(NPROC-VISION_NPROC\\)/PP=2 is not divisible by EP\\*ETP=4",
         ),
+        (dict(SEQ_LEN=99999999998), "SEQ_LEN=99999999998 is over 16777216: rotary positions are exact in fp32"),
+        (dict(TRAIN_ITERS=10**21), f"TRAIN_ITERS={10**21} is over {2**63 - 1}: megatron counts iterations in int64"),
+        (
+            dict(TRAIN_ITERS=2**50, GBS=2**10, SEQ_LEN=2**10),
+            f"TRAIN_ITERS\\*GBS\\*SEQ_LEN={2**70} \\(TRAIN_ITERS={2**50}, GBS=1024, SEQ_LEN=1024\\) is over "
+            f"{2**63 - 1}: the tokens a run sees are counted in int64",
+        ),
+        (dict(MBS=2**12, GBS=2**12, SEQ_LEN=2**20), "MBS\\*SEQ_LEN=4294967296 .* int32 cu_seqlens"),
+        (dict(PACKING="tokens", PACKED_SEQ_LENGTH=2**40), "PACKED_SEQ_LENGTH=1099511627776 is over 16777216"),
+        (dict(TP=2**40), "TP=1099511627776 is over 2147483647: torch.distributed numbers ranks in int32"),
+        (dict(VISION_NPROC=2**31), "VISION_NPROC=2147483648 is over 2147483647"),
+        (dict(SAVE_INTERVAL=2**64, CKPT_SAVE="/s"), f"SAVE_INTERVAL={2**64} is over {2**63 - 1}"),
+        (dict(LR_DECAY_ITERS=2**64), f"LR_DECAY_ITERS={2**64} is over {2**63 - 1}"),
+        (dict(LORA_RANK=2**31), "LORA_RANK=2147483648 is over 2147483647: an adapter's rank is a GEMM dimension"),
+        (dict(GPUS=2**32), "GPUS=4294967296 is over 2147483647"),
+        (dict(MASTER_PORT=70000), "MASTER_PORT=70000 is over 65535: the largest TCP port"),
+        (dict(MASTER_PORT="http"), "MASTER_PORT=http must be a positive integer"),
+        (_video(VIDEO_FPS="0"), "VIDEO_FPS=0: expected a positive number"),
+        (_video(VIDEO_FPS="1000.5"), "VIDEO_FPS=1000.5 is over 240: no video needs more frames a second"),
+        (_video(VIDEO_MAX_FRAMES=2**20), "VIDEO_MAX_FRAMES=1048576 is over 16384"),
+        (_video(VIDEO_MAX_PIXELS=2**40), "VIDEO_MAX_PIXELS=1099511627776 is over 67108864"),
         (dict(VISION_NPROC=1, NPROC=3, GBS=2), "GBS=2 is not a multiple of MBS\\*DP=4"),  # DP counts the language ranks
         (dict(CP=2, VISION_NPROC=1), "CP=2 with VISION_NPROC=1: megatron-core 0.19.2's bridge"),
         (dict(PP=2, VP=2, VISION_NPROC=1), "VP=2 with VISION_NPROC=1: only the non-interleaved pipeline schedule"),

@@ -24,7 +24,7 @@ from ..models import DEFAULT_ARCH, get_model_entry, model_of
 from ..models.setting_names import VARIABLES, schedule_problem
 from ..planner.pipeline_layout import stage_layers
 from ..vision_ranks.layout import env_table
-from .run_variables import NAMES
+from .run_variables import NAMES, limit_problem
 
 PROG = "run_qwen35_vl.sh"
 # Extra flags come last and win in megatron's parser, but the launcher sizes the processes, the LR
@@ -107,6 +107,11 @@ class Settings:
         for name in names:
             if not re.fullmatch(r"[1-9][0-9]*", self.values[name] or ""):
                 raise LaunchError(f"{name}={self.values[name] or ''} must be a positive integer")
+
+    def within_limits(self) -> None:
+        """The values read so far against ``run_variables.LIMITS``, before any is used to size work."""
+        if problem := limit_problem(self.values):
+            raise LaunchError(problem)
 
     def switch(self, name: str, meaning: str = "") -> bool:
         value = self.var(name, "0")
@@ -209,6 +214,7 @@ def sizes(s: Settings, shape, gpu: bool) -> None:
         value = s.var(name)
         if value is not None and not re.fullmatch(r"[0-9]+", value):
             raise LaunchError(f"{name}={value} must be a number of iterations")
+    s.within_limits()
     warmup, decay = (int(s.values[n]) if s.values[n] else None for n in ("LR_WARMUP_ITERS", "LR_DECAY_ITERS"))
     if problem := schedule_problem(warmup, decay, s.int("TRAIN_ITERS"), names=VARIABLES):
         raise LaunchError(problem)
@@ -295,7 +301,7 @@ def data_flags(s: Settings) -> list[str]:
     fraction, fps = s.var("VALID_FRACTION"), s.var("VIDEO_FPS")
     if fraction is not None and not re.fullmatch(r"0?\.[0-9]+|0", fraction):
         raise LaunchError(f"VALID_FRACTION={fraction}: expected a fraction below 1, such as 0.02")
-    if fps is not None and not re.fullmatch(r"[0-9]*\.?[0-9]+", fps):
+    if fps is not None and not (re.fullmatch(r"[0-9]*\.?[0-9]+", fps) and float(fps) > 0):
         raise LaunchError(f"VIDEO_FPS={fps}: expected a positive number such as 2")
     for name in ("VIDEO_MAX_FRAMES", "VIDEO_MAX_PIXELS"):
         if s.var(name) is not None:
@@ -514,6 +520,11 @@ def prepare(environ, argv: list[str], gpu: bool, launch: Launch) -> Launch:
     args += backend_flags(s, gpu, launch) + checkpoint_flags(s, launch)
     # several runs may share a host: without MASTER_PORT, torchrun --standalone picks a free port
     port = s.var("MASTER_PORT")
+    if port is not None:
+        s.positive("MASTER_PORT")
+    if s.var("GPUS") is not None:
+        s.positive("GPUS")
+    s.within_limits()
     rdzv = ["--master-port", port] if port else ["--standalone"]
     # the training script runs as a module of the package examples.multimodal_dev (PYTHONPATH holds the
     # repository root), so no folder of the example shadows an installed package

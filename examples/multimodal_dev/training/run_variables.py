@@ -176,3 +176,45 @@ def markdown() -> str:
         cells = (" ".join(f"`{name}`" for name in names), default, meaning)
         rows.append(" ".join(["|", *(f"{cell} |" if cell else "|" for cell in cells)]))
     return "\n".join(rows) + "\n"
+
+
+# The largest value of each numeric variable (or product of variables), and what holds it: past these
+# a run cannot be what was asked (positions that round, counters that wrap), or asks more than any
+# input needs. Python's ints never overflow, so nothing before torch would notice.
+INT32, INT64 = 2**31 - 1, 2**63 - 1
+RANKS = "torch.distributed numbers ranks in int32"
+ITERATIONS = "megatron counts iterations in int64"
+LIMITS: tuple[tuple[tuple[str, ...], int, str], ...] = (
+    (("SEQ_LEN",), 2**24, "rotary positions are exact in fp32 up to 2^24"),
+    (("PACKED_SEQ_LENGTH",), 2**24, "rotary positions are exact in fp32 up to 2^24"),
+    *(((name,), INT64, ITERATIONS) for name in ("TRAIN_ITERS", "SAVE_INTERVAL", "LR_WARMUP_ITERS", "LR_DECAY_ITERS")),
+    *(((name,), INT32, RANKS) for name in ("TP", "CP", "EP", "ETP", "PP", "VP", "VISION_TP", "VISION_NPROC", "NPROC")),
+    (("GPUS",), INT32, RANKS),
+    (("LORA_RANK",), INT32, "an adapter's rank is a GEMM dimension, int32 in cuBLAS"),
+    # the largest a record's own video keys may ask (data/video.py's OVERRIDE_LIMITS; a test holds them equal)
+    (("VIDEO_FPS",), 240, "no video needs more frames a second"),
+    (("VIDEO_MAX_FRAMES",), 1 << 14, "no video needs more frames"),
+    (("VIDEO_MAX_PIXELS",), 1 << 26, "a frame of 8192 x 8192"),
+    (("MASTER_PORT",), 65535, "the largest TCP port"),
+    # products after their factors: a value past its own limit is named alone
+    (("MBS", "SEQ_LEN"), INT32, "a micro-batch's tokens are indexed by int32 cu_seqlens"),
+    (("TRAIN_ITERS", "GBS", "SEQ_LEN"), INT64, "the tokens a run sees are counted in int64"),
+)
+
+
+def limit_problem(values: dict) -> str | None:
+    """The first of ``LIMITS`` that the variables set in ``values`` exceed, as one line naming the
+    variables, their values and the limit; None when every one holds. Values are already checked
+    to be numbers."""
+    for names, limit, why in LIMITS:
+        given = [values.get(name) for name in names]
+        if None in given:
+            continue
+        product = 1
+        for value in given:
+            product *= float(value) if "." in value else int(value)
+        if product > limit:
+            what = "*".join(names) + f"={product}" if len(names) > 1 else f"{names[0]}={given[0]}"
+            parts = f" ({', '.join(f'{n}={v}' for n, v in zip(names, given))})" if len(names) > 1 else ""
+            return f"{what}{parts} is over {limit}: {why}"
+    return None
