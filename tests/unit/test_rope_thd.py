@@ -42,3 +42,9 @@ def test_one_pass_equals_per_sequence(packed, cp, interleaved):
         want = ORIGINAL(t, cu, freqs, rotary_interleaved=interleaved, cp_group=group)
         got = ours(t, cu, freqs, rotary_interleaved=interleaved, cp_group=group)
         assert torch.equal(got, want), (cp, rank, (got - want).abs().max())
+        # the next layer reuses what this micro-batch's segments computed; another table (another
+        # tower with the same segments) gets its own rotation
+        assert torch.equal(ours(t, cu, freqs, rotary_interleaved=interleaved, cp_group=group), want)
+        other = freqs.flip(0).contiguous()
+        want_other = ORIGINAL(t, cu, other, rotary_interleaved=interleaved, cp_group=group)
+        assert torch.equal(ours(t, cu, other, rotary_interleaved=interleaved, cp_group=group), want_other)

@@ -36,9 +36,19 @@ def token_rotary_rows(cu_seqlens: torch.Tensor, local_tokens: int, cp_size: int,
     return within + cu[seq] if packed else within
 
 
+def _cached(cu_seqlens: torch.Tensor, name: str, key, make):
+    """A value derived from one micro-batch's ``cu_seqlens``, kept on that tensor: every attention layer
+    of a tower (query and key alike) asks for the same one, and the tensor lives as long as the
+    micro-batch does."""
+    cache = cu_seqlens.__dict__.setdefault(name, {})
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
 def rotary_thd(original, run=None):
     """The replacement for ``rope_utils._apply_rotary_pos_emb_thd`` (same signature, same result)."""
-    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd, _rotate_half
 
     def apply(
         t,
@@ -58,13 +68,25 @@ def rotary_thd(original, run=None):
         # megatron splits t at cu_seqlens / cp, so the row's global length is t's times cp; freqs with
         # one row per token of it are "packed" (megatron's has_packed_freqs), read without a sync
         packed = freqs.dim() >= 1 and freqs.size(0) == t.shape[0] * cp_size
-        rows = token_rotary_rows(cu_seqlens, t.shape[0], cp_size, cp_rank, packed)
-        return _apply_rotary_pos_emb_bshd(
-            t.unsqueeze(1),
-            freqs[rows],
-            rotary_interleaved=rotary_interleaved,
-            mla_rotary_interleaved=mla_rotary_interleaved,
-            mscale=mscale,
-        ).squeeze(1)
+        layout = (t.shape[0], cp_size, cp_rank, packed)
+        rows = _cached(cu_seqlens, "_rotary_rows", layout, lambda: token_rotary_rows(cu_seqlens, *layout))
+        if mla_rotary_interleaved:  # MLA's layout: megatron's own rotation (no Qwen3.5 layer uses it)
+            return _apply_rotary_pos_emb_bshd(
+                t.unsqueeze(1), freqs[rows], rotary_interleaved, mla_rotary_interleaved, mscale
+            ).squeeze(1)
+
+        def cos_sin():
+            token_freqs = freqs[rows]
+            return freqs, (torch.cos(token_freqs) * mscale).to(t.dtype), (torch.sin(token_freqs) * mscale).to(t.dtype)
+
+        key = (*layout, t.dtype, mscale)
+        kept, cos_, sin_ = _cached(cu_seqlens, "_rotary_cos_sin", key, cos_sin)
+        if kept is not freqs:  # another table with the same segments (another tower): not this one's
+            kept, cos_, sin_ = cu_seqlens.__dict__["_rotary_cos_sin"][key] = cos_sin()
+        # megatron's _apply_rotary_pos_emb_bshd with the cosines and sines computed once per micro-batch
+        x = t.unsqueeze(1)
+        rot = freqs.shape[-1]
+        x, x_pass = x[..., :rot], x[..., rot:]
+        return torch.cat(((x * cos_) + (_rotate_half(x, rotary_interleaved) * sin_), x_pass), dim=-1).squeeze(1)
 
     return apply
