@@ -77,6 +77,8 @@ def checked_args() -> argparse.Namespace:
         check_data_args(args)
         gen_eval.check(args)
         lora_targets.check(args)
+        if line := lora_targets.rank_warning(args, model_shape()):
+            say(line)
         run_checks.check_vision_layout(args, model_shape().vision.num_heads, int(os.environ.get("WORLD_SIZE", "1")))
         language, vision = model_configs()
         text = model_shape().text

@@ -232,3 +232,112 @@ def test_te_linears_take_the_adapter_the_local_ones_do(mcore):
     want = [*outputs["local"], *(getattr(local, h).grad for local, _ in pairs for h in ("lora_A", "lora_B"))]
     for g, w in zip(got, want):  # fp32, summed in other orders: within 1e-5 of the tensor's largest entry
         assert (g - w).abs().max() <= 1e-5 * w.abs().max()
+
+
+def test_narrow_sides_are_the_built_linears(adapted):
+    """``narrow_sides`` (the rank warning's widths, from the shape alone) against the built model's
+    linears: the narrowest min(d_in, d_out) of each target's linears."""
+    from examples.multimodal_dev.lora.targets import narrow_sides
+
+    _, shape, _, _, model, _ = adapted
+    built = _built_sides(model, DEFAULT_TARGETS)
+    assert built == {t: w for t, w in narrow_sides(shape).items() if t in built}
+
+
+def _built_sides(model, targets) -> dict:
+    from examples.multimodal_dev.lora.targets import target_of
+
+    built = {}
+    for name, module in _adapted(model).items():
+        target = target_of(name, targets)
+        built[target] = min(built.get(target, 1 << 30), *module.weight.shape)
+    return built
+
+
+def test_narrow_sides_of_the_vision_tower_and_of_narrow_experts(mcore):
+    """The vision tower's linears; and experts narrower than the hidden size (35b_a3b's are a quarter
+    of it), where the gated linear_fc1 is twice as wide as linear_fc2's input."""
+    from dataclasses import replace
+
+    from examples.multimodal_dev.lora.targets import VISION_TARGETS, narrow_sides
+
+    shape, model = _model(False)
+    lora.apply(model, 2, 2.0, 0.0, VISION_TARGETS, seed=0)
+    assert _built_sides(model, VISION_TARGETS) == {t: w for t, w in narrow_sides(shape).items() if t in VISION_TARGETS}
+    moe = get_variant("tiny", moe=True)
+    quarter = moe.text.hidden_size // 4
+    narrow = replace(moe, text=replace(moe.text, moe_ffn_hidden_size=quarter, shared_expert_ffn_hidden_size=quarter))
+    model = build_model(narrow)
+    lora.apply(model, 2, 2.0, 0.0, ("linear_fc1", "linear_fc2"), seed=0)
+    assert _built_sides(model, ("linear_fc1", "linear_fc2")) == {"linear_fc1": 2 * quarter, "linear_fc2": quarter}
+    assert {t: narrow_sides(narrow)[t] for t in ("linear_fc1", "linear_fc2")} == {
+        "linear_fc1": 2 * quarter,
+        "linear_fc2": quarter,
+    }
+
+
+def _lora_args(**kw):
+    base = dict(lora_rank=4, lora_alpha=None, lora_dropout=0.0, lora_targets=",".join(DEFAULT_TARGETS))
+    return SimpleNamespace(**{**base, "freeze_language": False, "freeze_vision": False, **kw})
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(freeze_language=True), "--lora-targets linear_qkv,.* with --freeze-language: every adapter is in the"),
+        (
+            dict(lora_targets="vision.linear_qkv", freeze_vision=True),
+            "--lora-targets vision.linear_qkv with --freeze-v",
+        ),
+        (dict(lora_rank=0, freeze_language=True, freeze_vision=True), "--freeze-language with --freeze-vision: nothi"),
+        (dict(lora_rank=0, lora_alpha=8.0), "--lora-alpha 8.0 without --lora-rank: there are no adapters"),
+        (dict(lora_rank=0, lora_dropout=0.1), "--lora-dropout 0.1 without --lora-rank"),
+        (dict(lora_rank=0, lora_targets="in_proj"), "--lora-targets in_proj without --lora-rank"),
+    ],
+)
+def test_a_run_that_trains_nothing_or_drops_a_setting_is_refused(settings, message):
+    """Each of these exited 0: having trained nothing (the freeze covers the adapters of its part), or
+    with every weight trained and the LoRA setting dropped."""
+    with pytest.raises(ValueError, match=message):
+        check(_lora_args(**settings))
+
+
+def test_what_still_trains_passes():
+    check(_lora_args(lora_targets="in_proj,vision.linear_qkv", freeze_language=True))
+    check(_lora_args(lora_rank=0, freeze_vision=True))
+
+
+def test_a_rank_past_a_linears_narrow_side_is_warned():
+    """Rank 4096 on the tiny model gave 29.6 M adapter values for 3 M weights without a word."""
+    from examples.multimodal_dev.lora.targets import rank_warning
+
+    shape = get_variant("tiny", moe=False)
+    hidden = shape.text.hidden_size
+    assert rank_warning(_lora_args(lora_rank=hidden), shape) is None
+    line = rank_warning(_lora_args(lora_rank=4096, lora_targets="in_proj,vision.linear_qkv"), shape)
+    assert line == (
+        f"warning: --lora-rank 4096 is past the narrower side of in_proj ({hidden}), vision.linear_qkv "
+        f"({shape.vision.hidden_size}): there an adapter holds more values than it can use (B @ A has rank at "
+        "most min(d_in, d_out))"
+    )
+    assert rank_warning(_lora_args(lora_rank=0), shape) is None
+
+
+def test_a_resume_at_another_alpha_is_refused(tmp_path, monkeypatch):
+    """The adapters learned at alpha / rank; another alpha scales what they add: LORA_ALPHA=64 on a run
+    saved at 4 resumed at 16 times the update with no message."""
+    from examples.multimodal_dev.checkpoint import adapters_from_base
+
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
+    stored = SimpleNamespace(lora_rank=4, lora_alpha=4.0, lora_targets="in_proj")
+    monkeypatch.setattr(adapters_from_base, "stored_args", lambda directory: stored)
+    args = _lora_args(lora_alpha=4.0, lora_targets="in_proj")
+    adapters_from_base.check_adapters_kept(args, str(tmp_path), "--load")
+    with pytest.raises(ValueError) as refused:
+        adapters_from_base.check_adapters_kept(
+            _lora_args(lora_alpha=64.0, lora_targets="in_proj"), str(tmp_path), "--load"
+        )
+    assert str(refused.value) == (
+        f"--load {tmp_path} holds LoRA adapters trained at --lora-alpha 4 (scale 1); this run has 64 (scale 16): "
+        "train on with --lora-alpha 4 (LORA_ALPHA)"
+    )

@@ -220,6 +220,8 @@ def test_the_video_limits_are_those_of_a_records_own_keys():
         (dict(DATASET="cord_v2"), "DATASET=cord_v2 needs DATA_PATH"),
         (dict(DATASET="webvid"), "DATASET=webvid must be mock, mock_mix, mock_video, cord_v2, jsonl or energon"),
         (dict(LORA_RANK="-4"), "LORA_RANK=-4 must be 0 \\(off\\) or a positive rank"),
+        (dict(LORA_ALPHA=8), "LORA_ALPHA=8 without LORA_RANK: there are no adapters \\(set LORA_RANK\\)"),
+        (dict(LORA_TARGETS="in_proj"), "LORA_TARGETS=in_proj without LORA_RANK: there are no adapters"),
         (dict(DATASET="jsonl"), "DATASET=jsonl needs DATA_PATH"),
         (dict(STRICT_DATA="1"), "apply to DATASET=jsonl \\(and energon\\) only \\(DATASET=mock\\)"),
         (

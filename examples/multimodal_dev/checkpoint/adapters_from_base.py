@@ -75,6 +75,13 @@ def check_adapters_kept(args, load_dir: str | None, flag: str) -> None:
     dropped = [t for t in stored.lora_targets.split(",") if t not in args.lora_targets.split(",")]
     if dropped:
         raise ValueError(f"{flag} {load_dir} holds LoRA adapters on {','.join(dropped)}, not in --lora-targets: {fix}")
+    alpha = getattr(stored, "lora_alpha", None)
+    if alpha is not None and alpha != args.lora_alpha:  # the same adapters at another scale: another model
+        raise ValueError(
+            f"{flag} {load_dir} holds LoRA adapters trained at --lora-alpha {alpha:g} (scale {alpha / rank:g}); "
+            f"this run has {args.lora_alpha:g} (scale {args.lora_alpha / rank:g}): train on with "
+            f"--lora-alpha {alpha:g} (LORA_ALPHA)"
+        )
 
 
 def record_base(args) -> None:

@@ -76,10 +76,25 @@ def target_of(name: str, targets: tuple[str, ...]) -> str | None:
 
 def check(args) -> None:
     """The LoRA flags of a run, refused by name before any process group (and ``--lora-alpha``
-    defaulted to the rank)."""
+    defaulted to the rank); also a run whose freezes leave nothing to train."""
     if args.lora_rank < 0:
         raise ValueError(f"--lora-rank {args.lora_rank}: must be 0 (off) or a positive rank")
+    frozen = [f"--freeze-{part}" for part in ("language", "vision") if getattr(args, f"freeze_{part}", False)]
+    if len(frozen) == 2:
+        raise ValueError("--freeze-language with --freeze-vision: nothing would train")
     if not args.lora_rank:
+        # without a rank there are no adapters: these would be dropped and every weight would train
+        given = [
+            f"{flag} {value}"
+            for flag, value, unset in (
+                ("--lora-alpha", args.lora_alpha, None),
+                ("--lora-dropout", args.lora_dropout, 0.0),
+                ("--lora-targets", args.lora_targets, ",".join(DEFAULT_TARGETS)),
+            )
+            if value != unset
+        ]
+        if given:
+            raise ValueError(f"{given[0]} without --lora-rank: there are no adapters (set a rank, or drop it)")
         return
     if args.lora_alpha is None:
         args.lora_alpha = float(args.lora_rank)
@@ -88,9 +103,54 @@ def check(args) -> None:
     if not 0 <= args.lora_dropout < 1:
         raise ValueError(f"--lora-dropout {args.lora_dropout}: must be in [0, 1)")
     targets = parse_targets(args.lora_targets)
+    # a freeze covers the adapters of its part too (model_provider.py): none left would train nothing
+    part = {True: "--freeze-vision", False: "--freeze-language"}
+    if frozen and all(part[t.startswith("vision.")] in frozen for t in targets):
+        raise ValueError(
+            f"--lora-targets {','.join(targets)} with {frozen[0]}: every adapter is in the frozen part, "
+            "nothing would train (name targets outside it, or drop the freeze)"
+        )
     routed = {"linear_fc1", "linear_fc2"} & set(targets)
     if routed and getattr(args, "num_experts", None) and getattr(args, "moe_grouped_gemm", False):
         raise ValueError(
             f"--lora-targets {','.join(sorted(routed))} with --moe-grouped-gemm: adapters on the routed experts sit on "
             "SequentialMLP's per-expert linears (GROUPED_EXPERTS=0 in the run script), or name no linear_fc1/linear_fc2"
         )
+
+
+def narrow_sides(shape) -> dict[str, int]:
+    """Each target's min(d_in, d_out) in the model ``shape`` (Qwen3.5's linears): the highest rank
+    an update ``B @ A`` of that linear can have."""
+    t, v = shape.text, shape.vision
+    experts = (t.moe_ffn_hidden_size, t.shared_expert_ffn_hidden_size)  # routed and shared: the narrower
+    ffn = min(w for w in experts if w) if t.is_moe else t.ffn_hidden_size
+    merged = v.hidden_size * v.spatial_merge_size**2  # the merger's input: a 2x2 patch group
+    return {
+        "linear_qkv": t.hidden_size,
+        "linear_proj": min(t.hidden_size, t.num_attention_heads * t.head_dim),
+        "in_proj": t.hidden_size,
+        "out_proj": min(t.hidden_size, t.linear_num_value_heads * t.linear_value_head_dim),
+        "linear_fc1": min(t.hidden_size, 2 * ffn),  # gated: the gate and up halves
+        "linear_fc2": min(t.hidden_size, ffn),
+        "vision.linear_qkv": v.hidden_size,
+        "vision.linear_proj": v.hidden_size,
+        "vision.linear_fc1": min(v.hidden_size, v.intermediate_size),
+        "vision.linear_fc2": min(v.hidden_size, v.intermediate_size),
+        "vision.merger.linear_fc1": merged,
+        "vision.merger.linear_fc2": min(merged, v.out_hidden_size),
+    }
+
+
+def rank_warning(args, shape) -> str | None:
+    """A line for a rank past the narrower side of a target's linear: a user may mean it, but past it
+    an adapter learns nothing a lower rank could not, with rank * (d_in + d_out) values a linear."""
+    if not args.lora_rank:
+        return None
+    sides = narrow_sides(shape)
+    past = [f"{t} ({sides[t]})" for t in parse_targets(args.lora_targets) if args.lora_rank > sides[t]]
+    if not past:
+        return None
+    return (
+        f"warning: --lora-rank {args.lora_rank} is past the narrower side of {', '.join(past)}: there an adapter "
+        "holds more values than it can use (B @ A has rank at most min(d_in, d_out))"
+    )

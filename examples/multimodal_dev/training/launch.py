@@ -407,6 +407,9 @@ def model_flags(s: Settings, shape, variant_flags: list[str], data: list[str], g
     args += ["--mtp-num-layers", "1", "--position-embedding-type", "rope"] if mtp == "1" else []
     for name, flag in (("DATA_PATH", "--data-path"), ("HF_PROCESSOR_PATH", "--hf-processor-path")):
         args += [flag, s.var(name)] if s.var(name) else []
+    for name, flag in (("LORA_ALPHA", "--lora-alpha"), ("LORA_TARGETS", "--lora-targets")):
+        if s.var(name) and not s.int("LORA_RANK"):  # dropped, every weight would train
+            raise LaunchError(f"{name}={s.values[name]} without LORA_RANK: there are no adapters (set LORA_RANK)")
     if s.int("LORA_RANK"):  # the training script checks the values (lora/targets.py)
         args += ["--lora-rank", v["LORA_RANK"]]
         for name, flag in (("LORA_ALPHA", "--lora-alpha"), ("LORA_TARGETS", "--lora-targets")):
