@@ -91,6 +91,41 @@ def test_planted_entry_is_refused(tmp_path):
     assert not marker.exists()
 
 
+def test_an_entry_overwritten_on_disk_is_named_not_taken_for_code(tmp_path):
+    """4 KiB overwritten over a pickled entry in a ``.distcp``: torch's data-only reader fails; the
+    line says the file cannot be read, not that it holds code, and never torch's advice to load it
+    with weights_only=False."""
+    _save(tmp_path, {"weight": torch.ones(2), "args": Namespace(padding="x" * 8000)})
+    (shard,) = tmp_path.glob("*.distcp")
+    with open(shard, "r+b") as f:
+        f.write(os.urandom(4096))
+    with pytest.raises(BaseException) as err:
+        _load(tmp_path, {"weight": torch.zeros(2), "args": None})
+    line = checkpoint_safety.refusal(err.value)
+    assert line.startswith("checkpoint refused: checkpoint entry 'args': not readable as checkpoint data (")
+    assert line.endswith("(a damaged or foreign file: restore it, or load another checkpoint)") and "\n" not in line
+
+
+@pytest.mark.parametrize("torch_save", [True, False], ids=["torch.save", "pickle"])
+def test_torch_loads_failure_is_one_line_without_its_advice(tmp_path, torch_save):
+    """``load_failure``: a planted global is named; a raw pickle torch cannot read says why."""
+    marker, path = tmp_path / "ran", tmp_path / "common.pt"
+    if torch_save:
+        torch.save({"args": _Plant(marker)}, path)
+    else:
+        path.write_bytes(pickle.dumps({"args": _Plant(marker)}, protocol=4))
+    with pytest.raises(pickle.UnpicklingError) as err:
+        torch.load(path, weights_only=True)
+    line = str(checkpoint_safety.load_failure(str(path), err.value))
+    assert "weights_only" not in line and "\n" not in line and line.startswith(f"checkpoint refused: {path}: ")
+    if torch_save:
+        assert line == f"checkpoint refused: {path}: it names 'posix.system', which is not checkpoint data " + (
+            "(a checkpoint must never run code)"
+        )
+    assert checkpoint_safety.refusal(RuntimeError(f"wrapped: {line}\nmore")) == line
+    assert not marker.exists()
+
+
 def test_damaged_tracker_file_is_named(tmp_path):
     checkpoint_safety.check_tracker(str(tmp_path))  # none yet: a fresh run
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("12\n")

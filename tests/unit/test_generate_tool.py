@@ -266,3 +266,42 @@ def test_stdout_carries_only_the_answers(checkpoint):
     assert out.returncode == 0, out.stderr[-3000:]
     assert [json.loads(line)["where"] for line in out.stdout.splitlines()] == ["--prompt"], out.stdout
     assert "generate: 1 prompt(s)" in out.stderr
+
+
+@pytest.mark.parametrize("damage", ["planted", "overwritten"])
+def test_a_planted_or_damaged_common_state_is_one_line(checkpoint, tmp_path, capsys, damage):
+    """A ``common.pt`` planted in a checkpoint (megatron reads it first where it exists) ended in torch's
+    UnpicklingError, whose text advises loading with weights_only=False; generate and export say it in
+    one line naming the file."""
+    import shutil
+
+    from examples.multimodal_dev.tools import convert_checkpoint
+
+    root, _ = checkpoint
+    shutil.copytree(root / "mg", tmp_path / "mg")
+    (folder,) = (tmp_path / "mg").glob("iter_*")
+    common = folder / "common.pt"
+    if damage == "planted":
+        torch.save({"args": _Plant(tmp_path / "ran")}, common)
+    else:
+        torch.save({"args": {"x": "y" * 9000}}, common)
+        with open(common, "r+b") as f:
+            f.seek(64)
+            f.write(os.urandom(4096))
+    base = ["--megatron-path", str(tmp_path / "mg")]
+    assert generate.main([*base, "--hf-processor-path", str(root / "hf"), "--prompt", "x"]) == 2
+    assert convert_checkpoint.main(["export", *base, "--hf-path", str(tmp_path / "out")]) == 2
+    for line in capsys.readouterr().err.strip().splitlines():
+        assert f"--megatron-path {tmp_path / 'mg'}: checkpoint refused: {common}: " in line, line
+        assert "weights_only" not in line
+    assert not (tmp_path / "ran").exists()
+
+
+class _Plant:
+    """Unpickling this runs ``os.system`` (it would create ``path``)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)

@@ -16,11 +16,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import shutil
 
 import torch
 
 from . import write_queue
+from .safety import load_failure, refusal
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -115,7 +117,13 @@ def stored_args(directory: str):
     from ..megatron_changes import apply
 
     apply("checkpoints-are-data")
-    return dist_checkpointing.load_common_state_dict(directory).get("args")
+    try:
+        return dist_checkpointing.load_common_state_dict(directory).get("args")
+    except (pickle.UnpicklingError, EOFError, RuntimeError) as err:  # torch.load's: one line, not its advice
+        if refusal(err) is not None:
+            raise
+        legacy = os.path.join(directory, "common.pt")  # megatron reads it first where it exists
+        raise load_failure(legacy if os.path.exists(legacy) else f"{directory} (its common state)", err) from None
 
 
 def load_model_weights(model, directory: str) -> None:

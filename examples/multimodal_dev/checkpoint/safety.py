@@ -51,6 +51,7 @@ _DCP_MODULE = "torch.distributed.checkpoint."
 
 
 _REFUSED, _END = "checkpoint refused: ", " (a checkpoint must never run code)"
+_DAMAGED_END = " (a damaged or foreign file: restore it, or load another checkpoint)"
 
 
 class CheckpointCodeError(pickle.UnpicklingError):
@@ -60,12 +61,36 @@ class CheckpointCodeError(pickle.UnpicklingError):
         super().__init__(f"{_REFUSED}{where}: it names {what}, which is not checkpoint data{_END}")
 
 
+class CheckpointDamagedError(pickle.UnpicklingError):
+    """A checkpoint file that torch's data-only reader cannot read (overwritten bytes, not a pickle)."""
+
+    def __init__(self, where: str, why: str):
+        super().__init__(f"{_REFUSED}{where}: not readable as checkpoint data ({why}){_DAMAGED_END}")
+
+
+def load_failure(where: str, err: BaseException) -> pickle.UnpicklingError:
+    """The one line for a file ``torch.load(weights_only=True)`` failed on: the global it names, or
+    why it cannot be read. Never torch's own text, which advises loading with weights_only=False
+    (running whatever the file holds)."""
+    text = str(err)
+    found = re.search(r"GLOBAL ([\w.]+)", text)
+    if found:
+        return CheckpointCodeError(where, f"'{found.group(1)}'")
+    detail = re.search(r"WeightsUnpickler error:\s*(\S.*)", text)
+    why = detail.group(1) if detail else (text.strip().splitlines() or [type(err).__name__])[0]
+    return CheckpointDamagedError(where, why.strip()[:160])
+
+
 def refusal(err: BaseException) -> str | None:
     """The refusal inside ``err``: DCP re-raises reader errors wrapped in its own exceptions
     (their text carries ours), so the training entry point finds it by its text."""
     text = str(err)
     start = text.find(_REFUSED)
-    return text[start : text.find(_END, start) + len(_END)] if start >= 0 else None
+    if start < 0:
+        return None
+    ends = [(i, end) for end in (_END, _DAMAGED_END) if (i := text.find(end, start)) >= 0]
+    i, end = min(ends) if ends else (len(text), "")
+    return text[start : i + len(end)]
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -109,12 +134,8 @@ def load_bytes_weights_only(planner, read_item, value: io.BytesIO) -> None:
 
     try:
         obj = torch.load(value, weights_only=True)
-    except pickle.UnpicklingError as err:  # torch names the global on its "Unsupported global" line
-        found = re.search(r"GLOBAL ([\w.]+)", str(err))
-        raise CheckpointCodeError(
-            f"checkpoint entry '{read_item.dest_index.fqn}'",
-            f"'{found.group(1)}'" if found else "a global outside the allowed set",
-        ) from None
+    except Exception as err:  # a planted global, or bytes overwritten: not a zip, not a pickle
+        raise load_failure(f"checkpoint entry '{read_item.dest_index.fqn}'", err) from None
     if planner.flatten_state_dict:
         from torch.distributed.checkpoint.default_planner import set_element
 
