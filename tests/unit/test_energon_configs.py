@@ -179,3 +179,58 @@ def test_tampered_metadata_is_one_line_naming_the_dataset(example_data, tmp_path
         config = energon.worker_config(0, 1, 0)
         energon.open_dataset(str(folder), "train", config, energon.ConversationEncoder(), None, True)
     assert says in str(refused.value) and "\n" not in str(refused.value), refused.value
+
+
+def _blend(path, *targets):
+    path.write_text(
+        "__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n    blend:\n"
+        + "".join(f"      - weight: 1\n        path: {t}\n" for t in targets)
+    )
+    return path
+
+
+def test_a_metadataset_that_includes_itself_is_one_line(example_data, tmp_path):
+    """energon follows the cycle until RecursionError; a dataset blended twice is no cycle."""
+    shutil.copytree(example_data[1], tmp_path / "good")
+    check_dataset(str(_blend(tmp_path / "twice.yaml", "good", "good")))
+    _blend(tmp_path / "self.yaml", "good", "self.yaml")
+    with pytest.raises(DataError, match=r"self.yaml: includes itself \(.*self.yaml -> .*self.yaml\)$"):
+        energon.check_energon_path(str(tmp_path / "self.yaml"))
+    _blend(tmp_path / "a.yaml", "b.yaml")
+    _blend(tmp_path / "b.yaml", "good", "a.yaml")
+    with pytest.raises(DataError, match=r"includes itself \(.*a.yaml -> .*b.yaml -> .*a.yaml\)$"):
+        energon.check_energon_path(str(tmp_path / "a.yaml"))
+
+
+@pytest.mark.parametrize(
+    "target, says",
+    [
+        ("/etc", "it names '/etc', which is not a prepared energon dataset \\(no .nv-meta/dataset.yaml\\)"),
+        ("/etc/hostname", "it names '/etc/hostname', which is not a metadataset .yaml"),
+    ],
+)
+def test_a_metadataset_naming_a_host_path_is_one_line(example_data, tmp_path, target, says):
+    """``path: /etc`` ended in energon's ``FileNotFoundError: /etc``."""
+    import os
+
+    if not os.path.exists(target):
+        pytest.skip(f"{target} is not on this host")
+    with pytest.raises(DataError, match=says):
+        energon.check_energon_path(str(_blend(tmp_path / "blend.yaml", target)))
+
+
+def test_a_yaml_alias_bomb_stays_small(example_data, tmp_path):
+    """Nine levels of nine aliases would be 9^9 nodes expanded; energon's YAML reader keeps an alias as
+    its text, so the walk (and energon) see a few dozen strings."""
+    import time
+
+    from examples.multimodal_dev.data.energon_configs import read_config
+
+    lines = ['a0: &a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    lines += [f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    folder = planted(example_data, tmp_path, CRUDE + "subflavors:\n" + "".join(f"  {line}\n" for line in lines))
+    started = time.monotonic()
+    energon.check_energon_path(str(folder))  # nothing in it names code
+    assert time.monotonic() - started < 5
+    tree = read_config(str(folder / ".nv-meta" / "dataset.yaml"))
+    assert tree["subflavors"]["a8"] == ["*a7"] * 9

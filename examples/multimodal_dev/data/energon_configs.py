@@ -44,14 +44,19 @@ META_FOLDER = ".nv-meta"
 def check_dataset(path: str) -> None:
     """Walk every config file energon reads for ``path`` (a prepared folder or a metadataset .yaml);
     ``DataError`` naming the file and key for anything that could run code or read host files."""
-    _check(os.path.abspath(path), set())
+    _check(os.path.abspath(path), (), set())
 
 
-def _check(path: str, seen: set) -> None:
+def _check(path: str, including: tuple[str, ...], done: set) -> None:
+    """``including``: the metadatasets that led here (energon follows a cycle until Python's stack
+    ends); ``done``: files checked already (a dataset blended twice is read once)."""
     real = os.path.realpath(path)
-    if real in seen:
+    if real in including:
+        chain = " -> ".join((*including[including.index(real) :], real))
+        raise DataError(f"energon metadataset {path}: includes itself ({chain})")
+    if real in done:
         return
-    seen.add(real)
+    done.add(real)
     if os.path.isdir(path):
         meta = os.path.join(path, META_FOLDER)
         for name in sorted(os.listdir(meta)) if os.path.isdir(meta) else ():
@@ -64,7 +69,16 @@ def _check(path: str, seen: set) -> None:
         target = reference if os.path.isabs(reference) else os.path.join(os.path.dirname(path), reference)
         if not os.path.exists(target):
             raise DataError(f"energon metadataset {path}: it names {reference!r}, which does not exist")
-        _check(target, seen)
+        # energon opens a folder as a prepared dataset and a file as a metadataset: anything else
+        # (a host folder such as /etc) would end in its FileNotFoundError
+        if os.path.isdir(target) and not os.path.isfile(os.path.join(target, META_FOLDER, "dataset.yaml")):
+            raise DataError(
+                f"energon metadataset {path}: it names {reference!r}, which is not a prepared energon dataset "
+                f"(no {META_FOLDER}/dataset.yaml)"
+            )
+        if os.path.isfile(target) and not target.endswith((".yaml", ".yml")):
+            raise DataError(f"energon metadataset {path}: it names {reference!r}, which is not a metadataset .yaml")
+        _check(target, (*including, real), done)
 
 
 def read_config(path: str):
