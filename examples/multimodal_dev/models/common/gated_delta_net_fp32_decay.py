@@ -11,6 +11,10 @@ fp32 parameters (no separate main copy), as they do any fp32 parameter of a half
 
 Given an inference context (generation), the layer decodes with cached state (``gdn_decoding.py``),
 which megatron-core's own forward refuses.
+
+A packed row's segments are checked once per micro-batch, not in every layer: megatron-core reads
+``cu_seqlens`` back to the host for its checks in each GatedDeltaNet layer (three syncs a layer, query
+and key alike, on a GPU run).
 """
 
 from __future__ import annotations
@@ -29,6 +33,14 @@ class GatedDeltaNetFp32Decay(GatedDeltaNet):
         if inference_context is None:
             return super().forward(hidden_states, attention_mask, **kwargs)
         return cached_forward(self, hidden_states, inference_context)
+
+    def _resolve_cu_seqlens(self, cu_seqlens_padded, cu_seqlens_actual, total_seq_len, name, cp_size: int = 1):
+        cu_seqlens = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens_actual
+        checked = cu_seqlens.__dict__.setdefault("_gdn_checked", set())  # lives as long as the micro-batch
+        if (total_seq_len, cp_size) not in checked:
+            super()._resolve_cu_seqlens(cu_seqlens_padded, cu_seqlens_actual, total_seq_len, name, cp_size)
+            checked.add((total_seq_len, cp_size))
+        return cu_seqlens
 
     def reset_parameters(self):
         # megatron-core draws ``A`` in params_dtype (and writes dt_bias with ``out=``, which must

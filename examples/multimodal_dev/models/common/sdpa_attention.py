@@ -121,7 +121,7 @@ class SDPACoreAttention(MegatronModule):
         bounds = getattr(params, "_sdpa_host_bounds", None)
         if bounds is None:
             cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
-            if cu_kv is not None and not torch.equal(cu.cpu(), cu_kv.cpu()):
+            if cu_kv is not None and cu_kv is not cu and not torch.equal(cu.cpu(), cu_kv.cpu()):
                 raise NotImplementedError("SDPACoreAttention THD needs identical q and kv segments")
             bounds = cu.tolist()
             params._sdpa_host_bounds = bounds
