@@ -177,3 +177,57 @@ def test_bench_lora_counts_and_steps(no_process_group):
     full, lora = result["losses"].values()
     assert abs(full - lora) <= 1e-6 * abs(full)
     assert result["trainable"]["LoRA rank 4"] < result["trainable"]["full"] / 10
+
+
+def test_step_tally_counts_ops_and_syncs_where_they_happen():
+    from examples.multimodal_dev.benchmarks.op_counter import StepTally
+
+    tally = StepTally()
+    with tally.counting():
+        y = torch.arange(6.0) + 1  # arange, add
+        y.sum().item()  # sum, and a read of its value
+        y.tolist()
+        (y > 2).nonzero()  # gt, nonzero (its output size is the host's to know)
+        param = torch.nn.Parameter(torch.ones(2))
+        param.grad = torch.ones(2)
+        torch.optim.AdamW([param], foreach=False).step()  # reads its host-side step counts: ops, no sync
+    summary = tally.summary(top=50)
+    ops = dict(summary["top_ops"])
+    assert ops["arange"] >= 1 and ops["add"] >= 1 and ops["nonzero"] == 1
+    kinds = sorted(kind for kind, _, _ in summary["syncs"])
+    assert kinds == ["Tensor.tolist", "aten._local_scalar_dense", "aten.nonzero"], summary["syncs"]
+    assert all("test_benchmarks.py" in where for _, where, _ in summary["syncs"])  # the asking line is named
+    assert summary["steps"] == 1 and summary["ops_per_step"] == sum(tally.ops.values())
+
+
+def test_a_kernel_stand_in_counts_once_each_way_and_keeps_the_gradients():
+    from examples.multimodal_dev.benchmarks.op_counter import StepTally, as_one_kernel
+
+    def run(x, w, b):
+        return torch.tanh(x @ w + b).cumsum(0)
+
+    x, w = torch.randn(4, 3, requires_grad=True), torch.randn(3, 2, requires_grad=True)
+    plain = run(x, w, torch.zeros(2))
+    plain.square().sum().backward()
+    want = (x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    tally = StepTally()
+    with tally.counting():
+        out = as_one_kernel(tally, "fused", run, x, w, torch.zeros(2))
+        out.square().sum().backward()
+    assert torch.equal(out, plain)
+    assert torch.allclose(x.grad, want[0]) and torch.allclose(w.grad, want[1])
+    assert tally.ops["fused"] == 1 and tally.ops["fused_backward"] == 1
+    assert "tanh" not in tally.ops and "mm" not in tally.ops  # inside the stand-in: uncounted
+
+
+def test_bench_step_ops_cases_keep_what_sets_the_op_count():
+    from examples.multimodal_dev.benchmarks import bench_step_ops
+
+    cut, proxy = bench_step_ops.case_shape("35b_a3b-cut"), bench_step_ops.case_shape("proxy")
+    assert (cut.text.num_experts, cut.text.moe_top_k, proxy.text.num_experts, proxy.text.moe_top_k) == (256, 8, 8, 2)
+    for shape in (cut, proxy):
+        assert shape.text.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+        assert shape.vision.depth == 27 and shape.text.mtp_num_layers == 0
+    with pytest.raises(ValueError, match="unknown case"):
+        bench_step_ops.case_shape("9b")

@@ -1,0 +1,237 @@
+"""The host's work per training step, counted: ATen ops dispatched and host syncs, through the
+production step (``run_qwen35_vl.sh``'s launch, ``megatron.training``'s ``train_step``: forward and
+backward of every micro-batch, the DDP gradient hooks, the optimizer), at the structure of a GPU run.
+
+    python -m examples.multimodal_dev.benchmarks.bench_step_ops [--runs 35b_a3b-cut,proxy]
+        [--dispatcher allgather|alltoall|auto] [--steps 2] [-- extra megatron flags]
+
+A case keeps what sets the count of ops (layer types and count, expert count and top-k, vision
+depth, sequence length, micro-batches per step) and shrinks what does not (widths, vocabulary), so a
+CPU step takes seconds:
+
+    35b_a3b-cut   35b_a3b's 3 GDN + 1 attention layers, 256 experts top-8, 27 vision blocks
+    proxy         the proxy variant: 4 layers of the 397B shape, 8 experts top-2, 27 vision blocks
+
+both at SEQ_LEN 4096, MBS 4, GBS 8 (two packed micro-batches of four conversations, as the GPU
+check's training row runs). The first step builds caches and is not counted; the next ``--steps``
+are, and the table gives their mean. ``benchmarks/op_counter.py`` says what a sync is.
+The peer is megatron-core's own local MoE path (``SequentialMLP``, which its local spec builds
+whatever ``--moe-grouped-gemm`` says): ``--peer`` runs it beside this checkout's choice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import replace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+CASES = ("35b_a3b-cut", "proxy")
+WARM_STEPS = 1
+RUN_SETTINGS = {"SEQ_LEN": "4096", "MBS": "4", "GBS": "8", "LR": "2e-4"}
+
+
+def case_shape(name: str):
+    """The case's shape: the variant's structure at small widths, vocabulary 8192."""
+    from examples.multimodal_dev.models import default_model
+
+    if name not in CASES:
+        raise ValueError(f"--runs: unknown case {name!r}; valid: {', '.join(CASES)}")
+    shape = default_model().shape_fn("35b_a3b" if name == "35b_a3b-cut" else "proxy", mtp=False)
+    text = replace(
+        shape.text,
+        num_layers=4,
+        layer_types=(),  # the default hybrid pattern: 3 GDN + 1 attention
+        hidden_size=128,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        mrope_section=(2, 1, 1),
+        vocab_size=8192,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        moe_ffn_hidden_size=32,
+        shared_expert_ffn_hidden_size=32,
+    )
+    vision = replace(shape.vision, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128)
+    return replace(
+        shape,
+        text=text,
+        vision=vision,
+        image_token_id=8000,
+        video_token_id=8001,
+        vision_start_token_id=8002,
+        vision_end_token_id=8003,
+    )
+
+
+def _launch_args(hf_config: str, steps: int, settings: dict, extra: list[str]) -> list[str]:
+    """pretrain_multimodal's flags for the case, as the run script would give them on this host."""
+    from examples.multimodal_dev.training import launch
+
+    env = {k: v for k, v in os.environ.items() if k not in launch.NAMES}
+    env.update(RUN_SETTINGS, HF_CONFIG=hf_config, TRAIN_ITERS=str(WARM_STEPS + steps), **settings)
+    plan = launch.prepare(env, [], launch.has_gpu(), launch.Launch())
+    module = plan.torchrun.index("--module")
+    return plan.torchrun[module + 2 :] + ["--mock-text-tokens", "1024", "--eval-iters", "0", *extra]
+
+
+def count_case(name: str, steps: int, settings: dict, extra: list[str]) -> dict:
+    """Launch one single-rank run of the case under the counter; its summary."""
+    from examples.multimodal_dev.models import default_model
+
+    with tempfile.TemporaryDirectory(prefix="bench_step_ops_") as tmp:
+        hf_config = os.path.join(tmp, "config.json")
+        with open(hf_config, "w") as f:
+            json.dump(default_model().shape_to_hf(case_shape(name)), f)
+        out = os.path.join(tmp, "counts.json")
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "1",
+            "--standalone",
+            "--module",
+            "examples.multimodal_dev.benchmarks.bench_step_ops",
+            "--worker",
+            out,
+            *_launch_args(hf_config, steps, settings, extra),
+        ]
+        worker_env = {**os.environ, **{k: v for k, v in settings.items() if k.startswith("BENCH_")}}
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=worker_env)
+        if done.returncode != 0 or not os.path.exists(out):
+            raise SystemExit(f"bench_step_ops: the {name} run failed:\n{(done.stdout + done.stderr)[-4000:]}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def gpu_kernels_as_calls(tally) -> None:
+    """Count each CPU stand-in for a fused GPU kernel as that one kernel: Gated DeltaNet's three FLA
+    kernels (megatron.cpu's torch kernels on this host) and the THD attention (a loop of SDPA calls
+    per packed sample here, one varlen flash kernel on a GPU in bf16). Bound before the model is
+    built: GatedDeltaNet keeps its rule function from construction."""
+    from megatron.core.ssm.gated_delta_net import common, gdn
+
+    import megatron.cpu
+    from examples.multimodal_dev.models.common.sdpa_attention import SDPACoreAttention
+
+    from .op_counter import as_one_kernel
+
+    megatron.cpu.activate()  # binds the torch kernels first; main() finds it done
+    rule, conv, norm = gdn.chunk_gated_delta_rule, gdn.causal_conv1d, common.l2norm
+
+    def chunk_gated_delta_rule(q, k, v, g, beta, **kw):
+        if kw.get("output_final_state") or kw.get("initial_state") is not None:
+            return rule(q, k, v, g, beta, **kw)
+        return as_one_kernel(tally, "fla_chunk_gated_delta_rule", lambda *t: rule(*t, **kw)[0], q, k, v, g, beta), None
+
+    def causal_conv1d(x, weight, bias=None, **kw):
+        return as_one_kernel(tally, "fla_causal_conv1d", lambda *t: conv(*t, **kw)[0], x, weight, bias), None
+
+    def l2norm(x, *a, **kw):
+        return as_one_kernel(tally, "fla_l2norm", lambda t: norm(t, *a, **kw), x)
+
+    for module in (common, gdn):
+        module.chunk_gated_delta_rule, module.causal_conv1d, module.l2norm = (
+            chunk_gated_delta_rule,
+            causal_conv1d,
+            l2norm,
+        )
+    per_sample = SDPACoreAttention._forward_thd
+
+    def forward_thd(self, query, key, value, params, causal):
+        self._segments(params)  # the host's read of the segments stays counted: varlen reads them too
+        return as_one_kernel(
+            tally, "varlen_attention", lambda *t: per_sample(self, *t, params, causal), query, key, value
+        )
+
+    SDPACoreAttention._forward_thd = forward_thd
+
+
+def worker(out: str) -> None:
+    """Inside torchrun: count every train_step after the warm-up ones, then write the summary."""
+    import megatron.training.training as training
+
+    from examples.multimodal_dev import pretrain_multimodal
+
+    from .op_counter import StepTally
+
+    tally, calls = StepTally(by_caller=os.environ.get("BENCH_STEP_OPS_BY_CALLER") == "1"), [0]
+    if os.environ.get("BENCH_STEP_OPS_GPU_KERNELS") == "1":
+        gpu_kernels_as_calls(tally)
+    original = training.train_step
+
+    def counted_step(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] <= WARM_STEPS:
+            return original(*args, **kwargs)
+        with tally.counting():
+            return original(*args, **kwargs)
+
+    training.train_step = counted_step
+    pretrain_multimodal.main()
+    with open(out, "w") as f:
+        json.dump(tally.summary(), f)
+
+
+def _row(name: str, label: str, s: dict) -> str:
+    return f"| {name} | {label} | {s['ops_per_step']:,.0f} | {s['syncs_per_step']:.0f} |"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        sys.argv = [sys.argv[0], *argv[2:]]
+        worker(argv[1])
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", default=",".join(CASES), help=f"cases, comma-separated: {', '.join(CASES)}")
+    parser.add_argument("--steps", type=int, default=2, help="counted steps after the warm-up one")
+    parser.add_argument("--peer", action="store_true", help="also count megatron-core's SequentialMLP path")
+    parser.add_argument("--details", action="store_true", help="print the top ops and every sync's caller")
+    parser.add_argument("--by-caller", action="store_true", help="with --details: the lines that dispatch most ops")
+    parser.add_argument(
+        "--gpu-kernels",
+        action="store_true",
+        help="also count with the CPU stand-ins for FLA's kernels and varlen attention as one op each",
+    )
+    parser.add_argument("extra", nargs="*", help="megatron flags added to the launch (after --)")
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps}: count at least one step")
+    if args.by_caller:
+        os.environ["BENCH_STEP_OPS_BY_CALLER"] = "1"  # read by the worker
+    contenders = {"this checkout": {}}
+    if args.peer:
+        contenders["megatron-core SequentialMLP"] = {"GROUPED_EXPERTS": "0"}
+    if args.gpu_kernels:
+        contenders["this checkout, GPU kernels as calls"] = {"BENCH_STEP_OPS_GPU_KERNELS": "1"}
+    print("| case | experts | ATen ops / step | host syncs / step |")
+    print("|---|---|---|---|")
+    for name in [r for r in args.runs.split(",") if r]:
+        results = {}
+        for label, settings in contenders.items():
+            results[label] = count_case(name, args.steps, settings, args.extra)
+            print(_row(name, label, results[label]), flush=True)
+        if args.peer:
+            ours, peer = results["this checkout"], results["megatron-core SequentialMLP"]
+            print(f"|  | ratio (peer / ours) | {peer['ops_per_step'] / ours['ops_per_step']:.1f}x | |", flush=True)
+        if args.details:
+            for label, s in results.items():
+                print(f"\n{name}, {label}: top ops {s['top_ops']}", file=sys.stderr)
+                for where, count in s["callers"]:
+                    print(f"  {count:8.1f}  ops at {where}", file=sys.stderr)
+                for kind, where, count in s["syncs"]:
+                    print(f"  {count:8.1f}  {kind:28s} {where}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

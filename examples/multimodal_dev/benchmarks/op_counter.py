@@ -1,0 +1,221 @@
+"""Counting the host's work of a training step: every ATen op dispatched, and every point where the
+host waits for the device.
+
+On a GPU each eager ATen op costs the host ~10-25 us of Python and dispatcher time whatever its size,
+and each sync stops the host until the GPU has drained its queue; a step that dispatches 125k ops
+leaves the GPU idle most of the time. Both counts are properties of the code, not of the host, so
+they are taken on CPU, where every commit runs, and hold for the GPU run.
+
+What counts as a sync (the host needs a value the device computes):
+- ATen ops whose output size or value the host reads: ``_local_scalar_dense`` (``.item()``,
+  ``bool(t)``, ``int(t)``), ``nonzero`` (and boolean-mask indexing, which calls it),
+  ``masked_select``, ``unique`` and friends, ``repeat_interleave`` without ``output_size``,
+  ``equal``, ``is_nonzero``;
+- ``Tensor.tolist`` / ``.cpu()`` / ``.numpy()`` calls (a device-to-host copy on a GPU);
+- ``torch.cuda.synchronize`` and stream / event synchronizes.
+On a CPU host every tensor lives on the host, so a tensor that is host-side on a GPU run too (a
+Python scalar wrapped for a log line) counts as well: the sync count is an upper bound, and each
+sync is listed with the line that asked for it so that it can be judged. One kind is known to be
+host-side and is left out: torch.optim reading its own step counts, which it keeps on the host
+(unless ``capturable``) so that reading them costs no sync; they still count as ops.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import traceback
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+SYNC_ATEN = {
+    "_local_scalar_dense",
+    "nonzero",
+    "nonzero_static",
+    "masked_select",
+    "unique",
+    "_unique",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "equal",
+    "is_nonzero",
+}
+SYNC_METHODS = {"tolist", "cpu", "numpy"}
+_CUDA_SYNCS = ("synchronize",)  # torch.cuda.synchronize; Stream/Event.synchronize are wrapped below
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# torch itself and the CPU device layer (whose function mode sits between every caller and torch)
+_PASS_OVER = ("torch", f"megatron{os.sep}cpu")
+
+
+def _inside_torch_optim() -> bool:
+    return any(f"{os.sep}torch{os.sep}optim{os.sep}" in frame.filename for frame in traceback.extract_stack()[:-2])
+
+
+def _caller() -> str:
+    """file:line of the innermost frame outside torch and this file: who asked for the value."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        name = frame.filename
+        if name.startswith(_HERE) or any(f"{os.sep}{d}{os.sep}" in name for d in _PASS_OVER):
+            continue
+        parts = name.split(os.sep)
+        for anchor in ("megatron", "examples"):
+            if anchor in parts:
+                name = os.sep.join(parts[len(parts) - 1 - parts[::-1].index(anchor) :])
+                break
+        return f"{name}:{frame.lineno}"
+    return "?"
+
+
+class _AtenCounter(TorchDispatchMode):
+    def __init__(self, tally: "StepTally"):
+        super().__init__()
+        self.tally = tally
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.tally.inside_kernel:
+            return func(*args, **kwargs)
+        name = func.__name__.split(".")[0]
+        self.tally.ops[name] += 1
+        if self.tally.by_caller:
+            self.tally.callers[_caller()] += 1
+        if name in SYNC_ATEN or (name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) < 3):
+            if not (name == "_local_scalar_dense" and _inside_torch_optim()):
+                self.tally.sync(f"aten.{name}")
+        return func(*args, **kwargs)
+
+
+class _MethodCounter(TorchFunctionMode):
+    def __init__(self, tally: "StepTally"):
+        super().__init__()
+        self.tally = tally
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in SYNC_METHODS and not self.tally.inside_kernel and getattr(func, "__objclass__", None) is not None:
+            self.tally.sync(f"Tensor.{name}")
+        return func(*args, **(kwargs or {}))
+
+
+class StepTally:
+    """Counts of the work inside ``with tally.counting():``, accumulated over every use."""
+
+    def __init__(self, by_caller: bool = False):
+        self.by_caller = by_caller  # also count ops by the line that dispatched them (slow: a stack walk an op)
+        self.callers: collections.Counter = collections.Counter()
+        self.ops: collections.Counter = collections.Counter()
+        self.inside_kernel = 0  # > 0: inside a stand-in for one GPU kernel (as_one_kernel)
+        self._counting_depth = 0
+        self.syncs: collections.Counter = collections.Counter()  # (kind, caller) -> count
+        self.steps = 0
+
+    def sync(self, kind: str) -> None:
+        self.syncs[(kind, _caller())] += 1
+
+    def counting(self):
+        return _Counting(self)
+
+    @property
+    def counting_now(self) -> bool:
+        return self._counting_depth > 0
+
+    def summary(self, top: int = 15) -> dict:
+        steps = max(self.steps, 1)
+        return {
+            "steps": self.steps,
+            "ops_per_step": sum(self.ops.values()) / steps,
+            "syncs_per_step": sum(self.syncs.values()) / steps,
+            "top_ops": [(n, c / steps) for n, c in self.ops.most_common(top)],
+            "syncs": [(k, where, c / steps) for (k, where), c in self.syncs.most_common()],
+            "callers": [(where, c / steps) for where, c in self.callers.most_common(3 * top)],
+        }
+
+
+class _Counting:
+    def __init__(self, tally: StepTally):
+        self.tally = tally
+        self.modes = (_MethodCounter(tally), _AtenCounter(tally))
+        self.patched: list = []
+
+    def _wrap_cuda_syncs(self):
+        for owner, name in [(torch.cuda, n) for n in _CUDA_SYNCS] + [
+            (torch.cuda.Stream, "synchronize"),
+            (torch.cuda.Event, "synchronize"),
+        ]:
+            original = getattr(owner, name, None)
+            if original is None:
+                continue
+
+            def counted(*a, _original=original, _name=name, **k):
+                self.tally.sync(f"cuda.{_name}")
+                return _original(*a, **k)
+
+            setattr(owner, name, counted)
+            self.patched.append((owner, name, original))
+
+    def __enter__(self):
+        self.tally._counting_depth += 1
+        self._wrap_cuda_syncs()
+        for mode in self.modes:
+            mode.__enter__()
+        return self.tally
+
+    def __exit__(self, *exc):
+        for mode in reversed(self.modes):
+            mode.__exit__(*exc)
+        for owner, name, original in reversed(self.patched):
+            setattr(owner, name, original)
+        self.tally._counting_depth -= 1
+        self.tally.steps += 1
+        return False
+
+
+class _OneKernel(torch.autograd.Function):
+    """Runs ``run(*tensors)`` as one counted op forward and one backward (the backward recomputes
+    the forward under autograd and differentiates it, uncounted)."""
+
+    @staticmethod
+    def forward(ctx, tally, name, run, *tensors):
+        ctx.tally, ctx.name, ctx.run = tally, name, run
+        ctx.save_for_backward(*tensors)
+        tally.ops[name] += 1
+        tally.inside_kernel += 1
+        try:
+            return run(*tensors)
+        finally:
+            tally.inside_kernel -= 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        tally = ctx.tally
+        tally.ops[f"{ctx.name}_backward"] += 1
+        tally.inside_kernel += 1
+        try:
+            tensors = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+            with torch.enable_grad():
+                out = ctx.run(*tensors)
+            wanted = [t for t in tensors if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, grad, allow_unused=True))
+            return (None, None, None, *(next(grads) if t.requires_grad else None for t in tensors))
+        finally:
+            tally.inside_kernel -= 1
+
+
+def as_one_kernel(tally: StepTally, name: str, run, *tensors):
+    """``run(*tensors)`` (one output tensor), counted as the one fused GPU kernel it stands in for
+    (one op forward, one backward) while ``tally`` counts; plain otherwise."""
+    if not tally.counting_now:
+        return run(*tensors)
+    present = [t for t in tensors if t is not None]
+    positions = [i for i, t in enumerate(tensors) if t is not None]
+
+    def run_present(*given):
+        full = list(tensors)
+        for i, t in zip(positions, given):
+            full[i] = t
+        return run(*full)
+
+    return _OneKernel.apply(tally, name, run_present, *present)
