@@ -2,6 +2,8 @@
 original: the same tensor, with freqs per sequence or per token of the packed row, with and without
 context parallelism (every rank's zigzag chunks), interleaved or not."""
 
+import types
+
 import pytest
 import torch
 from megatron.core.models.common.embeddings import rope_utils
@@ -9,15 +11,9 @@ from megatron.core.models.common.embeddings import rope_utils
 from examples.multimodal_dev.models.common.rope_thd import rotary_thd
 
 
-class _Group:
-    def __init__(self, size, rank):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
+def _group(size: int, rank: int):
+    """What the rotary reads of a context-parallel group."""
+    return types.SimpleNamespace(size=lambda: size, rank=lambda: rank)
 
 
 # megatron-core's own function, whatever the table has put in its place in this process
@@ -38,7 +34,7 @@ def test_one_pass_equals_per_sequence(packed, cp, interleaved):
     ours = rotary_thd(ORIGINAL)
     for rank in range(cp):
         t = torch.randn(total // cp, 3, rot + 8)  # 8 channels past the rotary ones pass through
-        group = _Group(cp, rank)
+        group = _group(cp, rank)
         want = ORIGINAL(t, cu, freqs, rotary_interleaved=interleaved, cp_group=group)
         got = ours(t, cu, freqs, rotary_interleaved=interleaved, cp_group=group)
         assert torch.equal(got, want), (cp, rank, (got - want).abs().max())
