@@ -39,6 +39,36 @@ def deadline_left() -> float:
     return float(deadline) - time.time() if deadline else 1e9
 
 
+def progress(what: str) -> None:
+    """One timestamped line in ``progress.log`` beside the rows, written and flushed at once: a check
+    stopped by its time cap loses pytest's captured output, and this file then says which stage it
+    was in and how long each earlier one took."""
+    outdir = os.environ.get("GPU_CHECKS_OUTDIR")
+    if not outdir:
+        return
+    with open(os.path.join(outdir, "progress.log"), "a") as f:
+        f.write(f"{time.strftime('%H:%M:%S')} {what}\n")
+
+
+class Stages:
+    """``with stages("building ours"):`` -> progress lines at the start and end, with the seconds."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+
+    def __call__(self, stage: str):
+        import contextlib
+
+        @contextlib.contextmanager
+        def timed():
+            start = time.time()
+            progress(f"{self.prefix}: {stage} ...")
+            yield
+            progress(f"{self.prefix}: {stage} done in {time.time() - start:.1f} s")
+
+        return timed()
+
+
 def record(
     check: str,
     case: str,

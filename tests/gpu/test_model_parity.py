@@ -22,6 +22,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA device: GPU checks run on a GPU host (bash tests/gpu/run.sh)", allow_module_level=True)
 
 import gpu_models as gm
+import gpu_results
 
 CHECK = "model vs transformers"
 pytestmark = pytest.mark.gpu
@@ -31,19 +32,27 @@ FP32_REL, FP32_LOSS_ABS, BF16_VS_HF, BF16_LOSS_REL = 2e-5, 1e-5, 2.0, 2e-2
 @pytest.mark.parametrize("dtype_name", list(gm.DTYPES))
 @pytest.mark.parametrize("shape_name", ["tiny-dense", "tiny-moe", "wide-moe"])
 def test_logits_match_transformers(shape_name, dtype_name, megatron_gpu, record):
-    dtype, shape, hf = gm.case(shape_name, dtype_name)
-    ours = gm.megatron_model(shape, dtype, "local", hf.state_dict())
+    # two runs timed out here without a row: the stages' times go to progress.log as they happen
+    stage = gpu_results.Stages(f"parity {shape_name} {dtype_name}")
+    with stage("transformers model"):
+        dtype, shape, hf = gm.case(shape_name, dtype_name)
+    with stage("megatron model"):
+        ours = gm.megatron_model(shape, dtype, "local", hf.state_dict())
     thd_host, bshd_host = gm.batches(shape, shape_name)
-    ref = gm.hf_logits(hf, bshd_host, shape, torch.float32)
+    with stage("transformers fp32 logits"):
+        ref = gm.hf_logits(hf, bshd_host, shape, torch.float32)
     metrics = {"tokens": int(ref.shape[0])}
     if dtype_name == "bf16":
-        hf_bf16 = gm.errors(gm.hf_logits(hf.to(torch.bfloat16), bshd_host, shape, torch.bfloat16), ref)
+        with stage("transformers bf16 logits"):
+            hf_bf16 = gm.errors(gm.hf_logits(hf.to(torch.bfloat16), bshd_host, shape, torch.bfloat16), ref)
         metrics.update({"hf bf16 max": hf_bf16["max"], "hf bf16 mean": hf_bf16["mean"]})
     del hf
     thd, bshd = gm.on_gpu(thd_host, dtype), gm.on_gpu(bshd_host, dtype)
-    ours_thd, ours_bshd = gm.megatron_logits(ours, thd), gm.megatron_logits(ours, bshd)
+    with stage("megatron THD and BSHD logits"):
+        ours_thd, ours_bshd = gm.megatron_logits(ours, thd), gm.megatron_logits(ours, bshd)
     e_thd, e_bshd, e_layouts = gm.errors(ours_thd, ref), gm.errors(ours_bshd, ref), gm.errors(ours_thd, ours_bshd)
-    loss_thd, loss_bshd = gm.loss_of(ours, thd), gm.loss_of(ours, bshd)
+    with stage("megatron losses"):
+        loss_thd, loss_bshd = gm.loss_of(ours, thd), gm.loss_of(ours, bshd)
     metrics.update(
         {
             "ref max |logit|": e_thd["scale"],

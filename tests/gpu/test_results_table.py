@@ -10,6 +10,7 @@ from dataclasses import replace
 import gpu_profile
 import gpu_results
 import gpu_train as gt
+import pytest
 
 THROUGHPUT_LINE = (
     " model FLOPs (flops.py): 312.5 TFLOP/s per GPU over 1 iterations | tokens/s: 41234 |"
@@ -200,3 +201,19 @@ def test_docs_gpu_table_changes_with_the_results(tmp_path):
     result_file.write_text(json.dumps(data))
     assert gpu_results.docs_table(str(folder)) != gpu_results.docs_table(gpu_results.newest_results_folder())
     assert gpu_results.newest_results_folder(str(tmp_path)) == str(folder)
+
+
+def test_stage_progress_survives_a_stage_that_never_ends(tmp_path, monkeypatch):
+    """A check killed by its cap keeps the progress lines already written: the last one names the stage."""
+    monkeypatch.setenv("GPU_CHECKS_OUTDIR", str(tmp_path))
+    stage = gpu_results.Stages("parity wide-moe fp32")
+    with stage("transformers model"):
+        pass
+    with pytest.raises(KeyboardInterrupt), stage("megatron model"):
+        raise KeyboardInterrupt  # what a time cap's kill leaves: no end line
+    lines = [line.split(" ", 1)[1] for line in (tmp_path / "progress.log").read_text().splitlines()]
+    assert lines[0] == "parity wide-moe fp32: transformers model ..."
+    assert lines[1].startswith("parity wide-moe fp32: transformers model done in ") and lines[1].endswith(" s")
+    assert lines[2:] == ["parity wide-moe fp32: megatron model ..."]
+    monkeypatch.delenv("GPU_CHECKS_OUTDIR")
+    gpu_results.progress("nowhere to write: no file, no error")
