@@ -255,3 +255,13 @@ def test_bench_collate_runs(capsys):
     out = capsys.readouterr().out
     assert figures["samples"] == 16 and figures["ours_per_s"] > 0 and figures["hf_per_s"] > 0
     assert "ratio (ours / transformers)" in out
+
+
+def test_moving_a_batch_leaves_the_grids_on_the_host():
+    """The vision tower reads the grids on the host (every read of a device copy stopped a GPU run):
+    ``to`` moves every other tensor."""
+    batch = pack_thd(_samples(4, videos=True), TOKENS)
+    moved = batch.to("meta")
+    assert moved.tokens.device.type == "meta" and moved.pixel_values.device.type == "meta"
+    assert moved.image_grid_thw is batch.image_grid_thw and moved.image_grid_thw.device.type == "cpu"
+    assert moved.video_grid_thw is None or moved.video_grid_thw.device.type == "cpu"

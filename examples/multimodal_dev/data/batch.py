@@ -71,6 +71,9 @@ class BatchStats:
 VISION_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
 PIXELS = ("pixel_values", "pixel_values_videos")
 LAST_STAGE_ONLY = ("labels", "loss_mask")
+# Read by the host, not the GPU: the vision tower walks the grids image by image (patch coordinates,
+# frame lengths, chunking) and the throughput log prices them; on the device every such read was a sync.
+HOST_SIDE = ("image_grid_thw", "video_grid_thw")
 
 
 @dataclass
@@ -101,7 +104,9 @@ class PackedBatch:
         return {f.name: v for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)}
 
     def to(self, device) -> PackedBatch:
-        return replace(self, **{k: v.to(device, non_blocking=True) for k, v in self.tensors().items()})
+        """The tensors on ``device``, the grids (``HOST_SIDE``, three integers an image) left on the host."""
+        moved = {k: v.to(device, non_blocking=True) for k, v in self.tensors().items() if k not in HOST_SIDE}
+        return replace(self, **moved)
 
     def pin_memory(self) -> PackedBatch:
         """torch's DataLoader (``pin_memory=True``) pins a batch through this method."""
