@@ -58,8 +58,8 @@ rstd, ``ChunkGatedDeltaRuleFunction.forward`` q, k, v (q, k repeated to nv heads
 when nv > nk), g (fp32 chunk cumsum), beta and A ([T, nv, 64] in k's dtype): no per-chunk C x C
 products, unlike the torch kernel. megatron's ``jit_fuser`` helpers (gates, gated out-norm,
 output gate) run under torch.compile on a GPU host and are taken to keep their inputs (and the
-norm's fp32 rstd). Experts stay a SequentialMLP (``specs.py``): fc1 output 2Fe, product, scaled
-product per routed token.
+norm's fp32 rstd). Experts, SequentialMLP or the grouped GEMMs of ``models/common/grouped_experts.py``
+(which save the same tensors): fc1 output 2Fe, product, scaled product per routed token.
 
 vision_chunk_patches=N (``--vision-chunk-patches``): the tower runs over chunks of whole frames of at
 most N patches, each under recompute: it keeps its pixels (b P C t p^2), and while one chunk is
