@@ -146,6 +146,7 @@ def test_mix_imbalance_is_one_for_one_replica_and_small_when_dealt(mixes):
     [
         (["9b", "--gpus", "12"], "--gpus 12: not a whole number of nodes"),
         (["9b", "--gpus", "0"], "--gpus 0: must be at least 1"),
+        (["9b", "--gpus", str(2**32)], f"--gpus {2**32}: at most 1048576"),  # searched for minutes before
         (["9b", "--gpus", "8", "--efficiency", "1.5"], r"--efficiency 1.5: a share of peak"),
         (["9b", "--gpus", "8", "--gpu-memory", "-1"], "--gpu-memory -1.0: must be a positive finite number"),
         (["9b", "--gpu-memory", "nan"], "--gpu-memory nan: must be a positive finite number"),

@@ -10,6 +10,10 @@ from ..models.qwen35_vl.configuration import Qwen35VLShape
 from ..models.qwen35_vl.parallel import validate_parallel
 from .pipeline_layout import LAYOUTS, stage_layers
 
+# The planner tries layouts over the divisors of the GPU count: past about 2^20 GPUs (ten times the
+# largest clusters trained on) the search no longer ends in seconds; such a count is refused.
+MAX_GPUS = 1 << 20
+
 LAYOUT_KEYS = {
     "TP": "tp",
     "PP": "pp",

@@ -28,6 +28,7 @@ import math
 import sys
 import time
 
+from examples.multimodal_dev.planner.launch_layout import MAX_GPUS
 from examples.multimodal_dev.planner.layout_cost import GIB, HARDWARE, Hardware
 
 
@@ -153,6 +154,8 @@ def request_from_args(args):
     ):
         if value < low:
             _fail(f"{flag} {value}: must be at least {low}")
+    if args.gpus > MAX_GPUS:
+        _fail(f"--gpus {args.gpus}: at most {MAX_GPUS} (the planner's search over layouts grows with the count)")
     if args.gpus > args.gpus_per_node and args.gpus % args.gpus_per_node:
         _fail(f"--gpus {args.gpus}: not a whole number of nodes of --gpus-per-node {args.gpus_per_node}")
     if args.global_batch > MAX_GLOBAL_BATCH:
