@@ -75,7 +75,7 @@ def checked_args() -> argparse.Namespace:
         check_packing_args(args)
         check_patch_budget_args(args)
         check_data_args(args)
-        gen_eval.check(args)
+        gen_eval.check(args, typed)
         lora_targets.check(args)
         if line := lora_targets.rank_warning(args, model_shape()):
             say(line)

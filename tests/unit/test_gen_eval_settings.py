@@ -47,3 +47,13 @@ def test_off_and_good_settings_pass():
     check(SimpleNamespace(**GOOD))
     check(SimpleNamespace(**{**GOOD, "sequence_parallel": True}))  # switched off while decoding
     check(SimpleNamespace(**{**GOOD, "gen_eval_interval": 0, "dataset_provider": "mock", "sequence_parallel": True}))
+
+
+@pytest.mark.parametrize(
+    "dest,flag", [("gen_eval_samples", "--gen-eval-samples"), ("gen_eval_batch_size", "--gen-eval-batch-size")]
+)
+def test_a_setting_without_the_interval_is_refused_not_dropped(dest, flag):
+    off = SimpleNamespace(**{**GOOD, "gen_eval_interval": 0})
+    with pytest.raises(ValueError, match=f"^{flag} without --gen-eval-interval: evaluation by generation is off"):
+        check(off, {dest: flag})
+    check(off, {"lr": "--lr"})  # other flags are no business of this check

@@ -32,9 +32,20 @@ from ..evaluation.scores import Scores
 _VALIDATION = {}  # the validation dataset the run's provider built (``remember_validation``)
 
 
-def check(args) -> None:
-    """One line for a setting evaluation by generation does not take, before any process group exists."""
+_NEEDS_INTERVAL = ("gen_eval_samples", "gen_eval_max_new_tokens", "gen_eval_batch_size")
+
+
+def check(args, typed: dict[str, str] | None = None) -> None:
+    """One line for a setting evaluation by generation does not take, before any process group exists.
+    ``typed``: dest -> the option the user typed (a ``--gen-eval-*`` setting without
+    ``--gen-eval-interval`` would be ignored: refused, as a LoRA alpha without a rank is)."""
     if not args.gen_eval_interval:
+        stray = [flag for dest, flag in (typed or {}).items() if dest in _NEEDS_INTERVAL]
+        if stray:
+            raise ValueError(
+                f"{stray[0]} without --gen-eval-interval: evaluation by generation is off, so it would be "
+                "ignored (set --gen-eval-interval N to evaluate every N iterations)"
+            )
         return
     for flag, value, ok in (
         ("--gen-eval-interval", args.gen_eval_interval, args.gen_eval_interval > 0),
