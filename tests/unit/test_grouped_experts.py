@@ -131,3 +131,15 @@ def test_checkpoint_loads_into_the_other_bitwise(mcore, tmp_path, direction):
     assert sorted(want) == sorted(got) and want
     for key in want:
         assert torch.equal(got[key], want[key]), key
+
+
+def test_a_gpu_run_outside_bf16_is_refused_in_one_line(mcore, monkeypatch):
+    """torch's grouped_mm takes bfloat16 on CUDA: an fp32 / fp16 GPU run is told before it builds."""
+    from examples.multimodal_dev.models.common.grouped_experts import GroupedExperts
+    from examples.multimodal_dev.models.qwen35_vl.configuration import language_transformer_config
+
+    config = language_transformer_config(get_variant("tiny", moe=True, mtp=False).text)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match=r"^--moe-grouped-gemm on a GPU needs --bf16 .*torch.float32") as refused:
+        GroupedExperts(4, config)
+    assert "\n" not in str(refused.value)

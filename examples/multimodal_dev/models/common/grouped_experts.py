@@ -67,6 +67,12 @@ class GroupedExperts(MegatronModule):
                 raise ValueError(
                     f"--moe-grouped-gemm on the local backend does not support {what} (--{flag.replace('_', '-')})"
                 )
+        if torch.cuda.is_available() and config.params_dtype != torch.bfloat16:
+            # torch's grouped_mm takes bfloat16 on CUDA; the CPU kernel takes fp32 and bf16
+            raise ValueError(
+                f"--moe-grouped-gemm on a GPU needs --bf16 (torch's grouped_mm takes bfloat16 there, not "
+                f"{config.params_dtype}); GROUPED_EXPERTS=0 runs the experts as SequentialMLP"
+            )
         self.num_local_experts = num_local_experts
         self.ep_group, self.tp_group, self.dp_group = pg_collection.ep, pg_collection.expt_tp, pg_collection.expt_dp
         tp = self.tp_group.size()
