@@ -103,3 +103,42 @@ def test_groups_saved_by_one_optimizer_reach_every_member_of_a_chain():
         assert [g["is_expert_parallel"] for g in saved] == [False, True]
         assert member["param_state_sharding_type"] == "fully_reshardable"
     assert optimizer_format._regroup({**loaded, 2: {}}, 2) is None  # a member the chain does not have
+
+
+@pytest.mark.parametrize(
+    "saved_grouped,now_grouped,sharding,refused",
+    [
+        (False, True, "dp_reshardable", True),  # a checkpoint of SequentialMLP, resumed on grouped experts
+        (True, False, "dp_reshardable", True),
+        (True, True, "dp_reshardable", False),
+        (False, True, "fully_reshardable", False),  # per parameter in the model's layout: either loads it
+    ],
+)
+def test_a_flat_optimizer_state_is_not_carried_to_the_other_expert_layout(
+    tmp_path, monkeypatch, saved_grouped, now_grouped, sharding, refused
+):
+    from megatron.core import dist_checkpointing
+
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
+    layout = dict(
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        virtual_pipeline_model_parallel_size=None,
+        expert_model_parallel_size=1,
+        expert_tensor_parallel_size=1,
+        use_distributed_optimizer=True,
+    )
+    stored = SimpleNamespace(**layout, moe_grouped_gemm=saved_grouped)
+    args = SimpleNamespace(
+        **layout, moe_grouped_gemm=now_grouped, load=str(tmp_path), finetune=False, no_load_optim=False
+    )
+    monkeypatch.setattr(optimizer_format, "checkpoint_directory", lambda path: path)
+    monkeypatch.setattr(optimizer_format, "stored_args", lambda directory: stored)
+    monkeypatch.setattr(
+        dist_checkpointing, "load_content_metadata", lambda directory: {"distrib_optim_sharding_type": sharding}
+    )
+    if refused:
+        with pytest.raises(ValueError, match=f"GROUPED_EXPERTS={int(saved_grouped)} -> {int(now_grouped)}"):
+            optimizer_format.check_layout_change(args)
+    else:
+        optimizer_format.check_layout_change(args)

@@ -42,6 +42,9 @@ _LAYOUT = (
     ("virtual_pipeline_model_parallel_size", "VP"),
     ("expert_model_parallel_size", "EP"),
     ("expert_tensor_parallel_size", "ETP"),
+    # grouped experts hold one tensor per projection where SequentialMLP holds one per expert: the
+    # flat buffers' order differs, so a dp_reshardable state does not carry over between the two
+    ("moe_grouped_gemm", "GROUPED_EXPERTS"),
 )
 
 
@@ -145,13 +148,16 @@ def regrouped(original, run=None):
 
 
 def _layout(args) -> dict[str, int]:
-    return {name: getattr(args, arg, None) or 1 for arg, name in _LAYOUT}
+    """Each setting as the run script names it: sizes (unset: 1), switches as 0 / 1."""
+    values = {name: getattr(args, arg, None) for arg, name in _LAYOUT}
+    return {name: int(v) if isinstance(v, bool) else (v or 1) for name, v in values.items()}
 
 
 def check_layout_change(args) -> None:
     """A ``dp_reshardable`` checkpoint resumed with its optimizer state at another TP / PP / VP / EP /
-    ETP or by the plain optimizer: one line saying what to run. A checkpoint saved by the other kind
-    of optimizer (plain, or distributed in the fully reshardable format) is translated on load."""
+    ETP, with the other expert implementation, or by the plain optimizer: one line saying what to
+    run. A checkpoint saved by the other kind of optimizer (plain, or distributed in the fully
+    reshardable format) is translated on load."""
     if not args.load or args.finetune or args.no_load_optim or not os.path.isfile(os.path.join(args.load, TRACKER)):
         return
     from megatron.core import dist_checkpointing
