@@ -161,6 +161,14 @@ def test_another_megatron_core_is_warned_about_once(monkeypatch):
     assert changes.check_version() is None
 
 
+def test_the_written_for_release_is_not_warned_about_whatever_checkout_holds_it(monkeypatch):
+    from megatron.core import package_info
+
+    monkeypatch.setattr(changes, "_warned", [])
+    monkeypatch.setattr(package_info, "__version__", "0.19.2+b879eba")  # a .venv inside a git checkout
+    assert changes.check_version() is None
+
+
 def test_unknown_and_device_layer_groups_are_refused():
     with pytest.raises(KeyError, match="no change group 'nope'; the table has checkpoints-are-data, "):
         megatron_changes.apply("nope")

@@ -65,7 +65,9 @@ def check_version() -> str | None:
     """One warning line when megatron-core is not the version the table was written for (once a process)."""
     from megatron.core.package_info import __version__
 
-    if __version__ == WRITTEN_FOR or _warned:
+    # megatron appends "+<commit>" of whatever git checkout its package sits in (a .venv inside this
+    # repository is one): the release is what the table was written for
+    if __version__.split("+")[0] == WRITTEN_FOR or _warned:
         return None
     _warned.append(__version__)
     ours = [g for g in GROUPS if not any(c.by_device_layer for c in CHANGES if c.group == g)]
