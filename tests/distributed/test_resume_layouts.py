@@ -1,6 +1,7 @@
 """Checkpoints across layouts with the distributed optimizer, launched as docs/checkpoints.md launches it
 (``--use-distributed-optimizer`` and nothing else): one DP=2 checkpoint of the tiny MoE model
-resumes, optimizer state included, at TP=2, PP=2, PP=2 x VP=2 and EP=2, and with megatron's plain
+resumes, optimizer state included, at TP=2, PP=2, PP=2 x VP=2 and EP=2, with the experts as
+SequentialMLP instead of grouped GEMMs, and with megatron's plain
 optimizer and back, and the next step's loss and grad norm equal the same-layout resume's; a resume
 with another learning rate is refused in one line naming what to run."""
 
@@ -9,7 +10,14 @@ from launch import NO_EVAL, run_script
 
 COMMON = dict(MOE=1, SEQ_LEN=256, GBS=4)
 DIST = ("--use-distributed-optimizer", *NO_EVAL)
-LAYOUTS = {"TP=2": dict(TP=2), "PP=2": dict(PP=2), "PP=2 x VP=2": dict(PP=2, VP=2), "EP=2": dict(EP=2, NPROC=2)}
+LAYOUTS = {
+    "TP=2": dict(TP=2),
+    "PP=2": dict(PP=2),
+    "PP=2 x VP=2": dict(PP=2, VP=2),
+    "EP=2": dict(EP=2, NPROC=2),
+    # saved by the grouped experts (one tensor per projection), resumed by SequentialMLP (one per expert)
+    "SequentialMLP experts": dict(GROUPED_EXPERTS=0),
+}
 # TP=2 splits the reductions inside every layer, so its grad norm differs from the DP run's in the
 # last bits of fp32 (the single-step TP test measures 7.3e-6 on the dense model); the loss, a sum of
 # per-token terms, agrees to 1e-6.
