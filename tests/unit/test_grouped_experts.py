@@ -6,6 +6,7 @@ tests/distributed/test_parallelism.py (GROUPED_EXPERTS=0 beside the grouped sing
 every EP / ETP / DP layout on the grouped experts)."""
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -27,6 +28,12 @@ def _pair(**settings):
     sequential = build_model(shape, use_cpu_initialization=True, **settings)
     grouped = build_model(shape, use_cpu_initialization=True, moe_grouped_gemm=True, **settings)
     return shape, sequential, grouped
+
+
+def _pg():
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return ProcessGroupCollection.use_mpu_process_groups()
 
 
 def _copy_experts(sequential, grouped) -> None:
@@ -143,3 +150,26 @@ def test_a_gpu_run_outside_bf16_is_refused_in_one_line(mcore, monkeypatch):
     with pytest.raises(ValueError, match=r"^--moe-grouped-gemm on a GPU needs --bf16 .*torch.float32") as refused:
         GroupedExperts(4, config)
     assert "\n" not in str(refused.value)
+
+
+def test_a_rank_whose_experts_get_no_token(mcore):
+    """Every token routed elsewhere (EP): an empty output, and zero gradients for the experts' weights."""
+    _, _, grouped = _pair()
+    experts = grouped.language_model.decoder.layers[0].mlp.experts
+    hidden = experts.config.hidden_size
+    tokens = torch.zeros(0, hidden, requires_grad=True)
+    out, _ = experts(tokens, torch.zeros(experts.num_local_experts, dtype=torch.long), torch.zeros(0))
+    assert out.shape == (0, hidden)
+    out.sum().backward()
+    for linear in (experts.linear_fc1, experts.linear_fc2):
+        assert linear.weight.grad is not None and not linear.weight.grad.any()
+
+
+def test_rows_grouped_mm_cannot_read_are_refused(mcore):
+    from examples.multimodal_dev.models.common.grouped_experts import GroupedExperts
+    from examples.multimodal_dev.models.qwen35_vl.configuration import language_transformer_config
+
+    shape = get_variant("tiny", moe=True, mtp=False)
+    config = language_transformer_config(replace(shape.text, moe_ffn_hidden_size=30))
+    with pytest.raises(ValueError, match=r"--moe-ffn-hidden-size / expert TP 30 is not a multiple of 4"):
+        GroupedExperts(4, config, pg_collection=_pg())

@@ -81,6 +81,13 @@ class GroupedExperts(MegatronModule):
             raise ValueError(f"--moe-ffn-hidden-size {ffn} does not split over expert TP {tp}")
         self.glu = config.gated_linear_unit
         per_rank = ffn // tp
+        width = torch.finfo(config.params_dtype).bits // 8
+        for what, size in (("--hidden-size", config.hidden_size), ("--moe-ffn-hidden-size / expert TP", per_rank)):
+            if size * width % 16:  # grouped_mm's kernels read rows at 16-byte strides
+                raise ValueError(
+                    f"--moe-grouped-gemm: {what} {size} is not a multiple of {16 // width} ({config.params_dtype} "
+                    "rows must be 16-byte aligned for grouped_mm); GROUPED_EXPERTS=0 runs SequentialMLP"
+                )
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         dtype = config.params_dtype
         self.linear_fc1 = _ExpertWeights(
@@ -107,6 +114,9 @@ class GroupedExperts(MegatronModule):
     def forward(self, tokens_TH, tokens_per_expert, permuted_probs):
         """SequentialMLP's forward: per expert, fc1 -> activation -> scale by the router's probability
         -> fc2; returns (output [T, hidden], None)."""
+        if tokens_TH.shape[0] == 0:  # no token reached this rank's experts: grouped_mm has no empty backward
+            weights = self.linear_fc1.weight.sum() + self.linear_fc2.weight.sum()
+            return tokens_TH.new_zeros(0, self.config.hidden_size) + 0 * weights, None  # zero gradients, not none
         # Device-side offsets: no host sync to split the tokens (SequentialMLP reads the counts back).
         offsets_E = torch.cumsum(tokens_per_expert.to(tokens_TH.device), 0, dtype=torch.int32)
         fc1 = F.grouped_mm(tokens_TH, self.linear_fc1.weight.transpose(1, 2), offs=offsets_E)
