@@ -61,8 +61,9 @@ def _close(a, b, rel=FP32_REL):
         {},
         {"moe_expert_capacity_factor": 0.5, "moe_pad_expert_input_to_capacity": True},
         {"moe_expert_capacity_factor": 0.5},
+        {"bias_activation_fusion": True},  # megatron's default in a training run: the fused weighted SwiGLU
     ],
-    ids=["dropless", "capacity, padded", "capacity, dropping"],
+    ids=["dropless", "capacity, padded", "capacity, dropping", "fused SwiGLU"],
 )
 def test_grouped_layer_equals_sequential(mcore, settings):
     _, sequential, grouped = _pair(**settings)

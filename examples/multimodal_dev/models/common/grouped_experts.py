@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 from megatron.core.transformer.module import MegatronModule
@@ -120,13 +121,26 @@ class GroupedExperts(MegatronModule):
         # Device-side offsets: no host sync to split the tokens (SequentialMLP reads the counts back).
         offsets_E = torch.cumsum(tokens_per_expert.to(tokens_TH.device), 0, dtype=torch.int32)
         fc1 = F.grouped_mm(tokens_TH, self.linear_fc1.weight.transpose(1, 2), offs=offsets_E)
+        hidden = self._activate(fc1, permuted_probs.unsqueeze(-1))
+        return F.grouped_mm(hidden, self.linear_fc2.weight.transpose(1, 2), offs=offsets_E), None
+
+    def _activate(self, fc1, probs_T1):
+        """megatron's ``MLP`` activation for experts, branch for branch, so the two implementations agree
+        to the bit: the fused weighted SwiGLU under ``--bias-activation-fusion`` (megatron's default), else
+        the GLU (with its clamp and offset) or the plain activation, then the router's probability."""
+        c = self.config
+        if c.bias_activation_fusion:
+            if not (self.glu and c.activation_func is F.silu):
+                raise ValueError("--moe-grouped-gemm on the local backend fuses SwiGLU only (--no-bias-swiglu-fusion)")
+            return weighted_bias_swiglu_impl(fc1, None, probs_T1, c.activation_func_fp8_input_store)
         if self.glu:
             gate, up = torch.chunk(fc1, 2, dim=-1)
-            hidden = self.config.activation_func(gate) * up
+            if (clamp := c.activation_func_clamp_value) is not None:
+                gate, up = gate.clamp(min=None, max=clamp), up.clamp(min=-clamp, max=clamp)
+            hidden = c.activation_func(gate) * (up + c.glu_linear_offset)
         else:
-            hidden = self.config.activation_func(fc1)
-        hidden = (hidden * permuted_probs.unsqueeze(-1)).to(tokens_TH.dtype)
-        return F.grouped_mm(hidden, self.linear_fc2.weight.transpose(1, 2), offs=offsets_E), None
+            hidden = c.activation_func(fc1)
+        return (hidden * probs_T1).to(fc1.dtype)
 
     def backward_dw(self):
         """Weight gradients are computed in the backward pass itself (no delayed wgrad)."""
