@@ -121,15 +121,16 @@ def test_each_own_data_variable_reaches_its_flag(variable):
 
 
 def test_lora_variables_reach_their_flags_on_the_local_backend():
-    """One variable turns LoRA on; the other two reach their flags only when it does, and the backend
-    is megatron-core's local linears unless TRANSFORMER_IMPL says otherwise."""
+    """One variable turns LoRA on; the other two reach their flags when it does (without it they would
+    be ignored, so they are refused), and the backend is megatron-core's local linears unless
+    TRANSFORMER_IMPL says otherwise."""
     rc, out, err = _script(LORA_RANK="8", LORA_ALPHA="16", LORA_TARGETS="in_proj,out_proj")
     assert rc == 0, err
     flags = _flags(out)
     assert (flags["lora_rank"], flags["lora_alpha"], flags["lora_targets"]) == ("8", "16", "in_proj,out_proj")
     assert flags["transformer_impl"] == "local"
     rc, out, err = _script(LORA_ALPHA="16", LORA_TARGETS="in_proj")
-    assert rc == 0 and not {"lora_rank", "lora_alpha", "lora_targets"} & set(_flags(out)), err
+    assert rc == 2 and "LORA_ALPHA=16 without LORA_RANK" in err, (rc, err)
 
 
 # Read by the processes the launch starts (training/torchrun_launcher.py, training/engine_handover.py)
