@@ -37,6 +37,7 @@ from launch import NO_EVAL, run_recording_vision_norms, stopped_at
 LAYOUT = dict(TP=2, VISION_TP=1)
 SEPARATE = dict(LAYOUT, VISION_NPROC=1)
 REL = 1e-5
+LATER_STEP_NORM = 2e-4  # the grad norm of a step after updates taken in another layout (see its use)
 pytestmark = [pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPU cores")]
 
 
@@ -60,9 +61,11 @@ def _first_step_agrees(run, norms, ref, ref_norms) -> dict:
 
 # name -> (environment, iterations, the table line the run prints, the ordinary layout whose vision grad
 # norm it is held to instead of one process's, flags). Tolerances: 1e-5 relative, except where both the
-# language model and the tower split their reductions four or two ways (TP=4, VISION_TP=2): 1.3e-5 on
-# the grad norm and 2.3e-5 on the vision norm measured, so 5e-5 there, as test_resume_layouts allows
-# TP=2's norm. A copy counted twice or not at all moves the vision norm by a factor of 1.4 or more.
+# language model and the tower split their reductions four or two ways (TP=4, VISION_TP=2): 1.2e-5 on
+# the grad norm and 5.3e-5 on the vision norm measured with the grouped GEMM experts (1.3e-5 and 2.3e-5
+# with SequentialMLP's per-expert GEMMs: the same sums, rounded in another order), so 1e-4 there, the
+# bound CP's reductions need below. A copy counted twice or not at all moves the vision norm by a
+# factor of 1.4 or more.
 # Under CP the tower's norm moves by 5e-5 (TP=2 x CP=2) to 1e-4 (CP=2) from one process's in the
 # ordinary layout already (the features' gradients are summed over CP ranks in another order), so
 # there it is held to the ordinary layout at the same TP x CP, which differs in where the tower runs
@@ -187,7 +190,7 @@ def test_the_layout_matches_one_process(
         f"vision grad norm {norms[1]!r} vs {ref_norms[1]!r}; first step {differences}"
     )
     assert table in run.output, run.output[-2000:]
-    assert all(rel < (5e-5 if env.get("TP") == 4 else REL) for rel in differences.values()), differences
+    assert all(rel < (1e-4 if env.get("TP") == 4 else REL) for rel in differences.values()), differences
     assert max(later, default=0) < 1e-4, later
     assert all(run.tokens[i] == ref.tokens[i] for i in run.tokens)
     assert ref_norms[1] > 0.01 * ref.grad_norms[1]  # the tower's share is big enough to see
@@ -251,7 +254,10 @@ def test_resumes_exactly_and_in_the_ordinary_layout(
     assert sorted(ordinary.losses) == [3]
     loss, norm = _rel(ordinary.losses[3], straight.losses[3]), _rel(ordinary.grad_norms[3], straight.grad_norms[3])
     print(f"one process from the layout's step-2 checkpoint: step 3 loss rel {loss:.1e}, grad norm rel {norm:.1e}")
-    assert loss < REL and norm < 5e-5  # TP=2's reductions move the norm's last fp32 bits (test_resume_layouts)
+    # step 3 follows two AdamW updates taken in another layout (the first is ~lr * sign(g), so elements whose
+    # gradient sits at rounding level move either way): the loss tracks to 1e-5, the grad norm to 2e-4
+    # (measured 2.3e-5 this way and 1.1e-4 the other, with the grouped GEMM experts; 3.2e-5 with SequentialMLP)
+    assert loss < REL and norm < LATER_STEP_NORM
 
     # and the other way: one process's step-2 checkpoint resumes in the layout (a separate-ranks run
     # reads no tower random state from it, says so, and its experts' empty optimizer on the tower's
@@ -261,7 +267,7 @@ def test_resumes_exactly_and_in_the_ordinary_layout(
     assert sorted(moved.losses) == [3]
     loss, norm = _rel(moved.losses[3], straight.losses[3]), _rel(moved.grad_norms[3], straight.grad_norms[3])
     print(f"the layout from one process's step-2 checkpoint: step 3 loss rel {loss:.1e}, grad norm rel {norm:.1e}")
-    assert loss < REL and norm < 5e-5
+    assert loss < REL and norm < LATER_STEP_NORM
     assert ("start their random state from the seed" in moved.output) == bool(layout.get("VISION_NPROC"))
 
 
