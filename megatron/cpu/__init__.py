@@ -47,6 +47,11 @@ def fla_unusable_reason() -> str | None:
         return None
     if not fla_available():
         return "flash-linear-attention does not import (INSTALL_GPU_EXTRAS=1 installs it)"
+    return _miscompiled_gated_backward()
+
+
+def _miscompiled_gated_backward() -> str | None:
+    """Why FLA's gated chunk backward (the rule alone) is wrong on this CUDA host, or None."""
     if torch.cuda.get_device_capability()[0] != 9:
         return None
     try:
@@ -84,12 +89,9 @@ def torch_gdn_kernel_names() -> tuple[str, ...]:
     FLA does not import; on Hopper with the miscompiling Triton, the gated chunk rule alone (#640 is in
     its backward; FLA's causal conv1d and l2norm compile right there and are several times faster than
     the torch ones); none where FLA's kernels are right."""
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() or not fla_available():
         return GDN_KERNELS
-    reason = fla_unusable_reason()
-    if reason is None:
-        return ()
-    return ("chunk_gated_delta_rule",) if "#640" in reason else GDN_KERNELS
+    return ("chunk_gated_delta_rule",) if _miscompiled_gated_backward() else ()
 
 
 def register_torch_gdn_kernels(names: tuple[str, ...] = GDN_KERNELS) -> None:
