@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
+from .batch_memo import kept_on
 from .gdn_decoding import cached_forward
 
 FP32_DECAY_PARAMS = ("A_log", "dt_bias")
@@ -36,10 +37,14 @@ class GatedDeltaNetFp32Decay(GatedDeltaNet):
 
     def _resolve_cu_seqlens(self, cu_seqlens_padded, cu_seqlens_actual, total_seq_len, name, cp_size: int = 1):
         cu_seqlens = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens_actual
-        checked = cu_seqlens.__dict__.setdefault("_gdn_checked", set())  # lives as long as the micro-batch
-        if (total_seq_len, cp_size) not in checked:
-            super()._resolve_cu_seqlens(cu_seqlens_padded, cu_seqlens_actual, total_seq_len, name, cp_size)
-            checked.add((total_seq_len, cp_size))
+
+        def check() -> bool:  # megatron's check raises on bad segments
+            super(GatedDeltaNetFp32Decay, self)._resolve_cu_seqlens(
+                cu_seqlens_padded, cu_seqlens_actual, total_seq_len, name, cp_size
+            )
+            return True
+
+        kept_on(cu_seqlens, "_gdn_checked", (total_seq_len, cp_size), check)
         return cu_seqlens
 
     def reset_parameters(self):

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from .batch_memo import kept_on
+
 
 def token_rotary_rows(cu_seqlens: torch.Tensor, local_tokens: int, cp_size: int, cp_rank: int, packed: bool):
     """[T] index into ``freqs`` of every local token: its position in its sequence (the zigzag chunks
@@ -34,16 +36,6 @@ def token_rotary_rows(cu_seqlens: torch.Tensor, local_tokens: int, cp_size: int,
         full = cu[seq + 1] - cu[seq]
         within = torch.where(within < half, cp_rank * half + within, full - (cp_rank + 1) * half + (within - half))
     return within + cu[seq] if packed else within
-
-
-def _cached(cu_seqlens: torch.Tensor, name: str, key, make):
-    """A value derived from one micro-batch's ``cu_seqlens``, kept on that tensor: every attention layer
-    of a tower (query and key alike) asks for the same one, and the tensor lives as long as the
-    micro-batch does."""
-    cache = cu_seqlens.__dict__.setdefault(name, {})
-    if key not in cache:
-        cache[key] = make()
-    return cache[key]
 
 
 def rotary_thd(original, run=None):
@@ -69,7 +61,7 @@ def rotary_thd(original, run=None):
         # one row per token of it are "packed" (megatron's has_packed_freqs), read without a sync
         packed = freqs.dim() >= 1 and freqs.size(0) == t.shape[0] * cp_size
         layout = (t.shape[0], cp_size, cp_rank, packed)
-        rows = _cached(cu_seqlens, "_rotary_rows", layout, lambda: token_rotary_rows(cu_seqlens, *layout))
+        rows = kept_on(cu_seqlens, "_rotary_rows", layout, lambda: token_rotary_rows(cu_seqlens, *layout))
         if mla_rotary_interleaved:  # MLA's layout: megatron's own rotation (no Qwen3.5 layer uses it)
             return _apply_rotary_pos_emb_bshd(
                 t.unsqueeze(1), freqs[rows], rotary_interleaved, mla_rotary_interleaved, mscale
@@ -79,10 +71,9 @@ def rotary_thd(original, run=None):
             token_freqs = freqs[rows]
             return freqs, (torch.cos(token_freqs) * mscale).to(t.dtype), (torch.sin(token_freqs) * mscale).to(t.dtype)
 
-        key = (*layout, t.dtype, mscale)
-        kept, cos_, sin_ = _cached(cu_seqlens, "_rotary_cos_sin", key, cos_sin)
-        if kept is not freqs:  # another table with the same segments (another tower): not this one's
-            kept, cos_, sin_ = cu_seqlens.__dict__["_rotary_cos_sin"][key] = cos_sin()
+        # keyed by the table too (another tower's, with the same segments, is another entry); the entry
+        # holds the table, so its id cannot pass to another tensor while the entry lives
+        _, cos_, sin_ = kept_on(cu_seqlens, "_rotary_cos_sin", (*layout, t.dtype, mscale, id(freqs)), cos_sin)
         # megatron's _apply_rotary_pos_emb_bshd with the cosines and sines computed once per micro-batch
         x = t.unsqueeze(1)
         rot = freqs.shape[-1]

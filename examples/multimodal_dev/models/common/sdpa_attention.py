@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from .batch_memo import kept_on
 from .varlen_attention import VARLEN, thd_kernel, torch_varlen, varlen_failed
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
@@ -114,18 +115,17 @@ class SDPACoreAttention(MegatronModule):
 
     @staticmethod
     def _segments(params) -> tuple[torch.Tensor, list[int]]:
-        """(cu_seqlens on the device, the same bounds on the host). The host copy is read once per
-        micro-batch and kept on ``params``, which every layer of a tower shares: reading it back in
-        each layer stopped the host at every attention layer of a GPU run."""
+        """(cu_seqlens on the device, the same bounds on the host, read once a micro-batch: reading them
+        back in each layer stopped the host at every attention layer of a GPU run)."""
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        bounds = getattr(params, "_sdpa_host_bounds", None)
-        if bounds is None:
-            cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
+        cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
+
+        def host_bounds() -> list[int]:
             if cu_kv is not None and cu_kv is not cu and not torch.equal(cu.cpu(), cu_kv.cpu()):
                 raise NotImplementedError("SDPACoreAttention THD needs identical q and kv segments")
-            bounds = cu.tolist()
-            params._sdpa_host_bounds = bounds
-        return cu, bounds
+            return cu.tolist()
+
+        return cu, kept_on(cu, "_host_bounds", (), host_bounds)
 
     def _forward_thd(self, query, key, value, params, causal: bool):
         cu, bounds = self._segments(params)
