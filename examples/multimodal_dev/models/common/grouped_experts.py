@@ -164,36 +164,28 @@ class GroupedExperts(MegatronModule):
                     raise ValueError(
                         "--moe-grouped-gemm on the local backend: flattened checkpoint tensors are not supported"
                     )
-                pieces = []
-                for e in range(self.num_local_experts):
-                    offsets = (*sharded_offsets, (expert_axis, first + e, total))
-                    axis = expert_axis + 1 + tp_axis
-                    if glu:  # [gate; up] of this rank -> global [gate(all ranks); up(all ranks)]
-                        halves = torch.chunk(weight[e], 2, dim=0)
-                        splits = ((axis, tp_rank, 2 * tp), (axis, tp_rank + tp, 2 * tp))
-                        pieces.append(
-                            [
-                                ShardedTensor.from_rank_offsets(
-                                    key, half, *offsets, split, replica_id=replica, prepend_axis_num=expert_axis + 1
-                                )
-                                for half, split in zip(halves, splits)
-                            ]
+                # each expert a list of pieces: [gate; up] of this rank are two (each the rank's share of
+                # the global gate and of the global up rows, as apply_swiglu_sharded_factory splits them)
+                parts, splits = (2, ((tp_rank, 2 * tp), (tp_rank + tp, 2 * tp))) if glu else (1, ((tp_rank, tp),))
+                axis = expert_axis + 1 + tp_axis
+                return [
+                    [
+                        ShardedTensor.from_rank_offsets(
+                            key,
+                            piece,
+                            *sharded_offsets,
+                            (expert_axis, first + e, total),
+                            (axis, *split),
+                            replica_id=replica,
+                            prepend_axis_num=expert_axis + 1,
                         )
-                    else:
-                        pieces.append(
-                            ShardedTensor.from_rank_offsets(
-                                key,
-                                weight[e],
-                                *offsets,
-                                (axis, tp_rank, tp),
-                                replica_id=replica,
-                                prepend_axis_num=expert_axis + 1,
-                            )
-                        )
-                return pieces
+                        for piece, split in zip(torch.chunk(weight[e], parts, dim=0), splits)
+                    ]
+                    for e in range(self.num_local_experts)
+                ]
 
             def merge(loaded):
-                return torch.stack([torch.cat(p, dim=0) if isinstance(p, list) else p for p in loaded])
+                return torch.stack([torch.cat(pieces, dim=0) for pieces in loaded])
 
             weight = getattr(self, name).weight
             return ShardedTensorFactory(f"{prefix}experts.{name}.weight", weight, build, merge, replica_id)
