@@ -2,12 +2,12 @@
 production step (``run_qwen35_vl.sh``'s launch, ``megatron.training``'s ``train_step``: forward and
 backward of every micro-batch, the DDP gradient hooks, the optimizer), at the structure of a GPU run.
 
-    python -m examples.multimodal_dev.benchmarks.bench_step_ops [--runs 35b_a3b-cut,proxy]
-        [--dispatcher allgather|alltoall|auto] [--steps 2] [-- extra megatron flags]
+    python -m examples.multimodal_dev.benchmarks.bench_step_ops [--runs 35b_a3b-cut,proxy] [--steps 2]
+        [--peer] [--gpu-kernels] [--details [--by-caller]] [-- extra megatron flags]
 
 A case keeps what sets the count of ops (layer types and count, expert count and top-k, vision
-depth, sequence length, micro-batches per step) and shrinks what does not (widths, vocabulary), so a
-CPU step takes seconds:
+depth, sequence length, micro-batches per step) and takes what does not (widths, vocabulary, the
+vision token ids) from the ``tiny`` variant, so a CPU step takes seconds:
 
     35b_a3b-cut   35b_a3b's 3 GDN + 1 attention layers, 256 experts top-8, 27 vision blocks
     proxy         the proxy variant: 4 layers of the 397B shape, 8 experts top-2, 27 vision blocks
@@ -35,40 +35,43 @@ WARM_STEPS = 1
 RUN_SETTINGS = {"SEQ_LEN": "4096", "MBS": "4", "GBS": "8", "LR": "2e-4"}
 
 
+# What the op count does not depend on, taken from the tiny variant
+TINY_TEXT = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_kv_heads",
+    "head_dim",
+    "mrope_section",
+    "vocab_size",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+)
+TINY_VISION = ("hidden_size", "intermediate_size", "num_heads", "out_hidden_size")
+TOKEN_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
 def case_shape(name: str):
-    """The case's shape: the variant's structure at small widths, vocabulary 8192."""
+    """The case's shape: the variant's structure (4 layers, its experts, its vision depth) at the tiny
+    variant's widths."""
     from examples.multimodal_dev.models import default_model
 
     if name not in CASES:
         raise ValueError(f"--runs: unknown case {name!r}; valid: {', '.join(CASES)}")
-    shape = default_model().shape_fn("35b_a3b" if name == "35b_a3b-cut" else "proxy", mtp=False)
+    get_shape = default_model().shape_fn
+    shape = get_shape("35b_a3b" if name == "35b_a3b-cut" else "proxy", mtp=False)
+    tiny = get_shape("tiny", moe=True, mtp=False)
     text = replace(
         shape.text,
         num_layers=4,
         layer_types=(),  # the default hybrid pattern: 3 GDN + 1 attention
-        hidden_size=128,
-        num_attention_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        mrope_section=(2, 1, 1),
-        vocab_size=8192,
-        linear_num_key_heads=4,
-        linear_num_value_heads=8,
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        moe_ffn_hidden_size=32,
-        shared_expert_ffn_hidden_size=32,
+        moe_ffn_hidden_size=tiny.text.moe_ffn_hidden_size,
+        shared_expert_ffn_hidden_size=tiny.text.shared_expert_ffn_hidden_size,
+        **{f: getattr(tiny.text, f) for f in TINY_TEXT},
     )
-    vision = replace(shape.vision, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128)
-    return replace(
-        shape,
-        text=text,
-        vision=vision,
-        image_token_id=8000,
-        video_token_id=8001,
-        vision_start_token_id=8002,
-        vision_end_token_id=8003,
-    )
+    vision = replace(shape.vision, **{f: getattr(tiny.vision, f) for f in TINY_VISION})
+    return replace(shape, text=text, vision=vision, **{f: getattr(tiny, f) for f in TOKEN_IDS})
 
 
 def _launch_args(hf_config: str, steps: int, settings: dict, extra: list[str]) -> list[str]:

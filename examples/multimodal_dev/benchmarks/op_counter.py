@@ -44,7 +44,8 @@ SYNC_ATEN = {
     "is_nonzero",
 }
 SYNC_METHODS = {"tolist", "cpu", "numpy"}
-_CUDA_SYNCS = ("synchronize",)  # torch.cuda.synchronize; Stream/Event.synchronize are wrapped below
+# (owner, attribute) of the explicit waits for the device
+_CUDA_SYNCS = ((torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"), (torch.cuda.Event, "synchronize"))
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # torch itself and the CPU device layer (whose function mode sits between every caller and torch)
 _PASS_OVER = ("torch", f"megatron{os.sep}cpu")
@@ -141,10 +142,7 @@ class _Counting:
         self.patched: list = []
 
     def _wrap_cuda_syncs(self):
-        for owner, name in [(torch.cuda, n) for n in _CUDA_SYNCS] + [
-            (torch.cuda.Stream, "synchronize"),
-            (torch.cuda.Event, "synchronize"),
-        ]:
+        for owner, name in _CUDA_SYNCS:
             original = getattr(owner, name, None)
             if original is None:
                 continue
