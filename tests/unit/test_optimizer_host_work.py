@@ -27,12 +27,16 @@ def test_grad_norm_equals_megatrons_fallback(mcore):
 @pytest.mark.parametrize("scale", [1.0, 0.25])
 @pytest.mark.parametrize("in_place", [False, True])
 def test_scale_equals_megatrons_fallback(scale, in_place):
+    """destination = source * scale: in place (clipping), or into bf16 copies (main-to-model params)."""
     sources = _tensors(1)
-    want = [t.clone() for t in (sources if in_place else _tensors(2, torch.bfloat16))]
-    got = [t.clone() for t in want]
-    mcore_utils.local_multi_tensor_scale(0, None, [[s.clone() for s in sources] if not in_place else want, want], scale)
-    host_work.foreach_scale(None)(0, None, [sources if not in_place else got, got], scale)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+    def scaled(impl):
+        destinations = [s.clone() for s in sources] if in_place else _tensors(2, torch.bfloat16)
+        impl(0, None, [destinations if in_place else sources, destinations], scale)
+        return destinations
+
+    theirs, ours = scaled(mcore_utils.local_multi_tensor_scale), scaled(host_work.foreach_scale(None))
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
 
 
 def _adam(foreach_hook: bool):
