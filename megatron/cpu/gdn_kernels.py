@@ -18,6 +18,10 @@ import torch.nn.functional as F
 
 __all__ = ["chunk_gated_delta_rule", "causal_conv1d", "l2norm"]
 
+# Where a tensor moved to the device from the host keeps its host copy: the training batch's segment
+# bounds carry one (examples/multimodal_dev/models/common/batch_memo.py, ``to_device``).
+HOST_COPY = "_host_copy"
+
 
 def _compute(t: torch.Tensor) -> torch.Tensor:
     """The dtype the kernels compute in: fp32, or float64 for float64 inputs (the float64 reference
@@ -92,6 +96,18 @@ class _StepMajorChunks:
     chunks (at least one), so no chunk holds two sequences.
     """
 
+    @classmethod
+    def of(cls, cu_seqlens: torch.Tensor, total: int, chunk: int) -> _StepMajorChunks:
+        """The layout of this micro-batch's segments, made once for every layer that asks (kept on the
+        tensor) and from its host copy where it has one: made from the device tensor it reads the
+        segment lengths back, three syncs a layer on a GPU."""
+        kept = cu_seqlens.__dict__.setdefault("_step_major_chunks", {})
+        if (total, chunk) not in kept:
+            host = cu_seqlens.__dict__.get(HOST_COPY)
+            layout = cls(cu_seqlens if host is None else host, total, chunk)
+            kept[(total, chunk)] = layout.to(cu_seqlens.device)
+        return kept[(total, chunk)]
+
     def __init__(self, cu_seqlens: torch.Tensor, total: int, chunk: int):
         cu = cu_seqlens.to(torch.long)
         lengths = cu[1:] - cu[:-1]
@@ -108,6 +124,11 @@ class _StepMajorChunks:
         self.chunk_of = step_start[pos // chunk] + rank[seg]  # [T]: the chunk each token lands in
         self.pos_in_chunk = pos % chunk
         self.num_chunks, self.chunk = int(active.sum()), chunk
+
+    def to(self, device) -> _StepMajorChunks:
+        for name in ("order", "chunk_of", "pos_in_chunk"):
+            setattr(self, name, getattr(self, name).to(device, non_blocking=True))
+        return self
 
     def scatter(self, t: torch.Tensor) -> torch.Tensor:
         """[1, T, H, *] -> [M, H, C, *] (zeros where no token lands)."""
@@ -153,7 +174,7 @@ def chunk_gated_delta_rule(
         q, k, v, g, beta = (t.reshape(1, batch * length, *t.shape[2:]) for t in (q, k, v, g, beta))
     elif batch != 1:
         raise ValueError(f"cu_seqlens requires a single packed row, got batch={batch}")
-    layout = _StepMajorChunks(cu_seqlens, q.shape[1], chunk_size)
+    layout = _StepMajorChunks.of(cu_seqlens, q.shape[1], chunk_size)
     start = None if initial_state is None else _compute(initial_state)[layout.order]
     o, final = _chunked_scan(*(layout.scatter(t) for t in (q, k, v, g, beta)), scale, start, layout.active)
     o = layout.gather(o).reshape(batch, length, o.shape[1], o.shape[-1])

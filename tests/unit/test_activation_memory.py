@@ -287,17 +287,18 @@ def _recompute_roots(vlm):
 
 
 def compare(parts, units, predicted, layer_types):
-    """[(part, measured, predicted)] for every part the breakdown names."""
-    rows = [
-        (name, parts.get(name, 0.0), getattr(predicted, name))
-        for name in ("vision", "embedding", "output", "mtp", "per_stage")
-    ]
+    """[(part, measured, predicted)] for every part the breakdown names. What several layers keep is
+    measured as ``per_stage``: the GDN layers' shared layout is, unless one GDN layer alone keeps it."""
+    n_gdn = sum(kind == LINEAR for kind in layer_types)
+    shared_by_one = predicted.gdn_shared if n_gdn == 1 else 0.0
+    rows = [(name, parts.get(name, 0.0), getattr(predicted, name)) for name in ("vision", "embedding", "output", "mtp")]
+    rows.append(("per_stage", parts.get("per_stage", 0.0), predicted.per_stage + predicted.gdn_shared - shared_by_one))
     for i, kind in enumerate(layer_types):
         rows.append(
             (
                 f"layer{i}.{'gdn' if kind == LINEAR else 'attention'}",
                 parts.get(("mixer", i), 0.0),
-                predicted.gdn_layer if kind == LINEAR else predicted.attention_layer,
+                predicted.gdn_layer + shared_by_one if kind == LINEAR else predicted.attention_layer,
             )
         )
         rows.append((f"layer{i}.mlp", parts.get(("mlp", i), 0.0), predicted.mlp_layer))

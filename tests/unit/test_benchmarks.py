@@ -231,3 +231,30 @@ def test_bench_step_ops_cases_keep_what_sets_the_op_count():
         assert shape.vision.depth == 27 and shape.text.mtp_num_layers == 0
     with pytest.raises(ValueError, match="unknown case"):
         bench_step_ops.case_shape("9b")
+
+
+def test_step_tally_leaves_out_reads_of_what_stays_on_the_host():
+    """A GPU run keeps the grids and the batch's host copies on the host: reads of them, and of what
+    is computed from them alone (or beside factory-made tensors, which must then be on the host too),
+    stop nothing. Reads of anything else count, and so does a boolean-mask read, whose ``nonzero``
+    runs below the dispatcher; a boolean-mask fill with a Python number is ``masked_fill_``."""
+    from examples.multimodal_dev.benchmarks.op_counter import StepTally
+    from examples.multimodal_dev.models.common.batch_memo import host_side, on_host, to_device
+
+    grid = host_side(torch.tensor([[1, 4, 6], [2, 2, 2]]))
+    cu = to_device(torch.tensor([0, 3, 7], dtype=torch.int32), "cpu")
+    x, mask = torch.ones(3), torch.tensor([True, False, True])
+    tally = StepTally()
+    with tally.counting():
+        int(grid.prod(-1).sum())
+        grid.tolist()
+        frames = torch.repeat_interleave(grid[:, 1] * grid[:, 2], grid[:, 0])
+        (torch.arange(4)[:, None] < frames[None, :]).sum().item()
+        on_host(cu).tolist()
+        x[mask] = 0.0
+        cu.tolist()  # the device tensor itself
+        x[mask]
+        torch.arange(3).tolist()  # made by a factory, read alone: its device is unknown here
+    kinds = sorted(kind for kind, _, _ in tally.summary()["syncs"])
+    assert kinds == ["Tensor.tolist", "Tensor.tolist", "aten.index"], tally.summary()["syncs"]
+    assert on_host(cu) is not cu and torch.equal(on_host(cu), cu)

@@ -147,3 +147,22 @@ def test_unpacked_rows_carry_state_across_a_split():
     diffs = [(torch.cat([first, rest], 1) - whole).abs().max().item(), (final_split - final).abs().max().item()]
     print(f"split vs whole: output, final state max abs diff {diffs}")
     assert max(diffs) < TOL
+
+
+def test_a_micro_batchs_segments_are_laid_out_once_from_its_host_copy():
+    """Every GDN layer of a micro-batch shares one chunk layout, made from the batch's host copy of
+    the bounds: the second layer reads nothing back, and the result is the plain layout's."""
+    from examples.multimodal_dev.benchmarks.op_counter import StepTally
+    from examples.multimodal_dev.models.common.batch_memo import to_device
+
+    q, k, v, g, beta = _inputs(1, 150, seed=1)
+    plain, _ = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 37, 100, 150], dtype=torch.int32))
+    cu = to_device(torch.tensor([0, 37, 100, 150], dtype=torch.int32), "cpu")
+    tally = StepTally()
+    with tally.counting():
+        first, _ = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu)
+        ops_first = sum(tally.ops.values())
+        second, _ = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu)
+    assert not tally.syncs, tally.summary()["syncs"]
+    assert sum(tally.ops.values()) - ops_first < ops_first  # the second layer builds no layout
+    assert torch.equal(first, plain) and torch.equal(second, plain)

@@ -13,11 +13,17 @@ What counts as a sync (the host needs a value the device computes):
   ``equal``, ``is_nonzero``;
 - ``Tensor.tolist`` / ``.cpu()`` / ``.numpy()`` calls (a device-to-host copy on a GPU);
 - ``torch.cuda.synchronize`` and stream / event synchronizes.
-On a CPU host every tensor lives on the host, so a tensor that is host-side on a GPU run too (a
-Python scalar wrapped for a log line) counts as well: the sync count is an upper bound, and each
-sync is listed with the line that asked for it so that it can be judged. One kind is known to be
-host-side and is left out: torch.optim reading its own step counts, which it keeps on the host
-(unless ``capturable``) so that reading them costs no sync; they still count as ops.
+- ATen ops indexed by a boolean mask (``t[mask]``, ``t[mask] = v`` and their backward): the
+  kernel turns the mask into indices with ``nonzero`` below the dispatcher, out of this counter's
+  sight, so the op is counted instead. Except ``t[mask] = <Python number>``: on a GPU torch makes
+  the number a host scalar and ATen runs ``masked_fill_``, which reads nothing back.
+On a CPU host every tensor lives on the host, so the counter has to be told which ones stay there on
+a GPU run: a tensor marked ``batch_memo.HOST_SIDE_MARK`` (a batch's host copies, the vision grids)
+and every op output computed only from such tensors (an op on host tensors runs on the host). Reads
+of those are not syncs; any other tensor counts as a device tensor, so the count is an upper bound,
+and each sync is listed with the line that asked for it so that it can be judged. torch.optim
+reading its own step counts, which it keeps on the host (unless ``capturable``), is left out too;
+those reads still count as ops.
 """
 
 from __future__ import annotations
@@ -28,7 +34,10 @@ import traceback
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from examples.multimodal_dev.models.common.batch_memo import HOST_SIDE_MARK
 
 SYNC_ATEN = {
     "_local_scalar_dense",
@@ -44,6 +53,7 @@ SYNC_ATEN = {
     "is_nonzero",
 }
 SYNC_METHODS = {"tolist", "cpu", "numpy"}
+BOOL_INDEXED = {"index", "index_put", "index_put_", "_index_put_impl_"}
 # (owner, attribute) of the explicit waits for the device
 _CUDA_SYNCS = ((torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"), (torch.cuda.Event, "synchronize"))
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -83,10 +93,53 @@ class _AtenCounter(TorchDispatchMode):
         self.tally.ops[name] += 1
         if self.tally.by_caller:
             self.tally.callers[_caller()] += 1
-        if name in SYNC_ATEN or (name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) < 3):
-            if not (name == "_local_scalar_dense" and _inside_torch_optim()):
-                self.tally.sync(f"aten.{name}")
-        return func(*args, **kwargs)
+        place = _placement([t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
+        if (
+            place != _HOST
+            and not (name in BOOL_INDEXED and self.tally.scalar_setitem)
+            and _reads_device(name, args, kwargs)
+        ):
+            self.tally.sync(f"aten.{name}")
+        out = func(*args, **kwargs)
+        if place != _DEVICE:
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    t.__dict__[_PLACE] = place
+        return out
+
+
+# Where an op's output lives on a GPU run. Host: made from host-side tensors only, or from host-side
+# tensors of one dimension or more and factory-made ones (a GPU run may mix a device tensor only with
+# a 0-dim host one, so those factory tensors are on the host too). Factory: made by a factory with no
+# tensor input (``torch.arange``), where the device it names is not known here; read alone it counts
+# as a sync. Device: anything else.
+_PLACE, _HOST, _FACTORY, _DEVICE = "_counted_placement", "host", "factory", "device"
+
+
+def _placement(inputs: list) -> str:
+    places = [_HOST if _host_side(t) else t.__dict__.get(_PLACE, _DEVICE) for t in inputs]
+    if all(p == _HOST for p in places) and places:
+        return _HOST
+    if all(p == _FACTORY for p in places):  # no inputs at all, or only factory-made ones
+        return _FACTORY
+    if _DEVICE not in places and any(_host_side(t) and t.dim() > 0 for t in inputs):
+        return _HOST
+    return _DEVICE
+
+
+def _host_side(t: torch.Tensor) -> bool:
+    return t.__dict__.get(HOST_SIDE_MARK, False) or t.__dict__.get(_PLACE) == _HOST
+
+
+def _reads_device(name: str, args, kwargs) -> bool:
+    """Whether the op makes the host wait for the values of its (device) inputs."""
+    if name in SYNC_ATEN:
+        return not (name == "_local_scalar_dense" and _inside_torch_optim())
+    if name == "repeat_interleave":
+        return kwargs.get("output_size") is None and len(args) < 3
+    if name in BOOL_INDEXED and len(args) > 1:
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] or ())
+    return False
 
 
 class _MethodCounter(TorchFunctionMode):
@@ -96,7 +149,18 @@ class _MethodCounter(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        if name in SYNC_METHODS and not self.tally.inside_kernel and getattr(func, "__objclass__", None) is not None:
+        if name == "__setitem__" and len(args) == 3 and isinstance(args[2], (bool, int, float)):
+            self.tally.scalar_setitem += 1
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                self.tally.scalar_setitem -= 1
+        if (
+            name in SYNC_METHODS
+            and not self.tally.inside_kernel
+            and getattr(func, "__objclass__", None) is not None
+            and not (args and isinstance(args[0], torch.Tensor) and _host_side(args[0]))
+        ):
             self.tally.sync(f"Tensor.{name}")
         return func(*args, **(kwargs or {}))
 
@@ -109,6 +173,7 @@ class StepTally:
         self.callers: collections.Counter = collections.Counter()
         self.ops: collections.Counter = collections.Counter()
         self.inside_kernel = 0  # > 0: inside a stand-in for one GPU kernel (as_one_kernel)
+        self.scalar_setitem = 0  # > 0: inside ``t[index] = <Python number>`` (masked_fill_ on a GPU)
         self._counting_depth = 0
         self.syncs: collections.Counter = collections.Counter()  # (kind, caller) -> count
         self.steps = 0

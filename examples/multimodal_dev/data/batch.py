@@ -34,6 +34,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from examples.multimodal_dev.models.common.batch_memo import host_side, to_device
+
 
 class StageInput(enum.Enum):
     """What a pipeline stage's first layer receives, hence which vision inputs its batch keeps.
@@ -74,6 +76,9 @@ LAST_STAGE_ONLY = ("labels", "loss_mask")
 # Read by the host, not the GPU: the vision tower walks the grids image by image (patch coordinates,
 # frame lengths, chunking) and the throughput log prices them; on the device every such read was a sync.
 HOST_SIDE = ("image_grid_thw", "video_grid_thw")
+# Moved to the device carrying their host copy (``batch_memo.on_host``): the segment bounds the
+# attention and Gated DeltaNet check and the placeholder tokens the vision merge counts.
+HOST_READ = ("tokens", "cu_seqlens", "cu_seqlens_padded")
 
 
 @dataclass
@@ -104,8 +109,16 @@ class PackedBatch:
         return {f.name: v for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)}
 
     def to(self, device) -> PackedBatch:
-        """The tensors on ``device``, the grids (``HOST_SIDE``, three integers an image) left on the host."""
-        moved = {k: v.to(device, non_blocking=True) for k, v in self.tensors().items() if k not in HOST_SIDE}
+        """The tensors on ``device``, the grids (``HOST_SIDE``, three integers an image) left on the host,
+        and those the host reads (``HOST_READ``) carrying their host copy."""
+        moved = {}
+        for name, t in self.tensors().items():
+            if name in HOST_SIDE:
+                moved[name] = host_side(t)
+            elif name in HOST_READ:
+                moved[name] = to_device(t, device)
+            else:
+                moved[name] = t.to(device, non_blocking=True)
         return replace(self, **moved)
 
     def pin_memory(self) -> PackedBatch:

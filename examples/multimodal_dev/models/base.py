@@ -33,6 +33,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 
 from .common import vision_context_parallel
+from .common.batch_memo import on_host, to_device
 from .common.context_parallel import ContextParallelSplit
 
 
@@ -72,17 +73,19 @@ class VisionLanguageModel(MegatronModule):
         self.language_model.set_input_tensor(input_tensor)
 
     def scatter_features(self, embeds_BSH, input_ids_BS, token_id, features, what):
-        mask = input_ids_BS == token_id
-        n_tokens = int(mask.sum())
-        if n_tokens != features.shape[0]:
+        # The placeholders' positions are found on the batch's host copy of the ids: found on the
+        # device they are read back (a sync), and a boolean-mask merge reads its mask's count back
+        # in forward and again in backward.
+        rows = (on_host(input_ids_BS).reshape(-1) == token_id).nonzero().squeeze(1)
+        if rows.numel() != features.shape[0]:
             raise ValueError(
-                f"{what}: the batch has {n_tokens} placeholder tokens (id {token_id}) but the vision tower "
+                f"{what}: the batch has {rows.numel()} placeholder tokens (id {token_id}) but the vision tower "
                 f"produced {features.shape[0]} features; the processor's token expansion and "
                 f"the grid_thw / pixel values disagree"
             )
-        embeds_BSH = embeds_BSH.clone()
-        embeds_BSH[mask] = features.to(embeds_BSH.dtype)
-        return embeds_BSH
+        flat = embeds_BSH.reshape(-1, embeds_BSH.shape[-1])
+        merged = flat.index_put((to_device(rows, flat.device),), features.to(flat.dtype))
+        return merged.view_as(embeds_BSH)
 
     def _word_embeddings(self, input_ids_BS) -> torch.Tensor:
         """[B, S, H] for the whole row. Under sequence parallelism megatron-core's embedding
@@ -135,12 +138,12 @@ class VisionLanguageModel(MegatronModule):
         if pixel_values is not None:
             feats = self._encode(pixel_values, image_grid_thw)
             embeds_BSH = self.scatter_features(embeds_BSH, input_ids_BS, self.image_token_id, feats, "images")
-        elif bool((input_ids_BS == self.image_token_id).any()):
+        elif bool((on_host(input_ids_BS) == self.image_token_id).any()):
             raise ValueError("the batch has image placeholder tokens but no pixel_values")
         if pixel_values_videos is not None:
             feats = self._encode(pixel_values_videos, video_grid_thw)
             embeds_BSH = self.scatter_features(embeds_BSH, input_ids_BS, self.video_token_id, feats, "videos")
-        elif bool((input_ids_BS == self.video_token_id).any()):
+        elif bool((on_host(input_ids_BS) == self.video_token_id).any()):
             raise ValueError("the batch has video placeholder tokens but no pixel_values_videos")
         if (
             pixel_values is None

@@ -61,6 +61,9 @@ output gate) run under torch.compile on a GPU host and are taken to keep their i
 norm's fp32 rstd). Experts, SequentialMLP or the grouped GEMMs of ``models/common/grouped_experts.py``
 (which save the same tensors): fc1 output 2Fe, product, scaled product per routed token.
 
+The torch kernels lay a packed row's tokens out in chunks once a micro-batch (16T + 8n: each token's
+chunk and place, the sequence order), and every GDN layer keeps that one layout: ``gdn_shared``.
+
 vision_chunk_patches=N (``--vision-chunk-patches``): the tower runs over chunks of whole frames of at
 most N patches, each under recompute: it keeps its pixels (b P C t p^2), and while one chunk is
 recomputed it saves what one pass over that chunk saves, pixels left out (a view of those kept);
@@ -99,6 +102,7 @@ class ActivationBreakdown:
     mtp: float  # the MTP head, all its layers (last stage); 0 without MTP
     recompute_working: float  # recompute: saved while ONE decoder layer is recomputed (0 without)
     per_stage: float = 0.0  # once per stage: the recompute checkpoints' shared rotary table and mask
+    gdn_shared: float = 0.0  # once per stage with GDN layers: their shared chunk layout (torch kernels, packed)
     vision_recompute_working: float = 0.0  # saved while one ViT block is recomputed (first stage)
     mtp_recompute_working: float = 0.0  # saved while one MTP layer is recomputed (last stage)
 
@@ -114,7 +118,8 @@ class ActivationBreakdown:
         """Bytes of a pipeline stage holding these layers: its parts, plus the working set once."""
         layers = n_gdn * (self.gdn_layer + self.mlp_layer) + n_attention * (self.attention_layer + self.mlp_layer)
         ends = (self.vision + self.embedding if first else 0.0) + (self.output + self.mtp if last else 0.0)
-        return layers + ends + self.per_stage + self.working(first, last)
+        shared = self.per_stage + (self.gdn_shared if n_gdn else 0.0)
+        return layers + ends + shared + self.working(first, last)
 
 
 def _norm(n, c):
@@ -173,11 +178,15 @@ def _gdn(t, T, Tl, Tn, segs, b, tp, cp, packed, gpu):
     kernel = (
         4 * m * nv * (a * CHUNK**2 + c * CHUNK * dk + d * CHUNK * dv + 4 * CHUNK + 1)
         + 4 * nv * dk * dv * states
-        + 16 * T
-        + 8 * len(segs)
+        + (0 if packed else _chunk_layout(T, segs))  # packed: one layout for every layer (gdn_shared)
         + 2 * CHUNK**2
     )
     return _norm(Tn, h) + b * Tn * h + conv + l2norm + gates + kernel + out_norm + out_proj
+
+
+def _chunk_layout(T, segs) -> float:
+    """The torch kernel's step-major chunk layout: each token's chunk and place in it, the sequence order."""
+    return 16 * T + 8 * len(segs)
 
 
 def _attention(t, T, Tl, Tn, b, tp, cp, packed, gpu):
@@ -315,6 +324,7 @@ def micro_batch_activations(
             output,
             t.mtp_num_layers * (mtp_layer + mtp_outer),
             0.0,
+            gdn_shared=_chunk_layout(T, segs) if padded_to is None and not gpu else 0.0,
             vision_recompute_working=vision_working,
         )
     kept = b * Tn * h  # a checkpointed layer's input

@@ -1,14 +1,21 @@
-"""Values derived from one micro-batch's packed-sequence boundaries, computed once and kept on the
-``cu_seqlens`` tensor they come from.
+"""What a micro-batch's tensors carry besides their values: the values derived from its
+packed-sequence boundaries, computed once, and the host copy each tensor was moved from.
 
-Every attention and Gated DeltaNet layer of a tower, query and key alike, asks for the same ones:
-recomputed per layer they cost eager ops, and read back to the host per layer a device sync each.
-The tensor lives as long as its micro-batch, and so does what is kept on it.
+Every attention and Gated DeltaNet layer of a tower, query and key alike, asks for the same derived
+values: recomputed per layer they cost eager ops, and read back to the host per layer a device sync
+each. The checks and bounds the host needs (segment ends, placeholder counts) are read from the host
+copy the batch was collated in, so on a GPU they stop nothing. What is kept lives on the tensor,
+as long as its micro-batch.
 """
 
 from __future__ import annotations
 
 import torch
+
+_HOST_COPY = "_host_copy"  # megatron/cpu/gdn_kernels.py's torch kernels read it too (HOST_COPY)
+# Set on a tensor that stays on the host on every device (a batch's host copies, the vision grids):
+# the host reads it without waiting for a GPU. ``benchmarks/op_counter.py`` reads the mark.
+HOST_SIDE_MARK = "_host_side"
 
 
 def kept_on(cu_seqlens: torch.Tensor, name: str, key, make):
@@ -17,3 +24,26 @@ def kept_on(cu_seqlens: torch.Tensor, name: str, key, make):
     if key not in cache:
         cache[key] = make()
     return cache[key]
+
+
+def host_side(t: torch.Tensor) -> torch.Tensor:
+    """``t``, marked as living on the host on every device."""
+    t.__dict__[HOST_SIDE_MARK] = True
+    return t
+
+
+def to_device(t: torch.Tensor, device, dtype=None) -> torch.Tensor:
+    """``t`` on ``device`` (non-blocking), carrying ``t`` as its host copy for ``on_host``."""
+    host = t if dtype is None else t.to(dtype)
+    if torch.device(device).type == "cuda" and not host.is_pinned():
+        host = host.pin_memory()  # from pageable memory the copy may wait for the stream
+    moved = host.to(device, non_blocking=True)
+    # a distinct object where ``.to`` returned the same one (a CPU run): the mark stays off ``moved``
+    moved.__dict__[_HOST_COPY] = host_side(host.detach() if moved is host else host)
+    return moved
+
+
+def on_host(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values on the host: the copy it was moved from, else read back (a sync on a GPU)."""
+    host = t.__dict__.get(_HOST_COPY)
+    return host if host is not None else t.cpu()

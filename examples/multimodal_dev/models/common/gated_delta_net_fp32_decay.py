@@ -12,9 +12,9 @@ fp32 parameters (no separate main copy), as they do any fp32 parameter of a half
 Given an inference context (generation), the layer decodes with cached state (``gdn_decoding.py``),
 which megatron-core's own forward refuses.
 
-A packed row's segments are checked once per micro-batch, not in every layer: megatron-core reads
-``cu_seqlens`` back to the host for its checks in each GatedDeltaNet layer (three syncs a layer, query
-and key alike, on a GPU run).
+A packed row's segments are checked once per micro-batch, not in every layer, and on the batch's host
+copy: megatron-core reads ``cu_seqlens`` back to the host for its checks in each GatedDeltaNet layer
+(three syncs a layer, query and key alike, on a GPU run).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
-from .batch_memo import kept_on
+from .batch_memo import kept_on, on_host
 from .gdn_decoding import cached_forward
 
 FP32_DECAY_PARAMS = ("A_log", "dt_bias")
@@ -38,10 +38,9 @@ class GatedDeltaNetFp32Decay(GatedDeltaNet):
     def _resolve_cu_seqlens(self, cu_seqlens_padded, cu_seqlens_actual, total_seq_len, name, cp_size: int = 1):
         cu_seqlens = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens_actual
 
-        def check() -> bool:  # megatron's check raises on bad segments
-            super(GatedDeltaNetFp32Decay, self)._resolve_cu_seqlens(
-                cu_seqlens_padded, cu_seqlens_actual, total_seq_len, name, cp_size
-            )
+        def check() -> bool:  # megatron-core's checks (which raise), on the batch's host copies
+            host = [None if t is None else on_host(t) for t in (cu_seqlens_padded, cu_seqlens_actual)]
+            super(GatedDeltaNetFp32Decay, self)._resolve_cu_seqlens(*host, total_seq_len, name, cp_size)
             return True
 
         kept_on(cu_seqlens, "_gdn_checked", (total_seq_len, cp_size), check)
@@ -65,3 +64,4 @@ class GatedDeltaNetFp32Decay(GatedDeltaNet):
             param = getattr(self, name, None)
             if param is not None and param.dtype in _HALF:
                 param.data = param.data.float()  # the same Parameter: its TP attributes stay
+

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from .batch_memo import kept_on
+from .batch_memo import kept_on, on_host
 from .varlen_attention import VARLEN, thd_kernel, torch_varlen, varlen_failed
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
@@ -115,15 +115,15 @@ class SDPACoreAttention(MegatronModule):
 
     @staticmethod
     def _segments(params) -> tuple[torch.Tensor, list[int]]:
-        """(cu_seqlens on the device, the same bounds on the host, read once a micro-batch: reading them
-        back in each layer stopped the host at every attention layer of a GPU run)."""
+        """(cu_seqlens on the device, the same bounds on the host: the batch's host copy, read once a
+        micro-batch; reading them back in each layer stopped the host at every attention layer)."""
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         cu_kv = params.cu_seqlens_kv_padded if params.cu_seqlens_kv_padded is not None else params.cu_seqlens_kv
 
         def host_bounds() -> list[int]:
-            if cu_kv is not None and cu_kv is not cu and not torch.equal(cu.cpu(), cu_kv.cpu()):
+            if cu_kv is not None and cu_kv is not cu and not torch.equal(on_host(cu), on_host(cu_kv)):
                 raise NotImplementedError("SDPACoreAttention THD needs identical q and kv segments")
-            return cu.tolist()
+            return on_host(cu).tolist()
 
         return cu, kept_on(cu, "_host_bounds", (), host_bounds)
 

@@ -16,6 +16,7 @@ from megatron.core.models.gpt import GPTModel
 from ...megatron_changes import apply
 from ..base import VisionLanguageModel
 from ..common import vision_bridge
+from ..common.batch_memo import on_host
 from ..common.context_parallel import ContextParallelSplit
 from .configuration import Qwen35VLShape
 from .flops import vision_flops
@@ -55,7 +56,7 @@ class _LanguageModel(GPTModel):
             and position_ids is not None
             and packed_seq_params.cu_seqlens_q_padded is not None
         ):
-            total = int(packed_seq_params.cu_seqlens_q_padded[-1])
+            total = int(on_host(packed_seq_params.cu_seqlens_q_padded)[-1])
             split = ContextParallelSplit.for_row(total, self.pg_collection.cp, packed_seq_params)
             if split is not None:
                 position_ids = split.place(position_ids, -1)

@@ -19,6 +19,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 from torch import nn
 
+from ..common.batch_memo import to_device
 from ..common.context_parallel import process_groups_without_context_parallel
 from ..common.video_frames import frames_of
 from .configuration import VisionShape
@@ -204,7 +205,7 @@ class Qwen35VisionModel(MegatronModule):
         rows, cols, heights, widths = (t.to(x.device) for t in merge_block_coords(grid_thw.cpu(), s.spatial_merge_size))
         x = x + self.position_embeddings(rows, cols, heights, widths)
         frame_lengths = torch.repeat_interleave(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0])
-        cu = F.pad(frame_lengths.cumsum(0), (1, 0)).to(device=x.device, dtype=torch.int32)
+        cu = to_device(F.pad(frame_lengths.cumsum(0), (1, 0)), x.device, torch.int32)  # bounds kept on the host
         max_len = int(frame_lengths.max())
         packed = PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len
