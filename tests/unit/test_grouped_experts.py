@@ -71,6 +71,13 @@ def test_grouped_layer_equals_sequential(mcore, settings):
     layer_s = sequential.language_model.decoder.layers[0].mlp
     layer_g = grouped.language_model.decoder.layers[0].mlp
     assert type(layer_g.experts).__name__ == "GroupedExperts"
+    # dropless: the permutation sized on the host (models/common/dropless_dispatch.py); with a capacity,
+    # and in front of SequentialMLP, megatron-core's dispatcher
+    dropless = "moe_expert_capacity_factor" not in settings
+    assert type(layer_g.token_dispatcher).__name__ == (
+        "DroplessLocalDispatcher" if dropless else "MoEAllGatherTokenDispatcher"
+    )
+    assert type(layer_s.token_dispatcher).__name__ == "MoEAllGatherTokenDispatcher"
     torch.manual_seed(0)
     x_s = torch.randn(40, 2, layer_s.config.hidden_size, requires_grad=True)
     x_g = x_s.detach().clone().requires_grad_(True)
@@ -83,6 +90,25 @@ def test_grouped_layer_equals_sequential(mcore, settings):
     for linear in ("linear_fc1", "linear_fc2"):
         per_expert = torch.stack([getattr(e, linear).weight.grad for e in layer_s.experts.local_experts])
         assert _close(getattr(layer_g.experts, linear).weight.grad, per_expert), linear
+    assert _close(layer_g.router.weight.grad, layer_s.router.weight.grad)  # through the permuted probabilities
+
+
+def test_dropless_dispatch_reads_nothing_back(mcore):
+    """A MoE layer's forward and backward on the grouped experts: not one host sync (megatron-core's
+    dispatcher in front of SequentialMLP reads the counts back, and SequentialMLP splits by them)."""
+    from examples.multimodal_dev.benchmarks.op_counter import StepTally
+
+    _, sequential, grouped = _pair()
+    syncs = {}
+    for name, model in (("sequential", sequential), ("grouped", grouped)):
+        layer = model.language_model.decoder.layers[0].mlp
+        x = torch.randn(40, 2, layer.config.hidden_size, requires_grad=True)
+        tally = StepTally()
+        with tally.counting():
+            y, _ = layer(x)
+            y.sum().backward()
+        syncs[name] = sum(tally.syncs.values())
+    assert syncs["grouped"] == 0 and syncs["sequential"] >= 3, syncs
 
 
 def _expert_entries(model) -> dict:

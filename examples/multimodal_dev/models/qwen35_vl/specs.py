@@ -13,6 +13,8 @@ full-attention layer of the same kind (Qwen3.5's ``mtp.layers.0`` is a full-atte
 
 from __future__ import annotations
 
+from functools import partial
+
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
@@ -30,6 +32,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from ..common.dropless_dispatch import LocalExpertsMoELayer
 from ..common.gated_delta_net_fp32_decay import GatedDeltaNetFp32Decay
 from ..common.grouped_experts import GroupedExperts
 from ..common.norms import HeadSharedNorm, TorchNorm
@@ -131,6 +134,8 @@ def _decoder_layer_spec(m: _Modules, layer_type: str, config) -> ModuleSpec:
     mlp = get_mlp_module_spec_for_backend(
         backend=m.provider, num_experts=config.num_moe_experts, moe_grouped_gemm=bool(config.moe_grouped_gemm)
     )
+    if is_moe:  # megatron-core's MoELayer (a partial), dispatching without host syncs where it can
+        mlp = partial(LocalExpertsMoELayer, *mlp.args, **mlp.keywords)
     # TE fuses the pre-MLP norm into a dense fc1; the MoE router needs the normed input itself.
     pre_mlp_norm = IdentityOp if (m.fused_norm and not is_moe) else m.norm
     input_norm, mixer = _mixer_spec(m, layer_type)
