@@ -13,6 +13,7 @@ import types
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from examples.multimodal_dev import megatron_changes
 from examples.multimodal_dev.megatron_changes import __main__ as table_doc
@@ -181,3 +182,17 @@ def test_the_doc_page_is_the_tables_output():
         assert f.read() == table_doc.markdown(), (
             "run: python -m examples.multimodal_dev.megatron_changes > docs/megatron_changes.md"
         )
+
+
+def test_gdn_modules_torch_compares_one_tensor_with_itself_without_reading_it():
+    from examples.multimodal_dev.benchmarks.op_counter import StepTally
+    from examples.multimodal_dev.models.common.gated_delta_net_fp32_decay import torch_comparing_by_identity
+
+    gdn_torch = torch_comparing_by_identity(torch)
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    tally = StepTally()
+    with tally.counting():
+        assert gdn_torch.equal(cu, cu)
+    assert not tally.ops and not tally.syncs
+    assert gdn_torch.equal(cu, cu.clone()) and not gdn_torch.equal(cu, torch.tensor([0, 3, 8], dtype=torch.int32))
+    assert gdn_torch.cat is torch.cat and gdn_torch.Tensor is torch.Tensor and gdn_torch.cuda is torch.cuda

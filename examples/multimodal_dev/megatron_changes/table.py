@@ -162,6 +162,14 @@ CHANGES: tuple[Change, ...] = (
         "the unfused THD rotary read cu_seqlens back to the host and rotated one sequence at a time (every "
         "vision block, every image frame); one device-side index and one rotation, the same result",
     ),
+    Change(
+        "gdn-segments-compared-once",
+        f"{_GDN}gdn:torch",
+        f"{_P}models.common.gated_delta_net_fp32_decay:torch_comparing_by_identity",
+        "GatedDeltaNet asserts torch.equal(cu_seqlens_q, cu_seqlens_kv) in every layer, and CUDA's equal reads "
+        "both back (a sync a layer; CPU's equal answers a tensor compared with itself at once): the module's "
+        "torch answers that case as CPU's does, and compares other pairs as torch.equal",
+    ),
     # A bf16 model with fp32 A_log / dt_bias (checkpoint/mixed_dtype_optimizer.py).
     Change(
         "mixed-dtype-optimizer",

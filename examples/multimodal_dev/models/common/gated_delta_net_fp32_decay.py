@@ -19,6 +19,8 @@ copy: megatron-core reads ``cu_seqlens`` back to the host for its checks in each
 
 from __future__ import annotations
 
+import types
+
 import torch
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
@@ -65,3 +67,23 @@ class GatedDeltaNetFp32Decay(GatedDeltaNet):
             if param is not None and param.dtype in _HALF:
                 param.data = param.data.float()  # the same Parameter: its TP attributes stay
 
+
+class _TorchComparingByIdentity(types.ModuleType):
+    """``torch`` for megatron-core's gdn module: every name is torch's but ``equal``."""
+
+    def __init__(self, torch_module):
+        super().__init__(torch_module.__name__)
+        self.__dict__["_torch"] = torch_module
+
+    def __getattr__(self, name):  # names not set on this module: torch's
+        return getattr(self._torch, name)
+
+    @staticmethod
+    def equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a is b or torch.equal(a, b)
+
+
+def torch_comparing_by_identity(original, run=None):
+    """The megatron change ``gdn-segments-compared-once``: the batch hands GatedDeltaNet one
+    ``cu_seqlens`` tensor for query and key (``forward_step.packed_seq_params``)."""
+    return _TorchComparingByIdentity(original)
