@@ -28,6 +28,7 @@ from examples.multimodal_dev.data.sample import DataError
 from examples.multimodal_dev.dataset_provider import datasets_provider, metered, plain_for_megatron
 from examples.multimodal_dev.forward_step import forward_step
 from examples.multimodal_dev.model_provider import model_provider
+from examples.multimodal_dev.training.compile_once import compile_for_any_length
 from examples.multimodal_dev.training.throughput import StepFlops
 from examples.multimodal_dev.vision_ranks import groups as vision_ranks
 
@@ -51,6 +52,7 @@ def main() -> None:
             + f": {reason}"
         )
         megatron.cpu.register_torch_gdn_kernels(names)
+    compile_for_any_length()  # megatron-core's compiled helpers: compiled once, not again in iteration 2
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args

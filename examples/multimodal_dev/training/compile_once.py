@@ -1,0 +1,24 @@
+"""megatron-core's compiled helpers, compiled once a run whatever length each packed row has.
+
+megatron-core wraps its small fused element-wise functions in ``torch.compile`` (``jit_fuser``:
+Gated DeltaNet's gated norm, input preparation and decay, the attention output gate, SwiGLU,
+bias-dropout-add). Dynamo compiles each for the shapes of its first call and, when a later call's
+shapes differ, compiles it again for dynamic shapes; a packed row changes length with every
+micro-batch, so every helper compiled twice, the second time in the second iteration. On an H200
+(2b78d8b) the first two iterations took 40 s and 21 s. Counted on a CPU host with the tiny MoE
+model: 8 graphs in the first step, 8 more in the second; compiled for dynamic shapes from the first
+call, 9 in the first step and none after (tests/unit/test_compile_once.py).
+
+Inductor keeps what it compiled in ``TORCHINDUCTOR_CACHE_DIR`` (``/tmp/torchinductor_<user>`` by
+default): pointed at storage that outlives the node, later runs load instead of compiling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def compile_for_any_length() -> None:
+    """Dynamo treats sizes as dynamic from the first call (process-wide: only megatron-core's
+    helpers are compiled in a training run)."""
+    torch._dynamo.config.assume_static_by_default = False
