@@ -24,6 +24,15 @@ def _shard(directory):
     return next(p for p in directory.iterdir() if p.suffix == ".distcp")
 
 
+def _link_outside(directory):
+    """The shard replaced by a link to a file of the user's, long enough to pass as the shard."""
+    secret = directory.parent / "secret"
+    secret.write_bytes(os.urandom(1 << 16))
+    shard = _shard(directory)
+    os.remove(shard)
+    os.symlink(secret, shard)
+
+
 DAMAGE = {
     "shard deleted": (lambda d: os.remove(_shard(d)), r"__0_0.distcp is missing"),
     "shard truncated": (
@@ -33,6 +42,10 @@ DAMAGE = {
     "index deleted": (lambda d: os.remove(d / ".metadata"), r"/.metadata is missing"),
     "index garbage": (lambda d: (d / ".metadata").write_bytes(b"\x80\x04garbage"), r"/.metadata cannot be read"),
     "metadata.json deleted": (lambda d: os.remove(d / "metadata.json"), r"metadata.json is missing"),
+    "shard linked outside": (
+        lambda d: _link_outside(d),
+        r"__0_0.distcp is a link to .*/secret, outside the checkpoint",
+    ),
     "legacy layout": (
         lambda d: [os.remove(p) for p in d.iterdir()] and (d / "mp_rank_00").mkdir(),
         r"mp_rank_00 is a legacy megatron checkpoint \(whole pickles\), which this project does not load",
@@ -74,3 +87,11 @@ def test_a_planted_global_in_the_index_is_refused_as_code_not_called_damage(tmp_
     with pytest.raises(Exception) as err:
         check_resumable(str(tmp_path))
     assert "it names 'posix.system', which is not checkpoint data" in refusal(err.value)
+
+
+def test_links_inside_the_checkpoint_are_its_own(tmp_path):
+    latest = _iteration(tmp_path, 2)
+    shard = _shard(latest)
+    os.rename(shard, latest / "moved.bin")
+    os.symlink("moved.bin", shard)
+    assert damage(str(latest)) is None

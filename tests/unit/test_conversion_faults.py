@@ -315,6 +315,24 @@ def test_export_refuses_a_planted_pickle_in_one_line(ckpt, tmp_path, capsys):
     assert not marker.exists() and sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
+def test_export_refuses_a_shard_that_links_outside_the_checkpoint(ckpt, tmp_path, capsys):
+    """A downloaded checkpoint whose shard is a link to a file of the user's: its bytes would become
+    the exported weights."""
+    mg = tmp_path / "ckpt"
+    shutil.copytree(ckpt, mg)
+    shard = next(p for p in (mg / "iter_0000000").iterdir() if p.suffix == ".distcp")
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(shard.stat().st_size))
+    shard.unlink()
+    shard.symlink_to(secret)
+    assert main(["export", "--megatron-path", str(mg), "--hf-path", str(tmp_path / "out")]) == 2
+    line = _one_error_line(capsys, "export")
+    assert line.endswith(f"{shard} is a link to {secret}, outside the checkpoint; a checkpoint's files are its own"), (
+        line
+    )
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "secret"]
+
+
 def test_verify_refuses_pickled_hf_weights(hf_dense, ckpt, tmp_path, capsys):
     hf = tmp_path / "bin"
     hf.mkdir()

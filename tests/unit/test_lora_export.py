@@ -154,6 +154,25 @@ def test_the_self_check_refuses_a_wrong_adapter_mapping(lora_run, tmp_path, monk
     assert "holds no LoRA adapters" in capsys.readouterr().err
 
 
+def test_an_adapter_folder_that_is_a_planted_link_loses_nothing(lora_run, tmp_path, capsys):
+    """--peft-path naming a link to a folder of the user's (or the .partial folder planted as one):
+    the export stops in one line and the folder's files are as they were."""
+    kind, _, _, tuned, *_ = lora_run
+    if kind != "dense":
+        pytest.skip("one model is enough for the refusals")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    for planted, overwrite in (("adapter", []), ("adapter", ["--overwrite"]), ("adapter.partial", [])):
+        out = tmp_path / "adapter"
+        (tmp_path / planted).symlink_to(mine, target_is_directory=True)
+        code = main(["export-peft", "--megatron-path", tuned, "--peft-path", str(out), *overwrite])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
+        assert sorted(os.listdir(mine)) == ["notes.txt"] and (mine / "notes.txt").read_text() == "keep"
+        (tmp_path / planted).unlink()
+
+
 def test_stored_args_and_tensors_that_disagree_are_refused(mcore):
     from types import SimpleNamespace
 

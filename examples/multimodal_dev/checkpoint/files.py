@@ -109,6 +109,24 @@ def checkpoint_directory(root: str) -> str:
     return directory
 
 
+def leads_outside(directory: str) -> str | None:
+    """A link in the iteration directory whose target is outside it: loading would read another
+    file's bytes as weights (a downloaded checkpoint could point at any file of the user's)."""
+    root = os.path.realpath(directory)
+    for folder, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            path = os.path.join(folder, name)
+            target = os.path.realpath(path)
+            if os.path.islink(path) and os.path.commonpath([root, target]) != root:
+                return f"{path} is a link to {target}, outside the checkpoint; a checkpoint's files are its own"
+    return None
+
+
+def _own_files(directory: str) -> None:
+    if outside := leads_outside(directory):
+        raise ValueError(outside)
+
+
 def stored_args(directory: str):
     """The megatron args a checkpoint iteration directory was saved with (None if it has none),
     read as data only (``safety.py``)."""
@@ -117,6 +135,7 @@ def stored_args(directory: str):
     from ..megatron_changes import apply
 
     apply("checkpoints-are-data")
+    _own_files(directory)
     try:
         return dist_checkpointing.load_common_state_dict(directory).get("args")
     except (pickle.UnpicklingError, EOFError, RuntimeError) as err:  # torch.load's: one line, not its advice
@@ -134,5 +153,6 @@ def load_model_weights(model, directory: str) -> None:
     from ..megatron_changes import apply
 
     apply("checkpoints-are-data")
+    _own_files(directory)
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)
     model.load_state_dict(state["model"])

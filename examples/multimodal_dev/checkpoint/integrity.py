@@ -5,8 +5,8 @@ A torch_dist iteration directory is ``metadata.json`` (megatron's: which format)
 it names. A deleted or truncated shard, a deleted or garbage index, or a deleted ``metadata.json``
 made megatron fail deep inside the load with a message that names neither the file nor a way out.
 ``check_resumable`` reads the index (restricted to checkpoint data, ``safety.py``), checks that
-every shard it names exists and is long enough, and otherwise names the damaged file and the
-newest earlier iteration that is whole.
+every shard it names exists and is long enough and that no link in the directory leads outside it,
+and otherwise names the damaged file and the newest earlier iteration that is whole.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 
-from .files import TRACKER, checkpoint_directory, iteration_dir, latest_iteration
+from .files import TRACKER, checkpoint_directory, iteration_dir, latest_iteration, leads_outside
 
 
 def damage(directory: str) -> str | None:
@@ -33,6 +33,8 @@ def damage(directory: str) -> str | None:
     for name in ("metadata.json", ".metadata"):
         if not os.path.isfile(os.path.join(directory, name)):
             return f"{os.path.join(directory, name)} is missing"
+    if outside := leads_outside(directory):
+        return outside
     apply("checkpoints-are-data")
     index = os.path.join(directory, ".metadata")
     try:
