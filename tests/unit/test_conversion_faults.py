@@ -333,6 +333,19 @@ def test_export_refuses_a_shard_that_links_outside_the_checkpoint(ckpt, tmp_path
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "secret"]
 
 
+def test_export_refuses_a_shard_whose_bytes_changed_since_the_save(ckpt, tmp_path, capsys):
+    mg = tmp_path / "ckpt"
+    shutil.copytree(ckpt, mg)
+    shard = next(p for p in (mg / "iter_0000000").iterdir() if p.suffix == ".distcp")
+    with open(shard, "r+b") as f:  # 4 KiB inside the tensors' bytes, the length kept
+        f.seek(shard.stat().st_size // 2)
+        f.write(os.urandom(4096))
+    assert main(["export", "--megatron-path", str(mg), "--hf-path", str(tmp_path / "out")]) == 2
+    line = _one_error_line(capsys, "export")
+    assert f"{shard} is not the file that was saved (crc32 " in line, line
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
 def test_verify_refuses_pickled_hf_weights(hf_dense, ckpt, tmp_path, capsys):
     hf = tmp_path / "bin"
     hf.mkdir()

@@ -21,7 +21,7 @@ import shutil
 
 import torch
 
-from . import write_queue
+from . import shard_checksums, write_queue
 from .safety import load_failure, refusal
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -51,6 +51,8 @@ def save_model_checkpoint(args, iteration: int, model) -> str:
     _barrier()
     state = {"model": model.sharded_state_dict(), "args": args, "checkpoint_version": 3.0, "iteration": iteration}
     dist_checkpointing.save(state, partial)
+    _barrier()
+    shard_checksums.record(partial, rank)
     _barrier()
     if rank == 0:
         if os.path.exists(final):
@@ -123,8 +125,9 @@ def leads_outside(directory: str) -> str | None:
 
 
 def _own_files(directory: str) -> None:
-    if outside := leads_outside(directory):
-        raise ValueError(outside)
+    """Refuse a checkpoint whose links lead outside it or whose bytes changed since the save."""
+    if what := leads_outside(directory) or shard_checksums.mismatch(directory):
+        raise ValueError(what)
 
 
 def stored_args(directory: str):

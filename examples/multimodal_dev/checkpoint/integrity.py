@@ -5,8 +5,9 @@ A torch_dist iteration directory is ``metadata.json`` (megatron's: which format)
 it names. A deleted or truncated shard, a deleted or garbage index, or a deleted ``metadata.json``
 made megatron fail deep inside the load with a message that names neither the file nor a way out.
 ``check_resumable`` reads the index (restricted to checkpoint data, ``safety.py``), checks that
-every shard it names exists and is long enough and that no link in the directory leads outside it,
-and otherwise names the damaged file and the newest earlier iteration that is whole.
+every shard it names exists and is long enough, that no link in the directory leads outside it and
+that every file's bytes are those saved (``shard_checksums.py``), and otherwise names the damaged file
+and the newest earlier iteration that is whole.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from __future__ import annotations
 import os
 import re
 
+from . import shard_checksums
 from .files import TRACKER, checkpoint_directory, iteration_dir, latest_iteration, leads_outside
 
 
-def damage(directory: str) -> str | None:
-    """What is wrong with one iteration directory, or None when it is whole."""
+def damage(directory: str, rank: int = 0, world: int = 1) -> str | None:
+    """What is wrong with one iteration directory, or None when it is whole (its recorded checksums
+    checked by ``world`` ranks together: this one checks its share)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     from ..megatron_changes import apply
@@ -52,7 +55,7 @@ def damage(directory: str) -> str | None:
             return f"{path} is missing"
         if os.path.getsize(path) < length:
             return f"{path} is truncated ({os.path.getsize(path)} of {length} bytes)"
-    return None
+    return shard_checksums.mismatch(directory, rank, world)
 
 
 def check_resumable(load_dir: str | None, flag: str = "--load") -> None:
@@ -62,7 +65,8 @@ def check_resumable(load_dir: str | None, flag: str = "--load") -> None:
     directory = checkpoint_directory(load_dir)
     if not os.path.isdir(directory):
         return  # named by run_shape.check_checkpoint_matches
-    what = damage(directory)
+    share = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun's
+    what = damage(directory, *share)
     if what is None:
         return
     latest = latest_iteration(load_dir)
@@ -70,7 +74,7 @@ def check_resumable(load_dir: str | None, flag: str = "--load") -> None:
         (int(d[5:]) for d in os.listdir(load_dir) if re.fullmatch(r"iter_\d{7}", d) and int(d[5:]) < latest),
         reverse=True,
     )
-    whole = next((i for i in earlier if damage(iteration_dir(load_dir, i)) is None), None)
+    whole = next((i for i in earlier if damage(iteration_dir(load_dir, i), *share) is None), None)
     way_out = (
         f"iteration {whole} is complete: resume from it by writing {whole} into {os.path.join(load_dir, TRACKER)}"
         if whole is not None

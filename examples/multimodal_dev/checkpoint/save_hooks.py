@@ -6,6 +6,8 @@ work around it, in one visible order:
               megatron.training's save_checkpoint (every DP rank's RNG state: rng_per_rank.py)
     after     the token-budget plan's position                                  plan_state.py
               this DP rank's loader position                                    loader_state.py
+              the crc32 of the files this rank wrote                            shard_checksums.py
+              (with --async-save, in the save's finalize step: ``with_checksums_recorded``)
 
 The after-hooks run inside the full-disk guard: a disk that fills while they write is one line too.
 One row of ``megatron_changes`` (group ``save-hooks``) puts ``with_save_hooks`` in place.
@@ -15,10 +17,42 @@ from __future__ import annotations
 
 import functools
 
-from . import finite_guard, loader_state, plan_state, save_guard
+from . import finite_guard, loader_state, plan_state, save_guard, shard_checksums
+from .files import iteration_dir
 
-BEFORE = (finite_guard.refuse_nonfinite,)  # hook(iteration, model, args)
-AFTER = (plan_state.write_after_save, loader_state.write_after_save)  # hook(iteration, args)
+_async_save_of: list[str] = []  # the iteration directory of an async save being scheduled
+
+
+def _expect_async_save(iteration, _model, args) -> None:
+    _async_save_of[:] = [iteration_dir(args.save, iteration)] if args.async_save else []
+
+
+def _record_checksums(iteration, args) -> None:
+    if not args.async_save:  # an async save's files are still being written: its finalize step records
+        shard_checksums.record(iteration_dir(args.save, iteration), _rank())
+
+
+def _rank() -> int:
+    import torch
+
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+BEFORE = (finite_guard.refuse_nonfinite, _expect_async_save)  # hook(iteration, model, args)
+AFTER = (plan_state.write_after_save, loader_state.write_after_save, _record_checksums)  # hook(iteration, args)
+
+
+def with_checksums_recorded(schedule_async_save, run=None):
+    """megatron.training's ``schedule_async_save`` (megatron_changes row): the save's request also
+    records this rank's checksums when it is finalized, once every rank's files are complete."""
+
+    @functools.wraps(schedule_async_save)
+    def schedule(request):
+        if _async_save_of:
+            request.add_finalize_fn(functools.partial(shard_checksums.record, _async_save_of.pop(), _rank()))
+        return schedule_async_save(request)
+
+    return schedule
 
 
 def with_save_hooks(save_checkpoint, run=None, *, get_args=None):

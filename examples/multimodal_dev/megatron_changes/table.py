@@ -231,8 +231,14 @@ CHANGES: tuple[Change, ...] = (
         "save-hooks",
         "megatron.training.training:save_checkpoint",
         f"{_P}checkpoint.save_hooks:with_save_hooks",
-        "refuse non-finite weights; after the save, the token-budget plan's and the loader's state; a full "
-        "disk is one line and leaves the last complete checkpoint",
+        "refuse non-finite weights; after the save, the token-budget plan's and the loader's state and the "
+        "files' checksums; a full disk is one line and leaves the last complete checkpoint",
+    ),
+    Change(
+        "save-hooks",
+        "megatron.training.checkpointing:schedule_async_save",
+        f"{_P}checkpoint.save_hooks:with_checksums_recorded",
+        "an --async-save's files are complete only when megatron finalizes it: the checksums are recorded then",
     ),
     Change(
         "prebuilt-dataset-helpers",
