@@ -259,9 +259,18 @@ def test_bench_collate_runs(capsys):
 
 def test_moving_a_batch_leaves_the_grids_on_the_host():
     """The vision tower reads the grids on the host (every read of a device copy stopped a GPU run):
-    ``to`` moves every other tensor."""
+    ``to`` moves every other tensor, and the segment bounds and tokens carry their host copy. What the
+    moved batch keeps stays off the collated batch's tensors, which megatron's rerun state machine
+    pickles into checkpoints."""
+    from examples.multimodal_dev.models.common.batch_memo import HOST_SIDE_MARK, on_host
+
     batch = pack_thd(_samples(4, videos=True), TOKENS)
     moved = batch.to("meta")
     assert moved.tokens.device.type == "meta" and moved.pixel_values.device.type == "meta"
-    assert moved.image_grid_thw is batch.image_grid_thw and moved.image_grid_thw.device.type == "cpu"
+    assert moved.image_grid_thw.device.type == "cpu" and torch.equal(moved.image_grid_thw, batch.image_grid_thw)
     assert moved.video_grid_thw is None or moved.video_grid_thw.device.type == "cpu"
+    assert on_host(moved.cu_seqlens_padded).device.type == "cpu"
+    assert torch.equal(on_host(moved.cu_seqlens_padded), batch.cu_seqlens_padded)
+    assert all(not t.__dict__ for t in batch.tensors().values()), HOST_SIDE_MARK
+    on_cpu = batch.to("cpu")
+    assert on_cpu.cu_seqlens is not batch.cu_seqlens and not batch.cu_seqlens.__dict__

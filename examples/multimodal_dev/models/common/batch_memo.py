@@ -27,20 +27,28 @@ def kept_on(cu_seqlens: torch.Tensor, name: str, key, make):
 
 
 def host_side(t: torch.Tensor) -> torch.Tensor:
-    """``t``, marked as living on the host on every device."""
-    t.__dict__[HOST_SIDE_MARK] = True
-    return t
+    """``t``'s values, marked as living on the host on every device."""
+    return _alias(t, HOST_SIDE_MARK, True)
 
 
 def to_device(t: torch.Tensor, device, dtype=None) -> torch.Tensor:
-    """``t`` on ``device`` (non-blocking), carrying ``t`` as its host copy for ``on_host``."""
+    """``t`` on ``device`` (non-blocking), carrying its host copy for ``on_host``."""
     host = t if dtype is None else t.to(dtype)
     if torch.device(device).type == "cuda" and not host.is_pinned():
         host = host.pin_memory()  # from pageable memory the copy may wait for the stream
     moved = host.to(device, non_blocking=True)
-    # a distinct object where ``.to`` returned the same one (a CPU run): the mark stays off ``moved``
-    moved.__dict__[_HOST_COPY] = host_side(host.detach() if moved is host else host)
-    return moved
+    return _alias(moved, _HOST_COPY, host_side(host)) if moved is host else _keep(moved, _HOST_COPY, host_side(host))
+
+
+def _alias(t: torch.Tensor, name: str, value) -> torch.Tensor:
+    # What is kept goes on a new tensor object over the same values, never on the caller's: a tensor's
+    # attributes are pickled with it, and megatron's rerun state machine saves the collated batches.
+    return _keep(t.detach(), name, value)
+
+
+def _keep(t: torch.Tensor, name: str, value) -> torch.Tensor:
+    t.__dict__[name] = value
+    return t
 
 
 def on_host(t: torch.Tensor) -> torch.Tensor:
