@@ -16,6 +16,7 @@ One row of ``megatron_changes`` (group ``save-hooks``) puts ``with_save_hooks`` 
 from __future__ import annotations
 
 import functools
+import os
 
 from . import finite_guard, loader_state, plan_state, save_guard, shard_checksums
 from .files import iteration_dir
@@ -24,12 +25,16 @@ _async_save_of: list[str] = []  # the iteration directory of an async save being
 
 
 def _expect_async_save(iteration, _model, args) -> None:
-    _async_save_of[:] = [iteration_dir(args.save, iteration)] if args.async_save else []
+    async_save = args.save and getattr(args, "async_save", False)
+    _async_save_of[:] = [iteration_dir(args.save, iteration)] if async_save else []
 
 
 def _record_checksums(iteration, args) -> None:
-    if not args.async_save:  # an async save's files are still being written: its finalize step records
-        shard_checksums.record(iteration_dir(args.save, iteration), _rank())
+    # an async save's files are still being written: its finalize step records them
+    if args.save and not getattr(args, "async_save", False):
+        directory = iteration_dir(args.save, iteration)
+        if os.path.isdir(directory):  # megatron's local (non-persistent) checkpoints are elsewhere
+            shard_checksums.record(directory, _rank())
 
 
 def _rank() -> int:
