@@ -5,6 +5,7 @@ records' answers, and a user's mistake in one line."""
 
 import json
 import os
+import random
 
 import pytest
 import torch
@@ -287,7 +288,7 @@ def test_a_planted_or_damaged_common_state_is_one_line(checkpoint, tmp_path, cap
         torch.save({"args": {"x": "y" * 9000}}, common)
         with open(common, "r+b") as f:
             f.seek(64)
-            f.write(os.urandom(4096))
+            f.write(random.Random(damage).randbytes(4096))  # the same bytes on every run
     base = ["--megatron-path", str(tmp_path / "mg")]
     assert generate.main([*base, "--hf-processor-path", str(root / "hf"), "--prompt", "x"]) == 2
     assert convert_checkpoint.main(["export", *base, "--hf-path", str(tmp_path / "out")]) == 2

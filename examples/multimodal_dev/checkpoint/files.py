@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import shutil
 
 import torch
@@ -141,7 +140,7 @@ def stored_args(directory: str):
     _own_files(directory)
     try:
         return dist_checkpointing.load_common_state_dict(directory).get("args")
-    except (pickle.UnpicklingError, EOFError, RuntimeError) as err:  # torch.load's: one line, not its advice
+    except Exception as err:  # garbage bytes fail the unpickler any way they like: one line, not torch's advice
         if refusal(err) is not None:
             raise
         legacy = os.path.join(directory, "common.pt")  # megatron reads it first where it exists
