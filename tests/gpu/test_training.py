@@ -18,7 +18,8 @@ mock samples of up to ~2k tokens (--mock-text-tokens 1024; the default ~100-toke
 measure launch overhead, not the model): ~4k tokens per micro-batch, ~8k per iteration.
 Measured: loss of the first and last three iterations (metrics file, full precision; "falls" means
 the last three average at least 1% below the first three; a run stopped by its cap is judged on the
-iterations it completed, gpu_train.training_verdict), and over the steady iterations
+iterations it completed, gpu_train.training_verdict), the warm-up (iterations 1 and 2 together: the
+compilation and autotuning happen there), and over the steady iterations
 6..(profile start - 1): tokens/s, model TFLOP/s per GPU (flops.py's count of the real work, from the
 run's log line) and MFU against the device's dense bf16 peak (throughput.py's table), iteration
 time; peak memory two ways: nvidia-smi polled every 0.5 s during the run (minus what was in use
@@ -165,6 +166,8 @@ def test_training_run(run_name, record):
         "TFLOP/s/GPU": steady.get("tflops"),
         "MFU %": 100 * steady["tflops"] / peak if peak and "tflops" in steady else None,
         "iter ms": steady.get("iter_ms"),
+        # compilation and autotuning land in the first two (the aim: under 15 s together)
+        "iters 1+2 s": (run.iter_ms[1] + run.iter_ms[2]) / 1000 if {1, 2} <= run.iter_ms.keys() else None,
         "padding %": steady.get("padding"),
         "peak GiB (nvidia-smi)": max(run.gpu_peak_mib.values()) / 1024 if run.gpu_peak_mib else None,
         "max allocated GiB": run.memory_mib.get("max allocated", 0) / 1024 or None,
