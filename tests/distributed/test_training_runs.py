@@ -9,8 +9,8 @@
   validation loss, and a bitwise-equal final checkpoint (weights and optimizer state);
 - a process killed (SIGKILL) while writing a checkpoint leaves the previous one loadable, and
   training resumes from it with the same losses; a longer TRAIN_ITERS then extends the run (on
-  the checkpoint's LR schedule); a pickle planted in the checkpoint is refused in one line and
-  never runs; a full disk during a save removes the half-written directory and keeps the last
+  the checkpoint's LR schedule); 4 KiB overwritten inside a shard and a pickle planted in the
+  checkpoint are refused in one line (the pickle never runs); a full disk during a save removes the half-written directory and keeps the last
   complete checkpoint;
 - a NaN stops the run in one line before any checkpoint of the bad step is written, and a checkpoint
   megatron's rerun state machine re-saved after a NaN loads; CKPT_LOAD with an empty CKPT_RESUME
@@ -111,6 +111,19 @@ def test_killed_save_keeps_previous_checkpoint(tmp_path):
     ) in full.output, full.output[-3000:]
     assert not (ckpt / "iter_0000006").exists()
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+    # 4 KiB of a shard overwritten (its length kept): named against the crc32 recorded at the save,
+    # with the newest whole iteration, before megatron reads a byte
+    shard = next((ckpt / "iter_0000005").glob("*.distcp"))
+    saved = shard.read_bytes()
+    with open(shard, "r+b") as f:
+        f.seek(len(saved) // 2)
+        f.write(b"\xa5" * 4096)  # not zeros: a stretch of zero-valued state would not change
+    damaged = run_script(NO_EVAL, **{**common, "TRAIN_ITERS": 6})
+    assert damaged.returncode != 0 and not damaged.losses and "Traceback" not in damaged.output
+    assert (
+        f"the latest checkpoint (iteration 5) is damaged: {shard} is not the file that was saved (crc32 "
+    ) in damaged.output and "iteration 4 is complete: resume from it" in damaged.output, damaged.output[-3000:]
+    shard.write_bytes(saved)
     # a pickle planted in the checkpoint is refused by name and never runs
     marker, metadata = tmp_path / "ran", ckpt / "iter_0000005" / ".metadata"
     with open(metadata, "wb") as f:
