@@ -27,7 +27,7 @@ def _overwrite_4k(directory):
     """A failing disk or a broken copy: 4 KiB inside the weight's bytes, the file's length kept."""
     with open(_shard(directory), "r+b") as f:
         f.seek(1024)
-        f.write(os.urandom(4096))
+        f.write(b"\xa5" * 4096)
 
 
 def _shard(directory):
@@ -37,7 +37,7 @@ def _shard(directory):
 def _link_outside(directory):
     """The shard replaced by a link to a file of the user's, long enough to pass as the shard."""
     secret = directory.parent / "secret"
-    secret.write_bytes(os.urandom(1 << 16))
+    secret.write_bytes(b"\xa5" * (1 << 16))
     shard = _shard(directory)
     os.remove(shard)
     os.symlink(secret, shard)

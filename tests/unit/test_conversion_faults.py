@@ -322,7 +322,7 @@ def test_export_refuses_a_shard_that_links_outside_the_checkpoint(ckpt, tmp_path
     shutil.copytree(ckpt, mg)
     shard = next(p for p in (mg / "iter_0000000").iterdir() if p.suffix == ".distcp")
     secret = tmp_path / "secret"
-    secret.write_bytes(os.urandom(shard.stat().st_size))
+    secret.write_bytes(b"\xa5" * shard.stat().st_size)
     shard.unlink()
     shard.symlink_to(secret)
     assert main(["export", "--megatron-path", str(mg), "--hf-path", str(tmp_path / "out")]) == 2
@@ -339,7 +339,7 @@ def test_export_refuses_a_shard_whose_bytes_changed_since_the_save(ckpt, tmp_pat
     shard = next(p for p in (mg / "iter_0000000").iterdir() if p.suffix == ".distcp")
     with open(shard, "r+b") as f:  # 4 KiB inside the tensors' bytes, the length kept
         f.seek(shard.stat().st_size // 2)
-        f.write(os.urandom(4096))
+        f.write(b"\xa5" * 4096)
     assert main(["export", "--megatron-path", str(mg), "--hf-path", str(tmp_path / "out")]) == 2
     line = _one_error_line(capsys, "export")
     assert f"{shard} is not the file that was saved (crc32 " in line, line
