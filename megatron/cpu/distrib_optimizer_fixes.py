@@ -108,8 +108,8 @@ def load_state_dict_keeping_step(load_state_dict, run=None):
 
             step = float(steps.pop())
             for state in self.optimizer.state.values():
-                if "step" in state:  # where it was: beside the parameter under a fused Adam
-                    state["step"] = torch.tensor(step, dtype=torch.float32, device=state["step"].device)
+                if "step" in state:
+                    state["step"] = torch.tensor(step, dtype=torch.float32)
         return result
 
     return load_state_dict_keeping_step

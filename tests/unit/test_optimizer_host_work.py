@@ -1,8 +1,6 @@
-"""The optimizer step's foreach and fused replacements (training/optimizer_host_work.py) compute what megatron's
+"""The optimizer step's foreach replacements (training/optimizer_host_work.py) compute what megatron's
 per-parameter fallbacks compute: the grad norm, the scaled / copied tensor lists, and torch AdamW's
-updates; and the fused path stays chosen after a checkpoint's parameter groups are loaded."""
-
-import copy
+updates; and the foreach path stays chosen after a checkpoint's parameter groups are loaded."""
 
 import pytest
 import torch
@@ -41,53 +39,28 @@ def test_scale_equals_megatrons_fallback(scale, in_place):
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
 
 
-def _adam(fused_hook: bool):
+def _adam(foreach_hook: bool):
     torch.manual_seed(0)
     params = [torch.nn.Parameter(t) for t in _tensors(3)]
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-    if fused_hook:
-        host_work.fused_adam(lambda: opt)()
+    if foreach_hook:
+        host_work.foreach_adam(lambda: opt)()
     return params, opt
 
 
-def _grads(params, step):
-    for i, p in enumerate(params):
-        p.grad = torch.full_like(p, 0.1 * (i + 1) * (step + 1))
-
-
-def test_adam_runs_fused_with_the_same_updates():
-    (p_loop, loop), (p_fused, fused) = _adam(False), _adam(True)
-    assert fused.param_groups[0]["fused"] is True and not fused.param_groups[0]["foreach"]
+def test_adam_runs_foreach_with_the_same_updates():
+    (p_loop, loop), (p_each, each) = _adam(False), _adam(True)
+    assert each.param_groups[0]["foreach"] is None  # set before each step, not at build
     for step in range(3):
-        _grads(p_loop, step)
-        _grads(p_fused, step)
+        for ps in (p_loop, p_each):
+            for i, p in enumerate(ps):
+                p.grad = torch.full_like(p, 0.1 * (i + 1) * (step + 1))
         loop.step()
-        fused.step()
-        assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(p_loop, p_fused))
-    # a loop run's checkpoint: its groups put fused back to None, its step counts are host tensors;
-    # the next step is fused again, with the same update as the loop's
-    fused.load_state_dict(copy.deepcopy(loop.state_dict()))  # as from a file: no tensor shared
-    assert fused.param_groups[0]["fused"] is None
-    _grads(p_loop, 3)
-    _grads(p_fused, 3)
-    loop.step()
-    fused.step()
-    assert fused.param_groups[0]["fused"] is True
-    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(p_loop, p_fused))
-
-
-def test_a_fused_step_reads_no_step_count_on_the_host():
-    from examples.multimodal_dev.benchmarks.op_counter import StepTally
-
-    counts = {}
-    for name, fused_hook in (("loop", False), ("fused", True)):
-        params, opt = _adam(fused_hook)
-        _grads(params, 0)
-        opt.step()
-        tally = StepTally()
-        with tally.counting():
-            _grads(params, 1)
-            opt.step()
-        counts[name] = tally.ops
-    assert counts["fused"]["_fused_adamw_"] == 1 and "_local_scalar_dense" not in counts["fused"]
-    assert counts["loop"]["_local_scalar_dense"] >= len(params), counts["loop"]
+        each.step()
+        assert each.param_groups[0]["foreach"] is True
+        assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(p_loop, p_each))
+    # a checkpoint's groups (saved by a loop run) put foreach back to None; the next step asks again
+    each.load_state_dict(loop.state_dict())
+    assert each.param_groups[0]["foreach"] is None
+    each.step()
+    assert each.param_groups[0]["foreach"] is True

@@ -8,13 +8,11 @@ them, which on a GPU reads every norm back to the host (one sync per parameter: 
 time. torch's ``_foreach_*`` ops do each list in one call (a few fused kernels on a GPU, the same
 per-tensor kernels on a CPU), with the same arithmetic.
 
-torch's AdamW loops over the parameters in Python unless told otherwise (on a CPU host), and its
-multi-tensor (foreach) path, which a GPU host takes by itself, still reads every parameter's step
-count on the host to build its bias corrections: two reads and a dozen ops a parameter. Its fused
-path (``_fused_adamw_``, on CPU and GPU) updates every parameter of a dtype and device in one op
-with the step counts on the device. It is asked for at build and again before every step, since
-loading a checkpoint restores the parameter groups' saved settings (and a checkpoint of a loop or
-foreach run holds its step counts on the host: they are moved beside their parameters).
+torch's AdamW picks its multi-tensor (foreach) path by itself only when every parameter is on a GPU;
+on a CPU host it loops in Python. Asking for foreach everywhere gives CPU hosts the path GPU hosts
+run (the same updates: on a CPU the foreach ops run the per-tensor kernels), so the host work counted
+on CPU (``benchmarks/bench_step_ops.py``) is the GPU's. It is asked before every step, since loading
+a checkpoint restores the parameter groups' saved settings.
 """
 
 from __future__ import annotations
@@ -54,26 +52,20 @@ def foreach_scale(original, run=None):
     return scale_lists
 
 
-def _fused(optimizer, *_unused) -> None:
+def _foreach_before_step(optimizer, _args, _kwargs):
     for group in optimizer.param_groups:
-        if group.get("fused") or group.get("differentiable"):
-            continue
-        group["foreach"], group["fused"] = False, True
-        for p in group["params"]:  # a loop or foreach run's step counts live on the host
-            state = optimizer.state.get(p, {})
-            if "step" in state and state["step"].device != p.device:
-                state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+        if "foreach" in group and not group.get("fused"):
+            group["foreach"] = True
 
 
-def fused_adam(original, run=None):
-    """megatron's optimizer builder, with torch's Adam / AdamW on its fused path from the first step."""
+def foreach_adam(original, run=None):
+    """megatron's optimizer builder, with torch's Adam / AdamW set to its foreach path before each step."""
 
     def build(*args, **kwargs):
         result = original(*args, **kwargs)
         inner = result[0] if isinstance(result, tuple) else getattr(result, "optimizer", result)
         if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            _fused(inner)
-            inner.register_step_pre_hook(_fused)
+            inner.register_step_pre_hook(_foreach_before_step)
         return result
 
     return build
