@@ -10,8 +10,8 @@
 - a process killed (SIGKILL) while writing a checkpoint leaves the previous one loadable, and
   training resumes from it with the same losses; a longer TRAIN_ITERS then extends the run (on
   the checkpoint's LR schedule); 4 KiB overwritten inside a shard and a pickle planted in the
-  checkpoint are refused in one line (the pickle never runs); a full disk during a save removes the half-written directory and keeps the last
-  complete checkpoint;
+  checkpoint are refused in one line (the pickle never runs); a full disk during a save removes
+  the half-written directory and keeps the last complete checkpoint;
 - a NaN stops the run in one line before any checkpoint of the bad step is written, and a checkpoint
   megatron's rerun state machine re-saved after a NaN loads; CKPT_LOAD with an empty CKPT_RESUME
   starts from CKPT_LOAD's weights;
