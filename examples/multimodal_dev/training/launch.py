@@ -421,8 +421,7 @@ def moe_flags(s: Settings, shape, gpu: bool, launch: Launch) -> list[str]:
     """How an MoE model's experts run: grouped GEMMs unless LoRA adapts the experts' linears (its
     adapters sit on SequentialMLP's per-expert linears), and the token dispatcher that fits the layout:
     all-to-all only where experts are split over EP ranks on GPUs (at EP=1 it splits and joins the
-    tokens once per expert for nothing; gloo has no uneven all-to-all). At EP=1 the grouped experts'
-    layers dispatch dropless routing without host syncs (models/common/dropless_dispatch.py)."""
+    tokens once per expert for nothing; gloo has no uneven all-to-all)."""
     if not shape.text.is_moe:
         return []
     targets = (s.var("LORA_TARGETS") or ",".join(DEFAULT_TARGETS)).split(",")
@@ -446,8 +445,9 @@ def moe_flags(s: Settings, shape, gpu: bool, launch: Launch) -> list[str]:
         if grouped
         else "SequentialMLP experts" + (" (LoRA adapts them)" if lora_on_experts else "")
     )
-    # every expert local and no capacity: the grouped layers permute without reading counts back
-    unsynced = " (dropless: no host syncs)" if grouped and ep == 1 and dispatcher == "allgather" else ""
+    unsynced = (
+        " (dropless: no host syncs)" if grouped and ep == 1 and dispatcher == "allgather" else ""
+    )  # dropless_dispatch.py
     launch.said.append(
         f"MoE: {experts}, {dispatcher} token dispatcher at EP={ep}{unsynced} (GROUPED_EXPERTS, MOE_DISPATCHER override)"
     )
