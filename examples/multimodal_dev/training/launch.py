@@ -445,9 +445,7 @@ def moe_flags(s: Settings, shape, gpu: bool, launch: Launch) -> list[str]:
         if grouped
         else "SequentialMLP experts" + (" (LoRA adapts them)" if lora_on_experts else "")
     )
-    unsynced = (
-        " (dropless: no host syncs)" if grouped and ep == 1 and dispatcher == "allgather" else ""
-    )  # dropless_dispatch.py
+    unsynced = " (dropless: no host syncs)" if grouped and ep == 1 and dispatcher == "allgather" else ""
     launch.said.append(
         f"MoE: {experts}, {dispatcher} token dispatcher at EP={ep}{unsynced} (GROUPED_EXPERTS, MOE_DISPATCHER override)"
     )
