@@ -40,7 +40,7 @@ _RANK_PROCESS = (
     or any("multiprocessing.forkserver" in arg for arg in sys.orig_argv)
     or "megatron.training" in sys.modules
 )
-# Every hook is for the ranks alone: the run script's launcher (training/launch.py) and the
+# Every hook is for the ranks alone: the run script's launcher (launcher/launch.py) and the
 # launcher start with this folder on PYTHONPATH too, and a hook's imports (megatron-core, Triton) would
 # cost each of them seconds
 

@@ -79,7 +79,7 @@ def test_every_seam_of_every_entry_resolves():
             "default_model().variants['tiny']; default_model().shape_fn('9b')",
             [],
         ),
-        # a dry run prints the planner's layout (training/launch.py's plan_lines); mock_mix's
+        # a dry run prints the planner's layout (launcher/launch.py's plan_lines); mock_mix's
         # conversations are drawn with torch's generator, as the mock dataset draws them
         ("from examples.multimodal_dev.tools import plan_layout; plan_layout.main(['35b_a3b', '--brief'])", ["torch"]),
     ],

@@ -125,7 +125,7 @@ def test_named_repository_paths_exist():
 def test_the_path_check_sees_the_short_forms():
     """The check above reads both spellings, and would catch a wrong one."""
     named = {path for page in PAGES for _, path in _named_paths(page)}
-    assert "examples/multimodal_dev/training/launch.py" in named and "data/jsonl.py" in named
+    assert "examples/multimodal_dev/launcher/launch.py" in named and "data/jsonl.py" in named
     assert not any(os.path.exists(os.path.join(base, "data/collate_missing.py")) for base in (ROOT, EXAMPLE))
 
 

@@ -130,12 +130,12 @@ def _planner_once(command, **kwargs):
 def dry_run(monkeypatch, capsys, environ: dict, argv: list[str], gpu: bool, tmp: str) -> str:
     """What the run script prints for these settings, with its exit status; the host is ``gpu``,
     with Transformer Engine on a GPU host."""
-    from examples.multimodal_dev.training import launch
+    from examples.multimodal_dev.launcher import launch
 
     env = {"DRY_RUN": "1", **{k: str(v).replace(TMP, tmp) for k, v in environ.items()}}
     monkeypatch.setattr(os, "environ", env)
     monkeypatch.setattr(launch, "has_gpu", lambda: gpu)
-    monkeypatch.setattr(launch, "_te_imports", lambda: gpu)
+    monkeypatch.setattr(launch, "te_imports", lambda: gpu)
     monkeypatch.setattr(subprocess, "run", _planner_once)
     try:
         launch.main(list(argv))
@@ -184,7 +184,7 @@ ENGINE_SERVER
 
 
 def test_no_new_variables():
-    from examples.multimodal_dev.training.run_variables import VARIABLES
+    from examples.multimodal_dev.launcher.variables import VARIABLES
 
     table = [name for names, _, _ in VARIABLES for name in names]
     assert table == FROZEN_VARIABLES, (

@@ -1,4 +1,4 @@
-"""``run_qwen35_vl.sh`` (``training/launch.py`` behind it): DRY_RUN prints, for every variant, model
+"""``run_qwen35_vl.sh`` (``launcher/launch.py`` behind it): DRY_RUN prints, for every variant, model
 flags equal to the variant table
 (and ``check_model_flags`` accepts them); impossible settings fail naming the variable."""
 
@@ -12,10 +12,12 @@ from launch import WarmEngine
 
 from examples.multimodal_dev.arguments import add_multimodal_args
 from examples.multimodal_dev.checkpoint.run_shape import declared_shape
+from examples.multimodal_dev.launcher import from_env, launch, run_config
+from examples.multimodal_dev.launcher import variables as run_variables
+from examples.multimodal_dev.launcher.from_env import Host
 from examples.multimodal_dev.models.common.config_from_args import megatron_parser
 from examples.multimodal_dev.models.megatron_args import check_model_flags, with_model_shape
 from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS, get_variant
-from examples.multimodal_dev.training import launch, run_variables
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -139,7 +141,7 @@ LAUNCHER_VARIABLES = {"FORK_RANKS": "torchrun_launcher.py", "ENGINE_SERVER": "en
 
 def test_the_readme_variable_table_is_the_launchers_table():
     with open(os.path.join(ROOT, "README.md")) as f:
-        assert run_variables.markdown() in f.read(), "README.md's variable table differs from training/run_variables.py"
+        assert run_variables.markdown() in f.read(), "README.md's variable table differs from launcher/variables.py"
 
 
 @pytest.mark.parametrize(
@@ -155,7 +157,7 @@ def test_the_readme_variable_table_is_the_launchers_table():
     ],
 )
 def test_moe_experts_and_dispatcher_fit_the_layout(env, gpu, grouped, dispatcher):
-    plan = launch.prepare({"TRANSFORMER_IMPL": "local", **env}, [], gpu, launch.Launch())
+    plan = launch.prepare({"TRANSFORMER_IMPL": "local", **env}, [], Host(gpu), launch.Launch())
     args = plan.torchrun
     if grouped is None:
         assert "--moe-grouped-gemm" not in args and "--moe-token-dispatcher-type" not in args
@@ -166,31 +168,23 @@ def test_moe_experts_and_dispatcher_fit_the_layout(env, gpu, grouped, dispatcher
     assert len(said) == 1 and f"{dispatcher} token dispatcher" in said[0], plan.said
 
 
-def test_every_variable_in_the_table_is_read_by_a_launch(tmp_path):
-    """The launch reads the environment only through the table's names (``Settings.var`` refuses
-    others), and a few launches that reach every branch read every name of it."""
+def test_every_variable_in_the_table_sets_a_field_of_the_run_or_is_read_by_torchrun():
+    """The table, the run's typed fields and the launch's parsers name the same variables: a row
+    without a field would be read by nothing, a field without a row would be a setting no user sees."""
     for name, module in LAUNCHER_VARIABLES.items():
         with open(os.path.join(ROOT, "examples", "multimodal_dev", "training", module)) as f:
             assert f'"{name}"' in f.read(), (name, module)
-    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
-    read = set()
-    for environ in (
-        {},
-        dict(
-            DATASET="jsonl",
-            DATA_PATH="/d",
-            HF_PROCESSOR_PATH="/p",
-            CKPT_RESUME=str(tmp_path),
-            CKPT_SAVE="/s",
-            MASTER_PORT="29500",
-            DRY_RUN="1",
-            GPUS="8",
-            MODEL_VARIANT="9b",
-        ),
-        dict(LORA_RANK="8", LORA_ALPHA="16", LORA_TARGETS="in_proj", MOE="1"),
-    ):
-        read |= set(launch.prepare(environ, [], False, launch.Launch()).read)
-    assert read | set(LAUNCHER_VARIABLES) == run_variables.NAMES, sorted(run_variables.NAMES - read)
+    fields = set(run_config.variable_fields())
+    assert fields | set(LAUNCHER_VARIABLES) == run_variables.NAMES, sorted(run_variables.NAMES ^ fields)
+    assert set(from_env.READ_BY_TORCHRUN) == set(LAUNCHER_VARIABLES)
+    assert set(from_env.PARSERS) | set(from_env.CHOOSE_THE_MODEL) == fields, sorted(fields ^ set(from_env.PARSERS))
+
+
+def test_the_launch_reads_the_environment_through_the_table_only():
+    env = from_env.Environment({"TP": "2", "NOT_A_VARIABLE": "1"})
+    assert env.get("TP") == "2"
+    with pytest.raises(AssertionError, match="NOT_A_VARIABLE is not in variables.py's table"):
+        env.get("NOT_A_VARIABLE")
 
 
 def _video(**env) -> dict:

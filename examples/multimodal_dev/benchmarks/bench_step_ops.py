@@ -76,11 +76,14 @@ def case_shape(name: str):
 
 def _launch_args(hf_config: str, steps: int, settings: dict, extra: list[str]) -> list[str]:
     """pretrain_multimodal's flags for the case, as the run script would give them on this host."""
-    from examples.multimodal_dev.training import launch
+    from examples.multimodal_dev.launcher import launch
+    from examples.multimodal_dev.launcher.from_env import Host
+    from examples.multimodal_dev.launcher.variables import NAMES
 
-    env = {k: v for k, v in os.environ.items() if k not in launch.NAMES}
+    env = {k: v for k, v in os.environ.items() if k not in NAMES}
     env.update(RUN_SETTINGS, HF_CONFIG=hf_config, TRAIN_ITERS=str(WARM_STEPS + steps), **settings)
-    plan = launch.prepare(env, [], launch.has_gpu(), launch.Launch())
+    host = Host(gpu=launch.has_gpu(), transformer_engine=launch.te_imports)
+    plan = launch.prepare(env, [], host, launch.Launch())
     module = plan.torchrun.index("--module")
     return plan.torchrun[module + 2 :] + ["--mock-text-tokens", "1024", "--eval-iters", "0", *extra]
 

@@ -1,6 +1,6 @@
 """How a setting is named in a message: as megatron's flag (``--tensor-model-parallel-size 2``,
 where the training script or a tool checks it) or as the run script's variable (``TP=2``, where
-``training/launch.py`` checks it before any rank starts). One check, two audiences: the checks
+``launcher/checks.py`` checks it before any rank starts). One check, two audiences: the checks
 of ``qwen35_vl/parallel.py``, ``planner/pipeline_layout.py``, ``vision_ranks/layout.py`` and
 ``schedule_problem`` below take ``names=FLAGS`` or ``names=VARIABLES``."""
 

@@ -8,7 +8,7 @@ stage's layers are cut into ``vp`` equal chunks, and the model runs round by rou
 every rank in rank order, then chunk v+1 (so a rank's chunks are not contiguous). megatron asserts
 these with a traceback, deep in argument validation or model building; ``stage_layers`` checks them
 first and says which setting is wrong (``names=ENV_NAMES``: in the run script's variables,
-``training/launch.py``).
+``launcher/checks.py``).
 """
 
 from __future__ import annotations

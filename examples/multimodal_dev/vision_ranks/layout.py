@@ -21,7 +21,7 @@ Two layouts:
 Either way VISION_TP divides the vision attention heads (its MLP and merger widths are multiples of
 them). ``plan`` checks all of this and names the setting; ``VisionLayout.groups`` enumerates the
 process groups so a run's own can be compared with them; ``env_table`` is the run script's check
-(``training/launch.py``), in the variables' names.
+(``launcher/checks.py``), in the variables' names.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import ClassVar
 from .parallel import validate_parallel
 
 # torch is imported where a config is built, not here: the run script reads this module's variant
-# table (training/launch.py) on every launch and dry run, and importing torch costs ~2 s.
+# table (launcher/from_env.py) on every launch and dry run, and importing torch costs ~2 s.
 
 LINEAR, FULL = "linear_attention", "full_attention"
 

@@ -1,6 +1,6 @@
 """The variables ``run_qwen35_vl.sh`` reads: one row each (or one row for a few that go together),
 with its default and meaning. README.md's variable table is ``markdown()`` of this table, held equal
-by a test; ``training/launch.py`` reads the environment only through these names."""
+by a test; ``launcher/from_env.py`` reads the environment only through these names."""
 
 from __future__ import annotations
 

@@ -1,0 +1,171 @@
+"""Every check of a run before any rank starts, once, in the order of ``CHECKS``: each takes the run,
+the model's shape and the host, and answers None or one line naming the variables and their values.
+``validate`` raises the first. The training script checks megatron's own flags again in its terms
+(``checked_args.py``): a flag given after the script's arguments is seen only there."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..models import model_of
+from ..models.setting_names import VARIABLES, schedule_problem
+from ..planner.pipeline_layout import stage_layers
+from ..vision_ranks.layout import env_table
+from .from_env import Host, lora_on_experts
+from .run_config import LaunchError, RunConfig
+from .variables import limit_problem
+
+Check = Callable[[RunConfig, Any, Host], "str | None"]
+
+
+def within_limits(config: RunConfig, shape, host: Host) -> str | None:
+    """``variables.LIMITS``, before any value sizes work."""
+    given = {k: str(v) for k, v in config.variables().items() if v is not None and not isinstance(v, bool)}
+    return limit_problem(given)
+
+
+def lr_schedule(config: RunConfig, shape, host: Host) -> str | None:
+    o = config.optimizer
+    return schedule_problem(o.warmup_iters, o.decay_iters, config.batch.train_iters, names=VARIABLES)
+
+
+def pipeline_split(config: RunConfig, shape, host: Host) -> str | None:
+    """The split of the decoder over pipeline stages (megatron-core's rule, checked by name)."""
+    lay = config.layout
+    try:
+        stage_layers(shape.text.num_layers, lay.pp, lay.vp, lay.pp_first or None, lay.pp_last or None, names=VARIABLES)
+    except (KeyError, ValueError) as err:
+        return err.args[0]
+    return None
+
+
+def parallel_sizes(config: RunConfig, shape, host: Host) -> str | None:
+    """Sequence parallelism, CP's chunks, the model's own splits (heads, Gated DeltaNet heads,
+    experts), then the process counts."""
+    lay, t = config.layout, shape.text
+    tp, cp, ep, etp, pp, lang = lay.tp, lay.cp, lay.ep, lay.expert_tp, lay.pp, lay.language_ranks
+    lang_name = "(NPROC-VISION_NPROC)" if lay.vision_nproc else "NPROC"
+    seq_len = config.batch.seq_len
+    first = (
+        (not lay.sp or tp > 1, "SP=1 needs TP>1 (sequence parallelism splits the sequence over TP ranks)"),
+        (
+            seq_len % (2 * cp) == 0,
+            f"SEQ_LEN={seq_len} must be a multiple of 2*CP={2 * cp} "
+            "(context parallelism cuts every sample into 2*CP chunks)",
+        ),
+        (
+            lay.sp or tp == 1 or not t.is_moe,
+            f"SP=0 with TP={tp}: megatron-core requires sequence parallelism for MoE with TP>1",
+        ),
+    )
+    variant = config.model.variant
+    model = [
+        f"{line} ({variant})"
+        for line in model_of(shape).parallel_problems(shape, tp, cp, ep, names=VARIABLES, vision=False)
+    ]
+    ranks = (
+        (lang > 0, f"VISION_NPROC={lay.vision_nproc} leaves no ranks for the language model (NPROC={lay.processes})"),
+        (lang % (tp * cp * pp) == 0, f"{lang_name}={lang} is not divisible by TP*CP*PP={tp * cp * pp}"),
+        ((lang // pp) % (ep * etp) == 0, f"EP={ep}: {lang_name}/PP={lang // pp} is not divisible by EP*ETP={ep * etp}"),
+    )
+    problems = [m for ok, m in first if not ok] + model + [m for ok, m in ranks if not ok]
+    return problems[0] if problems else None
+
+
+def batch(config: RunConfig, shape, host: Host) -> str | None:
+    b, dp = config.batch, config.layout.dp
+    return f"GBS={b.gbs} is not a multiple of MBS*DP={b.mbs * dp}" if b.gbs % (b.mbs * dp) else None
+
+
+def vision_layout(config: RunConfig, shape, host: Host) -> str | None:
+    """The vision tower's own ranks and TP / DP, refused by name where megatron-core cannot run them."""
+    try:
+        vision_table(config, shape)
+    except ValueError as err:
+        return err.args[0]
+    return None
+
+
+def vision_table(config: RunConfig, shape) -> list[str]:
+    lay = config.layout
+    args = (lay.processes, lay.tp, lay.cp, lay.pp, lay.vp, lay.vision_tp, lay.vision_nproc, shape.vision.num_heads)
+    return env_table(*args)
+
+
+OWN_DATA = ("VALID_DATA_PATH", "VALID_FRACTION", "MEDIA_ROOT", "STRICT_DATA", "REMOTE_MEDIA", "MEDIA_ANYWHERE")
+VIDEO = ("VIDEO_FPS", "VIDEO_MAX_FRAMES", "VIDEO_MAX_PIXELS")
+
+
+def data(config: RunConfig, shape, host: Host) -> str | None:
+    """The files a dataset needs, and the user's-data variables where they apply."""
+    d, given = config.data, config.variables()
+    if d.dataset in ("cord_v2", "jsonl", "energon"):
+        for name in ("DATA_PATH", "HF_PROCESSOR_PATH"):
+            if not given[name]:
+                return f"DATASET={d.dataset} needs {name}"
+    if d.dataset not in ("jsonl", "energon") and any(given[name] not in (None, False) for name in OWN_DATA + VIDEO):
+        return (
+            "VALID_DATA_PATH, VALID_FRACTION, MEDIA_ROOT, STRICT_DATA, REMOTE_MEDIA, MEDIA_ANYWHERE and "
+            f"VIDEO_* apply to DATASET=jsonl (and energon) only (DATASET={d.dataset})"
+        )
+    if d.dataset == "energon":  # the shards hold the media; validation is the dataset's val split
+        for name in ("VALID_DATA_PATH", "VALID_FRACTION", "MEDIA_ROOT", "REMOTE_MEDIA", "MEDIA_ANYWHERE"):
+            if given[name] not in (None, False):
+                return f"{name} applies to DATASET=jsonl; an energon dataset carries its media and its val split"
+    return None
+
+
+def lora(config: RunConfig, shape, host: Host) -> str | None:
+    """LORA_ALPHA and LORA_TARGETS would be dropped without adapters, and every weight would train."""
+    for name, value in (("LORA_ALPHA", config.lora.alpha), ("LORA_TARGETS", config.lora.targets)):
+        if value and not config.lora.rank:
+            return f"{name}={value} without LORA_RANK: there are no adapters (set LORA_RANK)"
+    return None
+
+
+def experts(config: RunConfig, shape, host: Host) -> str | None:
+    if config.backend.grouped_experts and lora_on_experts(config):
+        return (
+            "GROUPED_EXPERTS=1 with LoRA on linear_fc1/linear_fc2: the adapters need SequentialMLP's per-expert "
+            "linears (GROUPED_EXPERTS=0, or LORA_TARGETS without them)"
+        )
+    if config.backend.dispatcher == "alltoall" and not host.gpu:
+        return "MOE_DISPATCHER=alltoall needs GPUs: gloo has no uneven all-to-all (use allgather)"
+    return None
+
+
+def backend(config: RunConfig, shape, host: Host) -> str | None:
+    if config.backend.transformer_impl != "transformer_engine":
+        return None
+    if not host.gpu:
+        return "TRANSFORMER_IMPL=transformer_engine needs a GPU; this host has none (use local)"
+    if not host.transformer_engine():
+        import sys
+
+        return (
+            f"TRANSFORMER_IMPL=transformer_engine: transformer_engine does not import with "
+            f"{sys.executable} (use local, or INSTALL_GPU_EXTRAS=1)"
+        )
+    return None
+
+
+# In the order a user meets the settings: sizes, the layout, the data, the adapters, the backend
+CHECKS: tuple[Check, ...] = (
+    within_limits,
+    lr_schedule,
+    pipeline_split,
+    parallel_sizes,
+    batch,
+    vision_layout,
+    data,
+    lora,
+    experts,
+    backend,
+)
+
+
+def validate(config: RunConfig, shape, host: Host) -> None:
+    for check in CHECKS:
+        if line := check(config, shape, host):
+            raise LaunchError(line)

@@ -1,0 +1,240 @@
+"""The environment laid over a recipe: ``from_env`` reads ``variables.py``'s names only, turns each
+value into its field's type (refusing a malformed one in one line naming the variable), and resolves
+the settings the host and the model decide (the backend, the experts, sequence parallelism, MTP).
+
+The model comes first: it picks the recipe (``HF_CONFIG``, the import's ``hf_config.json`` in
+``CKPT_LOAD``, ``MODEL_VARIANT``, else the host's default)."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..lora.targets import DEFAULT_TARGETS
+from ..models import DEFAULT_ARCH, get_model_entry
+from . import recipes
+from .run_config import LaunchError, RunConfig, variable_fields
+from .variables import NAMES
+
+DATASETS = ("mock", "mock_mix", "mock_video", "cord_v2", "jsonl", "energon")
+
+
+@dataclass(frozen=True)
+class Host:
+    gpu: bool  # a GPU the driver sees
+    transformer_engine: Callable[[], bool] = lambda: False  # Transformer Engine imports (asked when needed)
+
+
+@dataclass
+class Environment:
+    """The variables set (an empty value reads as unset, as ``${NAME:-default}`` does)."""
+
+    environ: Mapping[str, str]
+
+    def get(self, name: str) -> str | None:
+        assert name in NAMES, f"{name} is not in variables.py's table"
+        return self.environ.get(name) or None
+
+
+def _positive(name: str, text: str) -> int:
+    if not re.fullmatch(r"[1-9][0-9]*", text):
+        raise LaunchError(f"{name}={text} must be a positive integer")
+    return int(text)
+
+
+def _count(what: str) -> Callable[[str, str], int]:
+    def parse(name: str, text: str) -> int:
+        if not re.fullmatch(r"[0-9]+", text):
+            raise LaunchError(f"{name}={text} must be a number of {what}")
+        return int(text)
+
+    return parse
+
+
+def _non_negative(name: str, text: str) -> int:
+    if not re.fullmatch(r"0|[1-9][0-9]*", text):
+        raise LaunchError(f"{name}={text} must be a non-negative integer")
+    return int(text)
+
+
+def _lora_rank(name: str, text: str) -> int:
+    if not re.fullmatch(r"0|[1-9][0-9]*", text):
+        raise LaunchError(f"{name}={text} must be 0 (off) or a positive rank")
+    return int(text)
+
+
+def _switch(meaning: str = "") -> Callable[[str, str], bool]:
+    def parse(name: str, text: str) -> bool:
+        if text not in ("0", "1"):
+            raise LaunchError(f"{name}={text}: expected 0 or 1{meaning}")
+        return text == "1"
+
+    return parse
+
+
+def _one_of(*choices: str, message: str = "") -> Callable[[str, str], str]:
+    def parse(name: str, text: str) -> str:
+        if text not in choices:
+            raise LaunchError(f"{name}={text}{message or ': expected ' + ' or '.join(choices)}")
+        return text
+
+    return parse
+
+
+def _lr(name: str, text: str) -> str:
+    if not re.fullmatch(r"([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?", text):
+        raise LaunchError(f"{name}={text}: expected a number such as 1e-4")
+    # the pattern admits 1e999, which is inf in fp32 and in Python alike: the first step would turn every weight NaN
+    if not 0 <= float(text) < 1e38:
+        raise LaunchError(f"{name}={text}: expected a finite learning rate")
+    return text
+
+
+def _fraction(name: str, text: str) -> str:
+    if not re.fullmatch(r"0?\.[0-9]+|0", text):
+        raise LaunchError(f"{name}={text}: expected a fraction below 1, such as 0.02")
+    return text
+
+
+def _fps(name: str, text: str) -> str:
+    if not (re.fullmatch(r"[0-9]*\.?[0-9]+", text) and float(text) > 0):
+        raise LaunchError(f"{name}={text}: expected a positive number such as 2")
+    return text
+
+
+def _text(name: str, text: str) -> str:
+    return text
+
+
+# Each variable's parser, in the order a user meets them (the first malformed one is named)
+PARSERS: dict[str, Callable[[str, str], Any]] = {
+    **dict.fromkeys(("TP", "CP", "EP", "PP"), _positive),
+    "VISION_NPROC": _non_negative,
+    "LORA_RANK": _lora_rank,
+    "PACKING": _one_of("samples", "tokens"),
+    **dict.fromkeys(("ETP", "VP", "NPROC", "TRAIN_ITERS", "MBS", "GBS", "SEQ_LEN", "PACKED_SEQ_LENGTH"), _positive),
+    **dict.fromkeys(("VISION_TP", "SAVE_INTERVAL"), _positive),
+    **dict.fromkeys(("PP_FIRST", "PP_LAST"), _count("decoder layers")),
+    **dict.fromkeys(("LR_WARMUP_ITERS", "LR_DECAY_ITERS"), _count("iterations")),
+    "SP": _switch(),
+    "PACKED": lambda name, text: (
+        _one_of("0", "1", message=": expected 0 (padded BSHD) or 1 (THD packing)")(name, text) == "1"
+    ),
+    "LR": _lr,
+    "DATASET": _one_of(*DATASETS, message=f" must be {', '.join(DATASETS[:-1])} or {DATASETS[-1]}"),
+    **dict.fromkeys(("STRICT_DATA", "REMOTE_MEDIA", "MEDIA_ANYWHERE"), _switch()),
+    "VALID_FRACTION": _fraction,
+    "VIDEO_FPS": _fps,
+    **dict.fromkeys(("VIDEO_MAX_FRAMES", "VIDEO_MAX_PIXELS"), _positive),
+    "MTP": _switch(" (Qwen3.5 has one MTP layer)"),
+    "GROUPED_EXPERTS": _switch(" (1: grouped GEMM experts, 0: SequentialMLP)"),
+    "MOE_DISPATCHER": _one_of("allgather", "alltoall"),
+    "TRANSFORMER_IMPL": _one_of("transformer_engine", "local"),
+    **dict.fromkeys(("MASTER_PORT", "GPUS"), _positive),
+    "DRY_RUN": _switch(),
+    **dict.fromkeys(
+        (
+            "DATA_PATH",
+            "HF_PROCESSOR_PATH",
+            "VALID_DATA_PATH",
+            "MEDIA_ROOT",
+            "CKPT_LOAD",
+            "CKPT_SAVE",
+            "CKPT_RESUME",
+            "LORA_ALPHA",
+            "LORA_TARGETS",
+        ),
+        _text,
+    ),
+}
+# Read before the recipe exists (they choose it), or by the processes the launch starts
+CHOOSE_THE_MODEL = ("MODEL_VARIANT", "HF_CONFIG", "MOE")
+READ_BY_TORCHRUN = ("FORK_RANKS", "ENGINE_SERVER")
+
+
+def choose_model(env: Environment, host: Host, said: list[str]) -> tuple[RunConfig, Any]:
+    """The recipe and the model's shape, from HF_CONFIG, the import in CKPT_LOAD, MOE or MODEL_VARIANT."""
+    model = get_model_entry(DEFAULT_ARCH)  # the script trains the registry's default architecture
+    hf_config, ckpt_load = env.get("HF_CONFIG"), env.get("CKPT_LOAD")
+    if not hf_config and ckpt_load and os.path.isfile(os.path.join(ckpt_load, "hf_config.json")):
+        hf_config = os.path.join(ckpt_load, "hf_config.json")
+        said.append(f"model shape from {hf_config} (written by convert_checkpoint.py import)")
+    variant = env.get("MODEL_VARIANT")
+    if hf_config:
+        if not os.path.isfile(hf_config):
+            raise LaunchError(f"HF_CONFIG={hf_config}: no such file")
+        variant = "hf_config"
+    elif not variant:
+        variant = "proxy" if host.gpu else "tiny"
+        said.append(f"MODEL_VARIANT not set; using '{variant}' ({'GPU found' if host.gpu else 'no GPU'})")
+    moe = _switch()("MOE", env.get("MOE") or "0")
+    config = recipes.for_host(variant, host.gpu)
+    try:
+        if hf_config:
+            what = f"HF_CONFIG={hf_config}"
+            return recipes.with_shape_from(config, hf_config), model.shape_from_hf(hf_config)
+        if moe:  # tiny with 4 experts (top-2), for expert-parallel runs on CPU
+            if variant != "tiny":
+                raise LaunchError(f"MOE=1 applies to MODEL_VARIANT=tiny only ({variant} is fixed)")
+            what = "MOE=1"
+            return replace(config, model=replace(config.model, moe=True)), model.shape_fn("tiny", moe=True)
+        what = f"MODEL_VARIANT={variant}"
+        return config, model.shape_fn(variant)
+    except LaunchError:
+        raise
+    except (KeyError, ValueError, OSError) as err:
+        reason = err.args[0] if isinstance(err, (KeyError, ValueError)) and err.args else err
+        raise LaunchError(f"{what}: {reason}") from None
+
+
+def overlay(config: RunConfig, env: Environment) -> RunConfig:
+    """``config`` with every variable set in the environment, each parsed into its field's type."""
+    where = variable_fields()
+    changes: dict[str, dict[str, Any]] = {}
+    for name, parse in PARSERS.items():
+        text = env.get(name)
+        if text is not None:
+            section, attribute, _ = where[name]
+            changes.setdefault(section, {})[attribute] = parse(name, text)
+    if env.get("PACKING") == "tokens" and env.get("MBS") is None:
+        changes.setdefault("batch", {})["mbs"] = 1  # a micro-batch is one row
+    return replace(config, **{s: replace(getattr(config, s), **c) for s, c in changes.items()})
+
+
+def lora_on_experts(config: RunConfig) -> bool:
+    """LoRA adapts the experts' linears: its adapters sit on SequentialMLP's per-expert linears."""
+    targets = (config.lora.targets or ",".join(DEFAULT_TARGETS)).split(",")
+    return config.lora.rank > 0 and bool({"linear_fc1", "linear_fc2"} & set(targets))
+
+
+def resolve(config: RunConfig, shape, host: Host, said: list[str]) -> RunConfig:
+    """The settings the model and the host decide, where the environment left them unset."""
+    layout, backend, model = config.layout, config.backend, config.model
+    if layout.sp is None:
+        layout = replace(layout, sp=layout.tp > 1 and shape.text.is_moe)
+    if model.mtp is None:  # a Hugging Face config's MTP head trains; a variant's only when asked
+        model = replace(model, mtp=bool(model.hf_config) and shape.text.mtp_num_layers > 0)
+    if shape.text.is_moe:
+        if backend.grouped_experts is None:
+            backend = replace(backend, grouped_experts=not lora_on_experts(config))
+        if backend.dispatcher is None:
+            backend = replace(backend, dispatcher="alltoall" if host.gpu and layout.ep > 1 else "allgather")
+    if backend.transformer_impl is None and config.lora.rank:  # the adapters' checked backend (docs/lora.md)
+        backend = replace(backend, transformer_impl="local")
+        said.append("backend local (LoRA's default; TRANSFORMER_IMPL=transformer_engine puts adapters on TE)")
+    elif backend.transformer_impl is None:
+        impl = "transformer_engine" if host.gpu and host.transformer_engine() else "local"
+        backend = replace(backend, transformer_impl=impl)
+        said.append(f"backend {impl} ({'GPU' if host.gpu else 'CPU'} host; TRANSFORMER_IMPL overrides)")
+    return replace(config, layout=layout, backend=backend, model=model)
+
+
+def from_env(environ: Mapping[str, str], host: Host, said: list[str]) -> tuple[RunConfig, Any, list[str]]:
+    """(the run, the model's shape, what to say once the checks pass); ``said`` gets what to say
+    before them. LaunchError names the first variable that is malformed."""
+    env, after = Environment(environ), []
+    config, shape = choose_model(env, host, said)
+    return resolve(overlay(config, env), shape, host, after), shape, after

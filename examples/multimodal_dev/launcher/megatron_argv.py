@@ -1,0 +1,199 @@
+"""A checked ``RunConfig`` as the training script's flags (megatron's and ``arguments.py``'s), and the
+lines the launch says about the choices it made.
+
+The model is named (``--model-variant``, ``--hf-config-path``); its numbers come from the one variant
+table (``models/qwen35_vl/configuration.py``) or the Hugging Face config, and the training script makes
+them the defaults of megatron's model flags (``models/megatron_args.py``)."""
+
+from __future__ import annotations
+
+import os
+
+from ..models import DEFAULT_ARCH
+from .from_env import Host, lora_on_experts
+from .run_config import RunConfig
+
+MODULE = "examples.multimodal_dev.pretrain_multimodal"
+# the user's-data settings: (field of Data, flag); a switch adds its flag alone
+OWN_DATA = (
+    ("valid_data_path", "--eval-data-path"),
+    ("valid_fraction", "--valid-fraction"),
+    ("media_root", "--media-root"),
+    ("strict", "--strict-data"),
+    ("remote_media", "--allow-remote-media"),
+    ("media_anywhere", "--allow-media-anywhere"),
+    ("video_fps", "--video-fps"),
+    ("video_max_frames", "--video-max-frames"),
+    ("video_max_pixels", "--video-max-pixels"),
+)
+
+
+def _pairs(*pairs: tuple[str, object]) -> list[str]:
+    return [str(word) for pair in pairs for word in pair]
+
+
+def _model(config: RunConfig) -> list[str]:
+    m = config.model
+    if m.hf_config:
+        return ["--hf-config-path", m.hf_config]
+    return ["--variant-moe", "on"] if m.moe else []
+
+
+def _schedule(config: RunConfig) -> list[str]:
+    o, b, e = config.optimizer, config.batch, config.evaluation
+    warmup = b.train_iters // 10 if o.warmup_iters is None else o.warmup_iters
+    return [
+        *_pairs(("--train-iters", b.train_iters), ("--lr", o.lr), ("--min-lr", f"{float(o.lr) * o.min_lr_ratio:.6g}")),
+        *_pairs(("--lr-decay-style", o.decay_style), ("--lr-warmup-iters", warmup)),
+        *_pairs(("--lr-decay-iters", b.train_iters if o.decay_iters is None else o.decay_iters)),
+        *_pairs(("--weight-decay", o.weight_decay), ("--adam-beta1", o.beta1), ("--adam-beta2", o.beta2)),
+        *_pairs(("--clip-grad", o.clip_grad)),
+        "--calculate-per-token-loss",
+        *_pairs(("--log-interval", e.log_interval), ("--eval-interval", e.interval or b.train_iters)),
+        *_pairs(("--eval-iters", e.iters), ("--dataset-provider", config.data.dataset), ("--seed", o.seed)),
+    ]
+
+
+def _own_data(config: RunConfig) -> list[str]:
+    flags: list[str] = []
+    for name, flag in OWN_DATA:
+        value = getattr(config.data, name)
+        if value is True:
+            flags.append(flag)
+        elif value not in (None, False):
+            flags += [flag, str(value)]
+    return flags
+
+
+def _layout(config: RunConfig) -> list[str]:
+    lay, b = config.layout, config.batch
+    flags = [] if b.packed else ["--no-packed-sequence"]
+    flags += [] if b.packing == "samples" else _pairs(("--packing", "tokens"), ("--packed-seq-length", b.packed_length))
+    flags += _pairs(("--num-virtual-stages-per-pipeline-rank", lay.vp)) if lay.vp > 1 else []
+    if lay.vision_tp and lay.own_vision_layout():
+        flags += _pairs(("--vision-tensor-parallel-size", lay.vision_tp))
+    # the tower on ranks of its own sums its grad norm over the world's distributed-optimizer shards
+    flags += [*_pairs(("--vision-nproc", lay.vision_nproc)), "--use-distributed-optimizer"] if lay.vision_nproc else []
+    flags += _pairs(("--decoder-first-pipeline-num-layers", lay.pp_first)) if lay.pp_first else []
+    flags += _pairs(("--decoder-last-pipeline-num-layers", lay.pp_last)) if lay.pp_last else []
+    flags += ["--sequence-parallel"] if lay.sp else []
+    # megatron's argument check admits MTP only with rotary positions; the model's interleaved MRoPE is
+    # built from the variant, so this flag only satisfies that check
+    flags += ["--mtp-num-layers", "1", "--position-embedding-type", "rope"] if config.model.mtp else []
+    return flags
+
+
+def _data_and_lora(config: RunConfig) -> list[str]:
+    d, lora = config.data, config.lora
+    flags = _pairs(("--data-path", d.data_path)) if d.data_path else []
+    flags += _pairs(("--hf-processor-path", d.hf_processor_path)) if d.hf_processor_path else []
+    if lora.rank:  # the training script checks the values (lora/targets.py)
+        flags += _pairs(("--lora-rank", lora.rank))
+        flags += _pairs(("--lora-alpha", lora.alpha)) if lora.alpha else []
+        flags += _pairs(("--lora-targets", lora.targets)) if lora.targets else []
+    return flags
+
+
+def _experts(config: RunConfig) -> list[str]:
+    b = config.backend
+    if b.dispatcher is None:  # a dense model
+        return []
+    return ["--moe-token-dispatcher-type", b.dispatcher] + (["--moe-grouped-gemm"] if b.grouped_experts else [])
+
+
+def _backend(config: RunConfig, host: Host) -> list[str]:
+    # --log-throughput: model TFLOP/s from models/qwen35_vl/flops.py (megatron's GPT formula is replaced)
+    precision = ["--bf16"] if host.gpu else ["--distributed-backend", "gloo"]
+    return ["--transformer-impl", str(config.backend.transformer_impl), "--log-throughput", *precision]
+
+
+def resumes_saved(config: RunConfig) -> bool:
+    """CKPT_RESUME holds a checkpoint already (a later run of the same training)."""
+    resume = config.checkpoint.resume
+    return bool(resume) and os.path.isfile(os.path.join(resume, "latest_checkpointed_iteration.txt"))
+
+
+def _checkpoints(config: RunConfig) -> list[str]:
+    c = config.checkpoint
+    interval = c.save_interval or config.batch.train_iters
+    if not c.resume:
+        return (["--load", c.load, "--finetune"] if c.load else []) + (
+            _pairs(("--save", c.save), ("--save-interval", interval)) if c.save else []
+        )
+    # CKPT_LOAD with CKPT_RESUME: the first run starts from CKPT_LOAD's weights (megatron loads
+    # --pretrained-checkpoint, as --finetune, while the resume directory holds no checkpoint); later runs resume
+    flags = _pairs(("--load", c.resume), ("--save", c.resume), ("--save-interval", interval))
+    flags += ["--pretrained-checkpoint", c.load] if c.load else []
+    if resumes_saved(config):
+        # megatron refuses a schedule that differs from the checkpoint's: keep the saved one (a longer
+        # TRAIN_ITERS then extends the run at its final LR) unless the user sets one explicitly
+        given = config.optimizer.warmup_iters is not None or config.optimizer.decay_iters is not None
+        flags.append("--override-opt_param-scheduler" if given else "--use-checkpoint-opt_param-scheduler")
+    return flags
+
+
+def to_megatron_argv(config: RunConfig, host: Host) -> list[str]:
+    """The training script's arguments for a checked, resolved run."""
+    lay, b = config.layout, config.batch
+    named = _pairs(
+        ("--model-arch", DEFAULT_ARCH), ("--model-variant", config.model.variant), ("--seq-length", b.seq_len)
+    )
+    sizes = _pairs(
+        ("--tensor-model-parallel-size", lay.tp),
+        ("--context-parallel-size", lay.cp),
+        ("--expert-model-parallel-size", lay.ep),
+        ("--expert-tensor-parallel-size", lay.expert_tp),
+        ("--pipeline-model-parallel-size", lay.pp),
+        ("--micro-batch-size", b.mbs),
+        ("--global-batch-size", b.gbs),
+    )
+    return [
+        *named,
+        *sizes,
+        *_schedule(config),
+        *_model(config),
+        *_own_data(config),
+        *_layout(config),
+        *_data_and_lora(config),
+        *_experts(config),
+        *_backend(config, host),
+        *_checkpoints(config),
+    ]
+
+
+def torchrun_argv(config: RunConfig, host: Host, extra: list[str]) -> list[str]:
+    """torchrun's own arguments, then the training script's and the user's ``extra`` flags. Several runs
+    may share a host: without MASTER_PORT, torchrun --standalone picks a free port."""
+    port = config.launcher.master_port
+    rdzv = ["--master-port", str(port)] if port else ["--standalone"]
+    # the training script runs as a module of the package examples.multimodal_dev (PYTHONPATH holds the
+    # repository root), so no folder of the example shadows an installed package
+    nproc = ["--nproc-per-node", str(config.layout.processes)]
+    return [*nproc, *rdzv, "--module", MODULE, *to_megatron_argv(config, host), *extra]
+
+
+def said_after_checks(config: RunConfig) -> tuple[list[str], list[str]]:
+    """(the MoE line, the resume line): what the launch says about the experts and the schedule it chose."""
+    b, ep = config.backend, config.layout.ep
+    moe = []
+    if b.dispatcher is not None:
+        adapted = lora_on_experts(config)
+        experts = (
+            "grouped GEMM experts"
+            if b.grouped_experts
+            else "SequentialMLP experts" + (" (LoRA adapts them)" if adapted else "")
+        )
+        unsynced = " (dropless: no host syncs)" if b.grouped_experts and ep == 1 and b.dispatcher == "allgather" else ""
+        moe.append(
+            f"MoE: {experts}, {b.dispatcher} token dispatcher at EP={ep}{unsynced} "
+            "(GROUPED_EXPERTS, MOE_DISPATCHER override)"
+        )
+    resume = []
+    if resumes_saved(config):
+        o = config.optimizer
+        resume.append(
+            "resuming with the LR schedule of LR_WARMUP_ITERS / LR_DECAY_ITERS"
+            if o.warmup_iters is not None or o.decay_iters is not None
+            else "resuming with the checkpoint's LR schedule (LR_WARMUP_ITERS / LR_DECAY_ITERS replace it)"
+        )
+    return moe, resume
