@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 import time
 
-from examples.multimodal_dev.training.warm_engine import IMPORT_TIME
+from warm_engine import IMPORT_TIME
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
@@ -48,7 +48,7 @@ LAYOUT_MODEL = dict(PARALLEL_MODEL, MBS=4, GBS=8)
 
 
 class WarmEngine:
-    """This test process's warm engine (``training/warm_engine.py``), started at its first launch: every
+    """This test process's warm engine (``tests/warm_engine.py``), started at its first launch: every
     launch forks from it rather than import torch and megatron-core again (about 8 s of CPU a rank).
     It lives as long as this process (it stops when its stdin closes)."""
 
@@ -71,8 +71,7 @@ class WarmEngine:
                 [
                     "bash",
                     "-c",
-                    'source tools/bootstrap_env.sh && exec "$PY" -u -m '
-                    'examples.multimodal_dev.training.warm_engine "$0"',
+                    'source tools/bootstrap_env.sh && exec "$PY" -u tests/warm_engine.py "$0"',
                     address,
                 ],
                 cwd=ROOT,
@@ -106,13 +105,19 @@ class WarmEngine:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def on_warm_engine(env: dict) -> dict:
+    """``env`` (a whole environment) with its launches handed to this process's warm engine: the server's
+    socket, and the hook that hands a torchrun launcher over to it on PYTHONPATH."""
+    return {**env, "ENGINE_SERVER": WarmEngine.get(), "PYTHONPATH": HOOKS + os.pathsep + env.get("PYTHONPATH", "")}
+
+
 def run_script(extra_args=(), timeout: int = 600, **env) -> Run:
     """``bash run_qwen35_vl.sh extra_args`` with ``env``, forked from this process's warm engine unless
-    ``ENGINE_SERVER=""`` (a cold start); a variable of ``tests/hooks/sitecustomize.py`` (fault injection,
-    FLA's kernels) puts that folder on PYTHONPATH."""
+    ``ENGINE_SERVER=""`` (a cold start, as a user's); the warm engine's hand-over and the variables of
+    ``tests/hooks/sitecustomize.py`` (fault injection, FLA's kernels) put that folder on PYTHONPATH."""
     env.setdefault("ENGINE_SERVER", WarmEngine.get())
     full_env = {**os.environ, **{k: str(v) for k, v in env.items()}}
-    if {
+    if env["ENGINE_SERVER"] or {
         "KILL_DURING_SAVE_AT",
         "RECORD_PIPELINE",
         "FULL_DISK_AT",

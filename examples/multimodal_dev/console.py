@@ -2,7 +2,7 @@
 
 Every line a user reads from a run starts with the script's name, so a line in a log of many ranks
 says which program wrote it. A mistake is a ``SystemExit`` carrying that line: Python prints it
-without a traceback, and the launcher passes it on (``training/torchrun_launcher.py``).
+without a traceback, and the launcher passes it on (``launcher/torchrun.py``).
 """
 
 from __future__ import annotations

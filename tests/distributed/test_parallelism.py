@@ -30,7 +30,7 @@ import sys
 
 import pytest
 from launch import LAYOUT_MODEL as MODEL
-from launch import NO_EVAL, ROOT, WarmEngine, run_script
+from launch import NO_EVAL, ROOT, on_warm_engine, run_script
 
 REL = 1e-5
 REL_LATER_STEPS = 1e-4
@@ -111,7 +111,7 @@ def _worker(module: str, nproc: int, *args) -> list[dict]:
     cmd = [
         sys.executable,
         "-m",
-        "examples.multimodal_dev.training.torchrun_launcher",
+        "examples.multimodal_dev.launcher.torchrun",
         "--nproc-per-node",
         str(nproc),
         "--standalone",
@@ -120,11 +120,8 @@ def _worker(module: str, nproc: int, *args) -> list[dict]:
         *map(str, args),
     ]
     here = os.path.dirname(os.path.abspath(__file__))
-    env = {
-        **os.environ,
-        "ENGINE_SERVER": WarmEngine.get(),
-        "PYTHONPATH": os.pathsep.join((here, os.path.dirname(here), os.environ.get("PYTHONPATH", ""))),
-    }
+    path = os.pathsep.join((here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")))
+    env = on_warm_engine({**os.environ, "PYTHONPATH": path})
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -56,10 +56,10 @@ def test_exact_resume(tmp_path, setting):
     if setting != "plain":
         flags += ["--use-distributed-optimizer"]
         common.update(NPROC=2, PACKING="tokens", PACKED_SEQ_LENGTH=256, GBS=4)
-    # Three ways to start the ranks, the same figures from each (training/torchrun_launcher.py): the
+    # Three ways to start the ranks, the same figures from each (launcher/torchrun.py): the
     # straight run's are fresh interpreters; the stopped run's fork from the forkserver of a cold
     # launcher, which imports the engine; the resumed run's fork from the warm engine
-    # (training/warm_engine.py) that the tests launch on
+    # (tests/warm_engine.py) that the tests launch on
     straight = run_script(flags, CKPT_SAVE=tmp_path / "straight", FORK_RANKS=0, **common).check()
     first = run_script(
         [*flags, "--exit-interval", "3"], CKPT_RESUME=tmp_path / "resumed", FORK_RANKS=1, ENGINE_SERVER="", **common

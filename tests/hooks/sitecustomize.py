@@ -26,14 +26,37 @@ PYTHONPATH (``tests/launch.py`` puts it there only for a run that asks):
                             changes Triton's interpreter needs for them (tests/fla_cpu/triton_interpreter.py)
                             made before any kernel runs.
 
+    ENGINE_SERVER=SOCKET    not a fault either: the torchrun launcher hands its launch to the tests' warm
+                            engine at SOCKET (tests/warm_engine.py), which imported the engine once.
+
 The training code itself carries no test hooks."""
 
 import os
 import sys
 
+# The tests' warm engine: the torchrun launcher (python -m examples.multimodal_dev.launcher.torchrun ...)
+# hands its arguments to the server before it imports anything, and ends with the job's status; a server
+# that refuses the launch or does not answer has said why, and the launcher starts cold
+_TORCHRUN = "examples.multimodal_dev.launcher.torchrun"
+_argv = sys.orig_argv
+if (
+    os.environ.get("ENGINE_SERVER")
+    and "-m" in _argv
+    and _argv[_argv.index("-m") + 1 : _argv.index("-m") + 2] == [_TORCHRUN]
+):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from engine_handover import hand_over
+
+    del sys.path[0]
+    _status = hand_over(_argv[_argv.index("-m") + 2 :])
+    if _status is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_status)
+
 # A training rank: torchrun's fresh interpreter for one (it sets RANK), or the forkserver every rank forks from
-# where the launcher forks them (examples/multimodal_dev/training/torchrun_launcher.py), or the warm engine's
-# launcher, which holds the engine and which that forkserver forks from (training/warm_engine.py runs this
+# where the launcher forks them (examples/multimodal_dev/launcher/torchrun.py), or the warm engine's
+# launcher, which holds the engine and which that forkserver forks from (tests/warm_engine.py runs this
 # file there); the rank reads RANK when it records
 _RANK_PROCESS = (
     "RANK" in os.environ

@@ -4,7 +4,7 @@ functions, runs down the stack, and no two modules import each other, directly o
     launcher/     run_qwen35_vl.sh's launcher: the run as one typed RunConfig, checked, then torchrun
     entry         pretrain_multimodal.py and what it hands megatron: arguments.py, checked_args.py,
                   model_provider.py, dataset_provider.py, forward_step.py
-    training/     engine glue: backend, throughput, run checks, torchrun for the ranks
+    training/     engine glue: backend, throughput, run checks
     generation/   cached decoding and generate
     vision_ranks/ the vision tower's own layout, and its own ranks' process groups
     planner/      the layout planner: per-rank memory and step time of launch layouts, pipeline splits

@@ -8,7 +8,7 @@ import shlex
 import subprocess
 
 import pytest
-from launch import WarmEngine
+from launch import on_warm_engine
 
 from examples.multimodal_dev.arguments import add_multimodal_args
 from examples.multimodal_dev.checkpoint.run_shape import declared_shape
@@ -135,8 +135,8 @@ def test_lora_variables_reach_their_flags_on_the_local_backend():
     assert rc == 2 and "LORA_ALPHA=16 without LORA_RANK" in err, (rc, err)
 
 
-# Read by the processes the launch starts (training/torchrun_launcher.py, training/engine_handover.py)
-LAUNCHER_VARIABLES = {"FORK_RANKS": "torchrun_launcher.py", "ENGINE_SERVER": "engine_handover.py"}
+# Read by the process the launch starts (launcher/torchrun.py)
+LAUNCHER_VARIABLES = {"FORK_RANKS": "torchrun.py"}
 
 
 def test_the_readme_variable_table_is_the_launchers_table():
@@ -172,7 +172,7 @@ def test_every_variable_in_the_table_sets_a_field_of_the_run_or_is_read_by_torch
     """The table, the run's typed fields and the launch's parsers name the same variables: a row
     without a field would be read by nothing, a field without a row would be a setting no user sees."""
     for name, module in LAUNCHER_VARIABLES.items():
-        with open(os.path.join(ROOT, "examples", "multimodal_dev", "training", module)) as f:
+        with open(os.path.join(ROOT, "examples", "multimodal_dev", "launcher", module)) as f:
             assert f'"{name}"' in f.read(), (name, module)
     fields = set(run_config.variable_fields())
     assert fields | set(LAUNCHER_VARIABLES) == run_variables.NAMES, sorted(run_variables.NAMES ^ fields)
@@ -420,28 +420,25 @@ def test_resume_with_a_starting_checkpoint_loads_it_while_the_resume_directory_i
 
 
 @pytest.mark.parametrize(
-    "value, cuda, nproc, warm, forks",
+    "value, cuda, nproc, forks",
     [
-        (None, False, 3, False, True),
-        (None, True, 3, False, False),
-        (None, False, 2, False, False),
-        (None, False, 1, True, True),
-        ("0", False, 4, False, False),
-        ("0", False, 1, True, False),
-        ("1", False, 1, False, True),
-        ("0", True, 2, False, False),
+        (None, False, 3, True),
+        (None, True, 3, False),
+        (None, False, 2, False),
+        ("0", False, 4, False),
+        ("1", False, 1, True),
+        ("0", True, 2, False),
     ],
 )
-def test_ranks_fork_from_the_preloaded_engine_only_without_cuda(monkeypatch, value, cuda, nproc, warm, forks):
-    """By default where there is no CUDA and the ranks outnumber the cores (2 here), or the launcher
-    holds the engine already (the warm engine's)."""
-    from examples.multimodal_dev.training.torchrun_launcher import forks_ranks
+def test_ranks_fork_from_the_preloaded_engine_only_without_cuda(monkeypatch, value, cuda, nproc, forks):
+    """By default where there is no CUDA and the ranks outnumber the cores (2 here)."""
+    from examples.multimodal_dev.launcher.torchrun import forks_ranks
 
     if value is None:
         monkeypatch.delenv("FORK_RANKS", raising=False)
     else:
         monkeypatch.setenv("FORK_RANKS", value)
-    assert forks_ranks(cuda, nproc, 2, warm) is forks
+    assert forks_ranks(cuda, nproc, 2) is forks
 
 
 @pytest.mark.parametrize(
@@ -452,7 +449,7 @@ def test_ranks_fork_from_the_preloaded_engine_only_without_cuda(monkeypatch, val
     ],
 )
 def test_a_rank_start_that_cannot_work_is_refused_by_name(monkeypatch, value, cuda, message):
-    from examples.multimodal_dev.training.torchrun_launcher import forks_ranks
+    from examples.multimodal_dev.launcher.torchrun import forks_ranks
 
     monkeypatch.setenv("FORK_RANKS", value)
     with pytest.raises(SystemExit, match=re.escape(message)):
@@ -475,7 +472,8 @@ def test_a_mistake_found_by_the_training_script_is_one_line_without_tracebacks(t
     assert "Traceback" not in output, output[-3000:]
     assert output.strip().splitlines()[-1] == "torchrun: rank 0 stopped (exit code 1); its output above says why"
     # (--packing tokens with MBS=2, on a warm engine and cold: tests/unit/test_warm_engine.py)
-    rc, out, err = _script("--attention-backend", "flash", DRY_RUN=0, TRAIN_ITERS=1, ENGINE_SERVER=WarmEngine.get())
+    warm = {k: v for k, v in on_warm_engine(dict(os.environ)).items() if k in ("ENGINE_SERVER", "PYTHONPATH")}
+    rc, out, err = _script("--attention-backend", "flash", DRY_RUN=0, TRAIN_ITERS=1, **warm)
     assert (
         rc == 1
         and "pretrain_multimodal.py: --attention-backend flash on the local backend: varlen attention "

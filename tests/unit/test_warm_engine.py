@@ -1,4 +1,4 @@
-"""The warm engine (``training/warm_engine.py``): what it refuses, what a launch on it says and returns,
+"""The tests' warm engine (``tests/warm_engine.py``): what it refuses, what a launch on it says and returns,
 and that a launcher killed mid-run takes its job with it. That a run forked from it trains as a cold
 one does is held by every engine test: they launch on it (``tests/launch.py``), and
 ``test_training_runs.py::test_exact_resume`` compares the three starts bitwise."""
@@ -10,12 +10,11 @@ import subprocess
 import sys
 import time
 
+import engine_handover
 import pytest
-from launch import ROOT, WarmEngine, run_script
-
-from examples.multimodal_dev.training import engine_handover
-from examples.multimodal_dev.training.engine_handover import hand_over
-from examples.multimodal_dev.training.warm_engine import _identity, _listen, _remove_own, import_time_differences
+from engine_handover import hand_over
+from launch import ROOT, WarmEngine, on_warm_engine, run_script
+from warm_engine import _identity, _listen, _remove_own, import_time_differences
 
 
 @pytest.mark.parametrize(
@@ -188,7 +187,7 @@ def test_a_launcher_killed_mid_run_ends_its_job(tmp_path):
     """The launcher (the process run_qwen35_vl.sh execs) is killed: the job it asked for, which runs in
     the warm engine's child, is ended too (SIGTERM, then SIGKILL): no process of it is left."""
     log = tmp_path / "log"
-    env = {**os.environ, "ENGINE_SERVER": WarmEngine.get(), "TRAIN_ITERS": "100000", "SEQ_LEN": "256"}
+    env = on_warm_engine({**os.environ, "TRAIN_ITERS": "100000", "SEQ_LEN": "256"})
     with open(log, "w") as out:
         launcher = subprocess.Popen(
             ["bash", os.path.join(ROOT, "run_qwen35_vl.sh"), "--eval-iters", "0"],
@@ -233,8 +232,7 @@ def test_a_dropped_jobs_processes_in_sessions_of_their_own_are_ended_too():
     here a grandchild in its own session that ignores SIGTERM outlives its parent, and the SIGKILL
     after the grace period still reaches it."""
     import psutil
-
-    from examples.multimodal_dev.training.warm_engine import _Server
+    from warm_engine import _Server
 
     server = _Server.__new__(_Server)  # its job bookkeeping alone: no socket, no stdin
     server.dropped, server.members = {}, {}

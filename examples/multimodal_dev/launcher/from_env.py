@@ -152,7 +152,7 @@ PARSERS: dict[str, Callable[[str, str], Any]] = {
 }
 # Read before the recipe exists (they choose it), or by the processes the launch starts
 CHOOSE_THE_MODEL = ("MODEL_VARIANT", "HF_CONFIG", "MOE")
-READ_BY_TORCHRUN = ("FORK_RANKS", "ENGINE_SERVER")
+READ_BY_TORCHRUN = ("FORK_RANKS",)
 
 
 def choose_model(env: Environment, host: Host, said: list[str]) -> tuple[RunConfig, Any]:

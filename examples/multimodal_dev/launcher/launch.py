@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         print(shlex.join(["torchrun", *launch.torchrun]), flush=True)
         return
     # torchrun.py: torchrun without its own traceback when a rank fails (the rank has said why)
-    module = "examples.multimodal_dev.training.torchrun_launcher"
+    module = "examples.multimodal_dev.launcher.torchrun"
     os.execv(sys.executable, [sys.executable, "-m", module, *launch.torchrun])
 
 

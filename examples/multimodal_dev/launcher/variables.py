@@ -150,19 +150,10 @@ VARIABLES: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("MASTER_PORT",), "a free port (`torchrun --standalone`)", "rendezvous port, for runs that span nodes"),
     (
         ("FORK_RANKS",),
-        "1 without CUDA where `NPROC` exceeds the cores or the launch runs on a warm engine, else 0",
+        "1 without CUDA where `NPROC` exceeds the cores, else 0",
         "1: the ranks fork from one process that imported torch, megatron-core and transformers once (about 6"
         " s of CPU saved a rank, where the ranks would queue for the cores to import); 0: each rank is a "
-        "fresh interpreter, as torchrun starts it (`training/torchrun_launcher.py`)",
-    ),
-    (
-        ("ENGINE_SERVER",),
-        "unset",
-        "CPU hosts: the socket of a warm engine (`python -m examples.multimodal_dev.training.warm_engine "
-        "SOCKET &`), which imported the engine once; each launch forks from it instead of importing (on a "
-        "2-core CPU host, a 1-rank 1-step run: 2-3 s instead of 9-10 s; TP=2: 5 s instead of 10 s). A launch "
-        "it cannot run as a fresh interpreter would (an import-time variable such as `TRITON_*` set "
-        "otherwise) starts cold, saying why (`training/warm_engine.py`)",
+        "fresh interpreter, as torchrun starts it (`launcher/torchrun.py`)",
     ),
 )
 

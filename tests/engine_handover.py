@@ -1,8 +1,8 @@
-"""The launcher's side of the warm engine (``training/warm_engine.py``): hand a launch over to the
+"""The launcher's side of the tests' warm engine (``tests/warm_engine.py``): hand a launch over to the
 server of ``ENGINE_SERVER``, and the messages both sides send (a length, then JSON).
 
-Imported by ``training/torchrun_launcher.py`` before anything heavy: a launch that the server runs
-imports nothing more than this.
+Imported by ``tests/hooks/sitecustomize.py`` in the torchrun launcher (``launcher/torchrun.py``) before
+anything heavy: a launch that the server runs imports nothing more than this.
 
 A launch hands over its environment and its standard streams, so the launcher trusts a server only
 as far as it proves itself: the socket must be this user's (its file and the process serving it),

@@ -1,12 +1,14 @@
-"""A warm engine: one process imports the engine once, and every launch forks from it.
+"""The tests' warm engine: one process imports the engine once, and every launch of a test forks from it.
 
-    python -m examples.multimodal_dev.training.warm_engine SOCKET &    # serves until SIGTERM or ^C
-                                       # (started with its stdin a pipe: until that closes too)
-    ENGINE_SERVER=SOCKET bash run_qwen35_vl.sh ...
+    python tests/warm_engine.py SOCKET &    # serves until SIGTERM or ^C
+                                            # (started with its stdin a pipe: until that closes too)
+    ENGINE_SERVER=SOCKET PYTHONPATH=tests/hooks bash run_qwen35_vl.sh ...
 
 A launch on a host without CUDA spends most of a short run importing: about 2 s of CPU for torchrun's
-launcher, about 6 s for each fresh rank (torch, megatron-core with dynamo and inductor, transformers).
-With ``ENGINE_SERVER`` set, the launcher (``training/torchrun_launcher.py``) hands its arguments,
+launcher, about 6 s for each fresh rank (torch, megatron-core with dynamo and inductor, transformers);
+the suite launches hundreds of runs. It is a test helper, not part of the product: the product's
+launcher knows nothing of it. With ``ENGINE_SERVER`` set, ``tests/hooks/sitecustomize.py`` makes the
+torchrun launcher (``launcher/torchrun.py``) hand its arguments,
 environment, working directory and standard streams to this server instead of importing anything;
 the server forks a child that takes them on and runs the launcher's ``main`` there, and the ranks fork
 from that child (``FORK_RANKS``'s path, with nothing left to import). The engine each rank runs is
@@ -37,7 +39,7 @@ import socket
 import stat
 import sys
 
-from examples.multimodal_dev.training.engine_handover import (
+from engine_handover import (
     HELLO,
     ForeignPeer,
     own_socket_problem,
@@ -103,10 +105,15 @@ def _take_on(request: dict, fds: list[int]) -> None:
         for folder in added:
             if os.path.isfile(os.path.join(folder, "sitecustomize.py")):
                 runpy.run_path(os.path.join(folder, "sitecustomize.py"), run_name="sitecustomize")
-        from examples.multimodal_dev.training import torchrun_launcher
+        from examples.multimodal_dev.launcher import torchrun
 
-        sys.argv = [torchrun_launcher.__file__, *request["argv"]]
-        code = torchrun_launcher.main(request["argv"])
+        # the engine is imported here: the ranks fork with nothing left to import, from a forkserver
+        # forked from this process rather than one that would import the engine again
+        os.environ.setdefault(torchrun.FORK_SWITCH, "1")
+        if os.environ[torchrun.FORK_SWITCH] == "1":
+            _fork_the_forkserver()
+        sys.argv = [torchrun.__file__, *request["argv"]]
+        code = torchrun.main(request["argv"])
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
         if not isinstance(stop.code, (int, type(None))):
@@ -120,6 +127,30 @@ def _take_on(request: dict, fds: list[int]) -> None:
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _fork_the_forkserver() -> None:
+    """multiprocessing's forkserver, forked from this process, which holds the engine already: what
+    ``ForkServer.ensure_running`` sets up, with ``os.fork`` in place of a fresh interpreter that would
+    import the engine again. Before any thread of torchrun's starts: the forkserver is forked from a
+    process of one Python thread, as the ranks are from it."""
+    from multiprocessing import connection, forkserver, resource_tracker
+
+    resource_tracker.ensure_running()
+    address = connection.arbitrary_address("AF_UNIX")
+    listener = private_listener(address)
+    alive_r, alive_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(alive_w)
+        try:
+            forkserver.main(listener.fileno(), alive_r, [])  # serves until every client has closed alive_w
+        finally:
+            os._exit(0)
+    os.close(alive_r)
+    listener.close()
+    server = forkserver._forkserver
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
 
 
 def _listen(address: str) -> socket.socket:
@@ -293,7 +324,7 @@ class _Server:
 
 
 def main(argv: list[str]) -> int:
-    usage = "usage: python -m examples.multimodal_dev.training.warm_engine SOCKET"
+    usage = "usage: python tests/warm_engine.py SOCKET"
     if argv in (["-h"], ["--help"]):
         print(f"{usage}\n\n{__doc__}")
         return 0
@@ -304,7 +335,7 @@ def main(argv: list[str]) -> int:
 
     import torch
 
-    from examples.multimodal_dev.training import torchrun_launcher
+    from examples.multimodal_dev.launcher import torchrun
 
     if torch.cuda.is_available():
         print(
@@ -313,7 +344,7 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    for module in (*torchrun_launcher.PRELOAD, "torch.distributed.run", "torch.distributed.launcher.api"):
+    for module in (*torchrun.PRELOAD, "torch.distributed.run", "torch.distributed.launcher.api"):
         importlib.import_module(module)
     _IMPORTED_ENV.update(os.environ)
     server = _Server(argv[0])

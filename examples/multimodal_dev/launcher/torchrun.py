@@ -18,9 +18,8 @@ forkserver imports ``PRELOAD`` once and every rank forks from it, then runs the 
 fresh interpreter: a process forked after CUDA was initialised cannot use it, and importing
 megatron-core probes the device.
 
-A launcher that holds the engine already (forked from the warm engine of ``training/warm_engine.py``,
-``ENGINE_SERVER``) forks its ranks by default whatever their number, and forks its forkserver from
-itself rather than start one that imports the engine again.
+A multiprocessing forkserver already running when ``main`` is called is the one the ranks fork from
+(``set_forkserver_preload`` names what a new one would import).
 """
 
 from __future__ import annotations
@@ -34,19 +33,12 @@ PRELOAD = ("megatron.training", "megatron.core.tokenizers.text")
 FORK_SWITCH = "FORK_RANKS"
 
 
-def holds_the_engine() -> bool:
-    """Whether this process imported the engine already (the warm engine's child): its ranks then
-    fork with nothing left to import."""
-    return all(module in sys.modules for module in PRELOAD)
-
-
-def forks_ranks(cuda: bool, nproc: int, cores: int, warm: bool = False) -> bool:
+def forks_ranks(cuda: bool, nproc: int, cores: int) -> bool:
     """Whether the ranks fork from a preloaded process: ``FORK_RANKS``, by default where there is no CUDA
-    and the ranks outnumber the cores or the launcher holds the engine (``warm``). Fresh interpreters
-    import side by side, a core each; where they queue for the cores, one import in the forkserver is the
-    shorter wait (measured here, 2 cores: 3 or 4 ranks 35% faster, 2 ranks no faster, 1 rank 1.7 s
-    slower, the forkserver's import coming first); a warm launcher imports nothing at all."""
-    value = os.environ.get(FORK_SWITCH, "0" if cuda or (nproc <= cores and not warm) else "1")
+    and the ranks outnumber the cores. Fresh interpreters import side by side, a core each; where they
+    queue for the cores, one import in the forkserver is the shorter wait (measured here, 2 cores: 3 or
+    4 ranks 35% faster, 2 ranks no faster, 1 rank 1.7 s slower, the forkserver's import coming first)."""
+    value = os.environ.get(FORK_SWITCH, "0" if cuda or nproc <= cores else "1")
     if value not in ("0", "1"):
         raise SystemExit(f"torchrun: {FORK_SWITCH}={value}: expected 0 (fresh interpreters) or 1 (fork)")
     if value == "1" and cuda:
@@ -92,39 +84,10 @@ def _launch_forked(args) -> None:
     config, _, _ = config_from_args(args)
     config.start_method = "forkserver"
     os.environ["PYTHONUNBUFFERED"] = "1"  # the forkserver's streams, hence the ranks': torchrun runs python -u
-    if holds_the_engine():
-        _fork_the_forkserver()
-    else:
-        multiprocessing.set_forkserver_preload(list(PRELOAD))
+    multiprocessing.set_forkserver_preload(list(PRELOAD))
     # its report of a failed rank is a traceback of the launcher; main() says which rank in one line
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     elastic_launch(config, rank_main)(args.training_script, *args.training_script_args)
-
-
-def _fork_the_forkserver() -> None:
-    """multiprocessing's forkserver, forked from this process, which holds the engine already: what
-    ``ForkServer.ensure_running`` sets up, with ``os.fork`` in place of a fresh interpreter that would
-    import the engine again. Before any thread of torchrun's starts: the forkserver is forked from a
-    process of one Python thread, as the ranks are from it."""
-    from multiprocessing import connection, forkserver, resource_tracker
-
-    from examples.multimodal_dev.training.engine_handover import private_listener
-
-    resource_tracker.ensure_running()
-    address = connection.arbitrary_address("AF_UNIX")
-    listener = private_listener(address)
-    alive_r, alive_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(alive_w)
-        try:
-            forkserver.main(listener.fileno(), alive_r, [])  # serves until every client has closed alive_w
-        finally:
-            os._exit(0)
-    os.close(alive_r)
-    listener.close()
-    server = forkserver._forkserver
-    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         # "auto", "cpu", "gpu": a rank a device or core, never more ranks than cores
         nproc = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else 0
         cores = len(os.sched_getaffinity(0))
-        if args.module and forks_ranks(torch.cuda.is_available(), nproc, cores, holds_the_engine()):
+        if args.module and forks_ranks(torch.cuda.is_available(), nproc, cores):
             _launch_forked(args)
         else:
             run(args)
@@ -150,7 +113,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from examples.multimodal_dev.training.engine_handover import hand_over
-
-    status = hand_over(sys.argv[1:])  # ENGINE_SERVER: the run goes to the warm engine
-    sys.exit(main() if status is None else status)
+    sys.exit(main())
