@@ -82,8 +82,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..models import model_of
 from ..models.common.work_deal import deal
-from ..models.qwen35_vl.flops import vision_flops
 
 CHUNK = 64  # the GDN kernels' chunk length (torch and FLA)
 KERNELS = ("torch", "gpu")
@@ -225,7 +225,8 @@ def rank_frames(shape, grids, cp: int) -> list[tuple]:
         return list(grids)
     v = shape.vision
     frames = [(1, h, w) for t, h, w in grids for _ in range(t)]
-    owned = deal([vision_flops(v, v.out_hidden_size, [f]) for f in frames], cp)
+    flops = model_of(shape).vision_flops
+    owned = deal([flops(v, v.out_hidden_size, [f]) for f in frames], cp)
     return [frames[i] for i in max(owned, key=lambda items: sum(frames[i][1] * frames[i][2] for i in items))]
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..models import model_of
 from ..models.qwen35_vl.configuration import Qwen35VLShape
-from ..models.qwen35_vl.parallel import validate_parallel
 from .pipeline_layout import LAYOUTS, stage_layers
 
 # The planner tries layouts over the divisors of the GPU count: past about 2^20 GPUs (ten times the
@@ -101,7 +101,7 @@ class Layout:
     def check(self, shape: Qwen35VLShape) -> None:
         """ValueError naming the setting this shape or world size cannot be split by."""
         stage_layers(shape.text.num_layers, self.pp, self.vp, self.first, self.last)
-        validate_parallel(shape, self.tp, self.cp, self.ep)
+        model_of(shape).validate_parallel(shape, self.tp, self.cp, self.ep)
         if self.gpus % (self.tp * self.pp * self.cp) or self.gpus % (self.ep * self.etp * self.pp):
             raise ValueError(
                 f"{self.gpus} GPUs: not a multiple of TP x PP x CP = {self.tp * self.pp * self.cp} "

@@ -41,8 +41,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from ..models import model_of
 from ..models.qwen35_vl.configuration import FULL
-from ..models.qwen35_vl.flops import micro_batch_flops
 from .activation_memory import micro_batch_activations
 from .pipeline_layout import stage_layers
 from .rank_params import StageParams, adapter_params, stage_params
@@ -244,7 +244,7 @@ def step_time(
     lengths = [n for r in rows for n in r.lengths]
     grids = [g for r in rows for g in r.grids]
     tokens = sum(lengths)
-    fb = micro_batch_flops(shape, lengths, grids)
+    fb = model_of(shape).micro_batch_flops(shape, lengths, grids)
     flop_rate = hw.peak_tflops * 1e12 * efficiency
     passes = 2 if lora else 3  # forward, input gradient (, weight gradient)
     recompute = (passes + 1) / passes if cand.recompute else 1.0  # the forward runs again in the backward

@@ -20,7 +20,7 @@ from functools import lru_cache
 import numpy as np
 
 from ..data.token_budget import deal_rows, first_fit_rows
-from ..models.qwen35_vl.flops import micro_batch_flops
+from ..models import model_of
 
 DRAW = 4096  # conversations drawn for the mix's rows (a few hundred rows of 4k tokens)
 TEMPLATE = 10  # chat-template tokens of a mock conversation (``mock.MockConversations``)
@@ -41,7 +41,8 @@ class Mix:
         if not rows:
             raise ValueError(f"data mix {name}: no rows of {seq_len} tokens")
         self.shape, self.seq_len, self.rows, self.name = shape, seq_len, rows, name
-        self.flops = np.array([micro_batch_flops(shape, r.lengths, r.grids).training for r in rows])
+        flops = model_of(shape).micro_batch_flops
+        self.flops = np.array([flops(shape, r.lengths, r.grids).training for r in rows])
         self._imbalance = lru_cache(maxsize=None)(self._simulate)
 
     @classmethod
@@ -105,7 +106,7 @@ class Mix:
         return self.rows[int(np.argsort(self.flops)[len(self.flops) // 2])]
 
     def vision_share(self) -> float:
-        parts = [micro_batch_flops(self.shape, r.lengths, r.grids) for r in self.rows]
+        parts = [model_of(self.shape).micro_batch_flops(self.shape, r.lengths, r.grids) for r in self.rows]
         return sum(p.vision for p in parts) / sum(p.forward for p in parts)
 
     def imbalance(self, dp: int, rows_per_rank: int) -> float:

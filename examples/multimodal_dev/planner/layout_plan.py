@@ -19,8 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from ..models.qwen35_vl.flops import micro_batch_flops
-from ..models.qwen35_vl.parallel import validate_parallel
+from ..models import model_of
 from .launch_layout import Layout
 from .layout_cost import GIB, Candidate, Hardware, stage_memory, step_time
 from .pipeline_layout import stage_layers
@@ -80,7 +79,7 @@ def _divisors(n: int) -> list[int]:
 @lru_cache(maxsize=None)
 def _valid(shape, tp: int, cp: int, ep: int) -> bool:
     try:
-        validate_parallel(shape, tp, cp, ep)
+        model_of(shape).validate_parallel(shape, tp, cp, ep)
         return True
     except ValueError:
         return False
@@ -116,7 +115,7 @@ def candidates(request: Request):
     shape, gpus, t = request.shape, request.gpus, request.shape.text
     node = request.hardware.gpus_per_node
     row = request.mix.mean_row
-    fb = micro_batch_flops(shape, row.lengths, row.grids)
+    fb = model_of(shape).micro_batch_flops(shape, row.lengths, row.grids)
     per_layer = (fb.gdn + fb.attention + fb.mlp) / t.num_layers
     vision_layers, head_layers = fb.vision / per_layer, (fb.output + fb.mtp) / per_layer
     tps = [tp for tp in (1, 2, 4, 8, 16) if tp <= node and gpus % tp == 0]

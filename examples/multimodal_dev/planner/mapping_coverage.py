@@ -40,8 +40,9 @@ from math import prod
 
 import torch
 
+from ..models import model_of
 from ..models.qwen35_vl.configuration import FULL, LINEAR, Qwen35VLShape
-from ..models.qwen35_vl.hf_mapping import MG_LM, MG_VIS, mapping_rules
+from ..models.qwen35_vl.hf_mapping import MG_LM, MG_VIS
 from ..models.qwen35_vl.specs import FUSED_NORM_KEYS
 from .launch_layout import Layout
 from .meta_builds import RankBuild, main_replica_ranks
@@ -66,9 +67,8 @@ class ExpectedKey:
 def hf_shapes(shape: Qwen35VLShape) -> dict[str, torch.Size]:
     """Every HF tensor of the variant: the ``transformers`` model on meta, plus the MTP head."""
     from ..checkpoint.hf_models import hf_classes
-    from ..models.qwen35_vl.configuration import to_hf_config_dict
 
-    cfg = to_hf_config_dict(shape)
+    cfg = model_of(shape).shape_to_hf(shape)
     config_cls, model_cls = hf_classes(cfg.pop("model_type"))
     with torch.device("meta"):
         model = model_cls(config_cls(**cfg))
@@ -94,7 +94,7 @@ def megatron_shapes(shape: Qwen35VLShape, rules=None, hf=None) -> dict[str, tupl
     run on meta tensors of the HF shapes (a rule naming an HF tensor that does not exist fails)."""
     hf = hf if hf is not None else hf_shapes(shape)
     out = {}
-    for rule in rules if rules is not None else mapping_rules(shape):
+    for rule in rules if rules is not None else model_of(shape).hf_mapping_rules(shape):
         missing = [n for n in rule.hf if n not in hf]
         if missing:
             raise KeyError(f"mapping rule {rule.megatron[:1]} reads HF tensors the config has not: {missing}")

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..models import model_of
 from ..models.qwen35_vl.configuration import Qwen35VLShape
 from .launch_layout import Layout
 
@@ -179,7 +180,6 @@ def rank_build(
     import megatron.cpu
 
     from ..lora.apply import apply as lora_apply
-    from ..models.qwen35_vl.factory import build_model
 
     layout.check(shape)
     megatron.cpu.activate()  # megatron's CUDA calls during the build (RNG tracker, devices) answered on a CPU host
@@ -192,7 +192,7 @@ def rank_build(
             pre = coords["pp"] == 0 and (stage is None or is_vp_first_stage(stage, layout.vp))
             post = coords["pp"] == layout.pp - 1 and (stage is None or is_vp_last_stage(stage, layout.vp))
             with torch.device("meta"), _OnMeta():
-                model = build_model(
+                model = model_of(shape).build_fn(
                     shape,
                     backend,
                     params_dtype=torch.bfloat16,

@@ -20,6 +20,9 @@ from .parallel import validate_parallel
 # table (launcher/from_env.py) on every launch and dry run, and importing torch costs ~2 s.
 
 LINEAR, FULL = "linear_attention", "full_attention"
+# Released Qwen3.5 checkpoints store the GDN decay parameters in fp32 whatever the rest is in; any
+# other tensor in a dtype of its own is a conversion accident upstream.
+FP32_HF_SUFFIXES = ("A_log", "dt_bias")
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,6 @@ import torch
 from .configuration import FULL, LINEAR, Qwen35VLShape
 
 HF_LM, HF_VIS, MG_LM, MG_VIS = "model.language_model.", "model.visual.", "language_model.", "vision_model."
-# Released Qwen3.5 checkpoints store the GDN decay parameters in fp32 whatever the rest is in; any
-# other tensor in a dtype of its own is a conversion accident upstream.
-FP32_HF_SUFFIXES = ("A_log", "dt_bias")
 
 
 def _same(tensors):
