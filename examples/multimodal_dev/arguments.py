@@ -7,6 +7,9 @@ shape ``--model-variant`` / ``--hf-config-path`` names (``models/megatron_args.p
 
 from __future__ import annotations
 
+import argparse
+from typing import cast
+
 from examples.multimodal_dev.lora.targets import DEFAULT_TARGETS
 
 
@@ -158,7 +161,7 @@ def _add_patch_budget_args(group):
     )
 
 
-def add_multimodal_args(parser):
+def add_multimodal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("multimodal playground")
     group.add_argument("--model-arch", default="qwen35_vl", help="MODEL_REGISTRY key")
     group.add_argument("--model-variant", default="tiny", help="named shape (tiny, proxy, 0.8b, ..., 397b_a17b)")
@@ -299,3 +302,11 @@ def _add_lora_args(group):
         help="linears that get an adapter, by megatron-core's names, comma-separated (lora/targets.py) "
         f"[{','.join(DEFAULT_TARGETS)}: every linear of the language model, Gated DeltaNet included]",
     )
+
+
+def megatron_args() -> argparse.Namespace:
+    """megatron's parsed arguments (``megatron.training.get_args``), typed: megatron declares its global
+    as None until the arguments are parsed, which they are before any provider runs."""
+    from megatron.training import get_args
+
+    return cast(argparse.Namespace, get_args())

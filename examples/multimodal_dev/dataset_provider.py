@@ -10,14 +10,15 @@ tower on ranks of its own, those ranks read the pixels of the language replicas 
 
 from __future__ import annotations
 
+import argparse
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, SupportsInt
 
 import torch
 from megatron.core import parallel_state
-from megatron.training import get_args
 
-from examples.multimodal_dev.arguments import OWN_DATA_OPTIONS, PATCH_BUDGET_OPTIONS, VIDEO_OPTIONS
+from examples.multimodal_dev.arguments import OWN_DATA_OPTIONS, PATCH_BUDGET_OPTIONS, VIDEO_OPTIONS, megatron_args
 from examples.multimodal_dev.checkpoint import loader_state, plan_state
 from examples.multimodal_dev.console import say
 from examples.multimodal_dev.data import get_dataset_provider
@@ -35,7 +36,7 @@ from examples.multimodal_dev.vision_ranks import groups as vision_ranks
 Iterators = tuple[Iterator | None, Iterator | None, Iterator | None]
 
 
-def data_path_value(args) -> str | None:
+def data_path_value(args: argparse.Namespace) -> str | None:
     """megatron's ``--data-path`` takes several words; the providers read one value (jsonl: a
     comma-separated list, each with an optional ``:weight``), so the words are joined for jsonl and
     refused for the others rather than silently reading the first."""
@@ -50,7 +51,7 @@ def data_path_value(args) -> str | None:
     )
 
 
-def check_tokens_agree(datasets, tokens: VisionTokens, args) -> None:
+def check_tokens_agree(datasets: Iterable[Any], tokens: VisionTokens, args: argparse.Namespace) -> None:
     """A processor whose vision token ids are not the model's would train placeholders the model
     never replaces with vision features: refuse it by name."""
     for dataset in datasets:
@@ -63,11 +64,11 @@ def check_tokens_agree(datasets, tokens: VisionTokens, args) -> None:
             )
 
 
-def datasets_provider(train_val_test_num_samples, vp_stage: int | None = None) -> Iterators:
+def datasets_provider(train_val_test_num_samples: Sequence[SupportsInt], vp_stage: int | None = None) -> Iterators:
     """(train, valid, test) iterators of collated micro-batches for this data-parallel rank; with
     pipeline parallelism, for one (virtual) stage: every stage draws the same micro-batches and
     keeps only what it reads (``PackedBatch.for_stage``: no pixels after the first stage)."""
-    args = get_args()
+    args = megatron_args()
     shape = model_shape()
     tokens = VisionTokens.from_shape(shape)
     build = get_dataset_provider(args.dataset_provider)
@@ -143,10 +144,13 @@ def datasets_provider(train_val_test_num_samples, vp_stage: int | None = None) -
         )
         for q in range(served)
     ]
-    return replicas[0] if served == 1 else tuple(_served_together([r[i] for r in replicas]) for i in range(3))
+    if served == 1:
+        return replicas[0]
+    train, valid, test = (_served_together([r[i] for r in replicas]) for i in range(3))
+    return train, valid, test
 
 
-def _replica_iterators(datasets, args, dp_rank: int, budget, pad_multiple: int, common: dict, train: dict):
+def _replica_iterators(datasets, args, dp_rank: int, budget, pad_multiple: int, common: dict, train: dict) -> Iterators:
     """(train, valid, test) iterators of data-parallel rank ``dp_rank``'s micro-batches."""
     streams = hasattr(datasets[0], "build_iterator")  # energon: each rank's loader packs its own rows
     if budget and streams:
@@ -162,7 +166,7 @@ def _replica_iterators(datasets, args, dp_rank: int, budget, pad_multiple: int, 
     )
 
 
-def _served_together(iterators):
+def _served_together(iterators: list[Iterator | None]) -> Iterator | None:
     """One micro-batch of each served language replica at a time, ``ServedBatches``
     (forward_step.vision_features)."""
     if any(it is None for it in iterators):
@@ -212,31 +216,40 @@ def _collate_for_stage(collate, shape, stage: tuple[StageInput, bool], samples: 
     return batch.for_stage(*stage)
 
 
-datasets_provider.is_distributed = True  # every rank builds its own iterators (no TP broadcast)
+DatasetsProvider = Callable[..., Iterators]
 
 
-def metered(provider, meter):
+def marked_distributed(provider: DatasetsProvider, value: bool = True) -> DatasetsProvider:
+    """megatron.training builds the iterators on every rank where the provider function's
+    ``is_distributed`` says so (else on TP rank 0, broadcast to the others): the attribute, set."""
+    setattr(provider, "is_distributed", value)
+    return provider
+
+
+marked_distributed(datasets_provider)  # every rank builds its own iterators (no TP broadcast)
+
+
+def metered(provider: DatasetsProvider, meter: Any) -> DatasetsProvider:
     """``provider`` whose training iterator reports each micro-batch's model FLOPs to ``meter``
     (one iterator a rank: virtual pipeline stages draw the same micro-batches again)."""
 
-    def datasets(train_val_test_num_samples, vp_stage=None):
+    def datasets(train_val_test_num_samples: Sequence[int], vp_stage: int | None = None) -> Iterators:
         train, valid, test = provider(train_val_test_num_samples, vp_stage=vp_stage)
         # the tower's own ranks draw their language replica's micro-batches again: they add no FLOPs
-        counted = not (vision_ranks.active() and vision_ranks.active().on_vision)
+        counted = not ((layout := vision_ranks.active()) is not None and layout.on_vision)
         return (meter.tap(train, counted) if vp_stage in (None, 0) else train), valid, test
 
-    datasets.is_distributed = provider.is_distributed
-    return datasets
+    return marked_distributed(datasets, getattr(provider, "is_distributed", False))
 
 
-def plain_for_megatron(provider):
+def plain_for_megatron(provider: DatasetsProvider) -> DatasetsProvider:
     """``provider`` whose iterators hand megatron plain dicts (``batch.to_megatron`` says why)."""
 
-    def datasets(train_val_test_num_samples, vp_stage=None):
-        return tuple(
+    def datasets(train_val_test_num_samples: Sequence[int], vp_stage: int | None = None) -> Iterators:
+        train, valid, test = (
             None if it is None else map(to_megatron, it)
             for it in provider(train_val_test_num_samples, vp_stage=vp_stage)
         )
+        return train, valid, test
 
-    datasets.is_distributed = provider.is_distributed
-    return datasets
+    return marked_distributed(datasets, getattr(provider, "is_distributed", False))

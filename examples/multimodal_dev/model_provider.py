@@ -8,15 +8,15 @@ datasets and the model all read the same shape.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
-from megatron.training import get_args
 
-from examples.multimodal_dev.arguments import add_multimodal_args
+from examples.multimodal_dev.arguments import add_multimodal_args, megatron_args
 from examples.multimodal_dev.checkpoint.run_shape import resolve_shape
 from examples.multimodal_dev.lora import apply as lora
 from examples.multimodal_dev.lora.targets import parse_targets
-from examples.multimodal_dev.models import get_model_entry
+from examples.multimodal_dev.models import ModelShape, get_model_entry
 from examples.multimodal_dev.models.common.config_from_args import given_flags, megatron_parser
 from examples.multimodal_dev.training.backend import backend_of
 from examples.multimodal_dev.vision_ranks import groups as vision_ranks
@@ -24,15 +24,15 @@ from examples.multimodal_dev.vision_ranks.stage import own_ranks_module
 
 
 @functools.lru_cache(maxsize=None)
-def model_shape():
+def model_shape() -> ModelShape:
     """The model's shape: the variant's table row, or the Hugging Face config's (``HF_CONFIG``)."""
-    return resolve_shape(get_args())
+    return resolve_shape(megatron_args())
 
 
 @functools.lru_cache(maxsize=None)
-def model_configs():
+def model_configs() -> tuple[Any, Any]:
     """(decoder, vision) TransformerConfigs: megatron's args with the shape laid over them."""
-    args = get_args()
+    args = megatron_args()
     configs_fn = get_model_entry(args.model_arch).configs_fn
     return configs_fn(args, model_shape(), backend_of(args), given_flags(megatron_parser(add_multimodal_args)))
 
@@ -41,11 +41,11 @@ def model_provider(
     pre_process: bool = True,
     post_process: bool = True,
     vp_stage: int | None = None,
-    config=None,
-    pg_collection=None,
+    config: Any = None,
+    pg_collection: Any = None,
 ) -> torch.nn.Module:
     """One pipeline stage (megatron.training's get_model calls it per virtual stage)."""
-    args = get_args()
+    args = megatron_args()
     entry = get_model_entry(args.model_arch)
     shape, backend = model_shape(), backend_of(args)
     separate = vision_ranks.active()  # the vision tower on ranks of its own: this rank builds one module

@@ -26,8 +26,11 @@ checkpoint of the other kind of optimizer to ``optimizer_switch``.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
+from collections.abc import Callable
+from typing import Any
 
 from examples.multimodal_dev.console import say
 
@@ -48,7 +51,7 @@ _LAYOUT = (
 )
 
 
-def default_to_reshardable(args) -> None:
+def default_to_reshardable(args: argparse.Namespace) -> None:
     """``--dist-ckpt-optim-fully-reshardable`` unless ``--dist-ckpt-optim-dp-reshardable`` asks for
     megatron's own default."""
     if args.dist_ckpt_optim_dp_reshardable and getattr(args, FORMAT_FLAG):
@@ -65,7 +68,7 @@ def _zero_padding_entries(node) -> None:
         padding = node.get("padding")
         if padding is not None and getattr(padding, "unwrap", lambda: padding)() is True:
             for value in node.values():
-                if isinstance(value, ShardedTensor):
+                if isinstance(value, ShardedTensor) and value.data is not None:
                     value.data.zero_()
         for value in node.values():
             _zero_padding_entries(value)
@@ -74,7 +77,7 @@ def _zero_padding_entries(node) -> None:
             _zero_padding_entries(value)
 
 
-def zeroed_padding(original, run=None):
+def zeroed_padding(original: Callable[..., Any], run: Any = None) -> Callable[..., Any]:
     """``sharded_param_state_dp_reshardable`` with its padding tensors zeroed instead of uninitialised
     (megatron_changes row)."""
 
@@ -134,7 +137,7 @@ def _with_expert_twins(groups: list[dict]) -> list[dict]:
     return groups + [t for t in twins if key(t) not in have]
 
 
-def regrouped(original, run=None):
+def regrouped(original: Callable[..., Any], run: Any = None) -> Callable[..., Any]:
     """ChainedOptimizer.load_state_dict reading the saved groups in the nesting of the saving layout
     (megatron_changes row)."""
 
@@ -153,7 +156,7 @@ def _layout(args) -> dict[str, int]:
     return {name: int(v) if isinstance(v, bool) else (v or 1) for name, v in values.items()}
 
 
-def check_layout_change(args) -> None:
+def check_layout_change(args: argparse.Namespace) -> None:
     """A ``dp_reshardable`` checkpoint resumed with its optimizer state at another TP / PP / VP / EP /
     ETP, with the other expert implementation, or by the plain optimizer: one line saying what to
     run. A checkpoint saved by the other kind of optimizer (plain, or distributed in the fully

@@ -5,6 +5,9 @@ with their own ``build_iterator`` (energon: an iterable that shards by rank itse
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, cast
+
 from examples.multimodal_dev.megatron_changes.applier import load
 
 DATASET_PROVIDERS = {
@@ -17,8 +20,8 @@ DATASET_PROVIDERS = {
 }
 
 
-def get_dataset_provider(name: str):
+def get_dataset_provider(name: str) -> Callable[..., Any]:
     if name not in DATASET_PROVIDERS:
         raise KeyError(f"unknown --dataset-provider {name!r}; valid: {', '.join(sorted(DATASET_PROVIDERS))}")
     module_name, _, fn = DATASET_PROVIDERS[name].rpartition(".")
-    return load(f"{__name__}{module_name}:{fn}")
+    return cast(Callable[..., Any], load(f"{__name__}{module_name}:{fn}"))

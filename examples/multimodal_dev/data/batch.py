@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 
@@ -108,7 +109,7 @@ class PackedBatch:
         """Every tensor field by name (not None)."""
         return {f.name: v for f in fields(self) if isinstance(v := getattr(self, f.name), torch.Tensor)}
 
-    def to(self, device) -> PackedBatch:
+    def to(self, device: torch.device | str) -> PackedBatch:
         """The tensors on ``device``, the grids (``HOST_SIDE``, three integers an image) left on the host,
         and those the host reads (``HOST_READ``) carrying their host copy."""
         moved = {}
@@ -137,9 +138,10 @@ class PackedBatch:
         return out
 
     @classmethod
-    def from_dict(cls, plain: dict) -> PackedBatch:
-        stats = plain.get("stats")
-        return cls(**{**plain, "stats": None if stats is None else BatchStats(**stats)})
+    def from_dict(cls, plain: dict[str, Any]) -> PackedBatch:
+        fields_ = dict(plain)
+        stats = fields_.pop("stats", None)
+        return cls(**fields_, stats=None if stats is None else BatchStats(**stats))
 
     def for_stage(self, first: StageInput, post_process: bool) -> PackedBatch:
         """The batch without the tensors a pipeline stage never reads (None in their place):
@@ -156,7 +158,7 @@ class ServedBatches:
 
     batches: list[PackedBatch]
 
-    def to(self, device) -> ServedBatches:
+    def to(self, device: torch.device | str) -> ServedBatches:
         return ServedBatches([b.to(device) for b in self.batches])
 
 

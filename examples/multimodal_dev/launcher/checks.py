@@ -6,9 +6,8 @@ the model's shape and the host, and answers None or one line naming the variable
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
-from ..models import model_of
+from ..models import ModelShape, model_of
 from ..models.setting_names import VARIABLES, schedule_problem
 from ..planner.pipeline_layout import stage_layers
 from ..vision_ranks.layout import env_table
@@ -16,21 +15,21 @@ from .from_env import Host, lora_on_experts
 from .run_config import LaunchError, RunConfig
 from .variables import limit_problem
 
-Check = Callable[[RunConfig, Any, Host], "str | None"]
+Check = Callable[[RunConfig, ModelShape, Host], "str | None"]
 
 
-def within_limits(config: RunConfig, shape, host: Host) -> str | None:
+def within_limits(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
     """``variables.LIMITS``, before any value sizes work."""
     given = {k: str(v) for k, v in config.variables().items() if v is not None and not isinstance(v, bool)}
     return limit_problem(given)
 
 
-def lr_schedule(config: RunConfig, shape, host: Host) -> str | None:
+def lr_schedule(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
     o = config.optimizer
     return schedule_problem(o.warmup_iters, o.decay_iters, config.batch.train_iters, names=VARIABLES)
 
 
-def pipeline_split(config: RunConfig, shape, host: Host) -> str | None:
+def pipeline_split(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
     """The split of the decoder over pipeline stages (megatron-core's rule, checked by name)."""
     lay = config.layout
     try:
@@ -40,7 +39,7 @@ def pipeline_split(config: RunConfig, shape, host: Host) -> str | None:
     return None
 
 
-def parallel_sizes(config: RunConfig, shape, host: Host) -> str | None:
+def parallel_sizes(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
     """Sequence parallelism, CP's chunks, the model's own splits (heads, Gated DeltaNet heads,
     experts), then the process counts."""
     lay, t = config.layout, shape.text
@@ -73,12 +72,12 @@ def parallel_sizes(config: RunConfig, shape, host: Host) -> str | None:
     return problems[0] if problems else None
 
 
-def batch(config: RunConfig, shape, host: Host) -> str | None:
+def batch(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
     b, dp = config.batch, config.layout.dp
     return f"GBS={b.gbs} is not a multiple of MBS*DP={b.mbs * dp}" if b.gbs % (b.mbs * dp) else None
 
 
-def vision_layout(config: RunConfig, shape, host: Host) -> str | None:
+def vision_layout(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
     """The vision tower's own ranks and TP / DP, refused by name where megatron-core cannot run them."""
     try:
         vision_table(config, shape)
@@ -87,7 +86,7 @@ def vision_layout(config: RunConfig, shape, host: Host) -> str | None:
     return None
 
 
-def vision_table(config: RunConfig, shape) -> list[str]:
+def vision_table(config: RunConfig, shape: ModelShape) -> list[str]:
     lay = config.layout
     args = (lay.processes, lay.tp, lay.cp, lay.pp, lay.vp, lay.vision_tp, lay.vision_nproc, shape.vision.num_heads)
     return env_table(*args)
@@ -97,7 +96,7 @@ OWN_DATA = ("VALID_DATA_PATH", "VALID_FRACTION", "MEDIA_ROOT", "STRICT_DATA", "R
 VIDEO = ("VIDEO_FPS", "VIDEO_MAX_FRAMES", "VIDEO_MAX_PIXELS")
 
 
-def data(config: RunConfig, shape, host: Host) -> str | None:
+def data(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
     """The files a dataset needs, and the user's-data variables where they apply."""
     d, given = config.data, config.variables()
     if d.dataset in ("cord_v2", "jsonl", "energon"):
@@ -116,7 +115,7 @@ def data(config: RunConfig, shape, host: Host) -> str | None:
     return None
 
 
-def lora(config: RunConfig, shape, host: Host) -> str | None:
+def lora(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
     """LORA_ALPHA and LORA_TARGETS would be dropped without adapters, and every weight would train."""
     for name, value in (("LORA_ALPHA", config.lora.alpha), ("LORA_TARGETS", config.lora.targets)):
         if value and not config.lora.rank:
@@ -124,7 +123,7 @@ def lora(config: RunConfig, shape, host: Host) -> str | None:
     return None
 
 
-def experts(config: RunConfig, shape, host: Host) -> str | None:
+def experts(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
     if config.backend.grouped_experts and lora_on_experts(config):
         return (
             "GROUPED_EXPERTS=1 with LoRA on linear_fc1/linear_fc2: the adapters need SequentialMLP's per-expert "
@@ -135,7 +134,7 @@ def experts(config: RunConfig, shape, host: Host) -> str | None:
     return None
 
 
-def backend(config: RunConfig, shape, host: Host) -> str | None:
+def backend(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
     if config.backend.transformer_impl != "transformer_engine":
         return None
     if not host.gpu:
@@ -165,7 +164,7 @@ CHECKS: tuple[Check, ...] = (
 )
 
 
-def validate(config: RunConfig, shape, host: Host) -> None:
+def validate(config: RunConfig, shape: ModelShape, host: Host) -> None:
     for check in CHECKS:
         if line := check(config, shape, host):
             raise LaunchError(line)

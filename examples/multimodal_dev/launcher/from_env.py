@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..lora.targets import DEFAULT_TARGETS
-from ..models import DEFAULT_ARCH, get_model_entry
+from ..models import DEFAULT_ARCH, ModelShape, get_model_entry
 from . import recipes
 from .run_config import LaunchError, RunConfig, variable_fields
 from .variables import NAMES
@@ -155,7 +155,7 @@ CHOOSE_THE_MODEL = ("MODEL_VARIANT", "HF_CONFIG", "MOE")
 READ_BY_TORCHRUN = ("FORK_RANKS",)
 
 
-def choose_model(env: Environment, host: Host, said: list[str]) -> tuple[RunConfig, Any]:
+def choose_model(env: Environment, host: Host, said: list[str]) -> tuple[RunConfig, ModelShape]:
     """The recipe and the model's shape, from HF_CONFIG, the import in CKPT_LOAD, MOE or MODEL_VARIANT."""
     model = get_model_entry(DEFAULT_ARCH)  # the script trains the registry's default architecture
     hf_config, ckpt_load = env.get("HF_CONFIG"), env.get("CKPT_LOAD")
@@ -172,16 +172,14 @@ def choose_model(env: Environment, host: Host, said: list[str]) -> tuple[RunConf
         said.append(f"MODEL_VARIANT not set; using '{variant}' ({'GPU found' if host.gpu else 'no GPU'})")
     moe = _switch()("MOE", env.get("MOE") or "0")
     config = recipes.for_host(variant, host.gpu)
+    what = f"HF_CONFIG={hf_config}" if hf_config else "MOE=1" if moe else f"MODEL_VARIANT={variant}"
     try:
         if hf_config:
-            what = f"HF_CONFIG={hf_config}"
             return recipes.with_shape_from(config, hf_config), model.shape_from_hf(hf_config)
         if moe:  # tiny with 4 experts (top-2), for expert-parallel runs on CPU
             if variant != "tiny":
                 raise LaunchError(f"MOE=1 applies to MODEL_VARIANT=tiny only ({variant} is fixed)")
-            what = "MOE=1"
             return replace(config, model=replace(config.model, moe=True)), model.shape_fn("tiny", moe=True)
-        what = f"MODEL_VARIANT={variant}"
         return config, model.shape_fn(variant)
     except LaunchError:
         raise
@@ -210,7 +208,7 @@ def lora_on_experts(config: RunConfig) -> bool:
     return config.lora.rank > 0 and bool({"linear_fc1", "linear_fc2"} & set(targets))
 
 
-def resolve(config: RunConfig, shape, host: Host, said: list[str]) -> RunConfig:
+def resolve(config: RunConfig, shape: ModelShape, host: Host, said: list[str]) -> RunConfig:
     """The settings the model and the host decide, where the environment left them unset."""
     layout, backend, model = config.layout, config.backend, config.model
     if layout.sp is None:
@@ -232,7 +230,7 @@ def resolve(config: RunConfig, shape, host: Host, said: list[str]) -> RunConfig:
     return replace(config, layout=layout, backend=backend, model=model)
 
 
-def from_env(environ: Mapping[str, str], host: Host, said: list[str]) -> tuple[RunConfig, Any, list[str]]:
+def from_env(environ: Mapping[str, str], host: Host, said: list[str]) -> tuple[RunConfig, ModelShape, list[str]]:
     """(the run, the model's shape, what to say once the checks pass); ``said`` gets what to say
     before them. LaunchError names the first variable that is malformed."""
     env, after = Environment(environ), []

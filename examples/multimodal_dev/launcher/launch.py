@@ -16,6 +16,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .checks import validate, vision_table
@@ -83,7 +84,7 @@ def refuse_variable_flags(argv: list[str]) -> None:
             raise LaunchError(f"{flag}: set {VARIABLE_OF_FLAG[flag]} instead (the script sizes the run from it)")
 
 
-def prepare(environ, argv: list[str], host: Host, launch: Launch) -> Launch:
+def prepare(environ: Mapping[str, str], argv: list[str], host: Host, launch: Launch) -> Launch:
     """The run read, checked and said; ``launch`` filled in. LaunchError names the first setting that
     cannot run (``launch.said`` holds what was said before it)."""
     refuse_variable_flags(argv)

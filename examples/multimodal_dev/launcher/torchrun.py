@@ -62,8 +62,8 @@ def rank_main(module: str, *argv: str) -> None:
     except SystemExit as stop:
         if stop.code not in (None, 0):
             raise  # its exit status, as the interpreter would end
-    except BaseException:  # as the interpreter reports an uncaught exception: on stderr, status 1
-        sys.excepthook(*sys.exc_info())
+    except BaseException as err:  # as the interpreter reports an uncaught exception: on stderr, status 1
+        sys.excepthook(type(err), err, err.__traceback__)
         raise SystemExit(1) from None
     finally:
         atexit._run_exitfuncs()  # a forked process ends without the interpreter's exit handlers

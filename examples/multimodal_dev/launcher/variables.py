@@ -193,14 +193,14 @@ LIMITS: tuple[tuple[tuple[str, ...], int, str], ...] = (
 )
 
 
-def limit_problem(values: dict) -> str | None:
+def limit_problem(values: dict[str, str]) -> str | None:
     """The first of ``LIMITS`` that the variables set in ``values`` exceed, as one line naming the
     variables, their values and the limit; None when every one holds. Values are already checked
     to be numbers."""
     for names, limit, why in LIMITS:
-        given = [values.get(name) for name in names]
-        if None in given:
+        if not all(name in values for name in names):
             continue
+        given = [values[name] for name in names]
         product = 1
         for value in given:
             product *= float(value) if "." in value else int(value)

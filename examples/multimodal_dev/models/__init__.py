@@ -13,7 +13,7 @@ import megatron-core or the model code.
 
 from __future__ import annotations
 
-from .entry import ModelEntry
+from .entry import ModelEntry, ModelShape
 from .qwen35_vl.entry import ENTRY as QWEN35_VL
 
 DEFAULT_ARCH = "qwen35_vl"  # --model-arch's default
@@ -33,6 +33,6 @@ def default_model() -> ModelEntry:
     return get_model_entry(DEFAULT_ARCH)
 
 
-def model_of(shape) -> ModelEntry:
+def model_of(shape: ModelShape) -> ModelEntry:
     """The entry of the architecture ``shape`` describes (each shape type names its ``arch``)."""
     return get_model_entry(type(shape).arch)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, ClassVar, Protocol, TypeVar, cast
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -22,6 +22,19 @@ def on_first_call(load: Callable[[], F]) -> F:
         return load()(*args, **kwargs)
 
     return cast(F, call)
+
+
+class ModelShape(Protocol):
+    """What the layers outside a model read of its shape: the architecture (its registry key) and the
+    language model's and vision tower's numbers (each architecture's own types)."""
+
+    arch: ClassVar[str]
+
+    @property
+    def text(self) -> Any: ...
+
+    @property
+    def vision(self) -> Any: ...
 
 
 @dataclass(frozen=True, kw_only=True)
