@@ -25,7 +25,7 @@ from examples.multimodal_dev.lora import targets as lora_targets
 from examples.multimodal_dev.model_provider import model_configs, model_shape
 from examples.multimodal_dev.models.common.config_from_args import given_flags, megatron_parser
 from examples.multimodal_dev.models.common.varlen_attention import describe_thd_kernels
-from examples.multimodal_dev.models.megatron_args import with_model_shape
+from examples.multimodal_dev.models.megatron_args import apply_model_shape
 from examples.multimodal_dev.planner.pipeline_layout import stage_layers
 from examples.multimodal_dev.training import gen_eval, run_checks
 from examples.multimodal_dev.training.backend import backend_of, check_attention_backend, check_backend, engine_defaults
@@ -53,22 +53,21 @@ def check_pipeline_split(args) -> None:
 def checked_args() -> argparse.Namespace:
     """megatron's args, the user's settings checked before any process group exists: a mistake is
     one line naming the flag and the value, never a traceback."""
-    from megatron.training.arguments import parse_and_validate_args, parse_args
+    from megatron.training.arguments import parse_args
 
     try:
-        # the shape's numbers are the defaults of megatron's model flags (a flag given must agree)
-        named = parse_args(add_multimodal_args)
-        flags = with_model_shape(add_multimodal_args, declared_shape(named)[0], named.seq_length)
-        given = parse_args(flags)
-        typed = given_flags(megatron_parser(add_multimodal_args))
-        check_pipeline_split(given)  # before megatron asserts on these
-        check_attention_backend(given)
-        run_checks.check_finite_flags(given, typed)
-        run_checks.check_lr_schedule(given)
-        run_checks.check_sequence_length(given)
-        defaults = {**engine_defaults(), **run_checks.vision_defaults(given, int(os.environ.get("WORLD_SIZE", "1")))}
-        with vision_ranks.language_world(given):  # megatron sizes data parallelism from the language model's ranks
-            args = parse_and_validate_args(extra_args_provider=flags, args_defaults=defaults)
+        args = parse_args(add_multimodal_args)  # the one parse of the command line
+        typed = given_flags(megatron_parser(add_multimodal_args))  # the flags it names, read off its words
+        # the shape's numbers are the values of megatron's model flags not given (a flag given must agree)
+        apply_model_shape(args, declared_shape(args)[0], typed)
+        check_pipeline_split(args)  # before megatron asserts on these
+        check_attention_backend(args)
+        run_checks.check_finite_flags(args, typed)
+        run_checks.check_lr_schedule(args)
+        run_checks.check_sequence_length(args)
+        defaults = {**engine_defaults(), **run_checks.vision_defaults(args, int(os.environ.get("WORLD_SIZE", "1")))}
+        with vision_ranks.language_world(args):  # megatron sizes data parallelism from the language model's ranks
+            validated(args, defaults)
         run_checks.stop_at_first_nan(args, typed)
         optimizer_format.default_to_reshardable(args)
         check_backend(args)
@@ -92,6 +91,24 @@ def checked_args() -> argparse.Namespace:
     except BaseException as err:  # reading --load's stored args may meet a planted pickle
         exit_in_one_line(err, None)
     return args
+
+
+def validated(args: argparse.Namespace, defaults: dict) -> None:
+    """What megatron's ``parse_and_validate_args`` does after its parse, on the args parsed here: the
+    stored args of ``--use-checkpoint-args``, megatron's checks and defaults, its global state."""
+    from megatron.training.arguments import validate_args
+    from megatron.training.checkpointing import load_args_from_checkpoint
+    from megatron.training.global_vars import set_global_variables
+
+    if args.yaml_cfg is not None:  # megatron reads its own arguments from the file, not this script's
+        raise ValueError(f"--yaml-cfg {args.yaml_cfg}: the training script takes its settings as flags")
+    if args.use_checkpoint_args:
+        if args.load is None and args.pretrained_checkpoint is None:
+            raise ValueError("--use-checkpoint-args needs --load or --pretrained-checkpoint: the args are read there")
+        load_args_from_checkpoint(args, load_arg="pretrained_checkpoint")
+        load_args_from_checkpoint(args)
+    validate_args(args, defaults)
+    set_global_variables(args)
 
 
 def check_checkpoints(args) -> None:

@@ -98,6 +98,14 @@ def model_flag_defaults(shape, seq_length: int | None) -> dict:
     return defaults
 
 
+def apply_model_shape(args, shape, typed: dict[str, str]) -> None:
+    """``args`` as ``with_model_shape``'s parser would have read them: each model flag the command line
+    did not give (``typed``: dest -> the option written) takes the shape's value."""
+    for dest, value in model_flag_defaults(shape, args.seq_length).items():
+        if dest not in typed:
+            setattr(args, dest, value)
+
+
 def with_model_shape(extra_args_provider, shape, seq_length: int | None):
     """``extra_args_provider`` for megatron's parser that also defaults its model flags to ``shape``."""
 
