@@ -557,19 +557,31 @@ def build_datasets(
             videos=videos,
             patch_budget=patch_budget,
         )
-        out.append(
-            EnergonSplit(
-                path,
-                split,
-                produce,
-                info.tokens,
-                seq_length,
-                info.patch_dim,
-                seed,
-                *sizes[:2],
-                f"energon[{split}]",
-                packing_buffer_size=sizes[2],
-                max_patches=patch_budget.per_micro_batch,
-            )
-        )
+        out.append(_energon_split(path, split, produce, info, seq_length, seed, sizes, patch_budget))
     return tuple(out)
+
+
+def _energon_split(
+    path: str,
+    split: str,
+    produce,
+    info,
+    seq_length: int,
+    seed: int,
+    sizes: tuple[int, int, int],
+    patch_budget: PatchBudget,
+) -> EnergonSplit:
+    """The ``EnergonSplit`` of one split part; ``sizes`` as ``energon_sizes`` gives them."""
+    return EnergonSplit(
+        path,
+        split,
+        produce,
+        info.tokens,
+        seq_length,
+        info.patch_dim,
+        seed,
+        *sizes[:2],
+        f"energon[{split}]",
+        packing_buffer_size=sizes[2],
+        max_patches=patch_budget.per_micro_batch,
+    )

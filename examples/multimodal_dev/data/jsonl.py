@@ -269,35 +269,11 @@ def build_datasets(
     shuffle = None if no_shuffle else seed
     parts, weights = load_rows(data_path, "--data-path")
     valid_fraction = valid_fraction or 0.0  # None: a flag left unset
-    if not 0 <= valid_fraction < 1:
-        raise DataError(f"--valid-fraction {valid_fraction}: must be at least 0 and below 1")
-    if valid_data_path and valid_fraction:
-        raise DataError(f"--eval-data-path {valid_data_path!r} and --valid-fraction {valid_fraction}: give one")
-    if media_root and not os.path.isdir(media_root):
-        raise DataError(f"--media-root {media_root!r}: no such directory")
+    _check_split_flags(valid_fraction, valid_data_path, media_root)
     processor, info = load_processor(hf_processor_path, min_pixels, max_pixels)
-    sources = {"train": (Blend(parts, weights, shuffle), f"--data-path {data_path!r}")}
-    if valid_fraction:
-        held = [hold_out(len(p), valid_fraction) for p in parts]
-        if not any(h.any() for h in held):
-            raise DataError(
-                f"--valid-fraction {valid_fraction} of the {sum(map(len, parts))} records of --data-path "
-                f"{data_path!r} holds out none; raise it or give --eval-data-path"
-            )
-        sources["validation"] = (Blend([p.select(h) for p, h in zip(parts, held)]), f"--data-path {data_path!r}")
-        train = Blend([p.select(~h) for p, h in zip(parts, held)], weights, shuffle)
-        sources["train"] = (train, f"--data-path {data_path!r}")
-    for split, flag, value in (
-        ("validation", "--eval-data-path", valid_data_path),
-        ("test", "--test-data-path", test_data_path),
-    ):
-        if value:
-            sources[split] = (Blend(*load_rows(value, flag)), f"{flag} {value!r}")
-    if len(sources["train"][0]) == 0:
-        raise DataError(
-            f"--data-path {data_path!r}: no records to train on (every line is blank"
-            f"{' or held out' if valid_fraction else ''})"
-        )
+    sources = _data_path_sources(parts, weights, shuffle, data_path, valid_fraction)
+    sources.update(_eval_and_test_sources(valid_data_path, test_data_path))
+    _check_records_to_train_on(sources["train"][0], data_path, valid_fraction)
     sizing, videos = media_settings(processor, info, min_pixels, max_pixels, options)
     patch_budget = PatchBudget.from_options(options)
     out = []
@@ -310,17 +286,70 @@ def build_datasets(
         produce = JsonlConversations(
             rows, processor, info, sizing, seq_length, source, access, strict_data, videos, patch_budget
         )
-        out.append(
-            SkippingDataset(
-                produce,
-                len(rows),
-                n,
-                info.tokens,
-                seq_length,
-                info.patch_dim,
-                name=f"jsonl[{split}]",
-                source=source,
-                patch_budget=patch_budget,
-            )
-        )
+        out.append(_split_dataset(split, n, produce, len(rows), info, seq_length, source, patch_budget))
     return tuple(out)
+
+
+def _check_split_flags(valid_fraction: float, valid_data_path: str | None, media_root: str | None) -> None:
+    """The flag checks that need no records read: before the processor is loaded."""
+    if not 0 <= valid_fraction < 1:
+        raise DataError(f"--valid-fraction {valid_fraction}: must be at least 0 and below 1")
+    if valid_data_path and valid_fraction:
+        raise DataError(f"--eval-data-path {valid_data_path!r} and --valid-fraction {valid_fraction}: give one")
+    if media_root and not os.path.isdir(media_root):
+        raise DataError(f"--media-root {media_root!r}: no such directory")
+
+
+def _data_path_sources(
+    parts: list[Records], weights: list[float] | None, shuffle: int | None, data_path: str, valid_fraction: float
+) -> dict[str, tuple[Blend, str]]:
+    """The train split of --data-path's records, less the validation split ``valid_fraction`` holds out of them."""
+    sources = {"train": (Blend(parts, weights, shuffle), f"--data-path {data_path!r}")}
+    if valid_fraction:
+        held = [hold_out(len(p), valid_fraction) for p in parts]
+        if not any(h.any() for h in held):
+            raise DataError(
+                f"--valid-fraction {valid_fraction} of the {sum(map(len, parts))} records of --data-path "
+                f"{data_path!r} holds out none; raise it or give --eval-data-path"
+            )
+        sources["validation"] = (Blend([p.select(h) for p, h in zip(parts, held)]), f"--data-path {data_path!r}")
+        train = Blend([p.select(~h) for p, h in zip(parts, held)], weights, shuffle)
+        sources["train"] = (train, f"--data-path {data_path!r}")
+    return sources
+
+
+def _eval_and_test_sources(valid_data_path: str | None, test_data_path: str | None) -> dict[str, tuple[Blend, str]]:
+    """The validation and test splits given by their own flags, in file order."""
+    sources = {}
+    for split, flag, value in (
+        ("validation", "--eval-data-path", valid_data_path),
+        ("test", "--test-data-path", test_data_path),
+    ):
+        if value:
+            sources[split] = (Blend(*load_rows(value, flag)), f"{flag} {value!r}")
+    return sources
+
+
+def _check_records_to_train_on(train: Blend, data_path: str, valid_fraction: float) -> None:
+    if len(train) == 0:
+        raise DataError(
+            f"--data-path {data_path!r}: no records to train on (every line is blank"
+            f"{' or held out' if valid_fraction else ''})"
+        )
+
+
+def _split_dataset(
+    split: str, n: int, produce: JsonlConversations, size: int, info, seq_length: int, source: str, patch_budget
+) -> SkippingDataset:
+    """The ``SkippingDataset`` drawing ``n`` samples of one split from its ``size`` records."""
+    return SkippingDataset(
+        produce,
+        size,
+        n,
+        info.tokens,
+        seq_length,
+        info.patch_dim,
+        name=f"jsonl[{split}]",
+        source=source,
+        patch_budget=patch_budget,
+    )

@@ -142,6 +142,18 @@ def validate_sample(sample: dict, tokens: VisionTokens, patch_dim: int | None = 
     if missing:
         raise ValueError(f"sample is missing field(s) {missing}; the contract is {FIELDS}")
     ids, labels, mask = sample["input_ids"], sample["labels"], sample["loss_mask"]
+    _check_field_types(sample)
+    _check_trained_positions(ids, labels, mask)
+    runs = 0  # vision runs: one per image, one per video frame
+    for kind, pixel_field, grid_field in VISION_KINDS:
+        runs += _check_vision_kind(sample, tokens, patch_dim, kind, pixel_field, grid_field)
+    _check_vision_starts(sample, tokens, runs)
+    if not bool(mask.any()):
+        raise BadSample("no_trained_tokens", "loss_mask is all zero")
+    return sample
+
+
+def _check_field_types(sample: dict) -> None:
     for name, dtype, dim in (
         ("input_ids", torch.int64, 1),
         ("labels", torch.int64, 1),
@@ -155,6 +167,10 @@ def validate_sample(sample: dict, tokens: VisionTokens, patch_dim: int | None = 
         if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != dim:
             got = f"{t.dtype} with {t.dim()} dims" if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"sample field {name!r} must be a {dim}-D {dtype} tensor, got {got}")
+
+
+def _check_trained_positions(ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> None:
+    """input_ids, labels and loss_mask are one length and agree on which positions are trained."""
     if not (ids.shape == labels.shape == mask.shape):
         raise ValueError(
             f"sample fields input_ids {tuple(ids.shape)}, labels {tuple(labels.shape)} and "
@@ -162,31 +178,40 @@ def validate_sample(sample: dict, tokens: VisionTokens, patch_dim: int | None = 
         )
     if bool(((labels != IGNORE_INDEX) != (mask > 0)).any()):
         raise ValueError("sample fields labels and loss_mask disagree on which positions are trained")
-    runs = 0  # vision runs: one per image, one per video frame
-    for kind, pixel_field, grid_field in VISION_KINDS:
-        pixels, grids = sample[pixel_field], sample[grid_field]
-        if grids.shape[-1] != 3:
-            raise ValueError(f"sample field {grid_field!r} must be [n_{kind}s, 3], got {tuple(grids.shape)}")
-        n_patches = int(grids.prod(-1).sum())
-        if pixels.shape[0] != n_patches:
-            raise ValueError(
-                f"sample field {pixel_field!r} has {pixels.shape[0]} patches but {grid_field} "
-                f"{grids.tolist()} needs {n_patches}"
-            )
-        if patch_dim is not None and pixels.shape[0] and pixels.shape[1] != patch_dim:
-            raise ValueError(
-                f"sample field {pixel_field!r} rows have {pixels.shape[1]} values; the vision tower expects {patch_dim}"
-            )
-        n_tokens = int((ids == getattr(tokens, kind)).sum())
-        expected = n_patches // tokens.spatial_merge**2
-        if n_tokens != expected:
-            raise ValueError(
-                f"sample field 'input_ids' has {n_tokens} {kind} tokens but {grid_field} "
-                f"{grids.tolist()} gives {expected} after {tokens.spatial_merge}x{tokens.spatial_merge} "
-                "merging"
-            )
-        runs += grids.shape[0] if kind == "image" else int(grids[:, 0].sum())
-    n_starts, n_videos = int((ids == tokens.vision_start).sum()), sample["video_grid_thw"].shape[0]
+
+
+def _check_vision_kind(
+    sample: dict, tokens: VisionTokens, patch_dim: int | None, kind: str, pixel_field: str, grid_field: str
+) -> int:
+    """One vision kind's grids, pixels and placeholder tokens agree; its number of vision runs
+    (one per image, one per video frame)."""
+    ids, pixels, grids = sample["input_ids"], sample[pixel_field], sample[grid_field]
+    if grids.shape[-1] != 3:
+        raise ValueError(f"sample field {grid_field!r} must be [n_{kind}s, 3], got {tuple(grids.shape)}")
+    n_patches = int(grids.prod(-1).sum())
+    if pixels.shape[0] != n_patches:
+        raise ValueError(
+            f"sample field {pixel_field!r} has {pixels.shape[0]} patches but {grid_field} "
+            f"{grids.tolist()} needs {n_patches}"
+        )
+    if patch_dim is not None and pixels.shape[0] and pixels.shape[1] != patch_dim:
+        raise ValueError(
+            f"sample field {pixel_field!r} rows have {pixels.shape[1]} values; the vision tower expects {patch_dim}"
+        )
+    n_tokens = int((ids == getattr(tokens, kind)).sum())
+    expected = n_patches // tokens.spatial_merge**2
+    if n_tokens != expected:
+        raise ValueError(
+            f"sample field 'input_ids' has {n_tokens} {kind} tokens but {grid_field} "
+            f"{grids.tolist()} gives {expected} after {tokens.spatial_merge}x{tokens.spatial_merge} "
+            "merging"
+        )
+    return grids.shape[0] if kind == "image" else int(grids[:, 0].sum())
+
+
+def _check_vision_starts(sample: dict, tokens: VisionTokens, runs: int) -> None:
+    """One vision_start per vision run, plus at most one per video enclosing its frames."""
+    n_starts, n_videos = int((sample["input_ids"] == tokens.vision_start).sum()), sample["video_grid_thw"].shape[0]
     if not runs <= n_starts <= runs + n_videos:
         enclosing = f", plus up to {n_videos} enclosing a video's frames" if n_videos else ""
         raise ValueError(
@@ -194,9 +219,6 @@ def validate_sample(sample: dict, tokens: VisionTokens, patch_dim: int | None = 
             f"{sample['image_grid_thw'].shape[0]} images and {int(sample['video_grid_thw'][:, 0].sum())} "
             f"video frames: expected {runs}{enclosing}"
         )
-    if not bool(mask.any()):
-        raise BadSample("no_trained_tokens", "loss_mask is all zero")
-    return sample
 
 
 def fit_to_budget(sample: dict, tokens: VisionTokens, max_length: int) -> dict:

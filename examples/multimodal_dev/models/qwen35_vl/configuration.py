@@ -202,30 +202,39 @@ def get_variant(name: str, moe: bool | None = None, mtp: bool | None = None) -> 
 
 def from_hf_config(config) -> Qwen35VLShape:
     """Shape from a ``transformers`` config object, a dict, or a directory / config.json path."""
+    cfg = _hf_config_dict(config)
+    model_type = cfg.get("model_type")
+    if model_type not in ("qwen3_5", "qwen3_5_moe"):
+        raise ValueError(f"config model_type is {model_type!r}; expected 'qwen3_5' or 'qwen3_5_moe'")
+    t, v = cfg["text_config"], cfg["vision_config"]
+    return Qwen35VLShape(
+        text=_text_shape_from_hf(t, cfg, model_type),
+        vision=_vision_shape_from_hf(v),
+        image_token_id=cfg["image_token_id"],
+        video_token_id=cfg["video_token_id"],
+        vision_start_token_id=cfg["vision_start_token_id"],
+        vision_end_token_id=cfg["vision_end_token_id"],
+    )
+
+
+def _hf_config_dict(config) -> dict:
+    """The config as a dict, read from its config.json when given a directory or a file path."""
     if isinstance(config, (str, os.PathLike)):
         path = os.path.join(config, "config.json") if os.path.isdir(config) else config
         if not os.path.exists(path):
             raise FileNotFoundError(f"no config.json at {path}")
         with open(path) as f:
             config = json.load(f)
-    cfg = config if isinstance(config, dict) else config.to_dict()
-    model_type = cfg.get("model_type")
-    if model_type not in ("qwen3_5", "qwen3_5_moe"):
-        raise ValueError(f"config model_type is {model_type!r}; expected 'qwen3_5' or 'qwen3_5_moe'")
-    t, v = cfg["text_config"], cfg["vision_config"]
+    return config if isinstance(config, dict) else config.to_dict()
+
+
+def _text_shape_from_hf(t: dict, cfg: dict, model_type: str) -> TextShape:
+    """The language model's shape from the HF ``text_config`` ``t`` (tied embeddings: the top level's first)."""
     rope = t.get("rope_parameters") or t.get("rope_scaling") or {}
     num_layers = t["num_hidden_layers"]
     layer_types = tuple(t.get("layer_types") or hybrid_pattern(num_layers, t.get("full_attention_interval", 4)))
-    moe = {}
-    if model_type == "qwen3_5_moe" or t.get("num_experts"):
-        moe = dict(
-            num_experts=t["num_experts"],
-            moe_top_k=t["num_experts_per_tok"],
-            moe_ffn_hidden_size=t["moe_intermediate_size"],
-            shared_expert_ffn_hidden_size=t["shared_expert_intermediate_size"],
-            router_aux_loss_coef=t.get("router_aux_loss_coef", 1e-3),
-        )
-    text = TextShape(
+    moe = _moe_fields_from_hf(t, model_type)
+    return TextShape(
         hidden_size=t["hidden_size"],
         num_layers=num_layers,
         num_attention_heads=t["num_attention_heads"],
@@ -247,7 +256,23 @@ def from_hf_config(config) -> Qwen35VLShape:
         mtp_num_layers=t.get("mtp_num_hidden_layers", 0),
         **moe,
     )
-    vision = VisionShape(
+
+
+def _moe_fields_from_hf(t: dict, model_type: str) -> dict:
+    """``TextShape``'s MoE fields from the HF ``text_config``; none for a dense model."""
+    if model_type == "qwen3_5_moe" or t.get("num_experts"):
+        return dict(
+            num_experts=t["num_experts"],
+            moe_top_k=t["num_experts_per_tok"],
+            moe_ffn_hidden_size=t["moe_intermediate_size"],
+            shared_expert_ffn_hidden_size=t["shared_expert_intermediate_size"],
+            router_aux_loss_coef=t.get("router_aux_loss_coef", 1e-3),
+        )
+    return {}
+
+
+def _vision_shape_from_hf(v: dict) -> VisionShape:
+    return VisionShape(
         depth=v["depth"],
         hidden_size=v["hidden_size"],
         intermediate_size=v["intermediate_size"],
@@ -259,19 +284,26 @@ def from_hf_config(config) -> Qwen35VLShape:
         num_position_embeddings=v["num_position_embeddings"],
         out_hidden_size=v["out_hidden_size"],
     )
-    return Qwen35VLShape(
-        text=text,
-        vision=vision,
-        image_token_id=cfg["image_token_id"],
-        video_token_id=cfg["video_token_id"],
-        vision_start_token_id=cfg["vision_start_token_id"],
-        vision_end_token_id=cfg["vision_end_token_id"],
-    )
 
 
 def to_hf_config_dict(shape: Qwen35VLShape) -> dict:
     """The inverse of ``from_hf_config``: a dict ``transformers`` builds the reference from."""
     t, v = shape.text, shape.vision
+    text, vision = _hf_text_config(t), _hf_vision_config(v)
+    return dict(
+        model_type="qwen3_5_moe" if t.is_moe else "qwen3_5",
+        text_config=text,
+        vision_config=vision,
+        image_token_id=shape.image_token_id,
+        video_token_id=shape.video_token_id,
+        vision_start_token_id=shape.vision_start_token_id,
+        vision_end_token_id=shape.vision_end_token_id,
+        tie_word_embeddings=t.tie_word_embeddings,
+    )
+
+
+def _hf_text_config(t: TextShape) -> dict:
+    """The HF ``text_config`` dict: MoE sizes for an MoE model, ``intermediate_size`` for a dense one."""
     text = dict(
         hidden_size=t.hidden_size,
         num_hidden_layers=t.num_layers,
@@ -307,7 +339,11 @@ def to_hf_config_dict(shape: Qwen35VLShape) -> dict:
         )
     else:
         text["intermediate_size"] = t.ffn_hidden_size
-    vision = dict(
+    return text
+
+
+def _hf_vision_config(v: VisionShape) -> dict:
+    return dict(
         depth=v.depth,
         hidden_size=v.hidden_size,
         intermediate_size=v.intermediate_size,
@@ -319,16 +355,6 @@ def to_hf_config_dict(shape: Qwen35VLShape) -> dict:
         num_position_embeddings=v.num_position_embeddings,
         out_hidden_size=v.out_hidden_size,
         hidden_act="gelu_pytorch_tanh",
-    )
-    return dict(
-        model_type="qwen3_5_moe" if t.is_moe else "qwen3_5",
-        text_config=text,
-        vision_config=vision,
-        image_token_id=shape.image_token_id,
-        video_token_id=shape.video_token_id,
-        vision_start_token_id=shape.vision_start_token_id,
-        vision_end_token_id=shape.vision_end_token_id,
-        tie_word_embeddings=t.tie_word_embeddings,
     )
 
 

@@ -122,69 +122,85 @@ def _decoder_layer_rules(t, layer_type: str, mg: str, hf: str) -> list[Rule]:
         _copy(mg + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight"),
     ]
     if layer_type == LINEAR:
-        a, la = mg + "self_attention.", hf + "linear_attn."
-        qk, v = t.linear_num_key_heads * t.linear_key_head_dim, t.linear_num_value_heads * t.linear_value_head_dim
-        nv = t.linear_num_value_heads
-        rules += [
-            _fuse(
-                a + "in_proj.weight",
-                (la + "in_proj_qkv.weight", la + "in_proj_z.weight", la + "in_proj_b.weight", la + "in_proj_a.weight"),
-                [2 * qk + v, v, nv, nv],
-            ),
-            _copy(a + "conv1d.weight", la + "conv1d.weight"),
-            _copy(a + "A_log", la + "A_log"),
-            _copy(a + "dt_bias", la + "dt_bias"),
-            Rule((a + "out_norm.weight",), (la + "norm.weight",), _shift(-1.0), _shift(1.0)),
-            _copy(a + "out_proj.weight", la + "out_proj.weight"),
-        ]
+        rules += _gated_delta_net_rules(t, mg + "self_attention.", hf + "linear_attn.")
     elif layer_type == FULL:
-        a, sa = mg + "self_attention.", hf + "self_attn."
-        dims = (t.num_attention_heads, t.num_kv_heads, t.head_dim)
-        rules += [
-            Rule(
-                (a + "linear_qkv.weight",),
-                (sa + "q_proj.weight", sa + "k_proj.weight", sa + "v_proj.weight"),
-                _gated_qkv_to_megatron(*dims),
-                _gated_qkv_to_hf(*dims),
-            ),
-            _copy(a + "q_layernorm.weight", sa + "q_norm.weight"),
-            _copy(a + "k_layernorm.weight", sa + "k_norm.weight"),
-            _copy(a + "linear_proj.weight", sa + "o_proj.weight"),
-        ]
+        rules += _full_attention_rules(t, mg + "self_attention.", hf + "self_attn.")
     else:
         raise ValueError(f"{hf}: unknown layer type {layer_type!r}")
-    m, hm = mg + "mlp.", hf + "mlp."
     if t.is_moe:
-        experts, shared = range(t.num_experts), t.shared_expert_ffn_hidden_size
-        rules += [
-            _copy(m + "router.weight", hm + "gate.weight"),
-            Rule(
-                tuple(f"{m}experts.local_experts.{e}.linear_fc1.weight" for e in experts),
-                (hm + "experts.gate_up_proj",),
-                _unstack,
-                _stack,
-            ),
-            Rule(
-                tuple(f"{m}experts.local_experts.{e}.linear_fc2.weight" for e in experts),
-                (hm + "experts.down_proj",),
-                _unstack,
-                _stack,
-            ),
-            _fuse(
-                m + "shared_experts.linear_fc1.weight",
-                (hm + "shared_expert.gate_proj.weight", hm + "shared_expert.up_proj.weight"),
-                [shared, shared],
-            ),
-            _copy(m + "shared_experts.linear_fc2.weight", hm + "shared_expert.down_proj.weight"),
-            _copy(m + "shared_experts.gate_weight", hm + "shared_expert_gate.weight"),
-        ]
+        rules += _moe_rules(t, mg + "mlp.", hf + "mlp.")
     else:
-        ffn = t.ffn_hidden_size
-        rules += [
-            _fuse(m + "linear_fc1.weight", (hm + "gate_proj.weight", hm + "up_proj.weight"), [ffn, ffn]),
-            _copy(m + "linear_fc2.weight", hm + "down_proj.weight"),
-        ]
+        rules += _dense_mlp_rules(t, mg + "mlp.", hf + "mlp.")
     return rules
+
+
+def _gated_delta_net_rules(t, a: str, la: str) -> list[Rule]:
+    """A linear-attention (Gated DeltaNet) layer's attention: Megatron ``a``, HF ``la``."""
+    qk, v = t.linear_num_key_heads * t.linear_key_head_dim, t.linear_num_value_heads * t.linear_value_head_dim
+    nv = t.linear_num_value_heads
+    return [
+        _fuse(
+            a + "in_proj.weight",
+            (la + "in_proj_qkv.weight", la + "in_proj_z.weight", la + "in_proj_b.weight", la + "in_proj_a.weight"),
+            [2 * qk + v, v, nv, nv],
+        ),
+        _copy(a + "conv1d.weight", la + "conv1d.weight"),
+        _copy(a + "A_log", la + "A_log"),
+        _copy(a + "dt_bias", la + "dt_bias"),
+        Rule((a + "out_norm.weight",), (la + "norm.weight",), _shift(-1.0), _shift(1.0)),
+        _copy(a + "out_proj.weight", la + "out_proj.weight"),
+    ]
+
+
+def _full_attention_rules(t, a: str, sa: str) -> list[Rule]:
+    """A full-attention layer's gated attention: Megatron ``a``, HF ``sa``."""
+    dims = (t.num_attention_heads, t.num_kv_heads, t.head_dim)
+    return [
+        Rule(
+            (a + "linear_qkv.weight",),
+            (sa + "q_proj.weight", sa + "k_proj.weight", sa + "v_proj.weight"),
+            _gated_qkv_to_megatron(*dims),
+            _gated_qkv_to_hf(*dims),
+        ),
+        _copy(a + "q_layernorm.weight", sa + "q_norm.weight"),
+        _copy(a + "k_layernorm.weight", sa + "k_norm.weight"),
+        _copy(a + "linear_proj.weight", sa + "o_proj.weight"),
+    ]
+
+
+def _moe_rules(t, m: str, hm: str) -> list[Rule]:
+    """The MoE block: router, experts (one Megatron tensor each, one packed HF tensor), shared expert."""
+    experts, shared = range(t.num_experts), t.shared_expert_ffn_hidden_size
+    return [
+        _copy(m + "router.weight", hm + "gate.weight"),
+        Rule(
+            tuple(f"{m}experts.local_experts.{e}.linear_fc1.weight" for e in experts),
+            (hm + "experts.gate_up_proj",),
+            _unstack,
+            _stack,
+        ),
+        Rule(
+            tuple(f"{m}experts.local_experts.{e}.linear_fc2.weight" for e in experts),
+            (hm + "experts.down_proj",),
+            _unstack,
+            _stack,
+        ),
+        _fuse(
+            m + "shared_experts.linear_fc1.weight",
+            (hm + "shared_expert.gate_proj.weight", hm + "shared_expert.up_proj.weight"),
+            [shared, shared],
+        ),
+        _copy(m + "shared_experts.linear_fc2.weight", hm + "shared_expert.down_proj.weight"),
+        _copy(m + "shared_experts.gate_weight", hm + "shared_expert_gate.weight"),
+    ]
+
+
+def _dense_mlp_rules(t, m: str, hm: str) -> list[Rule]:
+    ffn = t.ffn_hidden_size
+    return [
+        _fuse(m + "linear_fc1.weight", (hm + "gate_proj.weight", hm + "up_proj.weight"), [ffn, ffn]),
+        _copy(m + "linear_fc2.weight", hm + "down_proj.weight"),
+    ]
 
 
 def _mtp_rules(t) -> list[Rule]:
