@@ -43,6 +43,17 @@ def _with_backward(fn, inputs):
     return step
 
 
+def _row(name: str, what: str, times: dict, out: dict) -> dict:
+    """One result row: both kernels' median seconds and the max abs difference of what they returned."""
+    return {
+        "input": name,
+        "pass": what,
+        "ours_s": times["ours"],
+        "ref_s": times["ref"],
+        "max_diff": (out["ours"] - out["ref"]).abs().max().item(),
+    }
+
+
 def run(heads: int = 16, dk: int = 128, dv: int = 128, reps: int = 9) -> list[dict]:
     """Rows of (input, pass, seconds of each, max abs difference of outputs and, for the backward
     rows, of the gradients of q, k, v, g and beta)."""
@@ -81,15 +92,7 @@ def run(heads: int = 16, dk: int = 128, dv: int = 128, reps: int = 9) -> list[di
 
         with torch.no_grad():
             times, out = alternating_medians({"ours": ours, "ref": ref}, reps)
-        rows.append(
-            {
-                "input": name,
-                "pass": "forward",
-                "ours_s": times["ours"],
-                "ref_s": times["ref"],
-                "max_diff": (out["ours"] - out["ref"]).abs().max().item(),
-            }
-        )
+        rows.append(_row(name, "forward", times, out))
         for t in inputs:
             t.requires_grad_(True)
         times, out = alternating_medians(
@@ -97,15 +100,7 @@ def run(heads: int = 16, dk: int = 128, dv: int = 128, reps: int = 9) -> list[di
         )
         for t in inputs:
             t.requires_grad_(False)
-        rows.append(
-            {
-                "input": name,
-                "pass": "forward + backward",
-                "ours_s": times["ours"],
-                "ref_s": times["ref"],
-                "max_diff": (out["ours"] - out["ref"]).abs().max().item(),
-            }
-        )
+        rows.append(_row(name, "forward + backward", times, out))
     return rows
 
 

@@ -191,7 +191,7 @@ def fastest_hf_attention(device) -> str:
         return "sdpa"
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variant", default="0.8b")
     parser.add_argument("--moe", action="store_true", help="switch a dense variant to its MoE form (tiny)")
@@ -202,6 +202,44 @@ def main() -> None:
     parser.add_argument("--mean-text-tokens", type=int, default=160, help="mock prompt / answer length scale")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    return parser
+
+
+def _device(choice: str) -> torch.device:
+    """``--device``; auto: the GPU when one is visible, else the host."""
+    return torch.device(
+        "cuda" if choice == "auto" and torch.cuda.is_available() else "cpu" if choice == "auto" else choice
+    )
+
+
+def _check_same_loss(losses: dict, dtype) -> None:
+    """Times only mean something when every contender computes the same step."""
+    reference_loss = losses["transformers, padded batch"]
+    for name, loss in losses.items():
+        if abs(loss - reference_loss) > LOSS_RTOL[dtype] * abs(reference_loss):
+            raise SystemExit(
+                f"{name}: loss {loss:.6f} differs from transformers' {reference_loss:.6f}; "
+                "the contenders do not compute the same step"
+            )
+
+
+def _print_results(times: dict, losses: dict, real: int, useful: float) -> None:
+    """The table of contenders, then the headline ratio of this model against the faster transformers."""
+    print("| contender | step time (s) | tokens/s | model TFLOP/s | loss |")
+    print("|---|---|---|---|---|")
+    for name, seconds in times.items():
+        print(f"| {name} | {seconds:.3f} | {real / seconds:.0f} | {useful / seconds / 1e12:.4f} | {losses[name]:.6f} |")
+    best_hf = min(("transformers, padded batch", "transformers, per sample"), key=times.get)
+    ours_thd = times["this model, packed THD"]
+    print(
+        f"this model (packed THD) is {times[best_hf] / ours_thd:.2f}x the tokens/s of the faster transformers "
+        f"contender ({best_hf}); same layout (padded BSHD vs padded batch): "
+        f"{times['transformers, padded batch'] / times['this model, padded BSHD']:.2f}x"
+    )
+
+
+def main() -> None:
+    parser = _parser()
     args = parser.parse_args()
     if args.samples < 1:
         parser.error(f"--samples {args.samples}: need at least one sample")
@@ -212,13 +250,7 @@ def main() -> None:
     micro_batch_flops = default_model().micro_batch_flops
     from megatron.cpu.single_process import init_single_process
 
-    device = torch.device(
-        "cuda"
-        if args.device == "auto" and torch.cuda.is_available()
-        else "cpu"
-        if args.device == "auto"
-        else args.device
-    )
+    device = _device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -235,13 +267,7 @@ def main() -> None:
     timed = {name: (lambda fn=fn: (fn(), sync())[0]) for name, fn in runs.items()}
     print(f"timing {len(timed)} contenders, {args.reps} repetitions each after one warm-up", file=sys.stderr)
     times, losses = alternating_medians(timed, args.reps, progress=True)
-    reference_loss = losses["transformers, padded batch"]
-    for name, loss in losses.items():
-        if abs(loss - reference_loss) > LOSS_RTOL[dtype] * abs(reference_loss):
-            raise SystemExit(
-                f"{name}: loss {loss:.6f} differs from transformers' {reference_loss:.6f}; "
-                "the contenders do not compute the same step"
-            )
+    _check_same_loss(losses, dtype)
 
     real = sum(lengths)
     useful = micro_batch_flops(shape, lengths, grids).training
@@ -253,17 +279,7 @@ def main() -> None:
         f"attention {hf_attention}; micro-batch of {len(samples)} samples, {real} tokens "
         f"({min(lengths)}..{max(lengths)}), {len(grids)} images; forward + backward, median of {args.reps}"
     )
-    print("| contender | step time (s) | tokens/s | model TFLOP/s | loss |")
-    print("|---|---|---|---|---|")
-    for name, seconds in times.items():
-        print(f"| {name} | {seconds:.3f} | {real / seconds:.0f} | {useful / seconds / 1e12:.4f} | {losses[name]:.6f} |")
-    best_hf = min(("transformers, padded batch", "transformers, per sample"), key=times.get)
-    ours_thd = times["this model, packed THD"]
-    print(
-        f"this model (packed THD) is {times[best_hf] / ours_thd:.2f}x the tokens/s of the faster transformers "
-        f"contender ({best_hf}); same layout (padded BSHD vs padded batch): "
-        f"{times['transformers, padded batch'] / times['this model, padded BSHD']:.2f}x"
-    )
+    _print_results(times, losses, real, useful)
 
 
 if __name__ == "__main__":

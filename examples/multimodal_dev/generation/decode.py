@@ -149,11 +149,7 @@ def generate(
     asked = len(prompts)
     batch, length = _common_shape(vlm, asked, max(len(p.input_ids) for p in prompts), device)
     prompts = list(prompts) + [Prompt([pad_id])] * (batch - asked)  # rows that only keep the shapes equal
-    ids = torch.full((batch, length), pad_id, dtype=torch.long, device=device)
-    real = torch.zeros(batch, length, dtype=torch.bool, device=device)
-    for b, prompt in enumerate(prompts):  # left padding: every row's next token at the same position
-        ids[b, length - len(prompt.input_ids) :] = torch.tensor(prompt.input_ids, device=device)
-        real[b, length - len(prompt.input_ids) :] = True
+    ids, real = _left_padded(prompts, batch, length, pad_id, device)
     media = {
         name: _cat([getattr(p, name) for p in prompts])
         for name in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
@@ -170,14 +166,7 @@ def generate(
         step_ids = ids
         for step in range(max_new_tokens):
             span = step_ids.shape[1]
-            logits = vlm.language_model(
-                input_ids=step_ids,
-                position_ids=positions[:, :, : context.sequence_len_offset + span],
-                attention_mask=context.attention_mask(span),
-                decoder_input=decoder_input,
-                inference_context=context,
-                runtime_gather_output=True,
-            )[:, -1].float()
+            logits = _last_logits(vlm, step_ids, span, positions, decoder_input, context)
             if keep_logits:
                 out.logits.append(logits[:asked].cpu())
             token = _agreed(choose(logits, sampling, generator), vlm)
@@ -191,6 +180,32 @@ def generate(
             step_ids = token[:, None]
             decoder_input = vlm.embed(step_ids)
     return out
+
+
+def _left_padded(
+    prompts: list[Prompt], batch: int, length: int, pad_id: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, L], real [B, L]) of the prompts padded on the left: every row's next token at the same
+    position."""
+    ids = torch.full((batch, length), pad_id, dtype=torch.long, device=device)
+    real = torch.zeros(batch, length, dtype=torch.bool, device=device)
+    for b, prompt in enumerate(prompts):
+        ids[b, length - len(prompt.input_ids) :] = torch.tensor(prompt.input_ids, device=device)
+        real[b, length - len(prompt.input_ids) :] = True
+    return ids, real
+
+
+def _last_logits(vlm, step_ids, span: int, positions, decoder_input, context: DecodingContext) -> torch.Tensor:
+    """fp32 logits [B, V] of each row's last token, continuing the cache of the steps before (``span``
+    new tokens a row)."""
+    return vlm.language_model(
+        input_ids=step_ids,
+        position_ids=positions[:, :, : context.sequence_len_offset + span],
+        attention_mask=context.attention_mask(span),
+        decoder_input=decoder_input,
+        inference_context=context,
+        runtime_gather_output=True,
+    )[:, -1].float()
 
 
 @contextlib.contextmanager

@@ -154,6 +154,29 @@ class VisionLanguageModel(MegatronModule):
             embeds_BSH = embeds_BSH + vision_context_parallel.joined_zero(self.vision_model).to(embeds_BSH)
         return embeds_BSH.transpose(0, 1).contiguous()
 
+    def _partition_sequence(
+        self, decoder_input, input_ids, position_ids, labels, loss_mask, padding_mask, packed_seq_params
+    ) -> tuple:
+        """This rank's part of the row, after the merge (module docstring): the context-parallel split of
+        the decoder input and of every per-token tensor, then the sequence-parallel scatter of the decoder
+        input. Returns (decoder_input, input_ids, position_ids, labels, loss_mask, padding_mask)."""
+        split = ContextParallelSplit.for_row(
+            position_ids.shape[-1], self.language_model.pg_collection.cp, packed_seq_params
+        )
+        if split is not None:
+            decoder_input = split.take(decoder_input, 0)
+            input_ids, labels, loss_mask, padding_mask = (
+                split.take(t, 1) for t in (input_ids, labels, loss_mask, padding_mask)
+            )
+            position_ids = split.take(position_ids, -1)
+        if self.config.sequence_parallel:
+            if decoder_input is not None:
+                decoder_input = tensor_parallel.scatter_to_sequence_parallel_region(
+                    decoder_input, group=self.language_model.pg_collection.tp
+                )
+            padding_mask = None
+        return decoder_input, input_ids, position_ids, labels, loss_mask, padding_mask
+
     def forward(
         self,
         input_ids,
@@ -190,21 +213,9 @@ class VisionLanguageModel(MegatronModule):
             decoder_input = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
         elif pixel_values is not None or pixel_values_videos is not None:
             raise ValueError("pixel values handed to a pipeline stage without the vision tower")
-        split = ContextParallelSplit.for_row(
-            position_ids.shape[-1], self.language_model.pg_collection.cp, packed_seq_params
+        decoder_input, input_ids, position_ids, labels, loss_mask, padding_mask = self._partition_sequence(
+            decoder_input, input_ids, position_ids, labels, loss_mask, padding_mask, packed_seq_params
         )
-        if split is not None:
-            decoder_input = split.take(decoder_input, 0)
-            input_ids, labels, loss_mask, padding_mask = (
-                split.take(t, 1) for t in (input_ids, labels, loss_mask, padding_mask)
-            )
-            position_ids = split.take(position_ids, -1)
-        if self.config.sequence_parallel:
-            if decoder_input is not None:
-                decoder_input = tensor_parallel.scatter_to_sequence_parallel_region(
-                    decoder_input, group=self.language_model.pg_collection.tp
-                )
-            padding_mask = None
         output = self.language_model(
             input_ids=input_ids,
             position_ids=position_ids,

@@ -212,20 +212,10 @@ def setup(args) -> SeparateRanks:
     """Start torch.distributed, make both grids' groups, fill parallel_state and seed: before
     ``pretrain`` (which then skips its own model-parallel set-up)."""
     global _LAYOUT
-    from datetime import timedelta
-
     from megatron.core.hyper_comm_grid import HyperCommGrid
-    from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
     from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
-    from megatron.training.initialize import _set_random_seed
 
-    if not dist.is_initialized():  # the whole world: args.world_size counts the language model's ranks
-        dist.init_process_group(
-            backend=args.distributed_backend,
-            world_size=int(os.environ["WORLD_SIZE"]),
-            rank=int(os.environ["RANK"]),
-            timeout=timedelta(minutes=args.distributed_timeout_minutes),
-        )
+    _start_world(args)
     k, world = args.vision_nproc, dist.get_world_size()
     tp, cp, pp = args.tensor_model_parallel_size, args.context_parallel_size, args.pipeline_model_parallel_size
     dp = (world - k) // (tp * cp * pp)
@@ -241,26 +231,9 @@ def setup(args) -> SeparateRanks:
     role = VISION if dist.get_rank() < k else LANGUAGE
     groups = vision if role == VISION else language
     fill_parallel_state(groups, gloo[role])
-    communicator = MultiModulePipelineCommunicator(
-        {VISION: vision_grid, LANGUAGE: language_grid},
-        {VISION: [LANGUAGE], LANGUAGE: []},
-        _pipeline_config(args),
-        dim_mapping={"s": 0, "b": 1, "h": 2},
-        module_output_ndim={VISION: 2},
-    )
+    communicator = _communicator(args, vision_grid, language_grid)
     pg_collection = MultiModuleProcessGroupCollection({role: groups}, LANGUAGE if role == LANGUAGE else None)
-    _set_random_seed(
-        args.seed,
-        args.data_parallel_random_init,
-        args.te_rng_tracker,
-        args.inference_rng_tracker,
-        use_cudagraphable_rng=args.cuda_graph_impl != "none",
-        pp_group=groups.pp,
-        dp_group=groups.dp,
-        tp_group=groups.tp,
-        ep_group=groups.ep,
-        etp_group=groups.expt_tp,
-    )
+    _seed(args, groups)
     vdp = k // vtp
     fan_in, fan_out = max(vdp // dp, 1), max(dp // vdp, 1)
     data_rank = groups.dp.rank() // fan_in * fan_out if role == VISION else groups.dp.rank()
@@ -274,6 +247,51 @@ def setup(args) -> SeparateRanks:
         loader_state.reads_only()
         args.no_load_rng = args.no_load_rng or not _tower_rng_resumes(args, vtp)
     return _LAYOUT
+
+
+def _start_world(args) -> None:
+    """torch.distributed over the whole world, unless already started: args.world_size counts only
+    the language model's ranks, so the size comes from the environment."""
+    from datetime import timedelta
+
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=args.distributed_backend,
+            world_size=int(os.environ["WORLD_SIZE"]),
+            rank=int(os.environ["RANK"]),
+            timeout=timedelta(minutes=args.distributed_timeout_minutes),
+        )
+
+
+def _communicator(args, vision_grid, language_grid):
+    """megatron-core's bridge that hands the tower's features to the language model's first stage."""
+    from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
+
+    return MultiModulePipelineCommunicator(
+        {VISION: vision_grid, LANGUAGE: language_grid},
+        {VISION: [LANGUAGE], LANGUAGE: []},
+        _pipeline_config(args),
+        dim_mapping={"s": 0, "b": 1, "h": 2},
+        module_output_ndim={VISION: 2},
+    )
+
+
+def _seed(args, groups) -> None:
+    """megatron's random seeds and RNG trackers, over this rank's module groups."""
+    from megatron.training.initialize import _set_random_seed
+
+    _set_random_seed(
+        args.seed,
+        args.data_parallel_random_init,
+        args.te_rng_tracker,
+        args.inference_rng_tracker,
+        use_cudagraphable_rng=args.cuda_graph_impl != "none",
+        pp_group=groups.pp,
+        dp_group=groups.dp,
+        tp_group=groups.tp,
+        ep_group=groups.ep,
+        etp_group=groups.expt_tp,
+    )
 
 
 def _tower_rng_resumes(args, vtp: int) -> bool:

@@ -152,58 +152,68 @@ class GroupedExperts(MegatronModule):
             raise ValueError(
                 "--moe-grouped-gemm on the local backend: singleton_local_shards checkpoints are not supported"
             )
-        expert_axis = len(sharded_offsets)
-        first = self.ep_group.rank() * self.num_local_experts
-        total = self.ep_group.size() * self.num_local_experts
+        return {
+            f"{prefix}linear_fc1.weight": self._weight_factory(prefix, sharded_offsets, "linear_fc1", 0, self.glu),
+            f"{prefix}linear_fc2.weight": self._weight_factory(prefix, sharded_offsets, "linear_fc2", 1, False),
+            f"{prefix}linear_fc1._extra_state": self._extra_states(prefix, sharded_offsets, "linear_fc1"),
+            f"{prefix}linear_fc2._extra_state": self._extra_states(prefix, sharded_offsets, "linear_fc2"),
+        }
+
+    def _expert_placement(self, sharded_offsets) -> tuple[int, int, int]:
+        """(expert axis, global index of this rank's first local expert, experts of the layer)."""
+        return (
+            len(sharded_offsets),
+            self.ep_group.rank() * self.num_local_experts,
+            self.ep_group.size() * self.num_local_experts,
+        )
+
+    def _weight_factory(self, prefix, sharded_offsets, name: str, tp_axis: int, glu: bool) -> ShardedTensorFactory:
+        """One projection's weight, written as one sharded tensor per local expert (and SwiGLU half)."""
+        expert_axis, first, total = self._expert_placement(sharded_offsets)
         tp_rank, tp = self.tp_group.rank(), self.tp_group.size()
         replica_id = (0, 0, self.dp_group.rank())
 
-        def factory(name: str, tp_axis: int, glu: bool) -> ShardedTensorFactory:
-            def build(key, weight, replica, flattened_range):
-                if flattened_range is not None:
-                    raise ValueError(
-                        "--moe-grouped-gemm on the local backend: flattened checkpoint tensors are not supported"
-                    )
-                # each expert a list of pieces: [gate; up] of this rank are two (each the rank's share of
-                # the global gate and of the global up rows, as apply_swiglu_sharded_factory splits them)
-                parts, splits = (2, ((tp_rank, 2 * tp), (tp_rank + tp, 2 * tp))) if glu else (1, ((tp_rank, tp),))
-                axis = expert_axis + 1 + tp_axis
-                return [
-                    [
-                        ShardedTensor.from_rank_offsets(
-                            key,
-                            piece,
-                            *sharded_offsets,
-                            (expert_axis, first + e, total),
-                            (axis, *split),
-                            replica_id=replica,
-                            prepend_axis_num=expert_axis + 1,
-                        )
-                        for piece, split in zip(torch.chunk(weight[e], parts, dim=0), splits)
-                    ]
-                    for e in range(self.num_local_experts)
-                ]
-
-            def merge(loaded):
-                return torch.stack([torch.cat(pieces, dim=0) for pieces in loaded])
-
-            weight = getattr(self, name).weight
-            return ShardedTensorFactory(f"{prefix}experts.{name}.weight", weight, build, merge, replica_id)
-
-        def extra_states(name: str) -> list:
-            return [
-                make_sharded_object_for_checkpoint(
-                    None,
-                    f"{prefix}experts.{name}._extra_state",
-                    (*sharded_offsets, (expert_axis, first + e, total)),
-                    replica_id=(0, tp_rank, self.dp_group.rank()),
+        def build(key, weight, replica, flattened_range):
+            if flattened_range is not None:
+                raise ValueError(
+                    "--moe-grouped-gemm on the local backend: flattened checkpoint tensors are not supported"
                 )
+            # each expert a list of pieces: [gate; up] of this rank are two (each the rank's share of
+            # the global gate and of the global up rows, as apply_swiglu_sharded_factory splits them)
+            parts, splits = (2, ((tp_rank, 2 * tp), (tp_rank + tp, 2 * tp))) if glu else (1, ((tp_rank, tp),))
+            axis = expert_axis + 1 + tp_axis
+            return [
+                [
+                    ShardedTensor.from_rank_offsets(
+                        key,
+                        piece,
+                        *sharded_offsets,
+                        (expert_axis, first + e, total),
+                        (axis, *split),
+                        replica_id=replica,
+                        prepend_axis_num=expert_axis + 1,
+                    )
+                    for piece, split in zip(torch.chunk(weight[e], parts, dim=0), splits)
+                ]
                 for e in range(self.num_local_experts)
             ]
 
-        return {
-            f"{prefix}linear_fc1.weight": factory("linear_fc1", 0, self.glu),
-            f"{prefix}linear_fc2.weight": factory("linear_fc2", 1, False),
-            f"{prefix}linear_fc1._extra_state": extra_states("linear_fc1"),
-            f"{prefix}linear_fc2._extra_state": extra_states("linear_fc2"),
-        }
+        def merge(loaded):
+            return torch.stack([torch.cat(pieces, dim=0) for pieces in loaded])
+
+        weight = getattr(self, name).weight
+        return ShardedTensorFactory(f"{prefix}experts.{name}.weight", weight, build, merge, replica_id)
+
+    def _extra_states(self, prefix, sharded_offsets, name: str) -> list:
+        """The (empty) ``_extra_state`` of each local expert's linear, as ``SequentialMLP`` writes them."""
+        expert_axis, first, total = self._expert_placement(sharded_offsets)
+        tp_rank = self.tp_group.rank()
+        return [
+            make_sharded_object_for_checkpoint(
+                None,
+                f"{prefix}experts.{name}._extra_state",
+                (*sharded_offsets, (expert_axis, first + e, total)),
+                replica_id=(0, tp_rank, self.dp_group.rank()),
+            )
+            for e in range(self.num_local_experts)
+        ]
