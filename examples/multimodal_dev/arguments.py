@@ -63,6 +63,11 @@ def _add_own_data_args(group):
         action="store_true",
         help="the first bad record stops the run in one line, instead of a counted skip",
     )
+    _add_video_args(group)
+
+
+def _add_video_args(group):
+    # how a video is sampled and resized: qwen-vl-utils' fetch_video options (data/video.py)
     group.add_argument("--video-fps", type=float, default=None, help="frames sampled per second of video [2.0]")
     group.add_argument("--video-max-frames", type=int, default=None, help="most frames sampled from a video [768]")
     group.add_argument("--video-min-frames", type=int, default=None, help="fewest frames sampled from a video [4]")
@@ -162,7 +167,24 @@ def _add_patch_budget_args(group):
 
 
 def add_multimodal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The training script's own flags, beside megatron's (``--help`` lists them in these groups)."""
     group = parser.add_argument_group("multimodal playground")
+    _add_model_and_data_args(group)
+    _add_own_data_args(parser.add_argument_group("your own data (--dataset-provider jsonl)"))
+    _add_energon_args(parser.add_argument_group("Megatron-Energon shards (--dataset-provider energon)"))
+    _add_patch_budget_args(parser.add_argument_group("vision patch budgets (every --dataset-provider)"))
+    _add_packing_args(group)
+    _add_vision_args(group)
+    _add_run_args(group)
+    _add_lora_args(parser.add_argument_group("LoRA fine-tuning (lora/)"))
+    # No default here: backend.engine_defaults() picks transformer_engine or local by what the
+    # host has, and an explicit --transformer-impl always wins.
+    parser.set_defaults(transformer_impl=None)
+    return parser
+
+
+def _add_model_and_data_args(group):
+    # the model (a variant, or a Hugging Face config) and the dataset that feeds it
     group.add_argument("--model-arch", default="qwen35_vl", help="MODEL_REGISTRY key")
     group.add_argument("--model-variant", default="tiny", help="named shape (tiny, proxy, 0.8b, ..., 397b_a17b)")
     group.add_argument(
@@ -190,9 +212,10 @@ def add_multimodal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     )
     group.add_argument("--min-pixels", type=int, default=None, help="smallest image area after resizing")
     group.add_argument("--max-pixels", type=int, default=None, help="largest image area after resizing")
-    _add_own_data_args(parser.add_argument_group("your own data (--dataset-provider jsonl)"))
-    _add_energon_args(parser.add_argument_group("Megatron-Energon shards (--dataset-provider energon)"))
-    _add_patch_budget_args(parser.add_argument_group("vision patch budgets (every --dataset-provider)"))
+
+
+def _add_packing_args(group):
+    # how a micro-batch's conversations become rows: THD packing by samples or by a token budget
     group.add_argument(
         "--use-packed-sequence",
         dest="use_packed_sequence",
@@ -227,6 +250,10 @@ def add_multimodal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument(
         "--mock-text-tokens", type=int, default=96, help="mock dataset: upper bound of prompt and answer text lengths"
     )
+
+
+def _add_vision_args(group):
+    # the vision tower's layout, its activation chunks, and what trains
     group.add_argument(
         "--vision-tensor-parallel-size",
         type=int,
@@ -251,6 +278,10 @@ def add_multimodal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     )
     group.add_argument("--freeze-vision", action="store_true", help="do not train the vision tower")
     group.add_argument("--freeze-language", action="store_true", help="do not train the language model")
+
+
+def _add_run_args(group):
+    # what the run reports (MFU, generated answers, metrics) and how it saves the optimizer
     group.add_argument(
         "--peak-tflops",
         type=_non_negative,
@@ -280,11 +311,6 @@ def add_multimodal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "cheaper saves, but it resumes at another DP size only; this playground saves "
         "--dist-ckpt-optim-fully-reshardable otherwise (checkpoint/optimizer_format.py)",
     )
-    _add_lora_args(parser.add_argument_group("LoRA fine-tuning (lora/)"))
-    # No default here: backend.engine_defaults() picks transformer_engine or local by what the
-    # host has, and an explicit --transformer-impl always wins.
-    parser.set_defaults(transformer_impl=None)
-    return parser
 
 
 def _add_lora_args(group):

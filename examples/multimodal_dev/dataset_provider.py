@@ -71,49 +71,13 @@ def datasets_provider(train_val_test_num_samples: Sequence[SupportsInt], vp_stag
     args = megatron_args()
     shape = model_shape()
     tokens = VisionTokens.from_shape(shape)
-    build = get_dataset_provider(args.dataset_provider)
-    num_samples = tuple(int(n) for n in train_val_test_num_samples)
     budget = args.packed_seq_length if args.packing == "tokens" else None
-    if budget:  # megatron counts rows; a row holds at most `budget` conversations (the stream is virtual)
-        num_samples = tuple(n * budget for n in num_samples)
-    build_splits = functools.partial(
-        build,
-        tokens=tokens,
-        vocab_size=shape.text.vocab_size,
-        patch_dim=shape.vision.patch_dim,
-        seq_length=args.seq_length,
-        num_samples=num_samples,
-        seed=args.seed,
-        data_path=data_path_value(args),
-        hf_processor_path=args.hf_processor_path,
-        min_pixels=args.min_pixels,
-        max_pixels=args.max_pixels,
-        mean_text_tokens=args.mock_text_tokens,
-        valid_data_path=args.eval_data_path,
-        **{
-            name: getattr(args, name)
-            for name in OWN_DATA_OPTIONS + VIDEO_OPTIONS + PATCH_BUDGET_OPTIONS
-            if name != "eval_data_path"
-        },
-    )
+    build_splits = _split_builder(args, shape, tokens, train_val_test_num_samples, budget)
     datasets = build_splits()
     check_tokens_agree(datasets, tokens, args)
     pad_multiple = pad_multiple_for(args.context_parallel_size, args.tensor_model_parallel_size, args.sequence_parallel)
     collate = Collator(tokens, packed=args.use_packed_sequence, pad_multiple=pad_multiple, row_length=budget)
-    first = StageInput.of(parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage))
-    stage = (first, parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
-    separate = vision_ranks.active()
-    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    served = 1
-    if separate:  # pixels for the tower's ranks, the rest for the language model's (grids too under fan-in,
-        # to put the shares in order), each reading the micro-batches of the language replicas it serves
-        grids = separate.fan_in > 1 and first is StageInput.PIXELS
-        stage = (
-            (StageInput.PIXELS, False)
-            if separate.on_vision
-            else (StageInput.GRIDS if grids else StageInput.HIDDEN, stage[1])
-        )
-        dp_rank, dp_size, served = separate.data_rank, separate.data_size, separate.fan_out
+    stage, dp_rank, dp_size, served = _stage_and_ranks(vp_stage)
     common = dict(
         micro_batch_size=args.micro_batch_size,
         dp_size=dp_size,
@@ -127,15 +91,7 @@ def datasets_provider(train_val_test_num_samples: Sequence[SupportsInt], vp_stag
             shape, budget, args.global_batch_size, dp_size, pad_multiple, args.packing_window
         )
         train["plan_fn"] = functools.partial(_resumed_plan, common["plan_fn"], args)
-    if datasets[1] is None:
-        if args.gen_eval_interval:
-            raise DataError(
-                f"--gen-eval-interval {args.gen_eval_interval}: the data has no validation split to answer "
-                "(--eval-data-path or --valid-fraction, with --eval-iters above 0)"
-            )
-        _no_validation(args)
-    elif args.gen_eval_interval:
-        gen_eval.remember_validation(datasets[1])
+    _validation_split(datasets[1], args)
     # under fan-out a vision replica reads the micro-batches of each language replica it serves; a stream
     # holds one position, so each replica's from splits of its own
     replicas = [
@@ -148,6 +104,67 @@ def datasets_provider(train_val_test_num_samples: Sequence[SupportsInt], vp_stag
         return replicas[0]
     train, valid, test = (_served_together([r[i] for r in replicas]) for i in range(3))
     return train, valid, test
+
+
+def _split_builder(
+    args: argparse.Namespace, shape, tokens: VisionTokens, num_samples: Sequence[SupportsInt], budget: int | None
+) -> Callable[[], tuple]:
+    """The dataset provider of ``--dataset-provider`` with this run's settings: called, it builds the
+    (train, valid, test) splits (again, for each vision replica's own stream under fan-out)."""
+    counts = tuple(int(n) for n in num_samples)
+    if budget:  # megatron counts rows; a row holds at most `budget` conversations (the stream is virtual)
+        counts = tuple(n * budget for n in counts)
+    return functools.partial(
+        get_dataset_provider(args.dataset_provider),
+        tokens=tokens,
+        vocab_size=shape.text.vocab_size,
+        patch_dim=shape.vision.patch_dim,
+        seq_length=args.seq_length,
+        num_samples=counts,
+        seed=args.seed,
+        data_path=data_path_value(args),
+        hf_processor_path=args.hf_processor_path,
+        min_pixels=args.min_pixels,
+        max_pixels=args.max_pixels,
+        mean_text_tokens=args.mock_text_tokens,
+        valid_data_path=args.eval_data_path,
+        **{
+            name: getattr(args, name)
+            for name in OWN_DATA_OPTIONS + VIDEO_OPTIONS + PATCH_BUDGET_OPTIONS
+            if name != "eval_data_path"
+        },
+    )
+
+
+def _stage_and_ranks(vp_stage: int | None) -> tuple[tuple[StageInput, bool], int, int, int]:
+    """(what this stage reads and whether it is the last, its data-parallel rank and size, the
+    language replicas it serves): with the vision tower on ranks of its own, pixels for the tower's
+    ranks, the rest for the language model's (grids too under fan-in, to put the shares in order),
+    each reading the micro-batches of the language replicas it serves."""
+    first = StageInput.of(parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage))
+    stage = (first, parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
+    separate = vision_ranks.active()
+    if not separate:
+        return stage, parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(), 1
+    grids = separate.fan_in > 1 and first is StageInput.PIXELS
+    if separate.on_vision:
+        stage = (StageInput.PIXELS, False)
+    else:
+        stage = (StageInput.GRIDS if grids else StageInput.HIDDEN, stage[1])
+    return stage, separate.data_rank, separate.data_size, separate.fan_out
+
+
+def _validation_split(valid, args: argparse.Namespace) -> None:
+    """Without a validation split evaluation is off, and generated answers have nothing to answer."""
+    if valid is None:
+        if args.gen_eval_interval:
+            raise DataError(
+                f"--gen-eval-interval {args.gen_eval_interval}: the data has no validation split to answer "
+                "(--eval-data-path or --valid-fraction, with --eval-iters above 0)"
+            )
+        _no_validation(args)
+    elif args.gen_eval_interval:
+        gen_eval.remember_validation(valid)
 
 
 def _replica_iterators(datasets, args, dp_rank: int, budget, pad_multiple: int, common: dict, train: dict) -> Iterators:
