@@ -80,7 +80,7 @@ tensor (torch fp32, and TE).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..models import model_of
 from ..models.common.work_deal import deal
@@ -270,6 +270,49 @@ def _vision_saved(v, frames, b, tp, gpu, recompute, reuses: bool) -> tuple[float
     )
 
 
+def _check_request(lengths, recompute, kernels) -> None:
+    """Refuse a kernel set, recompute setting or empty micro-batch the model of bytes does not know."""
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels {kernels!r}: expected one of {', '.join(KERNELS)}")
+    if recompute not in (None, "full"):
+        raise ValueError(f"recompute {recompute!r}: expected None or 'full' (megatron's uniform, 1 layer)")
+    if not lengths:
+        raise ValueError("lengths: a micro-batch has at least one sample")
+
+
+def _rank_vision_saved(shape, grids, b, tp, cp, gpu, recompute, vision_chunk_patches) -> tuple[float, float]:
+    """(kept, saved while one block is recomputed) of the tower over this rank's frames; chunked, it
+    keeps only the pixels and saves the largest chunk's bytes while that chunk is recomputed."""
+    v = shape.vision
+    frames = rank_frames(shape, grids, cp)
+    vision, vision_working = _vision_saved(v, frames, b, tp, gpu, recompute, reuses=gpu or b == 4)
+    patches = sum(t * h * w for t, h, w in frames)
+    if vision_chunk_patches and patches > vision_chunk_patches:  # kept: the pixels; one chunk at a time
+        largest = max(chunk_patches(frames, vision_chunk_patches))
+        kept, working = _vision_saved(v, [(1, largest, 1)], b, tp, gpu, recompute, reuses=gpu or b == 4)
+        vision, vision_working = b * patches * v.patch_dim, kept + working - b * largest * v.patch_dim
+    return vision, vision_working
+
+
+def _under_recompute(plain: ActivationBreakdown, t, b, Tl, Tn, sp, gpu, mtp_layer, mtp_outer) -> ActivationBreakdown:
+    """``plain`` under full recompute: each decoder (and MTP) layer keeps its input alone, and one
+    layer's plain bytes are saved again while it is recomputed."""
+    kept = b * Tn * t.hidden_size  # a checkpointed layer's input
+    mask = 0 if sp else Tl  # the padding mask (the model drops it under SP)
+    reused = kept if gpu or b == 4 else 0.0  # the recomputed first norm saves the kept input itself
+    return replace(
+        plain,
+        gdn_layer=kept,
+        attention_layer=kept,
+        mlp_layer=0.0,
+        mtp=t.mtp_num_layers * (2 * kept + mask + mtp_outer),  # hidden, embeddings, rolled mask
+        recompute_working=max(plain.gdn_layer, plain.attention_layer) + plain.mlp_layer - reused,
+        per_stage=4 * Tl * int(t.head_dim * t.partial_rotary_factor) + mask,
+        gdn_shared=0.0,
+        mtp_recompute_working=mtp_layer - 2 * reused if t.mtp_num_layers else 0.0,
+    )
+
+
 def micro_batch_activations(
     shape,
     lengths,
@@ -287,25 +330,14 @@ def micro_batch_activations(
 ) -> ActivationBreakdown:
     """Bytes per part of a micro-batch of samples of these real token ``lengths`` and images of
     these ``grids`` [(t, h, w)]: packed (THD) or, with ``padded_to``, padded rows (BSHD)."""
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels {kernels!r}: expected one of {', '.join(KERNELS)}")
-    if recompute not in (None, "full"):
-        raise ValueError(f"recompute {recompute!r}: expected None or 'full' (megatron's uniform, 1 layer)")
-    if not lengths:
-        raise ValueError("lengths: a micro-batch has at least one sample")
-    t, v, b, gpu = shape.text, shape.vision, dtype_bytes, kernels == "gpu"
+    _check_request(lengths, recompute, kernels)
+    t, b, gpu = shape.text, dtype_bytes, kernels == "gpu"
     segs = _segments([int(n) for n in lengths], padded_to, (2 * cp if cp > 1 else 1) * (tp if sp else 1))
     T = float(sum(segs))
     Tl = T / cp
     Tn = Tl / tp if sp else Tl
     grids = [tuple(int(x) for x in g) for g in grids]
-    frames = rank_frames(shape, grids, cp)
-    vision, vision_working = _vision_saved(v, frames, b, tp, gpu, recompute, reuses=gpu or b == 4)
-    patches = sum(t * h * w for t, h, w in frames)
-    if vision_chunk_patches and patches > vision_chunk_patches:  # kept: the pixels; one chunk at a time
-        largest = max(chunk_patches(frames, vision_chunk_patches))
-        kept, working = _vision_saved(v, [(1, largest, 1)], b, tp, gpu, recompute, reuses=gpu or b == 4)
-        vision, vision_working = b * patches * v.patch_dim, kept + working - b * largest * v.patch_dim
+    vision, vision_working = _rank_vision_saved(shape, grids, b, tp, cp, gpu, recompute, vision_chunk_patches)
     gdn = _gdn(t, T, Tl, Tn, segs, b, tp, cp, padded_to is None, gpu)
     attention = _attention(t, T, Tl, Tn, b, tp, cp, padded_to is None, gpu)
     mlp = _mlp(t, Tl, Tn, b, tp, etp, gpu)
@@ -315,32 +347,18 @@ def micro_batch_activations(
     mtp_layer = 3 * norm + 2 * b * Tn * h + attention + mlp  # what its checkpoint reruns
     mtp_outer = 8 * Tl + b * Tn * h + 4 * Tl * vocab + 17 * Tl  # rolled ids, its output layer and loss
     embedding = 8 * T + (T if grids else 0) + (8 * Tl if cp > 1 else 0)
-    if recompute is None:
-        return ActivationBreakdown(
-            vision,
-            embedding,
-            gdn,
-            attention,
-            mlp,
-            output,
-            t.mtp_num_layers * (mtp_layer + mtp_outer),
-            0.0,
-            gdn_shared=_chunk_layout(T, segs) if padded_to is None and not gpu else 0.0,
-            vision_recompute_working=vision_working,
-        )
-    kept = b * Tn * h  # a checkpointed layer's input
-    mask = 0 if sp else Tl  # the padding mask (the model drops it under SP)
-    reused = kept if gpu or b == 4 else 0.0  # the recomputed first norm saves the kept input itself
-    return ActivationBreakdown(
+    plain = ActivationBreakdown(
         vision,
         embedding,
-        kept,
-        kept,
-        0.0,
+        gdn,
+        attention,
+        mlp,
         output,
-        mtp=t.mtp_num_layers * (2 * kept + mask + mtp_outer),  # hidden, embeddings, rolled mask
-        recompute_working=max(gdn, attention) + mlp - reused,
-        per_stage=4 * Tl * int(t.head_dim * t.partial_rotary_factor) + mask,
+        t.mtp_num_layers * (mtp_layer + mtp_outer),
+        0.0,
+        gdn_shared=_chunk_layout(T, segs) if padded_to is None and not gpu else 0.0,
         vision_recompute_working=vision_working,
-        mtp_recompute_working=mtp_layer - 2 * reused if t.mtp_num_layers else 0.0,
     )
+    if recompute is None:
+        return plain
+    return _under_recompute(plain, t, b, Tl, Tn, sp, gpu, mtp_layer, mtp_outer)

@@ -223,6 +223,126 @@ def decoder_layer_flops(shape, fb, layers) -> float:
     return n_attn * attention + (len(layers) - n_attn) * gdn + len(layers) * (fb.mlp / t.num_layers)
 
 
+@dataclass(frozen=True)
+class _MicroBatchWork:
+    """What every stage's time of one micro-batch reads: its FLOPs, its tokens, and how often each
+    part of the model runs over them."""
+
+    flops: object  # the model's FlopsBreakdown (forward)
+    local_tokens: float  # a TP group's tokens (each TP rank 1/TP of them under SP)
+    act_bytes: float  # bf16 [local_tokens, H] activations
+    vision_tokens: int  # the micro-batch's patches
+    passes: int  # forward, input gradient (, weight gradient)
+    recompute: float  # the decoder's passes grow by the forward run again in the backward
+    vision_passes: int
+
+
+def _micro_batch_work(shape, cand: Candidate, lengths, grids, lora, vision_chunk_patches: int) -> _MicroBatchWork:
+    """The micro-batch's FLOPs, tokens and passes. A LoRA run needs no weight gradient (2 passes,
+    not 3) and a tower without adapters runs forward only; a chunked tower, like recompute, runs
+    its forward again in the backward."""
+    lay = cand.layout
+    fb = model_of(shape).micro_batch_flops(shape, lengths, grids)
+    passes = 2 if lora else 3  # forward, input gradient (, weight gradient)
+    recompute = (passes + 1) / passes if cand.recompute else 1.0  # the forward runs again in the backward
+    chunked = vision_chunk_patches and sum(t * h * w for t, h, w in grids) / lay.cp > vision_chunk_patches
+    vision_passes = 1 if lora and not lora.trains_vision else passes + (1 if cand.recompute or chunked else 0)
+    local_tokens = sum(lengths) / lay.cp
+    return _MicroBatchWork(
+        flops=fb,
+        local_tokens=local_tokens,
+        act_bytes=local_tokens * shape.text.hidden_size * 2,
+        vision_tokens=sum(tt * hh * ww for tt, hh, ww in grids),
+        passes=passes,
+        recompute=recompute,
+        vision_passes=vision_passes,
+    )
+
+
+def _stage_flops(shape, lay, work: _MicroBatchWork, p: int, layers: list[int]) -> float:
+    """Training FLOPs of a micro-batch on stage ``p``: its decoder layers, the tower on the first
+    stage, the output layer and MTP head on the last."""
+    fb = work.flops
+    flops = decoder_layer_flops(shape, fb, layers) * work.passes * work.recompute
+    if p == 0:
+        flops += fb.vision * work.vision_passes
+    if p == lay.pp - 1:
+        flops += (fb.output + fb.mtp) * work.passes
+    return flops
+
+
+def _tp_seconds(shape, lay, hw: Hardware, work: _MicroBatchWork, p: int, n_layers: int) -> float:
+    """SP's 4 all-gathers + 4 reduce-scatters per layer of ``n_layers`` (the MTP head's included),
+    and on the first stage per block of the vision tower."""
+    ring, tp_link = (lay.tp - 1) / lay.tp, _link(hw, lay.tp, 1)
+    tp = 8 * ring * work.act_bytes * n_layers * tp_link
+    if p == 0:
+        tp += 8 * ring * work.vision_tokens * shape.vision.hidden_size * 2 * shape.vision.depth * tp_link
+    return tp
+
+
+def _cp_seconds(t, lay, hw: Hardware, work: _MicroBatchWork, n_gdn: int, n_attn: int) -> float:
+    """Gated DeltaNet's head all-to-alls and attention's K/V ring over the CP group."""
+    cp = 0.0
+    if lay.cp > 1:
+        kd = t.linear_num_key_heads * t.linear_key_head_dim
+        vd = t.linear_num_value_heads * t.linear_value_head_dim
+        a2a = (lay.cp - 1) / lay.cp * _all_to_all(hw, lay.cp, lay.tp)
+        cp += n_gdn * 2 * work.local_tokens * (2 * kd + 2 * vd) / lay.tp * 2 * a2a
+        kv = work.local_tokens * 2 * t.num_kv_heads * t.head_dim / min(lay.tp, t.num_kv_heads) * 2
+        cp += n_attn * 3 * (lay.cp - 1) * kv * _link(hw, lay.cp, lay.tp)
+    return cp
+
+
+def _ep_seconds(t, lay, hw: Hardware, work: _MicroBatchWork, moe_layers: int) -> float:
+    """Per MoE layer 4 all-to-alls (dispatch, combine; forward and backward) of the routed copies."""
+    if not (t.is_moe and lay.ep > 1):
+        return 0.0
+    ep_link = _all_to_all(hw, lay.ep, lay.etp)
+    return (
+        moe_layers * 4 * (lay.ep - 1) / lay.ep * work.local_tokens / lay.tp * t.moe_top_k * t.hidden_size * 2 * ep_link
+    )
+
+
+def _p2p_seconds(lay, hw: Hardware, work: _MicroBatchWork) -> float:
+    """One activation forward and one gradient back per micro-batch (and virtual stage) boundary."""
+    if lay.pp <= 1:
+        return 0.0
+    stage_span = lay.tp * lay.cp * lay.dp
+    pp_link = 1.0 / ((hw.nvlink_gbs if stage_span < hw.gpus_per_node else hw.network_gbs) * 1e9)
+    return 2 * work.act_bytes / lay.tp * pp_link * (lay.vp or 1)
+
+
+def _stage_seconds(shape, lay, hw: Hardware, flop_rate: float, work: _MicroBatchWork, p: int, layers) -> dict:
+    """Seconds of one micro-batch on stage ``p`` (holding decoder ``layers``), by part."""
+    t = shape.text
+    n_attn = sum(t.layer_types[i] == FULL for i in layers)
+    with_mtp = len(layers) + (t.mtp_num_layers if p == lay.pp - 1 else 0)
+    return dict(
+        compute=_stage_flops(shape, lay, work, p, layers) / (lay.tp * lay.cp) / flop_rate,
+        tp=_tp_seconds(shape, lay, hw, work, p, with_mtp),
+        cp=_cp_seconds(t, lay, hw, work, len(layers) - n_attn, n_attn),
+        ep=_ep_seconds(t, lay, hw, work, with_mtp),
+        p2p=_p2p_seconds(lay, hw, work),
+    )
+
+
+def _dp_not_hidden(shape, lay, hw: Hardware, lora, per_mb: float) -> float:
+    """Seconds of the distributed optimizer's reduce-scatter (fp32 gradients) and all-gather (bf16
+    weights) of the heaviest stage that the last micro-batch's backward and the first's forward
+    do not hide."""
+    dense_n, expert_n = lay.dense_shards, lay.expert_dp
+    trained = (lambda p: adapter_params(shape, lay, p, lora)) if lora else (lambda p: stage_params(shape, lay, p))
+    heaviest = max((trained(p) for p in range(lay.pp)), key=lambda s: s.total)
+    dense_link = _link(hw, dense_n, lay.tp)
+    expert_link = _link(hw, expert_n, lay.etp * lay.ep)
+    dp_bytes = [(heaviest.dense + heaviest.fp32) * (dense_n - 1) / dense_n, heaviest.expert * (expert_n - 1) / expert_n]
+    reduce_scatter = 4 * (dp_bytes[0] * dense_link + dp_bytes[1] * expert_link)
+    all_gather = 2 * (dp_bytes[0] * dense_link + dp_bytes[1] * expert_link)
+    backward = per_mb * 2 / 3
+    return max(0.0, reduce_scatter - backward) + max(0.0, all_gather - (per_mb - backward))
+
+
 def step_time(
     shape,
     cand: Candidate,
@@ -240,53 +360,15 @@ def step_time(
     without adapters runs forward only (nothing flows back into it), and the distributed
     optimizer moves the adapters' gradients and weights alone. ``vision_chunk_patches``: the chunked
     tower runs its forward again in the backward (as recompute does)."""
-    lay, t, h = cand.layout, shape.text, shape.text.hidden_size
+    lay, t = cand.layout, shape.text
     lengths = [n for r in rows for n in r.lengths]
     grids = [g for r in rows for g in r.grids]
-    tokens = sum(lengths)
-    fb = model_of(shape).micro_batch_flops(shape, lengths, grids)
+    work = _micro_batch_work(shape, cand, lengths, grids, lora, vision_chunk_patches)
     flop_rate = hw.peak_tflops * 1e12 * efficiency
-    passes = 2 if lora else 3  # forward, input gradient (, weight gradient)
-    recompute = (passes + 1) / passes if cand.recompute else 1.0  # the forward runs again in the backward
-    chunked = vision_chunk_patches and sum(t * h * w for t, h, w in grids) / lay.cp > vision_chunk_patches
-    vision_passes = 1 if lora and not lora.trains_vision else passes + (1 if cand.recompute or chunked else 0)
-
-    local_tokens = tokens / lay.cp  # a TP group's tokens (each TP rank 1/TP of them under SP)
-    act_bytes = local_tokens * h * 2
-    tp_link, cp_link = _link(hw, lay.tp, 1), _link(hw, lay.cp, lay.tp)
-    ep_link = _all_to_all(hw, lay.ep, lay.etp)
-    stage_span = lay.tp * lay.cp * lay.dp
-    pp_link = 1.0 / ((hw.nvlink_gbs if stage_span < hw.gpus_per_node else hw.network_gbs) * 1e9)
-    kd = t.linear_num_key_heads * t.linear_key_head_dim
-    vd = t.linear_num_value_heads * t.linear_value_head_dim
-    ring = (lay.tp - 1) / lay.tp
-    stages = []
-    for p, chunks in enumerate(stage_layers(t.num_layers, lay.pp, lay.vp, lay.first, lay.last)):
-        layers = [i for c in chunks for i in c]
-        n_attn = sum(t.layer_types[i] == FULL for i in layers)
-        n_gdn = len(layers) - n_attn
-        flops = decoder_layer_flops(shape, fb, layers) * passes * recompute
-        vision_tokens = sum(tt * hh * ww for tt, hh, ww in grids)
-        if p == 0:
-            flops += fb.vision * vision_passes
-        if p == lay.pp - 1:
-            flops += (fb.output + fb.mtp) * passes
-        compute = flops / (lay.tp * lay.cp) / flop_rate
-        tp = 8 * ring * act_bytes * (len(layers) + (t.mtp_num_layers if p == lay.pp - 1 else 0)) * tp_link
-        if p == 0:
-            tp += 8 * ring * vision_tokens * shape.vision.hidden_size * 2 * shape.vision.depth * tp_link
-        cp = 0.0
-        if lay.cp > 1:
-            a2a = (lay.cp - 1) / lay.cp * _all_to_all(hw, lay.cp, lay.tp)
-            cp += n_gdn * 2 * local_tokens * (2 * kd + 2 * vd) / lay.tp * 2 * a2a
-            kv = local_tokens * 2 * t.num_kv_heads * t.head_dim / min(lay.tp, t.num_kv_heads) * 2
-            cp += n_attn * 3 * (lay.cp - 1) * kv * cp_link
-        ep = 0.0
-        if t.is_moe and lay.ep > 1:
-            moe_layers = len(layers) + (t.mtp_num_layers if p == lay.pp - 1 else 0)
-            ep = moe_layers * 4 * (lay.ep - 1) / lay.ep * local_tokens / lay.tp * t.moe_top_k * h * 2 * ep_link
-        p2p = 2 * act_bytes / lay.tp * pp_link * (lay.vp or 1) if lay.pp > 1 else 0.0
-        stages.append(dict(compute=compute, tp=tp, cp=cp, ep=ep, p2p=p2p))
+    stages = [
+        _stage_seconds(shape, lay, hw, flop_rate, work, p, [i for c in chunks for i in c])
+        for p, chunks in enumerate(stage_layers(t.num_layers, lay.pp, lay.vp, lay.first, lay.last))
+    ]
     busiest = max(stages, key=lambda s: sum(s.values()))
     per_mb = sum(busiest.values())
     out = StepTime()
@@ -295,22 +377,11 @@ def step_time(
     bubble = (lay.pp - 1) / (lay.vp or 1) * per_mb if lay.pp > 1 else 0.0
     out.pp = busiest["p2p"] * micro_batches + bubble
     out.imbalance = (dp_imbalance - 1.0) * per_mb * micro_batches
-
-    # distributed optimizer: reduce-scatter fp32 grads, all-gather bf16 weights, per parameter group
-    dense_n, expert_n = lay.dense_shards, lay.expert_dp
-    trained = (lambda p: adapter_params(shape, lay, p, lora)) if lora else (lambda p: stage_params(shape, lay, p))
-    heaviest = max((trained(p) for p in range(lay.pp)), key=lambda s: s.total)
-    dense_link = _link(hw, dense_n, lay.tp)
-    expert_link = _link(hw, expert_n, lay.etp * lay.ep)
-    dp_bytes = [(heaviest.dense + heaviest.fp32) * (dense_n - 1) / dense_n, heaviest.expert * (expert_n - 1) / expert_n]
-    reduce_scatter = 4 * (dp_bytes[0] * dense_link + dp_bytes[1] * expert_link)
-    all_gather = 2 * (dp_bytes[0] * dense_link + dp_bytes[1] * expert_link)
-    backward = per_mb * 2 / 3
-    out.dp = max(0.0, reduce_scatter - backward) + max(0.0, all_gather - (per_mb - backward))
+    out.dp = _dp_not_hidden(shape, lay, hw, lora, per_mb)
     out.parts = dict(
         busiest_stage=stages.index(busiest),
         bubble=bubble,
-        flops=fb.training * micro_batches * lay.dp,
-        vision_flops=fb.vision * 3 * micro_batches * lay.dp,
+        flops=work.flops.training * micro_batches * lay.dp,
+        vision_flops=work.flops.vision * 3 * micro_batches * lay.dp,
     )
     return out

@@ -191,6 +191,40 @@ def _kind(key: str) -> str:
 
 def coverage_errors(expected: dict[str, ExpectedKey], builds: list[RankBuild], layout: Layout) -> list[str]:
     """Every way ``builds`` (ranks of ``layout``) fail to cover ``expected`` exactly once."""
+    errors, owners, cells, meta = _gather_shards(expected, builds)
+    errors += _ownership_errors(expected, owners)
+    errors += _tiling_errors(owners, cells, meta, _complete_stages(builds, layout))
+    return errors
+
+
+def _local_shape(sh) -> tuple[int, ...]:
+    """A shard's local shape with its prepended (stacking) axes as 1s."""
+    return (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+
+
+def _shard_mismatch(where: str, sh, want: ExpectedKey | None) -> str | None:
+    """Why a shard does not fit the mapping (its key, its global shape, or local shape x
+    fragmentation), or None."""
+    if want is None:
+        return f"{where}: {sh.key} {sh.global_shape} is not in the converter's mapping"
+    if tuple(sh.global_shape) != want.global_shape:
+        return (
+            f"{where}: {sh.key} has global shape {tuple(sh.global_shape)}; the mapping "
+            f"gives {want.global_shape} ({want.sources[0]})"
+        )
+    local = _local_shape(sh)
+    if tuple(a * f for a, f in zip(local, sh.axis_fragmentations)) != want.global_shape:
+        return (
+            f"{where}: {sh.key} local {local} x fragmentation {sh.axis_fragmentations} "
+            f"is not the global shape {want.global_shape}"
+        )
+    return None
+
+
+def _gather_shards(expected: dict[str, ExpectedKey], builds: list[RankBuild]) -> tuple[list[str], dict, dict, dict]:
+    """(errors of the shards that do not fit the mapping, and per key of those that do: the
+    (pipeline, virtual) stages holding a main replica, the ranks writing each grid cell, and
+    (global shape, local shape, fragmentation))."""
     from megatron.core.dist_checkpointing.mapping import is_main_replica
 
     errors = []
@@ -202,26 +236,21 @@ def coverage_errors(expected: dict[str, ExpectedKey], builds: list[RankBuild], l
             where = f"rank {build.rank} (pipeline {build.coords['pp']}, virtual {chunk.vp_stage})"
             for sh in chunk.shards:
                 want = expected.get(sh.key)
-                if want is None:
-                    errors.append(f"{where}: {sh.key} {sh.global_shape} is not in the converter's mapping")
+                mismatch = _shard_mismatch(where, sh, want)
+                if mismatch:
+                    errors.append(mismatch)
                     continue
-                if tuple(sh.global_shape) != want.global_shape:
-                    errors.append(
-                        f"{where}: {sh.key} has global shape {tuple(sh.global_shape)}; the mapping "
-                        f"gives {want.global_shape} ({want.sources[0]})"
-                    )
-                    continue
-                local = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
-                if tuple(a * f for a, f in zip(local, sh.axis_fragmentations)) != want.global_shape:
-                    errors.append(
-                        f"{where}: {sh.key} local {local} x fragmentation {sh.axis_fragmentations} "
-                        f"is not the global shape {want.global_shape}"
-                    )
-                    continue
-                meta[sh.key] = (want.global_shape, local, tuple(sh.axis_fragmentations))
+                meta[sh.key] = (want.global_shape, _local_shape(sh), tuple(sh.axis_fragmentations))
                 if is_main_replica(sh.replica_id):
                     owners[sh.key].add((build.coords["pp"], chunk.vp_stage))
                     cells[sh.key][sh.local_chunk_offset_in_global()].append(build.rank)
+    return errors, owners, cells, meta
+
+
+def _ownership_errors(expected: dict[str, ExpectedKey], owners: dict[str, set]) -> list[str]:
+    """Expected keys whose stacked slices the mapping leaves unfilled, or whose main replica is not
+    in exactly one (pipeline, virtual) stage."""
+    errors = []
     for key, want in expected.items():
         if want.slices and want.slices != set(range(want.global_shape[0])):
             errors.append(
@@ -233,10 +262,23 @@ def coverage_errors(expected: dict[str, ExpectedKey], builds: list[RankBuild], l
                 f"{key}: main replica in {len(owners[key])} (pipeline, virtual) stages "
                 f"{sorted(owners[key], key=str)}; expected exactly one"
             )
+    return errors
+
+
+def _complete_stages(builds: list[RankBuild], layout: Layout) -> set[int]:
+    """The pipeline stages whose main-replica ranks the builds all hold."""
     built = {b.rank for b in builds}
-    complete = {
+    return {
         p for p in range(layout.pp) if {r for r in main_replica_ranks(layout) if r // layout.stage_gpus == p} <= built
     }
+
+
+def _tiling_errors(
+    owners: dict[str, set], cells: dict[str, dict], meta: dict[str, tuple], complete: set[int]
+) -> list[str]:
+    """Keys whose main replicas overlap, or leave a gap in the grid of a complete stage; a key of an
+    incomplete stage passes only where a key of its kind was tiled in a complete one."""
+    errors = []
     tiled_kinds = set()
     for key, grid in cells.items():
         doubled = {c: r for c, r in grid.items() if len(r) > 1}

@@ -13,6 +13,8 @@ first and says which setting is wrong (``names=ENV_NAMES``: in the run script's 
 
 from __future__ import annotations
 
+from functools import partial
+
 from ..models.setting_names import FLAGS, VARIABLES, named
 
 # How a message names each setting: FLAG_NAMES (the training script) or ENV_NAMES (the run script)
@@ -29,16 +31,28 @@ def stage_layers(
 ) -> list[list[range]]:
     """Global decoder layer indices of every (pipeline rank, virtual stage), or ValueError naming
     the setting that cannot be split."""
-
-    def name(key, value):
-        return named(names, key, value)
-
+    name = partial(named, names)
     vp = vp or 1
     if pp < 1 or vp < 1:
         raise ValueError(f"{name('pp', pp)} {name('vp', vp)}: sizes must be positive")
     if pp == 1 and (vp > 1 or first or last):
         given = [name(k, v) for k, v in (("vp", vp if vp > 1 else None), ("first", first), ("last", last)) if v]
         raise ValueError(f"{', '.join(given)} needs pipeline parallelism ({name('pp', pp)})")
+    counts = _stage_counts(num_layers, pp, vp, first, last, names)
+    bad = [(p, c) for p, c in enumerate(counts) if c % vp]
+    if bad:
+        p, c = bad[0]
+        raise ValueError(
+            f"{name('vp', vp)}: pipeline stage {p} holds {c} layers, not a multiple of {vp} "
+            f"(every virtual stage needs the same number of layers, at least one)"
+        )
+    return _virtual_stage_ranges(num_layers, vp, counts)
+
+
+def _stage_counts(num_layers: int, pp: int, vp: int, first: int | None, last: int | None, names: dict) -> list[int]:
+    """Decoder layers of every pipeline stage: FIRST's and LAST's, the rest shared evenly by the
+    stages they leave open."""
+    name = partial(named, names)
     counts = [None] * pp
     for key, value, index in (("first", first, 0), ("last", last, pp - 1)):
         if value is not None:
@@ -55,34 +69,37 @@ def stage_layers(
             f"{name('pp', pp)}, but the model has {num_layers}"
         )
     if open_stages and (rest < open_stages or rest % open_stages):
-        what = "the remaining" if first or last else "the"
-        raise ValueError(
-            f"{name('pp', pp)}: {what} {rest} decoder layers do not split evenly over {open_stages} "
-            f"stages"
-            + (f" (set {names['first'].rstrip('=')} / {names['last'].rstrip('=')})" if not (first or last) else "")
-        )
+        raise _uneven_split(pp, first, last, rest, open_stages, names)
     if vp > 1 and open_stages == 0:  # its layer offset divides by the number of middle stages
         raise ValueError(
             f"{name('vp', vp)} with both {name('first', first)} and {name('last', last)} at "
             f"{name('pp', pp)}: megatron-core places uneven virtual stages only when some stage "
             f"takes the even share; give one of the two"
         )
-    counts = [c if c is not None else rest // open_stages for c in counts]
-    bad = [(p, c) for p, c in enumerate(counts) if c % vp]
-    if bad:
-        p, c = bad[0]
-        raise ValueError(
-            f"{name('vp', vp)}: pipeline stage {p} holds {c} layers, not a multiple of {vp} "
-            f"(every virtual stage needs the same number of layers, at least one)"
-        )
+    return [c if c is not None else rest // open_stages for c in counts]
+
+
+def _uneven_split(pp: int, first: int | None, last: int | None, rest: int, open_stages: int, names: dict) -> ValueError:
+    """The refusal for layers that do not share evenly over the open stages; with neither FIRST nor
+    LAST set it names them, the way to an uneven split."""
+    what = "the remaining" if first or last else "the"
+    return ValueError(
+        f"{named(names, 'pp', pp)}: {what} {rest} decoder layers do not split evenly over {open_stages} "
+        f"stages"
+        + (f" (set {names['first'].rstrip('=')} / {names['last'].rstrip('=')})" if not (first or last) else "")
+    )
+
+
+def _virtual_stage_ranges(num_layers: int, vp: int, counts: list[int]) -> list[list[range]]:
+    """Each rank's layers cut into ``vp`` equal chunks; virtual round v runs chunk v of every rank in
+    rank order, L/vp layers a round."""
     chunk = [c // vp for c in counts]  # layers per virtual stage of each rank
-    # virtual round v runs chunk v of every rank in rank order: L/vp layers a round
     return [
         [
             range(v * num_layers // vp + sum(chunk[:p]), v * num_layers // vp + sum(chunk[:p]) + chunk[p])
             for v in range(vp)
         ]
-        for p in range(pp)
+        for p in range(len(counts))
     ]
 
 

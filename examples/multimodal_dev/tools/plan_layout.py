@@ -120,25 +120,55 @@ def _fail(message: str):
 
 def request_from_args(args):
     """The planner's Request, every setting checked (one line naming the flag otherwise)."""
+    from examples.multimodal_dev.planner.layout_plan import Request
+
+    shape, name = _shape_and_name(args)
+    _check_run_size(args, name)
+    _check_shares(args)
+    hardware = _hardware(args)
+    recompute = {"auto": (None, "full"), "none": (None,), "full": ("full",)}[args.recompute]
+    lora = _lora(args)
+    if args.vision_chunk_patches < 0:
+        _fail(f"--vision-chunk-patches {args.vision_chunk_patches}: must be 0 (off) or a patch count")
+    return Request(
+        name,
+        shape,
+        args.gpus,
+        hardware,
+        _mix(args, shape),
+        args.global_batch,
+        args.micro_batch,
+        args.efficiency,
+        args.reserve,
+        not args.no_distributed_optimizer,
+        recompute,
+        lora,
+        args.vision_chunk_patches,
+    )
+
+
+def _shape_and_name(args):
+    """(shape, name) of the model to plan: --hf-config's, else the released VARIANT's."""
     from examples.multimodal_dev.models import default_model
 
-    VARIANTS = default_model().variants
-    from examples.multimodal_dev.planner.layout_plan import MIN_CP_TOKENS, Request
-    from examples.multimodal_dev.planner.pipeline_layout import LAYOUTS
-
+    variants = default_model().variants
     if args.hf_config:
-        from examples.multimodal_dev.models import default_model
-
         from_hf_config = default_model().shape_from_hf
-
         try:
-            shape, name = from_hf_config(args.hf_config), args.hf_config
+            return from_hf_config(args.hf_config), args.hf_config
         except (OSError, ValueError, KeyError) as err:
             _fail(f"--hf-config {args.hf_config}: {err}")
-    elif args.variant in VARIANTS:
-        shape, name = VARIANTS[args.variant], args.variant
-    else:
-        _fail(f"variant {args.variant!r}: expected one of {', '.join(VARIANTS)} (or --hf-config)")
+    if args.variant in variants:
+        return variants[args.variant], args.variant
+    _fail(f"variant {args.variant!r}: expected one of {', '.join(variants)} (or --hf-config)")
+
+
+def _check_run_size(args, name: str) -> None:
+    """The counts (GPUs, batches, rows), --gpus defaulting to docs/planner.md's count for ``name``; the
+    caps keep the planner's search and its row drawing bounded."""
+    from examples.multimodal_dev.planner.layout_plan import MIN_CP_TOKENS
+    from examples.multimodal_dev.planner.pipeline_layout import LAYOUTS
+
     if args.gpus is None:
         if name not in LAYOUTS:
             _fail(f"--gpus: needed for {name} (a GPU count is given by default for {', '.join(LAYOUTS)} only)")
@@ -160,10 +190,18 @@ def request_from_args(args):
         _fail(f"--gpus {args.gpus}: not a whole number of nodes of --gpus-per-node {args.gpus_per_node}")
     if args.global_batch > MAX_GLOBAL_BATCH:
         _fail(f"--global-batch {args.global_batch}: at most {MAX_GLOBAL_BATCH} rows a step")
+
+
+def _check_shares(args) -> None:
+    """--efficiency and --reserve are shares of the GPU's peak and memory."""
     if not 0 < args.efficiency <= 1:
         _fail(f"--efficiency {args.efficiency}: a share of peak, in (0, 1]")
     if not 0 <= args.reserve < 1:
         _fail(f"--reserve {args.reserve}: a share of the GPU's memory, in [0, 1)")
+
+
+def _hardware(args) -> Hardware:
+    """The --gpu's figures, each overridden by its flag where given."""
     base = HARDWARE[args.gpu]
     for flag, value in (
         ("--gpu-memory", args.gpu_memory),
@@ -173,32 +211,13 @@ def request_from_args(args):
     ):
         if value is not None and not (0 < value < math.inf):
             _fail(f"{flag} {value}: must be a positive finite number")
-    hardware = Hardware(
+    return Hardware(
         base.name,
         args.peak_tflops or base.peak_tflops,
         args.gpu_memory or base.memory_gib,
         args.nvlink_gbs or base.nvlink_gbs,
         args.network_gbs or base.network_gbs,
         args.gpus_per_node,
-    )
-    recompute = {"auto": (None, "full"), "none": (None,), "full": ("full",)}[args.recompute]
-    lora = _lora(args)
-    if args.vision_chunk_patches < 0:
-        _fail(f"--vision-chunk-patches {args.vision_chunk_patches}: must be 0 (off) or a patch count")
-    return Request(
-        name,
-        shape,
-        args.gpus,
-        hardware,
-        _mix(args, shape),
-        args.global_batch,
-        args.micro_batch,
-        args.efficiency,
-        args.reserve,
-        not args.no_distributed_optimizer,
-        recompute,
-        lora,
-        args.vision_chunk_patches,
     )
 
 

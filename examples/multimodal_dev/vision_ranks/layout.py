@@ -27,6 +27,7 @@ process groups so a run's own can be compared with them; ``env_table`` is the ru
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from ..models.setting_names import FLAGS, VARIABLES, named
 
@@ -123,10 +124,7 @@ def plan(
     names: dict = FLAG_NAMES,
 ) -> VisionLayout:
     """The layout of these settings, or ValueError naming the one that cannot run."""
-
-    def name(key, value):
-        return named(names, key, value)
-
+    name = partial(named, names)
     for key, value in (("world", world), ("tp", tp), ("cp", cp), ("pp", pp), ("vp", vp), ("vtp", vtp)):
         if value < 1:
             raise ValueError(f"{name(key, value)}: must be a positive integer")
@@ -134,17 +132,34 @@ def plan(
         raise ValueError(f"{name('vnproc', vnproc)}: must not be negative")
     if vision_heads % vtp:
         raise ValueError(f"{name('vtp', vtp)} does not divide the {vision_heads} vision attention heads")
-    replica = f"{name('tp', tp)} * {name('cp', cp)} * {name('pp', pp)} = {tp * cp * pp}"
     if vnproc == 0:
-        if world % (tp * cp * pp):
-            raise ValueError(f"{name('world', world)} is not divisible by {replica}")
-        if tp % vtp:
-            raise ValueError(
-                f"{name('vtp', vtp)} does not divide {name('tp', tp)}: on the language model's ranks "
-                f"each vision tensor-parallel group sits inside one of its tensor-parallel groups"
-            )
-        dp = world // (tp * cp * pp)
-        return VisionLayout(world, tp, cp, pp, dp, vtp, tp * cp * dp // vtp, 0)
+        return _colocated(world, tp, cp, pp, vtp, names)
+    return _on_own_ranks(world, tp, cp, pp, vp, vtp, vnproc, names)
+
+
+def _replica(tp: int, cp: int, pp: int, names: dict) -> str:
+    """The ranks of one language model replica, by the settings that make it."""
+    name = partial(named, names)
+    return f"{name('tp', tp)} * {name('cp', cp)} * {name('pp', pp)} = {tp * cp * pp}"
+
+
+def _colocated(world: int, tp: int, cp: int, pp: int, vtp: int, names: dict) -> VisionLayout:
+    """The tower on the language model's first-stage ranks, each vision TP group inside a language one."""
+    name = partial(named, names)
+    if world % (tp * cp * pp):
+        raise ValueError(f"{name('world', world)} is not divisible by {_replica(tp, cp, pp, names)}")
+    if tp % vtp:
+        raise ValueError(
+            f"{name('vtp', vtp)} does not divide {name('tp', tp)}: on the language model's ranks "
+            f"each vision tensor-parallel group sits inside one of its tensor-parallel groups"
+        )
+    dp = world // (tp * cp * pp)
+    return VisionLayout(world, tp, cp, pp, dp, vtp, tp * cp * dp // vtp, 0)
+
+
+def _on_own_ranks(world: int, tp: int, cp: int, pp: int, vp: int, vtp: int, vnproc: int, names: dict) -> VisionLayout:
+    """The tower on ranks ``0..vnproc-1``, the language model on the rest, the bridge between them."""
+    name = partial(named, names)
     if vnproc >= world:
         raise ValueError(f"{name('vnproc', vnproc)} leaves no ranks for the language model ({name('world', world)})")
     if vnproc % vtp:
@@ -155,8 +170,23 @@ def plan(
     if (world - vnproc) % (tp * cp * pp):
         raise ValueError(
             f"{name('world', world)} with {name('vnproc', vnproc)} leaves {world - vnproc} ranks to "
-            f"the language model, not divisible by {replica}"
+            f"the language model, not divisible by {_replica(tp, cp, pp, names)}"
         )
+    _check_bridge_parallelism(cp, vp, vnproc, names)
+    dp, vdp = (world - vnproc) // (tp * pp), vnproc // vtp
+    if vdp % dp and dp % vdp:
+        raise ValueError(
+            f"{name('vnproc', vnproc)} / {name('vtp', vtp)} = {vdp} vision data-parallel ranks and "
+            f"{dp} language data-parallel ranks: one must divide the other (the bridge splits or "
+            f"gathers the batch between them)"
+        )
+    return VisionLayout(world, tp, cp, pp, dp, vtp, vdp, vnproc)
+
+
+def _check_bridge_parallelism(cp: int, vp: int, vnproc: int, names: dict) -> None:
+    """What megatron-core 0.19.2's bridge communicator runs with: context parallel size 1 and the
+    non-interleaved pipeline schedule."""
+    name = partial(named, names)
     if cp > 1:
         raise ValueError(
             f"{name('cp', cp)} with {name('vnproc', vnproc)}: megatron-core 0.19.2's bridge between "
@@ -167,14 +197,6 @@ def plan(
             f"{name('vp', vp)} with {name('vnproc', vnproc)}: only the non-interleaved pipeline "
             f"schedule takes the vision/language communicator"
         )
-    dp, vdp = (world - vnproc) // (tp * pp), vnproc // vtp
-    if vdp % dp and dp % vdp:
-        raise ValueError(
-            f"{name('vnproc', vnproc)} / {name('vtp', vtp)} = {vdp} vision data-parallel ranks and "
-            f"{dp} language data-parallel ranks: one must divide the other (the bridge splits or "
-            f"gathers the batch between them)"
-        )
-    return VisionLayout(world, tp, cp, pp, dp, vtp, vdp, vnproc)
 
 
 def env_table(world: int, tp: int, cp: int, pp: int, vp: int, vtp: int | None, vnproc: int, heads: int) -> list[str]:
