@@ -117,3 +117,24 @@ def test_the_seams_public_functions_are_annotated():
             if names:
                 missing.append(f"{os.path.relpath(path, ROOT)}:{fn.lineno} {fn.name}: {', '.join(names)}")
     assert not missing, "\n".join(missing)
+
+
+LONGEST_FUNCTION = 60  # lines, from ``def`` to its last line
+
+
+def test_no_product_function_is_longer_than_a_screen():
+    """A function a reader takes in at once: the product (``examples/``, ``megatron/cpu``) has none
+    over ``LONGEST_FUNCTION`` lines; a longer one is split into steps with names."""
+    long = []
+    for top in ("examples/multimodal_dev", "megatron/cpu"):
+        for folder, _, names in os.walk(os.path.join(ROOT, top)):
+            for name in sorted(n for n in names if n.endswith(".py")):
+                path = os.path.join(folder, name)
+                with open(path) as f:
+                    tree = ast.parse(f.read())
+                for fn in ast.walk(tree):
+                    if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        lines = fn.end_lineno - fn.lineno + 1
+                        if lines > LONGEST_FUNCTION:
+                            long.append(f"{os.path.relpath(path, ROOT)}:{fn.lineno} {fn.name}: {lines} lines")
+    assert not long, "\n".join(long)
