@@ -481,3 +481,27 @@ def test_a_mistake_found_by_the_training_script_is_one_line_without_tracebacks(t
         in out + err
         and "Traceback" not in out + err
     ), (out + err)[-3000:]
+
+
+def test_the_recipe_example_in_the_docs_runs_as_written():
+    """docs/training.md's Python example: a recipe changed with ``replace`` becomes checked flags, what
+    the host and the model decide filled in; an impossible change is refused by its variable's name."""
+    with open(os.path.join(ROOT, "docs", "training.md")) as f:
+        page = f.read()
+    section = page[page.index("## The run as one value") :]
+    code = section[
+        section.index("```python\n") + len("```python\n") : section.index("```\n", section.index("```python"))
+    ]
+    scope: dict = {}
+    exec(compile(code, "docs/training.md", "exec"), scope)
+    flags = _flags(shlex.join(scope["argv"]))
+    assert (flags["tensor_model_parallel_size"], flags["global_batch_size"], flags["model_variant"]) == (
+        "2",
+        "16",
+        "proxy",
+    )
+    assert flags["sequence_parallel"] is True and flags["moe_grouped_gemm"] is True  # MoE at TP=2; grouped experts
+    assert (flags["transformer_impl"], flags["bf16"]) == ("local", True)
+    bad = scope["replace"](scope["config"], layout=scope["replace"](scope["config"].layout, tp=3))
+    with pytest.raises(run_config.LaunchError, match="TP=3 does not divide"):
+        launch.argv_of(bad, Host(gpu=True))

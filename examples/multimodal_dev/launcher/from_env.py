@@ -16,7 +16,7 @@ from typing import Any
 from ..lora.targets import DEFAULT_TARGETS
 from ..models import DEFAULT_ARCH, ModelShape, get_model_entry
 from . import recipes
-from .run_config import LaunchError, RunConfig, variable_fields
+from .run_config import LaunchError, Model, RunConfig, variable_fields
 from .variables import NAMES
 
 DATASETS = ("mock", "mock_mix", "mock_video", "cord_v2", "jsonl", "energon")
@@ -186,6 +186,14 @@ def choose_model(env: Environment, host: Host, said: list[str]) -> tuple[RunConf
     except (KeyError, ValueError, OSError) as err:
         reason = err.args[0] if isinstance(err, (KeyError, ValueError)) and err.args else err
         raise LaunchError(f"{what}: {reason}") from None
+
+
+def shape_of(model: Model) -> ModelShape:
+    """The shape a run's model section names (a Hugging Face config, tiny's MoE form, or a variant)."""
+    entry = get_model_entry(DEFAULT_ARCH)
+    if model.hf_config:
+        return entry.shape_from_hf(model.hf_config)
+    return entry.shape_fn(model.variant, moe=True) if model.moe else entry.shape_fn(model.variant)
 
 
 def overlay(config: RunConfig, env: Environment) -> RunConfig:

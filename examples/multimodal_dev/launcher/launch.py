@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .checks import validate, vision_table
-from .from_env import Host, from_env
-from .megatron_argv import said_after_checks, torchrun_argv
+from .from_env import Host, from_env, resolve, shape_of
+from .megatron_argv import said_after_checks, to_megatron_argv, torchrun_argv
 from .run_config import LaunchError, RunConfig
 
 PROG = "run_qwen35_vl.sh"
@@ -106,6 +106,15 @@ def prepare(environ: Mapping[str, str], argv: list[str], host: Host, launch: Lau
     )
     launch.said += table
     return launch
+
+
+def argv_of(config: RunConfig, host: Host) -> list[str]:
+    """The training script's flags for a run built in Python (a recipe, changed with
+    ``dataclasses.replace``): resolved for ``host`` and checked as the script checks its variables."""
+    shape = shape_of(config.model)
+    config = resolve(config, shape, host, [])
+    validate(config, shape, host)
+    return to_megatron_argv(config, host)
 
 
 def plan_lines(config: RunConfig) -> list[str]:

@@ -133,7 +133,9 @@ def _checkpoints(config: RunConfig) -> list[str]:
 
 
 def to_megatron_argv(config: RunConfig, host: Host) -> list[str]:
-    """The training script's arguments for a checked, resolved run."""
+    """The training script's arguments for a checked, resolved run (``launch.argv_of`` makes one)."""
+    if config.backend.transformer_impl is None:
+        raise ValueError("the run is not resolved for a host (launch.argv_of resolves and checks it)")
     lay, b = config.layout, config.batch
     named = _pairs(
         ("--model-arch", DEFAULT_ARCH), ("--model-variant", config.model.variant), ("--seq-length", b.seq_len)
