@@ -190,7 +190,8 @@ def test_the_tool_prints_the_memory_and_time_parts(capsys):
         "EP" in out
         and "bubble" in out
         and "\n   run (DP=" in out
-        and "PACKING=tokens SEQ_LEN=4096 GBS=512 bash run_qwen35_vl.sh" in out
+        and "run (DP=4): MODEL_VARIANT=35b_a3b TP=2" in out
+        and "GBS=512 NPROC=8 sbatch --nodes=2 examples/multimodal_dev/launcher/qwen35_vl.sbatch" in out
     )
     assert tool.main(["35b_a3b", "--brief"]) == 0
     brief = capsys.readouterr().out.strip()

@@ -44,7 +44,7 @@ def parallel_sizes(config: RunConfig, shape: ModelShape, host: Host) -> str | No
     experts), then the process counts."""
     lay, t = config.layout, shape.text
     tp, cp, ep, etp, pp, lang = lay.tp, lay.cp, lay.ep, lay.expert_tp, lay.pp, lay.language_ranks
-    lang_name = "(NPROC-VISION_NPROC)" if lay.vision_nproc else "NPROC"
+    lang_name = f"({lay.world_name}-VISION_NPROC)" if lay.vision_nproc else lay.world_name
     seq_len = config.batch.seq_len
     first = (
         (not lay.sp or tp > 1, "SP=1 needs TP>1 (sequence parallelism splits the sequence over TP ranks)"),
@@ -63,13 +63,24 @@ def parallel_sizes(config: RunConfig, shape: ModelShape, host: Host) -> str | No
         f"{line} ({variant})"
         for line in model_of(shape).parallel_problems(shape, tp, cp, ep, names=VARIABLES, vision=False)
     ]
+    world = f"{lay.world_name}={lay.processes}"
     ranks = (
-        (lang > 0, f"VISION_NPROC={lay.vision_nproc} leaves no ranks for the language model (NPROC={lay.processes})"),
+        (lang > 0, f"VISION_NPROC={lay.vision_nproc} leaves no ranks for the language model ({world})"),
         (lang % (tp * cp * pp) == 0, f"{lang_name}={lang} is not divisible by TP*CP*PP={tp * cp * pp}"),
         ((lang // pp) % (ep * etp) == 0, f"EP={ep}: {lang_name}/PP={lang // pp} is not divisible by EP*ETP={ep * etp}"),
     )
     problems = [m for ok, m in first if not ok] + model + [m for ok, m in ranks if not ok]
     return problems[0] if problems else None
+
+
+def nodes(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
+    """Where the nodes meet, and this node's place among them."""
+    lay, launch = config.layout, config.launcher
+    if launch.node_rank >= lay.nnodes:
+        return f"NODE_RANK={launch.node_rank} must be below NNODES={lay.nnodes} (nodes count from 0)"
+    if lay.nnodes > 1 and not launch.master_addr:
+        return f"NNODES={lay.nnodes} needs MASTER_ADDR: the host of node 0, where the nodes meet"
+    return None
 
 
 def batch(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
@@ -154,6 +165,7 @@ CHECKS: tuple[Check, ...] = (
     within_limits,
     lr_schedule,
     pipeline_split,
+    nodes,
     parallel_sizes,
     batch,
     vision_layout,

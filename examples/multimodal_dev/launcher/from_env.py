@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..lora.targets import DEFAULT_TARGETS
 from ..models import DEFAULT_ARCH, ModelShape, get_model_entry
-from . import recipes
+from . import recipes, slurm
 from .run_config import LaunchError, Model, RunConfig, variable_fields
 from .variables import NAMES
 
@@ -30,13 +30,15 @@ class Host:
 
 @dataclass
 class Environment:
-    """The variables set (an empty value reads as unset, as ``${NAME:-default}`` does)."""
+    """The variables set (an empty value reads as unset, as ``${NAME:-default}`` does), over the
+    defaults of the SLURM step the launch runs in (``slurm.py``)."""
 
     environ: Mapping[str, str]
+    step: dict[str, str] = field(default_factory=dict)
 
     def get(self, name: str) -> str | None:
         assert name in NAMES, f"{name} is not in variables.py's table"
-        return self.environ.get(name) or None
+        return self.environ.get(name) or self.step.get(name)
 
 
 def _positive(name: str, text: str) -> int:
@@ -133,7 +135,8 @@ PARSERS: dict[str, Callable[[str, str], Any]] = {
     "GROUPED_EXPERTS": _switch(" (1: grouped GEMM experts, 0: SequentialMLP)"),
     "MOE_DISPATCHER": _one_of("allgather", "alltoall"),
     "TRANSFORMER_IMPL": _one_of("transformer_engine", "local"),
-    **dict.fromkeys(("MASTER_PORT", "GPUS"), _positive),
+    **dict.fromkeys(("MASTER_PORT", "GPUS", "NNODES"), _positive),
+    "NODE_RANK": _non_negative,
     "DRY_RUN": _switch(),
     **dict.fromkeys(
         (
@@ -146,6 +149,7 @@ PARSERS: dict[str, Callable[[str, str], Any]] = {
             "CKPT_RESUME",
             "LORA_ALPHA",
             "LORA_TARGETS",
+            "MASTER_ADDR",
         ),
         _text,
     ),
@@ -242,5 +246,12 @@ def from_env(environ: Mapping[str, str], host: Host, said: list[str]) -> tuple[R
     """(the run, the model's shape, what to say once the checks pass); ``said`` gets what to say
     before them. LaunchError names the first variable that is malformed."""
     env, after = Environment(environ), []
+    try:
+        env.step = slurm.step_nodes(environ)
+    except ValueError as err:
+        raise LaunchError(err.args[0]) from None
+    taken = {k: v for k, v in env.step.items() if not environ.get(k)}
+    if taken:
+        said.append(f"SLURM step: {' '.join(f'{k}={v}' for k, v in taken.items())} (the variables override)")
     config, shape = choose_model(env, host, said)
     return resolve(overlay(config, env), shape, host, after), shape, after

@@ -101,7 +101,9 @@ def prepare(environ: Mapping[str, str], argv: list[str], host: Host, launch: Lau
     b, d = config.batch, config.data
     launch.said.append(
         f"{config.model.variant}, TP={lay.tp} CP={lay.cp} EP={lay.ep} PP={lay.pp} VP={lay.vp} "
-        f"SP={int(bool(lay.sp))} NPROC={lay.processes}, dataset {d.dataset}, packing {b.packing}, "
+        f"SP={int(bool(lay.sp))} NPROC={lay.per_node}"
+        + (f" NNODES={lay.nnodes} NODE_RANK={config.launcher.node_rank}" if lay.nnodes > 1 else "")
+        + f", dataset {d.dataset}, packing {b.packing}, "
         f"{b.train_iters} iterations"
     )
     launch.said += table

@@ -14,6 +14,7 @@ from .from_env import Host, lora_on_experts
 from .run_config import RunConfig
 
 MODULE = "examples.multimodal_dev.pretrain_multimodal"
+DEFAULT_PORT = 29500  # where several nodes meet unless MASTER_PORT says otherwise: every node must agree
 # the user's-data settings: (field of Data, flag); a switch adds its flag alone
 OWN_DATA = (
     ("valid_data_path", "--eval-data-path"),
@@ -166,11 +167,15 @@ def to_megatron_argv(config: RunConfig, host: Host) -> list[str]:
 def torchrun_argv(config: RunConfig, host: Host, extra: list[str]) -> list[str]:
     """torchrun's own arguments, then the training script's and the user's ``extra`` flags. Several runs
     may share a host: without MASTER_PORT, torchrun --standalone picks a free port."""
-    port = config.launcher.master_port
-    rdzv = ["--master-port", str(port)] if port else ["--standalone"]
+    launch, nnodes = config.launcher, config.layout.nnodes
+    if nnodes > 1:  # torchrun's static rendezvous: node 0 holds the store, ranks are numbered by node
+        where = ("--master-addr", launch.master_addr), ("--master-port", launch.master_port or DEFAULT_PORT)
+        rdzv = _pairs(("--nnodes", nnodes), ("--node-rank", launch.node_rank), *where)
+    else:
+        rdzv = ["--master-port", str(launch.master_port)] if launch.master_port else ["--standalone"]
     # the training script runs as a module of the package examples.multimodal_dev (PYTHONPATH holds the
     # repository root), so no folder of the example shadows an installed package
-    nproc = ["--nproc-per-node", str(config.layout.processes)]
+    nproc = ["--nproc-per-node", str(config.layout.per_node)]
     return [*nproc, *rdzv, "--module", MODULE, *to_megatron_argv(config, host), *extra]
 
 

@@ -42,7 +42,8 @@ class Layout:
     pp_first: int = variable("PP_FIRST", 0)  # 0: megatron-core's even split
     pp_last: int = variable("PP_LAST", 0)
     sp: bool | None = variable("SP")  # derived: on for MoE with tp > 1 (megatron-core requires it)
-    nproc: int | None = variable("NPROC")  # derived: tp * cp * pp + vision_nproc
+    nproc: int | None = variable("NPROC")  # on each node; derived: (tp * cp * pp + vision_nproc) / nnodes
+    nnodes: int = variable("NNODES", 1)
     vision_tp: int | None = variable("VISION_TP")  # None: vision_ranks/layout.py's default
     vision_nproc: int = variable("VISION_NPROC", 0)
 
@@ -51,8 +52,21 @@ class Layout:
         return self.tp if self.etp is None else self.etp
 
     @property
+    def per_node(self) -> int:
+        """Processes on each node (NPROC): unset, the fewest that hold the layout, shared by the nodes."""
+        return (
+            -(-(self.tp * self.cp * self.pp + self.vision_nproc) // self.nnodes) if self.nproc is None else self.nproc
+        )
+
+    @property
     def processes(self) -> int:
-        return self.tp * self.cp * self.pp + self.vision_nproc if self.nproc is None else self.nproc
+        """The world: every node's processes."""
+        return self.per_node * self.nnodes
+
+    @property
+    def world_name(self) -> str:
+        """How messages name the world: NPROC on one node, NNODES*NPROC on several."""
+        return "NPROC" if self.nnodes == 1 else "NNODES*NPROC"
 
     @property
     def language_ranks(self) -> int:
@@ -148,6 +162,8 @@ class Backend:
 @dataclass(frozen=True)
 class Launcher:
     master_port: int | None = variable("MASTER_PORT")  # None: torchrun --standalone picks a free one
+    node_rank: int = variable("NODE_RANK", 0)
+    master_addr: str | None = variable("MASTER_ADDR")  # node 0's host, where several nodes meet
     dry_run: bool = variable("DRY_RUN", False)
     gpus: int | None = variable("GPUS")  # DRY_RUN: the cluster to plan a layout for
 

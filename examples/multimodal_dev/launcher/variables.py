@@ -16,7 +16,18 @@ VARIABLES: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("VP",), "1", "virtual pipeline stages per pipeline rank (the interleaved schedule)"),
     (("PP_FIRST", "PP_LAST"), "even split", "decoder layers on the first / last pipeline stage"),
     (("SP",), "1 for MoE with `TP>1` (megatron-core requires it), else 0", "sequence parallelism over the TP ranks"),
-    (("NPROC",), "`TP*CP*PP`", "processes (torchrun) on this node"),
+    (("NPROC",), "`TP*CP*PP` (+`VISION_NPROC`) / `NNODES`", "processes (torchrun) on each node"),
+    (
+        ("NNODES", "NODE_RANK"),
+        "1, 0; in an `srun` step the step's node count and this node's id (`SLURM_STEP_NUM_NODES`, `SLURM_NODEID`)",
+        "nodes of the run and this node's place among them: every node runs the script with the same settings "
+        "and its own `NODE_RANK` (`NNODES*NPROC` processes in all; [docs/training.md](docs/training.md#many-nodes))",
+    ),
+    (
+        ("MASTER_ADDR",),
+        "unset; in an `srun` step the first host of `SLURM_STEP_NODELIST`",
+        "`NNODES>1`: the host of node 0, where the ranks meet (torchrun's static rendezvous on `MASTER_PORT`)",
+    ),
     (
         ("DATASET",),
         "`mock`",
@@ -147,7 +158,11 @@ VARIABLES: tuple[tuple[tuple[str, ...], str, str], ...] = (
         "`transformer_engine` on a GPU host where it imports, else `local` (the script says which)",
         "module backend; both write the same checkpoint keys (Transformer Engine / Megatron-Bridge names)",
     ),
-    (("MASTER_PORT",), "a free port (`torchrun --standalone`)", "rendezvous port, for runs that span nodes"),
+    (
+        ("MASTER_PORT",),
+        "a free port (`torchrun --standalone`); 29500 where `NNODES>1`",
+        "rendezvous port on `MASTER_ADDR`, the same on every node",
+    ),
     (
         ("FORK_RANKS",),
         "1 without CUDA where `NPROC` exceeds the cores, else 0",
@@ -179,7 +194,11 @@ LIMITS: tuple[tuple[tuple[str, ...], int, str], ...] = (
     (("SEQ_LEN",), 2**24, "rotary positions are exact in fp32 up to 2^24"),
     (("PACKED_SEQ_LENGTH",), 2**24, "rotary positions are exact in fp32 up to 2^24"),
     *(((name,), INT64, ITERATIONS) for name in ("TRAIN_ITERS", "SAVE_INTERVAL", "LR_WARMUP_ITERS", "LR_DECAY_ITERS")),
-    *(((name,), INT32, RANKS) for name in ("TP", "CP", "EP", "ETP", "PP", "VP", "VISION_TP", "VISION_NPROC", "NPROC")),
+    *(
+        ((name,), INT32, RANKS)
+        for name in ("TP", "CP", "EP", "ETP", "PP", "VP", "VISION_TP", "VISION_NPROC", "NPROC", "NNODES")
+    ),
+    (("NODE_RANK",), INT32, RANKS),
     (("GPUS",), INT32, RANKS),
     (("LORA_RANK",), INT32, "an adapter's rank is a GEMM dimension, int32 in cuBLAS"),
     # the largest a record's own video keys may ask (data/video.py's OVERRIDE_LIMITS; a test holds them equal)
@@ -189,6 +208,7 @@ LIMITS: tuple[tuple[tuple[str, ...], int, str], ...] = (
     (("MASTER_PORT",), 65535, "the largest TCP port"),
     # products after their factors: a value past its own limit is named alone
     (("MBS", "SEQ_LEN"), INT32, "a micro-batch's tokens are indexed by int32 cu_seqlens"),
+    (("NNODES", "NPROC"), INT32, RANKS),
     (("TRAIN_ITERS", "GBS", "SEQ_LEN"), INT64, "the tokens a run sees are counted in int64"),
 )
 

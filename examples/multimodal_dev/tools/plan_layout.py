@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import shlex
 import sys
 import time
 
@@ -299,9 +300,23 @@ def notes(plan) -> str:
     return f"(DP={plan.candidate.layout.dp}" + (", recompute full)" if plan.candidate.recompute else ")")
 
 
+SBATCH = "examples/multimodal_dev/launcher/qwen35_vl.sbatch"
+
+
 def command(plan, request) -> str:
+    """What to run for the plan, as printed: the model, the layout, the processes on each node; on
+    several nodes through the sbatch script (one launcher a node: NNODES, NODE_RANK and MASTER_ADDR come
+    from the SLURM step, launcher/slurm.py)."""
+    from examples.multimodal_dev.models import default_model
+
     flags = (f" {RECOMPUTE_FLAGS}" if plan.candidate.recompute else "") + extra_flags(request)
-    return f"{run_settings(plan, request)} bash run_qwen35_vl.sh{flags}"
+    in_table = request.name in default_model().variants
+    model = f"MODEL_VARIANT={request.name}" if in_table else f"HF_CONFIG={shlex.quote(request.name)}"
+    nodes = max(request.gpus // request.hardware.gpus_per_node, 1)
+    settings = f"{model} {run_settings(plan, request)} NPROC={request.gpus // nodes}"
+    if nodes == 1:
+        return f"{settings} bash run_qwen35_vl.sh{flags}"
+    return f"{settings} sbatch --nodes={nodes} {SBATCH}{flags}"
 
 
 def no_fit_advice(result) -> str:

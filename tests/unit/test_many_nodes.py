@@ -1,0 +1,123 @@
+"""Many nodes before any rank starts: torchrun's multi-node arguments from ``NNODES``, ``NODE_RANK``,
+``MASTER_ADDR``; the node count checked against the layout; the SLURM step's defaults; and the
+planner's printed command for 397b_a17b on 256 GPUs run as printed through the sbatch script (with
+a stand-in ``srun`` for node 5 of 32)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from examples.multimodal_dev.launcher import launch
+from examples.multimodal_dev.launcher.from_env import Host
+from examples.multimodal_dev.launcher.slurm import first_host, step_nodes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _torchrun(env: dict, gpu: bool = False) -> list[str]:
+    return launch.prepare({"DRY_RUN": "1", **env}, [], Host(gpu), launch.Launch()).torchrun
+
+
+def _own(words: list[str], flag: str) -> str:
+    """A torchrun argument's value (before the training module)."""
+    return words[words.index(flag, 0, words.index("--module")) + 1]
+
+
+def test_nodes_reach_torchrun_as_a_static_rendezvous_on_node_0():
+    words = _torchrun(dict(NNODES="2", NODE_RANK="1", MASTER_ADDR="10.0.0.1", NPROC="2", TP="2"))
+    assert [_own(words, f) for f in ("--nnodes", "--node-rank", "--master-addr", "--master-port")] == [
+        "2",
+        "1",
+        "10.0.0.1",
+        "29500",  # every node must agree on the port: no free one picked per node
+    ]
+    assert _own(words, "--nproc-per-node") == "2" and "--standalone" not in words
+    # unset, NPROC shares the layout's processes between the nodes
+    words = _torchrun(dict(NNODES="2", MASTER_ADDR="h", MASTER_PORT="31000", TP="2"))
+    assert (_own(words, "--nproc-per-node"), _own(words, "--master-port")) == ("1", "31000")
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (dict(NNODES="2"), "NNODES=2 needs MASTER_ADDR: the host of node 0, where the nodes meet"),
+        (dict(NNODES="2", NODE_RANK="2", MASTER_ADDR="h"), "NODE_RANK=2 must be below NNODES=2"),
+        (dict(NNODES="3", TP="2", MASTER_ADDR="h"), "NNODES\\*NPROC=3 is not divisible by TP\\*CP\\*PP=2"),
+        (dict(NNODES="2", NPROC="2", MASTER_ADDR="h", GBS="6"), "GBS=6 is not a multiple of MBS\\*DP=8"),
+        (dict(NNODES="0"), "NNODES=0 must be a positive integer"),
+        (dict(NODE_RANK="-1"), "NODE_RANK=-1 must be a non-negative integer"),
+        (
+            dict(NNODES="2", NPROC="2", MASTER_ADDR="h", VISION_NPROC="4"),
+            "VISION_NPROC=4 leaves no ranks for the language model \\(NNODES\\*NPROC=4\\)",
+        ),
+    ],
+)
+def test_a_node_count_that_does_not_fit_the_layout_is_refused_by_name(env, message):
+    with pytest.raises(launch.LaunchError, match=message):
+        _torchrun(env)
+
+
+@pytest.mark.parametrize(
+    "nodelist, first",
+    [("node007", "node007"), ("gpu[017-020]", "gpu017"), ("a[3,5-9]-ib,b1", "a3-ib"), ("x1,x2", "x1")],
+)
+def test_the_first_host_of_a_slurm_host_list(nodelist, first):
+    assert first_host(nodelist) == first
+
+
+def test_a_slurm_step_gives_the_nodes_and_the_variables_override_it():
+    step = dict(SLURM_STEP_NUM_NODES="4", SLURM_NODEID="3", SLURM_STEP_NODELIST="gpu[017-020]", SLURM_JOB_ID="9")
+    assert step_nodes(step) == dict(NNODES="4", NODE_RANK="3", MASTER_ADDR="gpu017")
+    assert step_nodes(dict(SLURM_JOB_ID="9", SLURM_NNODES="4")) == {}  # the batch script itself: not a node
+    plan = launch.prepare({"DRY_RUN": "1", "GBS": "8", **step}, [], Host(False), launch.Launch())
+    words = plan.torchrun
+    assert (_own(words, "--nnodes"), _own(words, "--node-rank"), _own(words, "--master-addr")) == ("4", "3", "gpu017")
+    assert "SLURM step: NNODES=4 NODE_RANK=3 MASTER_ADDR=gpu017 (the variables override)" in plan.said
+    words = _torchrun({**step, "GBS": "8", "MASTER_ADDR": "10.1.1.1", "NODE_RANK": "0"})
+    assert (_own(words, "--node-rank"), _own(words, "--master-addr")) == ("0", "10.1.1.1")
+
+
+def test_the_planners_command_for_397b_on_256_gpus_runs_as_printed_under_slurm(tmp_path):
+    """The printed line: its settings, then ``sbatch --nodes=32`` of the repository's script. Run as
+    sbatch runs it (the script, from the submit directory) with ``srun`` standing in for node 5."""
+    done = subprocess.run(
+        [sys.executable, "-m", "examples.multimodal_dev.tools.plan_layout", "397b_a17b", "--gpus", "256", "--top", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    line = done.stdout.strip().splitlines()[-1].split("): ", 1)[1]
+    words = shlex.split(line)
+    sbatch = words.index("sbatch")
+    settings = dict(word.split("=", 1) for word in words[:sbatch])
+    assert words[sbatch + 1 : sbatch + 3] == ["--nodes=32", "examples/multimodal_dev/launcher/qwen35_vl.sbatch"]
+    assert settings["MODEL_VARIANT"] == "397b_a17b" and settings["NPROC"] == "8"
+    srun = tmp_path / "srun"  # node 5 of the step: SLURM's variables, then the task's command
+    srun.write_text(
+        "#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift; done\n"
+        "export SLURM_STEP_NUM_NODES=32 SLURM_NODEID=5 'SLURM_STEP_NODELIST=gpu[001-032]'\nexec \"$@\"\n"
+    )
+    srun.chmod(0o755)
+    env = {**os.environ, **settings, "DRY_RUN": "1", "SLURM_SUBMIT_DIR": ROOT}
+    env["PATH"] = f"{tmp_path}{os.pathsep}{env['PATH']}"
+    spooled = tmp_path / "slurm_script"  # sbatch runs a copy of the script, from its spool folder
+    shutil.copy(os.path.join(ROOT, words[sbatch + 2]), spooled)
+    run = subprocess.run(
+        ["bash", str(spooled), *words[sbatch + 3 :]], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    torchrun = shlex.split(run.stdout.strip().splitlines()[-1])
+    assert [_own(torchrun[1:], f) for f in ("--nproc-per-node", "--nnodes", "--node-rank", "--master-addr")] == [
+        "8",
+        "32",
+        "5",
+        "gpu001",
+    ]
+    assert "--recompute-granularity" in torchrun  # the planner's extra flags reach the training script
