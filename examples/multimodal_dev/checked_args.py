@@ -67,6 +67,10 @@ def checked_args() -> argparse.Namespace:
         run_checks.check_sequence_length(args)
         defaults = {**engine_defaults(), **run_checks.vision_defaults(args, int(os.environ.get("WORLD_SIZE", "1")))}
         with vision_ranks.language_world(args):  # megatron sizes data parallelism from the language model's ranks
+            # megatron's parse read WORLD_SIZE, the whole world's, into these two
+            args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+            if "inprocess_active_world_size" not in typed:
+                args.inprocess_active_world_size = args.world_size
             validated(args, defaults)
         run_checks.stop_at_first_nan(args, typed)
         optimizer_format.default_to_reshardable(args)
