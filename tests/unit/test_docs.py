@@ -219,8 +219,12 @@ def test_table_rows_have_the_headers_columns():
     assert not uneven, "table rows of another width:\n" + "\n".join(uneven)
 
 
-# Flags of the outside tools the pages show (pip, torchrun, ruff), which no command here defines.
-OUTSIDE_FLAGS = {"--find-links", "--no-index", "--platform", "--format", "--standalone", "--nproc-per-node", "--fix"}
+# Flags of the outside tools the pages show (pip, torchrun, ruff, sbatch and srun), which no command here defines.
+OUTSIDE_FLAGS = {
+    *("--find-links", "--no-index", "--platform", "--format", "--fix"),
+    *("--standalone", "--nproc-per-node", "--rdzv-conf"),
+    *("--nodes", "--kill-on-bad-exit"),
+}
 
 # Builds each command's argument parser as a run would and records every option it (and its
 # subcommands) takes, stopping at the parse: {command: [flags]}.
