@@ -6,7 +6,8 @@ work around it, in one visible order:
               megatron.training's save_checkpoint (every DP rank's RNG state: rng_per_rank.py)
     after     the token-budget plan's position                                  plan_state.py
               this DP rank's loader position                                    loader_state.py
-              the crc32 of the files this rank wrote                            shard_checksums.py
+              the crc32 of the files this rank wrote, and every rank's seen     shard_checksums.py
+              here (many nodes: one shared folder)
               (with --async-save, in the save's finalize step: ``with_checksums_recorded``)
 
 The after-hooks run inside the full-disk guard: a disk that fills while they write is one line too.
@@ -34,13 +35,19 @@ def _record_checksums(iteration, args) -> None:
     if args.save and not getattr(args, "async_save", False):
         directory = iteration_dir(args.save, iteration)
         if os.path.isdir(directory):  # megatron's local (non-persistent) checkpoints are elsewhere
-            shard_checksums.record(directory, _rank())
+            shard_checksums.check_every_rank_saved_here(directory, _rank(), _world())
 
 
 def _rank() -> int:
     import torch
 
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _world() -> int:
+    import torch
+
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
 BEFORE = (finite_guard.refuse_nonfinite, _expect_async_save)  # hook(iteration, model, args)
@@ -54,7 +61,8 @@ def with_checksums_recorded(schedule_async_save, run=None):
     @functools.wraps(schedule_async_save)
     def schedule(request):
         if _async_save_of:
-            request.add_finalize_fn(functools.partial(shard_checksums.record, _async_save_of.pop(), _rank()))
+            check = shard_checksums.check_every_rank_saved_here
+            request.add_finalize_fn(functools.partial(check, _async_save_of.pop(), _rank(), _world()))
         return schedule_async_save(request)
 
     return schedule

@@ -56,6 +56,34 @@ def record(directory: str, rank: int) -> None:
     os.replace(path + ".partial", path)
 
 
+def ranks_unseen(directory: str, world: int) -> list[int]:
+    """The ranks whose record this process cannot see in ``directory``: on many nodes, every node must
+    write one shared folder; a node that saved to a disk of its own leaves the others' view without
+    its ranks' shards."""
+    folder = os.path.join(directory, RECORD_DIR)
+    return [r for r in range(world) if not os.path.isfile(os.path.join(folder, f"{r}.json"))]
+
+
+def check_every_rank_saved_here(directory: str, rank: int, world: int) -> None:
+    """This rank's record of ``directory``, then, once every rank has written its own (a barrier), the
+    ranks whose files this rank's filesystem lacks: the checkpoint would not load, so the run stops now
+    in one line on every rank, rather than at the next load."""
+    import torch.distributed as dist
+
+    from examples.multimodal_dev.console import fail
+
+    record(directory, rank)
+    if world > 1 and dist.is_initialized():
+        dist.barrier()
+    unseen = ranks_unseen(directory, world)
+    if unseen:
+        shown = ", ".join(map(str, unseen[:8])) + (", ..." if len(unseen) > 8 else "")
+        fail(
+            f"checkpoint {directory}: rank {rank} does not see the files of rank(s) {shown}: every node must save "
+            "to one shared folder (a node-local disk at the same path splits the checkpoint)"
+        )
+
+
 def recorded(directory: str) -> dict[str, list[int]]:
     """{file name: [size, crc32]} over every rank's record (empty where none was written)."""
     folder = os.path.join(directory, RECORD_DIR)
