@@ -2,7 +2,7 @@
 
 Megatron's own model flags (``--num-layers``, ``--hidden-size``, ...) default to the numbers of the
 shape ``--model-variant`` / ``--hf-config-path`` names (``models/megatron_args.py``'s
-``with_model_shape``); one given must equal the shape's, and a mismatch names both values.
+``apply_model_shape``); one given must equal the shape's, and a mismatch names both values.
 """
 
 from __future__ import annotations

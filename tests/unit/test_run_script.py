@@ -15,8 +15,8 @@ from examples.multimodal_dev.checkpoint.run_shape import declared_shape
 from examples.multimodal_dev.launcher import from_env, launch, run_config
 from examples.multimodal_dev.launcher import variables as run_variables
 from examples.multimodal_dev.launcher.from_env import Host
-from examples.multimodal_dev.models.common.config_from_args import megatron_parser
-from examples.multimodal_dev.models.megatron_args import check_model_flags, with_model_shape
+from examples.multimodal_dev.models.common.config_from_args import given_flags, megatron_parser
+from examples.multimodal_dev.models.megatron_args import apply_model_shape, check_model_flags
 from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS, get_variant
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -45,18 +45,25 @@ def _flags(command: str) -> dict:
     return out
 
 
+def _as_the_training_script_reads(argv: list[str]):
+    """``argv`` parsed once, the model flags it does not give taken from the shape it names (checked_args)."""
+    parser = megatron_parser(add_multimodal_args)
+    args = parser.parse_args(argv)
+    apply_model_shape(args, declared_shape(args)[0], given_flags(parser, argv))
+    return args
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_the_dry_run_command_gives_megatron_the_variants_numbers(variant):
-    """The command names the model; the training script's parser (``with_model_shape``) gives
-    megatron's model flags the variant's numbers, and ``check_model_flags`` accepts them."""
+    """The command names the model; the training script (``apply_model_shape`` after its one parse)
+    gives megatron's model flags the variant's numbers, and ``check_model_flags`` accepts them."""
     rc, out, err = _script(MODEL_VARIANT=variant)
     assert rc == 0, err
     words = shlex.split(out.strip().splitlines()[-1])
     argv = words[words.index("examples.multimodal_dev.pretrain_multimodal") + 1 :]
     assert not {"--num-layers", "--hidden-size", "--num-experts", "--vocab-size"} & set(argv)  # said once: the table
-    named = megatron_parser(add_multimodal_args).parse_args(argv)
-    shape, source = declared_shape(named)
-    args = megatron_parser(with_model_shape(add_multimodal_args, shape, named.seq_length)).parse_args(argv)
+    args = _as_the_training_script_reads(argv)
+    shape, source = declared_shape(args)
     text = get_variant(variant).text
     assert shape == get_variant(variant) and args.model_variant == variant
     assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (
@@ -79,9 +86,7 @@ def test_the_dry_run_command_gives_megatron_the_variants_numbers(variant):
     else:
         assert args.num_experts is None and args.ffn_hidden_size == text.ffn_hidden_size
     check_model_flags(args, shape, source)
-    given = megatron_parser(with_model_shape(add_multimodal_args, shape, named.seq_length)).parse_args(
-        argv + ["--num-layers", str(text.num_layers + 1)]
-    )
+    given = _as_the_training_script_reads(argv + ["--num-layers", str(text.num_layers + 1)])
     with pytest.raises(ValueError, match=f"--num-layers {text.num_layers + 1} \\(the variant '{variant}' has "):
         check_model_flags(given, shape, source)  # a flag given wins over the default, and must agree
 

@@ -1,6 +1,6 @@
 """megatron.training's model flags as read from a model shape: the numbers a run's flags must equal,
 what a checkpoint stores as ``args``, and the defaults of megatron's model flags that the training
-script takes from the shape (``with_model_shape``).
+script takes from the shape (``apply_model_shape``).
 
 The shape table (``qwen35_vl/configuration.py``) is the only copy of the numbers; everything here
 reads them from a shape.
@@ -82,7 +82,7 @@ def one_process_checkpoint_args(shape, save: str, hf_config_path: str, **extra):
 
 def model_flag_defaults(shape, seq_length: int | None) -> dict:
     """The values megatron's model flags take for ``shape`` when the command line does not give them:
-    the training script makes them its parser's defaults (``with_model_shape``), so the numbers reach
+    the training script sets them after its parse (``apply_model_shape``), so the numbers reach
     megatron from the one shape table, never typed twice. A flag given still wins, and must agree
     (``check_model_flags``)."""
     t = shape.text
@@ -99,19 +99,8 @@ def model_flag_defaults(shape, seq_length: int | None) -> dict:
 
 
 def apply_model_shape(args, shape, typed: dict[str, str]) -> None:
-    """``args`` as ``with_model_shape``'s parser would have read them: each model flag the command line
-    did not give (``typed``: dest -> the option written) takes the shape's value."""
+    """``args`` with each model flag the command line did not give (``typed``: dest -> the option
+    written) set to the shape's value, as parser defaults would have set it."""
     for dest, value in model_flag_defaults(shape, args.seq_length).items():
         if dest not in typed:
             setattr(args, dest, value)
-
-
-def with_model_shape(extra_args_provider, shape, seq_length: int | None):
-    """``extra_args_provider`` for megatron's parser that also defaults its model flags to ``shape``."""
-
-    def provider(parser):
-        parser = extra_args_provider(parser)
-        parser.set_defaults(**model_flag_defaults(shape, seq_length))
-        return parser
-
-    return provider
