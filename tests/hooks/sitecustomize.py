@@ -37,18 +37,13 @@ import sys
 # The tests' warm engine: the torchrun launcher (python -m examples.multimodal_dev.launcher.torchrun ...)
 # hands its arguments to the server before it imports anything, and ends with the job's status; a server
 # that refuses the launch or does not answer has said why, and the launcher starts cold
-_TORCHRUN = "examples.multimodal_dev.launcher.torchrun"
-_argv = sys.orig_argv
-if (
-    os.environ.get("ENGINE_SERVER")
-    and "-m" in _argv
-    and _argv[_argv.index("-m") + 1 : _argv.index("-m") + 2] == [_TORCHRUN]
-):
+_TORCHRUN = ["-m", "examples.multimodal_dev.launcher.torchrun"]
+if os.environ.get("ENGINE_SERVER") and sys.orig_argv[1:3] == _TORCHRUN:  # as launcher/launch.py execs it
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from engine_handover import hand_over
 
     del sys.path[0]
-    _status = hand_over(_argv[_argv.index("-m") + 2 :])
+    _status = hand_over(sys.orig_argv[3:])
     if _status is not None:
         sys.stdout.flush()
         sys.stderr.flush()

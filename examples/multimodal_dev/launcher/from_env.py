@@ -161,7 +161,6 @@ READ_BY_TORCHRUN = ("FORK_RANKS",)
 
 def choose_model(env: Environment, host: Host, said: list[str]) -> tuple[RunConfig, ModelShape]:
     """The recipe and the model's shape, from HF_CONFIG, the import in CKPT_LOAD, MOE or MODEL_VARIANT."""
-    model = get_model_entry(DEFAULT_ARCH)  # the script trains the registry's default architecture
     hf_config, ckpt_load = env.get("HF_CONFIG"), env.get("CKPT_LOAD")
     if not hf_config and ckpt_load and os.path.isfile(os.path.join(ckpt_load, "hf_config.json")):
         hf_config = os.path.join(ckpt_load, "hf_config.json")
@@ -177,16 +176,14 @@ def choose_model(env: Environment, host: Host, said: list[str]) -> tuple[RunConf
     moe = _switch()("MOE", env.get("MOE") or "0")
     config = recipes.for_host(variant, host.gpu)
     what = f"HF_CONFIG={hf_config}" if hf_config else "MOE=1" if moe else f"MODEL_VARIANT={variant}"
+    if hf_config:
+        config = recipes.with_shape_from(config, hf_config)
+    elif moe:  # tiny with 4 experts (top-2), for expert-parallel runs on CPU
+        if variant != "tiny":
+            raise LaunchError(f"MOE=1 applies to MODEL_VARIANT=tiny only ({variant} is fixed)")
+        config = replace(config, model=replace(config.model, moe=True))
     try:
-        if hf_config:
-            return recipes.with_shape_from(config, hf_config), model.shape_from_hf(hf_config)
-        if moe:  # tiny with 4 experts (top-2), for expert-parallel runs on CPU
-            if variant != "tiny":
-                raise LaunchError(f"MOE=1 applies to MODEL_VARIANT=tiny only ({variant} is fixed)")
-            return replace(config, model=replace(config.model, moe=True)), model.shape_fn("tiny", moe=True)
-        return config, model.shape_fn(variant)
-    except LaunchError:
-        raise
+        return config, shape_of(config.model)
     except (KeyError, ValueError, OSError) as err:
         reason = err.args[0] if isinstance(err, (KeyError, ValueError)) and err.args else err
         raise LaunchError(f"{what}: {reason}") from None
@@ -194,7 +191,7 @@ def choose_model(env: Environment, host: Host, said: list[str]) -> tuple[RunConf
 
 def shape_of(model: Model) -> ModelShape:
     """The shape a run's model section names (a Hugging Face config, tiny's MoE form, or a variant)."""
-    entry = get_model_entry(DEFAULT_ARCH)
+    entry = get_model_entry(DEFAULT_ARCH)  # the script trains the registry's default architecture
     if model.hf_config:
         return entry.shape_from_hf(model.hf_config)
     return entry.shape_fn(model.variant, moe=True) if model.moe else entry.shape_fn(model.variant)

@@ -128,7 +128,7 @@ def _checkpoints(config: RunConfig) -> list[str]:
     if resumes_saved(config):
         # megatron refuses a schedule that differs from the checkpoint's: keep the saved one (a longer
         # TRAIN_ITERS then extends the run at its final LR) unless the user sets one explicitly
-        given = config.optimizer.warmup_iters is not None or config.optimizer.decay_iters is not None
+        given = config.optimizer.schedule_given
         flags.append("--override-opt_param-scheduler" if given else "--use-checkpoint-opt_param-scheduler")
     return flags
 
@@ -197,10 +197,9 @@ def said_after_checks(config: RunConfig) -> tuple[list[str], list[str]]:
         )
     resume = []
     if resumes_saved(config):
-        o = config.optimizer
         resume.append(
             "resuming with the LR schedule of LR_WARMUP_ITERS / LR_DECAY_ITERS"
-            if o.warmup_iters is not None or o.decay_iters is not None
+            if config.optimizer.schedule_given
             else "resuming with the checkpoint's LR schedule (LR_WARMUP_ITERS / LR_DECAY_ITERS replace it)"
         )
     return moe, resume

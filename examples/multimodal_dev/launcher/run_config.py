@@ -112,6 +112,11 @@ class Optimizer:
     clip_grad: float = 1.0
     seed: int = 1234
 
+    @property
+    def schedule_given(self) -> bool:
+        """LR_WARMUP_ITERS or LR_DECAY_ITERS set: on resume they replace the checkpoint's schedule."""
+        return self.warmup_iters is not None or self.decay_iters is not None
+
 
 @dataclass(frozen=True)
 class Data:
