@@ -6,13 +6,15 @@ the model's shape and the host, and answers None or one line naming the variable
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import fields
 
 from ..models import ModelShape, model_of
 from ..models.setting_names import VARIABLES, schedule_problem
 from ..planner.pipeline_layout import stage_layers
 from ..vision_ranks.layout import env_table
+from . import megatron_argv
 from .from_env import Host, lora_on_experts
-from .run_config import LaunchError, RunConfig
+from .run_config import Data, LaunchError, RunConfig
 from .variables import limit_problem
 
 Check = Callable[[RunConfig, ModelShape, Host], "str | None"]
@@ -103,8 +105,8 @@ def vision_table(config: RunConfig, shape: ModelShape) -> list[str]:
     return env_table(*args)
 
 
-OWN_DATA = ("VALID_DATA_PATH", "VALID_FRACTION", "MEDIA_ROOT", "STRICT_DATA", "REMOTE_MEDIA", "MEDIA_ANYWHERE")
-VIDEO = ("VIDEO_FPS", "VIDEO_MAX_FRAMES", "VIDEO_MAX_PIXELS")
+# the user's-data variables: those of the Data fields megatron_argv.OWN_DATA turns into flags
+OWN_DATA = tuple(f.metadata["variable"] for f in fields(Data) if f.name in dict(megatron_argv.OWN_DATA))
 
 
 def data(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
@@ -114,7 +116,7 @@ def data(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
         for name in ("DATA_PATH", "HF_PROCESSOR_PATH"):
             if not given[name]:
                 return f"DATASET={d.dataset} needs {name}"
-    if d.dataset not in ("jsonl", "energon") and any(given[name] not in (None, False) for name in OWN_DATA + VIDEO):
+    if d.dataset not in ("jsonl", "energon") and any(given[name] not in (None, False) for name in OWN_DATA):
         return (
             "VALID_DATA_PATH, VALID_FRACTION, MEDIA_ROOT, STRICT_DATA, REMOTE_MEDIA, MEDIA_ANYWHERE and "
             f"VIDEO_* apply to DATASET=jsonl (and energon) only (DATASET={d.dataset})"
