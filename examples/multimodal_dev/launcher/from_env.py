@@ -204,7 +204,7 @@ def overlay(config: RunConfig, env: Environment) -> RunConfig:
     for name, parse in PARSERS.items():
         text = env.get(name)
         if text is not None:
-            section, attribute, _ = where[name]
+            section, attribute = where[name]
             changes.setdefault(section, {})[attribute] = parse(name, text)
     if env.get("PACKING") == "tokens" and env.get("MBS") is None:
         changes.setdefault("batch", {})["mbs"] = 1  # a micro-batch is one row

@@ -196,11 +196,11 @@ class RunConfig:
         }
 
 
-def variable_fields() -> dict[str, tuple[str, str, type | str]]:
-    """Variable name -> (section, field, annotation) of the field it sets."""
+def variable_fields() -> dict[str, tuple[str, str]]:
+    """Variable name -> (section, field) of the field it sets."""
     found = {}
     for section in fields(RunConfig):
         for f in fields(section.default_factory()):  # type: ignore[misc]
             if "variable" in f.metadata:
-                found[f.metadata["variable"]] = (section.name, f.name, f.type)
+                found[f.metadata["variable"]] = (section.name, f.name)
     return found
