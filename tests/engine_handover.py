@@ -171,7 +171,8 @@ def hand_over(argv: list[str]) -> int | None:
         print(f"torchrun: the warm engine at {address} stopped during the run", file=sys.stderr)
         return 1
     if done["signal"]:
-        signal.signal(done["signal"], signal.SIG_DFL)
+        if done["signal"] != signal.SIGKILL:  # SIGKILL has no handler to reset (EINVAL)
+            signal.signal(done["signal"], signal.SIG_DFL)
         os.kill(os.getpid(), done["signal"])  # as the launcher's own death by that signal
     return done["exit"]
 
