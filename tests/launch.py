@@ -119,6 +119,7 @@ def run_script(extra_args=(), timeout: int = 600, **env) -> Run:
     full_env = {**os.environ, **{k: str(v) for k, v in env.items()}}
     if env["ENGINE_SERVER"] or {
         "KILL_DURING_SAVE_AT",
+        "KILL_NODE_AT",
         "RECORD_PIPELINE",
         "FULL_DISK_AT",
         "MEGATRON_CPU_FLA",

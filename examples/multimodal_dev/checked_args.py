@@ -27,7 +27,7 @@ from examples.multimodal_dev.models.common.config_from_args import given_flags, 
 from examples.multimodal_dev.models.common.varlen_attention import describe_thd_kernels
 from examples.multimodal_dev.models.megatron_args import apply_model_shape
 from examples.multimodal_dev.planner.pipeline_layout import stage_layers
-from examples.multimodal_dev.training import gen_eval, run_checks
+from examples.multimodal_dev.training import gen_eval, lost_nodes, run_checks
 from examples.multimodal_dev.training.backend import backend_of, check_attention_backend, check_backend, engine_defaults
 from examples.multimodal_dev.vision_ranks import groups as vision_ranks
 
@@ -152,8 +152,10 @@ def check_data_args(args) -> None:
 
 def exit_in_one_line(err: BaseException, args) -> None:
     """One line for a checkpoint refused as code (DCP wraps it in its CheckpointException, a
-    BaseException) and for a NaN found during training; anything else propagates unchanged."""
-    line = safety.refusal(err) or (run_checks.one_line(err, args) if args is not None else None)
-    if line is None:
+    BaseException), for a NaN found during training and for a node lost during it; anything else
+    propagates unchanged."""
+    during = args is not None and (run_checks.one_line(err, args) or lost_nodes.one_line(err, args))
+    line = safety.refusal(err) or during
+    if not line:
         raise err
     fail(line)

@@ -6,6 +6,8 @@ PYTHONPATH (``tests/launch.py`` puts it there only for a run that asks):
                             iteration N's checkpoint are written, before megatron records it as the
                             latest. Killing one rank alone would orphan megatron's checkpoint-writer
                             manager process, which keeps the job's output pipes open.
+    KILL_NODE_AT=N          SIGKILL this node (its launcher's process group, as KILL_DURING_SAVE_AT) as
+                            its ranks start iteration N's step: a node that dies mid-run.
     FULL_DISK_AT=N          the shard files of iteration N's save fill the disk: megatron's writer
                             gets ENOSPC after 4 KiB, as from a real full disk.
     RECORD_PIPELINE=DIR     every rank writes DIR/rank<R>.json: its pipeline rank, the parameter
@@ -78,6 +80,21 @@ if os.environ.get("KILL_DURING_SAVE_AT") and _RANK_PROCESS:
         return result
 
     dist_checkpointing.save = _save_then_die
+
+if os.environ.get("KILL_NODE_AT") and _RANK_PROCESS:
+    import signal
+
+    from megatron.training import training
+
+    _train_step, _steps = training.train_step, [0]
+
+    def _train_step_or_die(*args, **kwargs):
+        _steps[0] += 1
+        if _steps[0] == int(os.environ["KILL_NODE_AT"]):
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        return _train_step(*args, **kwargs)
+
+    training.train_step = _train_step_or_die
 
 if os.environ.get("FULL_DISK_AT") and _RANK_PROCESS:
     import builtins

@@ -29,18 +29,34 @@ def _own(words: list[str], flag: str) -> str:
     return words[words.index(flag, 0, words.index("--module")) + 1]
 
 
-def test_nodes_reach_torchrun_as_a_static_rendezvous_on_node_0():
-    words = _torchrun(dict(NNODES="2", NODE_RANK="1", MASTER_ADDR="10.0.0.1", NPROC="2", TP="2"))
-    assert [_own(words, f) for f in ("--nnodes", "--node-rank", "--master-addr", "--master-port")] == [
-        "2",
-        "1",
-        "10.0.0.1",
-        "29500",  # every node must agree on the port: no free one picked per node
-    ]
+def _node(words: list[str]) -> tuple[str, str, str]:
+    """(NNODES, this node's rank, node 0's host) as the torchrun arguments give them."""
+    conf = dict(item.split("=") for item in _own(words, "--rdzv-conf").split(","))
+    return _own(words, "--nnodes"), conf["rank"], _own(words, "--rdzv-endpoint").rsplit(":", 1)[0]
+
+
+def test_nodes_reach_torchrun_as_a_static_rendezvous_on_node_0(monkeypatch):
+    """The rendezvous torchrun reads from the launcher's arguments: node 0's endpoint, this node's rank,
+    the join timeout, and the roll call's backend (registered by ``launcher/torchrun.py``)."""
+    from torch.distributed.run import config_from_args, parse_args
+
+    # torchrun sets it in its own process where unset; here it would reach every later launch of the tests
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+
+    from examples.multimodal_dev.launcher import roll_call
+
+    words = _torchrun(dict(NNODES="2", NODE_RANK="1", MASTER_ADDR="10.0.0.1", NPROC="2", TP="2", JOIN_TIMEOUT="30"))
     assert _own(words, "--nproc-per-node") == "2" and "--standalone" not in words
-    # unset, NPROC shares the layout's processes between the nodes
+    roll_call.register()
+    config, _, _ = config_from_args(parse_args(words))
+    assert (config.min_nodes, config.max_nodes, config.rdzv_backend) == (2, 2, roll_call.BACKEND)
+    # every node must agree on the port: no free one picked per node
+    assert config.rdzv_endpoint == "10.0.0.1:29500"
+    assert {k: config.rdzv_configs[k] for k in ("rank", "timeout")} == {"rank": "1", "timeout": "30"}
+    # unset, NPROC shares the layout's processes between the nodes, and node 0 waits torchrun's 600 s
     words = _torchrun(dict(NNODES="2", MASTER_ADDR="h", MASTER_PORT="31000", TP="2"))
-    assert (_own(words, "--nproc-per-node"), _own(words, "--master-port")) == ("1", "31000")
+    assert (_own(words, "--nproc-per-node"), _own(words, "--rdzv-endpoint")) == ("1", "h:31000")
+    assert _own(words, "--rdzv-conf") == "rank=0,timeout=600"
 
 
 @pytest.mark.parametrize(
@@ -77,10 +93,10 @@ def test_a_slurm_step_gives_the_nodes_and_the_variables_override_it():
     assert step_nodes(dict(SLURM_JOB_ID="9", SLURM_NNODES="4")) == {}  # the batch script itself: not a node
     plan = launch.prepare({"DRY_RUN": "1", "GBS": "8", **step}, [], Host(False), launch.Launch())
     words = plan.torchrun
-    assert (_own(words, "--nnodes"), _own(words, "--node-rank"), _own(words, "--master-addr")) == ("4", "3", "gpu017")
+    assert _node(words) == ("4", "3", "gpu017")
     assert "SLURM step: NNODES=4 NODE_RANK=3 MASTER_ADDR=gpu017 (the variables override)" in plan.said
     words = _torchrun({**step, "GBS": "8", "MASTER_ADDR": "10.1.1.1", "NODE_RANK": "0"})
-    assert (_own(words, "--node-rank"), _own(words, "--master-addr")) == ("0", "10.1.1.1")
+    assert _node(words)[1:] == ("0", "10.1.1.1")
 
 
 def test_the_planners_command_for_397b_on_256_gpus_runs_as_printed_under_slurm(tmp_path):
@@ -114,10 +130,38 @@ def test_the_planners_command_for_397b_on_256_gpus_runs_as_printed_under_slurm(t
     )
     assert run.returncode == 0, run.stderr
     torchrun = shlex.split(run.stdout.strip().splitlines()[-1])
-    assert [_own(torchrun[1:], f) for f in ("--nproc-per-node", "--nnodes", "--node-rank", "--master-addr")] == [
-        "8",
-        "32",
-        "5",
-        "gpu001",
-    ]
+    assert (_own(torchrun[1:], "--nproc-per-node"), *_node(torchrun[1:])) == ("8", "32", "5", "gpu001")
     assert "--recompute-granularity" in torchrun  # the planner's extra flags reach the training script
+
+
+def test_a_collective_that_lost_its_peer_starts_a_roll_call_that_names_the_silent_node():
+    import threading
+
+    from torch.distributed import DistBackendError, HashStore
+
+    from examples.multimodal_dev.training.lost_nodes import lost_peer, missing_nodes
+
+    gloo = (
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer [10.0.0.2]:4141. This is"
+    )
+    assert lost_peer(RuntimeError(gloo)) == "Connection closed by peer [10.0.0.2]:4141"
+    try:
+        try:
+            raise DistBackendError("NCCL communicator was aborted on rank 3")
+        except DistBackendError as err:
+            raise ValueError("megatron's wrapper") from err
+    except ValueError as wrapped:
+        assert lost_peer(wrapped) == "NCCL communicator was aborted on rank 3"
+    # a rank's own failure leaves the others waiting in their collective: no roll call for it
+    assert lost_peer(RuntimeError("shape mismatch")) is None and lost_peer(ValueError("bad batch")) is None
+    store, seen = HashStore(), {}
+
+    def node(n: int) -> None:
+        seen[n] = missing_nodes(store, n, nodes=4, wait_s=2.0)
+
+    threads = [threading.Thread(target=node, args=(n,)) for n in (0, 2, 3)]  # node 1 never checks in
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert seen == {0: [1], 2: [1], 3: [1]}

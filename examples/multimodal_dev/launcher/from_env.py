@@ -135,7 +135,7 @@ PARSERS: dict[str, Callable[[str, str], Any]] = {
     "GROUPED_EXPERTS": _switch(" (1: grouped GEMM experts, 0: SequentialMLP)"),
     "MOE_DISPATCHER": _one_of("allgather", "alltoall"),
     "TRANSFORMER_IMPL": _one_of("transformer_engine", "local"),
-    **dict.fromkeys(("MASTER_PORT", "GPUS", "NNODES"), _positive),
+    **dict.fromkeys(("MASTER_PORT", "GPUS", "NNODES", "JOIN_TIMEOUT", "COLLECTIVE_TIMEOUT"), _positive),
     "NODE_RANK": _non_negative,
     "DRY_RUN": _switch(),
     **dict.fromkeys(

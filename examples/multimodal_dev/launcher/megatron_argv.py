@@ -11,6 +11,7 @@ import os
 
 from ..models import DEFAULT_ARCH
 from .from_env import Host, lora_on_experts
+from .roll_call import BACKEND
 from .run_config import RunConfig
 
 MODULE = "examples.multimodal_dev.pretrain_multimodal"
@@ -105,7 +106,9 @@ def _experts(config: RunConfig) -> list[str]:
 def _backend(config: RunConfig, host: Host) -> list[str]:
     # --log-throughput: model TFLOP/s from models/qwen35_vl/flops.py (megatron's GPT formula is replaced)
     precision = ["--bf16"] if host.gpu else ["--distributed-backend", "gloo"]
-    return ["--transformer-impl", str(config.backend.transformer_impl), "--log-throughput", *precision]
+    minutes = config.launcher.collective_timeout
+    timeout = _pairs(("--distributed-timeout-minutes", minutes)) if minutes else []
+    return ["--transformer-impl", str(config.backend.transformer_impl), "--log-throughput", *precision, *timeout]
 
 
 def resumes_saved(config: RunConfig) -> bool:
@@ -168,9 +171,11 @@ def torchrun_argv(config: RunConfig, host: Host, extra: list[str]) -> list[str]:
     """torchrun's own arguments, then the training script's and the user's ``extra`` flags. Several runs
     may share a host: without MASTER_PORT, torchrun --standalone picks a free port."""
     launch, nnodes = config.launcher, config.layout.nnodes
-    if nnodes > 1:  # torchrun's static rendezvous: node 0 holds the store, ranks are numbered by node
-        where = ("--master-addr", launch.master_addr), ("--master-port", launch.master_port or DEFAULT_PORT)
-        rdzv = _pairs(("--nnodes", nnodes), ("--node-rank", launch.node_rank), *where)
+    if nnodes > 1:  # a static rendezvous with a roll call (roll_call.py): node 0 holds the store, ranks by node
+        endpoint = f"{launch.master_addr}:{launch.master_port or DEFAULT_PORT}"
+        conf = f"rank={launch.node_rank},timeout={launch.join_timeout}"
+        rdzv = _pairs(("--nnodes", nnodes), ("--rdzv-backend", BACKEND), ("--rdzv-endpoint", endpoint))
+        rdzv += _pairs(("--rdzv-conf", conf))
     else:
         rdzv = ["--master-port", str(launch.master_port)] if launch.master_port else ["--standalone"]
     # the training script runs as a module of the package examples.multimodal_dev (PYTHONPATH holds the

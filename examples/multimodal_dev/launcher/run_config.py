@@ -169,6 +169,9 @@ class Launcher:
     master_port: int | None = variable("MASTER_PORT")  # None: torchrun --standalone picks a free one
     node_rank: int = variable("NODE_RANK", 0)
     master_addr: str | None = variable("MASTER_ADDR")  # node 0's host, where several nodes meet
+    join_timeout: int = variable("JOIN_TIMEOUT", 600)  # seconds node 0 waits for every node to join
+    # minutes a collective waits for a rank before the run stops (megatron's --distributed-timeout-minutes)
+    collective_timeout: int | None = variable("COLLECTIVE_TIMEOUT")  # derived: megatron's 10
     dry_run: bool = variable("DRY_RUN", False)
     gpus: int | None = variable("GPUS")  # DRY_RUN: the cluster to plan a layout for
 

@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from .roll_call import NodesMissing, register
+
+    register()  # the rendezvous backend of several nodes (megatron_argv.torchrun_argv)
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         # "auto", "cpu", "gpu": a rank a device or core, never more ranks than cores
@@ -104,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
             _launch_forked(args)
         else:
             run(args)
+    except NodesMissing as err:
+        print(f"torchrun: {err}", file=sys.stderr)
+        return 1
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"

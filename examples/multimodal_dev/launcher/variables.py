@@ -164,6 +164,18 @@ VARIABLES: tuple[tuple[tuple[str, ...], str, str], ...] = (
         "rendezvous port on `MASTER_ADDR`, the same on every node",
     ),
     (
+        ("JOIN_TIMEOUT",),
+        "600",
+        "`NNODES>1`: seconds node 0 waits for every node to join; then every node stops on one line naming "
+        "the nodes that never joined (a node that cannot reach node 0 in that time names it)",
+    ),
+    (
+        ("COLLECTIVE_TIMEOUT",),
+        "10 (megatron's)",
+        "minutes a collective waits for a rank that does not come (a node that hangs) before the run stops "
+        "(`--distributed-timeout-minutes`); a node that dies stops the others at once",
+    ),
+    (
         ("FORK_RANKS",),
         "1 without CUDA where `NPROC` exceeds the cores, else 0",
         "1: the ranks fork from one process that imported torch, megatron-core and transformers once (about 6"
@@ -206,6 +218,8 @@ LIMITS: tuple[tuple[tuple[str, ...], int, str], ...] = (
     (("VIDEO_MAX_FRAMES",), 1 << 14, "no video needs more frames"),
     (("VIDEO_MAX_PIXELS",), 1 << 26, "a frame of 8192 x 8192"),
     (("MASTER_PORT",), 65535, "the largest TCP port"),
+    (("JOIN_TIMEOUT",), 7 * 24 * 3600, "a week: a node not there by then is not coming"),
+    (("COLLECTIVE_TIMEOUT",), 7 * 24 * 60, "a week: a rank not there by then is not coming"),
     # products after their factors: a value past its own limit is named alone
     (("MBS", "SEQ_LEN"), INT32, "a micro-batch's tokens are indexed by int32 cu_seqlens"),
     (("NNODES", "NPROC"), INT32, RANKS),

@@ -196,6 +196,22 @@ def stop_at_first_nan(args, given: dict[str, str]) -> None:
 _NAN = re.compile(r"iteration (\d+): Unexpected result .* \(message='([^']*)'\)")
 
 
+def step_in_progress() -> int | None:
+    """The iteration whose step is running: the training loop's own count (None outside the loop)."""
+    from megatron.training import global_vars
+
+    current = getattr(global_vars._GLOBAL_ARGS, "curr_iteration", None)
+    return None if current is None else current + 1
+
+
+def last_checkpoint(args) -> str:
+    """Where a stopped run resumes from, in words."""
+    latest = latest_iteration(args.save) if args.save and os.path.isdir(args.save) else None
+    return (
+        f"the last checkpoint is iteration {latest} in {args.save}" if latest is not None else "no checkpoint was saved"
+    )
+
+
 def one_line(err: BaseException, args) -> str | None:
     """The one-line report of a failure during training, or None for one to propagate as it is."""
     found = _NAN.search(str(err)) if isinstance(err, RuntimeError) else None
@@ -204,15 +220,8 @@ def one_line(err: BaseException, args) -> str | None:
     iteration, what = found.groups()
     # megatron's message counts one too many after a start (its rerun counter is reset to the
     # start iteration and then incremented before the step); the training loop's own count is exact
-    from megatron.training import global_vars
-
-    current = getattr(global_vars._GLOBAL_ARGS, "curr_iteration", None)  # None outside a training loop
-    if current is not None:
-        iteration = current + 1
-    latest = latest_iteration(args.save) if args.save and os.path.isdir(args.save) else None
-    kept = (
-        f"the last checkpoint is iteration {latest} in {args.save}" if latest is not None else "no checkpoint was saved"
-    )
+    iteration = step_in_progress() or iteration
+    kept = last_checkpoint(args)
     return (
         f"iteration {iteration}: {what}; the run stopped before the optimizer step and saved nothing "
         f"for it: {kept} (lower the LR, or look for a bad batch, then resume)"
