@@ -328,6 +328,13 @@ def _add_lora_args(group):
         help="linears that get an adapter, by megatron-core's names, comma-separated (lora/targets.py) "
         f"[{','.join(DEFAULT_TARGETS)}: every linear of the language model, Gated DeltaNet included]",
     )
+    group.add_argument(
+        "--lora-base",
+        dest="lora_base_path",
+        default=None,
+        help="where the base of the adapters a checkpoint holds is now, where it moved since the save "
+        "(checkpoints of a LoRA run hold the adapters, not the base: checkpoint/adapters_only.py)",
+    )
 
 
 def megatron_args() -> argparse.Namespace:

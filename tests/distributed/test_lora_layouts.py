@@ -12,9 +12,10 @@ adapters on every linear of the decoder (attention, Gated DeltaNet, the routed a
 """
 
 import os
+import shutil
 
 import pytest
-from checkpoint_diff import differences, entries, state_differences
+from checkpoint_diff import entries, state_differences
 from launch import LAYOUT_MODEL as MODEL
 from launch import NO_EVAL, run_script
 from lora_exports import peft_equals_merged
@@ -52,23 +53,30 @@ def lora_start(parallel_start, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def lora_single(lora_start):
-    return run_script(NO_EVAL, CKPT_LOAD=lora_start[1], TRAIN_ITERS=3, **MODEL, **LORA).check()
+def lora_single(lora_start, tmp_path_factory):
+    """3 steps on from ``lora_start``, one process (the plain optimizer), saved in ``.path``."""
+    path = tmp_path_factory.mktemp("lora_single") / "single"
+    run = run_script(NO_EVAL, CKPT_LOAD=lora_start[1], CKPT_SAVE=path, TRAIN_ITERS=3, **MODEL, **LORA).check()
+    run.path = path
+    return run
 
 
-def test_a_lora_run_from_the_base_keeps_the_base_bitwise(parallel_start, one_process, lora_start, tmp_path):
+def test_a_lora_run_from_the_base_starts_at_its_loss_and_saves_the_adapters_alone(
+    parallel_start, one_process, lora_start, tmp_path
+):
     """The adapters start at B = 0: the first loss is the base model's (the same step of the full
-    run from the same checkpoint). Only adapters are in the optimizer: every base weight saved after
-    the step equals the base checkpoint's, bitwise, and the adapters are new entries that moved."""
+    run from the same checkpoint). Only adapters are in the optimizer, and the checkpoint holds them
+    and their state alone: none of the base's weights (read again from the base at every load), the
+    adapters new entries that moved."""
     run, path = lora_start
     assert "holds no LoRA adapters: its weights are the base" in run.output
+    assert "its checkpoints hold the adapters, not the base" in run.output
     assert run.losses[1] == one_process[0].losses[1], (run.losses[1], one_process[0].losses[1])
     base = entries(parallel_start / "iter_0000001", tmp_path)
     tuned = entries(path / "iter_0000001", tmp_path)
-    weights = [k for k in base if k.startswith(("language_model.", "vision_model."))]
-    assert weights and all(k in tuned for k in weights)
-    changed = [d for k in weights for d in differences(base[k], tuned[k], k)]
-    assert not changed, f"base weights changed by LoRA training: {changed[:5]}"
+    # the linears' _extra_state objects stay, a few bytes each
+    frozen = {k for k in base if k.startswith(("language_model.", "vision_model.")) and "_extra_state" not in k}
+    assert len(frozen) > 50 and not frozen & set(tuned), sorted(frozen & set(tuned))[:5]
     adapters = sorted(k for k in tuned if ".lora_" in k)
     assert any(".in_proj.lora_B" in k for k in adapters) and any(".experts.experts." in k for k in adapters)
     assert any(tuned[k].abs().max() > 0 for k in adapters if ".lora_B" in k)  # B left zero after a step
@@ -121,14 +129,19 @@ def test_lora_resumes_exactly(parallel_start, lora_straight, tmp_path):
         assert stored_args(checkpoint_directory(str(path))).lora_base == base
 
 
-def test_a_lora_checkpoint_leaves_as_docs_lora_md_shows(parallel_start, lora_straight, tmp_path):
-    """The distributed optimizer's LoRA checkpoint (AdamW's state of every adapter beside it, on the
-    MoE model: the routed experts' adapters too) exported merged and as a PEFT adapter; the adapter,
-    loaded by ``peft`` onto the base's own export, gives the merged export's logits."""
+def test_a_lora_checkpoint_leaves_as_docs_lora_md_shows(parallel_start, lora_straight, lora_single, tmp_path):
+    """LoRA checkpoints as the run script saves them, of the adapters alone with their optimizer's
+    state (the distributed optimizer's and the plain one's, on the MoE model: the routed experts'
+    adapters too), exported merged and as a PEFT adapter, each reading the base from where the
+    checkpoint names it; the adapter, loaded by ``peft`` onto the base's own export, gives the
+    merged export's logits."""
     base = tmp_path / "base"
     assert main(["export", "--megatron-path", str(parallel_start), "--hf-path", str(base)]) == 0
-    line = peft_equals_merged(lora_straight[1], base, tmp_path, "MoE, distributed optimizer")
+    for kind in ("distributed", "plain"):
+        (tmp_path / kind).mkdir()
+    line = peft_equals_merged(lora_straight[1], base, tmp_path / "distributed", "MoE, distributed optimizer")
     assert "PEFT's expert adapters take no dropout" in line, line  # the run's 0.1 cannot be carried
+    peft_equals_merged(lora_single.path, base, tmp_path / "plain", "MoE, plain optimizer")
 
 
 @pytest.mark.parametrize(
@@ -155,3 +168,29 @@ def test_added_targets_start_fresh_beside_the_trained_ones(lora_start, lora_sing
     run = run_script(NO_EVAL, CKPT_LOAD=lora_start[1], TRAIN_ITERS=1, LORA_TARGETS=targets, **MODEL, **LORA).check()
     assert "adapter tensors fewer; the adapters it lacks start at B = 0" in run.output
     assert run.losses[1] == lora_single.losses[1]
+
+
+def test_a_moved_base_is_refused_by_name_and_read_where_told(parallel_start, lora_start, tmp_path):
+    """A LoRA checkpoint names its base, which is checked before any load: moved, it is refused in one
+    line naming both paths, and LORA_BASE (``--lora-base`` of the conversion tools) points at it;
+    another checkpoint of the same shapes there (the base trained one more step) is refused by its
+    fingerprint."""
+    base, moved = tmp_path / "base", tmp_path / "moved"
+    shutil.copytree(parallel_start, base)
+    run_script(NO_EVAL, CKPT_LOAD=base, CKPT_SAVE=tmp_path / "lora", TRAIN_ITERS=1, **MODEL, **LORA).check()
+    base.rename(moved)
+    resume = dict(CKPT_LOAD=tmp_path / "lora", TRAIN_ITERS=1, **MODEL, **LORA)
+    refused = run_script(NO_EVAL, **resume)
+    named = (
+        f"{tmp_path / 'lora' / 'iter_0000001'} holds LoRA adapters only; their base {base / 'iter_0000001'} is missing"
+    )
+    assert refused.returncode != 0 and "Traceback" not in refused.output and named in refused.output, refused.output
+    moved_run = run_script(NO_EVAL, LORA_BASE=moved, **resume).check()
+    assert moved_run.losses[1] == run_script(NO_EVAL, CKPT_LOAD=lora_start[1], TRAIN_ITERS=1, **MODEL, **LORA).losses[1]
+    assert main(["export-peft", "--megatron-path", str(tmp_path / "lora"), "--peft-path", str(tmp_path / "p")]) == 2
+    args = ["--megatron-path", str(tmp_path / "lora"), "--lora-base", str(moved)]
+    assert main(["export-peft", *args, "--peft-path", str(tmp_path / "p")]) == 0
+    other = tmp_path / "other"
+    run_script(NO_EVAL, CKPT_LOAD=moved, CKPT_SAVE=other, TRAIN_ITERS=1, **MODEL).check()
+    changed = run_script(NO_EVAL, LORA_BASE=other, **resume)
+    assert changed.returncode != 0 and "is no longer the checkpoint they were trained on" in changed.output

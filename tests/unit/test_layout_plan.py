@@ -302,3 +302,24 @@ def test_a_chunked_tower_is_planned_with_one_chunk_held(mixes):
     assert chunked.time.compute > whole.time.compute
     request = _request(mixes, "9b", layout.gpus, vision_chunk_patches=1024)
     assert tool.command(chunked, request).endswith("bash run_qwen35_vl.sh --vision-chunk-patches 1024")
+
+
+def test_the_checkpoint_line_counts_a_lora_save_as_its_adapters_alone():
+    """A LoRA save writes the adapters and their optimizer state (14 bytes a parameter: bf16 weight,
+    fp32 main copy and two moments), not the frozen base; a full run's, all of it."""
+    from examples.multimodal_dev.lora.targets import LoraSettings
+    from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS
+    from examples.multimodal_dev.planner.launch_layout import Layout
+    from examples.multimodal_dev.planner.rank_params import adapter_params, stage_params
+    from examples.multimodal_dev.tools.plan_layout import checkpoint_line
+
+    shape, lora = VARIANTS["9b"], LoraSettings(rank=16)
+    adapters, whole = adapter_params(shape, Layout(), 0, lora).total, stage_params(shape, Layout(), 0).total
+    assert 0 < adapters < whole / 100
+    gib = 1024**3
+    assert checkpoint_line(shape, lora).startswith(f"checkpoint: {14 * adapters / gib:,.2f} GiB a save: the adapters")
+    assert f"the frozen base ({2 * whole / gib:,.1f} GiB)" in checkpoint_line(shape, lora)
+    assert (
+        checkpoint_line(shape, None)
+        == f"checkpoint: {14 * whole / gib:,.1f} GiB a save (weights, fp32 main copy, Adam moments)"
+    )

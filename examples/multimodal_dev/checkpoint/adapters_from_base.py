@@ -18,41 +18,17 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 
 from examples.multimodal_dev.console import say
 
-from .files import TRACKER, checkpoint_directory, stored_args
+from .adapters_only import ADAPTERS_ONLY, base_fingerprint, base_problem
+from .files import TRACKER, checkpoint_directory, stored_args, stored_keys
 
 ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
-# megatron stores a parameter's optimizer state under the parameter's own key behind the optimizer's
-# prefix (``optimizer.state.exp_avg.KEY``: the plain and the fully reshardable distributed optimizer;
-# ``optimizer.distributed.*``: the DP-reshardable buckets), with ``chained_N.`` ahead where it chains a
-# dense and an expert optimizer: an adapter's moments are not an adapter
-_OPTIMIZER_KEY = re.compile(r"(chained_\d+\.)?optimizer\.")
-
-
-def is_model_key(key: str) -> bool:
-    """Whether a checkpoint's tensor ``key`` is the model's own, not the optimizer's state of one."""
-    return _OPTIMIZER_KEY.match(key) is None
 
 
 def is_adapter_key(key: str) -> bool:
     return key.endswith(ADAPTER_SUFFIXES)
-
-
-@functools.lru_cache(maxsize=None)
-def stored_adapters(directory: str) -> frozenset[str]:
-    """The adapter tensors the checkpoint iteration at ``directory`` stores, by key (a ``B`` split
-    into the weight's sections, stored as ``...lora_B.query`` and so on, under its own key)."""
-    from megatron.core import dist_checkpointing
-
-    out = set()
-    for key in filter(is_model_key, dist_checkpointing.load_tensors_metadata(directory).keys()):
-        for suffix in ADAPTER_SUFFIXES:
-            if f"{suffix}." in f"{key}.":
-                out.add(key[: key.index(suffix) + len(suffix)])
-    return frozenset(out)
 
 
 def check_adapters_kept(args, load_dir: str | None, flag: str) -> None:
@@ -92,40 +68,77 @@ def record_base(args) -> None:
     loaded = next(
         (d for d in (args.load, args.pretrained_checkpoint) if d and os.path.isfile(os.path.join(d, TRACKER))), None
     )
-    args.lora_base = None
+    args.lora_base, moved = None, getattr(args, "lora_base_path", None)
+    if moved and os.path.isfile(os.path.join(moved, TRACKER)):  # the base's folder, not its iteration's
+        moved = checkpoint_directory(moved)
     if loaded is not None:
         directory = checkpoint_directory(loaded)
         stored = stored_args(directory)
         trained = getattr(stored, "lora_rank", 0)
         args.lora_base = getattr(stored, "lora_base", None) if trained else os.path.abspath(directory)
+        if trained and getattr(stored, ADAPTERS_ONLY, False):  # its weights are read from the base again
+            args.lora_base = os.path.abspath(moved) if moved else args.lora_base
+            problem = base_problem(args.lora_base, getattr(stored, "lora_base_fingerprint", None), directory)
+            if problem:
+                raise ValueError(problem)
+    # a base that is a checkpoint is read again at every load: the saves hold the adapters alone
+    setattr(args, ADAPTERS_ONLY, args.lora_base is not None)
+    args.lora_base_fingerprint = base_fingerprint(args.lora_base) if args.lora_base else None
     named = args.lora_base or ("a base its checkpoint does not record" if loaded else "the random initialisation")
-    say(f"LoRA adapters adapt {named}")
+    saves = "; its checkpoints hold the adapters, not the base" if args.lora_base else ""
+    say(f"LoRA adapters adapt {named}{saves}")
+
+
+def _not_held(sharded: dict, held: frozenset[str], wanted) -> dict:
+    """The model's requested tensors ``wanted`` (by key) that the checkpoint does not hold, taken out
+    of the request: {(part, key): sharded tensor}."""
+    out = {
+        (part, key): value
+        for part, state in sharded.items()
+        if part.startswith("model") and isinstance(state, dict)
+        for key, value in state.items()
+        if wanted(key) and getattr(value, "key", None) is not None and value.key not in held
+    }
+    for part, key in out:
+        del sharded[part][key]
+    return out
+
+
+def _from_base(base_part: dict, base: str) -> dict:
+    """The base's tensors of an adapters-only checkpoint, read from the base at this run's layout."""
+    from megatron.core import dist_checkpointing
+
+    request: dict = {}
+    for (part, key), value in base_part.items():
+        request.setdefault(part, {})[key] = value
+    say(f"reading the {len(base_part)} base tensors the checkpoint does not hold from {base}")
+    loaded = dist_checkpointing.load(request, base)
+    return {(part, key): loaded[part][key] for part, key in base_part}
 
 
 def base_without_adapters(load_base, run=None):
-    """``_load_base_checkpoint`` that loads a base checkpoint into a model with adapters."""
+    """``_load_base_checkpoint`` that loads a base checkpoint into a model with adapters, and the
+    base of a checkpoint holding the adapters alone (``adapters_only.py``) from where it lives."""
 
     @functools.wraps(load_base)
     def load(load_dir, args, *rest, **kwargs):
         sharded = kwargs.get("sharded_state_dict")
-        own = {}
+        own, base_part = {}, {}
         if sharded and load_dir and os.path.isdir(load_dir):
-            own = {
-                (part, key): value
-                for part, state in sharded.items()
-                if part.startswith("model") and isinstance(state, dict)
-                for key, value in state.items()
-                if is_adapter_key(key)
-            }
-            held = stored_adapters(checkpoint_directory(load_dir)) if own else frozenset()
-            own = {where: value for where, value in own.items() if value.key not in held}
-            for part, key in own:
-                del sharded[part][key]
+            directory = checkpoint_directory(load_dir)
+            held = stored_keys(directory)
+            own = _not_held(sharded, held, is_adapter_key)
+            if getattr(args, "lora_rank", 0) and getattr(stored_args(directory), ADAPTERS_ONLY, False):
+                base_part = _not_held(sharded, held, lambda key: not is_adapter_key(key))
         loaded = load_base(load_dir, args, *rest, **kwargs)
+        if base_part and loaded[0] is not None:
+            for (part, key), value in _from_base(base_part, args.lora_base).items():
+                loaded[0].setdefault(part, {})[key] = value  # a part the checkpoint held nothing of
         if own and loaded[0] is not None:
             for (part, key), value in own.items():
-                loaded[0][part][key] = value.data  # the model's own adapter: its start stays
-            fresh = "no LoRA adapters: its weights are the base" if not held else f"{len(own)} adapter tensors fewer"
+                loaded[0].setdefault(part, {})[key] = value.data  # the model's own adapter: its start stays
+            adapters = any(map(is_adapter_key, held))
+            fresh = f"{len(own)} adapter tensors fewer" if adapters else "no LoRA adapters: its weights are the base"
             say(f"{load_dir} holds {fresh}; the adapters it lacks start at B = 0")
         return loaded
 

@@ -13,6 +13,7 @@ that dies midway leaves what was there before intact.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -147,14 +148,35 @@ def stored_args(directory: str):
         raise load_failure(legacy if os.path.exists(legacy) else f"{directory} (its common state)", err) from None
 
 
-def load_model_weights(model, directory: str) -> None:
-    """Model weights from one iteration directory, resharded to this model's TP/EP layout.
-    Nothing in the directory is unpickled beyond checkpoint data (``safety.py``)."""
+@functools.lru_cache(maxsize=None)
+def stored_keys(directory: str) -> frozenset[str]:
+    """The keys a request may name to read what the checkpoint iteration at ``directory`` stores: its
+    tensors' keys and their dotted prefixes (a tensor a factory splits, such as a ``B`` split into
+    the weight's sections, is stored under sub-keys of its own)."""
+    from megatron.core import dist_checkpointing
+
+    keys = set()
+    for key in dist_checkpointing.load_tensors_metadata(directory).keys():
+        parts = key.split(".")
+        keys.update(".".join(parts[:n]) for n in range(1, len(parts) + 1))
+    return frozenset(keys)
+
+
+def load_model_weights(model, directory: str, base: str | None = None) -> None:
+    """Model weights from one iteration directory, resharded to this model's TP/EP layout; those it
+    does not hold from ``base`` (the base of a checkpoint of LoRA adapters alone). Nothing in either
+    directory is unpickled beyond checkpoint data (``safety.py``)."""
     from megatron.core import dist_checkpointing
 
     from ..megatron_changes import apply
 
     apply("checkpoints-are-data")
     _own_files(directory)
-    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)
-    model.load_state_dict(state["model"])
+    request, state = model.sharded_state_dict(), {}
+    if base is not None:
+        held = stored_keys(directory)
+        from_base = {n: s for n, s in request.items() if hasattr(s, "key") and s.key not in held}
+        request = {n: s for n, s in request.items() if n not in from_base}
+        state = dist_checkpointing.load({"model": from_base}, base)["model"]
+    state.update(dist_checkpointing.load({"model": request}, directory)["model"])
+    model.load_state_dict(state)

@@ -42,11 +42,11 @@ from examples.multimodal_dev.models import DEFAULT_ARCH, get_model_entry, model_
 from examples.multimodal_dev.models.megatron_args import one_process_checkpoint_args
 
 from ..megatron_changes import apply
-from .adapters_from_base import is_model_key
+from .adapters_only import ADAPTERS_ONLY, base_problem, is_model_key
 from .files import TRACKER, checkpoint_directory, iteration_dir, load_model_weights, save_model_checkpoint, stored_args
 from .hf_models import hf_classes
 from .hf_safetensors import INDEX, HFTensorSource, ShardedWriter, per_expert, read_config
-from .lora_checkpoint import MergedState, attach_adapters, stored_lora
+from .lora_checkpoint import MergedState, adapted_linears, attach_adapters, stored_lora
 from .run_shape import resolve_shape
 from .safety import check_tracker, refusal
 from .writer_errors import WriterLog, causes
@@ -319,28 +319,53 @@ def _read_checkpoint(megatron_path: str, read, *args):
         raise CheckpointReadError(f"--megatron-path {megatron_path}: {line}") from None
 
 
-def load_megatron(megatron_path: str, hf_config_path: str | None = None):
+def _adapters_base(megatron_path: str, saved_args, moved: str | None) -> str | None:
+    """The base iteration directory of a checkpoint of LoRA adapters alone (None: it holds its base),
+    checked against the fingerprint recorded at save; a missing or changed base is one line."""
+    if not getattr(saved_args, ADAPTERS_ONLY, False):
+        return None
+    base = saved_args.lora_base
+    if moved:
+        base = checkpoint_directory(moved) if os.path.isfile(os.path.join(moved, TRACKER)) else moved
+    problem = base_problem(base, getattr(saved_args, "lora_base_fingerprint", None), f"--megatron-path {megatron_path}")
+    if problem:
+        raise ValueError(problem)
+    return base
+
+
+def load_megatron(megatron_path: str, hf_config_path: str | None = None, lora_base: str | None = None):
     """(model at TP = 1 in fp32 with the checkpoint's weights, shape, HF config, stored dtypes).
-    A LoRA run's checkpoint loads with its adapters on the model (``lora_checkpoint.py``)."""
-    return load_megatron_with_lora(megatron_path, hf_config_path)[:4]
+    A LoRA run's checkpoint loads with its adapters on the model (``lora_checkpoint.py``), its base
+    read from where the checkpoint names it or from ``lora_base``."""
+    return load_megatron_with_lora(megatron_path, hf_config_path, lora_base)[:4]
 
 
-def load_megatron_with_lora(megatron_path: str, hf_config_path: str | None = None):
-    """``load_megatron``'s answer and the run's LoRA settings (None without adapters)."""
+def load_megatron_with_lora(megatron_path: str, hf_config_path: str | None = None, lora_base: str | None = None):
+    """``load_megatron``'s answer and the run's LoRA settings (None without adapters). A checkpoint of
+    the adapters alone reads the rest from its base (``lora_base``: where it moved since the save)."""
     check_checkpoint_dir(megatron_path)
     shape, config = checkpoint_shape(megatron_path, hf_config_path)
     directory = checkpoint_directory(megatron_path)
     model = conversion_model(shape).eval()
     stored = _read_checkpoint(megatron_path, _read_metadata, directory).state_dict_metadata
-    lora = stored_lora(megatron_path, _read_checkpoint(megatron_path, stored_args, directory), stored)
+    saved_args = _read_checkpoint(megatron_path, stored_args, directory)
+    lora = stored_lora(megatron_path, saved_args, stored)
+    base = _adapters_base(megatron_path, saved_args, lora_base) if lora is not None else None
+    if base is not None:
+        stored = {**_read_checkpoint(base, _read_metadata, base).state_dict_metadata, **stored}
     if lora is not None:
         attach_adapters(model, lora, stored, megatron_path)
     described_by = f"--hf-config-path {hf_config_path}" if hf_config_path else f"the shape recorded in {megatron_path}"
     check_model_matches(model, stored, described_by)
-    _read_checkpoint(megatron_path, load_model_weights, model, directory)
+    _read_checkpoint(megatron_path, load_model_weights, model, directory, base)
     by_key = _weight_dtypes(stored)
     common = max(set(by_key.values()), key=list(by_key.values()).count)
     dtypes = {name: by_key.get(getattr(sh, "key", None), common) for name, sh in model.sharded_state_dict().items()}
+    if base is not None:  # an adapted weight merges in the dtype the run trained it in, as its save would hold
+        linears = adapted_linears(model)
+        trained = {dtypes[f"{n}.lora_A"] for n in linears}
+        if len(trained) == 1:
+            dtypes.update(dict.fromkeys((f"{n}.weight" for n in linears), trained.pop()))
     return model, shape, config, dtypes, lora
 
 
@@ -459,6 +484,7 @@ def export_hf(
     max_shard_bytes: int = 2 * 1024**3,
     overwrite: bool = False,
     moe_layout: str = "per-expert",
+    lora_base: str | None = None,
 ) -> dict:
     if moe_layout not in MOE_LAYOUTS:
         raise ValueError(f"--moe-layout {moe_layout!r}: not one of {', '.join(MOE_LAYOUTS)}")
@@ -466,7 +492,7 @@ def export_hf(
     processor_files = _processor_files(hf_processor_path) if hf_processor_path else []  # checked before any write
     partial = start_output(hf_path, overwrite)
     try:
-        model, shape, config, stored = load_megatron(megatron_path, hf_config_path)
+        model, shape, config, stored = load_megatron(megatron_path, hf_config_path, lora_base)
         # a LoRA run's adapters are folded into its base weights as the rules read them
         state = MergedState(
             model_of(shape).hf_model_state(model), model, lambda name: DTYPES[dtype] if dtype else stored[name]

@@ -1,12 +1,13 @@
 """A LoRA run's checkpoint read for conversion: its adapters put on the TP = 1 conversion model, and
 merged into the base weights for the Hugging Face export.
 
-A LoRA run stores the base weights, every adapter's ``lora_A`` / ``lora_B`` (``B`` split into the
-weight's sections, as ``lora/adapter.py`` says) and its megatron args with ``lora_rank``,
-``lora_alpha`` and ``lora_targets``. The conversion model gets the adapters those args name before
-the load asks the checkpoint for its tensors, so the adapters load like the weights, resharded from
-whatever TP/EP the run saved at. A checkpoint without adapters (an import, a full training run) loads
-as the base alone.
+A LoRA run stores every adapter's ``lora_A`` / ``lora_B`` (``B`` split into the weight's sections,
+as ``lora/adapter.py`` says) and its megatron args with ``lora_rank``, ``lora_alpha`` and
+``lora_targets``; the base weights beside them, or, where its base is a checkpoint, only that
+checkpoint's name (``adapters_only.py``), from which the load reads them. The conversion model gets
+the adapters those args name before the load asks the checkpoint for its tensors, so the adapters
+load like the weights, resharded from whatever TP/EP the run saved at. A checkpoint without adapters
+(an import, a full training run) loads as the base alone.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from examples.multimodal_dev.lora import apply as lora_apply
 from examples.multimodal_dev.lora.adapter import LoraLinear
 from examples.multimodal_dev.lora.targets import parse_targets
 
-from .adapters_from_base import ADAPTER_SUFFIXES, is_model_key
+from .adapters_from_base import ADAPTER_SUFFIXES
+from .adapters_only import is_model_key
 
 
 @dataclass(frozen=True)

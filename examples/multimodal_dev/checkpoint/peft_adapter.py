@@ -197,11 +197,12 @@ def export_peft(
     base_model_name_or_path: str | None = None,
     hf_config_path: str | None = None,
     overwrite: bool = False,
+    lora_base: str | None = None,
 ) -> dict:
     check_apart(megatron_path, peft_path, FLAG)
     partial = start_output(peft_path, overwrite, FLAG)
     try:
-        model, shape, _, dtypes, lora = load_megatron_with_lora(megatron_path, hf_config_path)
+        model, shape, _, dtypes, lora = load_megatron_with_lora(megatron_path, hf_config_path, lora_base)
         if lora is None:
             raise ValueError(f"--megatron-path {megatron_path}: holds no LoRA adapters; nothing to export with PEFT")
         linears = adapted_linears(model)

@@ -213,7 +213,7 @@ def verify(args) -> bool:
     _local_hf_dir(hf_src)
     hf_conversion.check_checkpoint_dir(args.megatron_path)
     check_same_model(hf_src, args.megatron_path)
-    mg, shape, _, _ = hf_conversion.load_megatron(args.megatron_path)
+    mg, shape, _, _ = hf_conversion.load_megatron(args.megatron_path, lora_base=getattr(args, "lora_base", None))
     hf = _hf_model(hf_src)
     reasons = _nonfinite_weights(mg, "Megatron") + _nonfinite_weights(hf, "HF")
     if reasons:

@@ -149,6 +149,7 @@ PARSERS: dict[str, Callable[[str, str], Any]] = {
             "CKPT_RESUME",
             "LORA_ALPHA",
             "LORA_TARGETS",
+            "LORA_BASE",
             "MASTER_ADDR",
         ),
         _text,

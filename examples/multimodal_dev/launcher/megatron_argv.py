@@ -93,6 +93,7 @@ def _data_and_lora(config: RunConfig) -> list[str]:
         flags += _pairs(("--lora-rank", lora.rank))
         flags += _pairs(("--lora-alpha", lora.alpha)) if lora.alpha else []
         flags += _pairs(("--lora-targets", lora.targets)) if lora.targets else []
+        flags += _pairs(("--lora-base", lora.base)) if lora.base else []
     return flags
 
 

@@ -148,6 +148,7 @@ class Lora:
     rank: int = variable("LORA_RANK", 0)  # 0: no adapters
     alpha: str | None = variable("LORA_ALPHA")
     targets: str | None = variable("LORA_TARGETS")  # None: lora/targets.py's DEFAULT_TARGETS
+    base: str | None = variable("LORA_BASE")  # None: where the checkpoint's adapters name their base
 
 
 @dataclass(frozen=True)

@@ -141,6 +141,12 @@ VARIABLES: tuple[tuple[tuple[str, ...], str, str], ...] = (
         "the adapters' scale alpha / rank, and the linears that get one (`lora/targets.py`)",
     ),
     (
+        ("LORA_BASE",),
+        "where the checkpoint names it",
+        "where the base of a LoRA checkpoint's adapters is now, if it moved since the save: a LoRA run's "
+        "checkpoints hold the adapters, not the base ([docs/lora.md](docs/lora.md))",
+    ),
+    (
         ("GROUPED_EXPERTS",),
         "1 for MoE, 0 with LoRA on `linear_fc1` / `linear_fc2`",
         "1: each MoE layer's routed experts as two grouped GEMMs (`--moe-grouped-gemm`: "

@@ -224,7 +224,15 @@ CHANGES: tuple[Change, ...] = (
         f"{_CKPT}_load_base_checkpoint",
         f"{_P}checkpoint.adapters_from_base:base_without_adapters",
         "a model with LoRA adapters loads a checkpoint without any (the base it adapts) instead of stopping on "
-        "the missing adapter keys; the adapters keep their start",
+        "the missing adapter keys; the adapters keep their start; a checkpoint of the adapters alone gets "
+        "its base's tensors from that base",
+    ),
+    Change(
+        "lora-from-base",
+        f"{_CKPT}generate_state_dict",
+        f"{_P}checkpoint.adapters_only:without_frozen_base",
+        "a LoRA run whose base is a checkpoint saves what trains, not the frozen base again at every save "
+        "(~800 GB for 397b_a17b); loads read the base from where it is named",
     ),
     # Save-time work, one wrapper with its hooks in order (checkpoint/save_hooks.py).
     Change(

@@ -39,6 +39,7 @@ if __name__ == "__main__":
 
 from safetensors import SafetensorError
 
+from examples.multimodal_dev.checkpoint.adapters_only import LORA_BASE_HELP
 from examples.multimodal_dev.checkpoint.hf_conversion import DTYPES, MOE_LAYOUTS, export_hf, import_hf
 from examples.multimodal_dev.checkpoint.peft_adapter import export_peft
 from examples.multimodal_dev.checkpoint.verify import verify
@@ -72,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
         help="MoE experts one tensor per expert as on the hub (default) or packed [E, ...]",
     )
     exp.add_argument("--overwrite", action="store_true")
+    exp.add_argument("--lora-base", default=None, help=LORA_BASE_HELP)
     peft = sub.add_parser("export-peft", help="a LoRA run's checkpoint -> Hugging Face PEFT adapter")
     peft.add_argument("--megatron-path", required=True)
     peft.add_argument("--peft-path", required=True, help="folder for adapter_config.json and adapter_model.safetensors")
@@ -82,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     peft.add_argument("--hf-config-path", default=None, help="config.json to describe the model (else inferred)")
     peft.add_argument("--overwrite", action="store_true")
+    peft.add_argument("--lora-base", default=None, help=LORA_BASE_HELP)
     ver = sub.add_parser("verify", help="logits of the Megatron checkpoint against the Hugging Face model")
     ver.add_argument("--hf-path", required=True, help="local Hugging Face folder, or hf://NAME for the Hub")
     ver.add_argument("--megatron-path", required=True)
@@ -91,6 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     ver.add_argument(
         "--hf-processor-path", default=None, help="processor for --prompt (default: --hf-path); local, or hf://NAME"
     )
+    ver.add_argument("--lora-base", default=None, help=LORA_BASE_HELP)
     return parser
 
 
@@ -149,6 +153,7 @@ def main(argv=None) -> int:
                 int(args.max_shard_size_gb * 1024**3),
                 args.overwrite,
                 args.moe_layout,
+                args.lora_base,
             )
             merged = f", merged {info['merged_adapters']} LoRA adapters" if info["merged_adapters"] else ""
             print(
@@ -157,7 +162,12 @@ def main(argv=None) -> int:
             )
         elif args.command == "export-peft":
             info = export_peft(
-                args.megatron_path, args.peft_path, args.base_model_name_or_path, args.hf_config_path, args.overwrite
+                args.megatron_path,
+                args.peft_path,
+                args.base_model_name_or_path,
+                args.hf_config_path,
+                args.overwrite,
+                args.lora_base,
             )
             print(peft_summary(info, args.peft_path))
         else:

@@ -31,6 +31,8 @@ import os
 import sys
 import time
 
+from examples.multimodal_dev.checkpoint.adapters_only import LORA_BASE_HELP
+
 if __name__ == "__main__":
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # as convert_checkpoint: a host-memory job
 
@@ -39,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--megatron-path", required=True, help="checkpoint folder (its latest iteration)")
     parser.add_argument("--hf-config-path", default=None, help="config.json describing the model (else recorded)")
+    parser.add_argument("--lora-base", default=None, help=LORA_BASE_HELP)
     parser.add_argument("--hf-processor-path", required=True, help="tokenizer, chat template, image processor")
     asked = parser.add_mutually_exclusive_group(required=True)
     asked.add_argument("--prompts", help="JSONL file of conversations")
@@ -145,7 +148,7 @@ def run(args, log=print, answers_to=None) -> list[dict]:
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     records = _records(args)
     reader = _fitting_reader(args)
-    model, _, _, _ = load_megatron(args.megatron_path, args.hf_config_path)
+    model, _, _, _ = load_megatron(args.megatron_path, args.hf_config_path, args.lora_base)
     tokenizer = reader.processor.tokenizer
     end_ids = answer_end_ids(reader.processor, reader.info)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

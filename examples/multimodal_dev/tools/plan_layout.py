@@ -330,6 +330,26 @@ def no_fit_advice(result) -> str:
     return "no layout fits: raise --gpus, lower --seq-len / --micro-batch, or allow --recompute full"
 
 
+def checkpoint_line(shape, lora) -> str:
+    """What one save writes, whatever the layout: bf16 weights and the trained parameters' fp32 main
+    copy and Adam moments (12 bytes each); a LoRA run's saves hold its adapters alone
+    (``checkpoint/adapters_only.py``), the frozen base read from the checkpoint it names."""
+    from examples.multimodal_dev.planner.launch_layout import Layout
+    from examples.multimodal_dev.planner.rank_params import adapter_params, stage_params
+
+    whole = stage_params(shape, Layout(), 0)
+    weights = 2 * (whole.dense + whole.expert) + 4 * whole.fp32
+    if not lora:
+        return (
+            f"checkpoint: {(weights + 12 * whole.total) / GIB:,.1f} GiB a save (weights, fp32 main copy, Adam moments)"
+        )
+    adapters = adapter_params(shape, Layout(), 0, lora).total
+    return (
+        f"checkpoint: {14 * adapters / GIB:,.2f} GiB a save: the adapters ({adapters / 1e6:,.1f} M parameters) and "
+        f"their optimizer state; the frozen base ({weights / GIB:,.1f} GiB) is read from the checkpoint it names"
+    )
+
+
 def describe(result, seconds: float) -> str:
     req = result.request
     hw, mix = req.hardware, req.mix
@@ -343,6 +363,7 @@ def describe(result, seconds: float) -> str:
         f"{hw.network_gbs:g} GB/s network",
         f"{result.examined} layouts in {seconds:.1f} s; refused: "
         + (", ".join(f"{n} {why}" for why, n in sorted(result.refused.items(), key=lambda kv: -kv[1])) or "none"),
+        checkpoint_line(req.shape, req.lora),
     ]
     if not result.plans:
         lines.append(no_fit_advice(result))
