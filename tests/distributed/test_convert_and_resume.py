@@ -103,3 +103,51 @@ def test_export_of_a_sharded_checkpoint_is_bitwise(layout, tmp_path, mcore):
         a, b = original.get(name), back.get(name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
     print(f"{len(original.names)} tensors bitwise equal after import -> {layout} save -> export")
+
+
+def test_generate_answers_from_a_lora_checkpoint_as_transformers_does_from_its_merged_export(tmp_path, mcore):
+    """``tools/generate.py`` on a LoRA run's checkpoint (the adapters alone; the base read from the
+    import it names): greedy answers equal transformers' on that checkpoint's merged export."""
+    import json
+
+    from hf_generate import hf_greedy
+    from tiny_processor import QWEN35_CHAT_TEMPLATE, build_processor, tiny_shape_for
+
+    from examples.multimodal_dev.data.jsonl import prompt_reader
+    from examples.multimodal_dev.tools import generate
+
+    hf_path, ckpt, tuned, merged = tmp_path / "hf", tmp_path / "imported", tmp_path / "lora", tmp_path / "merged"
+    processor = build_processor(str(hf_path), chat_template=QWEN35_CHAT_TEMPLATE)
+    write_hf_checkpoint(hf_path, tiny_shape_for(processor), dtype=torch.float32)
+    assert main(["import", "--hf-path", str(hf_path), "--megatron-path", str(ckpt)]) == 0
+
+    # trained on the user's own records, through the processor the answers are asked with
+    def chat(n: int) -> dict:
+        answer = " ".join(map(str, range(n)))
+        return {"messages": [{"role": "user", "content": f"Count to {n}."}, {"role": "assistant", "content": answer}]}
+
+    lines = [json.dumps(chat(n)) + "\n" for n in range(2, 18)]
+    (tmp_path / "train.jsonl").write_text("".join(lines))
+    data = dict(DATASET="jsonl", DATA_PATH=tmp_path / "train.jsonl", HF_PROCESSOR_PATH=processor)
+    lora = dict(LORA_RANK=4, LORA_ALPHA=12, CKPT_SAVE=tuned, LR=5e-3)
+    run = run_script(NO_EVAL, CKPT_LOAD=ckpt, TRAIN_ITERS=2, SEQ_LEN=512, GBS=4, MBS=2, **data, **lora).check()
+    assert "its checkpoints hold the adapters, not the base" in run.output
+    assert (
+        main(["export", "--megatron-path", str(tuned), "--hf-path", str(merged), "--hf-processor-path", processor]) == 0
+    )
+    record = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello?"}]}
+    (tmp_path / "prompts.jsonl").write_text(json.dumps(record) + "\n")
+    answers = tmp_path / "answers.jsonl"
+    argv = [
+        "--megatron-path",
+        str(tuned),
+        "--hf-processor-path",
+        processor,
+        "--prompts",
+        str(tmp_path / "prompts.jsonl"),
+    ]
+    assert generate.main([*argv, "--max-new-tokens", "8", "--output", str(answers), "--with-token-ids"]) == 0
+    sample, _ = prompt_reader(processor, 8192).prompt_sample(json.dumps(record), str(tmp_path), "prompts.jsonl:1")
+    ours = json.loads(answers.read_text())["token_ids"]
+    print(f"generate from the LoRA checkpoint: {ours}")
+    assert ours == hf_greedy(merged, sample["input_ids"].tolist(), 8, processor_dir=processor), ours

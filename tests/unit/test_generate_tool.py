@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 from hf_checkpoints import write_hf_checkpoint
+from hf_generate import hf_greedy
 from tiny_processor import QWEN35_CHAT_TEMPLATE, build_processor, png_bytes, tiny_shape_for
 
 from examples.multimodal_dev.tools import convert_checkpoint, generate
@@ -42,30 +43,6 @@ def checkpoint(tmp_path_factory, mcore):
     return root, shape
 
 
-def _hf_answer(root, prompt_ids, pixel_values=None, image_grid_thw=None):
-    """transformers' greedy answer (token ids) to the same tokens, on the checkpoint the import read.
-    The random model's ids mostly lie past the tiny tokenizer's vocabulary and decode to nothing, so
-    ids are what is compared."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(str(root / "hf"))
-    hf = AutoModelForImageTextToText.from_pretrained(str(root / "hf"), dtype=torch.float32).eval()
-    tok = processor.tokenizer
-    ids = torch.tensor([prompt_ids])
-    media = {} if pixel_values is None else {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
-    out = hf.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        mm_token_type_ids=(ids == hf.config.image_token_id).long(),
-        **media,
-        do_sample=False,
-        max_new_tokens=NEW,
-        eos_token_id=[tok.convert_tokens_to_ids("<|im_end|>"), tok.eos_token_id],
-        pad_token_id=tok.pad_token_id,
-    )
-    return out[0, ids.shape[1] :].tolist()
-
-
 def test_answers_from_a_jsonl_file_equal_transformers_and_are_scored(checkpoint, capsys):
     from examples.multimodal_dev.data.jsonl import prompt_reader
 
@@ -93,7 +70,9 @@ def test_answers_from_a_jsonl_file_equal_transformers_and_are_scored(checkpoint,
     for (n, line), answer in zip(enumerate(open(root / "prompts.jsonl"), 1), answers):
         sample, _ = reader.prompt_sample(line, str(root), f"prompts.jsonl:{n}")
         assert answer["where"].endswith(f"prompts.jsonl:{n}")
-        expected = _hf_answer(root, sample["input_ids"].tolist(), sample["pixel_values"], sample["image_grid_thw"])
+        expected = hf_greedy(
+            root / "hf", sample["input_ids"].tolist(), NEW, sample["pixel_values"], sample["image_grid_thw"]
+        )
         assert answer["token_ids"] == expected, n
         with capsys.disabled():
             print(f"prompt {n}: {answer['token_ids']}")
