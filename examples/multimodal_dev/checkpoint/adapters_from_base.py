@@ -21,7 +21,7 @@ import os
 
 from examples.multimodal_dev.console import say
 
-from .adapters_only import ADAPTERS_ONLY, base_fingerprint, base_problem
+from .adapters_only import ADAPTERS_ONLY, base_fingerprint, base_to_read
 from .files import TRACKER, checkpoint_directory, stored_args, stored_keys
 
 ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
@@ -68,19 +68,14 @@ def record_base(args) -> None:
     loaded = next(
         (d for d in (args.load, args.pretrained_checkpoint) if d and os.path.isfile(os.path.join(d, TRACKER))), None
     )
-    args.lora_base, moved = None, getattr(args, "lora_base_path", None)
-    if moved and os.path.isfile(os.path.join(moved, TRACKER)):  # the base's folder, not its iteration's
-        moved = checkpoint_directory(moved)
+    args.lora_base = None
     if loaded is not None:
         directory = checkpoint_directory(loaded)
         stored = stored_args(directory)
         trained = getattr(stored, "lora_rank", 0)
         args.lora_base = getattr(stored, "lora_base", None) if trained else os.path.abspath(directory)
         if trained and getattr(stored, ADAPTERS_ONLY, False):  # its weights are read from the base again
-            args.lora_base = os.path.abspath(moved) if moved else args.lora_base
-            problem = base_problem(args.lora_base, getattr(stored, "lora_base_fingerprint", None), directory)
-            if problem:
-                raise ValueError(problem)
+            args.lora_base = base_to_read(stored, getattr(args, "lora_base_path", None), directory)
     # a base that is a checkpoint is read again at every load: the saves hold the adapters alone
     setattr(args, ADAPTERS_ONLY, args.lora_base is not None)
     args.lora_base_fingerprint = base_fingerprint(args.lora_base) if args.lora_base else None

@@ -66,17 +66,26 @@ def base_fingerprint(directory: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def base_problem(base: str | None, recorded: str | None, where: str) -> str | None:
-    """Why the base recorded by the checkpoint at ``where`` cannot be read (None: it can)."""
+def base_to_read(saved_args, moved: str | None, where: str) -> str:
+    """The base iteration directory the adapters-only checkpoint at ``where`` (its args ``saved_args``)
+    is read with: where it names it, or ``moved`` (LORA_BASE / --lora-base: the base's folder or its
+    iteration's). ``ValueError`` in one line naming both paths where it is missing or no longer the
+    checkpoint the adapters were trained on."""
+    from .files import TRACKER, checkpoint_directory
+
+    base = saved_args.lora_base
+    if moved:
+        base = os.path.abspath(checkpoint_directory(moved) if os.path.isfile(os.path.join(moved, TRACKER)) else moved)
     fix = "point LORA_BASE (--lora-base) at where that base is now"
     if not base or not os.path.isdir(base):
-        return f"{where} holds LoRA adapters only; their base {base} is missing: {fix}"
+        raise ValueError(f"{where} holds LoRA adapters only; their base {base} is missing: {fix}")
+    recorded = getattr(saved_args, "lora_base_fingerprint", None)
     if recorded and base_fingerprint(base) != recorded:
-        return (
+        raise ValueError(
             f"{where} holds LoRA adapters only; their base {base} is no longer the checkpoint they were trained "
             f"on (its tensors' shapes or bytes differ from the fingerprint recorded at save): {fix}"
         )
-    return None
+    return base
 
 
 def _storage(value) -> int | None:

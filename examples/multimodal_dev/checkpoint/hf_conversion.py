@@ -42,7 +42,7 @@ from examples.multimodal_dev.models import DEFAULT_ARCH, get_model_entry, model_
 from examples.multimodal_dev.models.megatron_args import one_process_checkpoint_args
 
 from ..megatron_changes import apply
-from .adapters_only import ADAPTERS_ONLY, base_problem, is_model_key
+from .adapters_only import ADAPTERS_ONLY, base_to_read, is_model_key
 from .files import TRACKER, checkpoint_directory, iteration_dir, load_model_weights, save_model_checkpoint, stored_args
 from .hf_models import hf_classes
 from .hf_safetensors import INDEX, HFTensorSource, ShardedWriter, per_expert, read_config
@@ -324,13 +324,7 @@ def _adapters_base(megatron_path: str, saved_args, moved: str | None) -> str | N
     checked against the fingerprint recorded at save; a missing or changed base is one line."""
     if not getattr(saved_args, ADAPTERS_ONLY, False):
         return None
-    base = saved_args.lora_base
-    if moved:
-        base = checkpoint_directory(moved) if os.path.isfile(os.path.join(moved, TRACKER)) else moved
-    problem = base_problem(base, getattr(saved_args, "lora_base_fingerprint", None), f"--megatron-path {megatron_path}")
-    if problem:
-        raise ValueError(problem)
-    return base
+    return base_to_read(saved_args, moved, f"--megatron-path {megatron_path}")
 
 
 def load_megatron(megatron_path: str, hf_config_path: str | None = None, lora_base: str | None = None):
