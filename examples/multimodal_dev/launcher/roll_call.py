@@ -15,6 +15,7 @@ rendezvous's own.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import socket
 import time
@@ -22,6 +23,9 @@ import time
 BACKEND = "static-roll-call"
 DEFAULT_JOIN_TIMEOUT_S = 600  # torchrun's static rendezvous's own
 _POLL_S = 0.2
+# a node that joined waits for node 0's verdict this much longer than node 0 waits for the nodes: node 0's
+# wait began no later than this node's, and it writes the verdict after its wait has ended
+_VERDICT_GRACE_S = 30
 
 
 class NodesMissing(RuntimeError):
@@ -60,7 +64,7 @@ def _as_node_0(store, handler) -> None:
 def _as_other_node(store, handler) -> None:
     _, verdict = _keys(handler.run_id, handler.world_size)
     try:
-        store.wait([verdict], handler.timeout)
+        store.wait([verdict], handler.timeout + datetime.timedelta(seconds=_VERDICT_GRACE_S))
         said = store.get(verdict).decode()
     except Exception as err:  # its store went away or never answered: node 0 stopped waiting
         raise NodesMissing(
