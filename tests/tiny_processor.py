@@ -113,9 +113,9 @@ def build_processor(out_dir: str, specials=SPECIALS, chat_template=CHAT_TEMPLATE
     return out_dir
 
 
-def tiny_shape_for(processor_dir: str):
-    """The ``tiny`` variant (dense, no MTP head) with the processor's vision token ids: a model and the
-    processor that feeds it must agree on them."""
+def tiny_shape_for(processor_dir: str, moe: bool = False):
+    """The ``tiny`` variant (dense unless ``moe``, no MTP head) with the processor's vision token ids: a
+    model and the processor that feeds it must agree on them."""
     from dataclasses import replace
 
     from examples.multimodal_dev.data.processor import load_processor
@@ -123,7 +123,7 @@ def tiny_shape_for(processor_dir: str):
 
     t = load_processor(processor_dir)[1].tokens
     return replace(
-        get_variant("tiny", moe=False, mtp=False),
+        get_variant("tiny", moe=moe, mtp=False),
         image_token_id=t.image,
         video_token_id=t.video,
         vision_start_token_id=t.vision_start,

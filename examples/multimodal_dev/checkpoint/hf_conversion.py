@@ -334,13 +334,16 @@ def load_megatron(megatron_path: str, hf_config_path: str | None = None, lora_ba
     return load_megatron_with_lora(megatron_path, hf_config_path, lora_base)[:4]
 
 
-def load_megatron_with_lora(megatron_path: str, hf_config_path: str | None = None, lora_base: str | None = None):
+def load_megatron_with_lora(
+    megatron_path: str, hf_config_path: str | None = None, lora_base: str | None = None, build=None
+):
     """``load_megatron``'s answer and the run's LoRA settings (None without adapters). A checkpoint of
-    the adapters alone reads the rest from its base (``lora_base``: where it moved since the save)."""
+    the adapters alone reads the rest from its base (``lora_base``: where it moved since the save).
+    ``build(shape)``: the model to load into, at its own layout and dtype (else fp32 at TP = 1)."""
     check_checkpoint_dir(megatron_path)
     shape, config = checkpoint_shape(megatron_path, hf_config_path)
     directory = checkpoint_directory(megatron_path)
-    model = conversion_model(shape).eval()
+    model = (build or conversion_model)(shape).eval()
     stored = _read_checkpoint(megatron_path, _read_metadata, directory).state_dict_metadata
     saved_args = _read_checkpoint(megatron_path, stored_args, directory)
     lora = stored_lora(megatron_path, saved_args, stored)
@@ -361,6 +364,14 @@ def load_megatron_with_lora(megatron_path: str, hf_config_path: str | None = Non
         if len(trained) == 1:
             dtypes.update(dict.fromkeys((f"{n}.weight" for n in linears), trained.pop()))
     return model, shape, config, dtypes, lora
+
+
+def stored_weight_dtype(megatron_path: str) -> torch.dtype:
+    """The dtype most of a checkpoint's model weights are stored in (bf16 for a bf16 run, whose fp32
+    copies belong to the optimizer)."""
+    stored = _read_checkpoint(megatron_path, _read_metadata, checkpoint_directory(megatron_path))
+    dtypes = list(_weight_dtypes(stored.state_dict_metadata).values())
+    return max(set(dtypes), key=dtypes.count) if dtypes else torch.float32
 
 
 def check_model_matches(model, stored: dict, described_by: str) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -76,6 +77,13 @@ class Sampling:
 class Generated:
     tokens: list[list[int]]  # per prompt, the new tokens up to and including an end token
     logits: list[torch.Tensor] = field(default_factory=list)  # per step [B, V] fp32, when kept
+    # per prompt, why it ended: "end" (an end token), "stop" (``on_step`` ended it), "length" (its limit)
+    ended_by: list[str] = field(default_factory=list)
+
+
+# ``on_step(row, token)`` is called on every rank for each row's new token, in row order; it returns True
+# to end that row there (a stop string). It sees the same tokens on every rank, so ranks agree.
+OnStep = Callable[[int, int], bool]
 
 
 def check_layout(config) -> None:
@@ -101,6 +109,14 @@ def choose(logits_BV: torch.Tensor, sampling: Sampling, generator: torch.Generat
         ordered = ordered.masked_fill(before >= sampling.top_p, float("-inf"))  # the first always stays
         scores = torch.full_like(scores, float("-inf")).scatter(-1, order, ordered)
     return torch.multinomial(scores.softmax(-1).cpu(), 1, generator=generator)[:, 0].to(logits_BV.device)
+
+
+def choose_rows(logits_BV: torch.Tensor, samplings: Sequence[Sampling], generators: list) -> torch.Tensor:
+    """The next token of every row [B], each row by its own sampling and generator: a row draws the same
+    tokens whatever rows share its batch."""
+    if all(not s.temperature for s in samplings):
+        return logits_BV.argmax(-1)
+    return torch.cat([choose(logits_BV[b : b + 1], s, g) for b, (s, g) in enumerate(zip(samplings, generators))])
 
 
 def _cat(parts):
@@ -134,21 +150,34 @@ def generate(
     prompts: list[Prompt],
     max_new_tokens: int,
     end_ids=(),
-    sampling: Sampling | None = None,
+    sampling: Sampling | Sequence[Sampling] | None = None,
     pad_id: int = 0,
     keep_logits: bool = False,
+    row_limits: Sequence[int] | None = None,
+    on_step: OnStep | None = None,
+    agree_over_world: bool = False,
 ) -> Generated:
     """New tokens for ``prompts`` (at most ``max_new_tokens`` each; a row ends at a token of
-    ``end_ids``). ``model``: the VLM (megatron's wrappers around it are taken off)."""
+    ``end_ids``). ``model``: the VLM (megatron's wrappers around it are taken off).
+
+    Per row: ``sampling`` (one for all, or one a prompt; each row draws from a generator of its own
+    seed), ``row_limits`` (its most new tokens, at most ``max_new_tokens``), ``on_step`` (ends a row
+    after a token). ``agree_over_world``: every rank holds the same prompts (a server's followers), and
+    takes world rank 0's tokens, not only its tensor-parallel group's first rank's."""
     from megatron.core.utils import unwrap_model
 
     vlm = unwrap_model(model)
     check_layout(vlm.config)
-    sampling = sampling or Sampling()
-    device = next(vlm.parameters()).device
     asked = len(prompts)
+    samplings = list(sampling) if isinstance(sampling, Sequence) else [sampling or Sampling()] * asked
+    limits = list(row_limits) if row_limits is not None else [max_new_tokens] * asked
+    if len(samplings) != asked or len(limits) != asked or max(limits, default=0) > max_new_tokens:
+        raise ValueError(f"generate: {asked} prompts, {len(samplings)} samplings, row limits {limits}")
+    device, dtype = next(vlm.parameters()).device, next(vlm.parameters()).dtype
     batch, length = _common_shape(vlm, asked, max(len(p.input_ids) for p in prompts), device)
     prompts = list(prompts) + [Prompt([pad_id])] * (batch - asked)  # rows that only keep the shapes equal
+    samplings += [Sampling()] * (batch - asked)
+    limits += [max_new_tokens] * (batch - asked)
     ids, real = _left_padded(prompts, batch, length, pad_id, device)
     media = {
         name: _cat([getattr(p, name) for p in prompts])
@@ -157,29 +186,43 @@ def generate(
     positions = decode_positions(vlm, ids, real, media["image_grid_thw"], media["video_grid_thw"], max_new_tokens)
 
     context = DecodingContext(real, max_new_tokens)
-    generator = torch.Generator().manual_seed(sampling.seed) if sampling.temperature else None
-    out = Generated(tokens=[[] for _ in range(asked)])
+    generators = [torch.Generator().manual_seed(s.seed) if s.temperature else None for s in samplings]
+    out = Generated(tokens=[[] for _ in range(asked)], ended_by=["length"] * asked)
     running = torch.arange(batch, device=device) < asked
     end = torch.tensor(sorted(set(end_ids)), dtype=torch.long, device=device)
     with InferenceMode.active(), without_sequence_parallelism(vlm):
-        decoder_input = vlm.embed(ids, **{k: v.to(device) if v is not None else None for k, v in media.items()})
+        decoder_input = vlm.embed(ids, **{k: _on(v, device, dtype) for k, v in media.items()})
         step_ids = ids
         for step in range(max_new_tokens):
             span = step_ids.shape[1]
             logits = _last_logits(vlm, step_ids, span, positions, decoder_input, context)
             if keep_logits:
                 out.logits.append(logits[:asked].cpu())
-            token = _agreed(choose(logits, sampling, generator), vlm)
+            token = _agreed(choose_rows(logits, samplings, generators), vlm, agree_over_world)
+            ended = torch.isin(token, end)
             for b in running.nonzero().flatten().tolist():
                 out.tokens[b].append(int(token[b]))
-            running &= ~torch.isin(token, end)
+                if bool(ended[b]):
+                    out.ended_by[b] = "end"
+                elif on_step is not None and on_step(b, int(token[b])):
+                    out.ended_by[b], ended[b] = "stop", True
+                elif len(out.tokens[b]) >= limits[b]:
+                    ended[b] = True
+            running &= ~ended
             if not _any_running(running, step + 1 < max_new_tokens):
                 break
             context.sequence_len_offset += span
             context.enable_decode_mode()
             step_ids = token[:, None]
-            decoder_input = vlm.embed(step_ids)
+            decoder_input = vlm.embed_words(step_ids)
     return out
+
+
+def _on(tensor: torch.Tensor | None, device, dtype) -> torch.Tensor | None:
+    """A media tensor on the model's device, pixels in the model's dtype (a bf16 tower takes bf16)."""
+    if tensor is None:
+        return None
+    return tensor.to(device, dtype=dtype) if tensor.is_floating_point() else tensor.to(device)
 
 
 def _left_padded(
@@ -241,8 +284,13 @@ def _common_shape(vlm, rows: int, length: int, device) -> tuple[int, int]:
     return int(shape[0]), int(shape[1])
 
 
-def _agreed(token: torch.Tensor, vlm) -> torch.Tensor:
-    """Tensor-parallel rank 0's choice, on every rank of its group."""
+def _agreed(token: torch.Tensor, vlm, over_world: bool = False) -> torch.Tensor:
+    """Tensor-parallel rank 0's choice, on every rank of its group (``over_world``: world rank 0's, on
+    every rank)."""
+    if over_world:
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.broadcast(token, 0)
+        return token
     group = getattr(vlm.pg_collection, "tp", None)
     if group is None or torch.distributed.get_world_size(group) == 1:
         return token

@@ -127,6 +127,12 @@ class VisionLanguageModel(MegatronModule):
         the cost its replicas deal the items by (``vision_context_parallel.shares_of``)."""
         raise NotImplementedError(f"{type(self).__name__} does not say its vision tower's FLOPs per item")
 
+    def embed_words(self, input_ids_BS) -> torch.Tensor:
+        """Decoder input [S, B, H] of word embeddings alone: a decoding step's generated tokens, which
+        carry no vision features even where one is a placeholder id (transformers embeds it as a word),
+        and need no host-side check of the ids."""
+        return self._word_embeddings(input_ids_BS).transpose(0, 1).contiguous()
+
     def embed(
         self, input_ids_BS, pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None
     ) -> torch.Tensor:

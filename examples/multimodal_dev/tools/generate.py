@@ -17,8 +17,11 @@ Greedy by default; ``--temperature`` above 0 samples (``--top-k``, ``--top-p``, 
 ends at the end-of-turn or end-of-text token, or after ``--max-new-tokens``. Prompts are answered in
 batches of ``--batch-size`` (left-padded; each row's answer is the one it gets alone).
 
-It runs in one process on the CPU (it hides GPUs from itself), in fp32, with the whole model in host
-memory. A user's mistake is one line, ``generate: error: ...``, with exit status 2.
+Where it runs (``generation/loading.py``): one process, or TP x EP ranks that it starts through the
+launcher's torchrun (``--tensor-model-parallel-size``, ``--expert-model-parallel-size``); a GPU a rank
+where CUDA is, in the checkpoint's dtype (``--dtype``), else the host in fp32. Every rank decodes every
+prompt and takes rank 0's tokens; rank 0 writes the answers. A user's mistake is one line,
+``generate: error: ...``, with exit status 2.
 """
 
 from __future__ import annotations
@@ -32,9 +35,7 @@ import sys
 import time
 
 from examples.multimodal_dev.checkpoint.adapters_only import LORA_BASE_HELP
-
-if __name__ == "__main__":
-    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # as convert_checkpoint: a host-memory job
+from examples.multimodal_dev.generation.loading import add_layout_flags, layout_of, on_ranks
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,10 +60,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--with-token-ids", action="store_true", help="each answer's token ids too")
     parser.add_argument("--media-root", default=None, help="where relative media paths start (else the file's folder)")
     parser.add_argument("--allow-media-anywhere", action="store_true", help="records may name media outside it")
+    add_layout_flags(parser)
     return parser
 
 
 def check_args(args) -> None:
+    layout_of(args)
     for flag, value in (
         ("--max-new-tokens", args.max_new_tokens),
         ("--max-prompt-tokens", args.max_prompt_tokens),
@@ -117,42 +120,40 @@ def _records(args):
 
 
 def _fitting_reader(args):
-    """The prompt reader of ``--hf-processor-path``, once its processor is found to fit the checkpoint
-    (read from its recorded shape, before any weight loads)."""
-    from examples.multimodal_dev.checkpoint.hf_conversion import check_checkpoint_dir, checkpoint_shape
+    """The prompt reader of ``--hf-processor-path``, once its processor is found to fit the checkpoint."""
     from examples.multimodal_dev.data.jsonl import prompt_reader
-    from examples.multimodal_dev.data.processor import processor_differences
+    from examples.multimodal_dev.generation.loading import check_processor_fits
 
-    check_checkpoint_dir(args.megatron_path)
-    shape, _ = checkpoint_shape(args.megatron_path, args.hf_config_path)
     # media named on the command line are the user's own choice; a file's records stay in their folder
     anywhere = args.allow_media_anywhere or args.prompt is not None
     reader = prompt_reader(args.hf_processor_path, args.max_prompt_tokens, args.media_root, False, anywhere)
-    differ = processor_differences(reader.processor, reader.info, shape)
-    if differ:
-        raise ValueError(
-            f"--hf-processor-path {args.hf_processor_path} does not fit the checkpoint --megatron-path "
-            f"{args.megatron_path}: {'; '.join(differ)} (use the processor the checkpoint was trained with)"
-        )
+    check_processor_fits(reader, args.megatron_path, args.hf_config_path, args.hf_processor_path)
     return reader
 
 
 def run(args, log=print, answers_to=None) -> list[dict]:
     """Every prompt's answer ({"where", "answer"[, "reference"]}), written to ``--output`` as they come
     (else to ``answers_to``, stdout by default)."""
-    from examples.multimodal_dev.checkpoint.hf_conversion import load_megatron
+    import torch
+
     from examples.multimodal_dev.data.processor import answer_end_ids, answer_text
     from examples.multimodal_dev.evaluation.scores import Scores
     from examples.multimodal_dev.generation.decode import Prompt, Sampling, generate
+    from examples.multimodal_dev.generation.loading import load_for_generation
 
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     records = _records(args)
     reader = _fitting_reader(args)
-    model, _, _, _ = load_megatron(args.megatron_path, args.hf_config_path, args.lora_base)
+    model, _, dtype = load_for_generation(
+        args.megatron_path, args.hf_config_path, args.lora_base, layout_of(args), args.dtype
+    )
+    if torch.distributed.get_rank() != 0:  # every rank decodes; rank 0 speaks and writes
+        log, answers_to, args.output = (lambda line: None), open(os.devnull, "w"), None
     tokenizer = reader.processor.tokenizer
     end_ids = answer_end_ids(reader.processor, reader.info)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    log(f"generate: {len(records)} prompt(s), batches of {args.batch_size}, {_describe(sampling)}")
+    where = f"{torch.distributed.get_world_size()} rank(s) on {next(model.parameters()).device.type}"
+    log(f"generate: {len(records)} prompt(s), batches of {args.batch_size}, {_describe(sampling)}, {where}, {dtype}")
     out, scores, answers = open(args.output, "w") if args.output else None, Scores(), []
     try:
         for first in range(0, len(records), args.batch_size):
@@ -168,7 +169,7 @@ def run(args, log=print, answers_to=None) -> list[dict]:
                 Prompt(s["input_ids"].tolist(), **{k: v for k, v in s.items() if k != "input_ids"}) for s, _ in encoded
             ]
             started = time.monotonic()
-            done = generate(model, prompts, args.max_new_tokens, end_ids, sampling, pad_id)
+            done = generate(model, prompts, args.max_new_tokens, end_ids, sampling, pad_id, agree_over_world=True)
             new = sum(map(len, done.tokens))
             log(
                 f"generate: prompts {first + 1}-{first + len(batch)} of {len(records)}: {new} tokens in "
@@ -200,15 +201,19 @@ def _describe(sampling) -> str:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
     from examples.multimodal_dev.data.sample import DataError
+
+    started = on_ranks("generate", "examples.multimodal_dev.tools.generate", args, argv, check_args)
+    if started is not None:  # a mistake, or the ranks this process started (rank 0 answers)
+        return started
 
     # stdout carries the answers only (JSONL a script reads): megatron.training gives the root logger a
     # handler to stdout on import unless one is there already, and megatron prints progress.
     logging.basicConfig(stream=sys.stderr)
     answers_to = sys.stdout
     try:
-        check_args(args)
         with contextlib.redirect_stdout(sys.stderr):
             run(args, lambda line: print(line, file=sys.stderr, flush=True), answers_to)
     except (OSError, ValueError, KeyError, DataError) as err:
