@@ -5,7 +5,8 @@ functions, runs down the stack, and no two modules import each other, directly o
     entry         pretrain_multimodal.py and what it hands megatron: arguments.py, checked_args.py,
                   model_provider.py, dataset_provider.py, forward_step.py
     training/     engine glue: backend, throughput, run checks
-    generation/   cached decoding and generate
+    generation/   cached decoding and generate, the model at a generating command's layout
+    serving/      the chat-completions endpoint: requests, the decoding loop, the HTTP app
     vision_ranks/ the vision tower's own layout, and its own ranks' process groups
     planner/      the layout planner: per-rank memory and step time of launch layouts, pipeline splits
     checkpoint/   formats and safety, HF <-> Megatron conversion
@@ -37,6 +38,7 @@ LAYERS = (
     f"{PACKAGE}.planner",
     f"{PACKAGE}.vision_ranks",
     f"{PACKAGE}.generation",
+    f"{PACKAGE}.serving",
     f"{PACKAGE}.training",
     f"{PACKAGE}.entry",
     f"{PACKAGE}.launcher",

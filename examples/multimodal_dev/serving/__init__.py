@@ -1,0 +1,1 @@
+"""The chat-completions endpoint over a checkpoint (tools/serve.py): requests, answers' text."""
