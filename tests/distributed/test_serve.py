@@ -257,24 +257,63 @@ def test_a_server_at_tp2_answers_as_one_process(checkpoint, server):
         assert "2 rank(s)" in "".join(lines)
 
 
-@pytest.mark.parametrize(
-    "layout", [["--tensor-model-parallel-size", "2", "--sequence-parallel"], ["--expert-model-parallel-size", "2"]]
-)
-def test_generate_on_ranks_equals_one_process(checkpoint, layout, tmp_path):
-    records = [
-        {"messages": [{"role": "user", "content": "<image>What colour?"}], "images": ["red.png"]},
-        {"messages": [{"role": "user", "content": "Hello there?"}]},
-        {"messages": [{"role": "user", "content": "Count."}]},
+RECORDS = [
+    {"messages": [{"role": "user", "content": "<image>What colour?"}], "images": ["red.png"]},
+    {"messages": [{"role": "user", "content": "Hello there?"}]},
+    {"messages": [{"role": "user", "content": "Count."}]},
+]
+
+
+def _generate_argv(checkpoint, output) -> list[str]:
+    (checkpoint / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    argv = ["--megatron-path", str(checkpoint / "mg"), "--hf-processor-path", str(checkpoint / "hf")]
+    return argv + [
+        "--prompts",
+        str(checkpoint / "p.jsonl"),
+        "--max-new-tokens",
+        "8",
+        "--with-token-ids",
+        "--output",
+        output,
     ]
-    (checkpoint / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    argv = [sys.executable, "-m", "examples.multimodal_dev.tools.generate", "--megatron-path", str(checkpoint / "mg")]
-    argv += ["--hf-processor-path", str(checkpoint / "hf"), "--prompts", str(checkpoint / "p.jsonl")]
-    argv += ["--max-new-tokens", "8", "--with-token-ids"]
-    answers = {}
-    for name, flags in (("one", []), ("ranks", layout)):
-        done = subprocess.run(argv + flags, cwd=ROOT, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        answers[name] = [json.loads(line)["token_ids"] for line in done.stdout.splitlines()]
-        if name == "ranks":
-            assert "2 rank(s)" in done.stderr
-    assert len(answers["one"]) == 3 and answers["ranks"] == answers["one"]
+
+
+@pytest.fixture(scope="module")
+def one_process_answers(checkpoint):
+    from examples.multimodal_dev.tools import generate
+
+    assert generate.main(_generate_argv(checkpoint, str(checkpoint / "one.jsonl"))) == 0
+    return [json.loads(line)["token_ids"] for line in open(checkpoint / "one.jsonl")]
+
+
+LAYOUTS = [["--tensor-model-parallel-size", "2", "--sequence-parallel"], ["--expert-model-parallel-size", "2"]]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=["tp2-sp", "ep2"])
+def test_generate_on_ranks_equals_one_process(checkpoint, one_process_answers, layout, tmp_path):
+    argv = [sys.executable, "-m", "examples.multimodal_dev.tools.generate"]
+    argv += _generate_argv(checkpoint, str(tmp_path / "ranks.jsonl")) + layout
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 rank(s)" in done.stderr
+    answers = [json.loads(line)["token_ids"] for line in open(tmp_path / "ranks.jsonl")]
+    assert len(answers) == len(RECORDS) and answers == one_process_answers
+
+
+def test_a_full_queue_refuses_the_next_request():
+    from examples.multimodal_dev.generation.decode import Prompt, Sampling
+    from examples.multimodal_dev.serving.engine import Engine, Job, QueueFull, Row
+
+    engine = Engine(None, str, [], 0, max_batch=1, max_queue=1)
+    job = Job(Row(Prompt([1]), Sampling(), 1, []), None, lambda event: None)
+    engine.submit(job)
+    with pytest.raises(QueueFull, match="1 requests are waiting already"):
+        engine.submit(job)
+
+
+def test_bench_serve_runs_both_sides_on_the_same_prompts(checkpoint):
+    """The benchmark's generate and server sides answer the same prompts greedily: the same tokens."""
+    from examples.multimodal_dev.benchmarks import bench_serve
+
+    rows = bench_serve.run(str(checkpoint / "mg"), str(checkpoint / "hf"), (1, 3), 4, reps=1)
+    assert set(rows) == {1, 3} and all(r["tokens"][0] == r["tokens"][1] > 0 for r in rows.values()), rows

@@ -169,15 +169,10 @@ def generate(
     vlm = unwrap_model(model)
     check_layout(vlm.config)
     asked = len(prompts)
-    samplings = list(sampling) if isinstance(sampling, Sequence) else [sampling or Sampling()] * asked
-    limits = list(row_limits) if row_limits is not None else [max_new_tokens] * asked
-    if len(samplings) != asked or len(limits) != asked or max(limits, default=0) > max_new_tokens:
-        raise ValueError(f"generate: {asked} prompts, {len(samplings)} samplings, row limits {limits}")
     device, dtype = next(vlm.parameters()).device, next(vlm.parameters()).dtype
     batch, length = _common_shape(vlm, asked, max(len(p.input_ids) for p in prompts), device)
     prompts = list(prompts) + [Prompt([pad_id])] * (batch - asked)  # rows that only keep the shapes equal
-    samplings += [Sampling()] * (batch - asked)
-    limits += [max_new_tokens] * (batch - asked)
+    samplings, limits = _per_row(sampling, row_limits, asked, batch, max_new_tokens)
     ids, real = _left_padded(prompts, batch, length, pad_id, device)
     media = {
         name: _cat([getattr(p, name) for p in prompts])
@@ -199,16 +194,7 @@ def generate(
             if keep_logits:
                 out.logits.append(logits[:asked].cpu())
             token = _agreed(choose_rows(logits, samplings, generators), vlm, agree_over_world)
-            ended = torch.isin(token, end)
-            for b in running.nonzero().flatten().tolist():
-                out.tokens[b].append(int(token[b]))
-                if bool(ended[b]):
-                    out.ended_by[b] = "end"
-                elif on_step is not None and on_step(b, int(token[b])):
-                    out.ended_by[b], ended[b] = "stop", True
-                elif len(out.tokens[b]) >= limits[b]:
-                    ended[b] = True
-            running &= ~ended
+            running &= ~_record(out, token, running, torch.isin(token, end), limits, on_step)
             if not _any_running(running, step + 1 < max_new_tokens):
                 break
             context.sequence_len_offset += span
@@ -216,6 +202,30 @@ def generate(
             step_ids = token[:, None]
             decoder_input = vlm.embed_words(step_ids)
     return out
+
+
+def _per_row(sampling, row_limits, asked: int, batch: int, max_new_tokens: int) -> tuple[list[Sampling], list[int]]:
+    """Every row's sampling and token limit, the ``batch - asked`` rows of padding greedy to the end."""
+    samplings = list(sampling) if isinstance(sampling, Sequence) else [sampling or Sampling()] * asked
+    limits = list(row_limits) if row_limits is not None else [max_new_tokens] * asked
+    if len(samplings) != asked or len(limits) != asked or max(limits, default=0) > max_new_tokens:
+        raise ValueError(f"generate: {asked} prompts, {len(samplings)} samplings, row limits {limits}")
+    padding = batch - asked
+    return samplings + [Sampling()] * padding, limits + [max_new_tokens] * padding
+
+
+def _record(out: Generated, token, running, ended, limits, on_step: OnStep | None) -> torch.Tensor:
+    """Each running row's new token kept; the rows that end with it [B] (an end token, ``on_step``'s
+    stop, the row's limit)."""
+    for b in running.nonzero().flatten().tolist():
+        out.tokens[b].append(int(token[b]))
+        if bool(ended[b]):
+            out.ended_by[b] = "end"
+        elif on_step is not None and on_step(b, int(token[b])):
+            out.ended_by[b], ended[b] = "stop", True
+        elif len(out.tokens[b]) >= limits[b]:
+            ended[b] = True
+    return ended
 
 
 def _on(tensor: torch.Tensor | None, device, dtype) -> torch.Tensor | None:

@@ -1,7 +1,8 @@
 """The decoding loop behind the endpoint: requests queued by the HTTP side, decoded in batches on every
 rank, their text handed back token by token.
 
-- **Batches**: the loop takes every request waiting (up to ``max_batch``) and decodes them together
+- **Batches**: the loop takes every request waiting (up to ``max_batch``; after the first, those that
+  arrive within ``batch_wait_s``) and decodes them together
   (``generation/decode.py``, left-padded, each row with its own sampling, token limit and stop strings).
   A request that arrives while a batch decodes joins the next batch. Each answer is the one the request
   gets alone: rows do not see each other, and a row's draws come from its own seed.
@@ -57,10 +58,19 @@ class QueueFull(Exception):
 
 class Engine:
     def __init__(
-        self, model, decode: Callable[[list[int]], str], end_ids, pad_id: int, max_batch: int, max_queue: int, log=None
+        self,
+        model,
+        decode: Callable[[list[int]], str],
+        end_ids,
+        pad_id: int,
+        max_batch: int,
+        max_queue: int,
+        log=None,
+        batch_wait_s: float = 0.0,
     ):
         self.model, self.decode, self.end_ids, self.pad_id = model, decode, list(end_ids), pad_id
         self.log = log or (lambda line: None)
+        self.batch_wait_s = batch_wait_s
         self.max_batch = max_batch
         self.waiting: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self.stopping = threading.Event()
@@ -98,9 +108,10 @@ class Engine:
                 continue
         else:
             return []
+        gathered = time.monotonic() + self.batch_wait_s  # requests sent together arrive a moment apart
         while len(jobs) < self.max_batch:
             try:
-                jobs.append(self.waiting.get_nowait())
+                jobs.append(self.waiting.get(timeout=max(gathered - time.monotonic(), 0)))
             except queue.Empty:
                 break
         return jobs

@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000, help="0: a free port, printed when listening")
     parser.add_argument("--served-model-name", default=None, help="the model name requests give [the folder's]")
     parser.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together")
+    parser.add_argument(
+        "--batch-wait-ms", type=float, default=10.0, help="after a first request, how long others may join its batch"
+    )
     parser.add_argument("--max-queue", type=int, default=64, help="requests waiting; more are answered 429")
     parser.add_argument("--max-request-bytes", type=int, default=defaults.max_body_bytes)
     parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens, help="the most new tokens asked")
@@ -66,6 +69,8 @@ def check_args(args) -> None:
     for flag in ("max_images", "max_image_pixels"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 0")
+    if not 0 <= args.batch_wait_ms <= 10_000:
+        raise ValueError(f"--batch-wait-ms {args.batch_wait_ms}: expected 0-10000")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port}: expected 0-65535")
     if not os.path.isdir(args.megatron_path):
@@ -103,7 +108,7 @@ def serve(args, log) -> None:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     end_ids = answer_end_ids(reader.processor, reader.info)
     decode = lambda tokens: answer_text(reader.processor, tokens)  # noqa: E731
-    engine = Engine(model, decode, end_ids, pad_id, args.max_batch_size, args.max_queue, log)
+    engine = Engine(model, decode, end_ids, pad_id, args.max_batch_size, args.max_queue, log, args.batch_wait_ms / 1000)
     if not engine.leader:
         engine.run()
         return
