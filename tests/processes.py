@@ -9,17 +9,23 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def assert_workers_die_with_rank(script: str, workers: int = 2) -> None:
+def assert_workers_die_with_rank(script: str, workers: int = 2, busy: int = 0) -> None:
     """Run ``script`` (with the repository and tests/ importable) as a rank, wait until it has
-    ``workers`` children, SIGKILL it, and check that none of them outlives it by 10 s."""
+    ``workers`` children (and ``busy`` files in the folder ``$BUSY_MARKS``, which its workers write
+    once at work), SIGKILL it, and check that none of them outlives it by 10 s."""
+    import tempfile
+
     import psutil
 
     code = f"import sys\nsys.path[:0] = {[ROOT, os.path.join(ROOT, 'tests')]!r}\n{script}"
-    rank = subprocess.Popen([sys.executable, "-c", code])
+    marks = tempfile.mkdtemp(prefix="busy_marks_")
+    rank = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "BUSY_MARKS": marks})
     children = []
     try:
         deadline = time.time() + 60
-        while time.time() < deadline and len(psutil.Process(rank.pid).children()) < workers:
+        while time.time() < deadline and (
+            len(psutil.Process(rank.pid).children()) < workers or len(os.listdir(marks)) < busy
+        ):
             time.sleep(0.2)
         children = psutil.Process(rank.pid).children()
         assert len(children) >= workers, "the DataLoader workers did not start"

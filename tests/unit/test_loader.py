@@ -1,6 +1,8 @@
 """The loader draws nothing from torch's global generator: megatron restores it from the checkpoint
 before the iterators are built, so a draw there would make a resumed run's dropout differ."""
 
+import os
+
 import torch
 
 from examples.multimodal_dev.data.loader import build_iterator
@@ -29,12 +31,14 @@ def test_building_and_drawing_leave_the_global_generator_alone():
 
 
 _RANK = """
+import os
 import time
 from examples.multimodal_dev.data.loader import build_iterator
 from tests.unit.test_loader import _Rows, _collate
 
 class Slow(_Rows):
     def __getitem__(self, i):
+        open(os.path.join(os.environ["BUSY_MARKS"], str(os.getpid())), "w").close()
         time.sleep(60)  # busy in the middle of a batch when the rank is killed
         return super().__getitem__(i)
 
@@ -46,4 +50,39 @@ next(it)
 def test_workers_die_with_a_rank_killed_with_sigkill():
     from processes import assert_workers_die_with_rank
 
-    assert_workers_die_with_rank(_RANK)
+    assert_workers_die_with_rank(_RANK, busy=2)
+
+
+def test_a_worker_whose_rank_died_while_it_started_ends_itself():
+    """The rank is killed before its worker asks to die with it: the worker ends itself at once."""
+    import multiprocessing
+    import signal
+    import time
+
+    from examples.multimodal_dev.data.loader import exit_with_parent
+
+    def orphan():
+        time.sleep(2)  # the rank is gone by now
+        exit_with_parent()
+        time.sleep(60)
+
+    def rank(child_pid):
+        worker = multiprocessing.get_context("fork").Process(target=orphan)
+        worker.start()
+        child_pid.value = worker.pid
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    import psutil
+
+    ctx = multiprocessing.get_context("fork")
+    pid = ctx.Value("i", 0)
+    parent = ctx.Process(target=rank, args=(pid,))
+    parent.start()
+    parent.join(30)
+    assert parent.exitcode == -signal.SIGKILL and pid.value
+    try:
+        worker = psutil.Process(pid.value)
+        gone, alive = psutil.wait_procs([worker], timeout=15)
+        assert not alive, "the orphaned worker outlived its rank"
+    except psutil.NoSuchProcess:
+        pass
