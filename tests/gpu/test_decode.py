@@ -1,0 +1,87 @@
+"""Check: generation on the GPU (``generation/decode.py``, as ``tools/generate.py`` and ``tools/serve.py``
+run it there).
+
+- Greedy tokens of the tiny MoE model in fp32 against transformers' ``generate`` on the same weights on
+  the same GPU (a text prompt, and one with an image): equal tokens is the bar, as on the host.
+- Speed: new tokens per second at batch 1 and 8 (64-token text prompts, 64 new tokens, no end token)
+  for 35b_a3b's layer widths in 4 layers with 8 experts (``gpu_models.shapes()["wide-moe"]``) in bf16:
+  the figures the server's speed rests on. Recorded, with no bar.
+"""
+
+import time
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device: GPU checks run on a GPU host (bash tests/gpu/run.sh)", allow_module_level=True)
+
+import gpu_models as gm
+import gpu_results
+
+pytestmark = pytest.mark.gpu
+NEW = 16
+
+
+def _image_prompt(shape):
+    from hf_reference import image_tokens, pixel_values_for
+
+    from examples.multimodal_dev.generation.decode import Prompt
+
+    grid = [(1, 4, 6)]
+    ids = [5, 6] + image_tokens(shape, 4, 6) + [7, 8, 9]
+    return Prompt(ids, pixel_values_for(shape, grid, torch.Generator().manual_seed(3)), torch.tensor(grid))
+
+
+def _hf_greedy(hf, prompt, new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt.input_ids], device="cuda")
+    media = {}
+    if prompt.pixel_values is not None:
+        media = {"pixel_values": prompt.pixel_values.cuda(), "image_grid_thw": prompt.image_grid_thw.cuda()}
+    out = hf.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        mm_token_type_ids=(ids == hf.config.image_token_id).long(),
+        **media,
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,  # no end token: every step compared
+        pad_token_id=0,
+    )
+    return out[0, ids.shape[1] :].tolist()
+
+
+def test_greedy_tokens_equal_transformers_generate(megatron_gpu, record):
+    from examples.multimodal_dev.generation.decode import Prompt, generate
+
+    dtype, shape, hf = gm.case("tiny-moe", "fp32")
+    ours = gm.megatron_model(shape, dtype, "local", hf.state_dict())
+    for name, prompt in (("text", Prompt([3, 4, 5, 6, 7, 8])), ("image", _image_prompt(shape))):
+        expected = _hf_greedy(hf, prompt, NEW)
+        got = generate(ours, [prompt], NEW).tokens[0]
+        same = got == expected
+        first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+        metrics = {"new tokens": NEW, "equal": same, "first difference": first}
+        record(f"tiny-moe fp32 {name}", "pass" if same else "fail", metrics, gm.gdn_kernel_source())
+        assert same, (got, expected)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_decode_tokens_per_second_bf16(batch, megatron_gpu, record):
+    from examples.multimodal_dev.generation.decode import Prompt, generate
+
+    if gpu_results.deadline_left() < 40:
+        pytest.skip("out of tests/gpu/run.sh's time budget")
+    shape = gm.shapes()["wide-moe"]
+    model = gm.megatron_model(shape, torch.bfloat16, "local", gm.hf_reference(shape).to(torch.bfloat16).state_dict())
+    ids = torch.randint(0, shape.text.vocab_size - 8, (batch, 64), generator=torch.Generator().manual_seed(1))
+    prompts = [Prompt(row.tolist()) for row in ids]
+    generate(model, prompts, 4)  # warm-up: kernels compiled and tuned for these shapes
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    done = generate(model, prompts, 64)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    new = sum(map(len, done.tokens))
+    metrics = {"batch": batch, "new tokens": new, "seconds": seconds, "tokens/s": new / seconds}
+    record(f"wide-moe bf16 batch {batch}", "info", metrics, f"prompt 64 tokens, 64 new; {gm.gdn_kernel_source()}")
