@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 
 import gpu_models as gm
 import gpu_results
+from hf_generate import greedy_of
 
 pytestmark = pytest.mark.gpu
 NEW = 16
@@ -33,31 +34,13 @@ def _image_prompt(shape):
     return Prompt(ids, pixel_values_for(shape, grid, torch.Generator().manual_seed(3)), torch.tensor(grid))
 
 
-def _hf_greedy(hf, prompt, new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt.input_ids], device="cuda")
-    media = {}
-    if prompt.pixel_values is not None:
-        media = {"pixel_values": prompt.pixel_values.cuda(), "image_grid_thw": prompt.image_grid_thw.cuda()}
-    out = hf.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        mm_token_type_ids=(ids == hf.config.image_token_id).long(),
-        **media,
-        do_sample=False,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,  # no end token: every step compared
-        pad_token_id=0,
-    )
-    return out[0, ids.shape[1] :].tolist()
-
-
 def test_greedy_tokens_equal_transformers_generate(megatron_gpu, record):
     from examples.multimodal_dev.generation.decode import Prompt, generate
 
     dtype, shape, hf = gm.case("tiny-moe", "fp32")
     ours = gm.megatron_model(shape, dtype, "local", hf.state_dict())
     for name, prompt in (("text", Prompt([3, 4, 5, 6, 7, 8])), ("image", _image_prompt(shape))):
-        expected = _hf_greedy(hf, prompt, NEW)
+        expected = greedy_of(hf, prompt.input_ids, NEW, prompt.pixel_values, prompt.image_grid_thw)
         got = generate(ours, [prompt], NEW).tokens[0]
         same = got == expected
         first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
