@@ -305,7 +305,7 @@ def test_a_full_queue_refuses_the_next_request():
     from examples.multimodal_dev.serving.engine import Engine, Job, QueueFull, Row
 
     engine = Engine(None, str, [], 0, max_batch=1, max_queue=1)
-    job = Job(Row(Prompt([1]), Sampling(), 1, []), None, lambda event: None)
+    job = Job(Row(Prompt([1]), Sampling(), 1, []), lambda event: None)
     engine.submit(job)
     with pytest.raises(QueueFull, match="1 requests are waiting already"):
         engine.submit(job)

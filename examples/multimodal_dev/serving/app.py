@@ -60,7 +60,7 @@ def build_app(served: Served) -> Starlette:
             events: asyncio.Queue = asyncio.Queue()
             loop = asyncio.get_running_loop()
             row = Row(prompt, _sampling(chat), chat.max_tokens, chat.stop)
-            job = Job(row, chat, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+            job = Job(row, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
             try:
                 served.engine.submit(job)
             except QueueFull as full:

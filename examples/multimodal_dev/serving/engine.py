@@ -20,13 +20,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..generation.decode import Prompt, Sampling, generate
 from .answer_text import AnswerText
-from .chat_request import ChatRequest
 
 HEARTBEAT_S = 5.0
 
@@ -47,9 +46,7 @@ class Job:
     ``{"delta": text}`` as the answer grows and ``{"done": ...}`` (or ``{"error": ...}``) once."""
 
     row: Row
-    request: ChatRequest
     deliver: Callable[[dict], None]
-    text: AnswerText | None = field(default=None, repr=False)
 
 
 class QueueFull(Exception):
@@ -163,9 +160,7 @@ class Engine:
                 "completion_tokens": len(done.tokens[b]),
                 "total_tokens": len(rows[b].prompt.input_ids) + len(done.tokens[b]),
             }
-            job.deliver(
-                {"done": {"text": texts[b].text, "finish_reason": finish, "usage": usage, "token_ids": done.tokens[b]}}
-            )
+            job.deliver({"done": {"finish_reason": finish, "usage": usage, "token_ids": done.tokens[b]}})
 
     def stop(self) -> None:
         self.stopping.set()
