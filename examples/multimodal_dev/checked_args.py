@@ -83,6 +83,7 @@ def checked_args() -> argparse.Namespace:
         if line := lora_targets.rank_warning(args, model_shape()):
             say(line)
         run_checks.check_vision_layout(args, model_shape().vision.num_heads, int(os.environ.get("WORLD_SIZE", "1")))
+        run_checks.check_fsdp(args)
         language, vision = model_configs()
         text = model_shape().text
         run_checks.check_memory_floor(args, text.hidden_size, text.num_layers, text.vocab_size)

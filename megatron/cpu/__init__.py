@@ -135,11 +135,12 @@ def activate() -> bool:
     if torch.cuda.is_available():
         return False
     if not _active:
-        from . import device_compat, training_compat
+        from . import device_compat, fsdp_compat, training_compat
 
         _fla_kept = keep_fla_on_cpu()  # first: a refused request leaves the process as it was
         device_compat.install()
         training_compat.install()
+        fsdp_compat.install()
         if not _fla_kept:
             register_torch_gdn_kernels()
         _active = True

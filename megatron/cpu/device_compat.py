@@ -84,6 +84,9 @@ class _HostStream:
     def wait_stream(self, *_args) -> None:
         pass
 
+    def wait(self, *_args) -> None:  # Event.wait(stream): Megatron-FSDP's gradient reduce pipeline
+        pass
+
     def record_event(self, *_args, **_kwargs):
         return _HostStream()
 

@@ -22,7 +22,7 @@ import os
 from examples.multimodal_dev.console import say
 
 from .adapters_only import ADAPTERS_ONLY, base_fingerprint, base_to_read
-from .files import TRACKER, checkpoint_directory, stored_args, stored_keys
+from .files import TRACKER, checkpoint_directory, is_fsdp_dtensor, stored_args, stored_keys
 
 ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
 
@@ -119,7 +119,8 @@ def base_without_adapters(load_base, run=None):
     def load(load_dir, args, *rest, **kwargs):
         sharded = kwargs.get("sharded_state_dict")
         own, base_part = {}, {}
-        if sharded and load_dir and os.path.isdir(load_dir):
+        # a Megatron-FSDP checkpoint (fsdp_dtensor) holds no LoRA run: FSDP with LoRA is refused before launch
+        if sharded and load_dir and os.path.isdir(load_dir) and not is_fsdp_dtensor(checkpoint_directory(load_dir)):
             directory = checkpoint_directory(load_dir)
             held = stored_keys(directory)
             own = _not_held(sharded, held, is_adapter_key)

@@ -130,6 +130,13 @@ def _own_files(directory: str) -> None:
         raise ValueError(what)
 
 
+def is_fsdp_dtensor(directory: str) -> bool:
+    """An iteration directory Megatron-FSDP saved (``--ckpt-format fsdp_dtensor``): DCP's index and
+    shards, without megatron's ``metadata.json``, and the run's common state among its entries."""
+    names = set(os.listdir(directory))
+    return ".metadata" in names and "metadata.json" not in names and any(n.endswith(".distcp") for n in names)
+
+
 def stored_args(directory: str):
     """The megatron args a checkpoint iteration directory was saved with (None if it has none),
     read as data only (``safety.py``)."""
@@ -140,6 +147,12 @@ def stored_args(directory: str):
     apply("checkpoints-are-data")
     _own_files(directory)
     try:
+        if is_fsdp_dtensor(directory):  # the run's common state is among DCP's own entries
+            from torch.distributed.checkpoint import load
+
+            state = {"args": None}
+            load(state, checkpoint_id=directory, no_dist=True)
+            return state["args"]
         return dist_checkpointing.load_common_state_dict(directory).get("args")
     except Exception as err:  # garbage bytes fail the unpickler any way they like: one line, not torch's advice
         if refusal(err) is not None:

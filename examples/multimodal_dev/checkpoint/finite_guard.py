@@ -26,7 +26,9 @@ def nonfinite_parameters(model_chunks) -> list[str]:
     named = [(name, p) for chunk in model_chunks for name, p in chunk.named_parameters()]
     if not named:
         return []
-    sums = torch.stack([p.detach().sum(dtype=torch.float32).to(named[0][1].device) for _, p in named])
+    # Megatron-FSDP's parameters are DTensors: each rank sums its own shard (the ranks agree after)
+    local = [(p.to_local() if hasattr(p, "to_local") else p).detach() for _, p in named]
+    sums = torch.stack([t.sum(dtype=torch.float32).to(local[0].device) for t in local])
     return [named[i][0] for i in torch.nonzero(~torch.isfinite(sums)).flatten().tolist()]
 
 

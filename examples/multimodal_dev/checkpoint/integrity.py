@@ -16,7 +16,7 @@ import os
 import re
 
 from . import shard_checksums
-from .files import TRACKER, checkpoint_directory, iteration_dir, latest_iteration, leads_outside
+from .files import TRACKER, checkpoint_directory, is_fsdp_dtensor, iteration_dir, latest_iteration, leads_outside
 
 
 def damage(directory: str, rank: int = 0, world: int = 1) -> str | None:
@@ -33,7 +33,8 @@ def damage(directory: str, rank: int = 0, world: int = 1) -> str | None:
             f"{os.path.join(directory, legacy[0])} is a legacy megatron checkpoint (whole pickles), which this "
             "project does not load: a checkpoint is data, never code; convert it to torch_dist first"
         )
-    for name in ("metadata.json", ".metadata"):
+    # megatron's metadata.json names a torch_dist save; an fsdp_dtensor save (Megatron-FSDP) is DCP's alone
+    for name in ("metadata.json", ".metadata") if not is_fsdp_dtensor(directory) else (".metadata",):
         if not os.path.isfile(os.path.join(directory, name)):
             return f"{os.path.join(directory, name)} is missing"
     if outside := leads_outside(directory):

@@ -78,6 +78,7 @@ def ordered_index_map(init, run=None):
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        self.model_param_group_index_map = optimizer_order_index(self)
+        if hasattr(self, "model_fp32_groups"):  # Megatron-FSDP's optimizer keeps no such groups nor map
+            self.model_param_group_index_map = optimizer_order_index(self)
 
     return __init__

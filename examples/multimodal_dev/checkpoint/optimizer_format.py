@@ -35,7 +35,7 @@ from typing import Any
 from examples.multimodal_dev.console import say
 
 from . import optimizer_switch
-from .files import TRACKER, checkpoint_directory, stored_args
+from .files import TRACKER, checkpoint_directory, is_fsdp_dtensor, stored_args
 
 FORMAT_FLAG = "dist_ckpt_optim_fully_reshardable"
 # (megatron arg, how the run script and docs name it)
@@ -156,6 +156,22 @@ def _layout(args) -> dict[str, int]:
     return {name: int(v) if isinstance(v, bool) else (v or 1) for name, v in values.items()}
 
 
+def _check_fsdp_both(args, saved_by_fsdp: bool) -> None:
+    """megatron-core 0.19.2 reads an fsdp_dtensor checkpoint only into a Megatron-FSDP run, and a
+    Megatron-FSDP run reads only that format (its load asks for DTensors, not sharded tensors)."""
+    if saved_by_fsdp == bool(getattr(args, "use_megatron_fsdp", False)):
+        return
+    if saved_by_fsdp:
+        raise ValueError(
+            f"--load {args.load}: saved by Megatron-FSDP (fsdp_dtensor), which megatron-core 0.19.2 reads only "
+            "into a Megatron-FSDP run: resume it with FSDP=1"
+        )
+    raise ValueError(
+        f"--load {args.load}: a torch_dist checkpoint, which megatron-core 0.19.2's Megatron-FSDP does not read "
+        "(it loads fsdp_dtensor only): resume it without FSDP"
+    )
+
+
 def check_layout_change(args: argparse.Namespace) -> None:
     """A ``dp_reshardable`` checkpoint resumed with its optimizer state at another TP / PP / VP / EP /
     ETP, with the other expert implementation, or by the plain optimizer: one line saying what to
@@ -166,6 +182,9 @@ def check_layout_change(args: argparse.Namespace) -> None:
     from megatron.core import dist_checkpointing
 
     directory = checkpoint_directory(args.load)
+    if is_fsdp_dtensor(directory) or getattr(args, "use_megatron_fsdp", False):
+        _check_fsdp_both(args, is_fsdp_dtensor(directory))
+        return
     stored = stored_args(directory)
     if stored is None:
         return

@@ -136,6 +136,27 @@ def lora(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
     return None
 
 
+def fsdp(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
+    """What Megatron-FSDP does not run with here, by name (docs/parallelism.md#megatron-fsdp)."""
+    lay = config.layout
+    if not lay.fsdp:
+        return None
+    refused = (
+        (lay.pp > 1, f"PP={lay.pp}", "its fsdp_dtensor checkpoints name layers per pipeline stage, so stages collide"),
+        (lay.vision_nproc > 0, f"VISION_NPROC={lay.vision_nproc}", "the tower's own ranks save torch_dist"),
+        (bool(config.lora.rank), f"LORA_RANK={config.lora.rank}", "LoRA checkpoints are torch_dist"),
+        (
+            bool(config.checkpoint.load),
+            f"CKPT_LOAD={config.checkpoint.load}",
+            "a torch_dist checkpoint, which Megatron-FSDP does not read (it loads fsdp_dtensor only)",
+        ),
+    )
+    for bad, setting, why in refused:
+        if bad:
+            return f"FSDP=1 with {setting}: {why}"
+    return None
+
+
 def experts(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
     if config.backend.grouped_experts and lora_on_experts(config):
         return (
@@ -173,6 +194,7 @@ CHECKS: tuple[Check, ...] = (
     vision_layout,
     data,
     lora,
+    fsdp,
     experts,
     backend,
 )

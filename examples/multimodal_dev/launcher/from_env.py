@@ -122,6 +122,7 @@ PARSERS: dict[str, Callable[[str, str], Any]] = {
     **dict.fromkeys(("PP_FIRST", "PP_LAST"), _count("decoder layers")),
     **dict.fromkeys(("LR_WARMUP_ITERS", "LR_DECAY_ITERS"), _count("iterations")),
     "SP": _switch(),
+    "FSDP": _switch(),
     "PACKED": lambda name, text: (
         _one_of("0", "1", message=": expected 0 (padded BSHD) or 1 (THD packing)")(name, text) == "1"
     ),

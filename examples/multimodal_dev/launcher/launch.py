@@ -38,6 +38,7 @@ VARIABLE_OF_FLAG = {
     "--decoder-first-pipeline-num-layers": "PP_FIRST",
     "--decoder-last-pipeline-num-layers": "PP_LAST",
     "--sequence-parallel": "SP",
+    "--use-megatron-fsdp": "FSDP",
     "--vision-tensor-parallel-size": "VISION_TP",
     "--vision-nproc": "VISION_NPROC",
     "--micro-batch-size": "MBS",

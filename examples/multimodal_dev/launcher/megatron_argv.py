@@ -79,6 +79,9 @@ def _layout(config: RunConfig) -> list[str]:
     flags += _pairs(("--decoder-first-pipeline-num-layers", lay.pp_first)) if lay.pp_first else []
     flags += _pairs(("--decoder-last-pipeline-num-layers", lay.pp_last)) if lay.pp_last else []
     flags += ["--sequence-parallel"] if lay.sp else []
+    # megatron-core 0.19.2's Megatron-FSDP saves and loads fsdp_dtensor only; optim_grads_params shards all three
+    flags += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"] if lay.fsdp else []
+    flags += ["--ckpt-format", "fsdp_dtensor"] if lay.fsdp else []
     # megatron's argument check admits MTP only with rotary positions; the model's interleaved MRoPE is
     # built from the variant, so this flag only satisfies that check
     flags += ["--mtp-num-layers", "1", "--position-embedding-type", "rope"] if config.model.mtp else []

@@ -46,6 +46,7 @@ class Layout:
     nnodes: int = variable("NNODES", 1)
     vision_tp: int | None = variable("VISION_TP")  # None: vision_ranks/layout.py's default
     vision_nproc: int = variable("VISION_NPROC", 0)
+    fsdp: bool = variable("FSDP", False)  # Megatron-FSDP over the data-parallel ranks
 
     @property
     def expert_tp(self) -> int:

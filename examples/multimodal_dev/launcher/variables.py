@@ -16,6 +16,12 @@ VARIABLES: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("VP",), "1", "virtual pipeline stages per pipeline rank (the interleaved schedule)"),
     (("PP_FIRST", "PP_LAST"), "even split", "decoder layers on the first / last pipeline stage"),
     (("SP",), "1 for MoE with `TP>1` (megatron-core requires it), else 0", "sequence parallelism over the TP ranks"),
+    (
+        ("FSDP",),
+        "0",
+        "Megatron-FSDP: weights, gradients and optimizer state sharded over the data-parallel ranks, checkpoints "
+        "in `fsdp_dtensor` ([docs/parallelism.md](docs/parallelism.md#megatron-fsdp))",
+    ),
     (("NPROC",), "`TP*CP*PP` (+`VISION_NPROC`) / `NNODES`", "processes (torchrun) on each node"),
     (
         ("NNODES", "NODE_RANK"),

@@ -190,6 +190,14 @@ CHANGES: tuple[Change, ...] = (
         "the distributed optimizer's group index map in the optimizer's own order, with fp32 parameters "
         "among bf16 ones",
     ),
+    # Megatron-FSDP's checkpoints (checkpoint/fsdp_state.py).
+    Change(
+        "megatron-fsdp",
+        f"{_DO}sharded_param_state_fsdp_dtensor",
+        f"{_P}checkpoint.fsdp_state:every_parameter_has_state",
+        "an fsdp_dtensor save hung: ranks whose shard of a parameter is empty hold no Adam state for it, "
+        "and the save's per-tensor collectives then differ between ranks",
+    ),
     # Optimizer checkpoint formats (checkpoint/optimizer_format.py).
     Change(
         "optimizer-formats",
@@ -332,6 +340,20 @@ CHANGES: tuple[Change, ...] = (
         "megatron.core.tensor_parallel.random:_set_cuda_rng_state",
         "megatron.cpu.device_compat:_set_rng_state",
         "... and restores it",
+        DEVICE_LAYER_CPU,
+    ),
+    Change(
+        "cpu-host",
+        "megatron.core.distributed.fsdp.mcore_fsdp_adapter:FullyShardedDataParallel.__init__",
+        "megatron.cpu.fsdp_compat:_on_host",
+        "Megatron-FSDP puts its buffers on cuda:{current_device}",
+        DEVICE_LAYER_CPU,
+    ),
+    Change(
+        "cpu-host",
+        "megatron.core.distributed.fsdp.mcore_fsdp_adapter:DeviceMesh",
+        "megatron.cpu.fsdp_compat:_HostMesh",
+        "... and builds its DTensor meshes on device_type cuda",
         DEVICE_LAYER_CPU,
     ),
     Change(

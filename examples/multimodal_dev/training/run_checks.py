@@ -165,6 +165,31 @@ def _check_separate_ranks(args) -> None:
         )
 
 
+def check_fsdp(args) -> None:
+    """What Megatron-FSDP (``--use-megatron-fsdp``) does not run with here, in one line naming the flag."""
+    if not getattr(args, "use_megatron_fsdp", False):
+        return
+    refused = (
+        (args.ckpt_format != "fsdp_dtensor", f"--ckpt-format {args.ckpt_format}", "it saves fsdp_dtensor only"),
+        (
+            args.pipeline_model_parallel_size > 1,
+            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}",
+            "its fsdp_dtensor checkpoints name layers per pipeline stage, so stages collide",
+        ),
+        (bool(args.vision_nproc), f"--vision-nproc {args.vision_nproc}", "the tower's own ranks save torch_dist"),
+        (bool(args.lora_rank), f"--lora-rank {args.lora_rank}", "LoRA checkpoints are torch_dist"),
+        (args.freeze_vision, "--freeze-vision", "a frozen tower under FSDP is not tested here"),
+        (
+            bool(args.gen_eval_interval),
+            f"--gen-eval-interval {args.gen_eval_interval}",
+            "decoding reads the model's weights whole, and FSDP holds each rank's shard",
+        ),
+    )
+    for bad, flag, why in refused:
+        if bad:
+            raise ValueError(f"--use-megatron-fsdp with {flag}: {why}")
+
+
 def check_resume_lr(args) -> None:
     """megatron restores each optimizer group's learning rate with the optimizer state and matches
     the groups by it, so a resume with another ``--lr`` / ``--min-lr`` dies with "Could not find

@@ -1,0 +1,52 @@
+"""Megatron-FSDP checkpoints (``--ckpt-format fsdp_dtensor``) of a model some of whose parameters hold
+nothing on some ranks.
+
+Megatron-FSDP shards each parameter's flat buffer over the data-parallel ranks; a small parameter
+(a norm's weight, ``A_log``) can lie wholly on one rank, leaving an empty shard on the others. A rank
+gives an empty shard no gradient, so torch's Adam never makes state for it there: the ranks' optimizer
+state dicts then name different parameters. megatron-core 0.19.2 prepares an ``fsdp_dtensor`` save
+(and load) with collectives per DTensor of the state dict (``preprocess_state_dict_for_uneven_dtensor``),
+so ranks with different dicts make different collectives, and the save hung (upstream
+NVIDIA/Megatron-LM issues 4910, 5265). On load, megatron's dummy step skips empty shards too.
+
+``every_parameter_has_state`` (a ``megatron_changes`` row) completes the optimizer's part of the state
+dict: a parameter without state gets zeros shaped like its (empty) shard for each tensor the others
+have, and their step. Nothing is read from or written into those entries: their shard holds no element.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def completed_state(state: dict, named_params: dict) -> dict:
+    """``state`` (parameter name -> Adam state) with an entry for every name in ``named_params``."""
+    sample = next(iter(state.values()), None)
+    if sample is None:
+        return state
+    out = dict(state)
+    for name, param in named_params.items():
+        if name in out:
+            continue
+        out[name] = {
+            key: value.clone() if value.dim() == 0 else torch.zeros_like(param, dtype=value.dtype)
+            for key, value in sample.items()
+            if isinstance(value, torch.Tensor)
+        }
+    return out
+
+
+def every_parameter_has_state(method, run=None):
+    """``DistributedOptimizer.sharded_param_state_fsdp_dtensor`` with a state entry for every parameter of
+    its groups on every rank (megatron_changes row)."""
+
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        state_dict = method(self, *args, **kwargs)
+        params = {self._param_name(p): p for group in self.optimizer.param_groups for p in group["params"]}
+        state_dict["state"] = completed_state(state_dict["state"], params)
+        return state_dict
+
+    return wrapped
