@@ -70,6 +70,7 @@ def model_provider(
         lora.apply(model, args.lora_rank, args.lora_alpha, args.lora_dropout, targets, args.seed)
     if model.vision_model is not None:
         model.vision_model.chunk_patches = args.vision_chunk_patches
+        model.tower_once_per_forward = bool(args.use_megatron_fsdp)  # models/base.py says why
     for flag, part in (
         ("freeze_vision", model.vision_model),
         ("freeze_language", getattr(model, "language_model", None)),

@@ -111,6 +111,15 @@ def _from_base(base_part: dict, base: str) -> dict:
     return {(part, key): loaded[part][key] for part, key in base_part}
 
 
+def _holds_torch_dist(load_dir) -> bool:
+    """A checkpoint to read keys from: not a fresh run's empty directory, nor Megatron-FSDP's
+    fsdp_dtensor (no LoRA run: FSDP with LoRA is refused before launch)."""
+    if not load_dir or not os.path.isfile(os.path.join(load_dir, TRACKER)):
+        return False
+    directory = checkpoint_directory(load_dir)
+    return os.path.isdir(directory) and not is_fsdp_dtensor(directory)
+
+
 def base_without_adapters(load_base, run=None):
     """``_load_base_checkpoint`` that loads a base checkpoint into a model with adapters, and the
     base of a checkpoint holding the adapters alone (``adapters_only.py``) from where it lives."""
@@ -119,8 +128,7 @@ def base_without_adapters(load_base, run=None):
     def load(load_dir, args, *rest, **kwargs):
         sharded = kwargs.get("sharded_state_dict")
         own, base_part = {}, {}
-        # a Megatron-FSDP checkpoint (fsdp_dtensor) holds no LoRA run: FSDP with LoRA is refused before launch
-        if sharded and load_dir and os.path.isdir(load_dir) and not is_fsdp_dtensor(checkpoint_directory(load_dir)):
+        if _holds_torch_dist(load_dir) and sharded:
             directory = checkpoint_directory(load_dir)
             held = stored_keys(directory)
             own = _not_held(sharded, held, is_adapter_key)

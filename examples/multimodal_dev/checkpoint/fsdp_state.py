@@ -20,6 +20,8 @@ import functools
 
 import torch
 
+from .files import TRACKER
+
 
 def completed_state(state: dict, named_params: dict) -> dict:
     """``state`` (parameter name -> Adam state) with an entry for every name in ``named_params``."""
@@ -50,3 +52,34 @@ def every_parameter_has_state(method, run=None):
         return state_dict
 
     return wrapped
+
+
+def nothing_to_load_changes_nothing(load_checkpoint, run=None):
+    """megatron.training's ``load_checkpoint``, returning (0, 0) at once where an fsdp_dtensor run has no
+    checkpoint to load (megatron_changes row).
+
+    For ``fsdp_dtensor`` megatron-core 0.19.2 builds the loading state dict before it looks for a
+    checkpoint, and building it takes one optimizer step on zero gradients to make Adam's slots: with
+    no checkpoint to overwrite them, a fresh run launched with ``--load`` (the run script's
+    ``CKPT_RESUME``) starts at Adam step 1 with its weights decayed once, and trains differently from
+    the same run without ``--load``."""
+    from megatron.training import get_args
+    from megatron.training.checkpointing import checkpoint_exists
+    from megatron.training.utils import print_rank_0
+
+    @functools.wraps(load_checkpoint)
+    def load(ddp_model, optimizer, opt_param_scheduler, load_arg="load", *rest, **kwargs):
+        args = get_args()
+        load_dir = getattr(args, load_arg)
+        if (
+            args.ckpt_format == "fsdp_dtensor"
+            and not getattr(args, "pretrained_checkpoint", None)
+            and not getattr(args, "non_persistent_ckpt_type", None)
+            and not getattr(args, "exit_on_missing_checkpoint", False)
+            and not checkpoint_exists(load_dir)
+        ):
+            print_rank_0(f"no checkpoint in {load_dir} (no {TRACKER}): starting from random weights")
+            return 0, 0
+        return load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg, *rest, **kwargs)
+
+    return load

@@ -198,6 +198,13 @@ CHANGES: tuple[Change, ...] = (
         "an fsdp_dtensor save hung: ranks whose shard of a parameter is empty hold no Adam state for it, "
         "and the save's per-tensor collectives then differ between ranks",
     ),
+    Change(
+        "megatron-fsdp",
+        "megatron.training.training:load_checkpoint",
+        f"{_P}checkpoint.fsdp_state:nothing_to_load_changes_nothing",
+        "with no checkpoint to load, an fsdp_dtensor run's load still took an optimizer step on zero "
+        "gradients (to shape Adam's state), so a fresh run with --load trained differently from one without",
+    ),
     # Optimizer checkpoint formats (checkpoint/optimizer_format.py).
     Change(
         "optimizer-formats",

@@ -42,6 +42,10 @@ class VisionLanguageModel(MegatronModule):
     # Features encoded elsewhere, by the tower's own ranks: vision_ranks/stage.py's ReceivedFeatures
     # (``take`` the schedule's input, ``pending`` features, ``merge`` them). None: this model encodes.
     received = None
+    # Megatron-FSDP gathers a layer's weights when the layer runs, in collectives every data-parallel
+    # rank must join in the same order: there (model_provider sets it) the tower runs exactly once per
+    # forward on every rank, images and videos together, a stand-in frame where the batch has none.
+    tower_once_per_forward = False
 
     def __init__(self, config, vision_model, language_model, image_token_id: int, video_token_id: int):
         """``vision_model`` is None on pipeline stages other than the first, and where the tower runs on
@@ -141,24 +145,39 @@ class VisionLanguageModel(MegatronModule):
         if self.received is not None and self.received.pending is not None:  # encoded on the tower's own ranks
             grids = (image_grid_thw, video_grid_thw)
             return self.received.merge(self, embeds_BSH, input_ids_BS, grids).transpose(0, 1).contiguous()
-        if pixel_values is not None:
-            feats = self._encode(pixel_values, image_grid_thw)
-            embeds_BSH = self.scatter_features(embeds_BSH, input_ids_BS, self.image_token_id, feats, "images")
-        elif bool((on_host(input_ids_BS) == self.image_token_id).any()):
-            raise ValueError("the batch has image placeholder tokens but no pixel_values")
-        if pixel_values_videos is not None:
-            feats = self._encode(pixel_values_videos, video_grid_thw)
-            embeds_BSH = self.scatter_features(embeds_BSH, input_ids_BS, self.video_token_id, feats, "videos")
-        elif bool((on_host(input_ids_BS) == self.video_token_id).any()):
-            raise ValueError("the batch has video placeholder tokens but no pixel_values_videos")
-        if (
-            pixel_values is None
-            and pixel_values_videos is None
-            and torch.is_grad_enabled()
-            and self.vision_model is not None
-        ):
-            embeds_BSH = embeds_BSH + vision_context_parallel.joined_zero(self.vision_model).to(embeds_BSH)
+        kinds = (
+            ("images", "image", "pixel_values", pixel_values, image_grid_thw, self.image_token_id),
+            ("videos", "video", "pixel_values_videos", pixel_values_videos, video_grid_thw, self.video_token_id),
+        )
+        for _, kind, name, pixels, _, token_id in kinds:
+            if pixels is None and bool((on_host(input_ids_BS) == token_id).any()):
+                raise ValueError(f"the batch has {kind} placeholder tokens but no {name}")
+        given = [(what, pixels, grids, token_id) for what, _, _, pixels, grids, token_id in kinds if pixels is not None]
+        if self.tower_once_per_forward and self.vision_model is not None:
+            embeds_BSH = self._merge_in_one_tower_call(embeds_BSH, input_ids_BS, given)
+        else:
+            for what, pixels, grids, token_id in given:
+                feats = self._encode(pixels, grids)
+                embeds_BSH = self.scatter_features(embeds_BSH, input_ids_BS, token_id, feats, what)
+            if not given and torch.is_grad_enabled() and self.vision_model is not None:
+                embeds_BSH = embeds_BSH + vision_context_parallel.joined_zero(self.vision_model).to(embeds_BSH)
         return embeds_BSH.transpose(0, 1).contiguous()
+
+    def _merge_in_one_tower_call(self, embeds_BSH, input_ids_BS, given) -> torch.Tensor:
+        """The images and videos of ``given`` [(what, pixels, grids, token id)] encoded in one call of the
+        tower, and a stand-in frame encoded (its features times zero) where there are none: the tower
+        runs once per forward on every rank, whatever the batch holds (``tower_once_per_forward``)."""
+        if not given:
+            pixels, grids = vision_context_parallel.idle_item(self.vision_model)
+            return embeds_BSH + self._encode(pixels, grids).sum().to(embeds_BSH) * 0
+        feats = self._encode(torch.cat([p for _, p, _, _ in given]), torch.cat([g for _, _, g, _ in given]))
+        merge = self.vision_model.shape.spatial_merge_size
+        start = 0
+        for what, _, grids, token_id in given:
+            rows = int(grids.prod(-1).sum()) // merge**2
+            embeds_BSH = self.scatter_features(embeds_BSH, input_ids_BS, token_id, feats[start : start + rows], what)
+            start += rows
+        return embeds_BSH
 
     def _partition_sequence(
         self, decoder_input, input_ids, position_ids, labels, loss_mask, padding_mask, packed_seq_params

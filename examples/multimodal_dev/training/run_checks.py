@@ -178,6 +178,11 @@ def check_fsdp(args) -> None:
         ),
         (bool(args.vision_nproc), f"--vision-nproc {args.vision_nproc}", "the tower's own ranks save torch_dist"),
         (bool(args.lora_rank), f"--lora-rank {args.lora_rank}", "LoRA checkpoints are torch_dist"),
+        (
+            bool(args.vision_chunk_patches),
+            f"--vision-chunk-patches {args.vision_chunk_patches}",
+            "the tower's layers would run once per chunk, and the number of chunks differs between ranks",
+        ),
         (args.freeze_vision, "--freeze-vision", "a frozen tower under FSDP is not tested here"),
         (
             bool(args.gen_eval_interval),

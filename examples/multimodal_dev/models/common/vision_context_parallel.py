@@ -77,6 +77,14 @@ def joined_zero(module: torch.nn.Module) -> torch.Tensor:
     return sum((p.sum() for p in module.parameters() if p.requires_grad), torch.zeros(())) * 0
 
 
+def idle_item(vision_model) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixels, grids) of the smallest frame the tower encodes, all zeros: one merged token."""
+    s, weight = vision_model.shape, vision_model.patch_embed.proj.weight
+    merge = s.spatial_merge_size
+    pixels = torch.zeros(merge**2, s.in_channels * s.temporal_patch_size * s.patch_size**2, device=weight.device)
+    return pixels.to(weight.dtype), torch.tensor([[1, merge, merge]])
+
+
 def idle_features(vision_model, rows: int) -> torch.Tensor:
     """[rows, H] zeros in the tower's dtype, joined to every weight: what a tower with nothing to
     encode hands on where features must go (a gather needs equal sizes, a bridge at least a row)."""
