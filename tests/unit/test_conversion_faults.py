@@ -286,7 +286,7 @@ def test_a_legacy_checkpoint_is_refused_in_one_line(hf_dense, ckpt, tmp_path, ca
     for command in (["export", "--hf-path", str(tmp_path / "out")], ["verify", "--hf-path", hf_dense]):
         assert main([command[0], "--megatron-path", str(mg), *command[1:]]) == 2
         line = _one_error_line(capsys, command[0])
-        assert "is not a torch_dist checkpoint" in line and layout.split("/")[0] in line, line
+        assert "is not a torch_dist or fsdp_dtensor checkpoint" in line and layout.split("/")[0] in line, line
     assert not os.path.exists(tmp_path / "out")
 
 

@@ -21,7 +21,7 @@ import shutil
 
 import torch
 
-from . import shard_checksums, write_queue
+from . import fsdp_weights, shard_checksums, write_queue
 from .safety import load_failure, refusal
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -37,8 +37,9 @@ def _barrier():
 
 
 def save_model_checkpoint(args, iteration: int, model) -> str:
-    """The model's weights as iteration ``iteration`` under ``args.save``; ``args`` (megatron's
-    names) is stored for ``--use-checkpoint-args`` and megatron's checkpoint checks."""
+    """The model's weights as iteration ``iteration`` under ``args.save``, in ``args.ckpt_format``
+    (torch_dist unless it says fsdp_dtensor); ``args`` (megatron's names) is stored for
+    ``--use-checkpoint-args`` and megatron's checkpoint checks."""
     from megatron.core import dist_checkpointing
 
     write_queue.install()
@@ -49,8 +50,11 @@ def save_model_checkpoint(args, iteration: int, model) -> str:
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     _barrier()
-    state = {"model": model.sharded_state_dict(), "args": args, "checkpoint_version": 3.0, "iteration": iteration}
-    dist_checkpointing.save(state, partial)
+    if getattr(args, "ckpt_format", "torch_dist") == "fsdp_dtensor":
+        fsdp_weights.save_weights(model, args, iteration, partial)
+    else:
+        state = {"model": model.sharded_state_dict(), "args": args, "checkpoint_version": 3.0, "iteration": iteration}
+        dist_checkpointing.save(state, partial)
     _barrier()
     shard_checksums.record(partial, rank)
     _barrier()

@@ -21,7 +21,8 @@ export   loads a checkpoint saved at any TP/EP (an import or a training run), wr
          ``OUT.partial`` and renamed at the end; a write that fails (a file in the way, a read-only
          place, a full disk) removes ``OUT.partial`` and says why in one line. An output equal to,
          above or inside the checkpoint is refused before anything is written. The checkpoint must
-         be torch_dist with an intact tracker; legacy per-rank pickles and planted code are refused.
+         be torch_dist or Megatron-FSDP's fsdp_dtensor with an intact tracker; legacy per-rank
+         pickles and planted code are refused.
 
 Conversion runs on the CPU: it needs host memory for one copy of the model, not a GPU.
 """
@@ -43,7 +44,16 @@ from examples.multimodal_dev.models.megatron_args import one_process_checkpoint_
 
 from ..megatron_changes import apply
 from .adapters_only import ADAPTERS_ONLY, base_to_read, is_model_key
-from .files import TRACKER, checkpoint_directory, iteration_dir, load_model_weights, save_model_checkpoint, stored_args
+from . import fsdp_weights
+from .files import (
+    TRACKER,
+    checkpoint_directory,
+    is_fsdp_dtensor,
+    iteration_dir,
+    load_model_weights,
+    save_model_checkpoint,
+    stored_args,
+)
 from .hf_models import hf_classes
 from .hf_safetensors import INDEX, HFTensorSource, ShardedWriter, per_expert, read_config
 from .lora_checkpoint import MergedState, adapted_linears, attach_adapters, stored_lora
@@ -58,6 +68,9 @@ _NOT_PROCESSOR_FILES = (".safetensors", ".bin", ".pt", ".pth", INDEX, "config.js
 # How export writes MoE experts: one tensor per expert, as the hub's checkpoints and serving stacks
 # store them, or packed [E, ...] as transformers holds them in memory.
 MOE_LAYOUTS = ("per-expert", "packed")
+# What an import writes: megatron's sharded format (DDP and the distributed optimizer), or Megatron-FSDP's,
+# the only one an FSDP=1 run reads (megatron-core 0.19.2 reads neither into the other's runs)
+CKPT_FORMATS = ("torch_dist", "fsdp_dtensor")
 
 
 class ExportWriteError(OSError):
@@ -139,7 +152,10 @@ def import_hf(
     ep: int = 1,
     overwrite: bool = False,
     allow_mixed_dtypes: bool = False,
+    ckpt_format: str = "torch_dist",
 ) -> dict:
+    if ckpt_format not in CKPT_FORMATS:
+        raise ValueError(f"--ckpt-format {ckpt_format!r}: not one of {', '.join(CKPT_FORMATS)}")
     source = HFTensorSource(hf_path)
     config = source.config()
     shape = config_shape(config, os.path.join(hf_path, "config.json"))
@@ -184,21 +200,29 @@ def import_hf(
     if problems:
         raise ValueError(f"import {hf_path}: nothing written.\n  " + "\n  ".join(problems))
 
-    _write_import(megatron_path, config, shape, model)
+    _write_import(megatron_path, config, shape, model, ckpt_format)
     dtypes = {}
     for p in params.values():
         dtypes[str(p.dtype)] = dtypes.get(str(p.dtype), 0) + p.numel()
     return {"tensors": len(filled), "parameters": sum(dtypes.values()), "dtypes": dtypes}
 
 
-def _save_import(megatron_path: str, config: dict, shape, model) -> None:
+def _save_import(megatron_path: str, config: dict, shape, model, ckpt_format: str) -> None:
     """``hf_config.json`` and iteration 0. The config goes to a file of its own first and replaces
-    an earlier one only at the end, so a failed import leaves the earlier one as it was."""
+    an earlier one only at the end, so a failed import leaves the earlier one as it was. In
+    ``fsdp_dtensor`` the args say what a Megatron-FSDP run of the checkpoint's dtype would."""
     os.makedirs(megatron_path, exist_ok=True)
     final_config = os.path.join(megatron_path, HF_CONFIG)
     with open(final_config + ".partial", "w") as f:
         json.dump(config, f, indent=2)
-    args = one_process_checkpoint_args(shape, megatron_path, os.path.abspath(final_config))
+    fsdp = {"use_megatron_fsdp": True, "bf16": model.config.params_dtype == torch.bfloat16}
+    args = one_process_checkpoint_args(
+        shape,
+        megatron_path,
+        os.path.abspath(final_config),
+        ckpt_format=ckpt_format,
+        **(fsdp if ckpt_format == "fsdp_dtensor" else {}),
+    )
     save_model_checkpoint(args, 0, model)
     os.replace(final_config + ".partial", final_config)
 
@@ -217,7 +241,7 @@ def _os_error_cause(err: BaseException, logged: list[str]) -> str | None:
     return None
 
 
-def _write_import(megatron_path: str, config: dict, shape, model) -> None:
+def _write_import(megatron_path: str, config: dict, shape, model, ckpt_format: str) -> None:
     """Writes the import; a failure at any point (a full disk, an interrupt) removes every file
     and directory this import created and keeps everything that was there before."""
     candidates = [
@@ -232,7 +256,7 @@ def _write_import(megatron_path: str, config: dict, shape, model) -> None:
     writer_log = WriterLog()
     try:
         with writer_log:
-            _save_import(megatron_path, config, shape, model)
+            _save_import(megatron_path, config, shape, model, ckpt_format)
     except BaseException as err:
         for path in reversed(candidates):  # the directory last: it is removed only if it is new
             if path in existed or not os.path.lexists(path):
@@ -288,11 +312,11 @@ def check_checkpoint_dir(megatron_path: str) -> None:
     directory = checkpoint_directory(megatron_path)
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"{flag}: {TRACKER} names {os.path.basename(directory)}, which does not exist")
-    if not check_is_distributed_checkpoint(directory):
+    if not check_is_distributed_checkpoint(directory) and not is_fsdp_dtensor(directory):
         legacy = sorted(n for n in os.listdir(directory) if n == "common.pt" or n.startswith("mp_rank_"))
         what = f"legacy Megatron files ({', '.join(legacy)})" if legacy else "no torch_dist metadata.json"
         raise CheckpointReadError(
-            f"{flag}: {directory} is not a torch_dist checkpoint: it holds {what}; save it "
+            f"{flag}: {directory} is not a torch_dist or fsdp_dtensor checkpoint: it holds {what}; save it "
             "with --ckpt-format torch_dist (this tool does not unpickle legacy checkpoints)"
         )
     # The index is read (restricted) before DCP's loader does: DCP logs a refused index as a
@@ -346,13 +370,18 @@ def load_megatron_with_lora(
     model = (build or conversion_model)(shape).eval()
     stored = _read_checkpoint(megatron_path, _read_metadata, directory).state_dict_metadata
     saved_args = _read_checkpoint(megatron_path, stored_args, directory)
+    described_by = f"--hf-config-path {hf_config_path}" if hf_config_path else f"the shape recorded in {megatron_path}"
+    if is_fsdp_dtensor(directory):  # Megatron-FSDP's format: no LoRA run (refused at launch), weights whole
+        fsdp_weights.check_model_matches(model, stored, described_by)
+        _read_checkpoint(megatron_path, fsdp_weights.load_weights, model, directory)
+        dtypes = fsdp_weights.weight_dtypes(model, saved_args, model_of(shape).hf_fp32_suffixes)
+        return model, shape, config, dtypes, None
     lora = stored_lora(megatron_path, saved_args, stored)
     base = _adapters_base(megatron_path, saved_args, lora_base) if lora is not None else None
     if base is not None:
         stored = {**_read_checkpoint(base, _read_metadata, base).state_dict_metadata, **stored}
     if lora is not None:
         attach_adapters(model, lora, stored, megatron_path)
-    described_by = f"--hf-config-path {hf_config_path}" if hf_config_path else f"the shape recorded in {megatron_path}"
     check_model_matches(model, stored, described_by)
     _read_checkpoint(megatron_path, load_model_weights, model, directory, base)
     by_key = _weight_dtypes(stored)

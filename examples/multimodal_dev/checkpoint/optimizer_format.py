@@ -156,19 +156,22 @@ def _layout(args) -> dict[str, int]:
     return {name: int(v) if isinstance(v, bool) else (v or 1) for name, v in values.items()}
 
 
-def _check_fsdp_both(args, saved_by_fsdp: bool) -> None:
+def _holds_checkpoint(path) -> bool:
+    return bool(path) and os.path.isfile(os.path.join(path, TRACKER))
+
+
+def _check_fsdp_both(load: str, args, saved_by_fsdp: bool) -> None:
     """megatron-core 0.19.2 reads an fsdp_dtensor checkpoint only into a Megatron-FSDP run, and a
-    Megatron-FSDP run reads only that format (its load asks for DTensors, not sharded tensors)."""
+    Megatron-FSDP run reads only that format (its load asks for DTensors, not sharded tensors), the
+    weights alone included. The weights move through a Hugging Face export and an import."""
     if saved_by_fsdp == bool(getattr(args, "use_megatron_fsdp", False)):
         return
-    if saved_by_fsdp:
-        raise ValueError(
-            f"--load {args.load}: saved by Megatron-FSDP (fsdp_dtensor), which megatron-core 0.19.2 reads only "
-            "into a Megatron-FSDP run: resume it with FSDP=1"
-        )
+    saved, other = ("fsdp_dtensor", "torch_dist") if saved_by_fsdp else ("torch_dist", "fsdp_dtensor")
+    run = "without FSDP" if saved_by_fsdp else "with FSDP=1"
     raise ValueError(
-        f"--load {args.load}: a torch_dist checkpoint, which megatron-core 0.19.2's Megatron-FSDP does not read "
-        "(it loads fsdp_dtensor only): resume it without FSDP"
+        f"{load}: saved in {saved} format, which megatron-core 0.19.2 does not read into a run {run}; "
+        f"move its weights with convert_checkpoint export --megatron-path {load} --hf-path HF, then import "
+        f"--hf-path HF --megatron-path NEW --ckpt-format {other}, and start from NEW (CKPT_LOAD)"
     )
 
 
@@ -176,15 +179,18 @@ def check_layout_change(args: argparse.Namespace) -> None:
     """A ``dp_reshardable`` checkpoint resumed with its optimizer state at another TP / PP / VP / EP /
     ETP, with the other expert implementation, or by the plain optimizer: one line saying what to
     run. A checkpoint saved by the other kind of optimizer (plain, or distributed in the fully
-    reshardable format) is translated on load."""
-    if not args.load or args.finetune or args.no_load_optim or not os.path.isfile(os.path.join(args.load, TRACKER)):
+    reshardable format) is translated on load. A checkpoint of the other format (torch_dist and
+    Megatron-FSDP's fsdp_dtensor), weights alone included, is refused with how to move it."""
+    held = [d for d in (args.load, getattr(args, "pretrained_checkpoint", None)) if _holds_checkpoint(d)]
+    saved_by_fsdp = bool(held) and is_fsdp_dtensor(checkpoint_directory(held[0]))
+    if held and (saved_by_fsdp or getattr(args, "use_megatron_fsdp", False)):
+        _check_fsdp_both(held[0], args, saved_by_fsdp)
+        return
+    if not _holds_checkpoint(args.load) or args.finetune or args.no_load_optim:
         return
     from megatron.core import dist_checkpointing
 
     directory = checkpoint_directory(args.load)
-    if is_fsdp_dtensor(directory) or getattr(args, "use_megatron_fsdp", False):
-        _check_fsdp_both(args, is_fsdp_dtensor(directory))
-        return
     stored = stored_args(directory)
     if stored is None:
         return

@@ -145,11 +145,6 @@ def fsdp(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
         (lay.pp > 1, f"PP={lay.pp}", "its fsdp_dtensor checkpoints name layers per pipeline stage, so stages collide"),
         (lay.vision_nproc > 0, f"VISION_NPROC={lay.vision_nproc}", "the tower's own ranks save torch_dist"),
         (bool(config.lora.rank), f"LORA_RANK={config.lora.rank}", "LoRA checkpoints are torch_dist"),
-        (
-            bool(config.checkpoint.load),
-            f"CKPT_LOAD={config.checkpoint.load}",
-            "a torch_dist checkpoint, which Megatron-FSDP does not read (it loads fsdp_dtensor only)",
-        ),
     )
     for bad, setting, why in refused:
         if bad:

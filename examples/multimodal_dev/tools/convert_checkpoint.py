@@ -8,7 +8,7 @@
         [--base-model-name-or-path NAME]
 
 import   Hugging Face directory -> Megatron checkpoint (iteration 0, torch_dist, resharded to any
-         TP/EP/PP by the run that loads it)
+         TP/EP/PP by the run that loads it; ``--ckpt-format fsdp_dtensor`` for FSDP=1 runs)
 export   Megatron checkpoint saved at any layout -> Hugging Face directory (config.json, sharded
          safetensors, tokenizer/processor files); a LoRA run's adapters merged into the base weights
 export-peft  a LoRA run's checkpoint -> Hugging Face PEFT adapter (adapter_config.json,
@@ -40,7 +40,7 @@ if __name__ == "__main__":
 from safetensors import SafetensorError
 
 from examples.multimodal_dev.checkpoint.adapters_only import LORA_BASE_HELP
-from examples.multimodal_dev.checkpoint.hf_conversion import DTYPES, MOE_LAYOUTS, export_hf, import_hf
+from examples.multimodal_dev.checkpoint.hf_conversion import CKPT_FORMATS, DTYPES, MOE_LAYOUTS, export_hf, import_hf
 from examples.multimodal_dev.checkpoint.peft_adapter import export_peft
 from examples.multimodal_dev.checkpoint.verify import verify
 
@@ -58,6 +58,12 @@ def _parser() -> argparse.ArgumentParser:
         "--allow-mixed-dtypes",
         action="store_true",
         help="import tensors stored in another dtype than the checkpoint's as they are",
+    )
+    imp.add_argument(
+        "--ckpt-format",
+        choices=CKPT_FORMATS,
+        default="torch_dist",
+        help="fsdp_dtensor for runs with FSDP=1 (Megatron-FSDP reads only its own format)",
     )
     exp = sub.add_parser("export", help="Megatron checkpoint (any TP/EP) -> Hugging Face directory")
     exp.add_argument("--megatron-path", required=True)
@@ -137,11 +143,17 @@ def main(argv=None) -> int:
         check_args(args)
         if args.command == "import":
             info = import_hf(
-                args.hf_path, args.megatron_path, args.tp, args.ep, args.overwrite, args.allow_mixed_dtypes
+                args.hf_path,
+                args.megatron_path,
+                args.tp,
+                args.ep,
+                args.overwrite,
+                args.allow_mixed_dtypes,
+                args.ckpt_format,
             )
             print(
                 f"import: {info['tensors']} Megatron tensors, {info['parameters'] / 1e6:.1f} M parameters "
-                f"{info['dtypes']} -> {args.megatron_path} (iteration 0)"
+                f"{info['dtypes']} -> {args.megatron_path} (iteration 0, {args.ckpt_format})"
             )
         elif args.command == "export":
             info = export_hf(

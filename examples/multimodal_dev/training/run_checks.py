@@ -183,7 +183,6 @@ def check_fsdp(args) -> None:
             f"--vision-chunk-patches {args.vision_chunk_patches}",
             "the tower's layers would run once per chunk, and the number of chunks differs between ranks",
         ),
-        (args.freeze_vision, "--freeze-vision", "a frozen tower under FSDP is not tested here"),
         (
             bool(args.gen_eval_interval),
             f"--gen-eval-interval {args.gen_eval_interval}",
