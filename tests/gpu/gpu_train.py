@@ -211,6 +211,17 @@ def kill_tree(pid: int) -> None:
         pass
 
 
+def visible_gpus() -> int:
+    """GPUs this host shows, from nvidia-smi, so the calling process starts no CUDA context of its own."""
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+        return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+    except (OSError, subprocess.SubprocessError):
+        import torch
+
+        return torch.cuda.device_count()
+
+
 def run_training(
     name: str, env: dict, args: list, timeout_s: float, workdir: str, log_path: str, poll_memory: bool = True
 ) -> TrainRun:

@@ -27,7 +27,7 @@
 # A WHEELHOUSE that is a .tar.xz is unpacked into the scratch folder first (tools/wheel_archive.py).
 #
 # Environment: WHEELHOUSE [wheelhouse/ or wheelhouse.tar.xz at the repository root, if present], PYTHON [python3],
-#   GPU_CHECKS     groups to run [micro fla attn parity train resume decode te parallel]; they always run in the order below
+#   GPU_CHECKS     groups to run [micro fla attn parity train resume decode fsdp te parallel]; they always run in the order below
 #   GPU_CHECKS_BUDGET_S [560]; GPU_TRAIN_RUNS, GPU_TRAIN_ITERS, GPU_35B_LAYERS, ... (test_training.py)
 # Exit status 0 when no row failed.
 set -uo pipefail
@@ -52,7 +52,7 @@ if [[ -n "${WHEELHOUSE:-}" ]]; then
   [[ -d "$WHEELHOUSE" ]] && WHEELHOUSE="$(cd "$WHEELHOUSE" && pwd)"  # absolute: run_qwen35_vl.sh bootstraps again
   export WHEELHOUSE
 fi
-GROUPS_WANTED=" ${GPU_CHECKS:-micro fla attn parity train resume decode te parallel} "
+GROUPS_WANTED=" ${GPU_CHECKS:-micro fla attn parity train resume decode fsdp te parallel} "
 STEPS=""  # "name: seconds, exit code" of every step, for the table's header
 
 add_row() {  # add_row CHECK CASE STATUS NOTE
@@ -179,6 +179,8 @@ main() {
   checks parity "model parity bf16" 90 -- tests/gpu/test_model_parity.py -k bf16
   # generate on the GPU: tokens against transformers' generate (tiny MoE, fp32), tokens/s at batch 1 and 8 (bf16)
   checks decode "decode" 90 -- tests/gpu/test_decode.py
+  # Megatron-FSDP on CUDA and NCCL against DDP (tiny MoE, bf16; DP=2 where two GPUs are visible)
+  checks fsdp "Megatron-FSDP" 90 -- tests/gpu/test_fsdp_gpu.py
   checks te "TE vs local" 120 -- tests/gpu/test_te_backend.py
   checks parallel "TP / EP" 400 -- tests/gpu/test_parallel.py
   echo "== [gpu] table =="

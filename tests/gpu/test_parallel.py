@@ -8,7 +8,6 @@ relative (bf16 GEMMs split over ranks round differently).
 """
 
 import os
-import subprocess
 import tempfile
 
 import pytest
@@ -27,17 +26,8 @@ SETTINGS = {"TP=2 (SP)": dict(TP=2), "EP=2 alltoall": dict(EP=2, NPROC=2)}
 REL = 2e-2
 
 
-def _visible_gpus() -> int:
-    """From nvidia-smi, so this process starts no CUDA context of its own."""
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
-        return sum(1 for line in out.splitlines() if line.startswith("GPU "))
-    except (OSError, subprocess.SubprocessError):
-        return torch.cuda.device_count()
-
-
 def test_tp2_and_ep2_match_one_gpu(record):
-    gpus = _visible_gpus()
+    gpus = gt.visible_gpus()
     if gpus < 2:
         record("TP=2, EP=2", "skip", {"visible GPUs": gpus}, f"{gpus} GPU visible: TP=2 and EP=2 need two")
         pytest.skip(f"{gpus} GPU visible")

@@ -142,3 +142,23 @@ def test_a_flat_optimizer_state_is_not_carried_to_the_other_expert_layout(
             optimizer_format.check_layout_change(args)
     else:
         optimizer_format.check_layout_change(args)
+
+
+@pytest.mark.parametrize("role", ["load", "pretrained_checkpoint"])
+@pytest.mark.parametrize("saved_by_fsdp", [False, True], ids=["torch_dist into FSDP", "fsdp_dtensor without FSDP"])
+def test_a_checkpoint_of_the_other_format_is_refused_with_how_to_move_it(tmp_path, role, saved_by_fsdp):
+    # the files each format's directory holds: torch_dist's metadata.json; DCP's own index alone for fsdp_dtensor
+    iteration = tmp_path / "ckpt" / "iter_0000003"
+    iteration.mkdir(parents=True)
+    for name in (".metadata", "__0_0.distcp") if saved_by_fsdp else ("metadata.json", ".metadata", "__0_0.distcp"):
+        (iteration / name).write_bytes(b"")
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("3")
+    paths = {"load": str(tmp_path / "ckpt"), "pretrained_checkpoint": None}
+    if role == "pretrained_checkpoint":  # CKPT_LOAD with CKPT_RESUME: the resume directory is empty yet
+        paths = {"load": str(tmp_path / "resume"), "pretrained_checkpoint": str(tmp_path / "ckpt")}
+    args = SimpleNamespace(**paths, use_megatron_fsdp=not saved_by_fsdp, finetune=True, no_load_optim=True)
+    saved, run = ("fsdp_dtensor", "without FSDP") if saved_by_fsdp else ("torch_dist", "with FSDP=1")
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'ckpt'}: saved in {saved} format, .* into a run {run}; move"):
+        optimizer_format.check_layout_change(args)
+    args.use_megatron_fsdp = saved_by_fsdp  # the matching run is not refused
+    optimizer_format.check_layout_change(args)

@@ -232,3 +232,48 @@ def test_megatron_is_handed_the_vision_tp_default_it_prints():
     assert (
         run_checks.vision_defaults(_layout_args(world_size=5, vision_nproc=1, vision_tensor_parallel_size=2), 5) == {}
     )
+
+
+def _fsdp_args(**changes):
+    values = dict(
+        use_megatron_fsdp=True,
+        ckpt_format="fsdp_dtensor",
+        pipeline_model_parallel_size=1,
+        vision_nproc=0,
+        lora_rank=0,
+        vision_chunk_patches=0,
+        gen_eval_interval=0,
+        moe_grouped_gemm=True,
+        expert_model_parallel_size=1,
+        save="ckpt",
+        load=None,
+    )
+    return SimpleNamespace(**{**values, **changes})
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        (dict(), None),
+        (dict(use_megatron_fsdp=False, ckpt_format="torch_dist", pipeline_model_parallel_size=2), None),
+        (dict(ckpt_format="torch_dist"), r"^--use-megatron-fsdp with --ckpt-format torch_dist: it saves fsdp_dtensor"),
+        (dict(pipeline_model_parallel_size=2), r"^--use-megatron-fsdp with --pipeline-model-parallel-size 2: "),
+        (dict(vision_nproc=1), r"^--use-megatron-fsdp with --vision-nproc 1: the tower's own ranks"),
+        (dict(lora_rank=4), r"^--use-megatron-fsdp with --lora-rank 4: LoRA checkpoints are torch_dist"),
+        (dict(vision_chunk_patches=256), r"^--use-megatron-fsdp with --vision-chunk-patches 256: the tower's layers"),
+        (dict(gen_eval_interval=5), r"^--use-megatron-fsdp with --gen-eval-interval 5: decoding reads"),
+        (dict(expert_model_parallel_size=2, save=None), None),  # grouped experts at EP=2, nothing saved
+        (dict(expert_model_parallel_size=2, moe_grouped_gemm=False), None),  # SequentialMLP names each expert
+        (
+            dict(expert_model_parallel_size=2, save=None, load="ckpt"),
+            r"^--use-megatron-fsdp with --moe-grouped-gemm at --expert-model-parallel-size 2 and a checkpoint: ",
+        ),
+    ],
+)
+def test_what_megatron_fsdp_does_not_run_with_is_refused_by_flag(changes, message):
+    args = _fsdp_args(**changes)
+    if message is None:
+        run_checks.check_fsdp(args)
+    else:
+        with pytest.raises(ValueError, match=message):
+            run_checks.check_fsdp(args)

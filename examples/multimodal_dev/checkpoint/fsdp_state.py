@@ -17,6 +17,7 @@ have, and their step. Nothing is read from or written into those entries: their 
 from __future__ import annotations
 
 import functools
+import re
 
 import torch
 
@@ -83,3 +84,21 @@ def nothing_to_load_changes_nothing(load_checkpoint, run=None):
         return load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg, *rest, **kwargs)
 
     return load
+
+
+# Grouped experts (models/common/grouped_experts.py) hold every local expert in one 3-D weight per projection
+GROUPED_EXPERT_WEIGHT = re.compile(r"\.mlp\.experts\.linear_fc[12]\.weight$")
+
+
+def grouped_weights_name_no_expert(get_expert_index_from_key, run=None):
+    """megatron-core's ``get_expert_index_from_key`` of fsdp_dtensor checkpoints, with None (no one expert)
+    for the 3-D weights of grouped experts (megatron_changes row). megatron reads an index off every key
+    containing ``mlp.experts.linear_fc1.weight``, as TE's GroupedMLP names its experts ``weight0``,
+    ``weight1`` ...; ours end at ``weight`` and the save stopped ("Failed to parse expert index"). At EP=1
+    the weight holds every expert, so the key needs no renumbering (EP > 1 is refused: ``run_checks``)."""
+
+    @functools.wraps(get_expert_index_from_key)
+    def index(key):
+        return None if GROUPED_EXPERT_WEIGHT.search(key) else get_expert_index_from_key(key)
+
+    return index

@@ -6,13 +6,36 @@ by the parameter names of the model megatron wrapped (``model.module.<name>``), 
 (DCP's index has the global shape), so it reads into a one-process model of the run's shape without
 resharding. The weights are FSDP's fp32 main copies whatever the run trained in: the dtype a weight
 had in the run comes from the run's args (``weight_dtypes``), where a torch_dist checkpoint stores it.
+
+Experts are named by the run's implementation: SequentialMLP's one weight per expert
+(``...experts.local_experts.{e}.linear_fc1.weight``), or grouped experts' one 3-D weight of them all
+(``...experts.linear_fc1.weight``, the default). The one-process model here holds SequentialMLP's, and
+reads or writes either (``save_weights`` writes grouped ones where the args say ``moe_grouped_gemm``).
 """
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 PREFIX = "model.module."  # megatron's "model" part, then the wrapper's ``module``
+PER_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
+
+
+def _grouped(key: str) -> tuple[str, int] | None:
+    """(the grouped experts' key, the expert's index) of SequentialMLP's ``key``; None for other weights."""
+    found = PER_EXPERT.match(key)
+    return (found.group(1) + found.group(3), int(found.group(2))) if found else None
+
+
+def _sources(model, stored: dict) -> dict[str, tuple[str, int | None]]:
+    """Checkpoint key of each model weight -> (the key holding it, its expert's row there or None)."""
+    out = {}
+    for key in _requested(model):
+        grouped = _grouped(key)
+        out[key] = grouped if key not in stored and grouped and grouped[0] in stored else (key, None)
+    return out
 
 
 def _requested(model) -> dict[str, torch.Tensor]:
@@ -27,34 +50,56 @@ def check_model_matches(model, stored: dict, described_by: str) -> None:
     if any(size > 1 for size in split.values()):
         sizes = ", ".join(f"{k}={v}" for k, v in split.items())
         raise ValueError(f"a Megatron-FSDP (fsdp_dtensor) checkpoint loads into one process here, not at {sizes}")
+    sources = _sources(model, stored)
     for key, tensor in _requested(model).items():
-        name, meta = key[len(PREFIX) :], stored.get(key)
+        (where, row), name = sources[key], key[len(PREFIX) :]
+        meta = stored.get(where)
         if meta is None:
             raise ValueError(f"{described_by} does not describe the checkpoint's model: it has no tensor {name}")
-        if tuple(meta.size) != tuple(tensor.shape):
+        size = tuple(meta.size)[1:] if row is not None else tuple(meta.size)
+        if size != tuple(tensor.shape) or (row is not None and row >= meta.size[0]):
             raise ValueError(
                 f"{described_by} does not describe the checkpoint's model: {name} is "
                 f"{tuple(meta.size)} there, {tuple(tensor.shape)} here"
             )
 
 
-def load_weights(model, directory: str) -> None:
-    """Every weight of ``model`` (one process, the run's shape) from the fsdp_dtensor ``directory``."""
+def load_weights(model, directory: str, stored: dict) -> None:
+    """Every weight of ``model`` (one process, the run's shape) from the fsdp_dtensor ``directory``, whose
+    DCP index is ``stored``; grouped experts' weights are read whole, then each expert's row copied."""
     from torch.distributed.checkpoint import load
 
     from ..megatron_changes import apply
 
     apply("checkpoints-are-data")
-    load(_requested(model), checkpoint_id=directory, no_dist=True)
+    requested, sources = _requested(model), _sources(model, stored)
+    state = {key: t for key, t in requested.items() if sources[key][1] is None}
+    for where, _ in {sources[k] for k in requested if sources[k][1] is not None}:
+        state[where] = torch.empty(tuple(stored[where].size), dtype=stored[where].properties.dtype)
+    load(state, checkpoint_id=directory, no_dist=True)
+    for key, (where, row) in sources.items():
+        if row is not None:
+            requested[key].copy_(state[where][row])
 
 
 def save_weights(model, args, iteration: int, directory: str) -> None:
     """``model``'s weights (one process, whole) as Megatron-FSDP saves them, fp32, with ``args``: the
-    checkpoint an FSDP=1 run starts from (``CKPT_LOAD``) as from its own."""
+    checkpoint an FSDP=1 run starts from (``CKPT_LOAD``) as from its own, experts grouped where
+    ``args.moe_grouped_gemm`` says the run groups them."""
     from torch.distributed.checkpoint import save
 
-    model_part = {k[len("model.") :]: t.float() for k, t in _requested(model).items()}
-    save({"model": model_part, "args": args, "checkpoint_version": 3.0, "iteration": iteration}, checkpoint_id=directory)
+    weights, experts = {}, {}
+    for key, tensor in _requested(model).items():
+        grouped = _grouped(key) if getattr(args, "moe_grouped_gemm", False) else None
+        if grouped:
+            experts.setdefault(grouped[0], {})[grouped[1]] = tensor.float()
+        else:
+            weights[key] = tensor.float()
+    weights.update({key: torch.stack([rows[e] for e in sorted(rows)]) for key, rows in experts.items()})
+    model_part = {k[len("model.") :]: t for k, t in weights.items()}
+    save(
+        {"model": model_part, "args": args, "checkpoint_version": 3.0, "iteration": iteration}, checkpoint_id=directory
+    )
 
 
 def weight_dtypes(model, saved_args, fp32_suffixes: tuple[str, ...]) -> dict[str, torch.dtype]:

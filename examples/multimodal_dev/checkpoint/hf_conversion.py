@@ -43,8 +43,8 @@ from examples.multimodal_dev.models import DEFAULT_ARCH, get_model_entry, model_
 from examples.multimodal_dev.models.megatron_args import one_process_checkpoint_args
 
 from ..megatron_changes import apply
-from .adapters_only import ADAPTERS_ONLY, base_to_read, is_model_key
 from . import fsdp_weights
+from .adapters_only import ADAPTERS_ONLY, base_to_read, is_model_key
 from .files import (
     TRACKER,
     checkpoint_directory,
@@ -215,7 +215,12 @@ def _save_import(megatron_path: str, config: dict, shape, model, ckpt_format: st
     final_config = os.path.join(megatron_path, HF_CONFIG)
     with open(final_config + ".partial", "w") as f:
         json.dump(config, f, indent=2)
-    fsdp = {"use_megatron_fsdp": True, "bf16": model.config.params_dtype == torch.bfloat16}
+    # as the run script's default FSDP=1 run of this model: bf16 as the weights, grouped experts for MoE
+    fsdp = {
+        "use_megatron_fsdp": True,
+        "bf16": model.config.params_dtype == torch.bfloat16,
+        "moe_grouped_gemm": shape.text.is_moe,
+    }
     args = one_process_checkpoint_args(
         shape,
         megatron_path,
@@ -373,7 +378,7 @@ def load_megatron_with_lora(
     described_by = f"--hf-config-path {hf_config_path}" if hf_config_path else f"the shape recorded in {megatron_path}"
     if is_fsdp_dtensor(directory):  # Megatron-FSDP's format: no LoRA run (refused at launch), weights whole
         fsdp_weights.check_model_matches(model, stored, described_by)
-        _read_checkpoint(megatron_path, fsdp_weights.load_weights, model, directory)
+        _read_checkpoint(megatron_path, fsdp_weights.load_weights, model, directory, stored)
         dtypes = fsdp_weights.weight_dtypes(model, saved_args, model_of(shape).hf_fp32_suffixes)
         return model, shape, config, dtypes, None
     lora = stored_lora(megatron_path, saved_args, stored)

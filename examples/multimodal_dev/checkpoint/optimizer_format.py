@@ -160,10 +160,26 @@ def _holds_checkpoint(path) -> bool:
     return bool(path) and os.path.isfile(os.path.join(path, TRACKER))
 
 
+def _check_fsdp_experts(load: str, args) -> None:
+    """fsdp_dtensor names expert weights as the saving run's implementation did (one 3-D weight of grouped
+    experts, one per expert of SequentialMLP), and megatron-core 0.19.2 reads them only into the same."""
+    if not getattr(args, "num_experts", None):
+        return
+    grouped = bool(getattr(stored_args(checkpoint_directory(load)), "moe_grouped_gemm", False))
+    if grouped != bool(getattr(args, "moe_grouped_gemm", False)):
+        saved = "grouped (one weight of all experts)" if grouped else "one weight each (SequentialMLP)"
+        raise ValueError(
+            f"{load}: its experts were saved {saved}, and an fsdp_dtensor checkpoint loads only into the same; "
+            f"run with GROUPED_EXPERTS={int(grouped)}"
+        )
+
+
 def _check_fsdp_both(load: str, args, saved_by_fsdp: bool) -> None:
     """megatron-core 0.19.2 reads an fsdp_dtensor checkpoint only into a Megatron-FSDP run, and a
     Megatron-FSDP run reads only that format (its load asks for DTensors, not sharded tensors), the
     weights alone included. The weights move through a Hugging Face export and an import."""
+    if saved_by_fsdp and getattr(args, "use_megatron_fsdp", False):
+        _check_fsdp_experts(load, args)
     if saved_by_fsdp == bool(getattr(args, "use_megatron_fsdp", False)):
         return
     saved, other = ("fsdp_dtensor", "torch_dist") if saved_by_fsdp else ("torch_dist", "fsdp_dtensor")

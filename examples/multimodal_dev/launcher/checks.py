@@ -138,13 +138,19 @@ def lora(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
 
 def fsdp(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
     """What Megatron-FSDP does not run with here, by name (docs/parallelism.md#megatron-fsdp)."""
-    lay = config.layout
+    lay, ckpt = config.layout, config.checkpoint
     if not lay.fsdp:
         return None
     refused = (
         (lay.pp > 1, f"PP={lay.pp}", "its fsdp_dtensor checkpoints name layers per pipeline stage, so stages collide"),
         (lay.vision_nproc > 0, f"VISION_NPROC={lay.vision_nproc}", "the tower's own ranks save torch_dist"),
         (bool(config.lora.rank), f"LORA_RANK={config.lora.rank}", "LoRA checkpoints are torch_dist"),
+        (
+            bool(config.backend.grouped_experts and lay.ep > 1 and (ckpt.save or ckpt.resume)),
+            f"EP={lay.ep}, grouped experts and {'CKPT_RESUME' if ckpt.resume else 'CKPT_SAVE'}",
+            "fsdp_dtensor names an expert weight by its parameter, and every EP rank's grouped weight has the "
+            "same name; save at EP=1, or with SequentialMLP (GROUPED_EXPERTS=0)",
+        ),
     )
     for bad, setting, why in refused:
         if bad:

@@ -205,6 +205,13 @@ CHANGES: tuple[Change, ...] = (
         "with no checkpoint to load, an fsdp_dtensor run's load still took an optimizer step on zero "
         "gradients (to shape Adam's state), so a fresh run with --load trained differently from one without",
     ),
+    Change(
+        "megatron-fsdp",
+        "megatron.core.transformer.fsdp_dtensor_checkpoint:get_expert_index_from_key",
+        f"{_P}checkpoint.fsdp_state:grouped_weights_name_no_expert",
+        "an fsdp_dtensor save of grouped experts stopped: megatron reads an expert index off the end of "
+        "every ...experts.linear_fc1.weight key, and ours hold all the experts in one 3-D weight",
+    ),
     # Optimizer checkpoint formats (checkpoint/optimizer_format.py).
     Change(
         "optimizer-formats",

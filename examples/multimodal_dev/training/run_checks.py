@@ -184,6 +184,13 @@ def check_fsdp(args) -> None:
             "the tower's layers would run once per chunk, and the number of chunks differs between ranks",
         ),
         (
+            bool(getattr(args, "moe_grouped_gemm", False) and args.expert_model_parallel_size > 1)
+            and bool(args.save or args.load),
+            f"--moe-grouped-gemm at --expert-model-parallel-size {args.expert_model_parallel_size} and a checkpoint",
+            "fsdp_dtensor names an expert weight by its parameter, and every EP rank's grouped weight has the "
+            "same name; save at EP=1, or with SequentialMLP (GROUPED_EXPERTS=0)",
+        ),
+        (
             bool(args.gen_eval_interval),
             f"--gen-eval-interval {args.gen_eval_interval}",
             "decoding reads the model's weights whole, and FSDP holds each rank's shard",

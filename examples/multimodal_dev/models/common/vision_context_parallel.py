@@ -81,8 +81,8 @@ def idle_item(vision_model) -> tuple[torch.Tensor, torch.Tensor]:
     """(pixels, grids) of the smallest frame the tower encodes, all zeros: one merged token."""
     s, weight = vision_model.shape, vision_model.patch_embed.proj.weight
     merge = s.spatial_merge_size
-    pixels = torch.zeros(merge**2, s.in_channels * s.temporal_patch_size * s.patch_size**2, device=weight.device)
-    return pixels.to(weight.dtype), torch.tensor([[1, merge, merge]])
+    pixels = torch.zeros(merge**2, s.patch_dim, dtype=weight.dtype, device=weight.device)
+    return pixels, torch.tensor([[1, merge, merge]])
 
 
 def idle_features(vision_model, rows: int) -> torch.Tensor:
