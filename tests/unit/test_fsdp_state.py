@@ -21,3 +21,26 @@ def test_a_parameter_without_state_gets_zeros_like_its_shard_and_the_step():
 
 def test_a_rank_without_any_state_is_left_as_it_is():
     assert completed_state({}, {"a": torch.zeros(2)}) == {}
+
+
+def test_the_run_args_say_each_weights_dtype_in_an_fsdp_checkpoint_of_fp32_main_weights():
+    from types import SimpleNamespace
+
+    from examples.multimodal_dev.checkpoint.fsdp_weights import trained_dtype
+
+    assert trained_dtype(SimpleNamespace(bf16=True, fp16=False)) == torch.bfloat16
+    assert trained_dtype(SimpleNamespace(bf16=False, fp16=True)) == torch.float16
+    assert trained_dtype(SimpleNamespace()) == torch.float32
+
+
+def test_sequential_expert_weights_name_their_row_of_the_grouped_weight():
+    from examples.multimodal_dev.checkpoint.fsdp_state import GROUPED_EXPERT_WEIGHT
+    from examples.multimodal_dev.checkpoint.fsdp_weights import _grouped
+
+    key = "model.module.language_model.decoder.layers.3.mlp.experts.local_experts.12.linear_fc2.weight"
+    grouped, row = _grouped(key)
+    assert (grouped, row) == ("model.module.language_model.decoder.layers.3.mlp.experts.linear_fc2.weight", 12)
+    assert GROUPED_EXPERT_WEIGHT.search(grouped) and not GROUPED_EXPERT_WEIGHT.search(key)
+    assert _grouped("model.module.language_model.decoder.layers.3.mlp.shared_experts.linear_fc1.weight") is None
+    # TE's GroupedMLP names its experts weight0, weight1 ...: megatron's own index, left to megatron
+    assert not GROUPED_EXPERT_WEIGHT.search("decoder.layers.3.mlp.experts.linear_fc1.weight7")

@@ -162,3 +162,21 @@ def test_a_checkpoint_of_the_other_format_is_refused_with_how_to_move_it(tmp_pat
         optimizer_format.check_layout_change(args)
     args.use_megatron_fsdp = saved_by_fsdp  # the matching run is not refused
     optimizer_format.check_layout_change(args)
+
+
+@pytest.mark.parametrize("saved_grouped", [True, False])
+def test_an_fsdp_checkpoint_loads_only_into_the_expert_implementation_that_saved_it(tmp_path, saved_grouped):
+    from argparse import Namespace
+
+    from torch.distributed.checkpoint import save
+
+    iteration = tmp_path / "iter_0000002"
+    save({"args": Namespace(moe_grouped_gemm=saved_grouped)}, checkpoint_id=str(iteration), no_dist=True)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
+    args = SimpleNamespace(
+        load=str(tmp_path), use_megatron_fsdp=True, num_experts=4, moe_grouped_gemm=not saved_grouped, finetune=False
+    )
+    with pytest.raises(ValueError, match=f"its experts were saved .*; run with GROUPED_EXPERTS={int(saved_grouped)}$"):
+        optimizer_format.check_layout_change(args)
+    args.moe_grouped_gemm = saved_grouped
+    optimizer_format.check_layout_change(args)

@@ -102,14 +102,15 @@ def save_weights(model, args, iteration: int, directory: str) -> None:
     )
 
 
+def trained_dtype(saved_args) -> torch.dtype:
+    """The dtype the run that saved ``saved_args`` trained its weights in."""
+    if getattr(saved_args, "bf16", False):
+        return torch.bfloat16
+    return torch.float16 if getattr(saved_args, "fp16", False) else torch.float32
+
+
 def weight_dtypes(model, saved_args, fp32_suffixes: tuple[str, ...]) -> dict[str, torch.dtype]:
     """Each weight's dtype in the run that saved ``saved_args``: its training dtype, except the weights the
     model keeps in fp32 whatever it trains in (``fp32_suffixes``, the model entry's)."""
-    trained = (
-        torch.bfloat16
-        if getattr(saved_args, "bf16", False)
-        else torch.float16
-        if getattr(saved_args, "fp16", False)
-        else torch.float32
-    )
+    trained = trained_dtype(saved_args)
     return {name: torch.float32 if name.endswith(fp32_suffixes) else trained for name in model.sharded_state_dict()}

@@ -403,7 +403,10 @@ def load_megatron_with_lora(
 def stored_weight_dtype(megatron_path: str) -> torch.dtype:
     """The dtype most of a checkpoint's model weights are stored in (bf16 for a bf16 run, whose fp32
     copies belong to the optimizer)."""
-    stored = _read_checkpoint(megatron_path, _read_metadata, checkpoint_directory(megatron_path))
+    directory = checkpoint_directory(megatron_path)
+    if is_fsdp_dtensor(directory):  # FSDP keeps fp32 main weights: the run's args say what it trained in
+        return fsdp_weights.trained_dtype(_read_checkpoint(megatron_path, stored_args, directory))
+    stored = _read_checkpoint(megatron_path, _read_metadata, directory)
     dtypes = list(_weight_dtypes(stored.state_dict_metadata).values())
     return max(set(dtypes), key=dtypes.count) if dtypes else torch.float32
 
