@@ -235,20 +235,10 @@ def test_megatron_is_handed_the_vision_tp_default_it_prints():
 
 
 def _fsdp_args(**changes):
-    values = dict(
-        use_megatron_fsdp=True,
-        ckpt_format="fsdp_dtensor",
-        pipeline_model_parallel_size=1,
-        vision_nproc=0,
-        lora_rank=0,
-        vision_chunk_patches=0,
-        gen_eval_interval=0,
-        moe_grouped_gemm=True,
-        expert_model_parallel_size=1,
-        save="ckpt",
-        load=None,
-    )
-    return SimpleNamespace(**{**values, **changes})
+    """A Megatron-FSDP run's args (the ordinary layout's, saving, MoE with grouped experts) with ``changes``."""
+    fsdp = dict(use_megatron_fsdp=True, ckpt_format="fsdp_dtensor", save="ckpt", expert_model_parallel_size=1)
+    extra = dict(lora_rank=0, vision_chunk_patches=0, gen_eval_interval=0, moe_grouped_gemm=True)
+    return _layout_args(**{**fsdp, **extra, **changes})
 
 
 @pytest.mark.parametrize(
