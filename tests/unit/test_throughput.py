@@ -321,3 +321,54 @@ def test_the_rows_replace_megatron_trainings_functions():
     assert len(rows) == 3
     for row in rows:
         assert load(row.replacement)(load(row.target), run).__module__ == throughput.__name__
+
+
+def test_the_line_after_a_logged_first_iteration_averages_its_own_iteration_alone(mcore):
+    """megatron keeps its sums after a run's first iteration (so a first interval of --log-interval N
+    counts N): at N = 1 its second line averaged two iterations' losses, as megatron's stub below does
+    without the wrapper's reset."""
+    lines, timer_reads = [], []
+
+    def megatron_like(loss_dict, total_loss_dict, learning_rate, iteration, *rest, is_first_iteration=False):
+        total_loss_dict["advanced iterations"] = total_loss_dict.get("advanced iterations", 0) + 1
+        for key, value in loss_dict.items():
+            total_loss_dict[key] = total_loss_dict.get(key, torch.zeros(1)) + value
+        lines.append(float(total_loss_dict["lm loss"]) / total_loss_dict["advanced iterations"])
+        if not is_first_iteration:
+            total_loss_dict.update({k: 0 if k == "advanced iterations" else torch.zeros(1) for k in total_loss_dict})
+        return "report"
+
+    def run(wrapped: bool) -> list[float]:
+        lines.clear()
+        log = megatron_like
+        if wrapped:
+            args = SimpleNamespace(log_interval=1, world_size=1)
+            log = log_wrapper(
+                megatron_like,
+                StepFlops(),
+                lambda a: None,
+                lambda: args,
+                lambda: lambda name: _Timer(timer_reads, 1.0),
+                print,
+            )
+        totals = {}
+        for iteration, loss in ((1, 9.0), (2, 8.0), (3, 7.0)):
+            log(
+                {"lm loss": torch.tensor(loss)},
+                totals,
+                1e-4,
+                iteration,
+                1.0,
+                False,
+                0,
+                None,
+                None,
+                None,
+                None,
+                is_first_iteration=iteration == 1,
+            )
+        return list(lines)
+
+    assert run(wrapped=False) == [9.0, 8.5, 7.0]  # megatron alone: the second line is the mean of two
+    assert run(wrapped=True) == [9.0, 8.0, 7.0]
+    assert True in timer_reads  # the interval timer restarted after the first line too

@@ -289,7 +289,8 @@ CHANGES: tuple[Change, ...] = (
         "step-flops-and-log",
         "megatron.training.training:training_log",
         f"{_P}training.throughput:logged_step",
-        "tokens/s, model TFLOP/s, MFU and the metrics file beside megatron's log line",
+        "tokens/s, model TFLOP/s, MFU and the metrics file beside megatron's log line; at --log-interval 1 "
+        "megatron's second line averaged the first two iterations (it keeps its sums after a first one)",
     ),
     Change(
         "step-flops-and-log",

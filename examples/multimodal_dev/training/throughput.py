@@ -238,9 +238,22 @@ def log_wrapper(
             if writer is not None:
                 for name, value in window_rates(window, seconds, margs.world_size).items():
                     writer.add_scalar(name, value, iteration)
+        if at_log and bound.get("is_first_iteration"):
+            _start_next_interval(bound.get("total_loss_dict"), get_timers)
         return result
 
     return training_log
+
+
+def _start_next_interval(total_loss_dict: dict | None, get_timers) -> None:
+    """What megatron's ``training_log`` resets after a logged line and keeps after a run's first iteration
+    (so that a first interval of ``--log-interval`` N still counts N): at a first iteration that is
+    itself a log line (N = 1, the run script's default) the next line would average two iterations'
+    losses and times, so the sums and the interval timer start again here."""
+    if total_loss_dict is not None:
+        for key, value in total_loss_dict.items():
+            total_loss_dict[key] = torch.zeros_like(value) if torch.is_tensor(value) else 0
+    get_timers()("interval-time").elapsed(reset=True, barrier=False)
 
 
 def capture_mtp_losses(original, side_losses: dict):
