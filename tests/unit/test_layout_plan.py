@@ -5,6 +5,7 @@ one line. Weights, gradients and optimizer bytes are held to the meta-device bui
 ``test_meta_builds.py``; activations to a CPU run in ``test_activation_memory.py``."""
 
 import os
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -13,7 +14,7 @@ from examples.multimodal_dev.models.qwen35_vl.configuration import VARIANTS
 from examples.multimodal_dev.planner import layout_cost as cost
 from examples.multimodal_dev.planner.launch_layout import Layout
 from examples.multimodal_dev.planner.layout_mix import Mix
-from examples.multimodal_dev.planner.layout_plan import Request, balanced_split, evaluate, plan
+from examples.multimodal_dev.planner.layout_plan import Request, balanced_split, candidates, evaluate, plan
 from examples.multimodal_dev.planner.pipeline_layout import LAYOUTS, stage_layers
 from examples.multimodal_dev.tools import plan_layout as tool
 
@@ -170,6 +171,12 @@ def test_mix_imbalance_is_one_for_one_replica_and_small_when_dealt(mixes):
             "divide the 16 attention heads; ",
         ),
         (["9b", "--layout", "XP=2"], "--layout XP=2: item 'XP=2': expected KEY=N"),
+        (["9b", "--layout", "PP=2 FSDP=1"], "--layout PP=2 FSDP=1: FSDP=1 with PP=2: its fsdp_dtensor checkpoints"),
+        (
+            ["9b", "--layout", "FSDP=1", "--lora-rank", "8"],
+            "FSDP=1 with --lora-rank 8: LoRA checkpoints are torch_dist",
+        ),
+        (["9b", "--layout", "FSDP=1", "--vision-chunk-patches", "64"], "FSDP=1 with --vision-chunk-patches 64: "),
         (["9b", "--gpus", "8", "--lora-rank", "-2"], "--lora-rank -2: must be 0 (off) or a positive rank"),
         (["9b", "--gpus", "8", "--lora-targets", "in_proj"], "--lora-targets in_proj: needs --lora-rank"),
         (["9b", "--gpus", "8", "--lora-rank", "8", "--lora-targets", "qkv"], "no linear is named qkv"),
@@ -195,8 +202,9 @@ def test_the_tool_prints_the_memory_and_time_parts(capsys):
     )
     assert tool.main(["35b_a3b", "--brief"]) == 0
     brief = capsys.readouterr().out.strip()
-    tp, pp, vp, cp, ep, etp, first, last, gpus = LAYOUTS["35b_a3b"]
-    assert brief.startswith(f"TP={tp} PP={pp} CP={cp}") and f"on {gpus} GPUs" in brief and "\n" not in brief
+    lay = Layout.recommended("35b_a3b")
+    assert brief.startswith(f"TP={lay.tp} PP={lay.pp} CP={lay.cp}") and f"on {lay.gpus} GPUs" in brief
+    assert "\n" not in brief
 
 
 def test_the_mix_of_your_own_jsonl_is_what_its_dataset_describes(tmp_path, capsys):
@@ -323,3 +331,161 @@ def test_the_checkpoint_line_counts_a_lora_save_as_its_adapters_alone():
         checkpoint_line(shape, None)
         == f"checkpoint: {14 * whole / gib:,.1f} GiB a save (weights, fp32 main copy, Adam moments)"
     )
+
+
+@pytest.fixture(scope="module")
+def fsdp_rank():
+    """A rank's parameters as megatron-core's Megatron-FSDP groups them, read off a meta-device build:
+    its units are the ``TransformerLayer`` modules (``mcore_fsdp_adapter``'s default for
+    ``optim_grads_params``); every other parameter is in no unit. ``(variant, TP, EP)`` -> (units'
+    [(numel, bytes)], outside parameters [(numel, bytes)], [(numel, bytes, expert)] of every parameter)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from examples.multimodal_dev.planner import meta_builds as mb
+
+    cache = {}
+
+    def get(variant, tp, ep):
+        if (variant, tp, ep) not in cache:
+            build = mb.rank_build(
+                VARIANTS[variant], Layout(tp=tp, ep=ep, gpus=tp * ep), 0, shards=False, keep_models=True
+            )
+            modules = [m for model in build.models for m in model.modules()]
+            units = [list(m.parameters()) for m in modules if isinstance(m, TransformerLayer)]
+            in_units = {id(p) for unit in units for p in unit}
+            every = [p for model in build.models for p in model.parameters()]
+            cache[variant, tp, ep] = (
+                [(sum(p.numel() for p in u), sum(p.numel() * p.dtype.itemsize for p in u)) for u in units],
+                [(p.numel(), p.numel() * p.dtype.itemsize) for p in every if id(p) not in in_units],
+                [(p.numel(), p.numel() * p.dtype.itemsize, not getattr(p, "allreduce", True)) for p in every],
+            )
+        return cache[variant, tp, ep]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "variant,layout",
+    [
+        ("2b", Layout(tp=2, gpus=8)),  # dense, DP 4
+        ("2b", Layout(tp=2, cp=2, gpus=8)),  # DP 2 x CP 2: dense parameters over 4
+        ("proxy", Layout(tp=2, ep=2, gpus=8)),  # MoE: dense over DP 4, experts over expert DP 4
+        ("proxy", Layout(tp=2, ep=4, gpus=16)),  # experts over expert DP 4, dense over 8
+    ],
+    ids=lambda v: v if isinstance(v, str) else v.describe(),
+)
+def test_fsdp_shards_weights_and_gradients_and_holds_one_layer(mixes, fsdp_rank, variant, layout):
+    """Under Megatron-FSDP a rank keeps 1/shards of every weight and fp32 gradient (dense over DP x CP,
+    experts over expert DP) plus what FSDP gathers whole: two units' bf16 weights (running and
+    prefetched), the parameters in no unit (megatron-core keeps those gathered), and one unit's fp32
+    gradient or the largest tensor outside a unit's, whichever is larger. Expected from the meta
+    build's own parameters, against the distributed optimizer's figures for the same layout."""
+    units, outside, every = fsdp_rank(variant, layout.tp, layout.ep)
+    shards = [layout.expert_dp if expert else layout.dense_shards for _, _, expert in every]
+    held_weights = 2 * max(b for _, b in units) + sum(b for _, b in outside)
+    held_grads = 4 * max(max(n for n, _ in units), max(n for n, _ in outside))
+    expect_weights = sum(b / s for (_, b, _), s in zip(every, shards)) + held_weights
+    expect_grads = sum(4 * n / s for (n, _, _), s in zip(every, shards)) + held_grads
+
+    req = _request(mixes, variant, layout.gpus)
+    plain = evaluate(req, cost.Candidate(layout, 1)).memory[0]
+    fsdp = evaluate(req, cost.Candidate(replace(layout, fsdp=True), 1)).memory[0]
+    assert plain.weights == sum(b for _, b, _ in every) and plain.grads == 4 * sum(n for n, _, _ in every)
+    assert fsdp.weights == pytest.approx(expect_weights, rel=1e-12)
+    assert fsdp.grads == pytest.approx(expect_grads, rel=1e-12)
+    assert fsdp.optimizer == plain.optimizer
+    # what it saves: the sharded-away weights and gradients less the gathered copies; small for the
+    # proxy, whose embeddings and output layer (in no unit) are most of its parameters
+    assert (plain.weights + plain.grads) - (fsdp.weights + fsdp.grads) > 0
+
+
+def test_fsdp_at_one_shard_saves_nothing_and_holds_its_working_set(mixes, fsdp_rank):
+    """TP = GPUs: DP x CP = 1, nothing to shard; FSDP keeps the whole of every weight and gradient and
+    its gathered copies on top (the planner therefore offers no such layout)."""
+    layout = Layout(tp=2, gpus=2)
+    units, outside, _ = fsdp_rank("2b", 2, 1)
+    req = _request(mixes, "2b", 2)
+    plain = evaluate(req, cost.Candidate(layout, 1)).memory[0]
+    fsdp = evaluate(req, cost.Candidate(replace(layout, fsdp=True), 1)).memory[0]
+    assert fsdp.weights - plain.weights == 2 * max(b for _, b in units) + sum(b for _, b in outside)
+    assert fsdp.grads - plain.grads == 4 * max(max(n for n, _ in units), max(n for n, _ in outside))
+    assert fsdp.optimizer == plain.optimizer and fsdp.activations == plain.activations
+    assert not any(c.layout.fsdp and c.layout.dense_shards == 1 for c in candidates(req))
+
+
+def test_fsdp_communicates_on_every_micro_batch(mixes):
+    """27b at TP=8 on two nodes: DP=2 runs over the network. The distributed optimizer's reduce-scatter
+    and all-gather happen once a step, whatever the micro-batch count; FSDP's all-gathers (forward,
+    backward) and reduce-scatter on every micro-batch, so what compute does not hide grows with the
+    count, by the same amount a micro-batch: the bytes at the network's rate less the micro-batch's
+    forward (1/3) and backward (2/3) time."""
+    shape, hw = VARIANTS["27b"], cost.HARDWARE["h100"]
+    rows = [mixes("27b").mean_row]
+    layout = Layout(tp=8, gpus=16)
+
+    def dp_seconds(lay, m):
+        return cost.step_time(shape, cost.Candidate(lay), rows, m, 1.0, hw, 0.5).dp
+
+    plain = [dp_seconds(layout, m) for m in (4, 8, 16)]
+    fsdp = [dp_seconds(replace(layout, fsdp=True), m) for m in (4, 8, 16)]
+    assert plain[0] == plain[1] == plain[2] > 0
+    assert 0 < fsdp[0] < fsdp[1] < fsdp[2]
+    assert fsdp[2] - fsdp[1] == pytest.approx(2 * (fsdp[1] - fsdp[0]), rel=1e-9)
+
+    sp, outside = cost.stage_params(shape, layout, 0), cost.fsdp_units(shape, layout, 0).outside
+    seconds_a_byte = 1 / 2 / (hw.network_gbs * 1e9)  # a ring over 2 ranks moves half its bytes
+    gather = (2 * (sp.dense - outside) + 4 * sp.fp32) * seconds_a_byte
+    reduce_scatter = 4 * sp.total * seconds_a_byte
+    t = cost.step_time(shape, cost.Candidate(layout), rows, 4, 1.0, hw, 0.5)
+    per_mb = (t.compute + t.tp + t.cp + t.ep) / 4
+    a_micro_batch = max(0, gather - per_mb / 3) + max(0, gather + reduce_scatter - 2 * per_mb / 3)
+    assert (fsdp[1] - fsdp[0]) / 4 == pytest.approx(a_micro_batch, rel=1e-9)
+
+
+def test_fsdp_is_offered_with_one_stage_and_where_training_runs_it(mixes):
+    """Asked for (``--fsdp``), every layout of one pipeline stage with something to shard comes again
+    under FSDP; never with PP > 1, for a LoRA run, with a chunked tower, for MoE at EP > 1 (its grouped
+    experts save at EP 1 only), or when not asked for."""
+    from examples.multimodal_dev.lora.targets import LoraSettings
+
+    req = _request(mixes, "9b", 8, fsdp=True)
+    layouts = {c.layout for c in candidates(req)}
+    fsdp = {lay for lay in layouts if lay.fsdp}
+    assert fsdp and all(lay.pp == 1 for lay in fsdp)
+    one_stage = {lay for lay in layouts if lay.pp == 1 and not lay.fsdp and lay.dense_shards > 1}
+    assert {replace(lay, fsdp=True) for lay in one_stage} == fsdp
+    assert any(lay.pp > 1 for lay in layouts)
+    for kw in (dict(lora=LoraSettings(16), fsdp=True), dict(vision_chunk_patches=1024, fsdp=True), dict()):
+        assert not any(c.layout.fsdp for c in candidates(_request(mixes, "9b", 8, **kw))), kw
+    moe = {c.layout for c in candidates(_request(mixes, "35b_a3b", 16, fsdp=True))}
+    assert any(lay.fsdp for lay in moe) and all(lay.ep == 1 for lay in moe if lay.fsdp)
+
+
+def test_fsdp_fits_the_27b_on_one_node_where_tp1_does_not(mixes, capsys):
+    """27b on one node of 8 x H200: at TP=1 without FSDP every rank would hold its 27.8 B parameters'
+    bf16 weights and fp32 gradients whole (155 GiB), over the 127 usable; FSDP shards them over
+    DP x CP = 8, and its TP=1 layout is the planner's first choice (94.27 s a step, against 101.38 s
+    for the best layout without FSDP, TP=2 PP=2 VP=4)."""
+    req = replace(_request(mixes, "27b", 8, fsdp=True), hardware=cost.HARDWARE["h200"])
+    tp1 = [evaluate(req, c) for c in candidates(req) if c.layout.tp == 1 and c.layout.pp == 1]
+    assert {p.refused for p in tp1 if not p.candidate.layout.fsdp} == {"over memory (weights + gradients + optimizer)"}
+    assert any(not p.refused for p in tp1 if p.candidate.layout.fsdp)
+    best = plan(req, keep=1).plans[0]
+    assert best.candidate.layout == Layout(tp=1, cp=2, etp=1, gpus=8, fsdp=True), best.candidate.describe()
+    assert "FSDP, DP=4" in best.candidate.describe()
+    assert tool.run_settings(best, req) == "TP=1 PP=1 CP=2 FSDP=1 PACKING=tokens SEQ_LEN=4096 GBS=512"
+    assert tool.main(["27b", "--gpus", "8", "--gpu", "h200", "--fsdp", "--brief"]) == 0
+    assert capsys.readouterr().out.startswith("TP=1 PP=1 CP=2 FSDP=1 ")
+    assert tool.main(["27b", "--gpus", "8", "--gpu", "h200", "--brief"]) == 0  # FSDP is asked for
+    assert "FSDP" not in capsys.readouterr().out
+
+
+def test_fsdp_in_a_layout_string_and_its_refusals():
+    assert Layout.parse("TP=2 FSDP=1") == Layout(tp=2, fsdp=True)
+    assert Layout.parse("TP=2 FSDP=0") == Layout(tp=2)
+    assert Layout.parse("TP=2 FSDP=1 GPUS=8").describe() == "TP=2 PP=1 FSDP, DP=4, 8 GPUs"
+    with pytest.raises(ValueError, match=r"item 'FSDP=2': expected KEY=N \(.*FSDP 0 or 1\)"):
+        Layout.parse("FSDP=2")
+    with pytest.raises(ValueError) as err:
+        Layout(pp=2, gpus=2, fsdp=True).check(VARIANTS["9b"])
+    assert str(err.value).startswith("FSDP=1 with PP=2: ") and "\n" not in str(err.value)

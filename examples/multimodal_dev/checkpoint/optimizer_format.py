@@ -197,7 +197,9 @@ def check_layout_change(args: argparse.Namespace) -> None:
     run. A checkpoint saved by the other kind of optimizer (plain, or distributed in the fully
     reshardable format) is translated on load. A checkpoint of the other format (torch_dist and
     Megatron-FSDP's fsdp_dtensor), weights alone included, is refused with how to move it."""
-    held: list[str] = [d for d in (args.load, getattr(args, "pretrained_checkpoint", None)) if d and _holds_checkpoint(d)]
+    held: list[str] = [
+        d for d in (args.load, getattr(args, "pretrained_checkpoint", None)) if d and _holds_checkpoint(d)
+    ]
     saved_by_fsdp = bool(held) and is_fsdp_dtensor(checkpoint_directory(held[0]))
     if held and (saved_by_fsdp or getattr(args, "use_megatron_fsdp", False)):
         _check_fsdp_both(held[0], args, saved_by_fsdp)

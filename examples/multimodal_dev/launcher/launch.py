@@ -128,6 +128,7 @@ def plan_lines(config: RunConfig) -> list[str]:
     if not gpus and hf_config:
         return []
     command = [sys.executable, "-m", "examples.multimodal_dev.tools.plan_layout", *model, "--brief"]
+    command += ["--fsdp"] if config.layout.fsdp else []  # FSDP=1: its layouts among the candidates
     done = subprocess.run(command + (["--gpus", str(gpus)] if gpus else []), capture_output=True, text=True)
     if done.returncode == 0:
         return [f"# planned cluster layout: {done.stdout.strip()}"]

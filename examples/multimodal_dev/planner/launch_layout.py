@@ -1,6 +1,6 @@
-"""One launch layout (TP, PP, VP, CP, EP, ETP, uneven first / last stage, GPUs): what the planner
-chooses, ``tools/plan_layout.py`` prints and ``meta_builds.py`` builds. Free of torch, so that the
-run script's DRY_RUN and the planner's refusals start in a tenth of a second."""
+"""One launch layout (TP, PP, VP, CP, EP, ETP, uneven first / last stage, GPUs, Megatron-FSDP): what
+the planner chooses, ``tools/plan_layout.py`` prints and ``meta_builds.py`` builds. Free of torch, so
+that the run script's DRY_RUN and the planner's refusals start in a tenth of a second."""
 
 from __future__ import annotations
 
@@ -24,7 +24,11 @@ LAYOUT_KEYS = {
     "FIRST": "first",
     "LAST": "last",
     "GPUS": "gpus",
+    "FSDP": "fsdp",
 }
+# fields whose 0 means unset (off) rather than a size
+OPTIONAL_KEYS = ("vp", "first", "last", "fsdp")
+SWITCH_KEYS = ("fsdp",)  # 0 or 1
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,7 @@ class Layout:
     first: int | None = None
     last: int | None = None
     gpus: int = 1
+    fsdp: bool = False  # Megatron-FSDP (the run script's FSDP=1): weights and gradients sharded too
 
     @classmethod
     def recommended(cls, variant: str) -> Layout:
@@ -50,20 +55,21 @@ class Layout:
     @classmethod
     def parse(cls, text: str) -> Layout:
         """From "TP=2 PP=8 VP=2 ..." (keys of ``LAYOUT_KEYS``; unset ones 1, VP / FIRST / LAST
-        none; 0 unsets those three as the run script's PP_FIRST=0 does; a key given twice is refused)."""
+        none; 0 unsets those three as the run script's PP_FIRST=0 does; FSDP=1 / FSDP=0 switches
+        Megatron-FSDP on / off; a key given twice is refused)."""
         fields = {}
         for item in text.replace(",", " ").split():
             key, _, value = item.partition("=")
             field = LAYOUT_KEYS.get(key.upper())
-            optional = field in ("vp", "first", "last")
-            if field is None or not value.isdigit() or (int(value) == 0 and not optional):
+            low, high = (0 if field in OPTIONAL_KEYS else 1), (1 if field in SWITCH_KEYS else float("inf"))
+            if field is None or not value.isdigit() or not low <= int(value) <= high:
                 raise ValueError(
-                    f"item {item!r}: expected KEY=N (N >= 1; 0 unsets VP, FIRST, LAST) with KEY one "
+                    f"item {item!r}: expected KEY=N (N >= 1; 0 unsets VP, FIRST, LAST; FSDP 0 or 1) with KEY one "
                     f"of {', '.join(LAYOUT_KEYS)}"
                 )
             if field in fields:
                 raise ValueError(f"item {item!r}: {key.upper()} is given twice")
-            fields[field] = int(value) or None
+            fields[field] = bool(int(value)) if field in SWITCH_KEYS else int(value) or None
         return cls(**fields)
 
     @property
@@ -96,6 +102,7 @@ class Layout:
             )
             if v
         ]
+        parts += ["FSDP"] if self.fsdp else []
         return " ".join(parts) + f", DP={self.dp}, {self.gpus} GPUs"
 
     def check(self, shape: Qwen35VLShape) -> None:
@@ -106,6 +113,11 @@ class Layout:
             raise ValueError(
                 f"{self.gpus} GPUs: not a multiple of TP x PP x CP = {self.tp * self.pp * self.cp} "
                 f"and of EP x ETP x PP = {self.ep * self.etp * self.pp}"
+            )
+        if self.fsdp and self.pp > 1:
+            raise ValueError(
+                f"FSDP=1 with PP={self.pp}: its fsdp_dtensor checkpoints name layers per pipeline stage, so "
+                f"stages collide"
             )
 
     def settings(self) -> dict:

@@ -6,6 +6,16 @@ Memory of a rank (GiB), for a bf16 run with megatron's distributed optimizer:
                                   gradient buffer, fp32 main copy + Adam moments sharded over
                                   DP x CP, experts' over expert DP; unsharded without the
                                   distributed optimizer)
+    under Megatron-FSDP           (``Layout.fsdp``, ``optim_grads_params``) the weights and the fp32
+                                  gradients sharded as the optimizer state is, plus what is held
+                                  whole (``fsdp_units``; not checked against a build): two FSDP
+                                  units' bf16 weights (the largest decoder layer or vision block of
+                                  the stage, running and prefetched), one unit's fp32 gradient
+                                  before its reduce-scatter (or the word embeddings' / output
+                                  layer's, if larger), and the parameters in no unit (embeddings,
+                                  output layer, the tower's patch embedding and merger, the MTP
+                                  head's projection) in bf16 for the whole step: megatron-core keeps
+                                  those gathered
   activations                     ``activation_memory.micro_batch_activations`` of the mix's
                                   median row, times the micro-batches a stage holds at the
                                   schedule's peak: 1F1B keeps min(PP - p, m) on stage p; the
@@ -29,7 +39,12 @@ Time of a step (seconds), on the busiest stage, nothing assumed hidden unless sa
                  and the bubble: (m + (PP - 1) / VP) micro-batch times of the busiest stage
   DP             the distributed optimizer's reduce-scatter (fp32 gradients) and all-gather (bf16
                  weights), overlapped with the last micro-batch's backward and the first's forward
-                 (``--overlap-grad-reduce --overlap-param-gather``): only what sticks out counts
+                 (``--overlap-grad-reduce --overlap-param-gather``): only what sticks out counts.
+                 Under Megatron-FSDP, on every micro-batch: an all-gather of the units' bf16
+                 weights before the forward (less what the forward share of the micro-batch, 1/3,
+                 hides), and another plus the reduce-scatter of all fp32 gradients in the backward
+                 (less the backward share, 2/3); the parameters in no unit are gathered once a step,
+                 with the first forward
   imbalance      the pipeline time times the slowest DP rank's FLOPs over the mean
                  (``layout_mix.Mix.imbalance``, the loader's dealing of rows by FLOPs)
 A collective over a group moves (n - 1) / n of its bytes per GPU at the group's link: NVLink when
@@ -39,13 +54,14 @@ EP, expert DP), the network otherwise; an all-to-all splits its bytes by where i
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from ..models import model_of
 from ..models.qwen35_vl.configuration import FULL
 from .activation_memory import micro_batch_activations
 from .pipeline_layout import stage_layers
-from .rank_params import StageParams, adapter_params, stage_params
+from .rank_params import StageParams, adapter_params, layer_params, stage_params, vision_params
 
 GIB = 2**30
 
@@ -143,22 +159,67 @@ def in_flight(layout, pp_rank: int, micro_batches: int) -> float:
 def state_bytes(params: StageParams, layout, distributed_optimizer: bool = True, adapters=None) -> tuple:
     """(weights, gradients, optimizer state) bytes of a rank's parameters: bf16 weights (fp32 for
     the fp32 ones), one fp32 gradient each, Adam's two fp32 moments plus an fp32 main copy of each
-    bf16 parameter, sharded over DP x CP (experts: expert DP) by the distributed optimizer.
+    bf16 parameter, sharded over DP x CP (experts: expert DP) by the distributed optimizer, and
+    under Megatron-FSDP the weights and gradients too (what FSDP holds whole: ``fsdp_held_bytes``).
     ``adapters`` (LoRA's, bf16): ``params`` are frozen, only the adapters have gradients and state."""
-    dense = layout.dense_shards if distributed_optimizer else 1
-    expert = layout.expert_dp if distributed_optimizer else 1
-    weights = 2 * (params.dense + params.expert) + 4 * params.fp32
+    sharded = distributed_optimizer or layout.fsdp
+    dense = layout.dense_shards if sharded else 1
+    expert = layout.expert_dp if sharded else 1
     if adapters is not None:
         return (
-            weights + 2 * adapters.total,
+            2 * (params.dense + params.expert) + 4 * params.fp32 + 2 * adapters.total,
             4 * adapters.total,
             12 * adapters.dense / dense + 12 * adapters.expert / expert,
         )
-    return (
-        weights,
-        4 * params.total,
-        12 * params.dense / dense + 8 * params.fp32 / dense + 12 * params.expert / expert,
-    )
+    optimizer = 12 * params.dense / dense + 8 * params.fp32 / dense + 12 * params.expert / expert
+    if layout.fsdp:
+        return (
+            2 * params.dense / dense + 4 * params.fp32 / dense + 2 * params.expert / expert,
+            4 * (params.dense + params.fp32) / dense + 4 * params.expert / expert,
+            optimizer,
+        )
+    return 2 * (params.dense + params.expert) + 4 * params.fp32, 4 * params.total, optimizer
+
+
+@dataclass(frozen=True)
+class FsdpUnits:
+    """A stage's parameters as Megatron-FSDP groups them: its units are transformer layers (the
+    decoder's, the MTP head's, the vision tower's blocks), gathered whole one at a time; what is in
+    no unit stays gathered (megatron-core keeps non-unit buckets, "persistently allocated")."""
+
+    largest: StageParams  # the largest unit of the stage
+    outside: int  # bf16 parameters in no unit
+    largest_outside: int  # its largest tensor: the word embeddings or output layer [vocab / TP, H]
+
+
+def fsdp_units(shape, layout, pp_rank: int) -> FsdpUnits:
+    """``rank_params``' per-layer counts of stage ``pp_rank`` (its ``layer_params`` and ``vision_params``, the
+    same counts ``stage_params`` sums); what is in no unit is the stage's total less its units'."""
+    t, tp = shape.text, layout.tp
+    chunks = stage_layers(t.num_layers, layout.pp, layout.vp, layout.first, layout.last)[pp_rank]
+    first, last = pp_rank == 0, pp_rank == layout.pp - 1
+    kinds = Counter(t.layer_types[i] for c in chunks for i in c)
+    units = [(layer_params(shape, kind, tp, layout.ep, layout.etp), n) for kind, n in kinds.items()]  # (one, how many)
+    if last and t.mtp_num_layers:
+        units.append((layer_params(shape, FULL, tp, layout.ep, layout.etp), t.mtp_num_layers))
+    if first:
+        no_blocks = vision_params(replace(shape, vision=replace(shape.vision, depth=0)), tp)
+        units.append(
+            (StageParams(dense=(vision_params(shape, tp) - no_blocks) // shape.vision.depth), shape.vision.depth)
+        )
+    in_units = sum(unit.total * n for unit, n in units)
+    largest = max((unit for unit, _ in units), key=lambda unit: unit.total)
+    embeddings = t.vocab_size * t.hidden_size // tp if first or last else 0
+    return FsdpUnits(largest, stage_params(shape, layout, pp_rank).total - in_units, embeddings)
+
+
+def fsdp_held_bytes(units: FsdpUnits) -> tuple[float, float]:
+    """(weights, gradients) bytes Megatron-FSDP holds whole besides its shards: two units' bf16
+    weights (the one running, the one prefetched) and the parameters in no unit; one unit's fp32
+    gradient before its reduce-scatter, or the largest tensor in no unit's if larger."""
+    unit = units.largest
+    weights = 2 * (2 * (unit.dense + unit.expert) + 4 * unit.fp32) + 2 * units.outside
+    return weights, 4 * max(unit.total, units.largest_outside)
 
 
 def stage_memory(
@@ -201,6 +262,9 @@ def stage_memory(
 
         adapters = adapter_params(shape, lay, p, lora) if lora else None
         w, g, o = state_bytes(sp, lay, distributed_optimizer, adapters)
+        if lay.fsdp and not adapters:
+            held_w, held_g = fsdp_held_bytes(fsdp_units(shape, lay, p))
+            w, g = w + held_w, g + held_g
         vision_adapters = StageParams(dense=adapters.vision) if adapters else None
         vision = sum(state_bytes(StageParams(dense=sp.vision), lay, distributed_optimizer, vision_adapters))
         vision += act.vision * flight if first else 0.0
@@ -343,6 +407,25 @@ def _dp_not_hidden(shape, lay, hw: Hardware, lora, per_mb: float) -> float:
     return max(0.0, reduce_scatter - backward) + max(0.0, all_gather - (per_mb - backward))
 
 
+def _fsdp_not_hidden(shape, lay, hw: Hardware, per_mb: float, micro_batches: int) -> float:
+    """Seconds of Megatron-FSDP's collectives of the heaviest stage that compute does not hide, on
+    every micro-batch: the units' bf16 weights all-gathered before the forward (against its third
+    of the micro-batch) and again in the backward with the reduce-scatter of every fp32 gradient
+    (against its two thirds); the parameters in no unit gathered once, with the first forward."""
+    dense_n, expert_n = lay.dense_shards, lay.expert_dp
+    p = max(range(lay.pp), key=lambda p: stage_params(shape, lay, p).total)
+    heaviest, outside = stage_params(shape, lay, p), fsdp_units(shape, lay, p).outside
+    dense_link = (dense_n - 1) / dense_n * _link(hw, dense_n, lay.tp)
+    expert_link = (expert_n - 1) / expert_n * _link(hw, expert_n, lay.etp * lay.ep)
+    unit_gather = (2 * (heaviest.dense - outside) + 4 * heaviest.fp32) * dense_link + 2 * heaviest.expert * expert_link
+    outside_gather = 2 * outside * dense_link
+    reduce_scatter = 4 * (heaviest.dense + heaviest.fp32) * dense_link + 4 * heaviest.expert * expert_link
+    forward, backward = per_mb / 3, per_mb * 2 / 3
+    first_forward = max(0.0, unit_gather + outside_gather - forward)
+    later_forwards = max(0.0, unit_gather - forward) * (micro_batches - 1)
+    return first_forward + later_forwards + max(0.0, unit_gather + reduce_scatter - backward) * micro_batches
+
+
 def step_time(
     shape,
     cand: Candidate,
@@ -377,7 +460,10 @@ def step_time(
     bubble = (lay.pp - 1) / (lay.vp or 1) * per_mb if lay.pp > 1 else 0.0
     out.pp = busiest["p2p"] * micro_batches + bubble
     out.imbalance = (dp_imbalance - 1.0) * per_mb * micro_batches
-    out.dp = _dp_not_hidden(shape, lay, hw, lora, per_mb)
+    if lay.fsdp:
+        out.dp = _fsdp_not_hidden(shape, lay, hw, per_mb, micro_batches)
+    else:
+        out.dp = _dp_not_hidden(shape, lay, hw, lora, per_mb)
     out.parts = dict(
         busiest_stage=stages.index(busiest),
         bubble=bubble,

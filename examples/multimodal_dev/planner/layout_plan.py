@@ -1,4 +1,4 @@
-"""Plan a cluster layout: every TP / CP / PP / VP / EP / ETP / recompute a variant admits on a
+"""Plan a cluster layout: every TP / CP / PP / VP / EP / ETP / FSDP / recompute a variant admits on a
 number of GPUs, refused when a rank's memory is over (saying which part), the rest ranked by the
 predicted time of a step (``layout_cost``).
 
@@ -10,13 +10,17 @@ Candidates (megatron-core's constraints, the run script's names):
           last for the output layer's and the MTP head's (``PP_FIRST`` / ``PP_LAST``)
   VP      none, or 2 ... 8 chunks of every stage
   EP      divisors of the experts with EP x ETP x PP dividing the GPUs; ETP 1 or TP
+  FSDP    when ``Request.fsdp`` asks (``--fsdp``; the run script's DRY_RUN with FSDP=1), each layout
+          of one pipeline stage also under Megatron-FSDP, where it has something to shard (DP x CP or
+          expert DP over 1) and at EP 1 for MoE (its grouped experts save at EP 1 only); not for a
+          LoRA run or a chunked tower (``--vision-chunk-patches``), which it does not run with
   recompute  none or full (one layer a checkpoint)
 The global batch must split into whole micro-batches: GBS rows = DP x MBS x micro-batches.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from ..models import model_of
@@ -42,6 +46,12 @@ class Request:
     recompute: tuple = (None, "full")
     lora: object = None  # lora.targets.LoraSettings: a LoRA run, the base frozen
     vision_chunk_patches: int = 0  # --vision-chunk-patches: the tower's activations one chunk at a time
+    fsdp: bool = False  # also offer Megatron-FSDP layouts (opt-in: no GPU has measured them yet)
+
+    @property
+    def admits_fsdp(self) -> bool:
+        """FSDP layouts are offered: asked for, and neither LoRA nor a chunked tower (training refuses both with it)."""
+        return self.fsdp and not self.lora and not self.vision_chunk_patches
 
     @property
     def usable_bytes(self) -> float:
@@ -143,9 +153,19 @@ def candidates(request: Request):
                         for ep, etp in _expert_layouts(shape, gpus, tp, pp):
                             if not _valid(shape, tp, cp, ep):
                                 continue
-                            lay = Layout(tp, pp, vp, cp, ep, etp, first, last, gpus)
-                            for rc in request.recompute:
-                                yield Candidate(lay, request.micro_batch, rc)
+                            for lay in _with_fsdp(request, Layout(tp, pp, vp, cp, ep, etp, first, last, gpus)):
+                                for rc in request.recompute:
+                                    yield Candidate(lay, request.micro_batch, rc)
+
+
+def _with_fsdp(request: Request, lay: Layout):
+    """The layout, and the same under Megatron-FSDP where it runs (one stage; MoE at EP 1, where its
+    grouped experts can save) and has something to shard: with DP x CP and expert DP both 1 it would
+    hold more for nothing."""
+    yield lay
+    moe_ep = request.shape.text.is_moe and lay.ep > 1
+    if request.admits_fsdp and lay.pp == 1 and not moe_ep and (lay.dense_shards > 1 or lay.expert_dp > 1):
+        yield replace(lay, fsdp=True)
 
 
 def _expert_layouts(shape, gpus: int, tp: int, pp: int):

@@ -46,7 +46,7 @@ class StageParams:
         return self.dense + self.fp32 + self.expert
 
 
-def _vision(shape: Qwen35VLShape, tp: int) -> int:
+def vision_params(shape: Qwen35VLShape, tp: int) -> int:
     v, out = shape.vision, shape.vision.out_hidden_size
     d, i, m = v.hidden_size, v.intermediate_size, v.spatial_merge_size**2
     block = (
@@ -62,7 +62,7 @@ def _vision(shape: Qwen35VLShape, tp: int) -> int:
     return v.patch_dim * d + d + v.num_position_embeddings * d + v.depth * block + merger
 
 
-def _layer(shape: Qwen35VLShape, layer_type: str, tp: int, ep: int, etp: int) -> StageParams:
+def layer_params(shape: Qwen35VLShape, layer_type: str, tp: int, ep: int, etp: int) -> StageParams:
     t, h = shape.text, shape.text.hidden_size
     out = StageParams()
     if layer_type == FULL:
@@ -169,14 +169,14 @@ def stage_params(shape: Qwen35VLShape, layout, pp_rank: int) -> StageParams:
     t, h, tp = shape.text, shape.text.hidden_size, layout.tp
     chunks = stage_layers(t.num_layers, layout.pp, layout.vp, layout.first, layout.last)[pp_rank]
     out = StageParams()
-    kinds = {kind: _layer(shape, kind, tp, layout.ep, layout.etp) for kind in set(t.layer_types)}
+    kinds = {kind: layer_params(shape, kind, tp, layout.ep, layout.etp) for kind in set(t.layer_types)}
     for chunk in chunks:
         for i in chunk:
             _add(out, kinds[t.layer_types[i]])
     embedding = t.vocab_size * h // tp
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
     if first:
-        out.vision = _vision(shape, tp)
+        out.vision = vision_params(shape, tp)
         out.dense += out.vision + embedding
     if last:
         # megatron builds an output layer on the last stage even when tied (pp > 1), a copy
@@ -185,7 +185,7 @@ def stage_params(shape: Qwen35VLShape, layout, pp_rank: int) -> StageParams:
         out.dense += h + (0 if t.tie_word_embeddings and (first or t.mtp_num_layers) else embedding)
         if t.mtp_num_layers:
             mtp = StageParams()
-            _add(mtp, kinds.get(FULL) or _layer(shape, FULL, tp, layout.ep, layout.etp), t.mtp_num_layers)
+            _add(mtp, kinds.get(FULL) or layer_params(shape, FULL, tp, layout.ep, layout.etp), t.mtp_num_layers)
             mtp.dense += t.mtp_num_layers * (3 * h + 2 * h * h // tp)  # enorm, hnorm, final norm, eh_proj
             mtp.dense += 0 if first else embedding  # the head's own copy of the word embeddings
             _add(out, mtp)

@@ -1,10 +1,10 @@
-"""Plan the parallel layout of a run: which TP / CP / PP / VP / EP / ETP and recompute fit the
-GPUs' memory and run a step fastest, predicted from the model's shape (no GPU needed).
+"""Plan the parallel layout of a run: which TP / CP / PP / VP / EP / ETP, Megatron-FSDP and recompute
+fit the GPUs' memory and run a step fastest, predicted from the model's shape (no GPU needed).
 
     python -m examples.multimodal_dev.tools.plan_layout VARIANT [--gpus N] [--gpu h100|h200|b200]
         [--gpu-memory GIB] [--gpus-per-node 8] [--seq-len 4096] [--micro-batch 1]
         [--global-batch 512] [--efficiency 0.5] [--peak-tflops F] [--nvlink-gbs B]
-        [--network-gbs B] [--recompute auto|none|full] [--no-distributed-optimizer] [--top 3]
+        [--network-gbs B] [--recompute auto|none|full] [--no-distributed-optimizer] [--fsdp] [--top 3]
         [--data-path JSONL --hf-processor-path DIR [--media-root DIR] [--data-samples 512]] [--brief]
         [--layout "TP=1 PP=2 EP=8 ..."] [--docs-table]
 
@@ -17,7 +17,9 @@ of the GPU's peak on the model's FLOPs. The figures are predictions, not measure
 parts are checked on CPU (weights, gradients and optimizer state exactly against meta-device
 builds; activations within 10 % of a CPU run), step times cannot be checked without GPUs.
 ``--brief`` prints the best layout's run-script settings on one line (the run script's DRY_RUN).
-``--layout`` costs one given layout instead of searching (keys as ``tools/rank_memory``'s).
+``--layout`` costs one given layout instead of searching (keys as ``tools/rank_memory``'s, and
+``FSDP=1``). ``--fsdp`` also tries layouts of one pipeline stage under Megatron-FSDP (the run
+script's ``FSDP=1``), except with ``--lora-rank`` or ``--vision-chunk-patches``.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reserve", type=float, default=0.1, help="share of GPU memory kept back [0.1]")
     p.add_argument("--recompute", default="auto", choices=("auto", "none", "full"))
     p.add_argument("--no-distributed-optimizer", action="store_true")
+    p.add_argument("--fsdp", action="store_true", help="also try Megatron-FSDP (FSDP=1) layouts")
     p.add_argument(
         "--vision-chunk-patches",
         type=int,
@@ -82,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="docs/planner.md's table: every variant with a default count, planned with these settings",
     )
-    p.add_argument("--layout", help='cost this layout only, e.g. "TP=1 PP=2 EP=8 FIRST=16 LAST=24"')
+    p.add_argument("--layout", help='cost this layout only, e.g. "TP=1 PP=2 EP=8 FIRST=16 LAST=24" or "TP=2 FSDP=1"')
     return p
 
 
@@ -145,6 +148,7 @@ def request_from_args(args):
         recompute,
         lora,
         args.vision_chunk_patches,
+        args.fsdp,
     )
 
 
@@ -279,6 +283,7 @@ def run_settings(plan, request, data: bool = True) -> str:
     env += [f"EP={lay.ep}", f"ETP={lay.etp}"] if lay.ep > 1 else []
     env += [f"VP={lay.vp}"] if lay.vp else []
     env += [f"PP_FIRST={lay.first}", f"PP_LAST={lay.last}"] if lay.first else []
+    env += ["FSDP=1"] if lay.fsdp else []
     if data:
         env += ["PACKING=tokens", f"SEQ_LEN={seq}"] + ([f"PACKED_SEQ_LENGTH={mbs * seq}"] if mbs > 1 else [])
         env += [f"GBS={request.global_batch // mbs}"]
@@ -401,6 +406,8 @@ def _one_layout(request, text: str):
             raise ValueError(f"GPUS={layout.gpus} disagrees with --gpus {request.gpus}; give the count once")
         layout = dataclasses.replace(layout, gpus=request.gpus)  # the count is --gpus'
         layout.check(request.shape)
+        if layout.fsdp:
+            _check_fsdp_runs(request)
     except ValueError as err:
         _fail(f"--layout {text}: " + str(err).replace(":\n  ", ": ").replace("\n  ", "; "))
     result = Result(request, [])
@@ -413,6 +420,17 @@ def _one_layout(request, text: str):
             result.plans.append(p)
     result.plans.sort(key=lambda p: p.time.total)
     return result
+
+
+def _check_fsdp_runs(request) -> None:
+    """ValueError naming the flag that Megatron-FSDP does not run with (the training script's reasons)."""
+    if request.lora:
+        raise ValueError(f"FSDP=1 with --lora-rank {request.lora.rank}: LoRA checkpoints are torch_dist")
+    if request.vision_chunk_patches:
+        raise ValueError(
+            f"FSDP=1 with --vision-chunk-patches {request.vision_chunk_patches}: the tower's layers would run once "
+            f"per chunk, and the number of chunks differs between ranks"
+        )
 
 
 def main(argv=None) -> int:
