@@ -396,14 +396,14 @@ def test_a_miscounted_tensor_is_caught(plans, monkeypatch):
     from examples.multimodal_dev.planner import rank_params
 
     plan = plans("9b")
-    real = rank_params._layer
+    real = rank_params.layer_params
 
     def one_more(*args):
         out = real(*args)
         out.dense += 1
         return out
 
-    monkeypatch.setattr(rank_params, "_layer", one_more)
+    monkeypatch.setattr(rank_params, "layer_params", one_more)
     with pytest.raises(AssertionError):
         _assert_counted_equals_built(plan.shape, plan.layout, plan.builds[0], "9b rank 0")
 
