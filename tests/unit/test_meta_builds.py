@@ -309,6 +309,12 @@ def test_layouts_that_do_not_split_are_refused(no_process_group):
         mb.Layout(tp=4, pp=2, gpus=12).check(VARIANTS["27b"])
 
 
+def test_an_fsdp_layout_is_sent_to_the_planner():
+    with pytest.raises(SystemExit, match=r"--layout TP=2 FSDP=1: FSDP=1 is not built here .*plan_layout --layout"):
+        tool.parse_layout("TP=2 FSDP=1")
+    assert tool.parse_layout("TP=2") == mb.Layout(tp=2)
+
+
 def test_the_command_refuses_an_unknown_variant_in_one_line():
     out = subprocess.run(
         [sys.executable, "-m", "examples.multimodal_dev.tools.rank_memory", "27b", "400b"],

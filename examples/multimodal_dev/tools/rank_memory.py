@@ -38,9 +38,15 @@ def parse_layout(text: str, where: str = "rank_memory: --layout"):
     from examples.multimodal_dev.planner.launch_layout import Layout
 
     try:
-        return Layout.parse(text)
+        layout = Layout.parse(text)
     except ValueError as err:
         raise SystemExit(f"{where} {err}")
+    if layout.fsdp:  # the builds count the distributed optimizer's shards; FSDP's are the planner's alone
+        raise SystemExit(
+            f"{where} {text}: FSDP=1 is not built here (the meta builds shard as the distributed optimizer "
+            "does); plan_layout --layout costs it"
+        )
+    return layout
 
 
 def table_rows(name, shape, layout, build=None, lora=None) -> list[str]:
