@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import fields
 
 from ..models import ModelShape, model_of
-from ..models.setting_names import VARIABLES, schedule_problem
+from ..models.setting_names import FSDP_REFUSALS, VARIABLES, schedule_problem
 from ..planner.pipeline_layout import stage_layers
 from ..vision_ranks.layout import env_table
 from . import megatron_argv
@@ -142,14 +142,13 @@ def fsdp(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
     if not lay.fsdp:
         return None
     refused = (
-        (lay.pp > 1, f"PP={lay.pp}", "its fsdp_dtensor checkpoints name layers per pipeline stage, so stages collide"),
-        (lay.vision_nproc > 0, f"VISION_NPROC={lay.vision_nproc}", "the tower's own ranks save torch_dist"),
-        (bool(config.lora.rank), f"LORA_RANK={config.lora.rank}", "LoRA checkpoints are torch_dist"),
+        (lay.pp > 1, f"PP={lay.pp}", FSDP_REFUSALS["pp"]),
+        (lay.vision_nproc > 0, f"VISION_NPROC={lay.vision_nproc}", FSDP_REFUSALS["vision_nproc"]),
+        (bool(config.lora.rank), f"LORA_RANK={config.lora.rank}", FSDP_REFUSALS["lora"]),
         (
             bool(config.backend.grouped_experts and lay.ep > 1 and (ckpt.save or ckpt.resume)),
             f"EP={lay.ep}, grouped experts and {'CKPT_RESUME' if ckpt.resume else 'CKPT_SAVE'}",
-            "fsdp_dtensor names an expert weight by its parameter, and every EP rank's grouped weight has the "
-            "same name; save at EP=1, or with SequentialMLP (GROUPED_EXPERTS=0)",
+            FSDP_REFUSALS["grouped_ep"],
         ),
     )
     for bad, setting, why in refused:

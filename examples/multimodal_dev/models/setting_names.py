@@ -53,3 +53,16 @@ def schedule_problem(warmup: int | None, decay: int | None, train_iters: int, na
             f"{named(names, 'warmup', warmup)} must be smaller than the decay iterations ({named(names, which, end)})"
         )
     return None
+
+
+# Why Megatron-FSDP (FSDP=1, --use-megatron-fsdp) does not run with each of these: one text for the
+# launcher's checks (by variable), the training script's (by flag) and the planner's
+FSDP_REFUSALS = {
+    "pp": "its fsdp_dtensor checkpoints name layers per pipeline stage, so stages collide",
+    "vision_nproc": "the tower's own ranks save torch_dist",
+    "lora": "LoRA checkpoints are torch_dist",
+    "vision_chunks": "the tower's layers would run once per chunk, and the number of chunks differs between ranks",
+    "grouped_ep": "fsdp_dtensor names an expert weight by its parameter, and every EP rank's grouped weight has the "
+    "same name; save at EP=1, or with SequentialMLP (GROUPED_EXPERTS=0)",
+    "gen_eval": "decoding reads the model's weights whole, and FSDP holds each rank's shard",
+}

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ..models import model_of
 from ..models.qwen35_vl.configuration import Qwen35VLShape
+from ..models.setting_names import FSDP_REFUSALS
 from .pipeline_layout import LAYOUTS, stage_layers
 
 # The planner tries layouts over the divisors of the GPU count: past about 2^20 GPUs (ten times the
@@ -115,10 +116,7 @@ class Layout:
                 f"and of EP x ETP x PP = {self.ep * self.etp * self.pp}"
             )
         if self.fsdp and self.pp > 1:
-            raise ValueError(
-                f"FSDP=1 with PP={self.pp}: its fsdp_dtensor checkpoints name layers per pipeline stage, so "
-                f"stages collide"
-            )
+            raise ValueError(f"FSDP=1 with PP={self.pp}: {FSDP_REFUSALS['pp']}")
 
     def settings(self) -> dict:
         """The TransformerConfig fields of this layout."""

@@ -31,6 +31,7 @@ import shlex
 import sys
 import time
 
+from examples.multimodal_dev.models.setting_names import FSDP_REFUSALS
 from examples.multimodal_dev.planner.launch_layout import MAX_GPUS
 from examples.multimodal_dev.planner.layout_cost import GIB, HARDWARE, Hardware
 
@@ -425,11 +426,10 @@ def _one_layout(request, text: str):
 def _check_fsdp_runs(request) -> None:
     """ValueError naming the flag that Megatron-FSDP does not run with (the training script's reasons)."""
     if request.lora:
-        raise ValueError(f"FSDP=1 with --lora-rank {request.lora.rank}: LoRA checkpoints are torch_dist")
+        raise ValueError(f"FSDP=1 with --lora-rank {request.lora.rank}: {FSDP_REFUSALS['lora']}")
     if request.vision_chunk_patches:
         raise ValueError(
-            f"FSDP=1 with --vision-chunk-patches {request.vision_chunk_patches}: the tower's layers would run once "
-            f"per chunk, and the number of chunks differs between ranks"
+            f"FSDP=1 with --vision-chunk-patches {request.vision_chunk_patches}: {FSDP_REFUSALS['vision_chunks']}"
         )
 
 

@@ -13,7 +13,7 @@ import os
 import re
 
 from examples.multimodal_dev.checkpoint.files import TRACKER, checkpoint_directory, latest_iteration, stored_args
-from examples.multimodal_dev.models.setting_names import schedule_problem
+from examples.multimodal_dev.models.setting_names import FSDP_REFUSALS, schedule_problem
 
 
 def check_finite_flags(args, given: dict[str, str]) -> None:
@@ -174,26 +174,25 @@ def check_fsdp(args) -> None:
         (
             args.pipeline_model_parallel_size > 1,
             f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}",
-            "its fsdp_dtensor checkpoints name layers per pipeline stage, so stages collide",
+            FSDP_REFUSALS["pp"],
         ),
-        (bool(args.vision_nproc), f"--vision-nproc {args.vision_nproc}", "the tower's own ranks save torch_dist"),
-        (bool(args.lora_rank), f"--lora-rank {args.lora_rank}", "LoRA checkpoints are torch_dist"),
+        (bool(args.vision_nproc), f"--vision-nproc {args.vision_nproc}", FSDP_REFUSALS["vision_nproc"]),
+        (bool(args.lora_rank), f"--lora-rank {args.lora_rank}", FSDP_REFUSALS["lora"]),
         (
             bool(args.vision_chunk_patches),
             f"--vision-chunk-patches {args.vision_chunk_patches}",
-            "the tower's layers would run once per chunk, and the number of chunks differs between ranks",
+            FSDP_REFUSALS["vision_chunks"],
         ),
         (
             bool(getattr(args, "moe_grouped_gemm", False) and args.expert_model_parallel_size > 1)
             and bool(args.save or args.load),
             f"--moe-grouped-gemm at --expert-model-parallel-size {args.expert_model_parallel_size} and a checkpoint",
-            "fsdp_dtensor names an expert weight by its parameter, and every EP rank's grouped weight has the "
-            "same name; save at EP=1, or with SequentialMLP (GROUPED_EXPERTS=0)",
+            FSDP_REFUSALS["grouped_ep"],
         ),
         (
             bool(args.gen_eval_interval),
             f"--gen-eval-interval {args.gen_eval_interval}",
-            "decoding reads the model's weights whole, and FSDP holds each rank's shard",
+            FSDP_REFUSALS["gen_eval"],
         ),
     )
     for bad, flag, why in refused:
