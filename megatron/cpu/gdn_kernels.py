@@ -214,20 +214,80 @@ def _chunked_scan(q, k, v, g, beta, scale, start_state, active):
     q_decayed = q * gamma.exp()[..., None]
     qk_intra = (q @ k.transpose(-1, -2)) * decay
 
-    state = start_state if start_state is not None else q.new_zeros(active[0], q.shape[1], dk, dv)
-    finals, outs = [], []
-    # Split per step once (contiguous views, as the chunks are step-major): indexing a step inside
-    # the loop would make autograd write a full-size zero gradient per step.
-    per_step = (t.split(active) for t in (u, w, q_decayed, qk_intra, k_to_end, chunk_decay))
-    for a, u_c, w_c, q_c, qk_c, k_end_c, decay_c in zip(active, *per_step):
-        if a < state.shape[0]:  # the shortest sequences have ended: their states are final
-            finals.append(state[a:])
-            state = state[:a]
-        v_new = u_c - w_c @ state
-        outs.append(q_c @ state + qk_c @ v_new)
-        state = state * decay_c + k_end_c @ v_new
-    finals.append(state)
-    return torch.cat(outs), torch.cat(finals[::-1])
+    return _ChunkScan.apply(u, w, q_decayed, qk_intra, k_to_end, chunk_decay, start_state, tuple(active))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[M, H, *, *] -> [M * H, *, *]: one (chunk, head) pair a row, the batch of bmm."""
+    return t.reshape(-1, *t.shape[2:])
+
+
+class _ChunkScan(torch.autograd.Function):
+    """The sequential part of the scan, chunk step by chunk step, with its backward written out.
+
+    Per step and (sequence, head), with S the state entering the chunk:
+
+        v_new = u - w S;   o = q S + qk v_new;   S' = d S + k_end v_new
+
+    Autograd through this loop dispatched ~64 ATen ops a step, eight per op written (4-D matmuls expand,
+    reshape and copy) and records the loop for backward; on a GPU every op costs the host its launch,
+    which on Hopper (where FLA's gated backward is refused) made this loop the largest share of the
+    host's work per training step. Here a step is three ops forward (the outputs come from the stacked
+    states in two batched matmuls after the loop) and three backward: the reverse loop carries only
+    the state's gradient, and every weight's gradient is one batched matmul over all chunks after it.
+
+    Inputs are step-major chunks [M, H, C, *]; ``active[j]`` sequences run at step j (non-increasing).
+    Returns o [M, H, C, V] and the final states [S, H, K, V], longest sequence first.
+    """
+
+    @staticmethod
+    def forward(ctx, u, w, q, qk, k_end, decay, start, active):
+        heads, dk, dv = u.shape[1], w.shape[-1], u.shape[-1]
+        rows = [a * heads for a in active]
+        state = _rows(start) if start is not None else u.new_zeros(rows[0], dk, dv)
+        entering, v_new, finals = [], [], []
+        for r, u_c, w_c, k_c, d_c in zip(rows, *(_rows(t).split(rows) for t in (u, w, k_end, decay))):
+            if r < state.shape[0]:  # the shortest sequences have ended: their states are final
+                finals.append(state[r:])
+                state = state[:r]
+            entering.append(state)
+            v_new.append(torch.baddbmm(u_c, w_c, state, alpha=-1))
+            state = torch.baddbmm(state * d_c, k_c, v_new[-1])
+        finals.append(state)
+        s_in, v_new = torch.cat(entering), torch.cat(v_new)
+        o = torch.baddbmm(torch.bmm(_rows(qk), v_new), _rows(q), s_in)
+        ctx.save_for_backward(w, q, qk, k_end, decay, s_in, v_new)
+        ctx.rows, ctx.has_start = rows, start is not None
+        final = torch.cat(finals[::-1])
+        return o.view(u.shape), final.view(-1, heads, dk, dv)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_o, d_final):
+        w, q, qk, k_end, decay, s_in, v_new = ctx.saved_tensors
+        rows, shape = ctx.rows, d_o.shape
+        d_o, d_final = _rows(d_o), _rows(d_final)
+        # What o sends to each chunk's v_new and entering state, for all chunks at once.
+        dv_from_o, ds_from_o = torch.bmm(_rows(qk).mT, d_o), torch.bmm(_rows(q).mT, d_o)
+        per_step = (t.split(rows) for t in (dv_from_o, ds_from_o, _rows(w).mT, _rows(k_end).mT, _rows(decay)))
+        d_state, d_v_new, d_out = d_final[: rows[-1]], [], []
+        for r, dv_c, ds_c, w_t, k_t, d_c in reversed(list(zip(rows, *per_step))):
+            if r > d_state.shape[0]:  # sequences that ended after this step: their final state's gradient
+                d_state = torch.cat([d_state, d_final[d_state.shape[0] : r]])
+            d_out.append(d_state)  # the gradient of the state this step leaves
+            d_v_new.append(torch.baddbmm(dv_c, k_t, d_state))
+            d_state = torch.baddbmm(torch.addcmul(ds_c, d_state, d_c), w_t, d_v_new[-1], alpha=-1)
+        d_v_new, d_out = torch.cat(d_v_new[::-1]), torch.cat(d_out[::-1])
+        grads = (
+            d_v_new,  # u
+            torch.bmm(d_v_new, s_in.mT).neg_(),  # w
+            torch.bmm(d_o, s_in.mT),  # q
+            torch.bmm(d_o, v_new.mT),  # qk
+            torch.bmm(d_out, v_new.mT),  # k_end
+            (d_out * s_in).sum((-2, -1), keepdim=True),  # decay
+        )
+        grads = tuple(g.view(*shape[:2], *g.shape[1:]) for g in grads)
+        return (*grads, d_state.view(-1, *shape[1:2], *d_state.shape[1:]) if ctx.has_start else None, None)
 
 
 def recurrent_gated_delta_rule_reference(q, k, v, g, beta, scale=None):
