@@ -13,6 +13,8 @@ are [B, T, H]. With ``cu_seqlens`` the batch is a single packed row (B == 1) hol
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -175,31 +177,42 @@ def chunk_gated_delta_rule(
     elif batch != 1:
         raise ValueError(f"cu_seqlens requires a single packed row, got batch={batch}")
     layout = _StepMajorChunks.of(cu_seqlens, q.shape[1], chunk_size)
-    start = None if initial_state is None else _compute(initial_state)[layout.order]
-    o, final = _chunked_scan(*(layout.scatter(t) for t in (q, k, v, g, beta)), scale, start, layout.active)
-    o = layout.gather(o).reshape(batch, length, o.shape[1], o.shape[-1])
+    heads = q.shape[2]
+    start = None if initial_state is None else _compute(initial_state)[layout.order].flatten(0, 1)
+    rows = tuple(a * heads for a in layout.active)
+    o, final = _chunked_scan(*(layout.scatter(t).flatten(0, 1) for t in (q, k, v, g, beta)), scale, start, rows)
+    o = layout.gather(o.view(-1, heads, *o.shape[1:])).reshape(batch, length, heads, o.shape[-1])
+    final = final.view(-1, heads, *final.shape[1:])
     state = torch.empty_like(final)
     state[layout.order] = final
     return o.to(out_dtype), (state if output_final_state else None)
 
 
-def _chunked_scan(q, k, v, g, beta, scale, start_state, active):
-    """Step-major chunks [M, H, C, *] (fp32 or float64) -> (o [M, H, C, V], final states [S, H, K, V] of the
-    sequences longest first). ``active[j]``: sequences running at step j (non-increasing). Zero
-    padding is inert: k = 0 and beta = 0 leave the state unchanged and g = 0 does not decay it."""
-    chunk, dk, dv = q.shape[2], k.shape[-1], v.shape[-1]
-    q = q * scale
+@functools.cache
+def _chunk_masks(chunk: int, dtype: torch.dtype, device: torch.device):
+    """(not causal, not strictly causal, identity) for a chunk: made once, not in every layer."""
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=device).tril()
+    return ~causal, ~causal.tril(-1), torch.eye(chunk, dtype=dtype, device=device)
+
+
+def _chunked_scan(q, k, v, g, beta, scale, start_state, rows):
+    """Step-major chunks, one (chunk, head) pair a row: [R, C, *] (fp32 or float64) -> (o [R, C, V], final
+    states [S * H, K, V] of the sequences longest first, heads inner). ``rows[j]``: the rows of the
+    sequences running at step j (non-increasing). Zero padding is inert: k = 0 and beta = 0 leave the
+    state unchanged and g = 0 does not decay it. 3-D tensors and bmm throughout: a 4-D matmul costs the
+    host an expand and two reshapes each way."""
+    chunk, dk, dv = q.shape[1], k.shape[-1], v.shape[-1]
+    not_causal, not_strict, eye = _chunk_masks(chunk, q.dtype, q.device)
     gamma = g.cumsum(-1)  # log of the decay accumulated from the chunk start, inclusive
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     # decay_ij = exp(gamma_i - gamma_j) for j <= i, else 0 (masked before exp: no overflow)
-    decay = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    decay = (gamma.unsqueeze(-1) - gamma.unsqueeze(-2)).masked_fill(not_causal, float("-inf")).exp()
+    grown = gamma.exp().unsqueeze(-1)  # exp(gamma): the decay from the chunk start to each token
 
     # WY form: (I + A) u = beta v and (I + A) w = beta exp(gamma) k, A strictly lower.
-    k_beta = k * beta[..., None]
-    a_strict = (k_beta @ k.transpose(-1, -2)) * decay
-    a_strict = a_strict.masked_fill(~causal.tril(-1), 0.0)
-    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
-    system, rhs = eye + a_strict, (v * beta[..., None], k_beta * gamma.exp()[..., None])
+    beta = beta.unsqueeze(-1)
+    k_beta, k_t = k * beta, k.mT
+    system = (torch.bmm(k_beta, k_t) * decay).masked_fill_(not_strict, 0.0).add_(eye)
+    rhs = (v * beta, k_beta * grown)
     # The triangular solve (and its backward) costs in proportion to the right-hand side's
     # width: solve for both right-hand sides at once (V + K wide) or for the inverse (C wide),
     # whichever is narrower, then apply the inverse with batched matmuls.
@@ -208,18 +221,12 @@ def _chunked_scan(q, k, v, g, beta, scale, start_state, active):
         u, w = uw[..., :dv], uw[..., dv:]
     else:
         inverse = torch.linalg.solve_triangular(system, eye.expand_as(system), upper=False, unitriangular=True)
-        u, w = inverse @ rhs[0], inverse @ rhs[1]
-    k_to_end = (k * (gamma[..., -1:] - gamma).exp()[..., None]).transpose(-1, -2)
-    chunk_decay = gamma[..., -1].exp()[..., None, None]
-    q_decayed = q * gamma.exp()[..., None]
-    qk_intra = (q @ k.transpose(-1, -2)) * decay
-
-    return _ChunkScan.apply(u, w, q_decayed, qk_intra, k_to_end, chunk_decay, start_state, tuple(active))
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """[M, H, *, *] -> [M * H, *, *]: one (chunk, head) pair a row, the batch of bmm."""
-    return t.reshape(-1, *t.shape[2:])
+        u, w = torch.bmm(inverse, rhs[0]), torch.bmm(inverse, rhs[1])
+    k_to_end = (k * (gamma[:, -1:] - gamma).exp().unsqueeze(-1)).mT
+    chunk_decay = gamma[:, -1:].exp().unsqueeze(-1)
+    q = q * scale
+    qk_intra = torch.bmm(q, k_t) * decay
+    return _ChunkScan.apply(u, w, q * grown, qk_intra, k_to_end, chunk_decay, start_state, rows)
 
 
 class _ChunkScan(torch.autograd.Function):
@@ -236,17 +243,15 @@ class _ChunkScan(torch.autograd.Function):
     states in two batched matmuls after the loop) and three backward: the reverse loop carries only
     the state's gradient, and every weight's gradient is one batched matmul over all chunks after it.
 
-    Inputs are step-major chunks [M, H, C, *]; ``active[j]`` sequences run at step j (non-increasing).
-    Returns o [M, H, C, V] and the final states [S, H, K, V], longest sequence first.
+    Inputs are step-major chunks, one (chunk, head) pair a row, [R, C, *]; ``rows[j]``: the rows of
+    step j (non-increasing). Returns o [R, C, V] and the final states [S * H, K, V], longest first.
     """
 
     @staticmethod
-    def forward(ctx, u, w, q, qk, k_end, decay, start, active):
-        heads, dk, dv = u.shape[1], w.shape[-1], u.shape[-1]
-        rows = [a * heads for a in active]
-        state = _rows(start) if start is not None else u.new_zeros(rows[0], dk, dv)
+    def forward(ctx, u, w, q, qk, k_end, decay, start, rows):
+        state = start if start is not None else u.new_zeros(rows[0], w.shape[-1], u.shape[-1])
         entering, v_new, finals = [], [], []
-        for r, u_c, w_c, k_c, d_c in zip(rows, *(_rows(t).split(rows) for t in (u, w, k_end, decay))):
+        for r, u_c, w_c, k_c, d_c in zip(rows, *(t.split(rows) for t in (u, w, k_end, decay))):
             if r < state.shape[0]:  # the shortest sequences have ended: their states are final
                 finals.append(state[r:])
                 state = state[:r]
@@ -255,21 +260,19 @@ class _ChunkScan(torch.autograd.Function):
             state = torch.baddbmm(state * d_c, k_c, v_new[-1])
         finals.append(state)
         s_in, v_new = torch.cat(entering), torch.cat(v_new)
-        o = torch.baddbmm(torch.bmm(_rows(qk), v_new), _rows(q), s_in)
+        o = torch.baddbmm(torch.bmm(qk, v_new), q, s_in)
         ctx.save_for_backward(w, q, qk, k_end, decay, s_in, v_new)
         ctx.rows, ctx.has_start = rows, start is not None
-        final = torch.cat(finals[::-1])
-        return o.view(u.shape), final.view(-1, heads, dk, dv)
+        return o, torch.cat(finals[::-1])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, d_o, d_final):
         w, q, qk, k_end, decay, s_in, v_new = ctx.saved_tensors
-        rows, shape = ctx.rows, d_o.shape
-        d_o, d_final = _rows(d_o), _rows(d_final)
+        rows = ctx.rows
         # What o sends to each chunk's v_new and entering state, for all chunks at once.
-        dv_from_o, ds_from_o = torch.bmm(_rows(qk).mT, d_o), torch.bmm(_rows(q).mT, d_o)
-        per_step = (t.split(rows) for t in (dv_from_o, ds_from_o, _rows(w).mT, _rows(k_end).mT, _rows(decay)))
+        dv_from_o, ds_from_o = torch.bmm(qk.mT, d_o), torch.bmm(q.mT, d_o)
+        per_step = (t.split(rows) for t in (dv_from_o, ds_from_o, w.mT, k_end.mT, decay))
         d_state, d_v_new, d_out = d_final[: rows[-1]], [], []
         for r, dv_c, ds_c, w_t, k_t, d_c in reversed(list(zip(rows, *per_step))):
             if r > d_state.shape[0]:  # sequences that ended after this step: their final state's gradient
@@ -278,16 +281,16 @@ class _ChunkScan(torch.autograd.Function):
             d_v_new.append(torch.baddbmm(dv_c, k_t, d_state))
             d_state = torch.baddbmm(torch.addcmul(ds_c, d_state, d_c), w_t, d_v_new[-1], alpha=-1)
         d_v_new, d_out = torch.cat(d_v_new[::-1]), torch.cat(d_out[::-1])
-        grads = (
+        return (
             d_v_new,  # u
             torch.bmm(d_v_new, s_in.mT).neg_(),  # w
             torch.bmm(d_o, s_in.mT),  # q
             torch.bmm(d_o, v_new.mT),  # qk
             torch.bmm(d_out, v_new.mT),  # k_end
             (d_out * s_in).sum((-2, -1), keepdim=True),  # decay
+            d_state if ctx.has_start else None,
+            None,
         )
-        grads = tuple(g.view(*shape[:2], *g.shape[1:]) for g in grads)
-        return (*grads, d_state.view(-1, *shape[1:2], *d_state.shape[1:]) if ctx.has_start else None, None)
 
 
 def recurrent_gated_delta_rule_reference(q, k, v, g, beta, scale=None):
