@@ -118,11 +118,13 @@ def count_case(name: str, steps: int, settings: dict, extra: list[str]) -> dict:
             return json.load(f)
 
 
-def gpu_kernels_as_calls(tally) -> None:
+def gpu_kernels_as_calls(tally, hopper: bool = False) -> None:
     """Count each CPU stand-in for a fused GPU kernel as that one kernel: Gated DeltaNet's three FLA
     kernels (megatron.cpu's torch kernels on this host) and the THD attention (a loop of SDPA calls
-    per packed sample here, one varlen flash kernel on a GPU in bf16). Bound before the model is
-    built: GatedDeltaNet keeps its rule function from construction."""
+    per packed sample here, one varlen flash kernel on a GPU in bf16). ``hopper``: the chunked rule
+    stays on the torch kernel, as on a Hopper GPU with the Triton that miscompiles FLA's (see
+    ``megatron.cpu.torch_gdn_kernel_names``). Bound before the model is built: GatedDeltaNet keeps its
+    rule function from construction."""
     from megatron.core.ssm.gated_delta_net import common, gdn
 
     import megatron.cpu
@@ -134,7 +136,7 @@ def gpu_kernels_as_calls(tally) -> None:
     rule, conv, norm = gdn.chunk_gated_delta_rule, gdn.causal_conv1d, common.l2norm
 
     def chunk_gated_delta_rule(q, k, v, g, beta, **kw):
-        if kw.get("output_final_state") or kw.get("initial_state") is not None:
+        if hopper or kw.get("output_final_state") or kw.get("initial_state") is not None:
             return rule(q, k, v, g, beta, **kw)
         return as_one_kernel(tally, "fla_chunk_gated_delta_rule", lambda *t: rule(*t, **kw)[0], q, k, v, g, beta), None
 
@@ -170,8 +172,9 @@ def worker(out: str) -> None:
     from .op_counter import StepTally
 
     tally, calls = StepTally(by_caller=os.environ.get("BENCH_STEP_OPS_BY_CALLER") == "1"), [0]
-    if os.environ.get("BENCH_STEP_OPS_GPU_KERNELS") == "1":
-        gpu_kernels_as_calls(tally)
+    kernels = os.environ.get("BENCH_STEP_OPS_GPU_KERNELS")
+    if kernels:
+        gpu_kernels_as_calls(tally, hopper=kernels == "hopper")
     original = training.train_step
 
     def counted_step(*args, **kwargs):
@@ -206,7 +209,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--gpu-kernels",
         action="store_true",
-        help="also count with the CPU stand-ins for FLA's kernels and varlen attention as one op each",
+        help="also count with the CPU stand-ins for FLA's kernels and varlen attention as one op each, "
+        "and as on Hopper, where the chunked rule stays on torch's kernels",
     )
     parser.add_argument("extra", nargs="*", help="megatron flags added to the launch (after --)")
     args = parser.parse_args(argv)
@@ -219,6 +223,7 @@ def main(argv=None) -> int:
         contenders["megatron-core SequentialMLP"] = {"GROUPED_EXPERTS": "0"}
     if args.gpu_kernels:
         contenders["this checkout, GPU kernels as calls"] = {"BENCH_STEP_OPS_GPU_KERNELS": "1"}
+        contenders["this checkout, as on Hopper (chunked rule on torch)"] = {"BENCH_STEP_OPS_GPU_KERNELS": "hopper"}
     print("| case | experts | ATen ops / step | host syncs / step |")
     print("|---|---|---|---|")
     for name in [r for r in args.runs.split(",") if r]:

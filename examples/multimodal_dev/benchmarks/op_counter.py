@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import traceback
 
 import torch
@@ -65,19 +66,42 @@ def _inside_torch_optim() -> bool:
     return any(f"{os.sep}torch{os.sep}optim{os.sep}" in frame.filename for frame in traceback.extract_stack()[:-2])
 
 
+def _passed_over(filename: str) -> bool:
+    return filename.startswith(_HERE) or any(f"{os.sep}{d}{os.sep}" in filename for d in _PASS_OVER)
+
+
+def _short(filename: str) -> str:
+    """The path from its last ``megatron`` or ``examples`` folder on."""
+    parts = filename.split(os.sep)
+    for anchor in ("megatron", "examples"):
+        if anchor in parts:
+            return os.sep.join(parts[len(parts) - 1 - parts[::-1].index(anchor) :])
+    return filename
+
+
 def _caller() -> str:
     """file:line of the innermost frame outside torch and this file: who asked for the value."""
     for frame in reversed(traceback.extract_stack()[:-2]):
-        name = frame.filename
-        if name.startswith(_HERE) or any(f"{os.sep}{d}{os.sep}" in name for d in _PASS_OVER):
-            continue
-        parts = name.split(os.sep)
-        for anchor in ("megatron", "examples"):
-            if anchor in parts:
-                name = os.sep.join(parts[len(parts) - 1 - parts[::-1].index(anchor) :])
-                break
-        return f"{name}:{frame.lineno}"
+        if not _passed_over(frame.filename):
+            return f"{_short(frame.filename)}:{frame.lineno}"
     return "?"
+
+
+_FORMATTED_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def _backward_caller() -> str | None:
+    """In a backward pass, the forward line that made the autograd node now running ("backward of
+    file:line"; anomaly mode keeps each node's forward stack), or the node's name where it has none
+    (AccumulateGrad); None outside a backward pass."""
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return None
+    for entry in reversed(node.metadata.get("traceback_") or []):
+        found = _FORMATTED_FRAME.search(entry)
+        if found and not _passed_over(found.group(1)):
+            return f"backward of {_short(found.group(1))}:{found.group(2)}"
+    return f"backward: {node.name()}"
 
 
 class _AtenCounter(TorchDispatchMode):
@@ -92,7 +116,7 @@ class _AtenCounter(TorchDispatchMode):
         name = func.__name__.split(".")[0]
         self.tally.ops[name] += 1
         if self.tally.by_caller:
-            self.tally.callers[_caller()] += 1
+            self.tally.callers[_backward_caller() or _caller()] += 1
         place = _placement([t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
         if (
             place != _HOST
@@ -169,7 +193,9 @@ class StepTally:
     """Counts of the work inside ``with tally.counting():``, accumulated over every use."""
 
     def __init__(self, by_caller: bool = False):
-        self.by_caller = by_caller  # also count ops by the line that dispatched them (slow: a stack walk an op)
+        # also count ops by the line that dispatched them (slow: a stack walk an op); a backward op by the
+        # forward line whose autograd node ran it, where anomaly mode is on (``counting`` turns it on)
+        self.by_caller = by_caller
         self.callers: collections.Counter = collections.Counter()
         self.ops: collections.Counter = collections.Counter()
         self.inside_kernel = 0  # > 0: inside a stand-in for one GPU kernel (as_one_kernel)
@@ -205,6 +231,7 @@ class _Counting:
         self.tally = tally
         self.modes = (_MethodCounter(tally), _AtenCounter(tally))
         self.patched: list = []
+        self.anomaly = None
 
     def _wrap_cuda_syncs(self):
         for owner, name in _CUDA_SYNCS:
@@ -220,6 +247,9 @@ class _Counting:
             self.patched.append((owner, name, original))
 
     def __enter__(self):
+        if self.tally.by_caller:
+            self.anomaly = torch.autograd.set_detect_anomaly(True, check_nan=False)
+            self.anomaly.__enter__()
         self.tally._counting_depth += 1
         self._wrap_cuda_syncs()
         for mode in self.modes:
@@ -233,6 +263,8 @@ class _Counting:
             setattr(owner, name, original)
         self.tally._counting_depth -= 1
         self.tally.steps += 1
+        if self.anomaly is not None:
+            self.anomaly.__exit__(*exc)
         return False
 
 
