@@ -120,11 +120,13 @@ def count_case(name: str, steps: int, settings: dict, extra: list[str]) -> dict:
 
 def gpu_kernels_as_calls(tally, hopper: bool = False) -> None:
     """Count each CPU stand-in for a fused GPU kernel as that one kernel: Gated DeltaNet's three FLA
-    kernels (megatron.cpu's torch kernels on this host) and the THD attention (a loop of SDPA calls
-    per packed sample here, one varlen flash kernel on a GPU in bf16). ``hopper``: the chunked rule
+    kernels (megatron.cpu's torch kernels on this host), the THD attention (a loop of SDPA calls
+    per packed sample here, one varlen flash kernel on a GPU in bf16) and RMSNorm (torch's
+    ``rms_norm`` is composite on a CPU, ``aten._fused_rms_norm`` on CUDA). ``hopper``: the chunked rule
     stays on the torch kernel, as on a Hopper GPU with the Triton that miscompiles FLA's (see
     ``megatron.cpu.torch_gdn_kernel_names``). Bound before the model is built: GatedDeltaNet keeps its
     rule function from construction."""
+    import torch
     from megatron.core.ssm.gated_delta_net import common, gdn
 
     import megatron.cpu
@@ -161,6 +163,12 @@ def gpu_kernels_as_calls(tally, hopper: bool = False) -> None:
         )
 
     SDPACoreAttention._forward_thd = forward_thd
+    rms_norm = torch.nn.functional.rms_norm
+
+    def fused_rms_norm(x, shape, weight=None, eps=None):
+        return as_one_kernel(tally, "fused_rms_norm", lambda *t: rms_norm(t[0], shape, t[1], eps), x, weight)
+
+    torch.nn.functional.rms_norm = fused_rms_norm
 
 
 def worker(out: str) -> None:
