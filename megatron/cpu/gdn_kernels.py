@@ -135,7 +135,7 @@ class _StepMajorChunks:
     def scatter(self, t: torch.Tensor) -> torch.Tensor:
         """[1, T, H, *] -> [M, H, C, *] (zeros where no token lands)."""
         out = t.new_zeros((self.num_chunks, t.shape[2], self.chunk) + tuple(t.shape[3:]))
-        out[self.chunk_of, :, self.pos_in_chunk] = t[0]
+        out[self.chunk_of, :, self.pos_in_chunk] = t.squeeze(0)  # a view each way; t[0]'s backward fills zeros
         return out
 
     def gather(self, chunks: torch.Tensor) -> torch.Tensor:

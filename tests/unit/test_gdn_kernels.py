@@ -168,17 +168,19 @@ def test_a_micro_batchs_segments_are_laid_out_once_from_its_host_copy():
     assert torch.equal(first, plain) and torch.equal(second, plain)
 
 
-def test_scan_gradients_are_the_derivatives_of_its_outputs():
+@pytest.mark.parametrize("chunk", [8, 4], ids=["solved for u and w", "solved for the inverse"])
+def test_scan_gradients_are_the_derivatives_of_its_outputs(chunk):
     """The hand-written backward of the chunk scan, in float64 against finite differences: packed
-    sequences of 3, 17, 1 and 19 tokens (one ends after each step but the last), their own initial
-    states, and both outputs, o and the final states, in the loss."""
+    sequences of 3, 17, 1 and 19 tokens (sequences end at different steps), their own initial
+    states, and both outputs, o and the final states, in the loss; chunks wider than K + V and
+    narrower (the model's shapes: K = V = 128, chunks of 64)."""
     q, k, v, g, beta = (t.double() for t in _inputs(1, 40, heads=2, dk=4, dv=3, seed=5))
     init = torch.randn(4, 2, 4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
     cu = torch.tensor([0, 3, 20, 21, 40])
 
     def run(*inputs):
         return chunk_gated_delta_rule(
-            *inputs[:5], initial_state=inputs[5], output_final_state=True, cu_seqlens=cu, chunk_size=8
+            *inputs[:5], initial_state=inputs[5], output_final_state=True, cu_seqlens=cu, chunk_size=chunk
         )
 
     assert torch.autograd.gradcheck(run, tuple(t.requires_grad_() for t in (q, k, v, g, beta, init)))
