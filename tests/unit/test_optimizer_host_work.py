@@ -1,6 +1,6 @@
-"""The optimizer step's foreach replacements (training/optimizer_host_work.py) compute what megatron's
+"""The optimizer step's foreach and fused replacements (training/optimizer_host_work.py) compute what megatron's
 per-parameter fallbacks compute: the grad norm, the scaled / copied tensor lists, and torch AdamW's
-updates; and the foreach path stays chosen after a checkpoint's parameter groups are loaded."""
+updates; and the fused path stays chosen after a checkpoint's parameter groups are loaded."""
 
 import pytest
 import torch
@@ -39,28 +39,39 @@ def test_scale_equals_megatrons_fallback(scale, in_place):
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
 
 
-def _adam(foreach_hook: bool):
+def _adam(fused_hook: bool):
     torch.manual_seed(0)
     params = [torch.nn.Parameter(t) for t in _tensors(3)]
     opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-    if foreach_hook:
-        host_work.foreach_adam(lambda: opt)()
+    if fused_hook:
+        host_work.fused_adam(lambda: opt)()
     return params, opt
 
 
-def test_adam_runs_foreach_with_the_same_updates():
-    (p_loop, loop), (p_each, each) = _adam(False), _adam(True)
-    assert each.param_groups[0]["foreach"] is None  # set before each step, not at build
+def test_adam_runs_fused_with_the_same_updates():
+    (p_loop, loop), (p_fused, fused) = _adam(False), _adam(True)
+    assert fused.param_groups[0]["fused"] is None  # set before each step, not at build
     for step in range(3):
-        for ps in (p_loop, p_each):
+        for ps in (p_loop, p_fused):
             for i, p in enumerate(ps):
                 p.grad = torch.full_like(p, 0.1 * (i + 1) * (step + 1))
         loop.step()
-        each.step()
-        assert each.param_groups[0]["foreach"] is True
-        assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(p_loop, p_each))
-    # a checkpoint's groups (saved by a loop run) put foreach back to None; the next step asks again
-    each.load_state_dict(loop.state_dict())
-    assert each.param_groups[0]["foreach"] is None
-    each.step()
-    assert each.param_groups[0]["foreach"] is True
+        fused.step()
+        assert fused.param_groups[0]["fused"] is True and fused.param_groups[0]["foreach"] is False
+        assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(p_loop, p_fused))
+    # a checkpoint's groups (saved by a loop run) put fused back to None; the next step asks again
+    fused.load_state_dict(loop.state_dict())
+    assert fused.param_groups[0]["fused"] is None
+    fused.step()
+    assert fused.param_groups[0]["fused"] is True
+
+
+def test_a_loaded_step_count_moves_to_its_parameters_device():
+    """A checkpoint load leaves Adam's step counts on the host, where the fused kernel on a GPU needs
+    them beside the parameters: the hook moves them (a meta-device parameter stands in for a GPU's)."""
+    param = torch.nn.Parameter(torch.zeros(3, device="meta"))
+    opt = torch.optim.AdamW([param])
+    opt.state[param]["step"] = torch.tensor(7.0)
+    host_work._fused_before_step(opt, (), {})
+    step = opt.state[param]["step"]
+    assert step.device == param.device and step.dtype == torch.float32

@@ -150,9 +150,10 @@ CHANGES: tuple[Change, ...] = (
     Change(
         "optimizer-host-work",
         "megatron.core.optimizer:_get_megatron_optimizer_based_on_param_groups",
-        f"{_P}training.optimizer_host_work:foreach_adam",
-        "torch's AdamW loops over the parameters in Python unless every one is on a GPU; its foreach path on "
-        "every host, so a CPU host runs (and counts) the GPU's step",
+        f"{_P}training.optimizer_host_work:fused_adam",
+        "torch's AdamW loops over the parameters in Python on a CPU and takes eight passes over memory on a "
+        "GPU (foreach), reading every step count on the host; its fused kernel on every host, so a CPU host "
+        "runs (and counts) the GPU's step",
         NO_FUSED_ADAM,
     ),
     Change(
