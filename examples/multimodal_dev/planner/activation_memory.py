@@ -31,9 +31,9 @@ in bf16), the fp32 normalised product and rsqrt: norm(n, c) = 8nc + 4n + 4c.
   gdn_layer  norm(Tn, H) + bTnH; conv 4Dc sum(L_i + w - 1) + 4T Dc (+16T packed, +4Dc w bf16);
              l2norm (4 fp32 | 8 bf16) T 2Kd + 8T nk; gates 8T nv + bT nv; gated out-norm 16T Vd
              + 4T nv + bT Vd; out_proj input bTl Vd; the chunk kernel (fp32, C = 64, M = sum
-             ceil(L_i / C) chunks): 4M nv (a C^2 + c C dk + d C dv + 4C + 1) + 4 nv dk dv S + 16T,
+             ceil(L_i / C) chunks): 4M nv (a C^2 + c C dk + d C dv + 3C + 1 + dk dv) + 16T,
              (a, c, d) = (5, 6, 3) when dk + dv <= C (one triangular solve) else (6, 7, 3);
-             S ~ M state rows (one state per step of the scan)
+             dk dv: the state entering each chunk, which the scan's backward reads
   attention  norm(Tn, H) + bTnH + norm(Tl nh, hd) + norm(Tl ng, hd) (fp32: the whole qkv output
              4Tl(2nh + 2ng)hd instead of the k copy) + 4bTl rd rotary + SDPA bTl nh hd (q, out)
              x 2 + 2bT nh hd (k, v repeated to nh heads; all-gathered: full T, under CP) + 4Tl nh
@@ -62,7 +62,8 @@ norm's fp32 rstd). Experts, SequentialMLP or the grouped GEMMs of ``models/commo
 (which save the same tensors): fc1 output 2Fe, product, scaled product per routed token.
 
 The torch kernels lay a packed row's tokens out in chunks once a micro-batch (16T + 8n: each token's
-chunk and place, the sequence order), and every GDN layer keeps that one layout: ``gdn_shared``.
+chunk and place, the sequence order), and every GDN layer keeps that one layout; and every layer
+keeps the same two C x C masks (made once a process, 2C^2): ``gdn_shared``.
 
 vision_chunk_patches=N (``--vision-chunk-patches``): the tower runs over chunks of whole frames of at
 most N patches, each under recompute: it keeps its pixels (b P C t p^2), and while one chunk is
@@ -102,7 +103,7 @@ class ActivationBreakdown:
     mtp: float  # the MTP head, all its layers (last stage); 0 without MTP
     recompute_working: float  # recompute: saved while ONE decoder layer is recomputed (0 without)
     per_stage: float = 0.0  # once per stage: the recompute checkpoints' shared rotary table and mask
-    gdn_shared: float = 0.0  # once per stage with GDN layers: their shared chunk layout (torch kernels, packed)
+    gdn_shared: float = 0.0  # once per stage with GDN layers: the torch kernels' masks and packed layout
     vision_recompute_working: float = 0.0  # saved while one ViT block is recomputed (first stage)
     mtp_recompute_working: float = 0.0  # saved while one MTP layer is recomputed (last stage)
 
@@ -136,12 +137,9 @@ def _segments(lengths, padded_to, multiple):
     return [padded_to] * len(lengths)
 
 
-def _chunks(segments):
-    """(chunks of the GDN scan, rows of the states it saves): each step saves the state it reads,
-    as many rows as sequences were still running at the step before."""
-    per_seq = [max(1, -(-n // CHUNK)) for n in segments]
-    active = [sum(c > j for c in per_seq) for j in range(max(per_seq))]
-    return sum(per_seq), active[0] + sum(active[:-1])
+def _chunks(segments) -> int:
+    """Chunks of the GDN scan: every sequence padded to whole chunks, at least one."""
+    return sum(max(1, -(-n // CHUNK)) for n in segments)
 
 
 def _gdn(t, T, Tl, Tn, segs, b, tp, cp, packed, gpu):
@@ -173,13 +171,9 @@ def _gdn(t, T, Tl, Tn, segs, b, tp, cp, packed, gpu):
     l2norm = (8 if bf16 else 4) * T * 2 * kd + 8 * T * nk  # fp32 input (cast twice in bf16), rsqrt
     gates = 8 * T * nv + b * T * nv + 8 * nv  # softplus input and output, sigmoid beta, exp(A_log)
     out_norm = 16 * T * vd + 4 * T * nv + 4 * dv + b * T * vd  # norm, fp32 gate, silu(gate), normed
-    m, states = _chunks(segs)
     a, c, d = (5, 6, 3) if dk + dv <= CHUNK else (6, 7, 3)
-    kernel = (
-        4 * m * nv * (a * CHUNK**2 + c * CHUNK * dk + d * CHUNK * dv + 4 * CHUNK + 1)
-        + 4 * nv * dk * dv * states
-        + (0 if packed else _chunk_layout(T, segs))  # packed: one layout for every layer (gdn_shared)
-        + 2 * CHUNK**2
+    kernel = 4 * _chunks(segs) * nv * (a * CHUNK**2 + c * CHUNK * dk + d * CHUNK * dv + 3 * CHUNK + 1 + dk * dv) + (
+        0 if packed else _chunk_layout(T, segs)  # packed: one layout for every layer (gdn_shared)
     )
     return _norm(Tn, h) + b * Tn * h + conv + l2norm + gates + kernel + out_norm + out_proj
 
@@ -356,7 +350,7 @@ def micro_batch_activations(
         output,
         t.mtp_num_layers * (mtp_layer + mtp_outer),
         0.0,
-        gdn_shared=_chunk_layout(T, segs) if padded_to is None and not gpu else 0.0,
+        gdn_shared=0.0 if gpu else 2 * CHUNK**2 + (_chunk_layout(T, segs) if padded_to is None else 0.0),
         vision_recompute_working=vision_working,
     )
     if recompute is None:
