@@ -45,14 +45,14 @@ def same_layout(saved):
     return _resume(saved, "same", TRAIN_ITERS=6).check()
 
 
-def _compare(name, other, same_layout, iteration, grad_norm_rtol=1e-5):
+def _compare(name, other, same_layout, iteration, grad_norm_rtol=1e-5, loss_rtol=1e-5):
     loss = abs(other.losses[iteration] - same_layout.losses[iteration]) / same_layout.losses[iteration]
     norm = abs(other.grad_norms[iteration] - same_layout.grad_norms[iteration]) / same_layout.grad_norms[iteration]
     print(
         f"{name}: loss {other.losses[iteration]!r} vs {same_layout.losses[iteration]!r} (rel {loss:.1e}), grad "
         f"norm {other.grad_norms[iteration]!r} vs {same_layout.grad_norms[iteration]!r} (rel {norm:.1e})"
     )
-    assert loss < 1e-5 and norm < grad_norm_rtol
+    assert loss < loss_rtol and norm < grad_norm_rtol
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -118,14 +118,17 @@ def test_bf16_optimizer_state_moves_between_the_two_optimizers(tmp_path):
     # Its clip factor then differs in the last bits, and whether that flips a bf16 weight at a
     # rounding boundary in the update depends on the host's kernels: with ATEN_CPU_CAPABILITY=default
     # (no SIMD) iteration 3 differs by 8.4e-8 and iteration 4's grad norm by 9.0e-5 with the loss
-    # equal; on an AVX-512 host both are equal. So iteration 4's grad norm gets the bound of iteration
-    # 6 below, and the loss (a dropped step or moment moves it far more than 1e-5) stays the sharp check.
+    # equal; on an AVX-512 host both are equal. With torch's fused AdamW, one full suite run on a
+    # 2-core host saw iteration 4's loss move by 1.1e-5 (grad norm 3.8e-5), the file alone by 0. So
+    # iteration 4 gets the bounds of iteration 6 below: a dropped moment, or a step count off by one
+    # (a 10% larger update at step 3, where one update moves the loss by 6%), moves the loss far more
+    # than 1e-4.
     _compare("bf16 plain -> distributed, iteration 3", switched, stayed, 3, grad_norm_rtol=1e-6)
-    _compare("bf16 plain -> distributed, iteration 4", switched, stayed, 4, grad_norm_rtol=1e-3)
+    _compare("bf16 plain -> distributed, iteration 4", switched, stayed, 4, grad_norm_rtol=1e-3, loss_rtol=1e-4)
     stayed, switched = branch("to_dist", "stay_dist", dist, 6), branch("to_dist", "back", bf16, 6)
     # The model's fp32 A_log / dt_bias sit first in the distributed optimizer's groups and among
     # the others in the plain one's, so the two sum the grad norm in another order and clip by
     # factors a bit apart; a bf16 weight at a rounding boundary then rounds the other way after the
     # update (measured: loss 7.8e-7, grad norm 1.8e-4, through the MoE router). A wrongly loaded
-    # main weight or moment moves the loss by far more than 1e-5.
-    _compare("bf16 distributed -> plain, iteration 6", switched, stayed, 6, grad_norm_rtol=1e-3)
+    # main weight or moment moves the loss by far more than 1e-4.
+    _compare("bf16 distributed -> plain, iteration 6", switched, stayed, 6, grad_norm_rtol=1e-3, loss_rtol=1e-4)

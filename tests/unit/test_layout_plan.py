@@ -334,8 +334,9 @@ def test_the_checkpoint_line_counts_a_lora_save_as_its_adapters_alone():
 
 
 @pytest.fixture(scope="module")
-def fsdp_rank():
-    """A rank's parameters as megatron-core's Megatron-FSDP groups them, read off a meta-device build:
+def fsdp_rank(no_process_group):
+    """A rank's parameters as megatron-core's Megatron-FSDP groups them, read off a meta-device build
+    (in a process whose group, from an earlier test, is put away meanwhile):
     its units are the ``TransformerLayer`` modules (``mcore_fsdp_adapter``'s default for
     ``optim_grads_params``); every other parameter is in no unit. ``(variant, TP, EP)`` -> (units'
     [(numel, bytes)], outside parameters [(numel, bytes)], [(numel, bytes, expert)] of every parameter)."""
