@@ -94,9 +94,12 @@ def record(
     print(f"[gpu-result] {check} | {case} | {status} | {format_metrics(row['metrics'])} | {note}", flush=True)
     path = path or rows_path()
     if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
+        # one write() of the whole line: run.sh runs checks in parallel processes that append to one file
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(row) + "\n").encode())
+        finally:
+            os.close(fd)
     return row
 
 

@@ -11,9 +11,13 @@
 #    --freeze of the next tools/make_wheelhouse.py).
 # 3. Runs pytest tests/gpu -m gpu -s, one pytest per group below, each under its own timeout and all
 #    within GPU_CHECKS_BUDGET_S (default 560 s), so everything ends inside a 10-minute slot. A group
-#    that fails, crashes or times out becomes rows of the table and the next group runs. Groups run
-#    fp32 kernels with TRITON_F32_DEFAULT=ieee (and a Triton cache of their own): Triton computes fp32
-#    tl.dot in TF32 otherwise, and fp32 parity is meant to be exact.
+#    that fails, crashes or times out becomes rows of the table and the next group runs. First the
+#    checks that time nothing run together, each in a process of its own: on a fresh machine their time
+#    goes to Triton compiling and autotuning FLA's kernels config by config on one core (FLA's gated
+#    rule took 56 s of a 94 s group on 2026-11-26), and the machine has a core for each. Then the
+#    checks that time the GPU, one at a time, with the GPU to themselves. Groups run fp32 kernels with
+#    TRITON_F32_DEFAULT=ieee (and a Triton cache of their own): Triton computes fp32 tl.dot in TF32
+#    otherwise, and fp32 parity is meant to be exact.
 # 4. Writes results.json and results.md (+ rows.jsonl, run.log, train_*.log, target-freeze.txt) to $OUT
 #    if set (the GPU machine returns that folder), else to tests/gpu/results/, and prints the table.
 #
@@ -53,7 +57,8 @@ if [[ -n "${WHEELHOUSE:-}" ]]; then
   export WHEELHOUSE
 fi
 GROUPS_WANTED=" ${GPU_CHECKS:-micro fla attn parity train resume decode fsdp te parallel} "
-STEPS=""  # "name: seconds, exit code" of every step, for the table's header
+STEPS_FILE="$SCRATCH/steps.txt"  # "name: seconds, exit code" of every step, for the table's header
+TOGETHER=()  # "pid log" of the steps running in the background (run_together ... wait_together)
 
 add_row() {  # add_row CHECK CASE STATUS NOTE
   "${PY:-$PYTHON}" tests/gpu/gpu_results.py add --check "$1" --case "$2" --status "$3" --note "$4" \
@@ -79,7 +84,7 @@ step() {
   before=$(rows)
   GPU_CHECKS_DEADLINE=$(($(date +%s) + t - 15)) timeout -k 10 "$t" "$@"
   rc=$?
-  STEPS+="$name: $(($(date +%s) - t0))s exit $rc; "
+  echo -n "$name: $(($(date +%s) - t0))s exit $rc; " >>"$STEPS_FILE"
   echo "== [gpu] $name: exit $rc after $(($(date +%s) - t0))s =="
   if ((rc == 124 || rc == 137)); then
     add_row "$name" "" fail "timed out after ${t}s: rows above are what finished (run.log has the rest)"
@@ -90,13 +95,36 @@ step() {
   fi
 }
 
-checks() {  # checks GROUP NAME CAP_S [ENV=VALUE ...] -- PYTEST ARGS...
-  local group=$1 name=$2 cap=$3 envs=()
+# checks GROUP NAME CAP_S [ENV=VALUE ...] -- PYTEST ARGS...: one pytest of GROUP's, now; between
+# run_together and wait_together, in the background with its output in a log of its own.
+checks() {
+  local group=$1 name=$2 cap=$3 envs=() log
   shift 3
   [[ "$GROUPS_WANTED" == *" $group "* ]] || return 0
   while [[ $# -gt 0 && "$1" != "--" ]]; do envs+=("$1"); shift; done
   shift
-  step "$name" "$cap" env ${envs[@]+"${envs[@]}"} "$PY" -m pytest -m gpu -s -p no:cacheprovider "$@"
+  local cmd=(step "$name" "$cap" env ${envs[@]+"${envs[@]}"} "$PY" -m pytest -m gpu -s -p no:cacheprovider "$@")
+  if [[ -z "${TOGETHER_DIR:-}" ]]; then
+    "${cmd[@]}"
+    return
+  fi
+  log="$TOGETHER_DIR/${#TOGETHER[@]}"
+  echo "== [gpu] $name: started beside the others (its output follows when they have all ended) =="
+  # rows of its own, so that step() sees which rows are this step's; joined in order at the end
+  GPU_RESULTS="$log.rows" "${cmd[@]}" >"$log.log" 2>&1 &
+  TOGETHER+=("$! $log")
+}
+
+run_together() { TOGETHER_DIR="$SCRATCH/together.$1" && mkdir -p "$TOGETHER_DIR" && TOGETHER=(); }
+
+wait_together() {  # every background step's end, then their outputs and rows in the order they started
+  local entry
+  for entry in ${TOGETHER[@]+"${TOGETHER[@]}"}; do wait "${entry%% *}"; done
+  for entry in ${TOGETHER[@]+"${TOGETHER[@]}"}; do
+    cat "${entry#* }.log"
+    [[ -f "${entry#* }.rows" ]] && cat "${entry#* }.rows" >>"$GPU_RESULTS"
+  done
+  TOGETHER=() TOGETHER_DIR=""
 }
 
 bootstrap() {
@@ -164,29 +192,37 @@ main() {
   "$PY" tests/gpu/gpu_results.py env --out "$SCRATCH/env.json" || add_row env "" fail "environment probe failed"
   local ieee=(TRITON_F32_DEFAULT=ieee "TRITON_CACHE_DIR=$SCRATCH/triton_ieee")
   skip_groups_this_host_cannot_run
-  # bf16 kernels first, in the default Triton cache: the 35b_a3b training run reuses what they compile.
-  # Caps (s) share out the budget; a group that ends early leaves its time to the next. The first run
-  # on a fresh machine pays for Triton compiling and autotuning FLA's kernels once per dtype and shape.
-  # Micro-checks first (seconds each, plus FLA's compile): grouped_mm at the 35b_a3b cut's expert
-  # shapes, and FLA's gated rule on all six gradients at K = V = 128 beside the #640 control.
-  checks micro "micro-checks" 120 -- tests/gpu/test_grouped_mm.py tests/gpu/test_fla_kernels.py -k "grouped_mm or six_gradients"
-  checks fla "fla kernels bf16" 120 -- tests/gpu/test_fla_kernels.py -k bf16
-  checks attn "thd attention bf16" 60 -- tests/gpu/test_thd_attention.py
-  checks train "training" 300 -- tests/gpu/test_training.py
-  checks resume "bf16 resume" 150 -- tests/gpu/test_resume.py
-  checks fla "fla kernels fp32" 90 "${ieee[@]}" -- tests/gpu/test_fla_kernels.py -k fp32
-  checks parity "model parity fp32" 120 "${ieee[@]}" -- tests/gpu/test_model_parity.py -k fp32
-  checks parity "model parity bf16" 90 -- tests/gpu/test_model_parity.py -k bf16
-  # generate on the GPU: tokens against transformers' generate (tiny MoE, fp32), tokens/s at batch 1 and 8 (bf16)
-  checks decode "decode" 90 -- tests/gpu/test_decode.py
+  # Together, timing nothing (caps in s; a group's rows are written as its tests finish). The bf16
+  # groups use the default Triton cache, where the 35b_a3b training run later finds FLA's conv1d and
+  # l2norm tuned at its head shapes (parity's wide-moe has them). The resume runs get a cache of their
+  # own: a kernel config autotuned by another process in between would make a resumed run differ from
+  # the straight one for a reason that is not the resume's.
+  run_together 1
+  checks micro "FLA gated rule on Hopper" 200 -- tests/gpu/test_fla_kernels.py -k six_gradients
+  checks fla "fla kernels bf16" 200 -- tests/gpu/test_fla_kernels.py -k "bf16 and not six_gradients"
+  checks fla "fla kernels fp32" 200 "${ieee[@]}" -- tests/gpu/test_fla_kernels.py -k "fp32 and not six_gradients"
+  checks parity "model parity fp32 tiny" 200 "${ieee[@]}" -- tests/gpu/test_model_parity.py -k "fp32 and tiny"
+  checks parity "model parity fp32 wide" 200 "${ieee[@]}" -- tests/gpu/test_model_parity.py -k "fp32 and wide"
+  checks parity "model parity bf16 tiny" 200 -- tests/gpu/test_model_parity.py -k "bf16 and tiny"
+  checks parity "model parity bf16 wide" 200 -- tests/gpu/test_model_parity.py -k "bf16 and wide"
+  checks resume "bf16 resume" 200 "TRITON_CACHE_DIR=$SCRATCH/triton_resume" -- tests/gpu/test_resume.py
+  # greedy tokens against transformers' generate (tiny MoE, fp32)
+  checks decode "decode tokens" 200 -- tests/gpu/test_decode.py -k greedy
   # Megatron-FSDP on CUDA and NCCL against DDP (tiny MoE, bf16; DP=2 where two GPUs are visible)
-  checks fsdp "Megatron-FSDP" 90 -- tests/gpu/test_fsdp_gpu.py
-  checks te "TE vs local" 120 -- tests/gpu/test_te_backend.py
+  checks fsdp "Megatron-FSDP" 200 -- tests/gpu/test_fsdp_gpu.py
+  checks te "TE vs local" 200 -- tests/gpu/test_te_backend.py
+  wait_together
+  # Alone, one at a time: the checks that time the GPU; training last, as it takes what time is left.
+  checks micro "grouped_mm" 60 -- tests/gpu/test_grouped_mm.py
+  checks attn "thd attention bf16" 60 -- tests/gpu/test_thd_attention.py
+  # new tokens/s at batch 1 and 8 (35b_a3b's widths in 4 layers, bf16)
+  checks decode "decode tokens/s" 90 -- tests/gpu/test_decode.py -k tokens_per_second
+  checks train "training" 300 -- tests/gpu/test_training.py
   checks parallel "TP / EP" 400 -- tests/gpu/test_parallel.py
   echo "== [gpu] table =="
   "$PY" tests/gpu/gpu_results.py collect --rows "$GPU_RESULTS" --outdir "$OUTDIR" --env "$SCRATCH/env.json" \
     --meta "started=$(date -d "@$START" -Is)" --meta "elapsed_s=$(($(date +%s) - START))" \
-    --meta "budget_s=$BUDGET_S" --meta "steps=$STEPS"
+    --meta "budget_s=$BUDGET_S" --meta "steps=$(cat "$STEPS_FILE" 2>/dev/null)"
 }
 
 main "$@" 2>&1 | tee "$OUTDIR/run.log"
