@@ -109,6 +109,18 @@ def steady_state(run: TrainRun, first: int, last: int) -> dict:
     return out
 
 
+def planner_step_seconds(steady: dict, peak_tflops: float) -> float | None:
+    """The planner's step time for the run's own setting: on one GPU with no parallelism its model is the
+    compute term alone, the step's model FLOPs (flops.py's, as the run counted them) at the planner's
+    default efficiency of the GPU's peak (planner/layout_plan.Request.efficiency)."""
+    from examples.multimodal_dev.planner.layout_plan import Request
+
+    if not peak_tflops or "tflops" not in steady or "iter_ms" not in steady:
+        return None
+    step_tflop = steady["tflops"] * steady["iter_ms"] / 1000
+    return step_tflop / (peak_tflops * Request.efficiency)
+
+
 def mean(values: list) -> float:
     return sum(values) / len(values) if values else float("nan")
 

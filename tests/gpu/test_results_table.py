@@ -217,3 +217,18 @@ def test_stage_progress_survives_a_stage_that_never_ends(tmp_path, monkeypatch):
     assert lines[2:] == ["parity wide-moe fp32: megatron model ..."]
     monkeypatch.delenv("GPU_CHECKS_OUTDIR")
     gpu_results.progress("nowhere to write: no file, no error")
+
+
+def test_planner_step_is_the_planners_one_gpu_step_time():
+    """The training row's planner figure is what the planner's own step_time says for one GPU, given
+    the step's FLOPs as the run measures them (TFLOP/s x iteration time)."""
+    from examples.multimodal_dev.planner import layout_cost as cost
+    from examples.multimodal_dev.planner.launch_layout import Layout
+    from examples.multimodal_dev.planner.layout_mix import Row
+
+    hw, rows = cost.HARDWARE["h200"], [Row((900, 1400, 1796), ((1, 32, 48),))]
+    planned = cost.step_time(gt.cut_35b(4), cost.Candidate(Layout(gpus=1)), rows, 2, 1.0, hw, 0.5)
+    measured_s = 3.473  # any step time: the FLOPs are what the run counted
+    steady = {"tflops": planned.parts["flops"] / 1e12 / measured_s, "iter_ms": measured_s * 1000}
+    assert gt.planner_step_seconds(steady, hw.peak_tflops) == pytest.approx(planned.total, rel=1e-12)
+    assert gt.planner_step_seconds({}, hw.peak_tflops) is None and gt.planner_step_seconds(steady, None) is None

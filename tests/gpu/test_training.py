@@ -22,7 +22,8 @@ iterations it completed, gpu_train.training_verdict), the warm-up (iterations 1 
 compilation and autotuning happen there), and over the steady iterations
 6..(profile start - 1): tokens/s, model TFLOP/s per GPU (flops.py's count of the real work, from the
 run's log line) and MFU against the device's dense bf16 peak (throughput.py's table), iteration
-time; peak memory two ways: nvidia-smi polled every 0.5 s during the run (minus what was in use
+time, and beside it the planner's step time for the same setting (gpu_train.planner_step_seconds) as
+measured / planner; peak memory two ways: nvidia-smi polled every 0.5 s during the run (minus what was in use
 before it) and megatron's own "max allocated" (--log-memory-interval 5); megatron's timers
 (--timing-log-level 2: forward / backward compute, optimizer, ...; median over the steady iterations).
 From megatron's --profile --use-pytorch-profiler (a torch.profiler Chrome trace of exactly two steady
@@ -175,6 +176,9 @@ def test_training_run(run_name, record):
         "params B": gt.param_count(shape) / 1e9,
         "wall s": run.seconds,
     }
+    planned = gt.planner_step_seconds(steady, peak)
+    if planned:  # the planner's time model beside the measured step, where calibrating it starts
+        metrics.update({"planner step s": planned, "measured / planner": steady["iter_ms"] / 1000 / planned})
     metrics = {k: v for k, v in metrics.items() if v is not None}
     ok = status == "pass"
     note = (
