@@ -121,6 +121,21 @@ def planner_step_seconds(steady: dict, peak_tflops: float) -> float | None:
     return step_tflop / (peak_tflops * Request.efficiency)
 
 
+def compile_caches() -> str:
+    """What the run's warm-up could reuse: kernels in Triton's cache (FLA's autotuned kernels among them;
+    FLA keeps its autotune results there too) and files in Inductor's (megatron's compiled helpers)."""
+    import getpass
+    import tempfile
+
+    triton_dir = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    inductor_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"
+    )
+    kernels = len(os.listdir(triton_dir)) if os.path.isdir(triton_dir) else 0
+    files = sum(len(names) for _, _, names in os.walk(inductor_dir))
+    return f"before the run: {kernels} entries in Triton's cache, {files} files in Inductor's"
+
+
 def mean(values: list) -> float:
     return sum(values) / len(values) if values else float("nan")
 

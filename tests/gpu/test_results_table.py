@@ -232,3 +232,17 @@ def test_planner_step_is_the_planners_one_gpu_step_time():
     steady = {"tflops": planned.parts["flops"] / 1e12 / measured_s, "iter_ms": measured_s * 1000}
     assert gt.planner_step_seconds(steady, hw.peak_tflops) == pytest.approx(planned.total, rel=1e-12)
     assert gt.planner_step_seconds({}, hw.peak_tflops) is None and gt.planner_step_seconds(steady, None) is None
+
+
+def test_compile_caches_counts_what_a_warm_up_could_reuse(tmp_path, monkeypatch):
+    triton, inductor = tmp_path / "triton", tmp_path / "inductor"
+    for name in ("k1", "k2", "k3"):
+        (triton / name).mkdir(parents=True)
+    (inductor / "fxgraph" / "ab").mkdir(parents=True)
+    (inductor / "fxgraph" / "ab" / "entry").write_text("x")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(triton))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor))
+    assert gt.compile_caches() == "before the run: 3 entries in Triton's cache, 1 files in Inductor's"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "none"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "none"))
+    assert gt.compile_caches() == "before the run: 0 entries in Triton's cache, 0 files in Inductor's"
