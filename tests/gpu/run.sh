@@ -216,7 +216,7 @@ main() {
   checks micro "grouped_mm" 60 -- tests/gpu/test_grouped_mm.py
   checks attn "thd attention bf16" 60 -- tests/gpu/test_thd_attention.py
   # new tokens/s at batch 1 and 8 (35b_a3b's widths in 4 layers, bf16)
-  checks decode "decode tokens/s" 90 -- tests/gpu/test_decode.py -k tokens_per_second
+  checks decode "decode tokens/s" 60 -- tests/gpu/test_decode.py -k tokens_per_second
   checks train "training" 300 -- tests/gpu/test_training.py
   checks parallel "TP / EP" 400 -- tests/gpu/test_parallel.py
   echo "== [gpu] table =="
