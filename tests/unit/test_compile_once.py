@@ -49,3 +49,23 @@ def test_later_steps_compile_nothing(mcore, monkeypatch, any_length):
         assert later == [0] * len(later), later
     else:  # the default recompiles every helper at the second length: what the setting removes
         assert later[0] >= first - 1 and later[1:] == [0] * (len(later) - 1), (first, later)
+
+
+def test_compile_watch_tells_each_new_graph_once():
+    """The log's torch.compile line: graphs compiled since the last line (a later recompile shows as one
+    more), nothing when nothing compiled."""
+    watch = compile_once.CompileWatch()
+    watch.news()  # whatever this process compiled before
+    f = torch.compile(lambda x: x.sin() + 1, backend="eager")
+    with torch._dynamo.config.patch(disable=False, assume_static_by_default=True):
+        f(torch.randn(3))
+        first = watch.news()
+        f(torch.randn(3))  # same shape: served by the graph compiled
+        same = watch.news()
+        f(torch.randn(5))  # a new length: compiled again, for dynamic shapes
+        again = watch.news()
+    torch._dynamo.reset()
+    assert first.startswith(" torch.compile: ") and "graphs compiled (1 since the last line) in " in first
+    assert same is None
+    total = int(first.split()[1]) + 1
+    assert again.startswith(f" torch.compile: {total} graphs compiled (1 since the last line)"), again

@@ -183,6 +183,7 @@ def test_log_wrapper_emits_throughput_on_log_iterations_and_writes_metrics(mcore
         MetricsFile(str(path)),
         side_losses,
         lambda: SimpleNamespace(add_scalar=lambda *scalar: scalars.append(scalar)),
+        SimpleNamespace(news=lambda: " torch.compile: 9 graphs compiled (9 since the last line) in 3.2 s |"),
     )
     meter.last = {"model_flops": 3e12, "real_tokens": 150.0, "padded_tokens": 192.0}
     assert _log_call(log, 1, loss=2.123456789, grad_norm=torch.tensor(3.98581234)) == "report"
@@ -210,7 +211,8 @@ def test_log_wrapper_emits_throughput_on_log_iterations_and_writes_metrics(mcore
     assert calls == [1, 2] and timer_reads == [False]  # read, never reset: megatron's log resets it
     assert emitted == [
         " model FLOPs (flops.py): 250 TFLOP/s per GPU over 2 iterations | tokens/s: 450"
-        " | padding: 10.0% | MFU: 25.0% of 1000 TFLOP/s dense bf16 |"
+        " | padding: 10.0% | MFU: 25.0% of 1000 TFLOP/s dense bf16 |",
+        " torch.compile: 9 graphs compiled (9 since the last line) in 3.2 s |",  # after a log line only
     ]
     assert meter.window_iters == 0 and meter.window_flops == 0.0
     # TensorBoard gets the line's rates at the log iteration

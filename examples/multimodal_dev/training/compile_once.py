@@ -22,3 +22,23 @@ def compile_for_any_length() -> None:
     """Dynamo treats sizes as dynamic from the first call (process-wide: only megatron-core's
     helpers are compiled in a training run)."""
     torch._dynamo.config.assume_static_by_default = False
+
+
+class CompileWatch:
+    """torch.compile's graphs and compile seconds in this process so far, told when they grow: the
+    warm-up's share of the first iterations, and any recompile later in a run (a new shape, an
+    evaluation), show in the log."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def news(self) -> str | None:
+        from torch._dynamo.utils import compilation_time_metrics, counters
+
+        graphs = counters["stats"]["unique_graphs"]
+        if graphs == self.graphs:
+            return None
+        new, self.graphs = graphs - self.graphs, graphs
+        line = f" torch.compile: {graphs} graphs compiled ({new} since the last line)"
+        seconds = compilation_time_metrics.get("_compile.compile_inner")  # Dynamo's own timer of each compile
+        return line + (f" in {sum(seconds):.1f} s" if seconds else "") + " |"

@@ -22,6 +22,7 @@ import torch
 
 from examples.multimodal_dev.data.batch import PackedBatch
 from examples.multimodal_dev.models import model_of
+from examples.multimodal_dev.training.compile_once import CompileWatch
 
 # Dense (no sparsity) bf16 tensor-core peak per GPU, TFLOP/s, from the vendors' data sheets.
 # First match wins, so the more specific names come first.
@@ -200,12 +201,14 @@ def log_wrapper(
     metrics: MetricsFile | None = None,
     side_losses: dict | None = None,
     get_writer=lambda: None,
+    compiles=None,
 ):
     """``training_log`` that records every iteration in ``metrics`` and, on every
     ``--log-interval`` iteration, also emits ``throughput_line`` (``peak_of(args)``: the MFU peak,
     or None) and writes its rates to TensorBoard (``get_writer()``, None where megatron has no
     writer). The interval timer is read (not reset) before megatron's own log resets it.
-    ``side_losses``: per-iteration auxiliary losses (MTP) captured for the metrics file."""
+    ``side_losses``: per-iteration auxiliary losses (MTP) captured for the metrics file. ``compiles``:
+    a ``compile_once.CompileWatch``, whose line follows a log line when torch.compile compiled since."""
     names = list(inspect.signature(original).parameters)
 
     def training_log(*args, **kwargs):
@@ -234,6 +237,9 @@ def log_wrapper(
         if at_log:
             iterations, window = meter.window_iters, meter.take_window()
             emit(throughput_line(window, iterations, seconds, margs.world_size, peak_of(margs)))
+            compiled = compiles.news() if compiles is not None else None
+            if compiled:
+                emit(compiled)
             writer = get_writer()
             if writer is not None:
                 for name, value in window_rates(window, seconds, margs.world_size).items():
@@ -311,6 +317,7 @@ def logged_step(original, run):
         MetricsFile(getattr(run.args, "metrics_file", None)),
         run.meter.side_losses,
         get_tensorboard_writer,
+        CompileWatch(),
     )
 
 
