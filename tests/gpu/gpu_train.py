@@ -42,6 +42,7 @@ class TrainRun:
     gpu_peak_mib: dict = field(default_factory=dict)  # GPU index -> nvidia-smi peak used, minus the baseline
     timers: dict = field(default_factory=dict)  # iteration -> {megatron timer: ms} (--timing-log-level)
     trace_path: str | None = None
+    warm_up: dict = field(default_factory=dict)  # warm_up_work of the log
 
     @property
     def losses(self) -> dict:
@@ -119,6 +120,30 @@ def planner_step_seconds(steady: dict, peak_tflops: float) -> float | None:
         return None
     step_tflop = steady["tflops"] * steady["iter_ms"] / 1000
     return step_tflop / (peak_tflops * Request.efficiency)
+
+
+COMPILED = re.compile(r"torch\.compile: (\d+) graphs compiled \(\d+ since the last line\)(?: in ([0-9.]+) s)?")
+# Triton's line after autotuning a kernel for a new key (TRITON_PRINT_AUTOTUNING=1; none for a cached result):
+# one line up to 3.5 or so, "function F,\nwith key as K,\nfinished after Ts," in later ones
+AUTOTUNED = re.compile(r"Triton autotuning for function (\w+)(?:,\s*with key as [^\n]*,)?\s+finished after ([0-9.]+)s")
+
+
+def warm_up_work(text: str) -> dict:
+    """What a run compiled, from its log: torch.compile's graphs and seconds (the last line the run's log
+    wrapper printed, training/compile_once.CompileWatch) and the kernels Triton autotuned and the seconds
+    that took (compiling every config included)."""
+    out = {}
+    compiled = COMPILED.findall(text)
+    if compiled:
+        graphs, seconds = compiled[-1]
+        out["compiled graphs"] = int(graphs)
+        if seconds:
+            out["compile s"] = float(seconds)
+    tuned = AUTOTUNED.findall(text)
+    if tuned:
+        out["autotuned kernels"] = len(tuned)
+        out["autotune s"] = sum(float(seconds) for _, seconds in tuned)
+    return out
 
 
 def compile_caches() -> str:
@@ -288,6 +313,7 @@ def run_training(
         text = f.read()
     run.throughput, run.iter_ms, run.memory_mib = parse_log(text)
     run.timers = gpu_profile.parse_timers(text)
+    run.warm_up = warm_up_work(text)
     trace = os.path.join(workdir, "torch_profile", "rank-0.json.gz")
     run.trace_path = trace if os.path.exists(trace) else None
     _keep_tail(log_path)

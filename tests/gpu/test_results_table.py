@@ -246,3 +246,20 @@ def test_compile_caches_counts_what_a_warm_up_could_reuse(tmp_path, monkeypatch)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "none"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "none"))
     assert gt.compile_caches() == "before the run: 0 entries in Triton's cache, 0 files in Inductor's"
+
+
+def test_warm_up_work_reads_compiles_and_autotunes_from_the_log():
+    log = "\n".join(
+        [
+            " torch.compile: 9 graphs compiled (9 since the last line) in 14.2 s |",
+            "Triton autotuning for function causal_conv1d_fwd_kernel,",
+            "with key as (8192, 4, 'torch.bfloat16'),",
+            "finished after 6.31s,",
+            "best config selected: BT: 64, num_warps: 4;",
+            " torch.compile: 11 graphs compiled (2 since the last line) in 15.0 s |",
+            "Triton autotuning for function l2norm_fwd_kernel_row finished after 1.50s; best config selected: w: 8;",
+        ]
+    )
+    work = gt.warm_up_work(log)
+    assert work == {"compiled graphs": 11, "compile s": 15.0, "autotuned kernels": 2, "autotune s": pytest.approx(7.81)}
+    assert gt.warm_up_work("iteration 1/ 20 |") == {}

@@ -19,7 +19,8 @@ measure launch overhead, not the model): ~4k tokens per micro-batch, ~8k per ite
 Measured: loss of the first and last three iterations (metrics file, full precision; "falls" means
 the last three average at least 1% below the first three; a run stopped by its cap is judged on the
 iterations it completed, gpu_train.training_verdict), the warm-up (iterations 1 and 2 together: the
-compilation and autotuning happen there), and over the steady iterations
+compilation and autotuning happen there; the graphs torch.compile built and the kernels Triton
+autotuned, with their seconds, from the log; how full both caches were before), and over the steady iterations
 6..(profile start - 1): tokens/s, model TFLOP/s per GPU (flops.py's count of the real work, from the
 run's log line) and MFU against the device's dense bf16 peak (throughput.py's table), iteration
 time, and beside it the planner's step time for the same setting (gpu_train.planner_step_seconds) as
@@ -133,6 +134,7 @@ def test_training_run(run_name, record):
     workdir, log_path = _dirs(run_name)
     shape, env, what = _plan(run_name, workdir)
     env.update(SETTINGS)
+    env["TRITON_PRINT_AUTOTUNING"] = "1"  # a line for each kernel autotuned, with its seconds (warm-up)
     if os.environ.get("GPU_TRAIN_IMPL"):
         env["TRANSFORMER_IMPL"] = os.environ["GPU_TRAIN_IMPL"]
     args = [
@@ -170,6 +172,7 @@ def test_training_run(run_name, record):
         "iter ms": steady.get("iter_ms"),
         # compilation and autotuning land in the first two (the aim: under 15 s together)
         "iters 1+2 s": (run.iter_ms[1] + run.iter_ms[2]) / 1000 if {1, 2} <= run.iter_ms.keys() else None,
+        **run.warm_up,
         "padding %": steady.get("padding"),
         "peak GiB (nvidia-smi)": max(run.gpu_peak_mib.values()) / 1024 if run.gpu_peak_mib else None,
         "max allocated GiB": run.memory_mib.get("max allocated", 0) / 1024 or None,
