@@ -46,6 +46,8 @@ mkdir -p "$OUTDIR"
 SCRATCH=${GPU_CHECKS_SCRATCH:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_checks.XXXXXX")}
 mkdir -p "$SCRATCH"
 export GPU_RESULTS="$OUTDIR/rows.jsonl" GPU_CHECKS_OUTDIR="$OUTDIR" GPU_CHECKS_SCRATCH="$SCRATCH" PYTHONUNBUFFERED=1
+# Triton says which kernel it autotuned and in how many seconds: where a group's time went on a fresh machine
+export TRITON_PRINT_AUTOTUNING=${TRITON_PRINT_AUTOTUNING:-1}
 export PYTHON=${PYTHON:-python3}
 if [[ -z "${WHEELHOUSE:-}" && -d "$ROOT/wheelhouse" ]]; then WHEELHOUSE="$ROOT/wheelhouse"; fi
 if [[ -z "${WHEELHOUSE:-}" && -f "$ROOT/wheelhouse.tar.xz" ]]; then WHEELHOUSE="$ROOT/wheelhouse.tar.xz"; fi
