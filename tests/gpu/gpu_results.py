@@ -23,6 +23,7 @@ import datetime
 import json
 import math
 import os
+import re
 import sys
 import time
 
@@ -365,6 +366,29 @@ def environment() -> dict:
     return info
 
 
+# Triton's line after autotuning a kernel for a new key (TRITON_PRINT_AUTOTUNING=1; none for a cached result):
+# one line up to 3.5 or so, "function F,\nwith key as K,\nfinished after Ts," in later ones
+AUTOTUNED = re.compile(r"Triton autotuning for function (\w+)(?:,\s*with key as [^\n]*,)?\s+finished after ([0-9.]+)s")
+
+
+def autotuned(text: str) -> list[tuple[str, float]]:
+    """(kernel, seconds) of every autotuning a log records, compiling each config included."""
+    return [(name, float(seconds)) for name, seconds in AUTOTUNED.findall(text)]
+
+
+def autotune_row(check: str, log_path: str) -> dict | None:
+    """An info row of what Triton autotuned in one group's log: how many kernels and how long, the
+    slowest five by name (a fresh machine's groups spend their time there)."""
+    with open(log_path, errors="replace") as f:
+        tuned = autotuned(f.read())
+    if not tuned:
+        return None
+    slowest = sorted(tuned, key=lambda t: -t[1])[:5]
+    metrics = {"autotuned kernels": len(tuned), "autotune s": sum(s for _, s in tuned)}
+    note = "slowest: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in slowest)
+    return record(check, "Triton autotuning", "info", metrics, note)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -385,6 +409,9 @@ def main(argv=None) -> int:
         "docs", aliases=["readme"], help="rewrite docs/gpu.md's GPU table from a committed results folder"
     )
     docs.add_argument("--folder", default=None, help="[the newest dated folder under tests/gpu/results/]")
+    tune = sub.add_parser("autotune", help="an info row of the kernels Triton autotuned in a group's log")
+    tune.add_argument("--check", required=True)
+    tune.add_argument("--log", required=True)
     args = parser.parse_args(argv)
 
     if args.cmd == "add":
@@ -403,6 +430,8 @@ def main(argv=None) -> int:
         flat = {k: v for k, v in info.items() if k not in ("versions", "gpus")}
         shown = {k: info["versions"].get(k) for k in ("torch", "torch cuda", "triton", "flash-linear-attention")}
         record("env", "host", "info", {**shown, **flat}, "all versions: the table's header")
+    elif args.cmd == "autotune":
+        autotune_row(args.check, args.log)
     elif args.cmd in ("docs", "readme"):
         write_docs(args.folder or newest_results_folder())
     else:

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 import gpu_profile
+import gpu_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+)")
@@ -123,9 +124,6 @@ def planner_step_seconds(steady: dict, peak_tflops: float) -> float | None:
 
 
 COMPILED = re.compile(r"torch\.compile: (\d+) graphs compiled \(\d+ since the last line\)(?: in ([0-9.]+) s)?")
-# Triton's line after autotuning a kernel for a new key (TRITON_PRINT_AUTOTUNING=1; none for a cached result):
-# one line up to 3.5 or so, "function F,\nwith key as K,\nfinished after Ts," in later ones
-AUTOTUNED = re.compile(r"Triton autotuning for function (\w+)(?:,\s*with key as [^\n]*,)?\s+finished after ([0-9.]+)s")
 
 
 def warm_up_work(text: str) -> dict:
@@ -139,10 +137,10 @@ def warm_up_work(text: str) -> dict:
         out["compiled graphs"] = int(graphs)
         if seconds:
             out["compile s"] = float(seconds)
-    tuned = AUTOTUNED.findall(text)
+    tuned = gpu_results.autotuned(text)
     if tuned:
         out["autotuned kernels"] = len(tuned)
-        out["autotune s"] = sum(float(seconds) for _, seconds in tuned)
+        out["autotune s"] = sum(seconds for _, seconds in tuned)
     return out
 
 

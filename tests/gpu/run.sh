@@ -114,17 +114,22 @@ checks() {
   echo "== [gpu] $name: started beside the others (its output follows when they have all ended) =="
   # rows of its own, so that step() sees which rows are this step's; joined in order at the end
   GPU_RESULTS="$log.rows" "${cmd[@]}" >"$log.log" 2>&1 &
-  TOGETHER+=("$! $log")
+  TOGETHER+=("$!|$log|$name")
 }
 
 run_together() { TOGETHER_DIR="$SCRATCH/together.$1" && mkdir -p "$TOGETHER_DIR" && TOGETHER=(); }
 
-wait_together() {  # every background step's end, then their outputs and rows in the order they started
-  local entry
-  for entry in ${TOGETHER[@]+"${TOGETHER[@]}"}; do wait "${entry%% *}"; done
+# every background step's end, then in the order they started their outputs, their rows and a row of
+# what Triton autotuned in each (where a fresh machine's time goes)
+wait_together() {
+  local entry pid log name
+  for entry in ${TOGETHER[@]+"${TOGETHER[@]}"}; do wait "${entry%%|*}"; done
   for entry in ${TOGETHER[@]+"${TOGETHER[@]}"}; do
-    cat "${entry#* }.log"
-    [[ -f "${entry#* }.rows" ]] && cat "${entry#* }.rows" >>"$GPU_RESULTS"
+    IFS='|' read -r pid log name <<<"$entry"
+    cat "$log.log"
+    [[ -f "$log.rows" ]] && cat "$log.rows" >>"$GPU_RESULTS"
+    "$PY" tests/gpu/gpu_results.py autotune --check "$name" --log "$log.log" >/dev/null \
+      || echo "[gpu] could not read the autotuning of $name"
   done
   TOGETHER=() TOGETHER_DIR=""
 }

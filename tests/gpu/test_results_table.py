@@ -263,3 +263,19 @@ def test_warm_up_work_reads_compiles_and_autotunes_from_the_log():
     work = gt.warm_up_work(log)
     assert work == {"compiled graphs": 11, "compile s": 15.0, "autotuned kernels": 2, "autotune s": pytest.approx(7.81)}
     assert gt.warm_up_work("iteration 1/ 20 |") == {}
+
+
+def test_autotune_row_sums_what_a_group_log_autotuned(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPU_RESULTS", str(tmp_path / "rows.jsonl"))
+    log = tmp_path / "group.log"
+    log.write_text(
+        "Autotuning kernel chunk_fwd_kernel_h with config BK: 64\n"
+        "Triton autotuning for function chunk_fwd_kernel_h,\nwith key as (64, True),\nfinished after 21.50s,\n"
+        "Triton autotuning for function l2norm_fwd_kernel finished after 0.75s; best config selected: w: 8;\n"
+    )
+    row = gpu_results.autotune_row("model parity fp32 tiny", str(log))
+    assert row["metrics"] == {"autotuned kernels": 2, "autotune s": 22.25}
+    assert row["note"] == "slowest: chunk_fwd_kernel_h 21.5 s, l2norm_fwd_kernel 0.8 s"
+    assert gpu_results.read_rows(str(tmp_path / "rows.jsonl")) == [row]
+    (tmp_path / "quiet.log").write_text("no autotuning here\n")
+    assert gpu_results.autotune_row("fsdp", str(tmp_path / "quiet.log")) is None
