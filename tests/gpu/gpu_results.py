@@ -34,6 +34,13 @@ def rows_path() -> str | None:
     return os.environ.get("GPU_RESULTS") or None
 
 
+def rehearsal() -> bool:
+    """GPU_CHECKS_REHEARSAL=1 on a host without CUDA: the checks that launch ``run_qwen35_vl.sh`` (training,
+    bf16 resume) run there on the tiny model, so their own code (launching, parsing, verdicts, rows) is
+    exercised before a GPU's minutes are spent on it. Their numbers are a CPU's and say so."""
+    return os.environ.get("GPU_CHECKS_REHEARSAL") == "1"
+
+
 def deadline_left() -> float:
     """Seconds left of tests/gpu/run.sh's budget (GPU_CHECKS_DEADLINE, epoch seconds); plenty if unset."""
     deadline = os.environ.get("GPU_CHECKS_DEADLINE")

@@ -10,6 +10,8 @@ Runs (GPU_TRAIN_RUNS, default both, in this order; each at most GPU_TRAIN_RUN_CA
   One layer of 256 experts is ~0.81 B parameters (14.6 GB with its optimizer), embeddings + vision
   ~1.5 B: an 80 GB H100 takes 2 layers (GDN + attention, ~3.1 B, ~68 GiB estimated), a 141 GB
   H200 takes 4 (~96 GiB) (the released 3 GDN + 1 attention pattern). GPU_35B_LAYERS overrides.
+- ``tiny``: MODEL_VARIANT=tiny, the run of a rehearsal on a CPU host (gpu_results.rehearsal), where the
+  two above would not fit.
 - ``proxy``: MODEL_VARIANT=proxy (4 layers of the 397B shape, 8 experts; ~3.4 B parameters, ~72 GiB
   estimated the same way).
 
@@ -38,14 +40,14 @@ import os
 import subprocess
 import tempfile
 
+import gpu_results
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+if not torch.cuda.is_available() and not gpu_results.rehearsal():
     pytest.skip("no CUDA device: GPU checks run on a GPU host (bash tests/gpu/run.sh)", allow_module_level=True)
 
 import gpu_profile
-import gpu_results
 import gpu_train as gt
 
 CHECK = "training"
@@ -62,7 +64,9 @@ SETTINGS = dict(
 PROFILE_START, PROFILE_END = ITERS - 4, ITERS - 2  # two steady iterations, before the last one's evaluation
 RUN_CAP_S = float(os.environ.get("GPU_TRAIN_RUN_CAP_S", 200))
 # 35b_a3b first: its GDN kernels are the ones test_fla_kernels.py compiled and autotuned already.
-RUNS = [r for r in os.environ.get("GPU_TRAIN_RUNS", "35b_a3b-cut,proxy").split(",") if r]
+# A rehearsal on a CPU (gpu_results.rehearsal) trains the tiny model instead.
+DEFAULT_RUNS = "tiny" if not torch.cuda.is_available() else "35b_a3b-cut,proxy"
+RUNS = [r for r in os.environ.get("GPU_TRAIN_RUNS", DEFAULT_RUNS).split(",") if r]
 
 
 def _gpu(field: str) -> str:
@@ -77,6 +81,8 @@ def _gpu(field: str) -> str:
         ).stdout
         return out.strip().splitlines()[0].strip()
     except (OSError, subprocess.SubprocessError, IndexError):  # no nvidia-smi: ask torch after all
+        if not torch.cuda.is_available():  # a rehearsal on a CPU
+            return "0" if field == "memory.total" else "cpu (rehearsal)"
         props = torch.cuda.get_device_properties(0)
         return str(props.total_memory // 2**20) if field == "memory.total" else props.name
 
@@ -94,6 +100,8 @@ def _plan(run_name: str, workdir: str):
 
     if run_name == "proxy":
         return get_variant("proxy", mtp=False), {"MODEL_VARIANT": "proxy"}, "proxy variant (MTP off: the default)"
+    if run_name == "tiny":
+        return get_variant("tiny", mtp=False), {"MODEL_VARIANT": "tiny"}, "tiny variant (a rehearsal's run)"
     if run_name == "35b_a3b-cut":
         total = float(_gpu("memory.total")) * 2**20
         layers = int(os.environ.get("GPU_35B_LAYERS") or gt.choose_35b_layers(total))
@@ -107,7 +115,7 @@ def _plan(run_name: str, workdir: str):
                 f"{gt.estimated_bytes(shape) / 2**30:.0f} of {total / 2**30:.0f} GiB"
             ),
         )
-    raise ValueError(f"GPU_TRAIN_RUNS: unknown run {run_name!r} (proxy, 35b_a3b-cut)")
+    raise ValueError(f"GPU_TRAIN_RUNS: unknown run {run_name!r} (proxy, 35b_a3b-cut, tiny)")
 
 
 def _record_profile(record, run_name: str, events: list) -> None:
@@ -187,7 +195,9 @@ def test_training_run(run_name, record):
     ok = status == "pass"
     note = (
         f"{what}; {verdict}; MBS {SETTINGS['MBS']} GBS {SETTINGS['GBS']} seq {SETTINGS['SEQ_LEN']}; "
-        f"steady iterations {steady.get('iterations', 'none')}; MFU vs {peak} TFLOP/s dense bf16; {caches}"
+        f"steady iterations {steady.get('iterations', 'none')}; "
+        + (f"MFU vs {peak} TFLOP/s dense bf16; " if peak else "no MFU: no peak known for this device; ")
+        + caches
     )
     if not ok:
         note += f"; {run.error_line()}"
