@@ -33,6 +33,12 @@ def megatron_gpu():
 
     import megatron.cpu
 
+    if not torch.cuda.is_available():  # a rehearsal on a CPU (gpu_results.rehearsal): the CPU's single process
+        from megatron.cpu.single_process import init_single_process
+
+        init_single_process()
+        torch.manual_seed(1234)
+        return torch.distributed.get_backend()
     torch.cuda.set_device(0)
     if not torch.distributed.is_initialized():
         store = tempfile.NamedTemporaryFile(prefix="gpu_checks_store_", delete=False).name

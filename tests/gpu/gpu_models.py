@@ -8,6 +8,7 @@ Logits are compared on real tokens only, in sample order (both layouts list them
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,8 @@ if TYPE_CHECKING:
     from examples.multimodal_dev.data.batch import PackedBatch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# the GPU; a CPU in a rehearsal (gpu_results.rehearsal), which runs these checks' code on the torch kernels
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def shapes() -> dict:
@@ -46,10 +49,10 @@ def exact_fp32() -> None:
 
 
 def hf_reference(shape, seed: int = 0):
-    """transformers' model of ``shape`` in fp32 on the GPU, every weight random (tests/hf_reference.py)."""
+    """transformers' model of ``shape`` in fp32 on DEVICE, every weight random (tests/hf_reference.py)."""
     from hf_reference import build_hf_model
 
-    return build_hf_model(shape, seed=seed).cuda().eval()
+    return build_hf_model(shape, seed=seed).to(DEVICE).eval()
 
 
 def case(shape_name: str, dtype_name: str):
@@ -60,6 +63,8 @@ def case(shape_name: str, dtype_name: str):
 
     if gpu_results.deadline_left() < 40:
         pytest.skip("out of tests/gpu/run.sh's time budget")
+    if gpu_results.rehearsal() and not shape_name.startswith("tiny"):
+        pytest.skip("a rehearsal on a CPU runs the tiny shapes")
     dtype, shape = DTYPES[dtype_name], shapes()[shape_name]
     if dtype_name == "fp32":
         exact_fp32()
@@ -72,7 +77,7 @@ def megatron_model(shape, dtype, backend: str, hf_state: dict):
 
     model = build_model(shape, backend=backend, params_dtype=dtype)
     load_hf_into_model(model, hf_state, shape)  # strict: every tensor lands
-    return model.cuda().eval()
+    return model.to(DEVICE).eval()
 
 
 def batches(shape, name: str, seed: int = 0) -> tuple[PackedBatch, PackedBatch]:
@@ -89,7 +94,7 @@ def batches(shape, name: str, seed: int = 0) -> tuple[PackedBatch, PackedBatch]:
 
 
 def on_gpu(batch: PackedBatch, dtype) -> PackedBatch:
-    out = batch.to(torch.device("cuda"))
+    out = batch.to(DEVICE)
     if out.pixel_values is not None:
         out.pixel_values = out.pixel_values.to(dtype)
     return out
@@ -122,7 +127,7 @@ def hf_logits(hf, bshd_host: PackedBatch, shape, dtype) -> torch.Tensor:
     inputs = hf_inputs(bshd_host, shape.image_token_id)
     inputs.pop("labels")
     inputs = {
-        k: (v.to("cuda", dtype) if k == "pixel_values" else v.to("cuda")) if torch.is_tensor(v) else v
+        k: (v.to(DEVICE, dtype) if k == "pixel_values" else v.to(DEVICE)) if torch.is_tensor(v) else v
         for k, v in inputs.items()
     }
     return real(hf(**inputs).logits, bshd_host)
@@ -162,3 +167,49 @@ def gdn_kernel_source() -> str:
 
     fn = getattr(gdn, "chunk_gated_delta_rule", None)
     return getattr(fn, "__module__", "none")
+
+
+def fp32_rounding(shape_name: str) -> dict:
+    """How far fp32 logits are from float64 ones at ``shape_name``, for transformers and for this model,
+    and this model's from transformers' in each precision (max |diff| / max(|ref|, 1)): the floor under
+    the fp32 parity bar. Run on a CPU (transformers' experts on their eager path: grouped_mm has no
+    float64); both models keep a few fp32 islands (norms, rotary, router) in float64 too."""
+    import copy
+
+    from megatron.cpu.single_process import init_single_process
+
+    init_single_process()
+    shape, hf = shapes()[shape_name], build_hf_reference_cpu(shape_name)
+    thd, bshd = batches(shape, shape_name)
+    logits = {}
+    for dtype in (torch.float32, torch.float64):
+        ref = copy.deepcopy(hf).to(dtype)
+        ours = megatron_model(shape, dtype, "local", ref.state_dict())
+        logits["transformers", dtype] = hf_logits(ref, bshd, shape, dtype).double()
+        logits["ours", dtype] = megatron_logits(ours, on_gpu(thd, dtype)).double()
+    pairs = {
+        "transformers fp32 vs float64": (("transformers", torch.float32), ("transformers", torch.float64)),
+        "ours fp32 vs float64": (("ours", torch.float32), ("ours", torch.float64)),
+        "ours vs transformers, fp32": (("ours", torch.float32), ("transformers", torch.float32)),
+        "ours vs transformers, float64": (("ours", torch.float64), ("transformers", torch.float64)),
+    }
+    return {name: errors(logits[a], logits[b])["rel"] for name, (a, b) in pairs.items()}
+
+
+def build_hf_reference_cpu(shape_name: str):
+    """transformers' reference of ``shape_name`` on the CPU with its experts on the eager path."""
+    hf = hf_reference(shapes()[shape_name]).cpu()
+    configs = [hf.config, *(getattr(hf.config, name) for name in ("text_config", "vision_config"))]
+    for config in configs:
+        config._experts_implementation = config._experts_implementation_internal = "eager"
+    return hf
+
+
+if __name__ == "__main__":  # python tests/gpu/gpu_models.py wide-moe: the numbers test_model_parity cites
+    import sys
+
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path[:0] = [tests, os.path.dirname(tests)]  # hf_reference, and the repository
+    for name in sys.argv[1:] or list(BATCH):
+        for what, rel in fp32_rounding(name).items():
+            print(f"{name}: {what}: {rel:.3g}")

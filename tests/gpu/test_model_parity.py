@@ -8,25 +8,31 @@ else on the torch kernels; the note names which.
 Measured: logits of our packed THD row and of our padded BSHD batch against transformers' fp32
 logits (real tokens), THD against BSHD (logits and loss); in bf16 also transformers' own bf16 error.
 Bars: fp32: max |diff| <= 2e-5 * max(|ref|, 1) (tests/unit/test_hf_parity.py's bar; run.sh runs the
-fp32 cases with TRITON_F32_DEFAULT=ieee, as FLA's fp32 dots are TF32 otherwise) and THD vs padded loss
-<= 1e-5 abs (docs). bf16: mean |diff| no more than 2x transformers' own bf16 run (rounding is the
-error there; MoE routing may flip on near-ties in either) and THD vs padded loss within 2e-2 rel.
+fp32 cases with TRITON_F32_DEFAULT=ieee, as FLA's fp32 dots are TF32 otherwise), 5e-5 at the wide
+shape, and THD vs padded loss <= 1e-5 abs (docs). The wide shape's bar sits above the reference's own
+rounding: on a CPU, at the same weights and batch, transformers' fp32 logits differ from its float64
+ones by 1.96e-5 of the largest logit (5e-6 to 9e-6 at the tiny shapes), and ours differ from
+transformers' by 2.16e-5, so 2e-5 fails on rounding alone there (``python tests/gpu/gpu_models.py
+wide-moe`` prints these). bf16: mean |diff| no more than 2x transformers' own
+bf16 run (rounding is the error there; MoE routing may flip on near-ties in either) and THD vs padded
+loss within 2e-2 rel. A rehearsal on a CPU (gpu_results.rehearsal) runs the tiny shapes on the torch
+kernels.
 """
 
 import os
 
+import gpu_results
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+if not torch.cuda.is_available() and not gpu_results.rehearsal():
     pytest.skip("no CUDA device: GPU checks run on a GPU host (bash tests/gpu/run.sh)", allow_module_level=True)
 
 import gpu_models as gm
-import gpu_results
 
 CHECK = "model vs transformers"
 pytestmark = pytest.mark.gpu
-FP32_REL, FP32_LOSS_ABS, BF16_VS_HF, BF16_LOSS_REL = 2e-5, 1e-5, 2.0, 2e-2
+FP32_REL, FP32_LOSS_ABS, BF16_VS_HF, BF16_LOSS_REL = {"wide-moe": 5e-5}, 1e-5, 2.0, 2e-2
 
 
 @pytest.mark.parametrize("dtype_name", list(gm.DTYPES))
@@ -68,8 +74,9 @@ def test_logits_match_transformers(shape_name, dtype_name, megatron_gpu, record)
         }
     )
     if dtype_name == "fp32":
-        ok = e_thd["rel"] <= FP32_REL and e_bshd["rel"] <= FP32_REL and abs(loss_thd - loss_bshd) <= FP32_LOSS_ABS
-        bar = f"rel <= {FP32_REL:g}, loss diff <= {FP32_LOSS_ABS:g}"
+        rel = FP32_REL.get(shape_name, 2e-5)
+        ok = e_thd["rel"] <= rel and e_bshd["rel"] <= rel and abs(loss_thd - loss_bshd) <= FP32_LOSS_ABS
+        bar = f"rel <= {rel:g}, loss diff <= {FP32_LOSS_ABS:g}"
     else:
         hf_mean = max(metrics["hf bf16 mean"], 1e-6)
         ok = (
@@ -84,5 +91,6 @@ def test_logits_match_transformers(shape_name, dtype_name, megatron_gpu, record)
     )
     record(f"{shape_name} {dtype_name}", "pass" if ok else "fail", metrics, note)
     del ours
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     assert ok, f"{shape_name} {dtype_name}: {metrics}"
