@@ -6,19 +6,20 @@ the run is DP=2 and its shards are real.
 Model: tiny with 4 experts (MOE=1), bf16, SEQ_LEN 512, MBS 4, GBS 8, 4 iterations with evaluation at 2
 and 4, a save at 4. Compared with the DDP run of the same seed (metrics files): lm loss and grad norm of
 every iteration within 2e-2 relative (bf16: FSDP's gradients go through fp32 main-gradient buffers in
-another order), as tests/distributed/test_fsdp.py checks in fp32 on CPU at 1e-5.
+another order), as tests/distributed/test_fsdp.py checks in fp32 on CPU at 1e-5. A rehearsal on a CPU
+(gpu_results.rehearsal) runs the same two launches there.
 """
 
 import os
 import tempfile
 
+import gpu_results
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+if not torch.cuda.is_available() and not gpu_results.rehearsal():
     pytest.skip("no CUDA device: GPU checks run on a GPU host (bash tests/gpu/run.sh)", allow_module_level=True)
 
-import gpu_results
 import gpu_train as gt
 
 CHECK = "Megatron-FSDP"

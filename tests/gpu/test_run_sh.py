@@ -1,12 +1,11 @@
 """CPU check of tests/gpu/run.sh and of the GPU checks' own code (not marked gpu: it runs in the normal
 suite). One run of run.sh as a rehearsal (gpu_results.rehearsal): the parity checks at the tiny shapes,
-greedy decoding against transformers, the bf16 resume and the training checks run on the tiny model on
-this CPU, so their launching,
-parsing, verdicts and rows are exercised before a GPU's minutes are spent on them, while
-Megatron-FSDP's check skips (no test ran). Checked: the groups run together start side by side and
-each gets its own rows (a group with no test gets its own "no test ran" row), rows and outputs come
-back in the order the groups started, the groups run alone follow, and the table is written with
-every step's exit in its header."""
+greedy decoding against transformers, the bf16 resume, Megatron-FSDP against DDP and the training
+checks run on the tiny model on this CPU, so their launching, parsing, verdicts and rows are exercised
+before a GPU's minutes are spent on them, while FLA's kernel checks skip (no test ran). Checked: the
+groups run together start side by side and each gets its own rows (a group with no test gets its own
+"no test ran" row), rows and outputs come back in the order the groups started, the groups run alone
+follow, and the table is written with every step's exit in its header."""
 
 import json
 import os
@@ -18,18 +17,18 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOGETHER = ["model parity fp32 tiny", "model parity fp32 wide", "model parity bf16 tiny", "model parity bf16 wide"]
-TOGETHER += ["bf16 resume", "decode tokens", "Megatron-FSDP"]
+TOGETHER = ["fla kernels bf16", "fla kernels fp32", *TOGETHER, "bf16 resume", "decode tokens", "Megatron-FSDP"]
 REHEARSAL = {"GPU_CHECKS_REHEARSAL": "1", "GPU_TRAIN_ITERS": "8", "GPU_TRAIN_SEQ_LEN": "1024"}
 
 
 @pytest.fixture(scope="module")
 def rehearsal(tmp_path_factory):
-    """One run of run.sh with the parity, resume, decode, FSDP and training groups: (results.json, run.log)."""
+    """One run of run.sh with the FLA, parity, resume, decode, FSDP and training groups: (results.json, run.log)."""
     tmp = tmp_path_factory.mktemp("gpu_run")
     out, scratch = tmp / "out", tmp / "scratch"
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPU_")}
     env.update(REHEARSAL, OUT=str(out), GPU_CHECKS_SCRATCH=str(scratch), PYTHON=sys.executable)
-    env.update(GPU_CHECKS="parity resume decode fsdp train")
+    env.update(GPU_CHECKS="fla parity resume decode fsdp train")
     env.pop("WHEELHOUSE", None)
     done = subprocess.run(["bash", "tests/gpu/run.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -42,13 +41,15 @@ def test_groups_run_together_then_alone(rehearsal):
     rows = [(row["check"], row["case"], row["status"]) for row in result["rows"][2:]]  # after bootstrap, env
     parity = "model vs transformers"
     expected = [
+        # FLA's kernels need a GPU: their pytests ran no test, and each still gets a row of its own
+        *[(f"fla kernels {dtype}", "", "skip") for dtype in ("bf16", "fp32")],
         *[(parity, f"tiny-{kind} fp32", "pass") for kind in ("dense", "moe")],
         (parity, "test_logits_match_transformers[wide-moe-fp32]", "skip"),
         *[(parity, f"tiny-{kind} bf16", "pass") for kind in ("dense", "moe")],
         (parity, "test_logits_match_transformers[wide-moe-bf16]", "skip"),
         ("bf16 resume", "tiny-moe straight vs resumed", "pass"),
         *[("decode", f"tiny-moe fp32 {prompt}", "pass") for prompt in ("text", "image")],
-        ("Megatron-FSDP", "", "skip"),  # its pytest ran no test: a row of its own all the same
+        ("Megatron-FSDP", "tiny-moe bf16, DP=1: FSDP vs DDP", "pass"),
         ("decode", "test_decode_tokens_per_second_bf16[1]", "skip"),  # alone, and timed: skipped here
         ("training", "tiny", "pass"),
         ("training", "tiny profile", "info"),
