@@ -33,6 +33,8 @@
 # Environment: WHEELHOUSE [wheelhouse/ or wheelhouse.tar.xz at the repository root, if present], PYTHON [python3],
 #   GPU_CHECKS     groups to run [micro fla attn parity train resume decode fsdp te parallel]; they always run in the order below
 #   GPU_CHECKS_BUDGET_S [560]; GPU_TRAIN_RUNS, GPU_TRAIN_ITERS, GPU_35B_LAYERS, ... (test_training.py)
+#   GPU_CHECKS_SCRATCH  a folder for the runs' files, kept [a temporary one, removed at exit]
+#   GPU_CHECKS_REHEARSAL=1  on a host without CUDA, the checks that can run there do (gpu_results.rehearsal)
 # Exit status 0 when no row failed.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -45,6 +47,9 @@ OUTDIR=${OUT:-$ROOT/tests/gpu/results}
 mkdir -p "$OUTDIR"
 SCRATCH=${GPU_CHECKS_SCRATCH:-$(mktemp -d "${TMPDIR:-/tmp}/gpu_checks.XXXXXX")}
 mkdir -p "$SCRATCH"
+# A scratch folder this script made (runs' checkpoints, traces, caches) goes at exit; what the table
+# needs is in OUTDIR. GPU_CHECKS_SCRATCH=DIR keeps it there.
+[[ -z "${GPU_CHECKS_SCRATCH:-}" ]] && trap 'rm -rf "$SCRATCH"' EXIT
 export GPU_RESULTS="$OUTDIR/rows.jsonl" GPU_CHECKS_OUTDIR="$OUTDIR" GPU_CHECKS_SCRATCH="$SCRATCH" PYTHONUNBUFFERED=1
 # Triton says which kernel it autotuned and in how many seconds: where a group's time went on a fresh machine
 export TRITON_PRINT_AUTOTUNING=${TRITON_PRINT_AUTOTUNING:-1}
