@@ -23,8 +23,9 @@ def record(request):
 
 @pytest.fixture(scope="session")
 def megatron_gpu():
-    """megatron-core's parallel state for one process on cuda:0 (NCCL; gloo if NCCL will not start).
-    GatedDeltaNet gets FLA's kernels where FLA imports, else the project's torch kernels."""
+    """megatron-core's parallel state for one process on cuda:0 (NCCL; gloo if NCCL will not start), or
+    in a rehearsal on the CPU (gpu_results.rehearsal). GatedDeltaNet gets FLA's kernels where FLA
+    imports, else the project's torch kernels."""
     import tempfile
 
     import torch
@@ -33,7 +34,7 @@ def megatron_gpu():
 
     import megatron.cpu
 
-    if not torch.cuda.is_available():  # a rehearsal on a CPU (gpu_results.rehearsal): the CPU's single process
+    if not torch.cuda.is_available():  # a rehearsal: the CPU's single process, its device layer active
         from megatron.cpu.single_process import init_single_process
 
         init_single_process()

@@ -93,7 +93,7 @@ def batches(shape, name: str, seed: int = 0) -> tuple[PackedBatch, PackedBatch]:
     return pack_thd(samples, tokens, pad_multiple=4), pad_bshd(samples, tokens)
 
 
-def on_gpu(batch: PackedBatch, dtype) -> PackedBatch:
+def on_device(batch: PackedBatch, dtype) -> PackedBatch:
     out = batch.to(DEVICE)
     if out.pixel_values is not None:
         out.pixel_values = out.pixel_values.to(dtype)
@@ -178,6 +178,8 @@ def fp32_rounding(shape_name: str) -> dict:
 
     from megatron.cpu.single_process import init_single_process
 
+    if DEVICE.type != "cpu":
+        raise SystemExit("fp32_rounding compares with float64 on a CPU host: run it where CUDA is not visible")
     init_single_process()
     shape, hf = shapes()[shape_name], build_hf_reference_cpu(shape_name)
     thd, bshd = batches(shape, shape_name)
@@ -186,7 +188,7 @@ def fp32_rounding(shape_name: str) -> dict:
         ref = copy.deepcopy(hf).to(dtype)
         ours = megatron_model(shape, dtype, "local", ref.state_dict())
         logits["transformers", dtype] = hf_logits(ref, bshd, shape, dtype).double()
-        logits["ours", dtype] = megatron_logits(ours, on_gpu(thd, dtype)).double()
+        logits["ours", dtype] = megatron_logits(ours, on_device(thd, dtype)).double()
     pairs = {
         "transformers fp32 vs float64": (("transformers", torch.float32), ("transformers", torch.float64)),
         "ours fp32 vs float64": (("ours", torch.float32), ("ours", torch.float64)),

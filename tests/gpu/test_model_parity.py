@@ -53,7 +53,7 @@ def test_logits_match_transformers(shape_name, dtype_name, megatron_gpu, record)
             hf_bf16 = gm.errors(gm.hf_logits(hf.to(torch.bfloat16), bshd_host, shape, torch.bfloat16), ref)
         metrics.update({"hf bf16 max": hf_bf16["max"], "hf bf16 mean": hf_bf16["mean"]})
     del hf
-    thd, bshd = gm.on_gpu(thd_host, dtype), gm.on_gpu(bshd_host, dtype)
+    thd, bshd = gm.on_device(thd_host, dtype), gm.on_device(bshd_host, dtype)
     with stage("megatron THD and BSHD logits"):
         ours_thd, ours_bshd = gm.megatron_logits(ours, thd), gm.megatron_logits(ours, bshd)
     e_thd, e_bshd, e_layouts = gm.errors(ours_thd, ref), gm.errors(ours_bshd, ref), gm.errors(ours_thd, ours_bshd)

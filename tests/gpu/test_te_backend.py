@@ -91,7 +91,7 @@ def _compare(local, te_model, thd, dtype_name, record, row: str) -> bool:
 @pytest.mark.parametrize("shape_name", ["tiny-moe", "wide-moe"])
 def test_te_equals_local(shape_name, dtype_name, te, megatron_gpu, record, tmp_path):
     dtype, shape, local, te_model = _both_backends(shape_name, dtype_name, tmp_path)
-    thd = gm.on_gpu(gm.batches(shape, shape_name)[0], dtype)
+    thd = gm.on_device(gm.batches(shape, shape_name)[0], dtype)
     ok = _compare(local, te_model, thd, dtype_name, record, f"{shape_name} {dtype_name}")
     del local, te_model
     torch.cuda.empty_cache()
@@ -121,7 +121,7 @@ def test_lora_on_te_equals_local(dtype_name, te, megatron_gpu, record, tmp_path)
                     module.lora_B.copy_(b.to(module.lora_B.dtype))
     adapters = [sorted(n for n, m in model.named_modules() if isinstance(m, LoraLinear)) for model in (local, te_model)]
     assert adapters[0] == adapters[1] and adapters[0], "the two backends' adapted linears differ"
-    thd = gm.on_gpu(gm.batches(shape, "tiny-moe")[0], dtype)
+    thd = gm.on_device(gm.batches(shape, "tiny-moe")[0], dtype)
     ok = _compare(local, te_model, thd, dtype_name, record, f"LoRA tiny-moe {dtype_name}")
     del local, te_model
     torch.cuda.empty_cache()
