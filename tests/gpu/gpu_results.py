@@ -35,9 +35,10 @@ def rows_path() -> str | None:
 
 
 def rehearsal() -> bool:
-    """GPU_CHECKS_REHEARSAL=1 on a host without CUDA: the checks that launch ``run_qwen35_vl.sh`` (training,
-    bf16 resume) run there on the tiny model, so their own code (launching, parsing, verdicts, rows) is
-    exercised before a GPU's minutes are spent on it. Their numbers are a CPU's and say so."""
+    """GPU_CHECKS_REHEARSAL=1 on a host without CUDA: the checks that can run there do, on the tiny model
+    and the torch kernels (training, bf16 resume, parity at the tiny shapes, greedy decoding, FSDP against
+    DDP), so their own code (launching, parsing, verdicts, rows) is exercised before a GPU's minutes are
+    spent on it. Their numbers are a CPU's and say so."""
     return os.environ.get("GPU_CHECKS_REHEARSAL") == "1"
 
 

@@ -122,7 +122,7 @@ checks() {
   TOGETHER+=("$!|$log|$name")
 }
 
-run_together() { TOGETHER_DIR="$SCRATCH/together.$1" && mkdir -p "$TOGETHER_DIR" && TOGETHER=(); }
+run_together() { TOGETHER_DIR="$SCRATCH/together" && mkdir -p "$TOGETHER_DIR" && TOGETHER=(); }
 
 # every background step's end, then in the order they started their outputs, their rows and a row of
 # what Triton autotuned in each (where a fresh machine's time goes)
@@ -209,7 +209,7 @@ main() {
   # l2norm tuned at its head shapes (parity's wide-moe has them). The resume runs get a cache of their
   # own: a kernel config autotuned by another process in between would make a resumed run differ from
   # the straight one for a reason that is not the resume's.
-  run_together 1
+  run_together
   checks micro "FLA gated rule on Hopper" 200 -- tests/gpu/test_fla_kernels.py -k six_gradients
   checks fla "fla kernels bf16" 200 -- tests/gpu/test_fla_kernels.py -k "bf16 and not six_gradients"
   checks fla "fla kernels fp32" 200 "${ieee[@]}" -- tests/gpu/test_fla_kernels.py -k "fp32 and not six_gradients"

@@ -32,7 +32,8 @@ import gpu_models as gm
 
 CHECK = "model vs transformers"
 pytestmark = pytest.mark.gpu
-FP32_REL, FP32_LOSS_ABS, BF16_VS_HF, BF16_LOSS_REL = {"wide-moe": 5e-5}, 1e-5, 2.0, 2e-2
+FP32_LOSS_ABS, BF16_VS_HF, BF16_LOSS_REL = 1e-5, 2.0, 2e-2
+FP32_REL = {"tiny-dense": 2e-5, "tiny-moe": 2e-5, "wide-moe": 5e-5}  # the module's docstring says why
 
 
 @pytest.mark.parametrize("dtype_name", list(gm.DTYPES))
@@ -74,7 +75,7 @@ def test_logits_match_transformers(shape_name, dtype_name, megatron_gpu, record)
         }
     )
     if dtype_name == "fp32":
-        rel = FP32_REL.get(shape_name, 2e-5)
+        rel = FP32_REL[shape_name]
         ok = e_thd["rel"] <= rel and e_bshd["rel"] <= rel and abs(loss_thd - loss_bshd) <= FP32_LOSS_ABS
         bar = f"rel <= {rel:g}, loss diff <= {FP32_LOSS_ABS:g}"
     else:
