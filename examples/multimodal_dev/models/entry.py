@@ -59,7 +59,8 @@ class ModelEntry:
     vision_flops: Callable[..., float]  # (vision shape, out hidden, grids) -> the tower's forward FLOPs
     flops_breakdown: type  # what micro_batch_flops returns
     # checkpoints
-    hf_mapping_rules: Callable[[Any], list]  # shape -> the rules between Megatron and Hugging Face names
+    # (shape, per_expert=False) -> the rules between Megatron and Hugging Face names
+    hf_mapping_rules: Callable[..., list]
     hf_model_state: Callable[[Any], dict]  # model -> its state dict in Megatron names
     hf_fp32_suffixes: tuple[str, ...]  # Hugging Face tensor names kept in fp32 whatever the dtype
     load_hf_state: Callable[..., None]  # (model, Hugging Face state dict, shape) -> the model filled

@@ -17,7 +17,10 @@ of HF tensors with a named transform in each direction. Layouts (TP = 1, i.e. fu
   SwiGLU fc1       Megatron [gate; up]  <-  HF gate_proj, up_proj (experts: gate_up_proj[e])
   experts          Megatron one tensor per expert  <-  HF one packed [E, ...] tensor (transformers'
                    in-memory layout; hub files store one tensor per expert, which
-                   ``checkpoint/hf_safetensors.py`` packs on read and ``per_expert`` unpacks on export)
+                   ``checkpoint/hf_safetensors.py`` packs on read and ``per_expert`` unpacks on export).
+                   ``per_expert=True``: one rule per expert over the hub's names instead
+                   (``experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``), in the same order, for
+                   the streaming tools, which hold one expert at a time, never a layer's experts
   MTP head         HF mtp.fc / pre_fc_norm_embedding / pre_fc_norm_hidden / norm  <->  Megatron
                    mtp.layers.0.eh_proj / enorm / hnorm / final_layernorm (eh_proj input is
                    [embedding; hidden] in both); HF mtp.layers.0.* (a full-attention decoder
@@ -105,6 +108,9 @@ class Rule:
     hf: tuple[str, ...]
     to_megatron: Callable = _same
     to_hf: Callable = _same
+    # The transforms pick, reorder and join elements, never compute one: they give the same bits in
+    # any dtype, so a tool may run them in the stored dtype instead of fp32 (half the memory).
+    moves_only: bool = True
 
 
 def _copy(mg: str, hf: str) -> Rule:
@@ -115,7 +121,7 @@ def _fuse(mg: str, hf: tuple[str, ...], sizes) -> Rule:
     return Rule((mg,), hf, _concat, _splitter(sizes))
 
 
-def _decoder_layer_rules(t, layer_type: str, mg: str, hf: str) -> list[Rule]:
+def _decoder_layer_rules(t, layer_type: str, mg: str, hf: str, per_expert: bool = False) -> list[Rule]:
     """One decoder layer: Megatron names under ``mg``, HF names under ``hf`` (both end in '.')."""
     rules = [
         _copy(mg + "input_layernorm.weight", hf + "input_layernorm.weight"),
@@ -128,7 +134,7 @@ def _decoder_layer_rules(t, layer_type: str, mg: str, hf: str) -> list[Rule]:
     else:
         raise ValueError(f"{hf}: unknown layer type {layer_type!r}")
     if t.is_moe:
-        rules += _moe_rules(t, mg + "mlp.", hf + "mlp.")
+        rules += _moe_rules(t, mg + "mlp.", hf + "mlp.", per_expert)
     else:
         rules += _dense_mlp_rules(t, mg + "mlp.", hf + "mlp.")
     return rules
@@ -147,7 +153,7 @@ def _gated_delta_net_rules(t, a: str, la: str) -> list[Rule]:
         _copy(a + "conv1d.weight", la + "conv1d.weight"),
         _copy(a + "A_log", la + "A_log"),
         _copy(a + "dt_bias", la + "dt_bias"),
-        Rule((a + "out_norm.weight",), (la + "norm.weight",), _shift(-1.0), _shift(1.0)),
+        Rule((a + "out_norm.weight",), (la + "norm.weight",), _shift(-1.0), _shift(1.0), moves_only=False),
         _copy(a + "out_proj.weight", la + "out_proj.weight"),
     ]
 
@@ -168,23 +174,29 @@ def _full_attention_rules(t, a: str, sa: str) -> list[Rule]:
     ]
 
 
-def _moe_rules(t, m: str, hm: str) -> list[Rule]:
-    """The MoE block: router, experts (one Megatron tensor each, one packed HF tensor), shared expert."""
-    experts, shared = range(t.num_experts), t.shared_expert_ffn_hidden_size
+def _expert_rules(t, m: str, hm: str, per_expert: bool) -> list[Rule]:
+    """The routed experts: every fc1, then every fc2 (one rule each per expert with ``per_expert``,
+    else one rule each over the packed tensors)."""
+    experts = range(t.num_experts)
+    fc1 = tuple(f"{m}experts.local_experts.{e}.linear_fc1.weight" for e in experts)
+    fc2 = tuple(f"{m}experts.local_experts.{e}.linear_fc2.weight" for e in experts)
+    if not per_expert:
+        return [
+            Rule(fc1, (hm + "experts.gate_up_proj",), _unstack, _stack),
+            Rule(fc2, (hm + "experts.down_proj",), _unstack, _stack),
+        ]
+    ffn = t.moe_ffn_hidden_size
+    hub = [f"{hm}experts.{e}." for e in experts]
+    gate_up = [_fuse(fc1[e], (hub[e] + "gate_proj.weight", hub[e] + "up_proj.weight"), [ffn, ffn]) for e in experts]
+    return gate_up + [_copy(fc2[e], hub[e] + "down_proj.weight") for e in experts]
+
+
+def _moe_rules(t, m: str, hm: str, per_expert: bool = False) -> list[Rule]:
+    """The MoE block: router, experts (one Megatron tensor each), shared expert."""
+    shared = t.shared_expert_ffn_hidden_size
     return [
         _copy(m + "router.weight", hm + "gate.weight"),
-        Rule(
-            tuple(f"{m}experts.local_experts.{e}.linear_fc1.weight" for e in experts),
-            (hm + "experts.gate_up_proj",),
-            _unstack,
-            _stack,
-        ),
-        Rule(
-            tuple(f"{m}experts.local_experts.{e}.linear_fc2.weight" for e in experts),
-            (hm + "experts.down_proj",),
-            _unstack,
-            _stack,
-        ),
+        *_expert_rules(t, m, hm, per_expert),
         _fuse(
             m + "shared_experts.linear_fc1.weight",
             (hm + "shared_expert.gate_proj.weight", hm + "shared_expert.up_proj.weight"),
@@ -203,7 +215,7 @@ def _dense_mlp_rules(t, m: str, hm: str) -> list[Rule]:
     ]
 
 
-def _mtp_rules(t) -> list[Rule]:
+def _mtp_rules(t, per_expert: bool = False) -> list[Rule]:
     if t.mtp_num_layers > 1:
         raise ValueError(
             f"mtp_num_layers {t.mtp_num_layers}: the Hugging Face Qwen3.5 layout has one MTP "
@@ -217,7 +229,7 @@ def _mtp_rules(t) -> list[Rule]:
         _copy(mg + "enorm.weight", "mtp.pre_fc_norm_embedding.weight"),
         _copy(mg + "hnorm.weight", "mtp.pre_fc_norm_hidden.weight"),
         _copy(mg + "final_layernorm.weight", "mtp.norm.weight"),
-        *_decoder_layer_rules(t, FULL, mg + "mtp_model_layer.", "mtp.layers.0."),
+        *_decoder_layer_rules(t, FULL, mg + "mtp_model_layer.", "mtp.layers.0.", per_expert),
     ]
 
 
@@ -250,7 +262,9 @@ def _vision_rules(shape: Qwen35VLShape) -> list[Rule]:
     return rules
 
 
-def mapping_rules(shape: Qwen35VLShape) -> list[Rule]:
+def mapping_rules(shape: Qwen35VLShape, per_expert: bool = False) -> list[Rule]:
+    """Every rule of the model, in the order the tools read and write tensors (``per_expert``: see
+    the top)."""
     t = shape.text
     rules = [
         _copy(MG_LM + "embedding.word_embeddings.weight", HF_LM + "embed_tokens.weight"),
@@ -259,8 +273,9 @@ def mapping_rules(shape: Qwen35VLShape) -> list[Rule]:
     if not t.tie_word_embeddings:
         rules.append(_copy(MG_LM + "output_layer.weight", "lm_head.weight"))
     for i in range(t.num_layers):
-        rules += _decoder_layer_rules(t, t.layer_types[i], f"{MG_LM}decoder.layers.{i}.", f"{HF_LM}layers.{i}.")
-    return rules + _mtp_rules(t) + _vision_rules(shape)
+        layer = (f"{MG_LM}decoder.layers.{i}.", f"{HF_LM}layers.{i}.")
+        rules += _decoder_layer_rules(t, t.layer_types[i], *layer, per_expert)
+    return rules + _mtp_rules(t, per_expert) + _vision_rules(shape)
 
 
 class MappingError(KeyError):
