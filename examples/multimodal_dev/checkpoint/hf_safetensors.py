@@ -1,33 +1,49 @@
-"""Reading and writing Hugging Face checkpoint directories one tensor at a time.
+"""Reading Hugging Face checkpoint directories one tensor at a time (``safetensors_writer.py`` writes them).
 
-``HFTensorSource`` opens a directory's safetensors files (one file, or shards listed in
-``model.safetensors.index.json``) without loading them, hands out tensors by name and records
-which were taken, so a conversion can name every tensor it did not consume. With an index, each
-tensor is read from the shard the index names (a stale copy in another shard is ignored); without
-one, a tensor found in two files is refused naming both. A config.json or index that is not JSON, or
-not JSON of the expected shape, is refused naming the file. MoE experts stored
-one tensor per expert (``...experts.{e}.gate_proj.weight`` / ``up_proj`` / ``down_proj``) are
-served under the packed names ``transformers`` uses (``experts.gate_up_proj`` [E, 2I, H],
-``experts.down_proj`` [E, H, I]); ``per_expert`` is the inverse, for writing the hub layout. The
-source also records each tensor's stored dtype (from the headers, before any read) and which tensors
-hold NaN or inf (as they are read), so an import can refuse them by name.
-
-``ShardedWriter`` writes tensors as they come into shards of at most ``max_shard_bytes`` and
-finishes with the index, so an export never holds more than one shard in memory.
+``HFTensorSource`` reads a directory's safetensors headers (one file, or shards listed in
+``model.safetensors.index.json``) and hands out tensors by name, each read from its file's offset
+into memory of its own: a plain read, never a mapping of the file, so reading a tensor of an 8 GB
+shard costs the tensor. With an index, each tensor is read from the shard the index names (a stale
+copy in another shard is ignored); without one, a tensor found in two files is refused naming both.
+A config.json or index that is not JSON, or not JSON of the expected shape, is refused naming the
+file. MoE experts are served under both layouts' names whichever the files hold: per-expert files
+(``...experts.{e}.gate_proj.weight`` / ``up_proj`` / ``down_proj``, the hub's) also under the packed
+names ``transformers`` uses (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I],
+stacked when read), and packed files also expert by expert (a contiguous block of the file each).
+The source knows each tensor's stored dtype and shape from the headers, before any read, names the
+file tensors a set of names would leave unread, and records which tensors hold NaN or inf as they
+are read, so an import can refuse them by name.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+from dataclasses import dataclass
 
 import torch
 
 INDEX = "model.safetensors.index.json"
+_BLOCK_BYTES = 64 << 20  # a read converting its dtype goes through a buffer of this size
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 # safetensors' dtype codes under torch's names, so messages and comparisons read like torch.
 _DTYPE_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 
 class CheckpointFileError(ValueError):
@@ -79,11 +95,35 @@ def _safetensors_files(hf_dir: str) -> tuple[list[str], dict[str, str] | None]:
     return [os.path.join(hf_dir, n) for n in files], None
 
 
-def _checked_header(path: str) -> dict:
-    """The header of a complete file. A file cut short (an interrupted copy) has a header promising
-    more bytes than it holds; safetensors maps lazily and would only fail, or read garbage, at the
-    first access. A header length past the end of the file is corruption (reading it would ask for
-    up to 2**64 bytes: MemoryError or OverflowError, naming nothing)."""
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where a tensor's bytes lie: ``start`` (from the beginning of ``path``), its shape and dtype."""
+
+    path: str
+    start: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def block(self, index: int) -> "StoredTensor":
+        """``self[index]`` along the leading dim (contiguous in the file, as every row-major slice is)."""
+        row = math.prod(self.shape[1:]) * self.dtype.itemsize
+        return StoredTensor(self.path, self.start + index * row, self.shape[1:], self.dtype)
+
+    def rows(self, first: int, count: int) -> "StoredTensor":
+        """``self[first:first + count]`` along the leading dim."""
+        row = math.prod(self.shape[1:]) * self.dtype.itemsize
+        return StoredTensor(self.path, self.start + first * row, (count, *self.shape[1:]), self.dtype)
+
+
+def _checked_header(path: str) -> dict[str, tuple[str, StoredTensor]]:
+    """Tensor name -> (safetensors dtype code, where its bytes lie) of a complete file. A file cut
+    short (an interrupted copy) has a header promising more bytes than it holds; it would only fail,
+    or read garbage, at the first access. A header length past the end of the file is corruption
+    (reading it would ask for up to 2**64 bytes: MemoryError or OverflowError, naming nothing)."""
     actual = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
@@ -99,54 +139,80 @@ def _checked_header(path: str) -> dict:
             header = json.loads(f.read(header_len))
             tensors = {k: t for k, t in header.items() if k != "__metadata__"}
             end = max((t["data_offsets"][1] for t in tensors.values()), default=0)
-            dtypes = {k: t["dtype"] for k, t in tensors.items()}
+            found = {k: (t["dtype"], _stored(path, 8 + header_len, k, t)) for k, t in tensors.items()}
         except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, KeyError, TypeError, IndexError) as err:
             raise CheckpointFileError(f"{path}: truncated or corrupt safetensors header ({err!r})") from None
     expected = 8 + header_len + end
     if actual < expected:
         raise CheckpointFileError(f"{path}: truncated safetensors file: {actual} bytes, its header needs {expected}")
-    return {k: _DTYPE_NAMES.get(d, d) for k, d in dtypes.items()}
+    return found
 
 
-def per_expert(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """A packed expert tensor as the hub stores it, one tensor per expert: ``experts.gate_up_proj``
-    [E, 2I, H] -> ``experts.{e}.gate_proj.weight`` / ``up_proj`` [I, H]; ``experts.down_proj``
-    [E, H, I] -> ``experts.{e}.down_proj.weight``. Any other tensor is returned as it is."""
-    prefix, _, kind = name.rpartition(".")
-    if not prefix.endswith(".experts") or kind not in ("gate_up_proj", "down_proj"):
-        return [(name, tensor)]
-    if kind == "down_proj":
-        return [(f"{prefix}.{e}.down_proj.weight", t) for e, t in enumerate(tensor.unbind(0))]
-    out = []
-    for e, t in enumerate(tensor.unbind(0)):
-        gate, up = t.chunk(2, dim=0)
-        out += [(f"{prefix}.{e}.gate_proj.weight", gate), (f"{prefix}.{e}.up_proj.weight", up)]
+def _stored(path: str, data_start: int, name: str, entry: dict) -> StoredTensor:
+    dtype = _DTYPES.get(entry["dtype"])
+    if dtype is None:
+        raise CheckpointFileError(f"{path}: tensor {name} has dtype {entry['dtype']}, which this tool does not read")
+    return StoredTensor(path, data_start + entry["data_offsets"][0], tuple(entry["shape"]), dtype)
+
+
+def _read_into(f, view: memoryview, path: str, start: int) -> None:
+    done = 0
+    while done < len(view):
+        got = f.readinto(view[done:])
+        if not got:
+            raise CheckpointFileError(f"{path}: ends before the tensor at byte {start} does")
+        done += got
+
+
+def read_stored(where: StoredTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The tensor's bytes read into memory of its own, at ``where.start``: a plain read, not a mapping of
+    the file, so the process holds what it reads and no more (the pages of a mapped 8 GB shard count as
+    the reader's memory once touched). ``dtype``: converted as it is read, a block of rows at a time,
+    so a bf16 embedding becomes fp32 without a bf16 copy of it beside."""
+    if dtype is None or dtype == where.dtype or not where.shape:
+        out = torch.empty(where.nbytes, dtype=torch.uint8)
+        with open(where.path, "rb", buffering=0) as f:
+            f.seek(where.start)
+            _read_into(f, memoryview(out.numpy()), where.path, where.start)
+        tensor = out.view(where.dtype).reshape(where.shape)
+        return tensor if dtype is None else tensor.to(dtype)
+    out = torch.empty(where.shape, dtype=dtype)
+    row = math.prod(where.shape[1:]) * where.dtype.itemsize
+    step = max(1, _BLOCK_BYTES // max(row, 1))
+    buffer = torch.empty(step * row, dtype=torch.uint8)
+    with open(where.path, "rb", buffering=0) as f:
+        f.seek(where.start)
+        for first in range(0, where.shape[0], step):
+            rows = min(step, where.shape[0] - first)
+            _read_into(f, memoryview(buffer.numpy())[: rows * row], where.path, where.start)
+            block = buffer[: rows * row].view(where.dtype).reshape(rows, *where.shape[1:])
+            out[first : first + rows].copy_(block)
     return out
 
 
 class HFTensorSource:
-    def __init__(self, hf_dir: str):
-        from safetensors import safe_open
+    """A Hugging Face checkpoint directory, served tensor by tensor under three kinds of name: the
+    files' own; for a packed expert tensor, each expert's hub name (``experts.{e}.gate_proj.weight``, a
+    contiguous block of it); for per-expert files, the packed name (stacked when read). ``covered``
+    says which file tensors a set of names reads whole, so an import names what it would leave
+    unread before it writes anything."""
 
+    def __init__(self, hf_dir: str):
         self.hf_dir = hf_dir
-        self._where: dict[str, object] = {}
+        self._where: dict[str, StoredTensor] = {}
         self._file_of: dict[str, str] = {}  # tensor -> the file it is read from
-        self._handles = []
         self.dtypes: dict[str, str] = {}  # file tensor -> stored dtype ("bfloat16", ...), from the headers
         paths, weight_map = _safetensors_files(hf_dir)
         for path in paths:
-            dtypes = _checked_header(path)
-            handle = safe_open(path, framework="pt")
-            self._handles.append(handle)
-            for name in handle.keys():
+            for name, (code, where) in _checked_header(path).items():
                 if self._owns(path, name, weight_map):
-                    self._where[name] = handle
-                    self.dtypes[name] = dtypes[name]
+                    self._where[name] = where
+                    self.dtypes[name] = _DTYPE_NAMES.get(code, code)
         if weight_map is not None:
             self._check_index(weight_map)
         self._packed = self._per_expert_groups()
-        self.consumed: set[str] = set()
-        self.nonfinite: dict[str, str] = {}  # file tensor -> "N NaN, M inf", for those read so far
+        self._unpacked = self._packed_parts()
+        self.nonfinite: dict[str, list[int]] = {}  # file tensor -> [NaN, inf] counts, for those read so far
 
     def _owns(self, path: str, name: str, weight_map: dict[str, str] | None) -> bool:
         """Whether ``name`` is read from ``path``. A tensor saved twice (a re-sharded checkpoint
@@ -192,35 +258,87 @@ class HFTensorSource:
             packed[f"{prefix}.{kind}"] = [experts[e][p] for e in order for p in projs]
         return packed
 
+    def _packed_parts(self) -> dict[str, tuple[str, StoredTensor]]:
+        """Hub name of one expert's weight -> (the packed file tensor, where the block lies in it):
+        ``gate_up_proj`` [E, 2I, H] holds expert e's gate rows then its up rows, ``down_proj``
+        [E, H, I] its down weight."""
+        parts = {}
+        for name, where in self._where.items():
+            prefix, _, kind = name.rpartition(".")
+            if not prefix.endswith(".experts") or kind not in ("gate_up_proj", "down_proj") or len(where.shape) != 3:
+                continue
+            for e in range(where.shape[0]):
+                block = where.block(e)
+                if kind == "down_proj":
+                    parts[f"{prefix}.{e}.down_proj.weight"] = (name, block)
+                else:
+                    half = where.shape[1] // 2
+                    parts[f"{prefix}.{e}.gate_proj.weight"] = (name, block.rows(0, half))
+                    parts[f"{prefix}.{e}.up_proj.weight"] = (name, block.rows(half, half))
+        return parts
+
     @property
     def names(self) -> set[str]:
-        """Every name this source can serve (packed expert names included)."""
-        return set(self._where) | set(self._packed)
+        """Every name this source can serve (packed and per-expert names included)."""
+        return set(self._where) | set(self._packed) | set(self._unpacked)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._where or name in self._packed
+        return name in self._where or name in self._packed or name in self._unpacked
 
-    def _read(self, name: str) -> torch.Tensor:
-        tensor = self._where[name].get_tensor(name)
-        self.consumed.add(name)
+    def meta(self, name: str) -> torch.Tensor:
+        """A meta tensor of ``name``'s shape and dtype: what reading it would give, with no bytes read."""
+        if name in self._packed:
+            first = self.meta(self._packed[name][0])
+            rows = len(self._packed[name])
+            if name.endswith("gate_up_proj"):
+                return torch.empty((rows // 2, 2 * first.shape[0], *first.shape[1:]), dtype=first.dtype, device="meta")
+            return torch.empty((rows, *first.shape), dtype=first.dtype, device="meta")
+        where = self._where[name] if name in self._where else self._unpacked[name][1]
+        return torch.empty(where.shape, dtype=where.dtype, device="meta")
+
+    def _read(self, stored: str, where: StoredTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        tensor = read_stored(where, dtype)
         # The sum is finite when every element is, and allocates nothing the size of the tensor
         # (isfinite() would); a finite tensor whose sum overflows is counted and let through.
         if tensor.is_floating_point() and not torch.isfinite(tensor.sum()):
             nan, inf = int(tensor.isnan().sum()), int(tensor.isinf().sum())
             if nan or inf:
-                self.nonfinite[name] = f"{nan} NaN, {inf} inf"
+                counts = self.nonfinite.setdefault(stored, [0, 0])
+                counts[0], counts[1] = counts[0] + nan, counts[1] + inf
         return tensor
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Tensor ``name`` as stored, or converted to ``dtype`` as it is read."""
         if name in self._where:
-            return self._read(name)
-        tensors = [self._read(p) for p in self._packed[name]]
+            return self._read(name, self._where[name], dtype)
+        if name in self._unpacked:
+            return self._read(*self._unpacked[name], dtype)
+        tensors = [self._read(p, self._where[p], dtype) for p in self._packed[name]]
         if name.endswith("gate_up_proj"):  # per expert: [gate; up] rows
             return torch.stack([torch.cat(tensors[i : i + 2], dim=0) for i in range(0, len(tensors), 2)])
         return torch.stack(tensors)
 
-    def unconsumed(self) -> list[str]:
-        return sorted(set(self._where) - self.consumed)
+    def nbytes(self, name: str) -> int:
+        return self.meta(name).numel() * self.meta(name).element_size()
+
+    def covered(self, names) -> set[str]:
+        """The file tensors that reading every name in ``names`` reads whole (a packed tensor is read
+        whole once every expert's blocks of it are)."""
+        whole, blocks = set(), {}
+        for name in names:
+            if name in self._where:
+                whole.add(name)
+            elif name in self._packed:
+                whole.update(self._packed[name])
+            elif name in self._unpacked:
+                stored = self._unpacked[name][0]
+                blocks[stored] = blocks.get(stored, 0) + 1
+        expected = {n: sum(1 for s, _ in self._unpacked.values() if s == n) for n in blocks}
+        return whole | {n for n, count in blocks.items() if count == expected[n]}
+
+    def unconsumed(self, names) -> list[str]:
+        """The file tensors reading ``names`` would leave unread, by name."""
+        return sorted(set(self._where) - self.covered(names))
 
     def config(self) -> dict:
         path = os.path.join(self.hf_dir, "config.json")
@@ -237,49 +355,3 @@ def read_config(path: str) -> dict:
             f"{path}: not a valid config.json: expected a JSON object, not {type(config).__name__}"
         )
     return config
-
-
-class ShardedWriter:
-    """Writes ``model-XXXXX-of-YYYYY.safetensors`` shards and the index as tensors arrive."""
-
-    def __init__(self, out_dir: str, max_shard_bytes: int = 2 * 1024**3):
-        os.makedirs(out_dir, exist_ok=True)
-        self.out_dir, self.max_shard_bytes = out_dir, max_shard_bytes
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
-        self._written: list[tuple[str, list[str]]] = []  # (temporary file, names)
-        self.total_bytes = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
-        if self._pending and self._pending_bytes + size > self.max_shard_bytes:
-            self._flush()
-        self._pending[name] = tensor.contiguous()
-        self._pending_bytes += size
-        self.total_bytes += size
-
-    def _flush(self) -> None:
-        from safetensors.torch import save_file
-
-        path = os.path.join(self.out_dir, f".shard-{len(self._written):05d}.partial")
-        save_file(self._pending, path, metadata={"format": "pt"})
-        self._written.append((path, list(self._pending)))
-        self._pending, self._pending_bytes = {}, 0
-
-    def close(self) -> list[str]:
-        """Rename the shards to their final names and write the index; returns the file names."""
-        if self._pending:
-            self._flush()
-        n, weight_map, names = len(self._written), {}, []
-        for i, (tmp, tensors) in enumerate(self._written):
-            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-            os.replace(tmp, os.path.join(self.out_dir, final))
-            weight_map.update({t: final for t in tensors})
-            names.append(final)
-        with open(os.path.join(self.out_dir, INDEX), "w") as f:
-            json.dump(
-                {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))},
-                f,
-                indent=2,
-            )
-        return names
