@@ -36,13 +36,13 @@ def _barrier():
         torch.distributed.barrier()
 
 
-def save_model_checkpoint(args, iteration: int, model) -> str:
+def save_model_checkpoint(args, iteration: int, model, fill=None) -> str:
     """The model's weights as iteration ``iteration`` under ``args.save``, in ``args.ckpt_format``
     (torch_dist unless it says fsdp_dtensor); ``args`` (megatron's names) is stored for
-    ``--use-checkpoint-args`` and megatron's checkpoint checks."""
+    ``--use-checkpoint-args`` and megatron's checkpoint checks. ``fill(name)``: parameter ``name``'s
+    tensor, asked for as the writer reaches it, for a weightless ``model`` (``streamed_save.py``)."""
     from megatron.core import dist_checkpointing
 
-    write_queue.install()
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     final = iteration_dir(args.save, iteration)
     partial = final + ".partial"
@@ -51,8 +51,13 @@ def save_model_checkpoint(args, iteration: int, model) -> str:
         os.makedirs(partial)
     _barrier()
     if getattr(args, "ckpt_format", "torch_dist") == "fsdp_dtensor":
-        fsdp_weights.save_weights(model, args, iteration, partial)
+        fsdp_weights.save_weights(model, args, iteration, partial, fill)
+    elif fill is not None:
+        from .streamed_save import write_torch_dist
+
+        write_torch_dist(partial, model, {"args": args, "checkpoint_version": 3.0, "iteration": iteration}, fill)
     else:
+        write_queue.install()  # megatron's writer reports through it (a streamed write uses torch's)
         state = {"model": model.sharded_state_dict(), "args": args, "checkpoint_version": 3.0, "iteration": iteration}
         dist_checkpointing.save(state, partial)
     _barrier()
@@ -128,7 +133,7 @@ def leads_outside(directory: str) -> str | None:
     return None
 
 
-def _own_files(directory: str) -> None:
+def check_own_files(directory: str) -> None:
     """Refuse a checkpoint whose links lead outside it or whose bytes changed since the save."""
     if what := leads_outside(directory) or shard_checksums.mismatch(directory):
         raise ValueError(what)
@@ -149,7 +154,7 @@ def stored_args(directory: str):
     from ..megatron_changes import apply
 
     apply("checkpoints-are-data")
-    _own_files(directory)
+    check_own_files(directory)
     try:
         if is_fsdp_dtensor(directory):  # the run's common state is among DCP's own entries
             from torch.distributed.checkpoint import load
@@ -188,7 +193,7 @@ def load_model_weights(model, directory: str, base: str | None = None) -> None:
     from ..megatron_changes import apply
 
     apply("checkpoints-are-data")
-    _own_files(directory)
+    check_own_files(directory)
     request, state = model.sharded_state_dict(), {}
     if base is not None:
         held = stored_keys(directory)

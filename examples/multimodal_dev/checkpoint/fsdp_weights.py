@@ -29,7 +29,7 @@ def _grouped(key: str) -> tuple[str, int] | None:
     return (found.group(1) + found.group(3), int(found.group(2))) if found else None
 
 
-def _sources(model, stored: dict) -> dict[str, tuple[str, int | None]]:
+def weight_sources(model, stored: dict) -> dict[str, tuple[str, int | None]]:
     """Checkpoint key of each model weight -> (the key holding it, its expert's row there or None)."""
     out = {}
     for key in _requested(model):
@@ -50,7 +50,7 @@ def check_model_matches(model, stored: dict, described_by: str) -> None:
     if any(size > 1 for size in split.values()):
         sizes = ", ".join(f"{k}={v}" for k, v in split.items())
         raise ValueError(f"a Megatron-FSDP (fsdp_dtensor) checkpoint loads into one process here, not at {sizes}")
-    sources = _sources(model, stored)
+    sources = weight_sources(model, stored)
     for key, tensor in _requested(model).items():
         (where, row), name = sources[key], key[len(PREFIX) :]
         meta = stored.get(where)
@@ -72,7 +72,7 @@ def load_weights(model, directory: str, stored: dict) -> None:
     from ..megatron_changes import apply
 
     apply("checkpoints-are-data")
-    requested, sources = _requested(model), _sources(model, stored)
+    requested, sources = _requested(model), weight_sources(model, stored)
     state = {key: t for key, t in requested.items() if sources[key][1] is None}
     for where, _ in {sources[k] for k in requested if sources[k][1] is not None}:
         state[where] = torch.empty(tuple(stored[where].size), dtype=stored[where].properties.dtype)
@@ -82,24 +82,38 @@ def load_weights(model, directory: str, stored: dict) -> None:
             requested[key].copy_(state[where][row])
 
 
-def save_weights(model, args, iteration: int, directory: str) -> None:
+def save_weights(model, args, iteration: int, directory: str, fill=None) -> None:
     """``model``'s weights (one process, whole) as Megatron-FSDP saves them, fp32, with ``args``: the
     checkpoint an FSDP=1 run starts from (``CKPT_LOAD``) as from its own, experts grouped where
-    ``args.moe_grouped_gemm`` says the run groups them."""
-    from torch.distributed.checkpoint import save
+    ``args.moe_grouped_gemm`` says the run groups them. ``fill(name)``: weight ``name``'s tensor, asked
+    for when the writer reaches it (an import, whose model is weightless); else the model's own. One
+    weight (or one grouped tensor of experts) is in memory at a time either way."""
+    from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter, save
 
-    weights, experts = {}, {}
-    for key, tensor in _requested(model).items():
+    weights = dict(model.named_parameters())
+    fill = fill or weights.__getitem__
+    parts: dict[str, dict[int | None, str]] = {}  # checkpoint key -> {expert row or None: weight name}
+    for key in _requested(model):
         grouped = _grouped(key) if getattr(args, "moe_grouped_gemm", False) else None
-        if grouped:
-            experts.setdefault(grouped[0], {})[grouped[1]] = tensor.float()
-        else:
-            weights[key] = tensor.float()
-    weights.update({key: torch.stack([rows[e] for e in sorted(rows)]) for key, rows in experts.items()})
-    model_part = {k[len("model.") :]: t for k, t in weights.items()}
-    save(
-        {"model": model_part, "args": args, "checkpoint_version": 3.0, "iteration": iteration}, checkpoint_id=directory
-    )
+        where, row = grouped if grouped else (key, None)
+        parts.setdefault(where, {})[row] = key[len(PREFIX) :]
+    meta = {}
+    for key, rows in parts.items():
+        shape = weights[next(iter(rows.values()))].shape
+        meta[key] = torch.empty((len(rows), *shape) if None not in rows else shape, dtype=torch.float32, device="meta")
+
+    class FilledPlanner(DefaultSavePlanner):
+        def resolve_data(self, write_item):
+            rows = parts.get(write_item.index.fqn)
+            if rows is None:  # the args and the other common items
+                return super().resolve_data(write_item)
+            if None in rows:
+                return fill(rows[None]).detach().float().contiguous()
+            return torch.stack([fill(rows[e]).detach().float() for e in sorted(rows)])
+
+    model_part = {k[len("model.") :]: t for k, t in meta.items()}
+    state = {"model": model_part, "args": args, "checkpoint_version": 3.0, "iteration": iteration}
+    save(state, storage_writer=FileSystemWriter(directory, thread_count=1), planner=FilledPlanner(), no_dist=True)
 
 
 def trained_dtype(saved_args) -> torch.dtype:

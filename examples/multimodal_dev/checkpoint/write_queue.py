@@ -7,7 +7,8 @@ launching module again: torch, megatron-core and this example, about 8 s of CPU 
 a run that saves, all at once on the first save (24 s of a 51 s run at 3 ranks on a 2-core host).
 megatron's persistent async worker makes the same queue with 'fork'; ``install()`` does too. A
 training run calls it at start, before any thread or process group exists (a fork copies only the
-calling thread); the HF import calls it before it writes. The manager serves the queue only; it
+calling thread); a model-only save calls it before megatron's writer writes (the HF import writes
+through torch's own writer, which needs none). The manager serves the queue only; it
 never touches a device.
 
 megatron keeps the queue for the life of the process. A process that writes several checkpoints

@@ -168,10 +168,12 @@ class InterleavedMRoPE(nn.Module):
         # tester config has [16, 8, 8] with one rotary channel pair), so any three sizes are valid.
         if len(mrope_section) != 3 or min(mrope_section) < 0:
             raise ValueError(f"mrope_section {list(mrope_section)}: expected three non-negative sizes (t, h, w)")
-        inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim))
+        # on the host even in a meta-device build (checkpoint/weightless_model.py): no checkpoint fills a buffer
+        host = torch.device("cpu")
+        inv_freq = 1.0 / (base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32, device=host) / rot_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        axis = torch.zeros(half, dtype=torch.long)
-        channel = torch.arange(half)
+        axis = torch.zeros(half, dtype=torch.long, device=host)
+        channel = torch.arange(half, device=host)
         for ax in (1, 2):
             axis[(channel % 3 == ax) & (channel < 3 * mrope_section[ax])] = ax
         self.register_buffer("axis_of_channel", axis, persistent=False)

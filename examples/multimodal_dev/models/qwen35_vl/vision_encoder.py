@@ -126,7 +126,9 @@ class Qwen35VisionModel(MegatronModule):
         self.pos_embed = nn.Embedding(shape.num_position_embeddings, shape.hidden_size, dtype=config.params_dtype)
         self.grid_side = int(shape.num_position_embeddings**0.5)
         head_dim = shape.hidden_size // shape.num_heads
-        quarter = torch.arange(0, head_dim // 2, 2, dtype=torch.float32) / (head_dim // 2)
+        # made on the host even in a meta-device build (whose weights are put in one module at a time,
+        # checkpoint/weightless_model.py): a buffer is no weight, nothing would fill it; .cuda() moves it
+        quarter = torch.arange(0, head_dim // 2, 2, dtype=torch.float32, device="cpu") / (head_dim // 2)
         self.register_buffer("rope_inv_freq", 1.0 / (shape.rope_theta**quarter), persistent=False)
         # Every CP rank runs the whole tower on all images (the split comes after the merge), so
         # its attention and rotary must not see the language model's CP group.
