@@ -30,7 +30,8 @@ import torch
 from hf_checkpoints import write_hf_checkpoint
 from launch import NO_EVAL, run_script, stopped_at
 
-from examples.multimodal_dev.checkpoint.hf_conversion import export_hf, import_hf
+from examples.multimodal_dev.checkpoint.hf_export import export_hf
+from examples.multimodal_dev.checkpoint.hf_import import import_hf
 from examples.multimodal_dev.checkpoint.hf_safetensors import HFTensorSource
 from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
 

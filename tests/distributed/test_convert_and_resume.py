@@ -23,7 +23,8 @@ from launch import NO_EVAL, run_script
 from lora_exports import peft_equals_merged
 
 from examples.multimodal_dev.checkpoint.files import checkpoint_directory
-from examples.multimodal_dev.checkpoint.hf_conversion import export_hf, import_hf
+from examples.multimodal_dev.checkpoint.hf_export import export_hf
+from examples.multimodal_dev.checkpoint.hf_import import import_hf
 from examples.multimodal_dev.checkpoint.hf_safetensors import HFTensorSource
 from examples.multimodal_dev.checkpoint.verify import HFSource, _hf_model
 from examples.multimodal_dev.data import get_dataset_provider

@@ -36,7 +36,7 @@ import torch
 from hf_checkpoints import write_hf_checkpoint
 from launch import NO_EVAL, PARALLEL_MODEL, run_script
 
-from examples.multimodal_dev.checkpoint.hf_conversion import import_hf
+from examples.multimodal_dev.checkpoint.hf_import import import_hf
 from examples.multimodal_dev.data import get_dataset_provider
 from examples.multimodal_dev.data.sample import VisionTokens
 from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant

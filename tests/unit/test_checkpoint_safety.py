@@ -144,7 +144,7 @@ def test_a_checkpoint_of_another_shape_is_named_before_loading(tmp_path, mcore):
     are compared first and the differing ones named."""
     from hf_checkpoints import write_hf_checkpoint
 
-    from examples.multimodal_dev.checkpoint.hf_conversion import import_hf
+    from examples.multimodal_dev.checkpoint.hf_import import import_hf
     from examples.multimodal_dev.checkpoint.run_shape import check_checkpoint_matches
     from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
 

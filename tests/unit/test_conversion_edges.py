@@ -14,8 +14,9 @@ import pytest
 import torch
 from hf_checkpoints import write_hf_checkpoint
 
-import examples.multimodal_dev.checkpoint.hf_conversion as convert
-from examples.multimodal_dev.checkpoint.hf_conversion import export_hf, import_hf
+from examples.multimodal_dev.checkpoint import hf_export
+from examples.multimodal_dev.checkpoint.hf_export import export_hf
+from examples.multimodal_dev.checkpoint.hf_import import import_hf
 from examples.multimodal_dev.checkpoint.hf_safetensors import HFTensorSource
 from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
 from examples.multimodal_dev.tools.convert_checkpoint import main
@@ -176,16 +177,18 @@ def test_import_refuses_nan_and_inf_naming_each_tensor(hub_moe, tmp_path, capsys
 
 
 def test_verify_says_which_weight_is_nan(hub_moe, megatron_ckpt, tmp_path, monkeypatch, capsys):
-    real = convert.load_megatron
+    from examples.multimodal_dev.checkpoint.streamed_load import CheckpointTensors
+
+    real = CheckpointTensors.read
     poisoned = "language_model.decoder.final_layernorm.weight"
 
-    def load_with_nan(*args, **kwargs):
-        model, *rest = real(*args, **kwargs)
-        with torch.no_grad():
-            dict(model.named_parameters())[poisoned][7] = float("nan")
-        return (model, *rest)
+    def read_with_nan(self, names, dtype=None):
+        out = real(self, names, dtype)
+        if poisoned in out:
+            out[poisoned][7] = float("nan")
+        return out
 
-    monkeypatch.setattr(convert, "load_megatron", load_with_nan)
+    monkeypatch.setattr(CheckpointTensors, "read", read_with_nan)
     assert main(["verify", "--hf-path", hub_moe, "--megatron-path", megatron_ckpt]) == 1
     out = capsys.readouterr().out
     print(out)
@@ -244,10 +247,10 @@ def test_export_into_a_read_only_directory(megatron_ckpt, tmp_path, monkeypatch,
     try:
         if not _writes_are_refused(parent):  # root ignores the mode: the file system says no instead
 
-            def read_only(*args, **kwargs):
-                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(args[1]))
+            def read_only(path, *args, **kwargs):
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
 
-            monkeypatch.setattr("safetensors.torch.save_file", read_only)
+            monkeypatch.setattr(hf_export, "write_shard", read_only)
         assert _export(megatron_ckpt, parent / "out") == 2
         line = _one_error_line(capsys, "export")
         assert f"--hf-path {parent / 'out'}" in line, line
@@ -257,19 +260,13 @@ def test_export_into_a_read_only_directory(megatron_ckpt, tmp_path, monkeypatch,
         parent.chmod(0o755)
 
 
-@pytest.mark.parametrize("raised", ["SafetensorError", "OSError"])
-def test_export_onto_a_full_disk(megatron_ckpt, tmp_path, monkeypatch, capsys, raised):
-    from safetensors import SafetensorError
+def test_export_onto_a_full_disk(megatron_ckpt, tmp_path, monkeypatch, capsys):
+    def full(path, *args, **kwargs):  # part of a shard written, then the disk is full
+        with open(path, "wb") as f:
+            f.write(b"\0" * 64)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
 
-    def full(*args, **kwargs):
-        if raised == "OSError":
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(args[1]))
-        # what safetensors' Rust writer raises on ENOSPC
-        raise SafetensorError(
-            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
-        )
-
-    monkeypatch.setattr("safetensors.torch.save_file", full)
+    monkeypatch.setattr(hf_export, "write_shard", full)
     assert _export(megatron_ckpt, tmp_path / "out") == 2
     line = _one_error_line(capsys, "export")
     assert f"--hf-path {tmp_path / 'out'}" in line and "No space left on device" in line, line

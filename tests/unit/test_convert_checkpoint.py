@@ -10,7 +10,8 @@ import pytest
 import torch
 from hf_checkpoints import write_hf_checkpoint
 
-from examples.multimodal_dev.checkpoint.hf_conversion import export_hf, import_hf
+from examples.multimodal_dev.checkpoint.hf_export import export_hf
+from examples.multimodal_dev.checkpoint.hf_import import import_hf
 from examples.multimodal_dev.checkpoint.hf_safetensors import HFTensorSource
 from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
 from examples.multimodal_dev.tools.convert_checkpoint import main

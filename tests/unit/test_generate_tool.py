@@ -184,7 +184,7 @@ def test_a_processor_that_does_not_fit_the_checkpoint_is_refused_before_weights_
 
     root, _ = checkpoint
     bad = _bad_processor(tmp_path, "bad", **change)
-    monkeypatch.setattr(hf_conversion, "load_megatron", lambda *a: pytest.fail("weights loaded"))
+    monkeypatch.setattr(hf_conversion, "load_megatron_with_lora", lambda *a, **k: pytest.fail("weights loaded"))
     argv = ["--megatron-path", str(root / "mg"), "--hf-processor-path", bad, "--prompt", "x"]
     assert generate.main(argv) == 2
     err = capsys.readouterr().err.strip()

@@ -29,6 +29,9 @@ device (no memory, no weights), each tensor is written under the name PEFT gives
 ``target_modules`` are the shortest module-name suffixes that match the adapted linears and nothing
 else in transformers' model.
 
+Only the adapters are read: the base weights stay on the meta device (``weightless_model.py``), so
+the export holds the adapters, whatever the model's size.
+
 Self-check, before anything is written: every pair, read back as PEFT reads it, gives the Megatron
 adapter's own change through the weight's rule, scale * B_hf A_hf = to_hf(dW), within fp32 rounding
 (computed in float64); otherwise the export is refused naming the tensor.
@@ -50,9 +53,11 @@ from safetensors import SafetensorError
 
 from examples.multimodal_dev.models import model_of
 
-from .hf_conversion import check_apart, load_megatron_with_lora, start_output, write_failure
+from .hf_conversion import open_megatron
+from .hf_export import check_apart, finish_output, start_output, write_failure
 from .hf_models import hf_classes
 from .lora_checkpoint import adapted_linears
+from .weightless_model import put_parameter
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # beside peft's own adapter_config.json
 PEFT_PREFIX = "base_model.model."  # PeftModel's prefix of the wrapped model's names in saved keys
@@ -202,10 +207,11 @@ def export_peft(
     check_apart(megatron_path, peft_path, FLAG)
     partial = start_output(peft_path, overwrite, FLAG)
     try:
-        model, shape, _, dtypes, lora = load_megatron_with_lora(megatron_path, hf_config_path, lora_base)
+        opened = open_megatron(megatron_path, hf_config_path, lora_base)
+        shape, dtypes, lora = opened.shape, opened.dtypes, opened.lora
         if lora is None:
             raise ValueError(f"--megatron-path {megatron_path}: holds no LoRA adapters; nothing to export with PEFT")
-        linears = adapted_linears(model)
+        linears = _adapters_read(opened)
         rules = list(adapted_rules(model_of(shape).hf_mapping_rules(shape), linears))
         hf_names = [name for rule in rules for name in rule.hf]
         config, prefixes, keys, experts = peft_layout(megatron_path, shape, hf_names, lora, base_model_name_or_path)
@@ -226,9 +232,7 @@ def export_peft(
             raise ValueError(f"--megatron-path {megatron_path}: the adapter's tensors are not PEFT's: {odd}")
         try:
             _write(partial, config, tensors)
-            if os.path.exists(peft_path):
-                shutil.rmtree(peft_path)
-            os.replace(partial, peft_path)
+            finish_output(partial, peft_path)
         except (OSError, SafetensorError) as err:
             raise write_failure(peft_path, err, FLAG) from err
     except BaseException:  # interrupted too: never leave OUT.partial behind
@@ -246,6 +250,17 @@ def export_peft(
         "run_dropout": lora.dropout,
         "base": lora.base,
     }
+
+
+def _adapters_read(opened) -> dict:
+    """The adapted linears of the weightless model with their adapters read from the checkpoint (in
+    fp32, as the conversion model held them); the base weights are never read."""
+    linears = adapted_linears(opened.model)
+    names = [f"{n}.{half}" for n in linears for half in ("lora_A", "lora_B")]
+    with opened.tensors() as reader:
+        for name, tensor in reader.read(names, dtype=torch.float32).items():
+            put_parameter(opened.model, name, tensor)
+    return adapted_linears(opened.model)
 
 
 def _write(out: str, config, tensors: dict) -> None:

@@ -1,6 +1,11 @@
 """``tools/convert_checkpoint.py verify``: the Megatron checkpoint and the Hugging Face model, both on
 the CPU in fp32, on the same inputs; one summary line, exit status from ``--atol``.
 
+Neither model is held whole: each is built weightless and runs with one decoder layer's weights in
+at a time (``streamed_forward.py``; the vision tower and the embedding throughout), read from the
+files as the layer runs, so a process holds about a layer of each in fp32 at any size. The HF model
+runs every input first, then the Megatron model; the checkpoint's files are read once per input.
+
 Built-in inputs (deterministic, no files needed): a text-only row of 48 token ids and an
 image+text row with one 4x6-patch image of seeded random pixels. ``--prompt`` (and ``--image``)
 run real text through the checkpoint's processor instead.
@@ -12,7 +17,8 @@ sizes is one line naming it, not a size-mismatch traceback), and a local folder 
 (``pytorch_model.bin``) is refused: verify reads safetensors only.
 
 NaN or inf makes every difference NaN, which says nothing about where it came from: verify names the
-weights that hold them (either model), else the logits that came out non-finite, and fails.
+weights that hold them (either model, as they are read), else the logits that came out non-finite,
+and fails.
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ from examples.multimodal_dev.data.sources import resolve
 from examples.multimodal_dev.models import model_of
 
 from . import hf_conversion
-from .hf_safetensors import read_config
+from .hf_export import READ_BYTES
+from .hf_safetensors import HFTensorSource, read_config
 from .run_shape import NOT_WEIGHTS, shape_differences
+from .streamed_forward import StreamedWeights, hf_units, hf_weightless, megatron_units
 
 
 # Shape fields verify does not compare: the MTP head is in neither forward pass, and the router's
@@ -89,18 +97,78 @@ def check_same_model(src: HFSource, megatron_path: str):
 
 
 def _hf_model(src: HFSource):
+    """transformers' model of ``src``, weightless (``streamed_forward.hf_weightless``)."""
     import transformers
 
     from .hf_models import hf_classes
 
     config = transformers.AutoConfig.from_pretrained(src.path, **src.load_kwargs())
     try:
-        _, model_cls = hf_classes(config.model_type)
+        hf_classes(config.model_type)
     except ValueError as err:
         raise ValueError(f"{src.flag} {src.value}: {err}") from None
-    return model_cls.from_pretrained(
-        src.path, dtype=torch.float32, attn_implementation="sdpa", use_safetensors=True, **src.load_kwargs()
-    ).eval()
+    config._attn_implementation = "sdpa"
+    return hf_weightless(config)
+
+
+def _hf_files(src: HFSource) -> str:
+    """The local folder of ``src``'s safetensors: the folder itself, or the Hub's files of ``hf://NAME``
+    fetched into the Hub's cache (weights and configs only)."""
+    if not src.hub:
+        return src.path
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(src.path, allow_patterns=["*.safetensors", "*.json"])
+
+
+def _nonfinite(name: str, tensor: torch.Tensor, found: list[str]) -> None:
+    # the sum is finite when every element is, and allocates nothing the size of the tensor
+    if tensor.is_floating_point() and not torch.isfinite(tensor.sum()):
+        nan, inf = int(tensor.isnan().sum()), int(tensor.isinf().sum())
+        if nan or inf:
+            found.append(f"{name} ({nan} NaN, {inf} inf)")
+
+
+def _hf_loader(source: HFTensorSource, found: list[str]):
+    """``load(names)`` of transformers' weights from the files, in fp32; a tied head reads the embedding."""
+    embedding = "model.language_model.embed_tokens.weight"
+
+    def load(names):
+        out = {}
+        for name in names:
+            stored = name if name in source or name != "lm_head.weight" else embedding
+            out[name] = source.get(stored, torch.float32)
+            _nonfinite(name, out[name], found)
+        return out
+
+    return load
+
+
+def _batches(reader, names: list[str]) -> list[list[str]]:
+    """``names`` in runs of at most ``READ_BYTES`` (a larger tensor alone)."""
+    batches: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        need = reader.nbytes([name])
+        if batches[-1] and size + need > READ_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(name)
+        size += need
+    return batches
+
+
+def _megatron_loader(reader, found: list[str]):
+    def load(names):
+        out = {}
+        # a few MB at a time, in the stored dtype (the reader's copies are of that size), then each in fp32
+        for batch in _batches(reader, names):
+            for name, tensor in reader.read(batch).items():
+                out[name] = tensor.float()
+                _nonfinite(name, out[name], found)
+        return out
+
+    return load
 
 
 def _text_ids(shape, n: int, generator) -> list[int]:
@@ -149,22 +217,41 @@ def prompt_case(processor: HFSource, prompt: str, image: str | None) -> list[tup
 
 
 @torch.no_grad()
-def _logits_pair(hf, mg, shape, case: dict):
+def _hf_logits(hf, case: dict, image_token_id: int) -> torch.Tensor:
     ids = case["input_ids"]
-    mask = torch.ones_like(ids)
-    grid = case.get("image_grid_thw")
-    hf_out = hf(
-        input_ids=ids,
-        attention_mask=mask,
-        mm_token_type_ids=(ids == shape.image_token_id).long(),
-        pixel_values=case.get("pixel_values"),
-        image_grid_thw=grid,
-    ).logits
-    position_ids = model_of(shape).padded_position_ids(
-        ids, mask, grid, None, shape.image_token_id, shape.video_token_id, shape.vision.spatial_merge_size
+    return (
+        hf(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            mm_token_type_ids=(ids == image_token_id).long(),
+            pixel_values=case.get("pixel_values"),
+            image_grid_thw=case.get("image_grid_thw"),
+        )
+        .logits.float()
+        .flatten(0, 1)
     )
-    mg_out = mg(ids, position_ids, None, pixel_values=case.get("pixel_values"), image_grid_thw=grid)
-    return mg_out.float().flatten(0, 1), hf_out.float().flatten(0, 1)
+
+
+@torch.no_grad()
+def _megatron_logits(mg, shape, case: dict) -> torch.Tensor:
+    ids, grid = case["input_ids"], case.get("image_grid_thw")
+    position_ids = model_of(shape).padded_position_ids(
+        ids,
+        torch.ones_like(ids),
+        grid,
+        None,
+        shape.image_token_id,
+        shape.video_token_id,
+        shape.vision.spatial_merge_size,
+    )
+    return mg(ids, position_ids, None, pixel_values=case.get("pixel_values"), image_grid_thw=grid).float().flatten(0, 1)
+
+
+def _streamed_logits(model, units, load, cases, logits) -> list[torch.Tensor]:
+    """Each case's logits from ``model``, run with its weights streamed in."""
+    streamed, resident = units
+    with StreamedWeights(model, streamed, resident, load):
+        return [logits(model, case) for _, case in cases]
 
 
 def _stats(ours: torch.Tensor, ref: torch.Tensor) -> dict:
@@ -176,15 +263,6 @@ def _stats(ours: torch.Tensor, ref: torch.Tensor) -> dict:
         "cosine": cosine,
         "tokens": ours.shape[0],
     }
-
-
-def _nonfinite_weights(model, label: str) -> list[str]:
-    bad = []
-    for name, p in model.named_parameters():
-        if not torch.isfinite(p).all():
-            bad.append(f"{name} ({int(p.isnan().sum())} NaN, {int(p.isinf().sum())} inf)")
-    more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
-    return [f"{label} weights hold NaN/inf: {', '.join(bad[:5])}{more}"] if bad else []
 
 
 def _nonfinite_logits(case: str, ours: torch.Tensor, ref: torch.Tensor) -> list[str]:
@@ -203,7 +281,7 @@ def _line(prefix: str, s: dict) -> str:
 
 
 def verify(args) -> bool:
-    # Every path and shape is checked before either model is built (minutes on a large model).
+    # Every path and shape is checked before either model runs (minutes on a large model).
     hf_src = HFSource(args.hf_path, "--hf-path")
     processor = HFSource(args.hf_processor_path, "--hf-processor-path") if args.hf_processor_path else hf_src
     if args.image and not args.prompt:
@@ -213,24 +291,35 @@ def verify(args) -> bool:
     _local_hf_dir(hf_src)
     hf_conversion.check_checkpoint_dir(args.megatron_path)
     check_same_model(hf_src, args.megatron_path)
-    mg, shape, _, _ = hf_conversion.load_megatron(args.megatron_path, lora_base=getattr(args, "lora_base", None))
+    opened = hf_conversion.open_megatron(args.megatron_path, lora_base=getattr(args, "lora_base", None))
+    shape = opened.shape
     hf = _hf_model(hf_src)
-    reasons = _nonfinite_weights(mg, "Megatron") + _nonfinite_weights(hf, "HF")
+    cases = prompt_case(processor, args.prompt, args.image) if args.prompt else builtin_cases(shape)
+    bad_hf, bad_mg = [], []
+    source = HFTensorSource(_hf_files(hf_src))
+    refs = _streamed_logits(
+        hf, hf_units(hf), _hf_loader(source, bad_hf), cases, lambda m, c: _hf_logits(m, c, shape.image_token_id)
+    )
+    with opened.tensors() as reader:
+        ours = _streamed_logits(
+            opened.model,
+            megatron_units(opened.model),
+            _megatron_loader(reader, bad_mg),
+            cases,
+            lambda m, c: _megatron_logits(m, shape, c),
+        )
+    reasons = [
+        f"{label} weights hold NaN/inf: {', '.join(bad[:5])}" + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        for label, bad in (("Megatron", bad_mg), ("HF", bad_hf))
+        if bad
+    ]
     if reasons:
         print("verify: FAIL: " + "; ".join(reasons))
         return False
-    if args.prompt:
-        cases = prompt_case(processor, args.prompt, args.image)
-    else:
-        cases = builtin_cases(shape)
-    all_ours, all_ref = [], []
-    for name, case in cases:
-        ours, ref = _logits_pair(hf, mg, shape, case)
-        print(_line(f"  {name}: ", _stats(ours, ref)))
-        reasons += _nonfinite_logits(name, ours, ref)
-        all_ours.append(ours)
-        all_ref.append(ref)
-    total = _stats(torch.cat(all_ours), torch.cat(all_ref))
+    for (name, _), mine, ref in zip(cases, ours, refs):
+        print(_line(f"  {name}: ", _stats(mine, ref)))
+        reasons += _nonfinite_logits(name, mine, ref)
+    total = _stats(torch.cat(ours), torch.cat(refs))
     ok = total["max_abs_diff"] <= args.atol and not reasons
     print(
         _line("verify: ", total)

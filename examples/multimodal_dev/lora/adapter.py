@@ -228,7 +228,14 @@ class LoraLinear:
     def merged_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """This rank's ``W + (alpha / r) B A``, summed in float64 and rounded once to ``dtype``
         (the weight's by default)."""
-        return (self.weight.double() + self.delta_weight()).to(dtype or self.weight.dtype)
+        return merged(self.weight, self.lora_A, self.lora_B, self.lora_scale, dtype or self.weight.dtype)
+
+
+@torch.no_grad()
+def merged(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float, dtype) -> torch.Tensor:
+    """``W + scale B A``, summed in float64 and rounded once to ``dtype``: a LoRA linear's merged weight
+    from its tensors, for a tool that reads them without the module."""
+    return (weight.double() + (lora_B.double() @ lora_A.double()) * scale).to(dtype)
 
 
 _CLASSES: dict[type, type] = {}

@@ -20,9 +20,12 @@ verify   the HF model and the Megatron checkpoint (CPU, fp32) on the same determ
 A user's mistake (a missing path, a damaged or foreign file, two models that differ) is one line,
 ``convert_checkpoint COMMAND: error: ...``, with exit status 2.
 
-The work is done by ``checkpoint/hf_conversion.py`` and ``checkpoint/verify.py``; this file is the
-command. It runs on the CPU (it hides GPUs from itself): it needs host memory for one copy of the
-model, not a GPU.
+The work is done by ``checkpoint/hf_import.py``, ``hf_export.py``, ``peft_adapter.py`` and
+``verify.py``; this file is the command. It runs on the CPU (it hides GPUs from itself) and holds a
+bounded part of the model at any time (a tensor, a decoder layer in verify), not the model: the 397B
+converts on a host with tens of GB. Long work prints a progress line (tensors, bytes, rate, time
+left) on stderr. ``--help`` imports nothing heavy: torch and megatron-core load after the arguments
+are read.
 """
 
 from __future__ import annotations
@@ -37,12 +40,8 @@ if __name__ == "__main__":
     # module (tests), it changes nothing in the importing process.
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
-from safetensors import SafetensorError
-
 from examples.multimodal_dev.checkpoint.adapters_only import LORA_BASE_HELP
-from examples.multimodal_dev.checkpoint.hf_conversion import CKPT_FORMATS, DTYPES, MOE_LAYOUTS, export_hf, import_hf
-from examples.multimodal_dev.checkpoint.peft_adapter import export_peft
-from examples.multimodal_dev.checkpoint.verify import verify
+from examples.multimodal_dev.checkpoint.choices import CKPT_FORMATS, DTYPE_NAMES, MOE_LAYOUTS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--hf-path", required=True)
     exp.add_argument("--hf-processor-path", default=None, help="copy tokenizer/processor files from here")
     exp.add_argument("--hf-config-path", default=None, help="config.json to describe the model (else inferred)")
-    exp.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast every tensor (default: as stored)")
+    exp.add_argument("--dtype", choices=DTYPE_NAMES, default=None, help="cast every tensor (default: as stored)")
     exp.add_argument("--max-shard-size-gb", type=float, default=2.0)
     exp.add_argument(
         "--moe-layout",
@@ -137,57 +136,75 @@ def peft_summary(info: dict, out: str) -> str:
     return f"{line} -> {out}"
 
 
+def _run(args) -> int:
+    from examples.multimodal_dev.checkpoint.hf_export import export_hf
+    from examples.multimodal_dev.checkpoint.hf_import import import_hf
+    from examples.multimodal_dev.checkpoint.peft_adapter import export_peft
+    from examples.multimodal_dev.checkpoint.verify import verify
+
+    if args.command == "verify":
+        return 0 if verify(args) else 1
+    if args.command == "import":
+        info = import_hf(
+            args.hf_path,
+            args.megatron_path,
+            args.tp,
+            args.ep,
+            args.overwrite,
+            args.allow_mixed_dtypes,
+            args.ckpt_format,
+        )
+        print(
+            f"import: {info['tensors']} Megatron tensors, {info['parameters'] / 1e6:.1f} M parameters "
+            f"{info['dtypes']} -> {args.megatron_path} (iteration 0, {args.ckpt_format})"
+        )
+    elif args.command == "export":
+        info = export_hf(
+            args.megatron_path,
+            args.hf_path,
+            args.hf_processor_path,
+            args.hf_config_path,
+            args.dtype,
+            int(args.max_shard_size_gb * 1024**3),
+            args.overwrite,
+            args.moe_layout,
+            args.lora_base,
+        )
+        merged = f", merged {info['merged_adapters']} LoRA adapters" if info["merged_adapters"] else ""
+        print(
+            f"export: {info['bytes'] / 1e6:.1f} MB in {info['shards']} shard(s), "
+            f"{info['processor_files']} processor file(s){merged} -> {args.hf_path}"
+        )
+    else:
+        info = export_peft(
+            args.megatron_path,
+            args.peft_path,
+            args.base_model_name_or_path,
+            args.hf_config_path,
+            args.overwrite,
+            args.lora_base,
+        )
+        print(peft_summary(info, args.peft_path))
+    return 0
+
+
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(argv)  # before torch or megatron-core is imported: --help is instant
     try:
         check_args(args)
-        if args.command == "import":
-            info = import_hf(
-                args.hf_path,
-                args.megatron_path,
-                args.tp,
-                args.ep,
-                args.overwrite,
-                args.allow_mixed_dtypes,
-                args.ckpt_format,
-            )
-            print(
-                f"import: {info['tensors']} Megatron tensors, {info['parameters'] / 1e6:.1f} M parameters "
-                f"{info['dtypes']} -> {args.megatron_path} (iteration 0, {args.ckpt_format})"
-            )
-        elif args.command == "export":
-            info = export_hf(
-                args.megatron_path,
-                args.hf_path,
-                args.hf_processor_path,
-                args.hf_config_path,
-                args.dtype,
-                int(args.max_shard_size_gb * 1024**3),
-                args.overwrite,
-                args.moe_layout,
-                args.lora_base,
-            )
-            merged = f", merged {info['merged_adapters']} LoRA adapters" if info["merged_adapters"] else ""
-            print(
-                f"export: {info['bytes'] / 1e6:.1f} MB in {info['shards']} shard(s), "
-                f"{info['processor_files']} processor file(s){merged} -> {args.hf_path}"
-            )
-        elif args.command == "export-peft":
-            info = export_peft(
-                args.megatron_path,
-                args.peft_path,
-                args.base_model_name_or_path,
-                args.hf_config_path,
-                args.overwrite,
-                args.lora_base,
-            )
-            print(peft_summary(info, args.peft_path))
-        else:
-            return 0 if verify(args) else 1
+    except ValueError as err:
+        print(f"convert_checkpoint {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    from safetensors import SafetensorError
+
+    from megatron.cpu.host_tuning import return_freed_host_memory
+
+    return_freed_host_memory()  # the tools read tensors once each: freed memory goes back at once
+    try:
+        return _run(args)
     except (OSError, SafetensorError, ValueError, KeyError) as err:  # OSError: not found, exists, cannot write
         print(f"convert_checkpoint {args.command}: error: {err}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":
