@@ -13,6 +13,7 @@
   their own shards, the language model the common state).
 """
 
+import json
 import os
 
 import pytest
@@ -25,8 +26,8 @@ from lora_exports import peft_equals_merged
 from examples.multimodal_dev.checkpoint.files import checkpoint_directory
 from examples.multimodal_dev.checkpoint.hf_export import export_hf
 from examples.multimodal_dev.checkpoint.hf_import import import_hf
+from examples.multimodal_dev.checkpoint.hf_models import hf_classes
 from examples.multimodal_dev.checkpoint.hf_safetensors import HFTensorSource
-from examples.multimodal_dev.checkpoint.verify import HFSource, _hf_model
 from examples.multimodal_dev.data import get_dataset_provider
 from examples.multimodal_dev.data.sample import VisionTokens
 from examples.multimodal_dev.models.qwen35_vl.configuration import from_hf_config, get_variant
@@ -36,7 +37,9 @@ from examples.multimodal_dev.tools.convert_checkpoint import main
 def _hf_loss_on_first_batch(hf_path: str, seq_length: int, global_batch: int, train_iters: int) -> float:
     """The run script's first global batch (mock, seed 1234), through the HF model sample by sample."""
     shape = from_hf_config(hf_path)
-    hf = _hf_model(HFSource(str(hf_path), "--hf-path"))
+    with open(os.path.join(hf_path, "config.json")) as f:
+        _, model_cls = hf_classes(json.load(f)["model_type"])
+    hf = model_cls.from_pretrained(hf_path, dtype=torch.float32, attn_implementation="sdpa").eval()
     train = get_dataset_provider("mock")(
         tokens=VisionTokens.from_shape(shape),
         vocab_size=shape.text.vocab_size,

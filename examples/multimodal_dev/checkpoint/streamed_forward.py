@@ -49,8 +49,13 @@ class StreamedWeights:
             by_id.setdefault(id(param), []).append(name)
         self.aliases = {names[0]: names[1:] for names in by_id.values()}
         self.resident, self.units, self._hooks = resident, units, []
-        self.loaded_bytes = 0  # the most held at once, for the tests and the benchmark
-        self._held = 0
+        self._held = 0  # bytes of weights in now
+
+    def unit_bytes(self, unit: str) -> int:
+        """The bytes of ``unit``'s weights (as the model's parameters say, in or out)."""
+        return sum(
+            self.model.get_parameter(n).numel() * self.model.get_parameter(n).element_size() for n in self.of_unit[unit]
+        )
 
     def _put(self, unit: str) -> None:
         tensors = self.load(self.of_unit[unit])
@@ -58,7 +63,6 @@ class StreamedWeights:
             put_parameter(self.model, name, tensor)
             self._alias(name)
             self._held += tensor.numel() * tensor.element_size()
-        self.loaded_bytes = max(self.loaded_bytes, self._held)
 
     def _take(self, unit: str) -> None:
         for name in self.of_unit[unit]:
