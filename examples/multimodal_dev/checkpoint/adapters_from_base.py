@@ -9,6 +9,11 @@
 - The base is named: ``args.lora_base`` (``record_base``), saved with the run's args in every
   checkpoint, is the checkpoint iteration the adapters adapt: the loaded one when it holds no
   adapters, else the one its own args name, so resumes carry it on.
+- An MTP head started afresh: a weights-only start (``--finetune``, the run script's ``CKPT_LOAD``) of
+  a model with an MTP head from a checkpoint holding none (an import of a checkpoint transformers'
+  ``save_pretrained`` wrote, which has no ``mtp.*``) leaves the head out of the request the same way:
+  it keeps its initialisation (``MTP=1`` asks for it). A checkpoint holding part of a head is not this
+  case, and megatron's missing-key error stands.
 - Nothing trained is dropped: megatron ignores what a checkpoint holds beyond the model, so a run
   without the adapters a checkpoint was trained with (no ``--lora-rank``, another rank, fewer
   targets) is refused before it starts (``check_adapters_kept``).
@@ -29,6 +34,10 @@ ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
 
 def is_adapter_key(key: str) -> bool:
     return key.endswith(ADAPTER_SUFFIXES)
+
+
+def is_mtp_key(key: str) -> bool:
+    return ".mtp." in f".{key}"
 
 
 def check_adapters_kept(args, load_dir: str | None, flag: str) -> None:
@@ -127,11 +136,13 @@ def base_without_adapters(load_base, run=None):
     @functools.wraps(load_base)
     def load(load_dir, args, *rest, **kwargs):
         sharded = kwargs.get("sharded_state_dict")
-        own, base_part = {}, {}
+        own, base_part, head = {}, {}, {}
         if _holds_torch_dist(load_dir) and sharded:
             directory = checkpoint_directory(load_dir)
             held = stored_keys(directory)
             own = _not_held(sharded, held, is_adapter_key)
+            if getattr(args, "finetune", False) and not any(map(is_mtp_key, held)):
+                head = _not_held(sharded, held, is_mtp_key)
             if getattr(args, "lora_rank", 0) and getattr(stored_args(directory), ADAPTERS_ONLY, False):
                 base_part = _not_held(sharded, held, lambda key: not is_adapter_key(key))
         loaded = load_base(load_dir, args, *rest, **kwargs)
@@ -144,6 +155,10 @@ def base_without_adapters(load_base, run=None):
             adapters = any(map(is_adapter_key, held))
             fresh = f"{len(own)} adapter tensors fewer" if adapters else "no LoRA adapters: its weights are the base"
             say(f"{load_dir} holds {fresh}; the adapters it lacks start at B = 0")
+        if head and loaded[0] is not None:
+            for (part, key), value in head.items():
+                loaded[0].setdefault(part, {})[key] = value.data  # the model's own initialisation
+            say(f"{load_dir} holds no MTP head; the model's ({len(head)} tensors) starts from its initialisation")
         return loaded
 
     return load

@@ -248,7 +248,8 @@ CHANGES: tuple[Change, ...] = (
         f"{_P}checkpoint.adapters_from_base:base_without_adapters",
         "a model with LoRA adapters loads a checkpoint without any (the base it adapts) instead of stopping on "
         "the missing adapter keys; the adapters keep their start; a checkpoint of the adapters alone gets "
-        "its base's tensors from that base",
+        "its base's tensors from that base; a weights-only start from a checkpoint without an MTP head "
+        "starts the model's head afresh",
     ),
     Change(
         "lora-from-base",
