@@ -123,7 +123,7 @@ def check_checkpoints(args) -> None:
     for flag, directory in (("--load", args.load), ("--pretrained-checkpoint", args.pretrained_checkpoint)):
         safety.check_tracker(directory, flag)
         check_resumable(directory, flag)
-        check_checkpoint_matches(directory, model_shape(), flag)
+        check_checkpoint_matches(directory, model_shape(), flag, weights_only=flag == "--load" and args.finetune)
         check_adapters_kept(args, directory, flag)
     record_base(args)
     run_checks.check_resume_lr(args)

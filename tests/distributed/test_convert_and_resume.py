@@ -15,6 +15,7 @@
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -155,3 +156,30 @@ def test_generate_answers_from_a_lora_checkpoint_as_transformers_does_from_its_m
     ours = json.loads(answers.read_text())["token_ids"]
     print(f"generate from the LoRA checkpoint: {ours}")
     assert ours == hf_greedy(merged, sample["input_ids"].tolist(), 8, processor_dir=processor), ours
+
+
+def test_a_save_pretrained_checkpoint_imports_trains_a_new_mtp_head_exports_and_verifies(tmp_path, mcore):
+    """What a fine-tune done with transformers hands over: ``save_pretrained`` writes no ``mtp.*`` while
+    its config.json counts the head. Import takes it without the head; ``MTP=1`` from the import trains a
+    head started afresh (its loss is logged) beside the imported weights; the run's export loads in
+    transformers, and the import verifies against the folder it came from."""
+    from hf_reference import build_hf_model
+
+    from examples.multimodal_dev.checkpoint.hf_models import hf_classes
+
+    hf_path, ckpt, tuned, out = (tmp_path / n for n in ("hf", "imported", "tuned", "out"))
+    hf = build_hf_model(get_variant("tiny", moe=True, mtp=True)).to(torch.bfloat16)
+    hf.config.dtype = torch.bfloat16
+    hf.save_pretrained(hf_path)
+    assert not any(n.startswith("mtp.") for n in HFTensorSource(str(hf_path)).names)
+    assert main(["import", "--hf-path", str(hf_path), "--megatron-path", str(ckpt)]) == 0
+    run = run_script(NO_EVAL, CKPT_LOAD=ckpt, CKPT_SAVE=tuned, MTP=1, TRAIN_ITERS=2, SEQ_LEN=512, GBS=2, MBS=1)
+    run.check()
+    assert re.search(r"holds no MTP head: the model's head \(\d+ entries\) starts from its initialisation", run.output)
+    assert len(run.mtp_losses) == 2 and all(v > 0 for v in run.mtp_losses.values()), run.mtp_losses
+    assert main(["export", "--megatron-path", str(tuned), "--hf-path", str(out)]) == 0
+    _, cls = hf_classes("qwen3_5_moe")
+    _, info = cls.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert any(n.startswith("mtp.") for n in HFTensorSource(str(out)).names)  # the head it trained
+    assert main(["verify", "--hf-path", str(hf_path), "--megatron-path", str(ckpt)]) == 0

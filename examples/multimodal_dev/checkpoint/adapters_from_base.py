@@ -108,6 +108,30 @@ def _not_held(sharded: dict, held: frozenset[str], wanted) -> dict:
     return out
 
 
+def _taken_out(sharded: dict, wanted) -> dict:
+    """Every entry of the model's request whose key ``wanted`` takes (tensors, their factories and the
+    modules' extra-state objects, lists of them included), taken out: {(part, key): entry}."""
+    out = {
+        (part, key): value
+        for part, state in sharded.items()
+        if part.startswith("model") and isinstance(state, dict)
+        for key, value in state.items()
+        if wanted(key)
+    }
+    for part, key in out:
+        del sharded[part][key]
+    return out
+
+
+def _own(entry):
+    """The model's own value of a request entry (its data), through lists and dicts of entries."""
+    if isinstance(entry, dict):
+        return {k: _own(v) for k, v in entry.items()}
+    if isinstance(entry, (list, tuple)):
+        return type(entry)(_own(v) for v in entry)
+    return entry.data
+
+
 def _from_base(base_part: dict, base: str) -> dict:
     """The base's tensors of an adapters-only checkpoint, read from the base at this run's layout."""
     from megatron.core import dist_checkpointing
@@ -142,7 +166,7 @@ def base_without_adapters(load_base, run=None):
             held = stored_keys(directory)
             own = _not_held(sharded, held, is_adapter_key)
             if getattr(args, "finetune", False) and not any(map(is_mtp_key, held)):
-                head = _not_held(sharded, held, is_mtp_key)
+                head = _taken_out(sharded, is_mtp_key)
             if getattr(args, "lora_rank", 0) and getattr(stored_args(directory), ADAPTERS_ONLY, False):
                 base_part = _not_held(sharded, held, lambda key: not is_adapter_key(key))
         loaded = load_base(load_dir, args, *rest, **kwargs)
@@ -157,8 +181,8 @@ def base_without_adapters(load_base, run=None):
             say(f"{load_dir} holds {fresh}; the adapters it lacks start at B = 0")
         if head and loaded[0] is not None:
             for (part, key), value in head.items():
-                loaded[0].setdefault(part, {})[key] = value.data  # the model's own initialisation
-            say(f"{load_dir} holds no MTP head; the model's ({len(head)} tensors) starts from its initialisation")
+                loaded[0].setdefault(part, {})[key] = _own(value)  # the model's own initialisation
+            say(f"{load_dir} holds no MTP head: the model's head ({len(head)} entries) starts from its initialisation")
         return loaded
 
     return load

@@ -53,10 +53,12 @@ def resolve_shape(args):
     return shape
 
 
-def check_checkpoint_matches(load_dir: str | None, shape, flag: str = "--load") -> None:
+def check_checkpoint_matches(load_dir: str | None, shape, flag: str = "--load", weights_only: bool = False) -> None:
     """The checkpoint under ``--load`` was saved from this model shape: its stored args (megatron's
     common state) against ``checkpoint_args(shape)``, so a dense checkpoint loaded as MoE (or the
-    wrong variant) is one line naming what differs, not a KeyError listing hundreds of tensors."""
+    wrong variant) is one line naming what differs, not a KeyError listing hundreds of tensors.
+    ``weights_only`` (``--finetune``): a run with an MTP head may start from a checkpoint without one,
+    whose head then starts afresh (``adapters_from_base.base_without_adapters``)."""
     if not load_dir or not os.path.isfile(os.path.join(load_dir, TRACKER)):
         return
     directory = checkpoint_directory(load_dir)
@@ -73,8 +75,11 @@ def check_checkpoint_matches(load_dir: str | None, shape, flag: str = "--load") 
     ]
     if not differ:  # megatron's flags agree: every other field of the shape too (vision depth, GDN heads, ...)
         differ = shape_differences(stored_shape(stored), shape)
-    if expected["mtp_num_layers"] and not getattr(stored, "mtp_num_layers", None):
-        differ.append("the run trains an MTP head (MTP=1) the checkpoint does not have")
+    if expected["mtp_num_layers"] and not getattr(stored, "mtp_num_layers", None) and not weights_only:
+        differ.append(
+            "the run trains an MTP head (MTP=1) the checkpoint does not have (a start from its weights alone, "
+            "CKPT_LOAD, trains a new one)"
+        )
     if differ:
         raise ValueError(
             f"{flag} {load_dir} ({os.path.basename(directory)}) was saved from another model: "
