@@ -16,6 +16,7 @@ functions, runs down the stack, and no two modules import each other, directly o
     megatron_changes/  the table of changes to megatron: imports nothing of the project (names by path)
     evaluation/   scoring generated answers (text and JSON metrics): imports nothing of the project
     console.py    the training script's one-line messages: imports nothing of the project
+    progress.py   long work's progress line (the checkpoint tools): imports nothing of the project
     megatron/cpu  the device layer
     tools/, benchmarks/   commands: they import the layers; nothing imports them
 """
@@ -29,6 +30,7 @@ PACKAGE = "examples.multimodal_dev"
 LAYERS = (
     "megatron.cpu",
     f"{PACKAGE}.console",
+    f"{PACKAGE}.progress",
     f"{PACKAGE}.megatron_changes",
     f"{PACKAGE}.evaluation",
     f"{PACKAGE}.models",

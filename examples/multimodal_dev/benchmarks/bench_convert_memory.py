@@ -10,8 +10,9 @@ write, as every Qwen3.5 fine-tuned on the Hugging Face side does):
     tiny          the CI model (a few MB): what a command costs with no model to speak of
     0.8b          Qwen3.5-0.8B's shape, 0.85 B parameters, 1.6 GB
     35b_a3b-cut   Qwen3.5-35B-A3B's widths (256 experts of 512, hidden 2048, vocabulary 248k, its
-                  27-block vision tower) cut to one decoder layer: ~2.4 B parameters, the experts of
-                  one layer 1.6 GB of them, so the whole is several tensors larger than any one
+                  27-block vision tower) cut to one decoder layer (its attention layer: transformers'
+                  Qwen3.5 does not run without one): 2.3 B parameters, 4.3 GiB, the layer's experts
+                  1.6 GB of them, the embedding and the output head 1 GB each
 
 Each command runs as the user runs it, in a process of its own; its peak resident memory is that of
 it and its children, sampled every 0.2 s (a short peak between samples can be missed; the sampler
@@ -48,7 +49,7 @@ def case_shape(name: str):
     if name != "35b_a3b-cut":
         return get_shape(name, mtp=True)
     shape = get_shape("35b_a3b", mtp=True)
-    return replace(shape, text=replace(shape.text, num_layers=1, layer_types=("linear_attention",)))
+    return replace(shape, text=replace(shape.text, num_layers=1, layer_types=("full_attention",)))
 
 
 def write_checkpoint(name: str, path: str, config_mtp: int | None) -> int:

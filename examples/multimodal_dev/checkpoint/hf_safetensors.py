@@ -164,29 +164,27 @@ def _read_into(f, view: memoryview, path: str, start: int) -> None:
         done += got
 
 
-def read_stored(where: StoredTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def read_stored(where: StoredTensor, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The tensor's bytes read into memory of its own, at ``where.start``: a plain read, not a mapping of
     the file, so the process holds what it reads and no more (the pages of a mapped 8 GB shard count as
-    the reader's memory once touched). ``dtype``: converted as it is read, a block of rows at a time,
-    so a bf16 embedding becomes fp32 without a bf16 copy of it beside."""
-    if dtype is None or dtype == where.dtype or not where.shape:
-        out = torch.empty(where.nbytes, dtype=torch.uint8)
-        with open(where.path, "rb", buffering=0) as f:
-            f.seek(where.start)
-            _read_into(f, memoryview(out.numpy()), where.path, where.start)
-        tensor = out.view(where.dtype).reshape(where.shape)
-        return tensor if dtype is None else tensor.to(dtype)
-    out = torch.empty(where.shape, dtype=dtype)
-    row = math.prod(where.shape[1:]) * where.dtype.itemsize
-    step = max(1, _BLOCK_BYTES // max(row, 1))
-    buffer = torch.empty(step * row, dtype=torch.uint8)
+    the reader's memory once touched). ``dtype``: converted as it is read, a block at a time, so a bf16
+    embedding becomes fp32 without a bf16 copy of it beside. ``out``: a contiguous tensor of the shape
+    to read into (in its dtype), such as one expert's rows of a packed tensor."""
+    if out is None:
+        out = torch.empty(where.shape, dtype=dtype or where.dtype)
+    assert out.is_contiguous() and out.numel() == math.prod(where.shape), (tuple(out.shape), where.shape)
+    flat = out.view(-1)
     with open(where.path, "rb", buffering=0) as f:
         f.seek(where.start)
-        for first in range(0, where.shape[0], step):
-            rows = min(step, where.shape[0] - first)
-            _read_into(f, memoryview(buffer.numpy())[: rows * row], where.path, where.start)
-            block = buffer[: rows * row].view(where.dtype).reshape(rows, *where.shape[1:])
-            out[first : first + rows].copy_(block)
+        if out.dtype == where.dtype:
+            _read_into(f, memoryview(flat.view(torch.uint8).numpy()), where.path, where.start)
+            return out
+        step = max(1, _BLOCK_BYTES // where.dtype.itemsize)
+        buffer = torch.empty(min(step, flat.numel()) * where.dtype.itemsize, dtype=torch.uint8)
+        for first in range(0, flat.numel(), step):
+            count = min(step, flat.numel() - first)
+            _read_into(f, memoryview(buffer.numpy())[: count * where.dtype.itemsize], where.path, where.start)
+            flat[first : first + count].copy_(buffer[: count * where.dtype.itemsize].view(where.dtype))
     return out
 
 
@@ -296,8 +294,8 @@ class HFTensorSource:
         where = self._where[name] if name in self._where else self._unpacked[name][1]
         return torch.empty(where.shape, dtype=where.dtype, device="meta")
 
-    def _read(self, stored: str, where: StoredTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        tensor = read_stored(where, dtype)
+    def _read(self, stored: str, where: StoredTensor, dtype=None, out: torch.Tensor | None = None) -> torch.Tensor:
+        tensor = read_stored(where, dtype, out)
         # The sum is finite when every element is, and allocates nothing the size of the tensor
         # (isfinite() would); a finite tensor whose sum overflows is counted and let through.
         if tensor.is_floating_point() and not torch.isfinite(tensor.sum()):
@@ -313,10 +311,13 @@ class HFTensorSource:
             return self._read(name, self._where[name], dtype)
         if name in self._unpacked:
             return self._read(*self._unpacked[name], dtype)
-        tensors = [self._read(p, self._where[p], dtype) for p in self._packed[name]]
-        if name.endswith("gate_up_proj"):  # per expert: [gate; up] rows
-            return torch.stack([torch.cat(tensors[i : i + 2], dim=0) for i in range(0, len(tensors), 2)])
-        return torch.stack(tensors)
+        # read straight into the packed tensor, expert by expert (gate_up: an expert's gate rows, then up)
+        meta = self.meta(name)
+        out = torch.empty(meta.shape, dtype=dtype or meta.dtype)
+        rows = out.view(-1, *meta.shape[2:]).split([self._where[p].shape[0] for p in self._packed[name]])
+        for part, into in zip(self._packed[name], rows):
+            self._read(part, self._where[part], out=into)
+        return out
 
     def nbytes(self, name: str) -> int:
         return self.meta(name).numel() * self.meta(name).element_size()

@@ -53,6 +53,7 @@ from safetensors import SafetensorError
 
 from examples.multimodal_dev.models import model_of
 
+from ..progress import Progress
 from .hf_conversion import open_megatron
 from .hf_export import check_apart, finish_output, start_output, write_failure
 from .hf_models import hf_classes
@@ -215,17 +216,7 @@ def export_peft(
         rules = list(adapted_rules(model_of(shape).hf_mapping_rules(shape), linears))
         hf_names = [name for rule in rules for name in rule.hf]
         config, prefixes, keys, experts = peft_layout(megatron_path, shape, hf_names, lora, base_model_name_or_path)
-        tensors = {}
-        for rule in rules:
-            source = rule.megatron[0].removesuffix(".weight")
-            dtype = dtypes.get(f"{source}.lora_A", linears[source].lora_A.dtype)
-            a_list = [linears[n.removesuffix(".weight")].lora_A.detach() for n in rule.megatron]
-            b_list = [linears[n.removesuffix(".weight")].lora_B.detach() for n in rule.megatron]
-            written = {}
-            for name, (a, b) in zip(rule.hf, hf_halves(rule, a_list, b_list)):
-                written[name] = to_peft(a, b, dtype)
-                tensors[f"{prefixes[name]}.lora_A.weight"], tensors[f"{prefixes[name]}.lora_B.weight"] = written[name]
-            self_check(megatron_path, rule, linears, written, experts)
+        tensors = _peft_tensors(megatron_path, rules, linears, dtypes, prefixes, experts)
         shapes = {k: tuple(v.shape) for k, v in tensors.items()}
         if shapes != keys:
             odd = sorted(set(shapes.items()) ^ set(keys.items()))[0]
@@ -250,6 +241,25 @@ def export_peft(
         "run_dropout": lora.dropout,
         "base": lora.base,
     }
+
+
+def _peft_tensors(megatron_path: str, rules, linears: dict, dtypes: dict, prefixes: dict, experts: dict) -> dict:
+    """PEFT's saved tensors of every adapted rule, each pair self-checked as it is made."""
+    tensors = {}
+    total = sum(4 * t.numel() for m in linears.values() for t in (m.lora_A, m.lora_B))
+    with Progress("export-peft", sum(len(rule.hf) for rule in rules), total) as progress:
+        for rule in rules:
+            source = rule.megatron[0].removesuffix(".weight")
+            dtype = dtypes.get(f"{source}.lora_A", linears[source].lora_A.dtype)
+            a_list = [linears[n.removesuffix(".weight")].lora_A.detach() for n in rule.megatron]
+            b_list = [linears[n.removesuffix(".weight")].lora_B.detach() for n in rule.megatron]
+            written = {}
+            for name, (a, b) in zip(rule.hf, hf_halves(rule, a_list, b_list)):
+                written[name] = to_peft(a, b, dtype)
+                tensors[f"{prefixes[name]}.lora_A.weight"], tensors[f"{prefixes[name]}.lora_B.weight"] = written[name]
+            self_check(megatron_path, rule, linears, written, experts)
+            progress.advance(sum(4 * (a.numel() + b.numel()) for a, b in zip(a_list, b_list)), len(rule.hf))
+    return tensors
 
 
 def _adapters_read(opened) -> dict:

@@ -3,12 +3,12 @@ both models of a checkpoint of any size, holding a decoder layer of each at a ti
 
 The model is built on the meta device (``weightless_model.py``; transformers' model the same way,
 its rotary buffers made by its own initialisation, as its ``from_pretrained`` makes them). It is cut
-into units, each a module whose forward uses only its own weights: a decoder layer, the final norm,
+into units, each a module whose forward uses only its own weights: the vision tower (whole: its blocks
+read the position table outside their own forward), the embedding, a decoder layer, the final norm,
 the output head; a forward pre-hook puts a unit's weights in (``load(names)``) and a forward hook
-takes them out again. The units that the model reads outside their own forward, or that are small
-beside a layer, stay in for the whole pass (``resident``): the vision tower (its blocks read the
-position table outside its forward) and the embedding (a tied output head reads it). Every parameter
-belongs to exactly one unit, checked up front, so a module added to a model later cannot run on meta.
+takes them out again. A unit the model reads outside its own forward stays in for the whole pass
+(``resident``): a tied embedding, which the output head reads. Every parameter belongs to exactly one
+unit, checked up front, so a module added to a model later cannot run on meta.
 """
 
 from __future__ import annotations
@@ -95,20 +95,27 @@ class StreamedWeights:
 
 
 def megatron_units(model) -> tuple[list[str], list[str]]:
-    """(streamed, resident) units of the Qwen3.5-VL Megatron model: its decoder layers, final norm,
-    output head and MTP head one at a time; the vision tower and the embedding throughout."""
+    """(streamed, resident) units of the Qwen3.5-VL Megatron model: the vision tower, the embedding,
+    each decoder layer, the final norm, the output head and the MTP head one at a time; a tied
+    embedding throughout (the output head reads it outside the embedding's forward)."""
     lm = "language_model"
     layers = [f"{lm}.decoder.layers.{i}" for i in range(len(model.language_model.decoder.layers))]
-    tail = [f"{lm}.decoder.final_layernorm", f"{lm}.output_layer", f"{lm}.mtp"]
+    # the word embeddings, not megatron's embedding module: the model embeds a row itself (models/base.py)
+    embedding = f"{lm}.embedding.word_embeddings"
+    units = ["vision_model", embedding, *layers, f"{lm}.decoder.final_layernorm", f"{lm}.output_layer", f"{lm}.mtp"]
     present = {n for n, _ in model.named_modules()}
-    return [u for u in [*layers, *tail] if u in present], ["vision_model", f"{lm}.embedding"]
+    resident = [embedding] if model.language_model.share_embeddings_and_output_weights else []
+    return [u for u in units if u in present and u not in resident], resident
 
 
 def hf_units(model) -> tuple[list[str], list[str]]:
     """The same for transformers' ``Qwen3_5(Moe)ForConditionalGeneration``."""
     lm = "model.language_model"
     layers = [f"{lm}.layers.{i}" for i in range(len(model.model.language_model.layers))]
-    return [*layers, f"{lm}.norm", "lm_head"], ["model.visual", f"{lm}.embed_tokens"]
+    units = ["model.visual", f"{lm}.embed_tokens", *layers, f"{lm}.norm", "lm_head"]
+    tied = model.lm_head.weight is model.model.language_model.embed_tokens.weight
+    resident = [f"{lm}.embed_tokens"] if tied else []
+    return [u for u in units if u not in resident], resident
 
 
 def hf_weightless(config):

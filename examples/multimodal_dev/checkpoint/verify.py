@@ -31,6 +31,7 @@ import torch
 from examples.multimodal_dev.data.sources import resolve
 from examples.multimodal_dev.models import model_of
 
+from ..progress import Progress
 from . import hf_conversion
 from .hf_export import READ_BYTES
 from .hf_safetensors import HFTensorSource, read_config
@@ -247,11 +248,24 @@ def _megatron_logits(mg, shape, case: dict) -> torch.Tensor:
     return mg(ids, position_ids, None, pixel_values=case.get("pixel_values"), image_grid_thw=grid).float().flatten(0, 1)
 
 
-def _streamed_logits(model, units, load, cases, logits) -> list[torch.Tensor]:
-    """Each case's logits from ``model``, run with its weights streamed in."""
+def _streamed_logits(what: str, model, units, load, cases, logits) -> list[torch.Tensor]:
+    """Each case's logits from ``model``, run with its weights streamed in (a progress line for each
+    pass over the weights: the resident units once, the streamed ones once a case)."""
     streamed, resident = units
-    with StreamedWeights(model, streamed, resident, load):
-        return [logits(model, case) for _, case in cases]
+    sizes = {n: p.numel() * 4 for n, p in model.named_parameters()}  # read as fp32
+    once = [n for n in sizes if n.startswith(tuple(u + "." for u in resident))]
+    again = len(cases) - 1  # the streamed units are read once a case, the resident ones once
+    tensors = len(sizes) * len(cases) - len(once) * again
+    total = sum(sizes.values()) * len(cases) - sum(sizes[n] for n in once) * again
+    with Progress(f"verify ({what})", tensors, total) as progress:
+
+        def counted(names):
+            out = load(names)
+            progress.advance(sum(t.numel() * 4 for t in out.values()), len(out))
+            return out
+
+        with StreamedWeights(model, streamed, resident, counted):
+            return [logits(model, case) for _, case in cases]
 
 
 def _stats(ours: torch.Tensor, ref: torch.Tensor) -> dict:
@@ -298,10 +312,16 @@ def verify(args) -> bool:
     bad_hf, bad_mg = [], []
     source = HFTensorSource(_hf_files(hf_src))
     refs = _streamed_logits(
-        hf, hf_units(hf), _hf_loader(source, bad_hf), cases, lambda m, c: _hf_logits(m, c, shape.image_token_id)
+        "transformers",
+        hf,
+        hf_units(hf),
+        _hf_loader(source, bad_hf),
+        cases,
+        lambda m, c: _hf_logits(m, c, shape.image_token_id),
     )
     with opened.tensors() as reader:
         ours = _streamed_logits(
+            "Megatron",
             opened.model,
             megatron_units(opened.model),
             _megatron_loader(reader, bad_mg),
