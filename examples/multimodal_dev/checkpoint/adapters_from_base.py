@@ -165,9 +165,10 @@ def base_without_adapters(load_base, run=None):
             directory = checkpoint_directory(load_dir)
             held = stored_keys(directory)
             own = _not_held(sharded, held, is_adapter_key)
-            if getattr(args, "finetune", False) and not any(map(is_mtp_key, held)):
+            adapters_only = getattr(stored_args(directory), ADAPTERS_ONLY, False)  # its base holds the rest
+            if getattr(args, "finetune", False) and not adapters_only and not any(map(is_mtp_key, held)):
                 head = _taken_out(sharded, is_mtp_key)
-            if getattr(args, "lora_rank", 0) and getattr(stored_args(directory), ADAPTERS_ONLY, False):
+            if getattr(args, "lora_rank", 0) and adapters_only:
                 base_part = _not_held(sharded, held, lambda key: not is_adapter_key(key))
         loaded = load_base(load_dir, args, *rest, **kwargs)
         if base_part and loaded[0] is not None:
