@@ -176,8 +176,14 @@ def test_verify_holds_a_layer_at_a_time(hf_checkpoint, tmp_path, monkeypatch, ca
 
     def put(self, unit):
         real_put(self, unit)
-        resident = sum(self.unit_bytes(u) for u in self.resident)
-        held.append((unit, self._held - resident, self.unit_bytes(unit)))
+
+        def in_memory(names):  # the bytes of the weights that are in, not on the meta device
+            params = [self.model.get_parameter(n) for n in names]
+            return sum(p.numel() * p.element_size() for p in params if not p.is_meta)
+
+        resident = [n for u in self.resident for n in self.of_unit[u]]
+        beyond = in_memory([n for n, _ in self.model.named_parameters() if n not in set(resident)])
+        held.append((unit, beyond, in_memory(self.of_unit[unit])))
 
     monkeypatch.setattr(StreamedWeights, "_put", put)
     assert main(["verify", "--hf-path", hf_path, "--megatron-path", str(tmp_path / "mg")]) == 0

@@ -115,26 +115,27 @@ def _packed(planned: list[tuple[Planned, list]]) -> list[tuple[Planned, list]]:
     """Per-expert tensors joined into transformers' packed ones, where the first expert's stood:
     ``experts.gate_up_proj`` [E, 2I, H] is every expert's gate rows then up rows, ``experts.down_proj``
     [E, H, I] every expert's down weight, in expert order (as the rules give them)."""
-    entries: list[list] = []  # [tensor or packed name, parts, the per-expert tensors packed or None]
-    packs: dict[str, list] = {}
+    order: list = []  # a tensor with its parts, or the name of a packed tensor
+    packs: dict[str, tuple[list, list]] = {}  # packed name -> (per-expert tensors, their parts)
     for tensor, parts in planned:
         found = _PER_EXPERT.match(tensor.name)
         if not found:
-            entries.append([tensor, parts, None])
+            order.append((tensor, parts))
             continue
         name = f"{found['prefix']}.{'down_proj' if found['proj'] == 'down' else 'gate_up_proj'}"
         if name not in packs:
-            packs[name] = [name, [], []]
-            entries.append(packs[name])
+            packs[name] = ([], [])
+            order.append(name)
+        packs[name][0].append(tensor)
         packs[name][1].extend(parts)
-        packs[name][2].append(tensor)
     result = []
-    for tensor, parts, pieces in entries:
-        if pieces is not None:  # gate_up: two pieces an expert, [I, H] each
-            per = 2 if tensor.endswith("gate_up_proj") else 1
+    for item in order:
+        if isinstance(item, str):
+            pieces, parts = packs[item]
+            per = 2 if item.endswith("gate_up_proj") else 1  # gate_up: two [I, H] pieces an expert
             rows, cols = pieces[0].shape
-            tensor = Planned(tensor, (len(pieces) // per, rows * per, cols), pieces[0].dtype)
-        result.append((tensor, parts))
+            item = (Planned(item, (len(pieces) // per, rows * per, cols), pieces[0].dtype), parts)
+        result.append(item)
     return result
 
 
@@ -155,7 +156,7 @@ class RuleOutputs:
     ``READ_BYTES`` of Megatron tensors read at once), each handed out once."""
 
     def __init__(self, opened, rules, dtype: str | None, reader):
-        self.opened, self.rules, self.reader = opened, rules, reader
+        self.rules, self.reader = rules, reader
         self.dtype_of = lambda name: DTYPES[dtype] if dtype else opened.dtypes[name]
         self.linears = {f"{n}.weight": m for n, m in adapted_linears(opened.model).items()}
         self._ready: dict[tuple[int, int], torch.Tensor] = {}

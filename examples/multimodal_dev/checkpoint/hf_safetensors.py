@@ -319,9 +319,6 @@ class HFTensorSource:
             self._read(part, self._where[part], out=into)
         return out
 
-    def nbytes(self, name: str) -> int:
-        return self.meta(name).numel() * self.meta(name).element_size()
-
     def covered(self, names) -> set[str]:
         """The file tensors that reading every name in ``names`` reads whole (a packed tensor is read
         whole once every expert's blocks of it are)."""

@@ -49,7 +49,6 @@ class StreamedWeights:
             by_id.setdefault(id(param), []).append(name)
         self.aliases = {names[0]: names[1:] for names in by_id.values()}
         self.resident, self.units, self._hooks = resident, units, []
-        self._held = 0  # bytes of weights in now
 
     def unit_bytes(self, unit: str) -> int:
         """The bytes of ``unit``'s weights (as the model's parameters say, in or out)."""
@@ -62,12 +61,9 @@ class StreamedWeights:
         for name, tensor in tensors.items():
             put_parameter(self.model, name, tensor)
             self._alias(name)
-            self._held += tensor.numel() * tensor.element_size()
 
     def _take(self, unit: str) -> None:
         for name in self.of_unit[unit]:
-            tensor = self.model.get_parameter(name)
-            self._held -= tensor.numel() * tensor.element_size()
             empty_parameter(self.model, name)
             self._alias(name)
 

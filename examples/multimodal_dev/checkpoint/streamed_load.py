@@ -62,6 +62,7 @@ class CheckpointTensors:
         self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         self.dtypes = dtypes or {}  # name -> the dtype it is stored in (fp32 where not given)
         self.fsdp = is_fsdp_dtensor(directory)
+        self._template: dict = {}
         if self.fsdp:
             self._sources = fsdp_weights.weight_sources(model, stored)
             self._rows = {key: stored[key].size[0] for key, row in self._sources.values() if row is not None}
@@ -69,9 +70,7 @@ class CheckpointTensors:
             kinds = (ShardedTensor, ShardedTensorFactory)
             self._template = {n: s for n, s in model.sharded_state_dict().items() if isinstance(s, kinds)}
         held = stored_keys(directory) if base is not None and not self.fsdp else None
-        self._from_base = {
-            n for n, s in getattr(self, "_template", {}).items() if held is not None and s.key not in held
-        }
+        self._from_base = {n for n, s in self._template.items() if held is not None and s.key not in held}
         self._cache = CachedMetadataFileSystemReader
         self._cache.clear_metadata_cache()  # a checkpoint written again at the same path has a new index
         self._strategy = TorchDistLoadShardedStrategy(cache_metadata=True)

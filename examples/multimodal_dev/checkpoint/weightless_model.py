@@ -8,9 +8,10 @@ without weights: its parameter names and shapes, and the checkpoint keys megatro
 forward that needs it (``put_parameter``) and taken out again (``empty_parameter``).
 
 megatron-core places a few small tensors on its device explicitly (Gated DeltaNet's ``conv1d``,
-``A_log``, ``dt_bias``); under the meta-device context those stay on the host, which is harmless.
-The model's buffers (rotary frequencies) are made on the host for the same reason, so a forward of
-the weightless model, its weights put in module by module, needs nothing else.
+``A_log``, ``dt_bias``), which the meta-device context does not override; they are sent to meta
+after the build, so no weight is in memory until it is put in. The model's buffers (rotary
+frequencies) are made on the host, so a forward of the weightless model, its weights put in module
+by module, needs nothing else.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def weightless_model(shape, lora=None):
         model = model_of(shape).build_fn(
             shape, params_dtype=torch.float32, use_cpu_initialization=True, perform_initialization=False
         )
+    for name, param in list(model.named_parameters()):
+        if not param.is_meta:  # placed on the host explicitly by megatron-core (Gated DeltaNet's)
+            empty_parameter(model, name)
     if lora is not None:  # the adapters follow their weights' device: meta, drawn from nothing
         from examples.multimodal_dev.lora import apply as lora_apply
 
