@@ -32,7 +32,8 @@
 #
 # Environment: WHEELHOUSE [wheelhouse/ or wheelhouse.tar.xz at the repository root, if present], PYTHON [python3],
 #   GPU_CHECKS     groups to run [micro fla attn parity train resume decode fsdp te parallel]; they always run in the order below
-#   GPU_CHECKS_BUDGET_S [560]; GPU_TRAIN_RUNS, GPU_TRAIN_ITERS, GPU_35B_LAYERS, ... (test_training.py)
+#   GPU_CHECKS_BUDGET_S [560]; GPU_CHECKS_CAP_SCALE [1] multiplies every group's cap (a CPU rehearsal's
+#     groups share a loaded host, and a skip for time there would depend on the host); GPU_TRAIN_RUNS, GPU_TRAIN_ITERS, GPU_35B_LAYERS, ... (test_training.py)
 #   GPU_CHECKS_SCRATCH  a folder for the runs' files, kept [a temporary one, removed at exit]
 #   GPU_CHECKS_REHEARSAL=1  on a host without CUDA, the checks that can run there do (gpu_results.rehearsal)
 # Exit status 0 when no row failed.
@@ -41,6 +42,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT" || exit 2
 START=$(date +%s)
 BUDGET_S=${GPU_CHECKS_BUDGET_S:-560}
+CAP_SCALE=${GPU_CHECKS_CAP_SCALE:-1}
 DEADLINE=$((START + BUDGET_S))
 RESERVE_S=25  # kept for the table at the end
 OUTDIR=${OUT:-$ROOT/tests/gpu/results}
@@ -77,7 +79,7 @@ rows() { [[ -f "$GPU_RESULTS" ]] && wc -l <"$GPU_RESULTS" || echo 0; }
 # step NAME CAP_S CMD...: CMD under timeout min(CAP_S, time left); the tests inside see their own
 # deadline (GPU_CHECKS_DEADLINE) 15 s before that, so they stop launching work and record what they have.
 step() {
-  local name=$1 cap=$2 left t t0 rc before
+  local name=$1 cap=$(($2 * CAP_SCALE)) left t t0 rc before
   shift 2
   left=$((DEADLINE - RESERVE_S - $(date +%s)))
   t=$((cap < left ? cap : left))
