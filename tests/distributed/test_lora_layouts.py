@@ -6,7 +6,8 @@ adapters on every linear of the decoder (attention, Gated DeltaNet, the routed a
   bitwise as they were, plus adapters that moved.
 - From that LoRA checkpoint every layout tracks the single process (the bounds of
   ``test_parallelism.py``): TP with SP, EP, the experts split over TP or not, CP, DP with the
-  distributed optimizer, PP.
+  distributed optimizer, PP; and the routed experts' adapters on SequentialMLP's linears track
+  them on the grouped experts (the run script's default, which every other run here takes).
 - A LoRA checkpoint as the run script saves it (optimizer state and all) leaves as docs/lora.md
   shows: merged, and as a PEFT adapter that ``peft`` loads onto the base's export.
 """
@@ -41,6 +42,9 @@ LAYOUTS = {
     # default targets, nothing trains)
     "VISION_TP=1 TP=2": (dict(TP=2, VISION_TP=1), 1, ()),
     "VISION_NPROC=1 TP=2": (dict(TP=2, VISION_NPROC=1), 1, ()),
+    # the routed experts' adapters on SequentialMLP's per-expert linears (lora/adapter.py) against the
+    # grouped experts' (lora/grouped.py) every run above uses, from the checkpoint the grouped ones saved
+    "SequentialMLP against grouped experts": (dict(GROUPED_EXPERTS=0), 2, ()),
 }
 
 

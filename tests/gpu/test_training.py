@@ -1,7 +1,8 @@
 """Check 4: training through ``run_qwen35_vl.sh`` on one GPU in bf16 (megatron.training, the path users
 run), mock data: does the loss fall, and how fast and how big is it.
 
-Runs (GPU_TRAIN_RUNS, default both, in this order; each at most GPU_TRAIN_RUN_CAP_S, 200 s):
+Runs (GPU_TRAIN_RUNS, default 35b_a3b-cut,35b_a3b-cut-lora,proxy, in this order; each at most
+GPU_TRAIN_RUN_CAP_S, 200 s):
 - ``35b_a3b-cut``: 35b_a3b with fewer layers from an HF_CONFIG this test writes
   (configuration.to_hf_config_dict), every layer type and all 256 experts kept, no MTP head. The
   layer count is the largest of 8 / 4 / 3 / 2 whose estimate fits 95% of the GPU: 18 bytes per
@@ -12,6 +13,8 @@ Runs (GPU_TRAIN_RUNS, default both, in this order; each at most GPU_TRAIN_RUN_CA
   H200 takes 4 (~96 GiB) (the released 3 GDN + 1 attention pattern). GPU_35B_LAYERS overrides.
 - ``tiny``: MODEL_VARIANT=tiny, the run of a rehearsal on a CPU host (gpu_results.rehearsal), where the
   two above would not fit.
+- ``35b_a3b-cut-lora``: the cut with LORA_RANK=8 on the default targets (every decoder linear, the
+  routed experts' adapters on grouped GEMMs: lora/grouped.py), from its random weights: LoRA's step.
 - ``proxy``: MODEL_VARIANT=proxy (4 layers of the 397B shape, 8 experts; ~3.4 B parameters, ~72 GiB
   estimated the same way).
 
@@ -65,7 +68,7 @@ PROFILE_START, PROFILE_END = ITERS - 4, ITERS - 2  # two steady iterations, befo
 RUN_CAP_S = float(os.environ.get("GPU_TRAIN_RUN_CAP_S", 200))
 # 35b_a3b first: its GDN kernels are the ones test_fla_kernels.py compiled and autotuned already.
 # A rehearsal on a CPU (gpu_results.rehearsal) trains the tiny model instead.
-DEFAULT_RUNS = "tiny" if not torch.cuda.is_available() else "35b_a3b-cut,proxy"
+DEFAULT_RUNS = "tiny" if not torch.cuda.is_available() else "35b_a3b-cut,35b_a3b-cut-lora,proxy"
 RUNS = [r for r in os.environ.get("GPU_TRAIN_RUNS", DEFAULT_RUNS).split(",") if r]
 
 
@@ -102,6 +105,9 @@ def _plan(run_name: str, workdir: str):
         return get_variant("proxy", mtp=False), {"MODEL_VARIANT": "proxy"}, "proxy variant (MTP off: the default)"
     if run_name == "tiny":
         return get_variant("tiny", mtp=False), {"MODEL_VARIANT": "tiny"}, "tiny variant (a rehearsal's run)"
+    if run_name == "35b_a3b-cut-lora":
+        shape, env, what = _plan("35b_a3b-cut", workdir)
+        return shape, {**env, "LORA_RANK": "8"}, f"LoRA rank 8 on the default targets; {what}"
     if run_name == "35b_a3b-cut":
         total = float(_gpu("memory.total")) * 2**20
         layers = int(os.environ.get("GPU_35B_LAYERS") or gt.choose_35b_layers(total))
@@ -115,7 +121,7 @@ def _plan(run_name: str, workdir: str):
                 f"{gt.estimated_bytes(shape) / 2**30:.0f} of {total / 2**30:.0f} GiB"
             ),
         )
-    raise ValueError(f"GPU_TRAIN_RUNS: unknown run {run_name!r} (proxy, 35b_a3b-cut, tiny)")
+    raise ValueError(f"GPU_TRAIN_RUNS: unknown run {run_name!r} (proxy, 35b_a3b-cut, 35b_a3b-cut-lora, tiny)")
 
 
 def _record_profile(record, run_name: str, events: list) -> None:

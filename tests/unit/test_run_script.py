@@ -154,7 +154,7 @@ def test_the_readme_variable_table_is_the_launchers_table():
     [
         (dict(MOE="1"), False, True, "allgather"),
         (dict(MOE="1", GROUPED_EXPERTS="0"), False, False, "allgather"),
-        (dict(MOE="1", LORA_RANK="4"), False, False, "allgather"),  # the adapters sit on per-expert linears
+        (dict(MOE="1", LORA_RANK="4"), False, True, "allgather"),  # adapters on the grouped experts (lora/grouped.py)
         (dict(MOE="1", LORA_RANK="4", LORA_TARGETS="in_proj,linear_qkv"), False, True, "allgather"),
         (dict(MODEL_VARIANT="35b_a3b"), True, True, "allgather"),  # EP=1: no all-to-all for nothing
         (dict(MODEL_VARIANT="35b_a3b", EP="2", NPROC="2"), True, True, "alltoall"),
@@ -171,6 +171,17 @@ def test_moe_experts_and_dispatcher_fit_the_layout(env, gpu, grouped, dispatcher
     assert args[args.index("--moe-token-dispatcher-type") + 1] == dispatcher
     said = [line for line in plan.said if line.startswith("MoE: ")]
     assert len(said) == 1 and f"{dispatcher} token dispatcher" in said[0], plan.said
+
+
+def test_lora_on_te_experts_runs_them_as_sequential_mlp():
+    """TE's grouped experts take no adapters: with LoRA on the experts, TRANSFORMER_IMPL=transformer_engine
+    defaults to SequentialMLP, whose TE linears do; the local backend keeps the grouped experts."""
+    from examples.multimodal_dev.launcher.from_env import from_env
+
+    env = dict(MODEL_VARIANT="tiny", MOE="1", LORA_RANK="4")
+    for impl, grouped in (("transformer_engine", False), ("local", True)):
+        config, _, _ = from_env({**env, "TRANSFORMER_IMPL": impl}, Host(True), [])
+        assert config.backend.grouped_experts is grouped, impl
 
 
 def test_every_variable_in_the_table_sets_a_field_of_the_run_or_is_read_by_torchrun():
@@ -242,7 +253,10 @@ def test_the_video_limits_are_those_of_a_records_own_keys():
         (dict(PACKING="tokens", PACKED_SEQ_LENGTH="2k"), "PACKED_SEQ_LENGTH=2k must be a positive integer"),
         (dict(LR="1e999"), "LR=1e999: expected a finite learning rate"),
         (dict(MOE=1, GROUPED_EXPERTS=2), "GROUPED_EXPERTS=2: expected 0 or 1"),
-        (dict(MOE=1, LORA_RANK=4, GROUPED_EXPERTS=1), "GROUPED_EXPERTS=1 with LoRA on linear_fc1/linear_fc2"),
+        (
+            dict(MOE=1, LORA_RANK=4, GROUPED_EXPERTS=1, TRANSFORMER_IMPL="transformer_engine"),
+            "GROUPED_EXPERTS=1 with TRANSFORMER_IMPL=transformer_engine and LoRA on linear_fc1/linear_fc2",
+        ),
         (dict(MOE=1, MOE_DISPATCHER="alltoall"), "MOE_DISPATCHER=alltoall needs GPUs"),
         (dict(MOE=1, MOE_DISPATCHER="flex"), "MOE_DISPATCHER=flex: expected allgather or alltoall"),
         (dict(CP=2, SEQ_LEN=335), "SEQ_LEN=335 must be a multiple of 2\\*CP=4"),

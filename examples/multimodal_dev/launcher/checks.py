@@ -158,10 +158,11 @@ def fsdp(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
 
 
 def experts(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
-    if config.backend.grouped_experts and lora_on_experts(config):
+    te = config.backend.transformer_impl == "transformer_engine"
+    if config.backend.grouped_experts and te and lora_on_experts(config):
         return (
-            "GROUPED_EXPERTS=1 with LoRA on linear_fc1/linear_fc2: the adapters need SequentialMLP's per-expert "
-            "linears (GROUPED_EXPERTS=0, or LORA_TARGETS without them)"
+            "GROUPED_EXPERTS=1 with TRANSFORMER_IMPL=transformer_engine and LoRA on linear_fc1/linear_fc2: TE's "
+            "grouped experts take no adapters (TRANSFORMER_IMPL=local, GROUPED_EXPERTS=0, or LORA_TARGETS without them)"
         )
     if config.backend.dispatcher == "alltoall" and not host.gpu:
         return "MOE_DISPATCHER=alltoall needs GPUs: gloo has no uneven all-to-all (use allgather)"

@@ -214,7 +214,7 @@ def overlay(config: RunConfig, env: Environment) -> RunConfig:
 
 
 def lora_on_experts(config: RunConfig) -> bool:
-    """LoRA adapts the experts' linears: its adapters sit on SequentialMLP's per-expert linears."""
+    """LoRA adapts the routed experts' linears (on the local backend's grouped experts, or SequentialMLP's)."""
     targets = (config.lora.targets or ",".join(DEFAULT_TARGETS)).split(",")
     return config.lora.rank > 0 and bool({"linear_fc1", "linear_fc2"} & set(targets))
 
@@ -226,11 +226,8 @@ def resolve(config: RunConfig, shape: ModelShape, host: Host, said: list[str]) -
         layout = replace(layout, sp=layout.tp > 1 and shape.text.is_moe)
     if model.mtp is None:  # a Hugging Face config's MTP head trains; a variant's only when asked
         model = replace(model, mtp=bool(model.hf_config) and shape.text.mtp_num_layers > 0)
-    if shape.text.is_moe:
-        if backend.grouped_experts is None:
-            backend = replace(backend, grouped_experts=not lora_on_experts(config))
-        if backend.dispatcher is None:
-            backend = replace(backend, dispatcher="alltoall" if host.gpu and layout.ep > 1 else "allgather")
+    if shape.text.is_moe and backend.dispatcher is None:
+        backend = replace(backend, dispatcher="alltoall" if host.gpu and layout.ep > 1 else "allgather")
     if backend.transformer_impl is None and config.lora.rank:  # the adapters' checked backend (docs/lora.md)
         backend = replace(backend, transformer_impl="local")
         said.append("backend local (LoRA's default; TRANSFORMER_IMPL=transformer_engine puts adapters on TE)")
@@ -238,6 +235,10 @@ def resolve(config: RunConfig, shape: ModelShape, host: Host, said: list[str]) -
         impl = "transformer_engine" if host.gpu and host.transformer_engine() else "local"
         backend = replace(backend, transformer_impl=impl)
         said.append(f"backend {impl} ({'GPU' if host.gpu else 'CPU'} host; TRANSFORMER_IMPL overrides)")
+    if shape.text.is_moe and backend.grouped_experts is None:
+        # the local backend's grouped experts take adapters (lora/grouped.py); TE's TEGroupedMLP does not
+        te_adapted = lora_on_experts(config) and backend.transformer_impl == "transformer_engine"
+        backend = replace(backend, grouped_experts=not te_adapted)
     return replace(config, layout=layout, backend=backend, model=model)
 
 

@@ -193,12 +193,8 @@ def said_after_checks(config: RunConfig) -> tuple[list[str], list[str]]:
     b, ep = config.backend, config.layout.ep
     moe = []
     if b.dispatcher is not None:
-        adapted = lora_on_experts(config)
-        experts = (
-            "grouped GEMM experts"
-            if b.grouped_experts
-            else "SequentialMLP experts" + (" (LoRA adapts them)" if adapted else "")
-        )
+        adapted = " (LoRA adapts them)" if lora_on_experts(config) else ""
+        experts = ("grouped GEMM experts" if b.grouped_experts else "SequentialMLP experts") + adapted
         unsynced = " (dropless: no host syncs)" if b.grouped_experts and ep == 1 and b.dispatcher == "allgather" else ""
         moe.append(
             f"MoE: {experts}, {b.dispatcher} token dispatcher at EP={ep}{unsynced} "

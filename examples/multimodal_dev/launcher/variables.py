@@ -154,10 +154,11 @@ VARIABLES: tuple[tuple[tuple[str, ...], str, str], ...] = (
     ),
     (
         ("GROUPED_EXPERTS",),
-        "1 for MoE, 0 with LoRA on `linear_fc1` / `linear_fc2`",
+        "1 for MoE, 0 with LoRA on `linear_fc1` / `linear_fc2` on `transformer_engine`",
         "1: each MoE layer's routed experts as two grouped GEMMs (`--moe-grouped-gemm`: "
         "`models/common/grouped_experts.py` on `local`, megatron's `TEGroupedMLP` on `transformer_engine`); "
-        "0: megatron-core's `SequentialMLP`, one MLP call per expert. Same checkpoint keys either way",
+        "0: megatron-core's `SequentialMLP`, one MLP call per expert. Same checkpoint keys either way, "
+        "LoRA's adapters included (`lora/grouped.py` on the local grouped experts)",
     ),
     (
         ("MOE_DISPATCHER",),

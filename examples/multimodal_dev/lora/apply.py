@@ -6,7 +6,9 @@ import hashlib
 
 import torch
 
+from ..models.common.grouped_experts import ExpertProjection
 from .adapter import attach
+from .grouped import attach_grouped
 from .targets import target_of
 
 
@@ -23,9 +25,20 @@ def apply(model: torch.nn.Module, rank: int, alpha: float, dropout: float, targe
         target = target_of(name, targets)
         if target is None:
             continue
-        parent = modules[name.rpartition(".")[0]]
-        generator = _generator(seed, global_name(name, modules))
-        attach(module, rank, alpha, dropout, generator, ".local_experts." in name, _row_layout(parent, name))
+        parent_name, _, child = name.rpartition(".")
+        parent = modules[parent_name]
+        if isinstance(module, ExpertProjection):  # a projection of the grouped experts: every expert's at once
+            experts_name = global_name(parent_name, modules)
+            first = parent.ep_group.rank() * parent.num_local_experts
+
+            def generator_of(e, experts_name=experts_name, first=first, child=child):
+                # the name SequentialMLP gives expert e's linear: the same A either way
+                return _generator(seed, f"{experts_name}.local_experts.{first + e}.{child}")
+
+            attach_grouped(module, parent, rank, alpha, dropout, generator_of)
+        else:
+            generator = _generator(seed, global_name(name, modules))
+            attach(module, rank, alpha, dropout, generator, ".local_experts." in name, _row_layout(parent, name))
         counts[target] += 1
     return counts
 

@@ -111,10 +111,12 @@ def check(args) -> None:
             "nothing would train (name targets outside it, or drop the freeze)"
         )
     routed = {"linear_fc1", "linear_fc2"} & set(targets)
-    if routed and getattr(args, "num_experts", None) and getattr(args, "moe_grouped_gemm", False):
+    te = getattr(args, "transformer_impl", "local") == "transformer_engine"
+    if routed and te and getattr(args, "num_experts", None) and getattr(args, "moe_grouped_gemm", False):
         raise ValueError(
-            f"--lora-targets {','.join(sorted(routed))} with --moe-grouped-gemm: adapters on the routed experts sit on "
-            "SequentialMLP's per-expert linears (GROUPED_EXPERTS=0 in the run script), or name no linear_fc1/linear_fc2"
+            f"--lora-targets {','.join(sorted(routed))} with --moe-grouped-gemm on --transformer-impl "
+            "transformer_engine: TE's grouped experts take no adapters (the local backend's do; or "
+            "GROUPED_EXPERTS=0 in the run script, or name no linear_fc1/linear_fc2)"
         )
 
 

@@ -41,13 +41,25 @@ _UNSUPPORTED = {
 }
 
 
-class _ExpertWeights(torch.nn.Module):
+class ExpertProjection(torch.nn.Module):
     """One projection of every local expert: ``weight`` [E, out, in] (named as the linear it replaces,
-    so parameter names read ``...experts.linear_fc1.weight``)."""
+    so parameter names read ``...experts.linear_fc1.weight``). ``tp_axis``: the axis of an expert's
+    [out, in] that expert TP splits (0 for fc1, column-parallel; 1 for fc2, row-parallel); ``glu``: the
+    out rows are SwiGLU's [gate; up] halves."""
 
-    def __init__(self, experts: int, out_features: int, in_features: int, dtype, device):
+    def __init__(self, experts: int, out_features: int, in_features: int, dtype, device, tp_axis: int, glu: bool):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.empty(experts, out_features, in_features, dtype=dtype, device=device))
+        self.tp_axis, self.glu = tp_axis, glu
+
+    def project(self, tokens_TI, offsets_E):
+        """Each expert's rows of ``tokens_TI`` times its weight: [T, out]."""
+        return F.grouped_mm(tokens_TI, self.weight.transpose(1, 2), offs=offsets_E)
+
+    def checkpoint_tensors(self) -> dict:
+        """name -> (tensor [E, ...], the expert-TP axis of one expert's slice or None where whole on every
+        expert-TP rank, whether its rows are SwiGLU's halves): what ``sharded_state_dict`` writes."""
+        return {"weight": (self.weight, self.tp_axis, self.glu)}
 
     # megatron's local linears checkpoint an (empty) ``_extra_state`` per expert; this module writes and
     # reads the same entries (sharded_state_dict below) so either implementation's checkpoint loads strictly.
@@ -91,10 +103,9 @@ class GroupedExperts(MegatronModule):
                 )
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         dtype = config.params_dtype
-        self.linear_fc1 = _ExpertWeights(
-            num_local_experts, per_rank * (2 if self.glu else 1), config.hidden_size, dtype, device
-        )
-        self.linear_fc2 = _ExpertWeights(num_local_experts, config.hidden_size, per_rank, dtype, device)
+        fc1_rows = per_rank * (2 if self.glu else 1)
+        self.linear_fc1 = ExpertProjection(num_local_experts, fc1_rows, config.hidden_size, dtype, device, 0, self.glu)
+        self.linear_fc2 = ExpertProjection(num_local_experts, config.hidden_size, per_rank, dtype, device, 1, False)
         # As megatron's expert linears mark them: reduced over the expert-DP group when experts are
         # split over EP or have a TP of their own, else over the dense DP group like any weight.
         own_groups = (
@@ -116,13 +127,20 @@ class GroupedExperts(MegatronModule):
         """SequentialMLP's forward: per expert, fc1 -> activation -> scale by the router's probability
         -> fc2; returns (output [T, hidden], None)."""
         if tokens_TH.shape[0] == 0:  # no token reached this rank's experts: grouped_mm has no empty backward
-            weights = self.linear_fc1.weight.sum() + self.linear_fc2.weight.sum()
-            return tokens_TH.new_zeros(0, self.config.hidden_size) + 0 * weights, None  # zero gradients, not none
+            # every parameter (weights, and adapters where LoRA put them) gets a zero gradient, not none
+            touched = sum(p.sum() for p in self.parameters())
+            return tokens_TH.new_zeros(0, self.config.hidden_size) + 0 * touched, None
         # Device-side offsets: no host sync to split the tokens (SequentialMLP reads the counts back).
         offsets_E = torch.cumsum(tokens_per_expert.to(tokens_TH.device), 0, dtype=torch.int32)
-        fc1 = F.grouped_mm(tokens_TH, self.linear_fc1.weight.transpose(1, 2), offs=offsets_E)
-        hidden = self._activate(fc1, permuted_probs.unsqueeze(-1))
-        return F.grouped_mm(hidden, self.linear_fc2.weight.transpose(1, 2), offs=offsets_E), None
+        # Rows past the last expert's end (a dispatcher's padded tail) belong to no group: grouped_mm
+        # leaves its output there unwritten (on CUDA, whatever memory held, NaN included) and its input
+        # gradient too. Each such tensor is masked on those rows, so nothing of them reaches the output,
+        # the router probabilities' gradient or the tokens' (torch.where, not a product: 0 * NaN is NaN).
+        kept_T1 = (torch.arange(tokens_TH.shape[0], device=tokens_TH.device) < offsets_E[-1]).unsqueeze(-1)
+        tokens_TH = torch.where(kept_T1, tokens_TH, 0)
+        fc1 = torch.where(kept_T1, self.linear_fc1.project(tokens_TH, offsets_E), 0)
+        hidden = torch.where(kept_T1, self._activate(fc1, permuted_probs.unsqueeze(-1)), 0)
+        return torch.where(kept_T1, self.linear_fc2.project(hidden, offsets_E), 0), None
 
     def _activate(self, fc1, probs_T1):
         """megatron's ``MLP`` activation for experts, branch for branch, so the two implementations agree
@@ -152,12 +170,13 @@ class GroupedExperts(MegatronModule):
             raise ValueError(
                 "--moe-grouped-gemm on the local backend: singleton_local_shards checkpoints are not supported"
             )
-        return {
-            f"{prefix}linear_fc1.weight": self._weight_factory(prefix, sharded_offsets, "linear_fc1", 0, self.glu),
-            f"{prefix}linear_fc2.weight": self._weight_factory(prefix, sharded_offsets, "linear_fc2", 1, False),
-            f"{prefix}linear_fc1._extra_state": self._extra_states(prefix, sharded_offsets, "linear_fc1"),
-            f"{prefix}linear_fc2._extra_state": self._extra_states(prefix, sharded_offsets, "linear_fc2"),
-        }
+        state = {}
+        for name in ("linear_fc1", "linear_fc2"):
+            for suffix, (tensor, tp_axis, glu) in getattr(self, name).checkpoint_tensors().items():
+                key = f"{name}.{suffix}"
+                state[f"{prefix}{key}"] = self._expert_factory(prefix, sharded_offsets, key, tensor, tp_axis, glu)
+            state[f"{prefix}{name}._extra_state"] = self._extra_states(prefix, sharded_offsets, name)
+        return state
 
     def _expert_placement(self, sharded_offsets) -> tuple[int, int, int]:
         """(expert axis, global index of this rank's first local expert, experts of the layer)."""
@@ -167,11 +186,15 @@ class GroupedExperts(MegatronModule):
             self.ep_group.size() * self.num_local_experts,
         )
 
-    def _weight_factory(self, prefix, sharded_offsets, name: str, tp_axis: int, glu: bool) -> ShardedTensorFactory:
-        """One projection's weight, written as one sharded tensor per local expert (and SwiGLU half)."""
+    def _expert_factory(
+        self, prefix, sharded_offsets, key: str, tensor, tp_axis: int | None, glu: bool
+    ) -> ShardedTensorFactory:
+        """One [E, ...] tensor written as one sharded tensor per local expert (and SwiGLU half), under
+        ``SequentialMLP``'s ``...experts.KEY``: split over expert TP on ``tp_axis`` of an expert's slice,
+        or whole on every expert-TP rank (``None``: one replica per rank, as megatron marks such tensors)."""
         expert_axis, first, total = self._expert_placement(sharded_offsets)
         tp_rank, tp = self.tp_group.rank(), self.tp_group.size()
-        replica_id = (0, 0, self.dp_group.rank())
+        replica_id = (0, 0 if tp_axis is not None else tp_rank, self.dp_group.rank())
 
         def build(key, weight, replica, flattened_range):
             if flattened_range is not None:
@@ -180,8 +203,13 @@ class GroupedExperts(MegatronModule):
                 )
             # each expert a list of pieces: [gate; up] of this rank are two (each the rank's share of
             # the global gate and of the global up rows, as apply_swiglu_sharded_factory splits them)
-            parts, splits = (2, ((tp_rank, 2 * tp), (tp_rank + tp, 2 * tp))) if glu else (1, ((tp_rank, tp),))
-            axis = expert_axis + 1 + tp_axis
+            if tp_axis is None:
+                parts, splits = 1, ((),)
+            elif glu:
+                parts, splits = 2, (((tp_rank, 2 * tp),), ((tp_rank + tp, 2 * tp),))
+            else:
+                parts, splits = 1, (((tp_rank, tp),),)
+            axis = expert_axis + 1 + (tp_axis or 0)
             return [
                 [
                     ShardedTensor.from_rank_offsets(
@@ -189,11 +217,11 @@ class GroupedExperts(MegatronModule):
                         piece,
                         *sharded_offsets,
                         (expert_axis, first + e, total),
-                        (axis, *split),
+                        *((axis, *split) for split in split_of_piece),
                         replica_id=replica,
                         prepend_axis_num=expert_axis + 1,
                     )
-                    for piece, split in zip(torch.chunk(weight[e], parts, dim=0), splits)
+                    for piece, split_of_piece in zip(torch.chunk(weight[e], parts, dim=0), splits)
                 ]
                 for e in range(self.num_local_experts)
             ]
@@ -201,8 +229,7 @@ class GroupedExperts(MegatronModule):
         def merge(loaded):
             return torch.stack([torch.cat(pieces, dim=0) for pieces in loaded])
 
-        weight = getattr(self, name).weight
-        return ShardedTensorFactory(f"{prefix}experts.{name}.weight", weight, build, merge, replica_id)
+        return ShardedTensorFactory(f"{prefix}experts.{key}", tensor, build, merge, replica_id)
 
     def _extra_states(self, prefix, sharded_offsets, name: str) -> list:
         """The (empty) ``_extra_state`` of each local expert's linear, as ``SequentialMLP`` writes them."""
