@@ -14,19 +14,27 @@ import torch
 from examples.multimodal_dev.models.qwen35_vl.configuration import get_variant
 from examples.multimodal_dev.models.qwen35_vl.factory import build_model
 
-EXPERT_WEIGHT = re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12])\.weight$")
+EXPERT_WEIGHT = re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12])\.(weight|lora_A|lora_B)$")
 # fp32: the same products summed in the same order on this host; the bound leaves room for a BLAS that
 # blocks a grouped GEMM differently from separate ones (fp32 rounding ~6e-8 a step, ~1e2 terms)
 FP32_REL = 1e-5
 
 
-def _pair(**settings):
+def _pair(lora_rank=0, **settings):
+    """(shape, SequentialMLP model, grouped model); with ``lora_rank``, LoRA on every linear of both
+    from one seed (``lora/apply.py``)."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from examples.multimodal_dev.lora.apply import apply
+    from examples.multimodal_dev.lora.targets import DEFAULT_TARGETS
 
     shape = get_variant("tiny", moe=True, mtp=False)
     model_parallel_cuda_manual_seed(7)
     sequential = build_model(shape, use_cpu_initialization=True, **settings)
     grouped = build_model(shape, use_cpu_initialization=True, moe_grouped_gemm=True, **settings)
+    if lora_rank:
+        for model in (sequential, grouped):
+            apply(model, lora_rank, 2.0 * lora_rank, 0.0, DEFAULT_TARGETS, seed=3)
     return shape, sequential, grouped
 
 
@@ -42,9 +50,9 @@ def _copy_experts(sequential, grouped) -> None:
     for key in target:
         match = EXPERT_WEIGHT.match(key)
         if match:
-            prefix, linear = match.groups()
+            prefix, linear, tensor = match.groups()
             experts = target[key].shape[0]
-            target[key] = torch.stack([source[f"{prefix}local_experts.{e}.{linear}.weight"] for e in range(experts)])
+            target[key] = torch.stack([source[f"{prefix}local_experts.{e}.{linear}.{tensor}"] for e in range(experts)])
         elif key in source:
             target[key] = source[key]
     grouped.load_state_dict(target)
@@ -71,12 +79,9 @@ def test_grouped_layer_equals_sequential(mcore, settings):
     layer_s = sequential.language_model.decoder.layers[0].mlp
     layer_g = grouped.language_model.decoder.layers[0].mlp
     assert type(layer_g.experts).__name__ == "GroupedExperts"
-    # dropless: the permutation sized on the host (models/common/dropless_dispatch.py); with a capacity,
-    # and in front of SequentialMLP, megatron-core's dispatcher
-    dropless = "moe_expert_capacity_factor" not in settings
-    assert type(layer_g.token_dispatcher).__name__ == (
-        "DroplessLocalDispatcher" if dropless else "MoEAllGatherTokenDispatcher"
-    )
+    # the permutation sized on the host (models/common/sized_dispatch.py) in every setting here; in
+    # front of SequentialMLP, megatron-core's dispatcher
+    assert type(layer_g.token_dispatcher).__name__ == "HostSizedDispatcher"
     assert type(layer_s.token_dispatcher).__name__ == "MoEAllGatherTokenDispatcher"
     torch.manual_seed(0)
     x_s = torch.randn(40, 2, layer_s.config.hidden_size, requires_grad=True)
@@ -93,12 +98,22 @@ def test_grouped_layer_equals_sequential(mcore, settings):
     assert _close(layer_g.router.weight.grad, layer_s.router.weight.grad)  # through the permuted probabilities
 
 
-def test_dropless_dispatch_reads_nothing_back(mcore):
-    """A MoE layer's forward and backward on the grouped experts: not one host sync (megatron-core's
-    dispatcher in front of SequentialMLP reads the counts back, and SequentialMLP splits by them)."""
+CAPACITY = {"moe_expert_capacity_factor": 0.5}
+
+
+@pytest.mark.parametrize(
+    "settings,reads",
+    [({}, 0), ({**CAPACITY, "moe_pad_expert_input_to_capacity": True}, 0), (CAPACITY, 1)],
+    ids=["dropless", "drop-and-pad", "dropping"],
+)
+def test_dispatch_reads_back_at_most_once(mcore, settings, reads):
+    """A MoE layer's forward and backward on the grouped experts: no host sync where the routing fixes
+    the sizes (dropless with every expert local, drop-and-pad), one where it does not (megatron-core's
+    dispatcher in front of SequentialMLP reads the counts back three times, and SequentialMLP splits
+    by them)."""
     from examples.multimodal_dev.benchmarks.op_counter import StepTally
 
-    _, sequential, grouped = _pair()
+    _, sequential, grouped = _pair(**settings)
     syncs = {}
     for name, model in (("sequential", sequential), ("grouped", grouped)):
         layer = model.language_model.decoder.layers[0].mlp
@@ -108,7 +123,7 @@ def test_dropless_dispatch_reads_nothing_back(mcore):
             y, _ = layer(x)
             y.sum().backward()
         syncs[name] = sum(tally.syncs.values())
-    assert syncs["grouped"] == 0 and syncs["sequential"] >= 3, syncs
+    assert syncs["grouped"] == reads and syncs["sequential"] >= 3, syncs
 
 
 def _expert_entries(model) -> dict:
@@ -200,3 +215,149 @@ def test_rows_grouped_mm_cannot_read_are_refused(mcore):
     config = language_transformer_config(replace(shape.text, moe_ffn_hidden_size=30))
     with pytest.raises(ValueError, match=r"--moe-ffn-hidden-size / expert TP 30 is not a multiple of 4"):
         GroupedExperts(4, config, pg_collection=_pg())
+
+
+def _planted_adapters(model) -> None:
+    """Every ``B`` random (it starts at zero, which would hide the adapters' product and A's gradient)."""
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("lora_B"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+
+
+@pytest.mark.parametrize("rank", [4, 3], ids=["rank 4", "rank 3, padded"])
+def test_lora_on_grouped_experts_equals_sequential(mcore, rank):
+    """LoRA on the routed experts: the grouped adapters start as SequentialMLP's (the same A per
+    expert from one seed), and give the same MoE output, input gradient and adapter gradients. Rank 3
+    is padded to rows of 16 bytes for grouped_mm (lora/grouped.py)."""
+    _, sequential, grouped = _pair(lora_rank=rank)
+    layer_s = sequential.language_model.decoder.layers[0].mlp
+    layer_g = grouped.language_model.decoder.layers[0].mlp
+    for linear in ("linear_fc1", "linear_fc2"):
+        per_expert = torch.stack([getattr(e, linear).lora_A for e in layer_s.experts.local_experts])
+        assert torch.equal(getattr(layer_g.experts, linear).lora_A, per_expert), linear
+    _planted_adapters(sequential)
+    _copy_experts(sequential, grouped)
+    torch.manual_seed(0)
+    x_s = torch.randn(40, 2, layer_s.config.hidden_size, requires_grad=True)
+    x_g = x_s.detach().clone().requires_grad_(True)
+    (y_s, _), (y_g, _) = layer_s(x_s), layer_g(x_g)
+    assert _close(y_g, y_s)
+    grad = torch.randn_like(y_s)
+    y_s.backward(grad)
+    y_g.backward(grad)
+    assert _close(x_g.grad, x_s.grad)
+    for linear in ("linear_fc1", "linear_fc2"):
+        grouped_linear = getattr(layer_g.experts, linear)
+        assert grouped_linear.weight.grad is None and not grouped_linear.weight.requires_grad  # frozen
+        for half in ("lora_A", "lora_B"):
+            per_expert = torch.stack([getattr(getattr(e, linear), half).grad for e in layer_s.experts.local_experts])
+            assert _close(getattr(grouped_linear, half).grad, per_expert), (linear, half)
+
+
+def test_lora_on_grouped_experts_writes_sequentials_checkpoint_entries(mcore):
+    """The adapters' entries (keys, offsets, replica ids and values) are SequentialMLP's adapters': a
+    checkpoint of either loads into the other, and the conversion tools read it unchanged."""
+    _, sequential, grouped = _pair(lora_rank=4)
+    _planted_adapters(sequential)
+    _copy_experts(sequential, grouped)
+    mine, theirs = _expert_entries(grouped), _expert_entries(sequential)
+    assert sorted(mine) == sorted(theirs) and any(".lora_B" in k for k in mine)
+    for key in theirs:
+        assert [e[:3] for e in mine[key]] == [e[:3] for e in theirs[key]], key
+        assert all(torch.equal(a[3], b[3]) for a, b in zip(mine[key], theirs[key])), key
+
+
+def test_lora_grouped_adapters_load_from_sequentials_checkpoint(mcore, tmp_path):
+    from megatron.core import dist_checkpointing
+
+    _, sequential, grouped = _pair(lora_rank=4)
+    _planted_adapters(sequential)
+    dist_checkpointing.save(sequential.sharded_state_dict(), str(tmp_path))
+    loaded = dist_checkpointing.load(grouped.sharded_state_dict(), str(tmp_path))
+    grouped.load_state_dict(loaded, strict=False)
+    state = grouped.state_dict()
+    for key, value in sequential.state_dict().items():
+        match = re.match(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.(lora_[AB])$", key)
+        if match:
+            assert torch.equal(state[f"{match[1]}{match[3]}.{match[4]}"][int(match[2])], value), key
+
+
+def _experts_pair(lora_rank=4):
+    """The first MoE layer's experts of both implementations, equal weights, adapters planted."""
+    _, sequential, grouped = _pair(lora_rank=lora_rank)
+    _planted_adapters(sequential)
+    _copy_experts(sequential, grouped)
+    return sequential.language_model.decoder.layers[0].mlp.experts, grouped.language_model.decoder.layers[0].mlp.experts
+
+
+def _experts_step(experts, tokens, counts, probs, rows):
+    """(output, every gradient) of ``experts`` on ``tokens`` [T, hidden] sorted by expert, the loss
+    reading the first ``rows`` output rows."""
+    tokens = tokens.detach().clone().requires_grad_(True)
+    probs = probs.detach().clone().requires_grad_(True)
+    out, _ = experts(tokens, torch.tensor(counts), probs)
+    loss = (out[:rows] * torch.linspace(-1, 1, out[:rows].numel()).view(rows, -1)).sum()
+    loss.backward()
+    grads = {"tokens": tokens.grad[:rows], "probs": probs.grad[:rows], "tokens past": tokens.grad[rows:]}
+    for linear in ("linear_fc1", "linear_fc2"):
+        for half in ("lora_A", "lora_B"):
+            if hasattr(experts, "local_experts"):
+                grads[f"{linear}.{half}"] = torch.stack(
+                    [getattr(getattr(e, linear), half).grad for e in experts.local_experts]
+                )
+            else:
+                grads[f"{linear}.{half}"] = getattr(getattr(experts, linear), half).grad
+    for p in experts.parameters():
+        p.grad = None
+    return out, loss, grads
+
+
+# tokens per expert (4 experts): zero-token experts at each end and between, every token on one
+# expert, and group sizes at every alignment of a 16-byte row (1 to 8 rows of 2 to 4 bytes)
+COUNTS = {
+    "zero-token experts": [0, 5, 0, 3],
+    "first and last empty": [0, 7, 2, 0],
+    "all on one expert": [0, 0, 9, 0],
+    **{f"groups of {n}": [n, n + 1, n + 2, n + 3] for n in range(1, 9)},
+}
+
+
+@pytest.mark.parametrize("counts", list(COUNTS.values()), ids=list(COUNTS))
+def test_grouped_edge_cases_equal_sequential(mcore, counts):
+    """grouped_mm's known traps, against SequentialMLP with LoRA on (every gradient: the tokens', the
+    router probabilities', each adapter half's): experts with no token, every token on one, groups of
+    every size modulo a 16-byte row."""
+    seq, grp = _experts_pair()
+    rows = sum(counts)
+    tokens = torch.randn(rows, seq.config.hidden_size, generator=torch.Generator().manual_seed(rows))
+    probs = torch.rand(rows, generator=torch.Generator().manual_seed(rows + 1))
+    out_s, loss_s, grads_s = _experts_step(seq, tokens, counts, probs, rows)
+    out_g, loss_g, grads_g = _experts_step(grp, tokens, counts, probs, rows)
+    assert _close(out_g, out_s)
+    for name, grad in grads_s.items():
+        if grad.numel():
+            assert torch.isfinite(grads_g[name]).all() and _close(grads_g[name], grad), name
+    for e, n in enumerate(counts):  # an expert without tokens: zero adapter gradients, not stale ones
+        if not n:
+            assert not grads_g["linear_fc1.lora_A"][e].any() and not grads_g["linear_fc2.lora_B"][e].any()
+
+
+def test_a_nan_past_the_last_offset_reaches_nothing(mcore):
+    """Rows past the last expert's end (a padded tail), NaN in the tokens and the probabilities: the
+    output there is zero, and the loss and every gradient equal SequentialMLP's on the rows that count."""
+    seq, grp = _experts_pair()
+    counts, tail = [3, 0, 4, 2], 5
+    rows = sum(counts)
+    tokens = torch.randn(rows + tail, seq.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    probs = torch.rand(rows + tail, generator=torch.Generator().manual_seed(1))
+    tokens[rows:], probs[rows:] = float("nan"), float("nan")
+    out_s, loss_s, grads_s = _experts_step(seq, tokens[:rows], counts, probs[:rows], rows)
+    out_g, loss_g, grads_g = _experts_step(grp, tokens, counts, probs, rows)
+    assert out_g.shape[0] == rows + tail and not out_g[rows:].any()
+    assert _close(out_g[:rows], out_s) and _close(loss_g, loss_s)
+    assert not grads_g.pop("tokens past").any()
+    for name, grad in grads_s.items():
+        if name != "tokens past":
+            assert torch.isfinite(grads_g[name]).all() and _close(grads_g[name], grad), name

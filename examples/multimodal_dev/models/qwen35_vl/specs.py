@@ -32,10 +32,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from ..common.dropless_dispatch import LocalExpertsMoELayer
 from ..common.gated_delta_net_fp32_decay import GatedDeltaNetFp32Decay
 from ..common.grouped_experts import GroupedExperts
 from ..common.norms import HeadSharedNorm, TorchNorm
+from ..common.sized_dispatch import LocalExpertsMoELayer
 from .configuration import FULL, LINEAR
 
 BACKENDS = ("local", "te")
