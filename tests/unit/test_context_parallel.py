@@ -61,3 +61,27 @@ def test_pad_row_to_adds_a_padding_segment():
     assert out.padding_mask[0, 8:].all() and not out.padding_mask[0, :8].any()
     assert out.loss_mask[0, 8:].sum() == 0 and out.labels[0, 8:].eq(-100).all()
     assert out.position_ids.shape == (3, 1, 12)
+
+
+def test_a_padded_row_keeps_what_the_host_reads_without_a_sync():
+    """Rows padded for the expert dispatch (``pad_row_to``) keep the host copies the batch was moved to
+    the device with: the layers read their segments from them, where a padded batch without them read
+    every one back from the device (a sync each, every layer, on a GPU)."""
+    from examples.multimodal_dev.models.common.batch_memo import on_host, to_device
+
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    batch = PackedBatch(
+        tokens=to_device(torch.arange(8).view(1, 8), "cpu"),
+        labels=torch.ones(1, 8, dtype=torch.long),
+        loss_mask=torch.ones(1, 8),
+        padding_mask=torch.zeros(1, 8, dtype=torch.bool),
+        position_ids=torch.ones(3, 1, 8, dtype=torch.long),
+        max_seqlen=4,
+        cu_seqlens=to_device(cu, "cpu"),
+        cu_seqlens_padded=to_device(torch.tensor([0, 4, 8], dtype=torch.int32), "cpu"),
+    )
+    out = pad_row_to(batch, 12)
+    for name in ("tokens", "cu_seqlens", "cu_seqlens_padded"):
+        padded = getattr(out, name)
+        host = padded.__dict__.get("_host_copy")
+        assert host is not None and host is not padded and torch.equal(on_host(padded), padded), name

@@ -21,6 +21,7 @@ from dataclasses import replace
 import torch
 
 from examples.multimodal_dev.models import get_model_entry
+from examples.multimodal_dev.models.common.batch_memo import mapped
 
 from .batch import BatchStats, PackedBatch
 from .sample import IGNORE_INDEX, VISION_KINDS, VisionTokens
@@ -165,7 +166,7 @@ def pad_row_to(batch: PackedBatch, length: int) -> PackedBatch:
         return batch
 
     def pad(t, value):  # None: a tensor this pipeline stage does not read
-        return None if t is None else torch.nn.functional.pad(t, (0, extra), value=value)
+        return None if t is None else mapped(t, lambda x: torch.nn.functional.pad(x, (0, extra), value=value))
 
     out = replace(
         batch,
@@ -177,8 +178,8 @@ def pad_row_to(batch: PackedBatch, length: int) -> PackedBatch:
     )
     if batch.thd:
         cu, cu_padded = batch.cu_seqlens, batch.cu_seqlens_padded
-        out.cu_seqlens = torch.cat([cu, cu[-1:]])
-        out.cu_seqlens_padded = torch.cat([cu_padded, cu_padded[-1:] + extra])
+        out.cu_seqlens = mapped(cu, lambda x: torch.cat([x, x[-1:]]))
+        out.cu_seqlens_padded = mapped(cu_padded, lambda x: torch.cat([x, x[-1:] + extra]))
         out.max_seqlen = max(batch.max_seqlen, extra)
     else:
         out.max_seqlen = length

@@ -51,6 +51,14 @@ def _keep(t: torch.Tensor, name: str, value) -> torch.Tensor:
     return t
 
 
+def mapped(t: torch.Tensor, fn) -> torch.Tensor:
+    """``fn(t)``, carrying ``fn`` of ``t``'s host copy where ``t`` has one (a batch padded on the device
+    keeps what the host reads of it without a sync)."""
+    out = fn(t)
+    host = t.__dict__.get(_HOST_COPY)
+    return out if host is None else _keep(out, _HOST_COPY, host_side(fn(host)))
+
+
 def on_host(t: torch.Tensor) -> torch.Tensor:
     """``t``'s values on the host: the copy it was moved from, else read back (a sync on a GPU)."""
     host = t.__dict__.get(_HOST_COPY)

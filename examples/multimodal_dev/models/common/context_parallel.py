@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .batch_memo import on_host
+
 
 def _runs(starts: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
     """Concatenation of arange(start, start + size) for every (start, size), vectorised."""
@@ -26,7 +28,7 @@ def _runs(starts: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
 
 
 def thd_positions(cu_seqlens_padded: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
-    cu = cu_seqlens_padded.detach().to("cpu", torch.long)
+    cu = on_host(cu_seqlens_padded).to(torch.long)  # the batch's host copy: no read back from the GPU
     lengths = torch.diff(cu)
     if bool((lengths % (2 * cp)).any()):
         raise ValueError(
@@ -53,10 +55,9 @@ class ContextParallelSplit:
     def __init__(self, seq_len: int, cp: int, rank: int, cu_seqlens_padded: torch.Tensor | None = None):
         self.seq_len, self.cp, self.rank = seq_len, cp, rank
         if cu_seqlens_padded is not None:
-            if int(cu_seqlens_padded[-1]) != seq_len:
-                raise ValueError(
-                    f"cu_seqlens_padded ends at {int(cu_seqlens_padded[-1])} but the row has {seq_len} tokens"
-                )
+            end = int(on_host(cu_seqlens_padded)[-1])
+            if end != seq_len:
+                raise ValueError(f"cu_seqlens_padded ends at {end} but the row has {seq_len} tokens")
             self.positions = thd_positions(cu_seqlens_padded, cp, rank)
         else:
             self.positions = bshd_positions(seq_len, cp, rank)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from .batch_memo import kept_on, on_host
+from .batch_memo import host_side, kept_on, on_host
 from .varlen_attention import VARLEN, thd_kernel, torch_varlen, varlen_failed
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
@@ -169,7 +169,7 @@ class SDPACoreAttention(MegatronModule):
         )
         total = cp * local
         if params is not None and params.qkv_format == "thd":
-            cu = torch.tensor(self._segments(params)[1], dtype=torch.long)
+            cu = host_side(torch.tensor(self._segments(params)[1], dtype=torch.long))  # made from host values
             if int(cu[-1]) != total:
                 raise ValueError(f"THD under CP: cu_seqlens ends at {int(cu[-1])} but cp x local tokens is {total}")
             to_global, to_gathered = _build_thd_cp_a2a_perm(cu, cp, total)

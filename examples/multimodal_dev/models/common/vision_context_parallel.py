@@ -16,9 +16,12 @@ nothing to encode would leave the tower out of its backward.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
+from .batch_memo import host_side
 from .video_frames import frames_of
 from .work_deal import deal
 
@@ -36,7 +39,7 @@ def shares_of(grids: list, item_flops, merge: int, count: int) -> tuple[list[lis
 def take_items(pixels: torch.Tensor, grids: torch.Tensor, items: list[int]) -> torch.Tensor:
     """The patch rows of ``items`` (``pixels`` holds the rows of every item of ``grids``, in order)."""
     rows = [t * h * w for t, h, w in grids.tolist()]
-    starts = torch.tensor([0, *rows]).cumsum(0).tolist()
+    starts = [0, *itertools.accumulate(rows)]
     return torch.cat([pixels[starts[i] : starts[i] + rows[i]] for i in items])
 
 
@@ -44,14 +47,16 @@ def encode(vision_model, pixels: torch.Tensor, grids: torch.Tensor, cp_group) ->
     """Vision features [N, H] of all items (``grids`` [n, 3] (t, h, w), ``pixels`` their patch rows
     in order), each frame encoded on one rank of ``cp_group``."""
     cp = cp_group.size() if cp_group is not None else 1
-    frames = frames_of(grids) if cp > 1 else grids
-    if cp == 1 or frames.shape[0] < cp:
+    if cp == 1:
+        return vision_model(pixels, grids)
+    frames = host_side(frames_of(grids))  # the grids stay on the host on every device, and so do their frames
+    if frames.shape[0] < cp:
         return vision_model(pixels, grids)
     owned, tokens, width = shares_of(
         frames.tolist(), vision_model.item_flops, vision_model.shape.spatial_merge_size, cp
     )
     mine = owned[cp_group.rank()]
-    features = vision_model(take_items(pixels, frames, mine), frames[mine])  # [tokens of my frames, H]
+    features = vision_model(take_items(pixels, frames, mine), host_side(frames[mine]))  # [tokens of my frames, H]
     features = torch.nn.functional.pad(features, (0, 0, 0, width - features.shape[0]))  # every rank sends as many
     gathered = gather_from_sequence_parallel_region(features, tensor_parallel_output_grad=True, group=cp_group)
     return gathered.index_select(0, batch_order(owned, tokens, width).to(gathered.device))
