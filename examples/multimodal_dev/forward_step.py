@@ -27,6 +27,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from examples.multimodal_dev.data.batch import PackedBatch, ServedBatches, from_megatron
 from examples.multimodal_dev.data.collate import pad_row_to
+from examples.multimodal_dev.training.host_collectives import agreed_max
 
 
 def packed_seq_params(batch: PackedBatch) -> PackedSeqParams | None:
@@ -128,6 +129,5 @@ def equalise_for_expert_dispatch(batch: PackedBatch, model) -> PackedBatch:
     group = parallel_state.get_expert_tensor_and_model_parallel_group()
     if group is None or group.size() == 1:
         return batch
-    length = torch.tensor([batch.tokens.shape[1]], dtype=torch.long, device=batch.tokens.device)
-    torch.distributed.all_reduce(length, op=torch.distributed.ReduceOp.MAX, group=group)
-    return pad_row_to(batch, int(length))
+    # the row lengths are the host's: agreed between the hosts, not read back from a device tensor
+    return pad_row_to(batch, agreed_max(batch.tokens.shape[1], group))

@@ -280,6 +280,15 @@ CHANGES: tuple[Change, ...] = (
         "is built already",
         WHEEL,
     ),
+    # Pipeline shapes between the hosts (training/host_collectives.py).
+    Change(
+        "pipeline-shapes-on-the-host",
+        "megatron.core.pipeline_parallel.p2p_communication:P2PCommunicator._communicate_shapes",
+        f"{_P}training.host_collectives:shapes_between_hosts",
+        "packed rows change length every micro-batch, so stages exchange each activation's shape first; "
+        "megatron sends it as a device tensor, reads it back and synchronizes the device (three syncs a "
+        "micro-batch and direction): the same three integers between the hosts over gloo instead",
+    ),
     # Model TFLOP/s and MFU in megatron's log (training/throughput.py).
     Change(
         "step-flops-and-log",

@@ -84,6 +84,10 @@ def transformer_configs(
 
     base = core_transformer_config_from_args(_settled_args(args, architecture, given, backend == "te"))
     _refuse_contradictions(base, architecture, given, source)
+    # megatron synchronizes the device after every batched pipeline send / receive, for a race in
+    # torch's batch_isend_irecv that torch 1.13 fixed (pytorch#82450: the work objects now wait on the
+    # NCCL streams); the torch this project pins has the fix, so the sync only drains the GPU's queue
+    base.batch_p2p_sync = False
     recipe = {k: v for k, v in recipe.items() if _FLAG_OF_FIELD.get(k, k) not in given}
     language = dataclasses.replace(base, **recipe, **architecture)
     # Packed (and padded-to-longest) rows change length from one micro-batch to the next, so
