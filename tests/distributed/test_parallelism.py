@@ -217,3 +217,18 @@ def test_a_chunked_tower_on_ranks_of_its_own_tracks_one_process(video_runs, star
     ]
     print(f"chunked tower on its own rank against one process (loss, grad norm, vision grad norm): {differences}")
     assert max(differences) < REL, differences
+
+
+# experts split over EP with a padded capacity: the grouped experts' dispatcher sizes its permutation
+# from the capacity (models/common/sized_dispatch.py: no host read), megatron-core's reads the counts
+DROP_AND_PAD = ("--moe-expert-capacity-factor", "0.5", "--moe-pad-expert-input-to-capacity", *NO_EVAL)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPU cores")
+def test_drop_and_pad_at_ep2_grouped_experts_match_sequential_mlp(start):
+    """At EP=2 with a capacity that drops tokens and pads: the grouped experts behind the dispatcher
+    sized on the host against SequentialMLP behind megatron-core's, from one checkpoint."""
+    env = dict(CKPT_LOAD=start, TRAIN_ITERS=2, EP=2, NPROC=2, **MODEL)
+    grouped = run_script(DROP_AND_PAD, **env).check()
+    sequential = run_script(DROP_AND_PAD, GROUPED_EXPERTS=0, **env).check()
+    assert_tracks("EP=2 drop-and-pad, grouped vs SequentialMLP", grouped, sequential, 2)

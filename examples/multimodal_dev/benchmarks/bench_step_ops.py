@@ -3,7 +3,7 @@ production step (``run_qwen35_vl.sh``'s launch, ``megatron.training``'s ``train_
 backward of every micro-batch, the DDP gradient hooks, the optimizer), at the structure of a GPU run.
 
     python -m examples.multimodal_dev.benchmarks.bench_step_ops [--runs 35b_a3b-cut,proxy] [--steps 2]
-        [--peer] [--gpu-kernels] [--details [--by-caller]] [-- extra megatron flags]
+        [--peer] [--gpu-kernels] [--layouts all|NAME,...] [--details [--by-caller]] [-- extra megatron flags]
 
 A case keeps what sets the count of ops (layer types and count, expert count and top-k, vision
 depth, sequence length, micro-batches per step) and takes what does not (widths, vocabulary, the
@@ -15,6 +15,12 @@ vision token ids) from the ``tiny`` variant, so a CPU step takes seconds:
 both at SEQ_LEN 4096, MBS 4, GBS 8 (two packed micro-batches of four conversations, as the GPU
 check's training row runs). The first step builds caches and is not counted; the next ``--steps``
 are, and the table gives their mean. ``benchmarks/op_counter.py`` says what a sync is.
+``--layouts`` counts the step at the layouts users launch instead (``LAYOUTS``: EP, TP with SP, PP
+with VPP, CP, LoRA, the planner's 35b_a3b layout shape at 4 ranks), each rank of each its own row,
+counted as on Hopper where ``--gpu-kernels`` is given. The layouts run megatron-core's allgather
+dispatcher on this host (gloo has no uneven all-to-all), behind the grouped experts'
+``models/common/sized_dispatch.py``; an EP row without a padded capacity is ``dropless``, whose
+counts are read back once a MoE layer and micro-batch.
 The peer is megatron-core's own local MoE path (``SequentialMLP``, which its local spec builds
 whatever ``--moe-grouped-gemm`` says): ``--peer`` runs it beside this checkout's choice.
 """
@@ -33,6 +39,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 CASES = ("35b_a3b-cut", "proxy")
 WARM_STEPS = 1
 RUN_SETTINGS = {"SEQ_LEN": "4096", "MBS": "4", "GBS": "8", "LR": "2e-4"}
+DROP_AND_PAD = ["--moe-expert-capacity-factor", "1.0", "--moe-pad-expert-input-to-capacity"]
+# name -> (run script variables, megatron flags): the layouts users launch, at 2 ranks (4 for the last)
+LAYOUTS = {
+    "EP=2 dropless": ({"EP": "2", "NPROC": "2"}, []),
+    "EP=2 drop-and-pad": ({"EP": "2", "NPROC": "2"}, DROP_AND_PAD),
+    "TP=2 SP": ({"TP": "2"}, []),
+    "PP=2 VPP=2": ({"PP": "2", "VP": "2"}, []),
+    "CP=2": ({"CP": "2"}, []),
+    "LoRA r8": ({"LORA_RANK": "8"}, []),
+    # plan_layout 35b_a3b --gpus 16 (TP=1 PP=2 CP=2 EP=8) in the 4 ranks a test may start
+    "PP=2 CP=2 EP=2 dropless": ({"PP": "2", "CP": "2", "EP": "2", "NPROC": "4"}, []),
+    "PP=2 CP=2 EP=2 drop-and-pad": ({"PP": "2", "CP": "2", "EP": "2", "NPROC": "4"}, DROP_AND_PAD),
+}
 
 
 # What the op count does not depend on, taken from the tiny variant
@@ -74,8 +93,8 @@ def case_shape(name: str):
     return replace(shape, text=text, vision=vision, **{f: getattr(tiny, f) for f in TOKEN_IDS})
 
 
-def _launch_args(hf_config: str, steps: int, settings: dict, extra: list[str]) -> list[str]:
-    """pretrain_multimodal's flags for the case, as the run script would give them on this host."""
+def _launch_args(hf_config: str, steps: int, settings: dict, extra: list[str]) -> tuple[int, list[str]]:
+    """(processes, pretrain_multimodal's flags) for the case, as the run script would give them on this host."""
     from examples.multimodal_dev.launcher import launch
     from examples.multimodal_dev.launcher.from_env import Host
     from examples.multimodal_dev.launcher.variables import NAMES
@@ -85,37 +104,40 @@ def _launch_args(hf_config: str, steps: int, settings: dict, extra: list[str]) -
     host = Host(gpu=launch.has_gpu(), transformer_engine=launch.te_imports)
     plan = launch.prepare(env, [], host, launch.Launch())
     module = plan.torchrun.index("--module")
-    return plan.torchrun[module + 2 :] + ["--mock-text-tokens", "1024", "--eval-iters", "0", *extra]
+    nproc = int(plan.torchrun[plan.torchrun.index("--nproc-per-node") + 1])
+    return nproc, plan.torchrun[module + 2 :] + ["--mock-text-tokens", "1024", "--eval-iters", "0", *extra]
 
 
 def count_case(name: str, steps: int, settings: dict, extra: list[str]) -> dict:
     """Launch one single-rank run of the case under the counter; its summary."""
+    summaries = count_ranks(name, steps, settings, extra)
+    if len(summaries) != 1:
+        raise SystemExit(f"bench_step_ops: {settings} starts {len(summaries)} ranks; count it with --layouts")
+    return summaries[0]
+
+
+def count_ranks(name: str, steps: int, settings: dict, extra: list[str]) -> list[dict]:
+    """Launch one run of the case under the counter, at the layout ``settings`` give; each rank's summary."""
     from examples.multimodal_dev.models import default_model
 
     with tempfile.TemporaryDirectory(prefix="bench_step_ops_") as tmp:
         hf_config = os.path.join(tmp, "config.json")
         with open(hf_config, "w") as f:
             json.dump(default_model().shape_to_hf(case_shape(name)), f)
-        out = os.path.join(tmp, "counts.json")
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "1",
-            "--standalone",
-            "--module",
-            "examples.multimodal_dev.benchmarks.bench_step_ops",
-            "--worker",
-            out,
-            *_launch_args(hf_config, steps, settings, extra),
-        ]
+        out = os.path.join(tmp, "counts")
+        nproc, flags = _launch_args(hf_config, steps, settings, extra)
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone"]
+        command += ["--module", "examples.multimodal_dev.benchmarks.bench_step_ops", "--worker", out, *flags]
         worker_env = {**os.environ, **{k: v for k, v in settings.items() if k.startswith("BENCH_")}}
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=worker_env)
-        if done.returncode != 0 or not os.path.exists(out):
+        files = [f"{out}.{rank}.json" for rank in range(nproc)]
+        if done.returncode != 0 or not all(os.path.exists(f) for f in files):
             raise SystemExit(f"bench_step_ops: the {name} run failed:\n{(done.stdout + done.stderr)[-4000:]}")
-        with open(out) as f:
-            return json.load(f)
+        summaries = []
+        for path in files:
+            with open(path) as f:
+                summaries.append(json.load(f))
+        return summaries
 
 
 def gpu_kernels_as_calls(tally, hopper: bool = False) -> None:
@@ -194,7 +216,7 @@ def worker(out: str) -> None:
 
     training.train_step = counted_step
     pretrain_multimodal.main()
-    with open(out, "w") as f:
+    with open(f"{out}.{os.environ.get('RANK', '0')}.json", "w") as f:
         json.dump(tally.summary(), f)
 
 
@@ -220,10 +242,19 @@ def main(argv=None) -> int:
         help="also count with the CPU stand-ins for FLA's kernels and varlen attention as one op each, "
         "and as on Hopper, where the chunked rule stays on torch's kernels",
     )
+    parser.add_argument(
+        "--layouts", default="", help=f"'all' or layouts, comma-separated, one row a rank: {', '.join(LAYOUTS)}"
+    )
     parser.add_argument("extra", nargs="*", help="megatron flags added to the launch (after --)")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps {args.steps}: count at least one step")
+    layouts = list(LAYOUTS) if args.layouts == "all" else [n for n in args.layouts.split(",") if n]
+    unknown = [n for n in layouts if n not in LAYOUTS]
+    if unknown:
+        parser.error(f"--layouts {args.layouts}: no layout {unknown[0]!r}; the layouts are all, {', '.join(LAYOUTS)}")
+    if layouts:
+        return count_layouts(args, layouts)
     if args.by_caller:
         os.environ["BENCH_STEP_OPS_BY_CALLER"] = "1"  # read by the worker
     contenders = {"this checkout": {}}
@@ -249,6 +280,35 @@ def main(argv=None) -> int:
                     print(f"  {count:8.1f}  ops at {where}", file=sys.stderr)
                 for kind, where, count in s["syncs"]:
                     print(f"  {count:8.1f}  {kind:28s} {where}", file=sys.stderr)
+    return 0
+
+
+def _data_parallel(settings: dict) -> int:
+    """The layout's DP size: its global batch grows with it, so every rank steps through the two
+    micro-batches the single rank does."""
+    nproc = int(settings.get("NPROC") or 1)
+    model_parallel = 1
+    for size in ("TP", "PP", "CP"):
+        model_parallel *= int(settings.get(size) or 1)
+    return max(1, nproc // model_parallel)
+
+
+def count_layouts(args, layouts: list[str]) -> int:
+    """One row a case, layout and rank, counted as on Hopper with --gpu-kernels (else as run here)."""
+    kernels = {"BENCH_STEP_OPS_GPU_KERNELS": "hopper"} if args.gpu_kernels else {}
+    counted = "as on Hopper" if args.gpu_kernels else "as run on this host"
+    print(f"| case | layout, rank ({counted}) | ATen ops / step | host syncs / step |")
+    print("|---|---|---|---|")
+    for name in [r for r in args.runs.split(",") if r]:
+        for layout in layouts:
+            settings, flags = LAYOUTS[layout]
+            settings = {**settings, **kernels, "GBS": str(int(RUN_SETTINGS["GBS"]) * _data_parallel(settings))}
+            for rank, summary in enumerate(count_ranks(name, args.steps, settings, [*flags, *args.extra])):
+                print(_row(name, f"{layout}, rank {rank}", summary), flush=True)
+                if args.details:
+                    print(f"\n{name}, {layout}, rank {rank}: syncs", file=sys.stderr)
+                    for kind, where, count in summary["syncs"]:
+                        print(f"  {count:8.1f}  {kind:28s} {where}", file=sys.stderr)
     return 0
 
 

@@ -18,10 +18,12 @@ What counts as a sync (the host needs a value the device computes):
   sight, so the op is counted instead. Except ``t[mask] = <Python number>``: on a GPU torch makes
   the number a host scalar and ATen runs ``masked_fill_``, which reads nothing back.
 On a CPU host every tensor lives on the host, so the counter has to be told which ones stay there on
-a GPU run: a tensor marked ``batch_memo.HOST_SIDE_MARK`` (a batch's host copies, the vision grids)
-and every op output computed only from such tensors (an op on host tensors runs on the host). Reads
-of those are not syncs; any other tensor counts as a device tensor, so the count is an upper bound,
-and each sync is listed with the line that asked for it so that it can be judged. torch.optim
+a GPU run: a tensor marked ``batch_memo.HOST_SIDE_MARK`` (a batch's host copies, the vision grids,
+and ``torch.get_rng_state()``'s CPU generator state, which megatron's RNG tracker compares before and
+after each forked region) and every op output computed only from such tensors (an op on host tensors
+runs on the host). Reads of those are not syncs; any other tensor counts as a device tensor, so the
+count is an upper bound, and each sync is listed with the line that asked for it so that it can be
+judged. torch.optim
 reading its own step counts, which it keeps on the host (unless ``capturable``), is left out too;
 those reads still count as ops.
 """
@@ -38,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from examples.multimodal_dev.models.common.batch_memo import HOST_SIDE_MARK
+from examples.multimodal_dev.models.common.batch_memo import HOST_SIDE_MARK, host_side
 
 SYNC_ATEN = {
     "_local_scalar_dense",
@@ -252,6 +254,9 @@ class _Counting:
             self.anomaly.__enter__()
         self.tally._counting_depth += 1
         self._wrap_cuda_syncs()
+        original = torch.get_rng_state
+        torch.get_rng_state = lambda: host_side(original())  # the CPU generator's state: a host tensor
+        self.patched.append((torch, "get_rng_state", original))
         for mode in self.modes:
             mode.__enter__()
         return self.tally
