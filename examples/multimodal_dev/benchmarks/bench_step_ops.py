@@ -253,10 +253,10 @@ def main(argv=None) -> int:
     unknown = [n for n in layouts if n not in LAYOUTS]
     if unknown:
         parser.error(f"--layouts {args.layouts}: no layout {unknown[0]!r}; the layouts are all, {', '.join(LAYOUTS)}")
-    if layouts:
-        return count_layouts(args, layouts)
     if args.by_caller:
         os.environ["BENCH_STEP_OPS_BY_CALLER"] = "1"  # read by the worker
+    if layouts:
+        return count_layouts(args, layouts)
     contenders = {"this checkout": {}}
     if args.peer:
         contenders["megatron-core SequentialMLP"] = {"GROUPED_EXPERTS": "0"}
@@ -306,7 +306,9 @@ def count_layouts(args, layouts: list[str]) -> int:
             for rank, summary in enumerate(count_ranks(name, args.steps, settings, [*flags, *args.extra])):
                 print(_row(name, f"{layout}, rank {rank}", summary), flush=True)
                 if args.details:
-                    print(f"\n{name}, {layout}, rank {rank}: syncs", file=sys.stderr)
+                    print(f"\n{name}, {layout}, rank {rank}: top ops {summary['top_ops']}", file=sys.stderr)
+                    for where, count in summary["callers"]:
+                        print(f"  {count:8.1f}  ops at {where}", file=sys.stderr)
                     for kind, where, count in summary["syncs"]:
                         print(f"  {count:8.1f}  {kind:28s} {where}", file=sys.stderr)
     return 0
