@@ -29,6 +29,7 @@ from examples.multimodal_dev.dataset_provider import datasets_provider, metered,
 from examples.multimodal_dev.forward_step import forward_step
 from examples.multimodal_dev.model_provider import model_provider
 from examples.multimodal_dev.training.compile_once import compile_for_any_length
+from examples.multimodal_dev.training.gdn_kernel_choice import choose_gdn_kernels
 from examples.multimodal_dev.training.throughput import StepFlops
 from examples.multimodal_dev.vision_ranks import groups as vision_ranks
 
@@ -43,15 +44,6 @@ def main() -> None:
     if on_cpu:
         megatron.cpu.tune_host()
         say(megatron.cpu.gdn_kernels_line())
-    elif reason := megatron.cpu.fla_unusable_reason():
-        names = megatron.cpu.torch_gdn_kernel_names()
-        rest = sorted(set(megatron.cpu.GDN_KERNELS) - set(names))
-        say(
-            f"Gated DeltaNet runs {', '.join(names)} on the torch kernels of megatron.cpu (correct, slower)"
-            + (f" and {', '.join(rest)} on flash-linear-attention's" if rest else ", not flash-linear-attention's")
-            + f": {reason}"
-        )
-        megatron.cpu.register_torch_gdn_kernels(names)
     compile_for_any_length()  # megatron-core's compiled helpers: compiled once, not again in iteration 2
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
@@ -61,6 +53,8 @@ def main() -> None:
     gc.enable()
     megatron_changes.apply("checkpoints-are-data")  # before the arguments: --load's stored args are read
     args = checked_args()
+    if not on_cpu:
+        choose_gdn_kernels(args)  # FLA's where right on this GPU (the model's head dims decide on Hopper)
     for line in save_guard.clear_incomplete_saves(args.save):
         say(line, every_rank=True)
     meter = StepFlops()

@@ -17,6 +17,7 @@ it (and a Triton cache of their own); the note says which was in force. bf16: RM
 for the output and every gradient (FLA's own test tolerance for db/dg).
 """
 
+import contextlib
 import os
 import time
 from types import SimpleNamespace
@@ -259,7 +260,6 @@ def test_l2norm(fla, dtype_name, record):
 # use FLA there; the 64 control is the shape the bug was reported at, so a check that finds it
 # wrong shows the comparison can see the bug. The guard is lifted for these two calls only.
 HOPPER_DIMS = {"128": 128, "64-control": 64}
-GRADS = ("q", "k", "v", "g", "beta", "initial_state")
 
 
 def _hopper_bug_range() -> bool:
@@ -268,50 +268,25 @@ def _hopper_bug_range() -> bool:
 
 
 @pytest.mark.parametrize("case", list(HOPPER_DIMS))
-def test_gated_rule_six_gradients(fla, case, record, monkeypatch):
-    import importlib
+def test_gated_rule_six_gradients(fla, case, record):
+    """The check a training run makes on such a host (``megatron.cpu.fla_gated_check``), recorded."""
+    from megatron.cpu import fla_gated_check
 
     dim, in_range = HOPPER_DIMS[case], _hopper_bug_range()
-    if in_range:  # pretend Triton >= 3.7.1 for FLA's check (a module constant read at call time)
-        monkeypatch.setattr(importlib.import_module("fla.ops.common.chunk_o"), "TRITON_ABOVE_3_7_1", True)
-    cu, gen = _cu_seqlens(), torch.Generator(device="cuda").manual_seed(3)
-    total = int(cu[-1])
-
-    def randn(*shape):
-        return torch.randn(*shape, device="cuda", generator=gen)
-
-    inputs = {
-        "q": torch_gdn.l2norm(randn(1, total, HEADS, dim)).bfloat16(),
-        "k": torch_gdn.l2norm(randn(1, total, HEADS, dim)).bfloat16(),
-        "v": randn(1, total, HEADS, dim).bfloat16(),
-        "g": torch.nn.functional.logsigmoid(randn(1, total, HEADS) + 2.0),
-        "beta": randn(1, total, HEADS).sigmoid().bfloat16(),
-        "initial_state": 0.1 * randn(len(LENGTHS), HEADS, dim, dim),  # fp32, as FLA keeps states
-    }
-    inputs = {n: t.requires_grad_() for n, t in inputs.items()}
-    grad_out = randn(1, total, HEADS, dim)
-
-    def grads(kernel, args):
-        out = kernel(**args, output_final_state=False, use_qk_l2norm_in_kernel=False, cu_seqlens=cu)[0]
-        return torch.autograd.grad(out, list(args.values()), grad_out.to(out.dtype))
-
-    reference = grads(
-        torch_gdn.chunk_gated_delta_rule, {n: t.detach().float().requires_grad_() for n, t in inputs.items()}
-    )
-    metrics = {"K=V": dim, "tokens": total}
+    metrics = {"K=V": dim, "tokens": sum(fla_gated_check.LENGTHS)}
     try:
-        measured = grads(fla.chunk, inputs)
-        for name, got, ref in zip(GRADS, measured, reference):
-            metrics[f"d{name} rms"] = errors([got], {name: ref})["rms"]
-        wrong = [n for n in GRADS if not metrics[f"d{n} rms"] <= BF16_RMS]  # NaN counts as wrong
-        verdict = f"wrong d{', d'.join(wrong)}" if wrong else "all six match"
+        with fla_gated_check.guard_lifted() if in_range else contextlib.nullcontext():
+            measured = fla_gated_check.compare(fla.chunk, dim, dim)
+        metrics.update({f"d{n} rms" if n != "out" else "out rms": e for n, e in measured.items()})
+        agrees, verdict = fla_gated_check.verdict(measured)
+        wrong = [] if agrees else [verdict]
     except Exception as e:  # noqa: BLE001 - a crash is a verdict too
         wrong, verdict = ["crash"], f"raised {type(e).__name__}: {str(e)[:160]}"
     expect_wrong = in_range and case == "64-control"
     ok = bool(wrong) == expect_wrong
     metrics["verdict"] = verdict
     note = (
-        f"bf16, gradients against the torch kernels in fp32, bar RMS ratio <= {BF16_RMS:g}; "
+        f"bf16, output and gradients against the torch kernels in fp32, bar RMS ratio <= {BF16_RMS:g}; "
         + (
             "Hopper with Triton in FLA #640's range, FLA's guard lifted for this check"
             if in_range

@@ -170,3 +170,51 @@ def test_only_the_named_kernels_are_bound(monkeypatch):
         assert module.causal_conv1d is sentinel and module.l2norm is sentinel
     with pytest.raises(ValueError, match="no torch GatedDeltaNet kernel named"):
         megatron.cpu.register_torch_gdn_kernels(("conv2d",))
+
+
+def test_the_fla_check_tells_a_right_gated_rule_from_a_wrong_one():
+    """``megatron.cpu.fla_gated_check`` on this host, the torch kernel standing in for FLA's: run in bf16
+    against itself in fp32 it agrees; with beta scaled inside (a wrong db, and an output off with it),
+    the check names what is wrong."""
+    from megatron.cpu import fla_gated_check, gdn_kernels
+
+    right = fla_gated_check.compare(gdn_kernels.chunk_gated_delta_rule, 32, 32, device="cpu")
+    assert set(right) == {"out", *fla_gated_check.GRADS}
+    assert fla_gated_check.verdict(right)[0], right
+
+    def wrong_beta(q, k, v, g, beta, **kw):
+        return gdn_kernels.chunk_gated_delta_rule(q, k, v, g, beta * 1.25, **kw)
+
+    agrees, why = fla_gated_check.verdict(fla_gated_check.compare(wrong_beta, 32, 32, device="cpu"))
+    assert not agrees and "beta" in why.split("(")[0] and "bar 0.02" in why, why
+
+
+@pytest.mark.parametrize("agrees", [True, False], ids=["FLA agrees", "FLA differs"])
+def test_a_hopper_run_keeps_fla_where_its_gated_rule_agrees(monkeypatch, agrees):
+    """Triton in FLA #640's range on Hopper: the run checks FLA's gated rule at the model's head dims,
+    keeps it (guard lifted) where it agrees, and binds the torch rule alone where it does not; one
+    line says which and why."""
+    from types import SimpleNamespace
+
+    import megatron.cpu
+    from examples.multimodal_dev.training import gdn_kernel_choice
+    from megatron.cpu import fla_gated_check
+
+    reason = "Triton 3.6.0 on a Hopper GPU compiles FLA's gated chunk backward wrongly (FLA issue #640)"
+    monkeypatch.setattr(megatron.cpu, "fla_unusable_reason", lambda: reason)
+    monkeypatch.setattr(megatron.cpu, "torch_gdn_kernel_names", lambda: ("chunk_gated_delta_rule",))
+    asked, lifted, bound, said = [], [], [], []
+    monkeypatch.setattr(
+        fla_gated_check, "fla_gated_rule_agrees", lambda k, v: asked.append((k, v)) or (agrees, "the verdict")
+    )
+    monkeypatch.setattr(fla_gated_check, "lift_guard", lambda: lifted.append(True))
+    monkeypatch.setattr(megatron.cpu, "register_torch_gdn_kernels", bound.append)
+    monkeypatch.setattr(gdn_kernel_choice, "say", said.append)
+    text = SimpleNamespace(linear_key_head_dim=128, linear_value_head_dim=96)
+    monkeypatch.setattr(gdn_kernel_choice, "resolve_shape", lambda args: SimpleNamespace(text=text))
+    gdn_kernel_choice.choose_gdn_kernels(SimpleNamespace())
+    assert asked == [(128, 96)] and len(said) == 1 and "K=128 V=96" in said[0] and "the verdict" in said[0]
+    if agrees:
+        assert lifted and not bound and said[0].startswith("Gated DeltaNet runs flash-linear-attention's kernels")
+    else:
+        assert not lifted and bound == [("chunk_gated_delta_rule",)] and "#640" in said[0]
