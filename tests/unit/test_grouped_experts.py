@@ -58,6 +58,19 @@ def _copy_experts(sequential, grouped) -> None:
     grouped.load_state_dict(target)
 
 
+def _same_forward_and_input_gradient(layer_s, layer_g) -> None:
+    """Both MoE layers on one input: the same output, and after one backward the same input gradient."""
+    torch.manual_seed(0)
+    x_s = torch.randn(40, 2, layer_s.config.hidden_size, requires_grad=True)
+    x_g = x_s.detach().clone().requires_grad_(True)
+    (y_s, _), (y_g, _) = layer_s(x_s), layer_g(x_g)
+    assert _close(y_g, y_s)
+    grad = torch.randn_like(y_s)
+    y_s.backward(grad)
+    y_g.backward(grad)
+    assert _close(x_g.grad, x_s.grad)
+
+
 def _close(a, b, rel=FP32_REL):
     scale = b.abs().max().clamp_min(1e-30)
     return float((a - b).abs().max() / scale) <= rel
@@ -83,15 +96,7 @@ def test_grouped_layer_equals_sequential(mcore, settings):
     # front of SequentialMLP, megatron-core's dispatcher
     assert type(layer_g.token_dispatcher).__name__ == "HostSizedDispatcher"
     assert type(layer_s.token_dispatcher).__name__ == "MoEAllGatherTokenDispatcher"
-    torch.manual_seed(0)
-    x_s = torch.randn(40, 2, layer_s.config.hidden_size, requires_grad=True)
-    x_g = x_s.detach().clone().requires_grad_(True)
-    (y_s, _), (y_g, _) = layer_s(x_s), layer_g(x_g)
-    assert _close(y_g, y_s)
-    grad = torch.randn_like(y_s)
-    y_s.backward(grad)
-    y_g.backward(grad)
-    assert _close(x_g.grad, x_s.grad)
+    _same_forward_and_input_gradient(layer_s, layer_g)
     for linear in ("linear_fc1", "linear_fc2"):
         per_expert = torch.stack([getattr(e, linear).weight.grad for e in layer_s.experts.local_experts])
         assert _close(getattr(layer_g.experts, linear).weight.grad, per_expert), linear
@@ -239,15 +244,7 @@ def test_lora_on_grouped_experts_equals_sequential(mcore, rank):
         assert torch.equal(getattr(layer_g.experts, linear).lora_A, per_expert), linear
     _planted_adapters(sequential)
     _copy_experts(sequential, grouped)
-    torch.manual_seed(0)
-    x_s = torch.randn(40, 2, layer_s.config.hidden_size, requires_grad=True)
-    x_g = x_s.detach().clone().requires_grad_(True)
-    (y_s, _), (y_g, _) = layer_s(x_s), layer_g(x_g)
-    assert _close(y_g, y_s)
-    grad = torch.randn_like(y_s)
-    y_s.backward(grad)
-    y_g.backward(grad)
-    assert _close(x_g.grad, x_s.grad)
+    _same_forward_and_input_gradient(layer_s, layer_g)
     for linear in ("linear_fc1", "linear_fc2"):
         grouped_linear = getattr(layer_g.experts, linear)
         assert grouped_linear.weight.grad is None and not grouped_linear.weight.requires_grad  # frozen
