@@ -275,12 +275,17 @@ def main(argv=None) -> int:
             print(f"|  | ratio (peer / ours) | {peer['ops_per_step'] / ours['ops_per_step']:.1f}x | |", flush=True)
         if args.details:
             for label, s in results.items():
-                print(f"\n{name}, {label}: top ops {s['top_ops']}", file=sys.stderr)
-                for where, count in s["callers"]:
-                    print(f"  {count:8.1f}  ops at {where}", file=sys.stderr)
-                for kind, where, count in s["syncs"]:
-                    print(f"  {count:8.1f}  {kind:28s} {where}", file=sys.stderr)
+                _print_details(f"{name}, {label}", s)
     return 0
+
+
+def _print_details(title: str, summary: dict) -> None:
+    """--details: the run's top ops, the lines that dispatch most (with --by-caller) and every sync's caller."""
+    print(f"\n{title}: top ops {summary['top_ops']}", file=sys.stderr)
+    for where, count in summary["callers"]:
+        print(f"  {count:8.1f}  ops at {where}", file=sys.stderr)
+    for kind, where, count in summary["syncs"]:
+        print(f"  {count:8.1f}  {kind:28s} {where}", file=sys.stderr)
 
 
 def _data_parallel(settings: dict) -> int:
@@ -306,11 +311,7 @@ def count_layouts(args, layouts: list[str]) -> int:
             for rank, summary in enumerate(count_ranks(name, args.steps, settings, [*flags, *args.extra])):
                 print(_row(name, f"{layout}, rank {rank}", summary), flush=True)
                 if args.details:
-                    print(f"\n{name}, {layout}, rank {rank}: top ops {summary['top_ops']}", file=sys.stderr)
-                    for where, count in summary["callers"]:
-                        print(f"  {count:8.1f}  ops at {where}", file=sys.stderr)
-                    for kind, where, count in summary["syncs"]:
-                        print(f"  {count:8.1f}  {kind:28s} {where}", file=sys.stderr)
+                    _print_details(f"{name}, {layout}, rank {rank}", summary)
     return 0
 
 

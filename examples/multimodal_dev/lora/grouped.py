@@ -91,11 +91,6 @@ class LoraExpertWeights:
             tensors.update(lora_A=(self.lora_A, self.tp_axis, False), lora_B=(self.lora_B, None, False))
         return tensors
 
-    @torch.no_grad()
-    def delta_weight(self) -> torch.Tensor:
-        """This rank's ``(alpha / r) B A`` of every local expert [E, out, in], in float64."""
-        return torch.bmm(self.lora_B.double(), self.lora_A.double()) * self.lora_scale
-
 
 _CLASSES: dict[type, type] = {}
 

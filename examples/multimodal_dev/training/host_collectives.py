@@ -18,11 +18,30 @@ from ..models.common.batch_memo import host_side
 _TWINS: dict[tuple[int, ...], object] = {}
 
 
+def _twinned_groups() -> list:
+    """The groups whose values go between the hosts, in the one order every rank makes their twins:
+    ``use_local_synchronization`` deadlocks where ranks make overlapping groups in different orders
+    (a stage-1 rank's first need is its pipeline group, a stage-0 rank's its expert group)."""
+    from megatron.core import parallel_state
+
+    return [
+        parallel_state.get_pipeline_model_parallel_group(),
+        parallel_state.get_expert_tensor_and_model_parallel_group(),
+    ]
+
+
 def host_twin(group):
-    """A gloo group of ``group``'s ranks (``group`` itself where it is gloo), made on first use by its
-    members alone (``use_local_synchronization``), which all reach that use together."""
-    if dist.get_backend(group) == "gloo":
-        return group
+    """A gloo group of ``group``'s ranks, made by its members alone (``use_local_synchronization``).
+    The first call makes the twins of every group of ``_twinned_groups`` in that order, so ranks
+    that first need different ones still make them alike. Made on a gloo run too, where ``group``
+    would do, so the code CI runs is the code an NCCL run takes."""
+    if not _TWINS:
+        for each in [g for g in _twinned_groups() if g is not None]:
+            _twin_of(each)
+    return _twin_of(group)
+
+
+def _twin_of(group):
     ranks = tuple(dist.get_process_group_ranks(group))
     if ranks not in _TWINS:
         _TWINS[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
