@@ -287,7 +287,8 @@ CHANGES: tuple[Change, ...] = (
         f"{_P}training.host_collectives:shapes_between_hosts",
         "packed rows change length every micro-batch, so stages exchange each activation's shape first; "
         "megatron sends it as a device tensor, reads it back and synchronizes the device (three syncs a "
-        "micro-batch and direction): the same three integers between the hosts over gloo instead",
+        "micro-batch and direction): on a gloo pipeline group the same three integers go between the hosts "
+        "(an NCCL run keeps megatron's exchange until gloo twins of its groups are made with them)",
     ),
     # Model TFLOP/s and MFU in megatron's log (training/throughput.py).
     Change(

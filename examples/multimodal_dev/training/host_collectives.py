@@ -5,7 +5,8 @@ Sent as device tensors (NCCL only moves those), each such value costs the receiv
 back from its GPU, which waits for every kernel queued before it: megatron's pipeline stages read
 each received activation's shape back (and synchronize the device around the exchange) in every
 micro-batch and direction, and the allgather dispatcher's row-length agreement read one more.
-Over a gloo group of the same ranks the host waits only for the other hosts' messages.
+Over a gloo group the host waits only for the other hosts' messages. Only where the group is gloo
+already, for now (``host_group``).
 """
 
 from __future__ import annotations
@@ -15,55 +16,39 @@ import torch.distributed as dist
 
 from ..models.common.batch_memo import host_side
 
-_TWINS: dict[tuple[int, ...], object] = {}
 
+def host_group(group):
+    """``group`` where it is gloo (its collectives run between the hosts), else None.
 
-def _twinned_groups() -> list:
-    """The groups whose values go between the hosts, in the one order every rank makes their twins:
-    ``use_local_synchronization`` deadlocks where ranks make overlapping groups in different orders
-    (a stage-1 rank's first need is its pipeline group, a stage-0 rank's its expert group)."""
-    from megatron.core import parallel_state
-
-    return [
-        parallel_state.get_pipeline_model_parallel_group(),
-        parallel_state.get_expert_tensor_and_model_parallel_group(),
-    ]
-
-
-def host_twin(group):
-    """A gloo group of ``group``'s ranks, made by its members alone (``use_local_synchronization``).
-    The first call makes the twins of every group of ``_twinned_groups`` in that order, so ranks
-    that first need different ones still make them alike. Made on a gloo run too, where ``group``
-    would do, so the code CI runs is the code an NCCL run takes."""
-    if not _TWINS:
-        for each in [g for g in _twinned_groups() if g is not None]:
-            _twin_of(each)
-    return _twin_of(group)
-
-
-def _twin_of(group):
-    ranks = tuple(dist.get_process_group_ranks(group))
-    if ranks not in _TWINS:
-        _TWINS[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
-    return _TWINS[ranks]
+    An NCCL run would need a gloo twin of each group. Made lazily, at each rank's first need, the
+    twins deadlock: ``use_local_synchronization`` requires every rank to create overlapping groups
+    in one order, and a fixed order (pipeline, then expert group) still hung at PP=2 x CP=2 on this
+    host. Until twins are made with the groups themselves, an NCCL run keeps megatron's device path."""
+    return group if dist.get_backend(group) == "gloo" else None
 
 
 def agreed_max(value: int, group) -> int:
-    """The largest ``value`` of ``group``'s ranks, agreed between their hosts."""
+    """The largest ``value`` of ``group``'s ranks: between the hosts on a gloo group, else through a
+    device tensor (one read back)."""
+    host = host_group(group)
+    if host is None:
+        tensor = torch.tensor([value], dtype=torch.long, device=torch.cuda.current_device())
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        return int(tensor)
     tensor = host_side(torch.tensor([value], dtype=torch.long))
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=host_twin(group))
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=host)
     return int(tensor)
 
 
 def shapes_between_hosts(original, run=None):
     """megatron's ``P2PCommunicator._communicate_shapes`` with the shapes sent between the hosts of the
-    neighbouring stages (a gloo twin of the pipeline group): the same messages, in the same order,
+    neighbouring stages where the pipeline group is gloo: the same messages, in the same order,
     with no device tensor to read back and no device synchronize. megatron's own ring exchange is kept."""
 
     def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
-        if self.config.use_ring_exchange_p2p:
+        group = host_group(self.pp_group)
+        if self.config.use_ring_exchange_p2p or group is None:
             return original(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next)
-        group = host_twin(self.pp_group)
 
         def shape_of(tensor):
             return host_side(torch.tensor(tensor.size(), dtype=torch.int64))
