@@ -27,6 +27,7 @@ from examples.multimodal_dev.console import fail, say
 from examples.multimodal_dev.data.sample import DataError
 from examples.multimodal_dev.dataset_provider import datasets_provider, metered, plain_for_megatron
 from examples.multimodal_dev.forward_step import forward_step
+from examples.multimodal_dev.launcher.lifetime import rank_dies_with_launcher
 from examples.multimodal_dev.model_provider import model_provider
 from examples.multimodal_dev.training.compile_once import compile_for_any_length
 from examples.multimodal_dev.training.gdn_kernel_choice import choose_gdn_kernels
@@ -37,6 +38,7 @@ from examples.multimodal_dev.vision_ranks import groups as vision_ranks
 def main() -> None:
     import megatron.cpu
 
+    rank_dies_with_launcher()  # a torchrun killed outright takes this rank with it, not left in a collective
     try:
         on_cpu = megatron.cpu.activate()
     except RuntimeError as err:  # MEGATRON_CPU_FLA=1 where FLA's kernels cannot run

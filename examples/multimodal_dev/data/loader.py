@@ -112,23 +112,17 @@ def build_iterator(
 
 
 def exit_with_parent(worker_id: int = 0) -> None:
-    """A DataLoader worker dies with the rank that forked it. torch's workers notice a dead parent
-    only while they wait for work; a rank killed with SIGKILL left a worker (a copy of the rank's
-    memory, ~760 MB for tiny) and multiprocessing's resource tracker running. Linux delivers
-    SIGKILL to this process when its parent dies (``PR_SET_PDEATHSIG``); elsewhere nothing changes.
-    A rank killed while the worker was still starting died before the request: the worker, by then
-    a child of init, ends itself."""
-    import ctypes
+    """A DataLoader worker dies with the rank that forked it (``launcher/lifetime.py``). torch's
+    workers notice a dead parent only while they wait for work; a rank killed with SIGKILL left a
+    worker (a copy of the rank's memory, ~760 MB for tiny) and multiprocessing's resource tracker
+    running. A rank killed while the worker was still starting died before the request: the worker,
+    by then a child of init, ends itself."""
     import multiprocessing
-    import os
-    import signal
-    import sys
 
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-        parent = multiprocessing.parent_process()
-        if parent is not None and os.getppid() != parent.pid:
-            os.kill(os.getpid(), signal.SIGKILL)
+    from ..launcher.lifetime import die_with_parent
+
+    parent = multiprocessing.parent_process()
+    die_with_parent(parent.pid if parent is not None else None)
 
 
 class _CollateWithSkips:

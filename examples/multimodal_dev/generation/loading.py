@@ -62,10 +62,13 @@ def under_torchrun() -> bool:
 def on_ranks(prog: str, module: str, args, argv: list[str], check) -> int | None:
     """A generating command's start: ``check(args)`` (one line ``PROG: error: ...``, status 2, before
     any rank starts), then, where the layout has several ranks and this process is not one of them,
-    ``module`` started on them through the launcher's torchrun (one line for a failed rank; on a host
-    without CUDA the ranks fork from one import), and its exit status. None: this process runs it."""
-    import subprocess
+    this process becomes the launcher's torchrun running ``module`` on them (one line for a failed
+    rank; on a host without CUDA the ranks fork from one import): the PID a user or a supervisor
+    signals is the one that stops every rank (``launcher/torchrun.py``). None: this process runs it,
+    and, as a rank, ends when its torchrun does."""
     import sys
+
+    from ..launcher.lifetime import rank_dies_with_launcher
 
     try:
         check(args)
@@ -73,10 +76,13 @@ def on_ranks(prog: str, module: str, args, argv: list[str], check) -> int | None
     except (OSError, ValueError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
+    if under_torchrun():
+        rank_dies_with_launcher()
     if layout.ranks == 1 or under_torchrun():
         return None
     torchrun = ["-m", "examples.multimodal_dev.launcher.torchrun", "--standalone"]
-    return subprocess.call([sys.executable, *torchrun, f"--nproc-per-node={layout.ranks}", "-m", module, *argv])
+    sys.stdout.flush(), sys.stderr.flush()  # exec drops what is still buffered
+    os.execv(sys.executable, [sys.executable, *torchrun, f"--nproc-per-node={layout.ranks}", "-m", module, *argv])
 
 
 def start_ranks(layout: Layout) -> torch.device:

@@ -7,6 +7,11 @@ and exits non-zero; torchrun then raises ``ChildFailedError`` and Python prints 
 launcher itself, which buries that line. Here the failure becomes one more line (which rank, its
 exit code or signal) and the exit status 1.
 
+Stopping: SIGTERM or SIGINT to torchrun (``kill``, a supervisor, Ctrl-C) is passed to every rank's
+process group (torchrun starts each rank in a session of its own); torchrun waits for them (SIGKILL
+after its shutdown timeout, 30 s), then says so in one line and exits 128 + the signal. A torchrun
+that is killed outright takes its ranks with it: each asks the kernel for that (``lifetime.py``).
+
 Rank start (``FORK_RANKS``): torchrun starts every rank as a fresh interpreter, which spends about
 6 s of CPU importing torch, megatron-core (dynamo and inductor through its ``torch.compile``
 decorators) and transformers (megatron builds every tokenizer through it) before it reads an
@@ -92,11 +97,14 @@ def _launch_forked(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     import torch
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from .lifetime import LAUNCHER_PID
     from .roll_call import NodesMissing, register
 
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the ranks end with this process (lifetime.py)
     register()  # the rendezvous backend of several nodes (megatron_argv.torchrun_argv)
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -110,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     except NodesMissing as err:
         print(f"torchrun: {err}", file=sys.stderr)
         return 1
+    except SignalException as err:  # torchrun has passed it to every rank and waited for them to end
+        print(f"torchrun: stopped by {err.sigval.name}; every rank has ended", file=sys.stderr)
+        return 128 + err.sigval
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"

@@ -1,0 +1,61 @@
+"""Ranks never outlive their torchrun (``launcher/lifetime.py``, ``launcher/torchrun.py``): SIGTERM to
+torchrun's PID ends every rank and torchrun says so in one line; torchrun killed outright (SIGKILL,
+the OOM killer) takes its ranks with it. The ranks are two small processes of the launcher's
+torchrun, fresh interpreters as on a GPU host."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RANK = """
+import os, sys, time
+from examples.multimodal_dev.launcher.lifetime import rank_dies_with_launcher
+rank_dies_with_launcher()
+open(os.path.join(sys.argv[1], str(os.getpid())), "w").close()
+time.sleep(300)
+"""
+
+
+def _started_ranks(tmp_path):
+    (tmp_path / "sleeping_rank.py").write_text(RANK)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{tmp_path}", "FORK_RANKS": "0"}
+    argv = [sys.executable, "-m", "examples.multimodal_dev.launcher.torchrun", "--standalone"]
+    argv += ["--nproc-per-node=2", "-m", "sleeping_rank", str(marks)]
+    launcher = subprocess.Popen(argv, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while len(os.listdir(marks)) < 2 and time.time() < deadline and launcher.poll() is None:
+        time.sleep(0.2)
+    ranks = [psutil.Process(int(pid)) for pid in os.listdir(marks)]
+    assert len(ranks) == 2, launcher.stderr.read() if launcher.poll() is not None else "the ranks did not start"
+    return launcher, ranks
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_ranks_end_with_their_torchrun(tmp_path, sig):
+    launcher, ranks = _started_ranks(tmp_path)
+    try:
+        launcher.send_signal(sig)
+        _, alive = psutil.wait_procs(ranks, timeout=15)
+        assert not alive, f"ranks outlived torchrun's {sig.name}: {[p.pid for p in alive]}"
+        code = launcher.wait(15)
+        if sig == signal.SIGTERM:
+            assert code == 128 + sig
+            said = [line for line in launcher.stderr.read().splitlines() if line.startswith("torchrun:")]
+            assert said == ["torchrun: stopped by SIGTERM; every rank has ended"], said
+    finally:  # nothing of the test outlives it, whatever failed
+        for process in ranks:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
