@@ -32,6 +32,7 @@ from examples.multimodal_dev.tools import convert_checkpoint
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NAME = "tiny-vl"
 LIMITS = ["--max-tokens", "24", "--max-request-bytes", "60000", "--max-images", "2", "--max-image-pixels", "10000"]
+LIMITS += ["--request-timeout", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +49,16 @@ def checkpoint(tmp_path_factory, mcore):
 
 
 @contextlib.contextmanager
-def running(root, *flags):
-    """A server on a free port: (base URL, its stderr lines so far)."""
+def running(root, *flags, stop_with=signal.SIGINT):
+    """A server on a free port: (base URL, its stderr lines so far). At the end ``stop_with`` goes to
+    the PID started (Ctrl-C's SIGINT, or a supervisor's SIGTERM), and every process of the server (its
+    torchrun and ranks) must be gone within 30 s; whatever is left is killed and the test fails."""
+    import psutil
+
     argv = [sys.executable, "-m", "examples.multimodal_dev.tools.serve", "--megatron-path", str(root / "mg")]
     argv += ["--hf-processor-path", str(root / "hf"), "--port", "0", "--served-model-name", NAME, *LIMITS, *flags]
     proc = subprocess.Popen(argv, cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    tree = [psutil.Process(proc.pid)]
     lines: list[str] = []
     listening = threading.Event()
 
@@ -66,15 +72,17 @@ def running(root, *flags):
     threading.Thread(target=drain, daemon=True).start()
     try:
         assert listening.wait(300) and proc.poll() is None, "".join(lines[-30:])
+        tree += tree[0].children(recursive=True)
         url = re.search(r"listening on (http://\S+)", "".join(lines)).group(1)
         yield url, lines
+        proc.send_signal(stop_with)
+        _, left = psutil.wait_procs(tree, timeout=30)
+        assert not left, f"{stop_with.name} left {[p.pid for p in left]} of the server's {len(tree)} processes"
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        for process in tree:  # whatever failed, nothing of the server outlives the test
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        proc.wait(60)
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +231,61 @@ def test_a_bad_request_is_a_4xx_naming_the_field_and_the_server_goes_on(
     assert ask(url, "Still there?", max_tokens=2).choices[0].token_ids  # the next request is answered
 
 
+def test_a_misspelt_field_is_refused_by_name_through_the_openai_client(server):
+    url, _ = server
+    with pytest.raises(openai.BadRequestError) as refused:
+        client(url).chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "Hi"}], extra_body={"max_token": 2}
+        )
+    error = refused.value.body
+    assert error["param"] == "max_token" and "did you mean 'max_tokens'?" in error["message"], error
+
+
+def _raw_exchange(url: str, head: bytes, body_parts=(), wait_s: float = 10.0) -> bytes:
+    """What the server answers on a connection that sends ``head`` and ``body_parts``, then waits (a
+    client that stalls), until the server closes it or ``wait_s`` passes."""
+    import socket
+
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=wait_s) as conn:
+        conn.sendall(head)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # refused mid-body, the rest unread
+            for part in body_parts:
+                conn.sendall(part)
+        answer = b""
+        with contextlib.suppress(TimeoutError, ConnectionResetError):
+            while chunk := conn.recv(65536):
+                answer += chunk
+        return answer
+
+
+HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [HEAD, HEAD + b"Content-Length: 500\r\n\r\n" + b'{"model": '],
+    ids=["half the headers", "part of the body"],
+)
+def test_a_request_sent_in_part_is_answered_408_at_the_request_timeout(server, sent):
+    import time
+
+    url, _ = server
+    started = time.monotonic()
+    answer = _raw_exchange(url, sent)
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert time.monotonic() - started < 8  # --request-timeout 2, not the client's 10 s
+    assert ask(url, "Still there?", max_tokens=2).choices[0].token_ids
+
+
+def test_a_chunked_body_past_the_limit_is_refused_while_it_is_read(server):
+    url, _ = server
+    chunk = b"x" * 16384
+    parts = [b"%x\r\n%s\r\n" % (len(chunk), chunk)] * 64 + [b"0\r\n\r\n"]  # 1 MiB against 60,000 bytes
+    answer = _raw_exchange(url, HEAD + b"Transfer-Encoding: chunked\r\n\r\n", parts)
+    assert answer.startswith(b"HTTP/1.1 413") and b"passed 60000 bytes" in answer, answer[:300]
+
+
 def test_unknown_routes_and_the_model_list(server):
     url, _ = server
     assert [m.id for m in client(url).models.list()] == [NAME]
@@ -252,7 +315,8 @@ def test_a_server_at_tp2_answers_as_one_process(checkpoint, server):
     url, _ = server
     questions = ["Hello there?", image_question(checkpoint)]
     alone = [ask(url, q).choices[0].token_ids for q in questions]
-    with running(checkpoint, "--tensor-model-parallel-size", "2", "--sequence-parallel") as (tp_url, lines):
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    with running(checkpoint, *tp2, stop_with=signal.SIGTERM) as (tp_url, lines):  # every rank gone after
         assert [ask(tp_url, q).choices[0].token_ids for q in questions] == alone
         assert "2 rank(s)" in "".join(lines)
 

@@ -286,6 +286,10 @@ REFUSED = [
     ({"frequency_penalty": 0.5}, 400, "frequency_penalty"),
     ({"presence_penalty": -1}, 400, "presence_penalty"),
     ({"presence_penalty": "0"}, 400, "presence_penalty"),
+    ({"logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ({"top_logprobs": 3}, 400, "top_logprobs"),
+    ({"store": True}, 400, "store"),
+    ({"user": 5}, 400, "user"),
 ]
 
 
@@ -294,6 +298,26 @@ def test_refused_fields(fields, status, param):
     error = refusal(body(**fields))
     assert (error.status, error.param, error.code) == (status, param, None)
     assert param in error.message
+
+
+@pytest.mark.parametrize(
+    "field, hint",
+    [
+        ("max_token", "; did you mean 'max_tokens'?"),
+        ("temprature", "; did you mean 'temperature'?"),
+        ("Stream", "; did you mean 'stream'?"),
+        ("guided_json", "; the fields read are model, messages, max_tokens,"),
+    ],
+)
+def test_an_unknown_field_is_refused_by_name_with_the_near_one(field, hint):
+    error = refusal(body(**{field: 2}))
+    assert (error.status, error.param) == (400, field)
+    assert error.message.startswith(f"unknown field {field!r}{hint}"), error.message
+
+
+def test_neutral_values_of_unsupported_fields_ask_for_nothing():
+    neutral = dict(logit_bias={}, top_logprobs=0, store=False, parallel_tool_calls=True, modalities=["text"])
+    assert parse_chat_request(body(**neutral), MODEL, Limits()).max_tokens == Limits().max_tokens
 
 
 @pytest.mark.parametrize("role", ["tool", "function", "developer"])

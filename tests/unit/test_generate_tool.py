@@ -285,3 +285,22 @@ class _Plant:
 
     def __reduce__(self):
         return os.system, (f"touch {self.path}",)
+
+
+def test_a_record_already_read_is_encoded_as_its_line_without_the_jsonl_line_limit(checkpoint, monkeypatch):
+    """A server hands the reader the request's record (under the server's own --max-request-bytes):
+    the same encoding as its JSONL line, and the JSONL reader's line limit not applied to it."""
+    from examples.multimodal_dev.data import jsonl_source
+    from examples.multimodal_dev.data.jsonl import prompt_reader
+    from examples.multimodal_dev.data.sample import DataError
+
+    root, _ = checkpoint
+    reader = prompt_reader(str(root / "hf"), 8192)
+    line = open(root / "prompts.jsonl").readline()
+    from_line, _ = reader.prompt_sample(line, str(root), "line")
+    monkeypatch.setattr(jsonl_source, "MAX_LINE_BYTES", 10)
+    with pytest.raises(DataError, match="line_too_long"):
+        reader.prompt_sample(line, str(root), "line")
+    from_record, _ = reader.prompt_sample(json.loads(line), str(root), "request")
+    assert from_record.keys() == from_line.keys()
+    assert all(torch.equal(from_record[k], v) for k, v in from_line.items() if v is not None)

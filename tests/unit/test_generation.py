@@ -125,6 +125,38 @@ def test_a_row_ends_at_its_end_token_and_the_others_go_on(pair):
     assert ended.tokens[1] == free.tokens[1][:cut]
 
 
+def test_abort_cuts_every_running_row_at_the_same_token(pair):
+    """A stopping server's cut: rows still running end with ``abort``'s first true, their tokens so
+    far the uncut run's; a row that ended before keeps its own reason."""
+    kind, shape, _, mg = pair
+    prompts = [_image_prompt(shape), Prompt([3, 4, 5])]
+    free = generate(mg, prompts, max_new_tokens=6)
+    asked = []
+    cut = generate(mg, prompts, max_new_tokens=6, row_limits=[2, 6], abort=lambda: asked.append(1) or len(asked) >= 4)
+    assert cut.tokens == [free.tokens[0][:2], free.tokens[1][:4]]
+    assert cut.ended_by == ["length", "abort"]
+
+
+def test_a_stopping_engine_answers_the_waiting_and_the_cut_with_503(pair):
+    from examples.multimodal_dev.serving.engine import STOPPING, Engine, Job, Row, Stopping
+
+    kind, shape, _, mg = pair
+    engine = Engine(mg, lambda ids: "x" * len(ids), [], 0, max_batch=1, max_queue=4)
+    heard: list[list[dict]] = [[], []]
+    jobs = [Job(Row(Prompt([3, 4, 5]), Sampling(), 50, []), heard[i].append) for i in range(2)]
+    for job in jobs:
+        engine.submit(job)
+    first = jobs[0].deliver
+    # the first answer's third token stops the server, with no grace: its batch is cut there
+    jobs[0].deliver = lambda event: (first(event), len(heard[0]) == 3 and engine.stop(0.0))
+    engine.run()
+    deltas = [e for e in heard[0] if "delta" in e]
+    assert len(deltas) == 3 and heard[0][-1]["status"] == 503 and "cut after 3 tokens" in heard[0][-1]["error"]
+    assert heard[1] == [{"error": STOPPING, "status": 503}]
+    with pytest.raises(Stopping):
+        engine.submit(jobs[0])
+
+
 def test_sampling_keeps_to_top_k_and_top_p_and_repeats_with_its_seed():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).repeat(200, 1)
     draw = lambda sampling: choose(logits, sampling, torch.Generator().manual_seed(sampling.seed))  # noqa: E731

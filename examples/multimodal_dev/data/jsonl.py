@@ -109,8 +109,8 @@ class JsonlConversations:
                 ) from None
             raise BadSample(bad.reason, f"{where}: {detail}") from None
 
-    def _turns(self, line: bytes | str, answered: bool = True):
-        turns = normalise(parse_record(line), answered)
+    def _turns(self, line: bytes | str | dict, answered: bool = True):
+        turns = normalise(line if isinstance(line, dict) else parse_record(line), answered)
         for turn in turns:
             for token in VISION_TOKEN_TEXT.values():
                 if token in turn.text:
@@ -126,8 +126,9 @@ class JsonlConversations:
         path, line = records.where(i)
         return self.prompt_sample(records.read(i), os.path.dirname(path), f"{path}:{line}")
 
-    def prompt_sample(self, line: bytes | str, base_dir: str, where: str) -> tuple[dict, str | None]:
-        """What generation reads of one conversation: (the processor's encoding of every turn before its
+    def prompt_sample(self, line: bytes | str | dict, base_dir: str, where: str) -> tuple[dict, str | None]:
+        """What generation reads of one conversation (a JSONL line, or a record already read: a
+        server's request, under the server's own size limit): (the processor's encoding of every turn before its
         last assistant turn, rendered with the generation prompt training's answers follow
         (``answer_spans.generation_prompt``), with their media; that last assistant turn's text, the
         reference answer, or None where the conversation ends with another turn)."""

@@ -77,7 +77,8 @@ class Sampling:
 class Generated:
     tokens: list[list[int]]  # per prompt, the new tokens up to and including an end token
     logits: list[torch.Tensor] = field(default_factory=list)  # per step [B, V] fp32, when kept
-    # per prompt, why it ended: "end" (an end token), "stop" (``on_step`` ended it), "length" (its limit)
+    # per prompt, why it ended: "end" (an end token), "stop" (``on_step`` ended it), "length" (its limit),
+    # "abort" (``abort`` ended every row still running)
     ended_by: list[str] = field(default_factory=list)
 
 
@@ -156,6 +157,7 @@ def generate(
     row_limits: Sequence[int] | None = None,
     on_step: OnStep | None = None,
     agree_over_world: bool = False,
+    abort: Callable[[], bool] | None = None,
 ) -> Generated:
     """New tokens for ``prompts`` (at most ``max_new_tokens`` each; a row ends at a token of
     ``end_ids``). ``model``: the VLM (megatron's wrappers around it are taken off).
@@ -163,7 +165,9 @@ def generate(
     Per row: ``sampling`` (one for all, or one a prompt; each row draws from a generator of its own
     seed), ``row_limits`` (its most new tokens, at most ``max_new_tokens``), ``on_step`` (ends a row
     after a token). ``agree_over_world``: every rank holds the same prompts (a server's followers), and
-    takes world rank 0's tokens, not only its tensor-parallel group's first rank's."""
+    takes world rank 0's tokens, not only its tensor-parallel group's first rank's. ``abort()`` true on
+    any rank after a token ends every row still running, on every rank at that token (a server that
+    stops); it rides on the collective that already asks whether any row goes on."""
     from megatron.core.utils import unwrap_model
 
     vlm = unwrap_model(model)
@@ -195,7 +199,11 @@ def generate(
                 out.logits.append(logits[:asked].cpu())
             token = _agreed(choose_rows(logits, samplings, generators), vlm, agree_over_world)
             running &= ~_record(out, token, running, torch.isin(token, end), limits, on_step)
-            if not _any_running(running, step + 1 < max_new_tokens):
+            going_on, aborted = _any_running(running, step + 1 < max_new_tokens, abort is not None and abort())
+            if aborted:
+                for b in running[:asked].nonzero().flatten().tolist():
+                    out.ended_by[b] = "abort"
+            if not going_on:
                 break
             context.sequence_len_offset += span
             context.enable_decode_mode()
@@ -308,10 +316,11 @@ def _agreed(token: torch.Tensor, vlm, over_world: bool = False) -> torch.Tensor:
     return token
 
 
-def _any_running(running: torch.Tensor, more: bool) -> bool:
-    """Whether any row of any rank goes on: ranks that share experts step together even where their
-    own prompts have all ended."""
-    flag = torch.tensor([int(more and bool(running.any()))], device=running.device)
+def _any_running(running: torch.Tensor, more: bool, abort: bool) -> tuple[bool, bool]:
+    """(whether any row of any rank goes on, whether any rank aborts): ranks that share experts step
+    together even where their own prompts have all ended, and stop together where one aborts."""
+    flags = torch.tensor([int(more and bool(running.any())), int(abort)], device=running.device)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-    return bool(flag)
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    going_on, aborted = flags.tolist()
+    return bool(going_on) and not aborted, bool(aborted)

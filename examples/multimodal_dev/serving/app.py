@@ -18,14 +18,14 @@ from dataclasses import dataclass
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from ..data.sample import DataError
 from ..generation.decode import Prompt, Sampling
 from .chat_request import ChatRequest, Limits, RequestError, parse_chat_request
-from .engine import Engine, Job, QueueFull, Row
+from .engine import Engine, Job, QueueFull, Row, Stopping
 
 
 @dataclass
@@ -51,11 +51,7 @@ def build_app(served: Served) -> Starlette:
 
     async def chat_completions(request: Request):
         try:
-            header, limit = request.headers.get("content-length", ""), served.limits.max_body_bytes
-            declared = int(header) if header.isdigit() else 0
-            if declared > limit:  # refused before it is read
-                raise RequestError(413, f"the body is {declared} bytes, over the server's --max-request-bytes {limit}")
-            chat = parse_chat_request(await request.body(), served.name, served.limits)
+            chat = parse_chat_request(await _body(request, served.limits.max_body_bytes), served.name, served.limits)
             prompt = await run_in_threadpool(_encode, served, chat, media_dir)
             events: asyncio.Queue = asyncio.Queue()
             loop = asyncio.get_running_loop()
@@ -65,6 +61,8 @@ def build_app(served: Served) -> Starlette:
                 served.engine.submit(job)
             except QueueFull as full:
                 raise RequestError(429, f"the server is busy: {full}; try again later") from None
+            except Stopping as stopping:
+                raise RequestError(503, str(stopping), code="server_stopping") from None
         except RequestError as err:
             return error_response(err)
         answer_id, started = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
@@ -77,7 +75,7 @@ def build_app(served: Served) -> Starlette:
             if "delta" in event:
                 parts.append(event["delta"])
             elif "error" in event:
-                return error_response(RequestError(500, event["error"], code="server_error"))
+                return error_response(_answer_error(event))
             else:
                 done = event["done"]
                 message = {"role": "assistant", "content": "".join(parts)}
@@ -97,11 +95,35 @@ def build_app(served: Served) -> Starlette:
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
 
 
+async def _body(request: Request, limit: int) -> bytes:
+    """The body, read no further than ``limit`` bytes: a declared length over it is refused unread,
+    and a chunked one (no Content-Length) as soon as it passes it."""
+    header = request.headers.get("content-length", "")
+    if header.isdigit() and int(header) > limit:
+        raise RequestError(413, f"the body is {header} bytes, over the server's --max-request-bytes {limit}")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise RequestError(413, f"the body passed {limit} bytes, the server's --max-request-bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # the client went, or was cut off at --request-timeout (http_limits.py)
+        raise RequestError(408, "the request was not received in full") from None
+    return b"".join(chunks)
+
+
+def _answer_error(event: dict) -> RequestError:
+    """The error a request hears from the decoding loop: 503 while the server stops, else 500."""
+    status = event.get("status", 500)
+    return RequestError(status, event["error"], code="server_stopping" if status == 503 else "server_error")
+
+
 def _encode(served: Served, chat: ChatRequest, media_dir: str) -> Prompt:
     """The request's prompt as the data path encodes a conversation (chat template with the generation
     prompt, images read and sized as in training)."""
     try:
-        sample, _ = served.reader.prompt_sample(json.dumps(chat.record), media_dir, "request")
+        sample, _ = served.reader.prompt_sample(chat.record, media_dir, "request")
     except DataError as err:
         raise RequestError(400, str(err).removeprefix("request: "), "messages") from None
     ids = sample["input_ids"].tolist()
@@ -135,7 +157,7 @@ async def _stream(events: asyncio.Queue, head: dict, include_usage: bool):
         if "delta" in event:
             yield chunk({"content": event["delta"]})
         elif "error" in event:
-            yield f"data: {json.dumps(RequestError(500, event['error'], code='server_error').body())}\n\n"
+            yield f"data: {json.dumps(_answer_error(event).body())}\n\n"
             return
         else:
             done = event["done"]

@@ -27,6 +27,41 @@ REMOTE_SCHEMES = ("http://", "https://")  # lower case, as the data path matches
 # from the network, so PIL's rarer readers (EPS runs Ghostscript) are not offered to it.
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
 INT64 = (-(2**63), 2**63 - 1)  # a seed beyond these does not fit a torch generator
+# The fields this server reads (``parse_chat_request``); return_token_ids and top_k are vLLM's
+READ_FIELDS = (
+    "model",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "return_token_ids",
+    "n",
+    "frequency_penalty",
+    "presence_penalty",
+)
+# OpenAI's fields that would change what an answer is, each with the values that ask for nothing
+NEUTRAL = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True, False),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "modalities": (None, ["text"]),
+    "store": (None, False),
+    "service_tier": (None, "auto", "default"),
+}
+IGNORED = ("user", "metadata")  # the caller's own tags (its end user, its key-values): no bearing on the answer
+KNOWN_FIELDS = (*READ_FIELDS, *NEUTRAL, *IGNORED)
 
 
 @dataclass(frozen=True)
@@ -76,6 +111,7 @@ class ChatRequest:
 def parse_chat_request(body: bytes, served_model: str, limits: Limits) -> ChatRequest:
     """The request in ``body``, for a server of ``served_model``; ``RequestError`` names what is wrong."""
     request = _load_object(body, limits)
+    _refuse_unknown(request)
     model = _model(request, served_model)
     _refuse_unsupported(request)
     record, images = _record(request.get("messages"), limits)
@@ -165,20 +201,27 @@ def _model(request: dict, served_model: str) -> str:
     return model
 
 
+def _refuse_unknown(request: dict) -> None:
+    """A field this server does not know, most often a misspelt one: answering without it would
+    answer a question other than the one asked."""
+    import difflib
+
+    for field in request:
+        if field not in KNOWN_FIELDS:
+            near = difflib.get_close_matches(str(field), KNOWN_FIELDS, n=1, cutoff=0.75)
+            hint = f"; did you mean {near[0]!r}?" if near else f"; the fields read are {', '.join(READ_FIELDS)}"
+            raise _fail(str(field), f"unknown field {_show(field)}{hint}")
+
+
 def _refuse_unsupported(request: dict) -> None:
     """Fields that would change what an answer is; an empty or neutral value asks for nothing."""
     n = request.get("n")
     if n is not None and not (_is_int(n) and n == 1):
         raise _fail("n", f"n {_show(n)}: this server gives one answer a request (n 1)")
-    neutral = {
-        "logprobs": (None, False),
-        "tools": (None, []),
-        "tool_choice": (None, "none"),
-        "functions": (None, []),
-        "function_call": (None, "none"),
-        "response_format": (None, {"type": "text"}),
-    }
-    for field, allowed in neutral.items():
+    user = request.get("user")
+    if user is not None and not isinstance(user, str):
+        raise _fail("user", f"user {_show(user)}: expected a string")
+    for field, allowed in NEUTRAL.items():
         value = request.get(field)
         if not any(value == a and type(value) is type(a) for a in allowed):
             raise _fail(field, f"{field} {_show(value)}: not supported by this server")

@@ -10,6 +10,10 @@ rank, their text handed back token by token.
   (tensor and expert parallelism split the model, not the batch) and take rank 0's tokens. While idle,
   rank 0 sends an empty batch every ``HEARTBEAT_S`` seconds, so the others never wait on a collective
   long enough to time out; ``None`` ends every rank's loop.
+- **Stopping**: ``stop(grace_s)`` on rank 0 (its SIGTERM / SIGINT) refuses new requests and answers
+  those waiting with an error at once; the batch in flight may finish within ``grace_s``, after which
+  it is cut on every rank at the same token (``generate``'s ``abort``) and its requests answered with
+  an error too. Then rank 0 sends ``None`` and every rank's loop ends.
 - **Text**: every rank follows each row's text (``answer_text.AnswerText``): a stop string ends the row
   on every rank at the same token. Rank 0 hands the text to the request as it grows.
 """
@@ -53,6 +57,13 @@ class QueueFull(Exception):
     pass
 
 
+class Stopping(Exception):
+    pass
+
+
+STOPPING = "the server is stopping"
+
+
 class Engine:
     def __init__(
         self,
@@ -71,9 +82,12 @@ class Engine:
         self.max_batch = max_batch
         self.waiting: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self.stopping = threading.Event()
+        self.cut_at = float("inf")  # once stopping: when the batch in flight is cut (time.monotonic)
         self.leader = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
     def submit(self, job: Job) -> None:
+        if self.stopping.is_set():
+            raise Stopping(STOPPING)
         try:
             self.waiting.put_nowait(job)
         except queue.Full:
@@ -88,7 +102,7 @@ class Engine:
                 while not self.waiting.empty():
                     jobs.append(self.waiting.get_nowait())
                 for job in jobs:
-                    job.deliver({"error": "the server is stopping"})
+                    job.deliver({"error": STOPPING, "status": 503})
                 return
             if rows:
                 self._decode(rows, jobs)
@@ -142,6 +156,7 @@ class Engine:
                 row_limits=[r.max_tokens for r in rows],
                 on_step=on_step,
                 agree_over_world=True,
+                abort=self._past_grace if self.leader else None,
             )
         except Exception as err:  # the ranks' loop cannot go on in step: every request hears why
             for job in jobs:
@@ -151,6 +166,11 @@ class Engine:
             new = sum(map(len, done.tokens))
             self.log(f"serve: a batch of {len(rows)} request(s): {new} tokens in {time.monotonic() - started:.2f} s")
         for b, job in enumerate(jobs):
+            if done.ended_by[b] == "abort":
+                job.deliver(
+                    {"error": f"{STOPPING}; the answer was cut after {len(done.tokens[b])} tokens", "status": 503}
+                )
+                continue
             rest = texts[b].finish()
             if rest:
                 job.deliver({"delta": rest})
@@ -162,5 +182,11 @@ class Engine:
             }
             job.deliver({"done": {"finish_reason": finish, "usage": usage, "token_ids": done.tokens[b]}})
 
-    def stop(self) -> None:
+    def _past_grace(self) -> bool:
+        return time.monotonic() >= self.cut_at
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        """From any thread (a signal handler): no new requests; the batch in flight cut after
+        ``grace_s`` seconds (a second call may shorten it)."""
+        self.cut_at = min(self.cut_at, time.monotonic() + grace_s)
         self.stopping.set()

@@ -14,9 +14,15 @@ while a batch decodes are decoded together in the next one (``--max-batch-size``
 
 Limits, each answered with a 4xx JSON error naming the field while the server goes on:
 ``--max-request-bytes``, ``--max-tokens`` (the most a request may ask, and its default),
-``--max-prompt-tokens``, ``--max-images``, ``--max-image-pixels``, ``--max-queue``. A mistake on the
-command line is one line, ``serve: error: ...``, status 2. Ctrl-C (or SIGTERM) stops it: requests still
-waiting are answered with an error.
+``--max-prompt-tokens``, ``--max-images``, ``--max-image-pixels``, ``--max-queue``; a request that has
+not arrived in full within ``--request-timeout`` seconds is answered 408 and its connection closed. A
+mistake on the command line is one line, ``serve: error: ...``, status 2.
+
+Stopping: SIGTERM or SIGINT to the PID this command started as (what ``kill``, a supervisor or Ctrl-C
+sends) stops every rank. New requests are answered 503; those waiting at once with an error; the batch
+in flight may finish within ``--shutdown-timeout`` seconds and is then cut, its requests answered 503.
+A second signal cuts it at once. On ranks, the PID is torchrun's, which passes the signal on; a rank
+ends whenever its torchrun does (``launcher/lifetime.py``).
 """
 
 from __future__ import annotations
@@ -55,6 +61,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-images", type=int, default=defaults.max_images, help="images in one request")
     parser.add_argument("--max-image-pixels", type=int, default=defaults.max_image_pixels, help="width x height")
     parser.add_argument("--allow-remote-media", action="store_true", help="fetch http(s) image URLs")
+    parser.add_argument(
+        "--request-timeout", type=float, default=30.0, help="seconds a request may take to arrive (408 past it)"
+    )
+    parser.add_argument(
+        "--shutdown-timeout", type=float, default=5.0, help="seconds the batch in flight may go on once stopped"
+    )
     add_layout_flags(parser)
     return parser
 
@@ -71,6 +83,10 @@ def check_args(args) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be at least 0")
     if not 0 <= args.batch_wait_ms <= 10_000:
         raise ValueError(f"--batch-wait-ms {args.batch_wait_ms}: expected 0-10000")
+    if not 0 < args.request_timeout <= 3600:
+        raise ValueError(f"--request-timeout {args.request_timeout}: expected seconds above 0, at most 3600")
+    if not 0 <= args.shutdown_timeout <= 600:
+        raise ValueError(f"--shutdown-timeout {args.shutdown_timeout}: expected seconds from 0 to 600")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port}: expected 0-65535")
     if not os.path.isdir(args.megatron_path):
@@ -110,43 +126,65 @@ def serve(args, log) -> None:
     decode = lambda tokens: answer_text(reader.processor, tokens)  # noqa: E731
     engine = Engine(model, decode, end_ids, pad_id, args.max_batch_size, args.max_queue, log, args.batch_wait_ms / 1000)
     if not engine.leader:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 ends this loop (None), at the same token
+            signal.signal(sig, signal.SIG_IGN)
         engine.run()
         return
-    server = _start_http(args, engine, reader)
+    server, http = _start_http(args, engine, reader)
     name = args.served_model_name or os.path.basename(os.path.normpath(args.megatron_path))
     where = f"{torch.distributed.get_world_size()} rank(s) on {next(model.parameters()).device.type}, {dtype}"
     host, port = server.servers[0].sockets[0].getsockname()[:2]
     log(f"serve: listening on http://{host}:{port} (model {name!r}, {where}); Ctrl-C stops it")
+    signals = []
+
+    def on_signal(signum, _frame):
+        signals.append(signum)
+        first = len(signals) == 1
+        engine.stop(args.shutdown_timeout if first else 0.0)
+        if first:
+            log(
+                f"serve: {signal.Signals(signum).name}: stopping (the batch in flight gets {args.shutdown_timeout:g} s)"
+            )
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: engine.stop())
+        signal.signal(sig, on_signal)
     try:
         engine.run()
     finally:
-        server.should_exit = True
+        server.should_exit = True  # answers already handed over are sent, then the connections close
+        http.join(args.shutdown_timeout + 1)
     log("serve: stopped")
 
 
 def _start_http(args, engine, reader):
-    """uvicorn serving the app in a thread of its own, started (its socket bound) on return."""
+    """(uvicorn serving the app, its thread), started (its socket bound) on return."""
     import time
 
     import uvicorn
 
     from examples.multimodal_dev.serving.app import Served, build_app
+    from examples.multimodal_dev.serving.http_timeout import timed_h11
 
     name = args.served_model_name or os.path.basename(os.path.normpath(args.megatron_path))
     app = build_app(Served(name, engine, reader, limits_of(args), args.max_prompt_tokens))
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5, access_log=False
+        app,
+        host=args.host,
+        port=args.port,
+        http=timed_h11(args.request_timeout),
+        log_level="warning",
+        timeout_graceful_shutdown=max(1, round(args.shutdown_timeout)),
+        access_log=False,
     )
     server = uvicorn.Server(config)
+    # in a thread of its own uvicorn installs no signal handlers: the main thread's stop the engine (serve)
     thread = threading.Thread(target=server.run, name="http", daemon=True)
     thread.start()
     while not server.started:
         if not thread.is_alive():
             raise OSError(f"--host {args.host} --port {args.port}: could not listen there (see above)")
         time.sleep(0.05)
-    return server
+    return server, thread
 
 
 def main(argv=None) -> int:
