@@ -381,3 +381,21 @@ def test_bench_serve_runs_both_sides_on_the_same_prompts(checkpoint):
 
     rows = bench_serve.run(str(checkpoint / "mg"), str(checkpoint / "hf"), (1, 3), 4, reps=1)
     assert set(rows) == {1, 3} and all(r["tokens"][0] == r["tokens"][1] > 0 for r in rows.values()), rows
+
+
+@pytest.mark.parametrize(
+    "tool, layout, said",
+    [
+        ("serve", ["--tensor-model-parallel-size", "3"], "--tensor-model-parallel-size 3 does not divide the"),
+        ("generate", ["--expert-model-parallel-size", "3"], "--expert-model-parallel-size 3 does not divide the"),
+    ],
+)
+def test_a_layout_the_model_cannot_split_is_refused_before_any_rank_starts(checkpoint, tool, layout, said):
+    argv = [sys.executable, "-m", f"examples.multimodal_dev.tools.{tool}", "--megatron-path", str(checkpoint / "mg")]
+    argv += ["--hf-processor-path", str(checkpoint / "hf"), *layout]
+    argv += ["--prompt", "Hi"] if tool == "generate" else []
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    said_lines = [line for line in done.stderr.splitlines() if line.startswith(f"{tool}:")]
+    assert done.returncode == 2 and len(said_lines) == 1, done.stderr[-2000:]
+    assert said_lines[0].startswith(f"{tool}: error: {said}") and str(checkpoint / "mg") in said_lines[0]
+    assert "Traceback" not in done.stderr and "torchrun" not in done.stderr  # no rank was started

@@ -35,7 +35,7 @@ import sys
 import time
 
 from examples.multimodal_dev.checkpoint.adapters_only import LORA_BASE_HELP
-from examples.multimodal_dev.generation.loading import add_layout_flags, layout_of, on_ranks
+from examples.multimodal_dev.generation.loading import add_layout_flags, check_layout_fits, layout_of, on_ranks
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -94,6 +94,7 @@ def check_args(args) -> None:
         # opening the output truncates it: an input named again (a link, another spelling) would be lost
         if args.output is not None and os.path.exists(args.output) and os.path.samefile(args.output, path):
             raise ValueError(f"--output {args.output}: is the {flag} input {path}; name another file for the answers")
+    check_layout_fits(layout_of(args), args.megatron_path, args.hf_config_path)
 
 
 def _records(args):

@@ -34,7 +34,7 @@ import sys
 import threading
 
 from examples.multimodal_dev.checkpoint.adapters_only import LORA_BASE_HELP
-from examples.multimodal_dev.generation.loading import add_layout_flags, layout_of, on_ranks
+from examples.multimodal_dev.generation.loading import add_layout_flags, check_layout_fits, layout_of, on_ranks
 from examples.multimodal_dev.serving.chat_request import Limits
 
 MODULE = "examples.multimodal_dev.tools.serve"
@@ -94,6 +94,7 @@ def check_args(args) -> None:
     resolve(args.hf_processor_path, "--hf-processor-path")
     if args.hf_config_path is not None and not os.path.isfile(args.hf_config_path):
         raise FileNotFoundError(f"--hf-config-path {args.hf_config_path}: no such file")
+    check_layout_fits(layout_of(args), args.megatron_path, args.hf_config_path)
 
 
 def limits_of(args) -> Limits:
