@@ -16,6 +16,7 @@ GOOD = dict(
     context_parallel_size=1,
     sequence_parallel=False,
     vision_nproc=0,
+    seq_length=4096,
 )
 
 
@@ -25,6 +26,10 @@ GOOD = dict(
         (dict(gen_eval_interval=-1), "--gen-eval-interval -1: must be at least 1"),
         (dict(gen_eval_samples=0), "--gen-eval-samples 0: must be at least 1"),
         (dict(gen_eval_batch_size=0), "--gen-eval-batch-size 0: must be at least 1"),
+        (
+            dict(gen_eval_max_new_tokens=10**9),
+            "--gen-eval-max-new-tokens 1000000000: at most --seq-length 4096",
+        ),
         (dict(dataset_provider="mock"), "--gen-eval-interval with --dataset-provider mock: evaluation by generation"),
         (
             dict(pipeline_model_parallel_size=2),

@@ -59,3 +59,32 @@ def test_ranks_end_with_their_torchrun(tmp_path, sig):
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+
+
+def test_a_rank_ended_by_sigkill_is_named_as_the_out_of_memory_killer_would_be(tmp_path):
+    """A rank SIGKILLed (as the OOM killer does) says nothing itself: torchrun's line names the likely
+    cause and where the kernel says it, or the cgroup's count where it rose."""
+    (tmp_path / "killed_rank.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}:{tmp_path}", "FORK_RANKS": "0"}
+    argv = [sys.executable, "-m", "examples.multimodal_dev.launcher.torchrun", "--standalone"]
+    done = subprocess.run(
+        argv + ["--nproc-per-node=1", "-m", "killed_rank"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    said = [line for line in done.stderr.splitlines() if line.startswith("torchrun:")]
+    assert done.returncode == 1 and len(said) == 1, done.stderr[-2000:]
+    assert said[0].startswith("torchrun: rank 0 stopped (signal SIGKILL)") and "out-of-memory killer" in said[0]
+
+
+def test_the_failure_line_reads_the_cgroups_out_of_memory_count():
+    from examples.multimodal_dev.launcher.torchrun import failure_line
+
+    assert "killer ended 2 process(es)" in failure_line(3, -9, "SIGKILL", 5, 7)
+    assert "likely cause" in failure_line(3, -9, "SIGKILL", 5, 5) and "likely cause" in failure_line(
+        3, -9, "SIGKILL", None, None
+    )
+    assert failure_line(3, 1, None, 5, 7) == "torchrun: rank 3 stopped (exit code 1); its output above says why"

@@ -267,3 +267,16 @@ def test_what_megatron_fsdp_does_not_run_with_is_refused_by_flag(changes, messag
     else:
         with pytest.raises(ValueError, match=message):
             run_checks.check_fsdp(args)
+
+
+def test_resuming_a_finished_run_is_one_line(tmp_path):
+    from examples.multimodal_dev.checkpoint.files import TRACKER
+
+    (tmp_path / TRACKER).write_text("4")
+    run = dict(load=str(tmp_path), finetune=False, train_iters=4)
+    with pytest.raises(ValueError) as refused:
+        run_checks.check_finished_run(SimpleNamespace(**run))
+    assert str(refused.value).startswith("iteration 4 = --train-iters 4 (TRAIN_ITERS)")
+    assert str(refused.value).endswith("nothing to train; raise TRAIN_ITERS to continue")
+    run_checks.check_finished_run(SimpleNamespace(**{**run, "train_iters": 5}))  # one more to train
+    run_checks.check_finished_run(SimpleNamespace(**{**run, "finetune": True}))  # its weights, from iteration 0

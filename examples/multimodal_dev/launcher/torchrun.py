@@ -95,6 +95,47 @@ def _launch_forked(args) -> None:
     elastic_launch(config, rank_main)(args.training_script, *args.training_script_args)
 
 
+def out_of_memory_kills() -> int | None:
+    """How many processes the kernel's out-of-memory killer has ended in this process's memory
+    cgroup (v2's ``memory.events``, v1's ``memory.oom_control``), or None where neither says."""
+    files = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            for line in f:
+                _, controllers, path = line.strip().split(":", 2)
+                if controllers == "":
+                    files += [f"/sys/fs/cgroup{path.rstrip('/')}/memory.events", "/sys/fs/cgroup/memory.events"]
+                elif "memory" in controllers.split(","):
+                    root = "/sys/fs/cgroup/memory"
+                    files += [f"{root}{path.rstrip('/')}/memory.oom_control", f"{root}/memory.oom_control"]
+    except (OSError, ValueError):
+        return None
+    for name in files:  # inside a container the cgroup's own folder is often shown as the root
+        try:
+            with open(name) as f:
+                return next(int(line.split()[1]) for line in f if line.startswith("oom_kill "))
+        except (OSError, StopIteration, ValueError, IndexError):
+            continue
+    return None
+
+
+def failure_line(rank: int, exitcode: int, signal_name: str | None, oom_before, oom_after) -> str:
+    """The one line for a failed rank. A rank ended by SIGKILL said nothing itself: most often the
+    kernel's out-of-memory killer, which the cgroup's count shows where it can."""
+    head = f"torchrun: rank {rank} stopped ({f'signal {signal_name}' if signal_name else f'exit code {exitcode}'})"
+    if signal_name != "SIGKILL":
+        return f"{head}; its output above says why"
+    if oom_before is not None and oom_after is not None and oom_after > oom_before:
+        return (
+            f"{head}: the kernel's out-of-memory killer ended {oom_after - oom_before} process(es) of this "
+            "memory cgroup while the run went on; a rank held more memory than the host gives it"
+        )
+    return (
+        f"{head}, which a rank cannot report itself: if no one sent it, the kernel's out-of-memory killer is "
+        "the likely cause (dmesg or journalctl -k: 'Killed process')"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     import torch
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -105,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     from .roll_call import NodesMissing, register
 
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the ranks end with this process (lifetime.py)
+    oom_kills = out_of_memory_kills()
     register()  # the rendezvous backend of several nodes (megatron_argv.torchrun_argv)
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -123,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + err.sigval
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
-        how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-        print(f"torchrun: rank {rank} stopped ({how}); its output above says why", file=sys.stderr)
+        signal_name = failure.signal_name() if failure.exitcode < 0 else None
+        print(failure_line(rank, failure.exitcode, signal_name, oom_kills, out_of_memory_kills()), file=sys.stderr)
         return 1
     return 0
 

@@ -55,6 +55,11 @@ def check(args, typed: dict[str, str] | None = None) -> None:
     ):
         if not ok:
             raise ValueError(f"{flag} {value}: must be at least 1")
+    if args.gen_eval_max_new_tokens > args.seq_length:  # each answer's cache grows by a token a step
+        raise ValueError(
+            f"--gen-eval-max-new-tokens {args.gen_eval_max_new_tokens}: at most --seq-length {args.seq_length} "
+            "(answers are decoded within the positions the run trains)"
+        )
     if args.dataset_provider not in ("jsonl", "cord_v2"):
         raise ValueError(
             f"--gen-eval-interval with --dataset-provider {args.dataset_provider}: evaluation by generation "

@@ -219,6 +219,19 @@ def check_resume_lr(args) -> None:
         )
 
 
+def check_finished_run(args) -> None:
+    """A resume from a checkpoint already at ``--train-iters`` has nothing to train; megatron's data
+    sampler would stop every rank with an assertion ("no samples left to consume")."""
+    if not args.load or args.finetune or not args.train_iters or not os.path.isdir(args.load):
+        return
+    done = latest_iteration(args.load)
+    if done is not None and done >= args.train_iters:
+        raise ValueError(
+            f"iteration {done} {'=' if done == args.train_iters else '>'} --train-iters {args.train_iters} "
+            f"(TRAIN_ITERS), the checkpoint under --load {args.load}: nothing to train; raise TRAIN_ITERS to continue"
+        )
+
+
 def stop_at_first_nan(args, given: dict[str, str]) -> None:
     """megatron's default ``--rerun-mode validate_results`` skips the check on the first iteration
     of every start and, on a NaN, re-saves the last checkpoint with its rerun state and exits to be
