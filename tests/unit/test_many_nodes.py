@@ -15,7 +15,7 @@ import pytest
 
 from examples.multimodal_dev.launcher import launch
 from examples.multimodal_dev.launcher.from_env import Host
-from examples.multimodal_dev.launcher.slurm import first_host, step_nodes
+from examples.multimodal_dev.launcher.slurm import first_host, hosts, step_nodes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -85,6 +85,38 @@ def test_a_node_count_that_does_not_fit_the_layout_is_refused_by_name(env, messa
 )
 def test_the_first_host_of_a_slurm_host_list(nodelist, first):
     assert first_host(nodelist) == first
+
+
+def test_a_slurm_host_list_expands_as_slurm_expands_it():
+    assert hosts("node[003-005,9],gpu7") == ["node003", "node004", "node005", "node9", "gpu7"]
+    assert hosts("r[1-2]n[1-2]") == ["r1n1", "r1n2", "r2n1", "r2n2"]
+    assert hosts("a[08-10]") == ["a08", "a09", "a10"]
+
+
+@pytest.mark.parametrize(
+    "nodelist, said",
+    [
+        ("node[1-", "unbalanced brackets"),
+        ("node1]", "unbalanced brackets"),
+        ("node[[1]]", "unbalanced brackets"),
+        ("node[3-1]", "holds '3-1', not a number or a rising range"),
+        ("node[a]", "holds 'a'"),
+        ("node[]", "holds ''"),
+        ("x,,y", "not a host list"),
+        ("", "not a host list"),
+    ],
+)
+def test_a_malformed_slurm_host_list_is_refused_by_name(nodelist, said):
+    step = dict(SLURM_STEP_NUM_NODES="2", SLURM_NODEID="0", SLURM_STEP_NODELIST=nodelist)
+    with pytest.raises(launch.LaunchError) as refused:
+        launch.prepare({"DRY_RUN": "1", "GBS": "8", **step}, [], Host(False), launch.Launch())
+    assert str(refused.value).startswith(f"SLURM_STEP_NODELIST={nodelist}: ") and said in str(refused.value)
+
+
+def test_a_slurm_host_list_of_another_length_than_the_step_is_refused():
+    step = dict(SLURM_STEP_NUM_NODES="4", SLURM_NODEID="0", SLURM_STEP_NODELIST="gpu[1-3]")
+    with pytest.raises(ValueError, match=r"gpu\[1-3\] names 3 host\(s\), SLURM_STEP_NUM_NODES=4"):
+        step_nodes(step)
 
 
 def test_a_slurm_step_gives_the_nodes_and_the_variables_override_it():
@@ -165,3 +197,56 @@ def test_a_collective_that_lost_its_peer_starts_a_roll_call_that_names_the_silen
     for thread in threads:
         thread.join()
     assert seen == {0: [1], 2: [1], 3: [1]}
+
+
+NODE = """
+import sys
+from examples.multimodal_dev.launcher import roll_call
+addr, port, rank, nnodes, timeout = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+try:
+    roll_call.handler_class()(addr, port, rank, nnodes, "run", timeout).next_rendezvous()
+    print("go")
+except roll_call.NodesMissing as err:
+    print(err)
+"""
+
+
+def _meet(ranks: tuple[int, ...], nnodes: int, master_addr: str = "127.0.0.1", timeout_s: int = 20) -> list[str]:
+    """Each node's roll call, a process of its own as a node's launcher is (node 0's store on a free
+    port): the line each node said, in the order of ``ranks`` (started in that order), "go" for a node
+    that met the others."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = []
+    try:
+        for rank in ranks:
+            argv = [sys.executable, "-c", NODE, master_addr, str(port), str(rank), str(nnodes), str(timeout_s)]
+            nodes.append(subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+            time.sleep(3)  # in the order given: the first of two node 0s holds the port
+        return [node.communicate(timeout=timeout_s + 60)[0].strip().splitlines()[-1] for node in nodes]
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
+
+
+def test_two_nodes_given_node_rank_0_are_named_as_such():
+    first, second = _meet((0, 0), nnodes=2)
+    assert first.startswith("NODE_RANK=0 was given to 2 nodes (one of them "), first
+    assert second.startswith("NODE_RANK=0: node 0 of this run is already up on "), second
+
+
+def test_two_nodes_given_one_node_rank_stop_every_node_naming_it():
+    node_0, first_1, second_1 = _meet((0, 1, 1), nnodes=3)
+    assert node_0.startswith("NODE_RANK=1 was given to 2 nodes") and first_1 == node_0, (node_0, first_1)
+    assert second_1.startswith("NODE_RANK=1: another node ("), second_1
+
+
+def test_a_node_0_away_from_master_addr_is_refused_by_name():
+    (said,) = _meet((0,), nnodes=2, master_addr="192.0.2.1")  # TEST-NET-1: never this host's
+    assert said.startswith("NODE_RANK=0 on ") and "MASTER_ADDR=192.0.2.1 is another host's address" in said, said

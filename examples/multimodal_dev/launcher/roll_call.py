@@ -8,6 +8,11 @@ node 0 waits up to ``JOIN_TIMEOUT`` seconds for all of them. Then it writes a ve
 reads: go, or the nodes that never joined, which every node that did join prints and stops on. A node
 that cannot reach node 0 in that time names node 0.
 
+Every node also counts itself in under its node rank, so two nodes started with one ``NODE_RANK`` are
+named as such (node 0's verdict stops them all) instead of one waiting for a node that never comes. A
+second node 0 finds the first one's store on its port, or, on another host, that ``MASTER_ADDR`` is not
+its own address.
+
 The handler is torchrun's registered backend ``BACKEND`` (``--rdzv-backend``), its node rank and
 timeout in ``--rdzv-conf``; ranks, store and everything after the meeting are the static
 rendezvous's own.
@@ -36,6 +41,21 @@ def _keys(run_id: str, nnodes: int) -> tuple[list[str], str]:
     return [f"{run_id}/roll_call/node{n}" for n in range(nnodes)], f"{run_id}/roll_call/verdict"
 
 
+def _claims(store, name_key: str, add: int = 0) -> int:
+    """How many nodes have counted themselves in under one node rank (``add``: this one too)."""
+    return store.add(f"{name_key}/claims", add)
+
+
+def _claimed_twice(store, names: list[str]) -> str | None:
+    twice = [n for n, key in enumerate(names) if _claims(store, key) > 1]
+    if not twice:
+        return None
+    return (
+        f"NODE_RANK={twice[0]} was given to {_claims(store, names[twice[0]])} nodes (one of them "
+        f"{store.get(names[twice[0]]).decode()}); give each node its own NODE_RANK, 0 to NNODES-1"
+    )
+
+
 def _where(handler) -> str:
     return f"{handler.master_addr}:{handler.master_port} (MASTER_ADDR:MASTER_PORT)"
 
@@ -44,8 +64,14 @@ def _as_node_0(store, handler) -> None:
     """Wait for every node's name; write the verdict (empty: go) and raise where some never came."""
     names, verdict = _keys(handler.run_id, handler.world_size)
     deadline = time.monotonic() + handler.timeout.total_seconds()
-    while not store.check(names) and time.monotonic() < deadline:
+    twice = None
+    while not store.check(names) and time.monotonic() < deadline and not (twice := _claimed_twice(store, names)):
         time.sleep(_POLL_S)
+    twice = twice or _claimed_twice(store, names)
+    if twice:
+        store.set(verdict, twice)
+        time.sleep(1.0)  # the nodes that joined read the verdict before this store goes
+        raise NodesMissing(twice)
     missing = [n for n, key in enumerate(names) if not store.check([key])]
     if not missing:
         store.set(verdict, "")
@@ -91,6 +117,44 @@ def _wait_for_node_0(handler) -> None:
         time.sleep(_POLL_S)
 
 
+def _not_this_host(address: str) -> bool:
+    """Whether ``address`` (MASTER_ADDR) resolves to addresses none of which is this host's: a node 0
+    started elsewhere than where the other nodes will look for it."""
+    try:
+        resolved = {info[4][:2] for info in socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)}
+    except OSError:
+        return False  # unresolvable: the store says so where it connects
+    for host, *_ in resolved:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, 0))
+                return False
+            except OSError:
+                continue
+    return True
+
+
+def _second_node_0(handler, err: Exception) -> NodesMissing:
+    """Node 0's store could not listen: where another node 0 of this run holds the port, say so (and
+    count this one in, so the first one's verdict stops every node)."""
+    from torch.distributed import TCPStore
+
+    said = str(err).splitlines()[0][:160]
+    try:
+        other = TCPStore(handler.master_addr, handler.master_port, None, False, datetime.timedelta(seconds=5))
+        names, _ = _keys(handler.run_id, handler.world_size)
+        if other.check([names[0]]):
+            _claims(other, names[0], 1)
+            return NodesMissing(
+                f"NODE_RANK=0: node 0 of this run is already up on {other.get(names[0]).decode()} at "
+                f"{_where(handler)}; give each node its own NODE_RANK, 0 to NNODES-1"
+            )
+    except Exception:  # not a store of this run at that port
+        pass
+    return NodesMissing(f"node 0 could not listen at {_where(handler)} ({said}); is the port another run's?")
+
+
 @functools.cache
 def handler_class() -> type:
     """The static rendezvous with a roll call (a class made on first use: it imports torch)."""
@@ -105,6 +169,11 @@ def handler_class() -> type:
             if self._store is None:
                 if self.rank != 0:
                     _wait_for_node_0(self)
+                elif _not_this_host(self.master_addr):
+                    raise NodesMissing(
+                        f"NODE_RANK=0 on {socket.gethostname()}, but MASTER_ADDR={self.master_addr} is another "
+                        "host's address: node 0 is the node MASTER_ADDR names; give this node its own NODE_RANK"
+                    )
                 try:
                     store = TCPStore(
                         self.master_addr,
@@ -116,11 +185,18 @@ def handler_class() -> type:
                         wait_for_workers=False,
                     )
                 except Exception as err:  # node 0 never answered (or its port is taken, on node 0)
+                    if self.rank == 0:
+                        raise _second_node_0(self, err) from None
                     raise NodesMissing(
                         f"node {self.rank} could not reach node 0 at {_where(self)} within "
                         f"JOIN_TIMEOUT={self.timeout.total_seconds():g} s ({str(err).splitlines()[0][:160]})"
                     ) from None
                 names, _ = _keys(self.run_id, self.world_size)
+                if _claims(store, names[self.rank], 1) > 1:  # node 0's verdict stops the node that came first
+                    raise NodesMissing(
+                        f"NODE_RANK={self.rank}: another node ({store.get(names[self.rank]).decode()}) joined with "
+                        "it first; give each node its own NODE_RANK, 0 to NNODES-1"
+                    )
                 store.set(names[self.rank], socket.gethostname())
                 (_as_node_0 if self.rank == 0 else _as_other_node)(store, self)
                 self._store = store
