@@ -20,6 +20,7 @@ from examples.multimodal_dev.data.jsonl_source import check_data_path
 from examples.multimodal_dev.data.patch_budget import check_patch_budget_args
 from examples.multimodal_dev.data.sources import resolve as resolve_source
 from examples.multimodal_dev.data.token_budget import check_packing_args
+from examples.multimodal_dev.data.video import check_video_flags
 from examples.multimodal_dev.dataset_provider import data_path_value
 from examples.multimodal_dev.lora import targets as lora_targets
 from examples.multimodal_dev.model_provider import model_configs, model_shape
@@ -127,6 +128,7 @@ def check_checkpoints(args) -> None:
         check_adapters_kept(args, directory, flag)
     record_base(args)
     run_checks.check_resume_lr(args)
+    run_checks.check_finished_run(args)
     optimizer_format.check_layout_change(args)
 
 
@@ -149,6 +151,7 @@ def check_data_args(args) -> None:
         resolve_source(data_path_value(args), "--data-path")
     if args.vision_chunk_patches < 0:
         raise ValueError(f"--vision-chunk-patches {args.vision_chunk_patches}: must be 0 (off) or a patch count")
+    check_video_flags(args)
 
 
 def exit_in_one_line(err: BaseException, args) -> None:

@@ -299,6 +299,8 @@ def test_the_video_limits_are_those_of_a_records_own_keys():
         (dict(MASTER_PORT="http"), "MASTER_PORT=http must be a positive integer"),
         (_video(VIDEO_FPS="0"), "VIDEO_FPS=0: expected a positive number"),
         (_video(VIDEO_FPS="1000.5"), "VIDEO_FPS=1000.5 is over 240: no video needs more frames a second"),
+        (_video(VIDEO_FPS="1e9"), "VIDEO_FPS=1e9 is over 240: no video needs more frames a second"),
+        (_video(VIDEO_FPS="two"), "VIDEO_FPS=two: expected a positive number such as 2, 0.5 or 5e-1"),
         (_video(VIDEO_MAX_FRAMES=2**20), "VIDEO_MAX_FRAMES=1048576 is over 16384"),
         (_video(VIDEO_MAX_PIXELS=2**40), "VIDEO_MAX_PIXELS=1099511627776 is over 67108864"),
         (dict(VISION_NPROC=1, NPROC=3, GBS=2), "GBS=2 is not a multiple of MBS\\*DP=4"),  # DP counts the language ranks

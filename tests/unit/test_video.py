@@ -369,3 +369,26 @@ def test_a_loader_worker_decodes_after_its_parent_did(tmp_path):
     assert load_video(path, VideoSettings())[0].shape[0] > 0
     loader = torch.utils.data.DataLoader(_Decoding(path), batch_size=1, num_workers=1, timeout=20)
     assert next(iter(loader)).item() > 0  # a RuntimeError "timed out" before the fix
+
+
+@pytest.mark.parametrize(
+    "flags, said",
+    [
+        (dict(video_min_frames=10, video_max_frames=4), "--video-min-frames 10 is above --video-max-frames 4 (VIDEO"),
+        (dict(video_max_frames=2), "--video-min-frames 4 (its default) is above --video-max-frames 2 (VIDEO"),
+        (dict(video_min_frames=1000), "--video-min-frames 1000 is above --video-max-frames 768 (its default)"),
+        (dict(video_fps=float("inf")), "--video-fps inf: expected frames a second above 0, at most 240"),
+        (dict(video_min_frames=0), "--video-min-frames 0: expected a frame count from 1 to 16384"),
+        (dict(video_min_pixels=10, video_max_pixels=5), "--video-min-pixels 10 is above --video-max-pixels 5"),
+    ],
+)
+def test_video_flags_that_cannot_hold_together_are_refused_by_name(flags, said):
+    from types import SimpleNamespace
+
+    from examples.multimodal_dev.data.video import check_video_flags
+
+    unset = dict.fromkeys(("video_fps", "video_min_frames", "video_max_frames", "video_min_pixels", "video_max_pixels"))
+    with pytest.raises(ValueError) as refused:
+        check_video_flags(SimpleNamespace(**{**unset, **flags}))
+    assert str(refused.value).startswith(said), str(refused.value)
+    check_video_flags(SimpleNamespace(**unset))  # the defaults hold together

@@ -148,6 +148,29 @@ class VideoHeader:
     grid_thw: tuple[int, int, int]  # the processor's video_grid_thw row for these frames
 
 
+def check_video_flags(args) -> None:
+    """The training script's ``--video-*`` flags, one line naming the flags where they cannot hold
+    together (each record's own keys are checked when it is read, ``with_overrides``)."""
+    import math
+
+    fps, low, high = args.video_fps, args.video_min_frames, args.video_max_frames
+    if fps is not None and not (math.isfinite(fps) and 0 < fps <= OVERRIDE_LIMITS["fps"]):
+        raise ValueError(f"--video-fps {fps}: expected frames a second above 0, at most {OVERRIDE_LIMITS['fps']}")
+    for flag, value in (("--video-min-frames", low), ("--video-max-frames", high)):
+        if value is not None and not 0 < value <= OVERRIDE_LIMITS["max_frames"]:
+            raise ValueError(f"{flag} {value}: expected a frame count from 1 to {OVERRIDE_LIMITS['max_frames']}")
+    low_is, high_is = low if low is not None else qvu.FPS_MIN_FRAMES, high if high is not None else qvu.FPS_MAX_FRAMES
+    if low_is > high_is:
+        named = lambda flag, value, given: f"{flag} {value}" + ("" if given else " (its default)")  # noqa: E731
+        raise ValueError(
+            f"{named('--video-min-frames', low_is, low is not None)} is above "
+            f"{named('--video-max-frames', high_is, high is not None)} (VIDEO_MAX_FRAMES): no frame count is both"
+        )
+    small, large = args.video_min_pixels, args.video_max_pixels
+    if small is not None and large is not None and small > large:
+        raise ValueError(f"--video-min-pixels {small} is above --video-max-pixels {large} (VIDEO_MAX_PIXELS)")
+
+
 def sampled_frame_count(total_frames: int, video_fps: float, settings: VideoSettings, where: str = "video") -> int:
     """qwen-vl-utils' ``smart_nframes`` (held to it by a test), raising BadSample instead of
     asserting or logging. Its default max_frames is min(FPS_MAX_FRAMES, total); taking

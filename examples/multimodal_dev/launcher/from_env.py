@@ -102,8 +102,8 @@ def _fraction(name: str, text: str) -> str:
 
 
 def _fps(name: str, text: str) -> str:
-    if not (re.fullmatch(r"[0-9]*\.?[0-9]+", text) and float(text) > 0):
-        raise LaunchError(f"{name}={text}: expected a positive number such as 2")
+    if not (re.fullmatch(r"([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?", text) and 0 < float(text) < 1e38):
+        raise LaunchError(f"{name}={text}: expected a positive number such as 2, 0.5 or 5e-1")
     return text
 
 

@@ -250,7 +250,7 @@ def limit_problem(values: dict[str, str]) -> str | None:
         given = [values[name] for name in names]
         product = 1
         for value in given:
-            product *= float(value) if "." in value else int(value)
+            product *= float(value) if any(c in value for c in ".eE") else int(value)
         if product > limit:
             what = "*".join(names) + f"={product}" if len(names) > 1 else f"{names[0]}={given[0]}"
             parts = f" ({', '.join(f'{n}={v}' for n, v in zip(names, given))})" if len(names) > 1 else ""
