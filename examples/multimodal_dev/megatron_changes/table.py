@@ -280,6 +280,21 @@ CHANGES: tuple[Change, ...] = (
         "is built already",
         WHEEL,
     ),
+    # The step's gradient checks read once (training/grad_check_reads.py).
+    Change(
+        "grad-checks-in-one-read",
+        "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup.check_grads",
+        f"{_P}training.grad_check_reads:one_read_bucket_check",
+        "DDP's NaN / Inf check read each bucket's grad norm twice (two syncs a bucket group and step, four "
+        "at EP > 1); the group's norms are read once, and megatron's check runs where one is not finite",
+    ),
+    Change(
+        "grad-checks-in-one-read",
+        f"{_OPT}ChainedOptimizer.get_grad_norm",
+        f"{_P}training.grad_check_reads:one_read_chained_norm",
+        "at EP > 1 the dense and expert optimizers reduce over different groups, and megatron read each "
+        "part's norm to the host to combine them; each part reduced on the device, the total read once",
+    ),
     # Pipeline shapes between the hosts (training/host_collectives.py).
     Change(
         "pipeline-shapes-on-the-host",
