@@ -123,3 +123,43 @@ def test_varlen_against_sdpa_per_sample(case, record):
     )
     record(case, "pass" if ok else "fail", metrics, note)
     assert ok, f"{case}: {metrics}"
+
+
+def test_context_parallel_chunks_in_one_varlen_call(record):
+    """CP's one varlen call (models/common/cp_varlen.py): the kernel aligns a causal segment with
+    more keys than queries to its last key (the start-up probe), and each CP=2 rank's local chunks
+    against their key prefixes equal the whole row's rows (fp32 per-sample reference, bf16 inputs)."""
+    from types import SimpleNamespace
+
+    from megatron.core.ssm.gated_delta_net.common import _build_thd_cp_a2a_perm
+
+    from examples.multimodal_dev.models.common.varlen_attention import bottom_right_causal
+
+    case = "35b_a3b heads, CP=2, causal"
+    if thd_kernel(AttnBackend.auto, True, torch.bfloat16, 256, 0.0)[0] != VARLEN:
+        record(case, "skip", note="varlen not used")
+        pytest.skip("varlen not used")
+    aligned = bottom_right_causal("cuda:0", torch.bfloat16)
+    cp, lengths = 2, (4, 64, 1500, 3000)
+    cu = torch.nn.functional.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to("cuda", torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    total, local = int(cu[-1]), int(cu[-1]) // cp
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(total, h, 256, device="cuda", generator=gen).bfloat16() for h in (16, 2, 2))
+    whole = _module(AttnBackend.unfused, 16, 2, 256, True)(
+        q.float(), k.float(), v.float(), None, packed_seq_params=params
+    )
+    _, to_gathered = _build_thd_cp_a2a_perm(cu.cpu(), cp, total)
+    worst = 0.0
+    for rank in range(cp):
+        module = _module(AttnBackend.auto, 16, 2, 256, True)
+        module.cp_size, module.cp_group = cp, SimpleNamespace(rank=lambda rank=rank: rank)
+        held = to_gathered[rank * local : (rank + 1) * local].cuda()
+        out = module._cp_varlen(q[held], k, v, params, True).float()
+        want = whole[held]
+        worst = max(worst, float((out - want).square().mean().sqrt() / want.square().mean().sqrt()))
+    ok = aligned and worst <= BF16_RMS
+    record(
+        case, "pass" if ok else "fail", {"bottom-right causal": aligned, "rms ratio": worst}, f"target <= {BF16_RMS:g}"
+    )
+    assert ok, (aligned, worst)

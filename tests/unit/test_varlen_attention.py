@@ -258,3 +258,65 @@ def test_a_varlen_kernel_that_raises(monkeypatch, capsys, backend):
     assert va.thd_kernel(AttnBackend.auto, True, torch.bfloat16, HEAD_DIM, 0.0)[1].startswith(
         "torch's varlen_attn raised RuntimeError"
     )
+
+
+# --- context parallelism's one call -------------------------------------------------------------
+
+
+def _bottom_right_kernel(calls):
+    """torch's later varlen_attn with key segments of their own, causal aligned to each segment's
+    last key (flash-attention >= 2.1), by explicit arithmetic."""
+
+    def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), **_):
+        assert cu_seq_q.dtype == cu_seq_k.dtype == torch.int32 and len(cu_seq_q) == len(cu_seq_k)
+        assert max_q == int((cu_seq_q[1:] - cu_seq_q[:-1]).max()) and max_k == int((cu_seq_k[1:] - cu_seq_k[:-1]).max())
+        calls.append(1)
+        out = torch.empty_like(query)
+        for qa, qb, ka, kb in zip(
+            cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist(), cu_seq_k[:-1].tolist(), cu_seq_k[1:].tolist()
+        ):
+            scores = torch.einsum("qhd,khd->hqk", query[qa:qb], key[ka:kb]) * scale
+            if tuple(window_size) == (-1, 0):
+                keep = torch.arange(kb - ka)[None] <= torch.arange(qb - qa)[:, None] + (kb - ka) - (qb - qa)
+                scores = scores.masked_fill(~keep, float("-inf"))
+            out[qa:qb] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), value[ka:kb])
+        return out
+
+    return varlen_attn
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_context_parallel_queries_in_one_varlen_call_equal_the_whole_row(monkeypatch, cp, causal):
+    """Each CP rank's local chunks against their key prefixes, in one call (``cp_varlen.py``): the
+    rows of the whole packed row's attention (one process, no CP) that the rank holds, and their
+    gradients."""
+    from types import SimpleNamespace
+
+    from megatron.core.ssm.gated_delta_net.common import _build_thd_cp_a2a_perm
+
+    calls = []
+    monkeypatch.setattr(sdpa_attention, "torch_varlen", lambda: va.TorchVarlen(_bottom_right_kernel(calls)))
+    lengths = [2 * cp * n for n in (1, 3, 5)]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    total = int(cu[-1])
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (
+        torch.randn(total, HEADS, HEAD_DIM, generator=gen, dtype=torch.float64, requires_grad=True) for _ in "qkv"
+    )
+    whole = _attention(AttnBackend.unfused, HEADS, None, causal)(q, k, v, None, packed_seq_params=params)
+    _, to_gathered = _build_thd_cp_a2a_perm(cu, cp, total)  # gathered (rank-major) row -> global position
+    local = total // cp
+    for rank in range(cp):
+        module = _attention(AttnBackend.auto, HEADS, None, causal)
+        module.cp_size, module.cp_group = cp, SimpleNamespace(rank=lambda rank=rank: rank)
+        held = to_gathered[rank * local : (rank + 1) * local]
+        out = module._cp_varlen(q[held], k, v, params, causal)  # k, v: the sample-ordered keys every rank gathers
+        torch.testing.assert_close(out, whole[held], rtol=1e-12, atol=1e-12)
+        weights = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+        got = torch.autograd.grad((out * weights).sum(), (q, k, v))
+        want = torch.autograd.grad((whole[held] * weights).sum(), (q, k, v), retain_graph=True)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+    assert len(calls) == cp  # one call a rank

@@ -152,6 +152,7 @@ def gpu_kernels_as_calls(tally, hopper: bool = False) -> None:
     from megatron.core.ssm.gated_delta_net import common, gdn
 
     import megatron.cpu
+    from examples.multimodal_dev.models.common import sdpa_attention
     from examples.multimodal_dev.models.common.sdpa_attention import SDPACoreAttention
 
     from .op_counter import as_one_kernel
@@ -185,12 +186,44 @@ def gpu_kernels_as_calls(tally, hopper: bool = False) -> None:
         )
 
     SDPACoreAttention._forward_thd = forward_thd
+    # under CP the same kernel takes each local query chunk against its key prefix (cp_varlen.py)
+    SDPACoreAttention._cp_takes_varlen = lambda self, query: True
+    sdpa_attention.torch_varlen = lambda: _segment_pairs_as_one_kernel(tally)
     rms_norm = torch.nn.functional.rms_norm
 
     def fused_rms_norm(x, shape, weight=None, eps=None):
         return as_one_kernel(tally, "fused_rms_norm", lambda *t: rms_norm(t[0], shape, t[1], eps), x, weight)
 
     torch.nn.functional.rms_norm = fused_rms_norm
+
+
+def _segment_pairs_as_one_kernel(tally):
+    """A stand-in for torch's varlen kernel with key segments of their own (causal aligned to each
+    segment's last key, as flash's), counted as the one kernel: SDPA per segment on this host."""
+    import torch
+
+    from examples.multimodal_dev.models.common.batch_memo import on_host
+
+    from .op_counter import as_one_kernel
+
+    def attend(q, k, v, cu_q, max_q, causal, scale, cu_k, max_k):
+        q_bounds, k_bounds = on_host(cu_q).tolist(), on_host(cu_k).tolist()  # the kernel reads neither
+
+        def run(q, k, v):
+            outs = []
+            for qa, qb, ka, kb in zip(q_bounds[:-1], q_bounds[1:], k_bounds[:-1], k_bounds[1:]):
+                keep = torch.arange(kb - ka)[None] <= torch.arange(qb - qa)[:, None] + (kb - ka) - (qb - qa)
+                heads = [t.transpose(0, 1)[None] for t in (q[qa:qb], k[ka:kb], v[ka:kb])]
+                heads[1:] = [t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in heads[1:]]
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    *heads, attn_mask=keep if causal else None, scale=scale
+                )
+                outs.append(out[0].transpose(0, 1))
+            return torch.cat(outs)
+
+        return as_one_kernel(tally, "varlen_attention", run, q, k, v)
+
+    return attend
 
 
 def worker(out: str) -> None:

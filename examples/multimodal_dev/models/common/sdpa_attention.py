@@ -18,7 +18,9 @@ megatron-core's load-balanced layout (per packed sample for THD, per row for BSH
 chunks r and 2cp-1-r). Keys and values are all-gathered over the CP group (gradients
 reduce-scattered back), put into global order with megatron-core's own layout helpers, and each
 local query attends to the global keys of its sample with the causal mask taken from global
-positions. Simple and exact; memory is O(local queries x sample length) per sample.
+positions. Where a THD call runs on varlen, that is one varlen call, each local query chunk against
+its key prefix (``cp_varlen.py``); elsewhere one SDPA call per sample with the mask written out
+(memory O(local queries x sample length) per sample).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from .batch_memo import host_side, kept_on, on_host
-from .varlen_attention import VARLEN, thd_kernel, torch_varlen, varlen_failed
+from .cp_varlen import cp_segments
+from .varlen_attention import VARLEN, bottom_right_causal, thd_kernel, torch_varlen, varlen_failed
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
@@ -174,6 +177,8 @@ class SDPACoreAttention(MegatronModule):
                 raise ValueError(f"THD under CP: cu_seqlens ends at {int(cu[-1])} but cp x local tokens is {total}")
             to_global, to_gathered = _build_thd_cp_a2a_perm(cu, cp, total)
             k_glob, v_glob = (t.index_select(0, to_global.to(t.device)) for t in (k_all, v_all))
+            if self._cp_takes_varlen(query):
+                return self._cp_varlen(query, k_glob, v_glob, params, causal)
             q_pos = to_gathered[rank * local : (rank + 1) * local]  # global position of every local query
             outs = []
             for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
@@ -198,6 +203,35 @@ class SDPACoreAttention(MegatronModule):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, k_glob, v_glob))
         out = self._attend(q, k, v, False, self._cp_mask(q_pos, total, causal, query.device))
         return out.permute(2, 0, 1, 3).reshape(local, query.shape[1], -1)
+
+    def _cp_takes_varlen(self, query) -> bool:
+        """Whether the CP THD attention runs as one varlen call (``cp_varlen.py``): where a THD call
+        would, and this torch's kernel aligns causality as that call needs."""
+        dropout = self.dropout_p if self.training else 0.0
+        kernel, _ = thd_kernel(self.attention_backend, query.is_cuda, query.dtype, query.shape[-1], dropout)
+        if kernel != VARLEN:
+            return False
+        if not bottom_right_causal(str(query.device), query.dtype):
+            if self.attention_backend == AttnBackend.flash:
+                raise ValueError(
+                    "--attention-backend flash under context parallelism: this torch's varlen kernel does not "
+                    "align a causal segment with more keys than queries to its last key"
+                )
+            return False
+        return True
+
+    def _cp_varlen(self, query, k_glob, v_glob, params, causal: bool):
+        """Every local query chunk against its key prefix, in one varlen call (``cp_varlen.py``)."""
+        cu, bounds = self._segments(params)
+        cp, rank, device = self.cp_size, self.cp_group.rank(), query.device
+        seg = kept_on(
+            cu, "_cp_segments", (cp, rank, causal, device), lambda: cp_segments(bounds, cp, rank, causal).on(device)
+        )
+        k, v = (t.index_select(0, seg.key_rows) for t in (k_glob, v_glob))
+        out = torch_varlen()(
+            query.contiguous(), k, v, seg.cu_q, seg.max_q, causal, self.softmax_scale, cu_k=seg.cu_k, max_k=seg.max_k
+        )
+        return out.reshape(out.shape[0], -1)
 
     @staticmethod
     def _cp_mask(q_pos: torch.Tensor, n_keys: int, causal: bool, device):

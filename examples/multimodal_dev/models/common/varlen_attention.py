@@ -42,7 +42,11 @@ class TorchVarlen:
         self.has_scale = "scale" in params
         self.has_gqa = "enable_gqa" in params
 
-    def __call__(self, q, k, v, cu_seqlens: torch.Tensor, max_len: int, causal: bool, scale: float):
+    def __call__(
+        self, q, k, v, cu_seqlens: torch.Tensor, max_len: int, causal: bool, scale: float, cu_k=None, max_k=None
+    ):
+        """``cu_k`` / ``max_k``: key segments of their own (context parallelism's query chunks against
+        their key prefixes); causal is then aligned to each segment's last key (flash's bottom right)."""
         kwargs = {}
         if k.shape[1] != q.shape[1]:
             if self.has_gqa:
@@ -59,7 +63,28 @@ class TorchVarlen:
         elif not math.isclose(scale, q.shape[-1] ** -0.5, rel_tol=1e-12):
             q = q * (scale * math.sqrt(q.shape[-1]))  # the kernel's own scale is 1/sqrt(head_dim)
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        return self.fn(q, k, v, cu, cu, max_len, max_len, **kwargs)
+        keys = cu if cu_k is None else cu_k.to(device=q.device, dtype=torch.int32)
+        return self.fn(q, k, v, cu, keys, max_len, max_len if max_k is None else max_k, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def bottom_right_causal(device: str, dtype: torch.dtype) -> bool:
+    """Whether this torch's varlen kernel aligns causality to each segment's last key when a segment
+    has more keys than queries, as flash-attention 2.1 and later do (SDPA's own ``is_causal`` aligns
+    to the first): asked once a process, on a segment of 3 queries against 5 keys, against SDPA with
+    that mask written out. Context parallelism's single varlen call relies on it."""
+    kernel = torch_varlen()
+    if kernel is None:
+        return False
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(n, 2, 64, device=device, dtype=dtype, generator=g) for n in (3, 5, 5))
+    cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int32, device=device) for n in (3, 5))
+    got = kernel(q, k, v, cu_q, 3, True, 64**-0.5, cu_k=cu_k, max_k=5)
+    keep = torch.arange(5, device=device)[None] <= torch.arange(3, device=device)[:, None] + 2
+    want = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(0, 1)[None] for t in (q, k, v)), attn_mask=keep, scale=64**-0.5
+    )[0].transpose(0, 1)
+    return bool(torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2))
 
 
 @functools.lru_cache(maxsize=None)
