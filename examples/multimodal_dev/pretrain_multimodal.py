@@ -27,7 +27,7 @@ from examples.multimodal_dev.console import fail, say
 from examples.multimodal_dev.data.sample import DataError
 from examples.multimodal_dev.dataset_provider import datasets_provider, metered, plain_for_megatron
 from examples.multimodal_dev.forward_step import forward_step
-from examples.multimodal_dev.launcher.lifetime import rank_dies_with_launcher
+from examples.multimodal_dev.lifetime import rank_dies_with_launcher
 from examples.multimodal_dev.model_provider import model_provider
 from examples.multimodal_dev.training.compile_once import compile_for_any_length
 from examples.multimodal_dev.training.gdn_kernel_choice import choose_gdn_kernels

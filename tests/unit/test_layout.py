@@ -31,6 +31,7 @@ LAYERS = (
     "megatron.cpu",
     f"{PACKAGE}.console",
     f"{PACKAGE}.progress",
+    f"{PACKAGE}.lifetime",
     f"{PACKAGE}.megatron_changes",
     f"{PACKAGE}.evaluation",
     f"{PACKAGE}.models",

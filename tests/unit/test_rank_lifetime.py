@@ -1,4 +1,4 @@
-"""Ranks never outlive their torchrun (``launcher/lifetime.py``, ``launcher/torchrun.py``): SIGTERM to
+"""Ranks never outlive their torchrun (``lifetime.py``, ``launcher/torchrun.py``): SIGTERM to
 torchrun's PID ends every rank and torchrun says so in one line; torchrun killed outright (SIGKILL,
 the OOM killer) takes its ranks with it. The ranks are two small processes of the launcher's
 torchrun, fresh interpreters as on a GPU host."""
@@ -15,7 +15,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RANK = """
 import os, sys, time
-from examples.multimodal_dev.launcher.lifetime import rank_dies_with_launcher
+from examples.multimodal_dev.lifetime import rank_dies_with_launcher
 rank_dies_with_launcher()
 open(os.path.join(sys.argv[1], str(os.getpid())), "w").close()
 time.sleep(300)

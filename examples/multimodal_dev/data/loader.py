@@ -112,14 +112,14 @@ def build_iterator(
 
 
 def exit_with_parent(worker_id: int = 0) -> None:
-    """A DataLoader worker dies with the rank that forked it (``launcher/lifetime.py``). torch's
+    """A DataLoader worker dies with the rank that forked it (``lifetime.py``). torch's
     workers notice a dead parent only while they wait for work; a rank killed with SIGKILL left a
     worker (a copy of the rank's memory, ~760 MB for tiny) and multiprocessing's resource tracker
     running. A rank killed while the worker was still starting died before the request: the worker,
     by then a child of init, ends itself."""
     import multiprocessing
 
-    from ..launcher.lifetime import die_with_parent
+    from ..lifetime import die_with_parent
 
     parent = multiprocessing.parent_process()
     die_with_parent(parent.pid if parent is not None else None)

@@ -68,7 +68,7 @@ def on_ranks(prog: str, module: str, args, argv: list[str], check) -> int | None
     and, as a rank, ends when its torchrun does."""
     import sys
 
-    from ..launcher.lifetime import rank_dies_with_launcher
+    from ..lifetime import rank_dies_with_launcher
 
     try:
         check(args)

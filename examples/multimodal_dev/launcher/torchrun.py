@@ -10,7 +10,7 @@ exit code or signal) and the exit status 1.
 Stopping: SIGTERM or SIGINT to torchrun (``kill``, a supervisor, Ctrl-C) is passed to every rank's
 process group (torchrun starts each rank in a session of its own); torchrun waits for them (SIGKILL
 after its shutdown timeout, 30 s), then says so in one line and exits 128 + the signal. A torchrun
-that is killed outright takes its ranks with it: each asks the kernel for that (``lifetime.py``).
+that is killed outright takes its ranks with it: each asks the kernel for that (``../lifetime.py``).
 
 Rank start (``FORK_RANKS``): torchrun starts every rank as a fresh interpreter, which spends about
 6 s of CPU importing torch, megatron-core (dynamo and inductor through its ``torch.compile``
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    from .lifetime import LAUNCHER_PID
+    from ..lifetime import LAUNCHER_PID
     from .roll_call import NodesMissing, register
 
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the ranks end with this process (lifetime.py)

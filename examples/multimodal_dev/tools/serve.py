@@ -22,7 +22,7 @@ Stopping: SIGTERM or SIGINT to the PID this command started as (what ``kill``, a
 sends) stops every rank. New requests are answered 503; those waiting at once with an error; the batch
 in flight may finish within ``--shutdown-timeout`` seconds and is then cut, its requests answered 503.
 A second signal cuts it at once. On ranks, the PID is torchrun's, which passes the signal on; a rank
-ends whenever its torchrun does (``launcher/lifetime.py``).
+ends whenever its torchrun does (``lifetime.py``).
 """
 
 from __future__ import annotations
