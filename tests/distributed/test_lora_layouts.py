@@ -178,7 +178,7 @@ def test_a_moved_base_is_refused_by_name_and_read_where_told(parallel_start, lor
     """A LoRA checkpoint names its base, which is checked before any load: moved, it is refused in one
     line naming both paths, and LORA_BASE (``--lora-base`` of the conversion tools) points at it;
     another checkpoint of the same shapes there (the base trained one more step) is refused by its
-    fingerprint."""
+    fingerprint (the crc32 of every file its save recorded)."""
     base, moved = tmp_path / "base", tmp_path / "moved"
     shutil.copytree(parallel_start, base)
     run_script(NO_EVAL, CKPT_LOAD=base, CKPT_SAVE=tmp_path / "lora", TRAIN_ITERS=1, **MODEL, **LORA).check()
@@ -197,4 +197,4 @@ def test_a_moved_base_is_refused_by_name_and_read_where_told(parallel_start, lor
     other = tmp_path / "other"
     run_script(NO_EVAL, CKPT_LOAD=moved, CKPT_SAVE=other, TRAIN_ITERS=1, **MODEL).check()
     changed = run_script(NO_EVAL, LORA_BASE=other, **resume)
-    assert changed.returncode != 0 and "is no longer the checkpoint they were trained on" in changed.output
+    assert changed.returncode != 0 and "is not the checkpoint they were trained on" in changed.output

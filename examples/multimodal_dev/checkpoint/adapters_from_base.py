@@ -26,8 +26,9 @@ import os
 
 from examples.multimodal_dev.console import say
 
-from .adapters_only import ADAPTERS_ONLY, base_fingerprint, base_to_read
+from .adapters_only import ADAPTERS_ONLY, FULL, HF_CONFIG_RECORDED, base_fingerprint, base_to_read
 from .files import TRACKER, checkpoint_directory, is_fsdp_dtensor, stored_args, stored_keys
+from .hf_safetensors import read_config
 
 ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
 
@@ -70,7 +71,8 @@ def check_adapters_kept(args, load_dir: str | None, flag: str) -> None:
 
 
 def record_base(args) -> None:
-    """Set ``args.lora_base`` for a LoRA run (see the module's docstring) and name it in one line."""
+    """Set ``args.lora_base`` for a LoRA run (see the module's docstring), its fingerprint and the run's
+    HF config (``adapters_only.py``), and name it in one line."""
     if not args.lora_rank:
         return
     # megatron loads --load where it holds a checkpoint, else --pretrained-checkpoint
@@ -88,6 +90,14 @@ def record_base(args) -> None:
     # a base that is a checkpoint is read again at every load: the saves hold the adapters alone
     setattr(args, ADAPTERS_ONLY, args.lora_base is not None)
     args.lora_base_fingerprint = base_fingerprint(args.lora_base) if args.lora_base else None
+    if args.lora_base and not args.lora_base_fingerprint.startswith(FULL):
+        say(
+            f"the LoRA base {args.lora_base} has no checksum record (saved by another program): its fingerprint "
+            "covers its tensors' names and shapes and two of them, not every byte"
+        )
+    # the config the model was built from, kept with the adapters: an import's hf_config.json moves with it
+    config = getattr(args, "hf_config_path", None)
+    setattr(args, HF_CONFIG_RECORDED, read_config(config) if args.lora_base and config else None)
     named = args.lora_base or ("a base its checkpoint does not record" if loaded else "the random initialisation")
     saves = "; its checkpoints hold the adapters, not the base" if args.lora_base else ""
     say(f"LoRA adapters adapt {named}{saves}")

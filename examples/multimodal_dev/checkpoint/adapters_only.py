@@ -4,9 +4,17 @@ The base is named in every LoRA checkpoint (``args.lora_base``, ``adapters_from_
 writing its weights again at every save (~800 GB for 397b_a17b, for adapters of a few hundred MB)
 stores nothing new. A LoRA run whose base is a checkpoint saves the model's tensors that train (the
 adapters), their optimizer state, the RNG, the scheduler and the loader's state; its args carry
-``lora_base``, ``lora_adapters_only`` and the base's fingerprint (``base_fingerprint``: its tensors'
-names and shapes, and the bytes of its two smallest tensors), which every later load checks before
-it reads the base again.
+``lora_base``, ``lora_adapters_only``, the run's HF config (``HF_CONFIG_RECORDED``) and the base's
+fingerprint (``base_fingerprint``: a hash of the crc32 the base's save recorded for every shard,
+``shard_checksums.py``, and of where its index puts each tensor), which every later load checks
+before it reads the base again, after the base's checksums themselves, as any checkpoint loaded is
+(``integrity.damage``): every byte of the base is the byte the adapters were trained on.
+
+- Older adapters-only checkpoints recorded a weaker fingerprint (the base's tensors' names and shapes
+  and the bytes of its two smallest tensors: ``sampled_fingerprint``). They still load, checked by
+  that form and by the base's checksums: refusing them would strand adapters whose base is intact,
+  and a resume records the full form from then on. A base saved without checksums (by another
+  program) is fingerprinted in that form too; the run says so.
 
 - Save: ``without_frozen_base`` drops from the model's part of the saved state every tensor whose
   storage is a frozen parameter's (a megatron_changes row on ``generate_state_dict``).
@@ -20,11 +28,16 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import math
 import os
 import re
 
 ADAPTERS_ONLY = "lora_adapters_only"  # an arg of the run that saved: its checkpoints lack the base
+# an arg of such a run: its Hugging Face config (a dict), so that its checkpoints describe their model
+# when the file --hf-config-path named moved away with the base (an import keeps it in its folder)
+HF_CONFIG_RECORDED = "lora_hf_config"
+FULL = "crc32:"  # the fingerprint's form over every byte (``recorded_fingerprint``)
 LORA_BASE_HELP = (
     "where the base of a LoRA checkpoint's adapters is now, if it moved since the save (a LoRA run's "
     "checkpoints hold the adapters, not the base: checkpoint/adapters_only.py)"
@@ -43,9 +56,30 @@ def is_model_key(key: str) -> bool:
     return _OPTIMIZER_KEY.match(key) is None
 
 
-def base_fingerprint(directory: str) -> str:
-    """The checkpoint iteration at ``directory``: a hash of its model tensors' names and shapes and of
-    the bytes of its two smallest ones (cheap: read without a process group)."""
+def recorded_fingerprint(directory: str) -> str | None:
+    """The checkpoint iteration at ``directory``: a hash of the size and crc32 its save recorded for
+    each shard and of where its index puts each tensor (None where it recorded no checksums). Cheap,
+    and over every byte: the files are checked against that record (``integrity.damage``) whenever
+    the base is read. The index's own bytes are not hashed: DCP writes a new save id into each save,
+    so a re-import of the same weights to the same path is the same base."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from ..megatron_changes import apply
+    from . import shard_checksums
+
+    sums = shard_checksums.recorded(directory)
+    if not sums:
+        return None
+    apply("checkpoints-are-data")
+    index = FileSystemReader(directory).read_metadata().storage_data
+    where = sorted((i.fqn, tuple(i.offset or ()), s.relative_path, s.offset, s.length) for i, s in index.items())
+    files = sorted((name, size_crc) for name, size_crc in sums.items() if name != ".metadata")
+    return FULL + hashlib.sha256(json.dumps([files, where]).encode()).hexdigest()[:16]
+
+
+def sampled_fingerprint(directory: str) -> str:
+    """The older form: a hash of its model tensors' names and shapes and of the bytes of its two
+    smallest ones (read without a process group)."""
     import torch
     from torch.distributed.checkpoint import FileSystemReader, load
 
@@ -66,26 +100,50 @@ def base_fingerprint(directory: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def base_to_read(saved_args, moved: str | None, where: str) -> str:
-    """The base iteration directory the adapters-only checkpoint at ``where`` (its args ``saved_args``)
-    is read with: where it names it, or ``moved`` (LORA_BASE / --lora-base: the base's folder or its
-    iteration's). ``ValueError`` in one line naming both paths where it is missing or no longer the
-    checkpoint the adapters were trained on."""
+def base_fingerprint(directory: str) -> str:
+    """What a LoRA run records of its base: the full form where the base's save recorded checksums."""
+    return recorded_fingerprint(directory) or sampled_fingerprint(directory)
+
+
+def base_path(saved_args, moved: str | None) -> str | None:
+    """The base iteration directory of an adapters-only checkpoint (its args ``saved_args``): where they
+    name it, or ``moved`` (LORA_BASE / --lora-base: the base's folder or its iteration's)."""
     from .files import TRACKER, checkpoint_directory
 
-    base = saved_args.lora_base
     if moved:
-        base = os.path.abspath(checkpoint_directory(moved) if os.path.isfile(os.path.join(moved, TRACKER)) else moved)
+        return os.path.abspath(checkpoint_directory(moved) if os.path.isfile(os.path.join(moved, TRACKER)) else moved)
+    return saved_args.lora_base
+
+
+def base_to_read(saved_args, moved: str | None, where: str) -> str:
+    """The base iteration directory the adapters-only checkpoint at ``where`` (its args ``saved_args``)
+    is read with (``base_path``). ``ValueError`` in one line naming both paths where it is missing,
+    damaged, or another checkpoint than the one the adapters were trained on."""
+    from .integrity import damage
+
+    base = base_path(saved_args, moved)
     fix = "point LORA_BASE (--lora-base) at where that base is now"
     if not base or not os.path.isdir(base):
         raise ValueError(f"{where} holds LoRA adapters only; their base {base} is missing: {fix}")
-    recorded = getattr(saved_args, "lora_base_fingerprint", None)
-    if recorded and base_fingerprint(base) != recorded:
+    share = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))  # torchrun's, as integrity's
+    if what := damage(base, *share):
         raise ValueError(
-            f"{where} holds LoRA adapters only; their base {base} is no longer the checkpoint they were trained "
-            f"on (its tensors' shapes or bytes differ from the fingerprint recorded at save): {fix}"
+            f"{where} holds LoRA adapters only; their base {base} is damaged: {what}; copy or import that base "
+            "again, or point LORA_BASE (--lora-base) at a whole copy"
         )
+    recorded = getattr(saved_args, "lora_base_fingerprint", None)
+    if recorded and recorded.startswith(FULL) and recorded_fingerprint(base) != recorded:
+        raise ValueError(_another(where, base, "the crc32 of its files differ from those recorded", fix))
+    if recorded and not recorded.startswith(FULL) and sampled_fingerprint(base) != recorded:
+        raise ValueError(_another(where, base, "its tensors' shapes or bytes differ from those recorded", fix))
     return base
+
+
+def _another(where: str, base: str, why: str, fix: str) -> str:
+    return (
+        f"{where} holds LoRA adapters only; their base {base} is not the checkpoint they were trained on: its "
+        f"contents differ from that base's ({why} at save): {fix}"
+    )
 
 
 def _storage(value) -> int | None:

@@ -16,6 +16,7 @@ rule's tensors or one decoder layer at a time.
 from __future__ import annotations
 
 import os
+from argparse import Namespace
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ from examples.multimodal_dev.models import DEFAULT_ARCH, get_model_entry, model_
 
 from ..megatron_changes import apply
 from . import fsdp_weights
-from .adapters_only import ADAPTERS_ONLY, base_to_read, is_model_key
+from .adapters_only import ADAPTERS_ONLY, HF_CONFIG_RECORDED, base_path, base_to_read, is_model_key
 from .choices import DTYPE_NAMES
 from .files import TRACKER, checkpoint_directory, is_fsdp_dtensor, load_model_weights, stored_args
 from .hf_safetensors import read_config
@@ -60,9 +61,10 @@ def conversion_model(shape, params_dtype=torch.float32):
     return model_of(shape).build_fn(shape, params_dtype=params_dtype, use_cpu_initialization=True)
 
 
-def checkpoint_shape(megatron_path: str, hf_config_path: str | None = None):
+def checkpoint_shape(megatron_path: str, hf_config_path: str | None = None, lora_base: str | None = None):
     """(shape, original HF config or None) of a checkpoint: from ``hf_config_path``, else the
-    ``hf_config.json`` an import left, else the arguments the training run saved."""
+    ``hf_config.json`` an import left, else the arguments the training run saved (an adapters-only
+    checkpoint whose recorded config file moved away with its base: ``_lora_config``)."""
     for path in (hf_config_path, os.path.join(megatron_path, HF_CONFIG)):
         if path and os.path.exists(path):
             config = read_config(path)
@@ -73,13 +75,29 @@ def checkpoint_shape(megatron_path: str, hf_config_path: str | None = None):
             f"{megatron_path}: no {HF_CONFIG} and no playground arguments in the checkpoint; pass --hf-config-path"
         )
     if saved.hf_config_path and not os.path.exists(saved.hf_config_path):
-        raise FileNotFoundError(
-            f"{megatron_path} was trained with --hf-config-path {saved.hf_config_path}, "
-            "which no longer exists; pass --hf-config-path"
-        )
+        found = _lora_config(saved, lora_base)
+        if found is None:
+            moved = " (or --lora-base: where its base is now)" if getattr(saved, ADAPTERS_ONLY, False) else ""
+            raise FileNotFoundError(
+                f"{megatron_path} was trained with --hf-config-path {saved.hf_config_path}, "
+                f"which no longer exists; pass --hf-config-path{moved}"
+            )
+        return resolve_shape(Namespace(**{**vars(saved), "hf_config_path": found})), found
     shape = resolve_shape(saved)
     config = read_config(saved.hf_config_path) if saved.hf_config_path else None
     return shape, config
+
+
+def _lora_config(saved_args, lora_base: str | None) -> dict | None:
+    """The HF config of an adapters-only checkpoint: the one its run recorded with the adapters, else
+    the ``hf_config.json`` of its base's folder (an import's; ``lora_base``: where it is now)."""
+    if not getattr(saved_args, ADAPTERS_ONLY, False):
+        return None
+    if isinstance(recorded := getattr(saved_args, HF_CONFIG_RECORDED, None), dict):
+        return recorded
+    base = base_path(saved_args, lora_base)
+    path = os.path.join(os.path.dirname(base), HF_CONFIG) if base else None
+    return read_config(path) if path and os.path.isfile(path) else None
 
 
 def check_checkpoint_dir(megatron_path: str) -> None:
@@ -164,7 +182,7 @@ def open_megatron(megatron_path: str, hf_config_path: str | None = None, lora_ba
     from .weightless_model import weightless_model
 
     check_checkpoint_dir(megatron_path)
-    shape, config = checkpoint_shape(megatron_path, hf_config_path)
+    shape, config = checkpoint_shape(megatron_path, hf_config_path, lora_base)
     directory = checkpoint_directory(megatron_path)
     model = (build or weightless_model)(shape).eval()
     stored = _read_checkpoint(megatron_path, _read_metadata, directory).state_dict_metadata

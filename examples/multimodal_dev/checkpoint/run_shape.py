@@ -14,6 +14,7 @@ from dataclasses import fields, is_dataclass, replace
 from examples.multimodal_dev.models import get_model_entry
 from examples.multimodal_dev.models.megatron_args import SHAPE_FLAGS, check_model_flags, checkpoint_args
 
+from .adapters_only import HF_CONFIG_RECORDED
 from .files import TRACKER, checkpoint_directory, stored_args
 
 
@@ -21,6 +22,8 @@ def declared_shape(args):
     """(shape, what named it): the variant of ``--model-variant`` / ``--variant-moe``, or the Hugging
     Face config of ``--hf-config-path``; megatron's model flags are not read."""
     entry = get_model_entry(args.model_arch)
+    if isinstance(args.hf_config_path, dict):  # a checkpoint's recorded config (adapters_only.HF_CONFIG_RECORDED)
+        return entry.shape_from_hf(args.hf_config_path), "Hugging Face config recorded in the checkpoint"
     if args.hf_config_path:
         return entry.shape_from_hf(args.hf_config_path), f"--hf-config-path {args.hf_config_path}"
     moe = {"auto": None, "on": True, "off": False}[args.variant_moe]
@@ -102,8 +105,11 @@ def stored_shape(stored):
         return None
     entry = get_model_entry(arch)
     config = getattr(stored, "hf_config_path", None)
+    if config and not os.path.exists(config):  # moved away with a LoRA base: the copy the adapters keep
+        config = getattr(stored, HF_CONFIG_RECORDED, None)
+        return entry.shape_from_hf(config) if isinstance(config, dict) else None
     if config:
-        return entry.shape_from_hf(config) if os.path.exists(config) else None
+        return entry.shape_from_hf(config)
     variant = getattr(stored, "model_variant", None)
     moe = {"auto": None, "on": True, "off": False}.get(getattr(stored, "variant_moe", "auto"))
     return entry.shape_fn(variant, moe=moe) if variant else None

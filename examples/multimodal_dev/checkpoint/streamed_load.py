@@ -55,9 +55,7 @@ class CheckpointTensors:
         from ..megatron_changes import apply
 
         apply("checkpoints-are-data")
-        for checked in (directory, base):
-            if checked is not None:
-                check_own_files(checked)
+        check_own_files(directory)  # the base was checked by open_megatron (adapters_only.base_to_read)
         self.model, self.directory, self.base = model, directory, base
         self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         self.dtypes = dtypes or {}  # name -> the dtype it is stored in (fp32 where not given)

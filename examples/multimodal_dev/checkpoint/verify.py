@@ -80,12 +80,12 @@ def _hf_config(src: HFSource) -> dict:
     return transformers.AutoConfig.from_pretrained(src.path).to_dict()
 
 
-def check_same_model(src: HFSource, megatron_path: str):
+def check_same_model(src: HFSource, megatron_path: str, lora_base: str | None = None):
     """The checkpoint's shape and the HF config's shape agree, field by field; else one line
     naming each field that differs. Returns the checkpoint's shape."""
     config_path = src.value if src.hub else os.path.join(src.path, "config.json")
     hf_shape = hf_conversion.config_shape(_hf_config(src), config_path)
-    mg_shape, _ = hf_conversion.checkpoint_shape(megatron_path)
+    mg_shape, _ = hf_conversion.checkpoint_shape(megatron_path, lora_base=lora_base)
     differ = shape_differences(mg_shape, hf_shape, labels=("checkpoint", "HF"), skip=NOT_WEIGHTS)
     if differ:
         more = f" and {len(differ) - 5} more" if len(differ) > 5 else ""
@@ -304,7 +304,7 @@ def verify(args) -> bool:
         raise FileNotFoundError(f"--image {args.image}: no such file")
     _local_hf_dir(hf_src)
     hf_conversion.check_checkpoint_dir(args.megatron_path)
-    check_same_model(hf_src, args.megatron_path)
+    check_same_model(hf_src, args.megatron_path, getattr(args, "lora_base", None))
     opened = hf_conversion.open_megatron(args.megatron_path, lora_base=getattr(args, "lora_base", None))
     shape = opened.shape
     hf = _hf_model(hf_src)

@@ -140,7 +140,7 @@ def load_for_generation(megatron_path: str, hf_config_path, lora_base, layout: L
     return model.to(device).eval(), shape, chosen
 
 
-def check_layout_fits(layout: Layout, megatron_path: str, hf_config_path) -> None:
+def check_layout_fits(layout: Layout, megatron_path: str, hf_config_path, lora_base=None) -> None:
     """One line where the checkpoint's model cannot be split at ``layout`` (heads, key-value heads,
     Gated DeltaNet heads against TP; experts against EP), read from its recorded shape before any rank
     starts: each rank would otherwise find it after loading, and say it once a rank."""
@@ -148,20 +148,20 @@ def check_layout_fits(layout: Layout, megatron_path: str, hf_config_path) -> Non
     from ..models import model_of
 
     check_checkpoint_dir(megatron_path)
-    shape, _ = checkpoint_shape(megatron_path, hf_config_path)
+    shape, _ = checkpoint_shape(megatron_path, hf_config_path, lora_base)
     problems = model_of(shape).parallel_problems(shape, layout.tp, 1, layout.ep)
     if problems:
         raise ValueError(f"{problems[0]} of the checkpoint --megatron-path {megatron_path}")
 
 
-def check_processor_fits(reader, megatron_path: str, hf_config_path, hf_processor_path: str) -> None:
+def check_processor_fits(reader, megatron_path: str, hf_config_path, hf_processor_path: str, lora_base=None) -> None:
     """One line where the prompt reader's processor does not fit the checkpoint (read from its recorded
     shape, before any weight loads): its prompts would place vision features wrong."""
     from ..checkpoint.hf_conversion import check_checkpoint_dir, checkpoint_shape
     from ..data.processor import processor_differences
 
     check_checkpoint_dir(megatron_path)
-    shape, _ = checkpoint_shape(megatron_path, hf_config_path)
+    shape, _ = checkpoint_shape(megatron_path, hf_config_path, lora_base)
     differ = processor_differences(reader.processor, reader.info, shape)
     if differ:
         raise ValueError(

@@ -94,7 +94,7 @@ def check_args(args) -> None:
         # opening the output truncates it: an input named again (a link, another spelling) would be lost
         if args.output is not None and os.path.exists(args.output) and os.path.samefile(args.output, path):
             raise ValueError(f"--output {args.output}: is the {flag} input {path}; name another file for the answers")
-    check_layout_fits(layout_of(args), args.megatron_path, args.hf_config_path)
+    check_layout_fits(layout_of(args), args.megatron_path, args.hf_config_path, args.lora_base)
 
 
 def _records(args):
@@ -128,7 +128,7 @@ def _fitting_reader(args):
     # media named on the command line are the user's own choice; a file's records stay in their folder
     anywhere = args.allow_media_anywhere or args.prompt is not None
     reader = prompt_reader(args.hf_processor_path, args.max_prompt_tokens, args.media_root, False, anywhere)
-    check_processor_fits(reader, args.megatron_path, args.hf_config_path, args.hf_processor_path)
+    check_processor_fits(reader, args.megatron_path, args.hf_config_path, args.hf_processor_path, args.lora_base)
     return reader
 
 

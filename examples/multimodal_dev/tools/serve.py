@@ -94,7 +94,7 @@ def check_args(args) -> None:
     resolve(args.hf_processor_path, "--hf-processor-path")
     if args.hf_config_path is not None and not os.path.isfile(args.hf_config_path):
         raise FileNotFoundError(f"--hf-config-path {args.hf_config_path}: no such file")
-    check_layout_fits(layout_of(args), args.megatron_path, args.hf_config_path)
+    check_layout_fits(layout_of(args), args.megatron_path, args.hf_config_path, args.lora_base)
 
 
 def limits_of(args) -> Limits:
@@ -117,7 +117,7 @@ def serve(args, log) -> None:
     from examples.multimodal_dev.serving.engine import Engine
 
     reader = prompt_reader(args.hf_processor_path, args.max_prompt_tokens, None, args.allow_remote_media, False)
-    check_processor_fits(reader, args.megatron_path, args.hf_config_path, args.hf_processor_path)
+    check_processor_fits(reader, args.megatron_path, args.hf_config_path, args.hf_processor_path, args.lora_base)
     model, _, dtype = load_for_generation(
         args.megatron_path, args.hf_config_path, args.lora_base, layout_of(args), args.dtype
     )
