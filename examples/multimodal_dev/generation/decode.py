@@ -199,11 +199,7 @@ def generate(
                 out.logits.append(logits[:asked].cpu())
             token = _agreed(choose_rows(logits, samplings, generators), vlm, agree_over_world)
             running &= ~_record(out, token, running, torch.isin(token, end), limits, on_step)
-            going_on, aborted = _any_running(running, step + 1 < max_new_tokens, abort is not None and abort())
-            if aborted:
-                for b in running[:asked].nonzero().flatten().tolist():
-                    out.ended_by[b] = "abort"
-            if not going_on:
+            if not _goes_on(out, running, asked, step + 1 < max_new_tokens, abort):
                 break
             context.sequence_len_offset += span
             context.enable_decode_mode()
@@ -314,6 +310,16 @@ def _agreed(token: torch.Tensor, vlm, over_world: bool = False) -> torch.Tensor:
         return token
     torch.distributed.broadcast(token, torch.distributed.get_global_rank(group, 0), group=group)
     return token
+
+
+def _goes_on(out: Generated, running: torch.Tensor, asked: int, more: bool, abort) -> bool:
+    """Whether decoding takes another step on every rank; rows still running when any rank's
+    ``abort()`` is true end as "abort"."""
+    going_on, aborted = _any_running(running, more, abort is not None and abort())
+    if aborted:
+        for b in running[:asked].nonzero().flatten().tolist():
+            out.ended_by[b] = "abort"
+    return going_on
 
 
 def _any_running(running: torch.Tensor, more: bool, abort: bool) -> tuple[bool, bool]:

@@ -121,11 +121,10 @@ def _not_this_host(address: str) -> bool:
     """Whether ``address`` (MASTER_ADDR) resolves to addresses none of which is this host's: a node 0
     started elsewhere than where the other nodes will look for it."""
     try:
-        resolved = {info[4][:2] for info in socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)}
+        resolved = {(info[0], str(info[4][0])) for info in socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)}
     except OSError:
         return False  # unresolvable: the store says so where it connects
-    for host, *_ in resolved:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for family, host in resolved:
         with socket.socket(family, socket.SOCK_STREAM) as probe:
             try:
                 probe.bind((host, 0))

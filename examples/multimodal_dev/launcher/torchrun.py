@@ -119,7 +119,9 @@ def out_of_memory_kills() -> int | None:
     return None
 
 
-def failure_line(rank: int, exitcode: int, signal_name: str | None, oom_before, oom_after) -> str:
+def failure_line(
+    rank: int, exitcode: int, signal_name: str | None, oom_before: int | None, oom_after: int | None
+) -> str:
     """The one line for a failed rank. A rank ended by SIGKILL said nothing itself: most often the
     kernel's out-of-memory killer, which the cgroup's count shows where it can."""
     head = f"torchrun: rank {rank} stopped ({f'signal {signal_name}' if signal_name else f'exit code {exitcode}'})"
