@@ -78,7 +78,8 @@ def on_ranks(prog: str, module: str, args, argv: list[str], check) -> int | None
         return 2
     if under_torchrun():
         rank_dies_with_launcher()
-    if layout.ranks == 1 or under_torchrun():
+        return None
+    if layout.ranks == 1:
         return None
     torchrun = ["-m", "examples.multimodal_dev.launcher.torchrun", "--standalone"]
     sys.stdout.flush(), sys.stderr.flush()  # exec drops what is still buffered

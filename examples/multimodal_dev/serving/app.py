@@ -108,7 +108,7 @@ async def _body(request: Request, limit: int) -> bytes:
             if size > limit:
                 raise RequestError(413, f"the body passed {limit} bytes, the server's --max-request-bytes")
             chunks.append(chunk)
-    except ClientDisconnect:  # the client went, or was cut off at --request-timeout (http_limits.py)
+    except ClientDisconnect:  # the client went, or was cut off at --request-timeout (http_timeout.py)
         raise RequestError(408, "the request was not received in full") from None
     return b"".join(chunks)
 

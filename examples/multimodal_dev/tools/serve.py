@@ -136,11 +136,9 @@ def serve(args, log) -> None:
     where = f"{torch.distributed.get_world_size()} rank(s) on {next(model.parameters()).device.type}, {dtype}"
     host, port = server.servers[0].sockets[0].getsockname()[:2]
     log(f"serve: listening on http://{host}:{port} (model {name!r}, {where}); Ctrl-C stops it")
-    signals = []
 
     def on_signal(signum, _frame):
-        signals.append(signum)
-        first = len(signals) == 1
+        first = not engine.stopping.is_set()  # a second signal cuts the batch in flight at once
         engine.stop(args.shutdown_timeout if first else 0.0)
         if first:
             log(
