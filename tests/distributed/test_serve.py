@@ -268,13 +268,9 @@ HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: 
     ids=["half the headers", "part of the body"],
 )
 def test_a_request_sent_in_part_is_answered_408_at_the_request_timeout(server, sent):
-    import time
-
     url, _ = server
-    started = time.monotonic()
     answer = _raw_exchange(url, sent)
-    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
-    assert time.monotonic() - started < 8  # --request-timeout 2, not the client's 10 s
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]  # the server's answer: not the client giving up
     assert ask(url, "Still there?", max_tokens=2).choices[0].token_ids
 
 

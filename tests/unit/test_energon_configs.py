@@ -222,15 +222,11 @@ def test_a_metadataset_naming_a_host_path_is_one_line(example_data, tmp_path, ta
 def test_a_yaml_alias_bomb_stays_small(example_data, tmp_path):
     """Nine levels of nine aliases would be 9^9 nodes expanded; energon's YAML reader keeps an alias as
     its text, so the walk (and energon) see a few dozen strings."""
-    import time
-
     from examples.multimodal_dev.data.energon_configs import read_config
 
     lines = ['a0: &a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
     lines += [f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
     folder = planted(example_data, tmp_path, CRUDE + "subflavors:\n" + "".join(f"  {line}\n" for line in lines))
-    started = time.monotonic()
-    energon.check_energon_path(str(folder))  # nothing in it names code
-    assert time.monotonic() - started < 5
+    energon.check_energon_path(str(folder))  # nothing in it names code; expanded, it would not end
     tree = read_config(str(folder / ".nv-meta" / "dataset.yaml"))
     assert tree["subflavors"]["a8"] == ["*a7"] * 9

@@ -142,9 +142,7 @@ def test_a_foreign_socket_gets_nothing_and_the_launch_starts_cold(tmp_path, monk
     monkeypatch.setenv("ENGINE_SERVER", "")
     address, thread, received = _peer(tmp_path, answer)
     monkeypatch.setenv("ENGINE_SERVER", address)
-    started = time.monotonic()
-    assert hand_over(["--help"]) is None
-    assert time.monotonic() - started < 5
+    assert hand_over(["--help"]) is None  # the reason below is not "no answer": nothing waited it out
     thread.join(5)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"torchrun: ENGINE_SERVER={address}: {said}" in err, err
