@@ -120,6 +120,7 @@ def run_script(extra_args=(), timeout: int = 600, **env) -> Run:
     if env["ENGINE_SERVER"] or {
         "KILL_DURING_SAVE_AT",
         "KILL_NODE_AT",
+        "NODE_LOCAL_SAVE",
         "RECORD_PIPELINE",
         "FULL_DISK_AT",
         "MEGATRON_CPU_FLA",

@@ -1,6 +1,7 @@
 """Two nodes on this host: two launchers side by side on 127.0.0.1 (``NNODES=2``, ``NODE_RANK`` 0 and 1,
 gloo), each starting one rank, train as one node with both ranks does, loss and grad norm bitwise:
-data parallelism across the nodes, and tensor and expert parallelism across them."""
+data parallelism across the nodes, and tensor and expert parallelism across them; nodes started with
+different settings, a node missing or lost, a node saving elsewhere, each stopped on one line."""
 
 import signal
 import socket
@@ -56,12 +57,25 @@ def test_two_nodes_train_as_one_node_does(layout):
     assert "NNODES=2 NODE_RANK=1" in nodes[1].output  # each launcher said which node it is
 
 
+def test_nodes_started_with_different_settings_stop_at_the_join_naming_them():
+    """Node 1 is started with GBS=8, node 0 with GBS=4: both stop as they meet, on one line naming the
+    variable with both values, and no rank starts (no iteration is logged)."""
+    nodes = _nodes(({}, dict(GBS=8)), NPROC=1)
+    said = "torchrun: node 1's settings differ from node 0's: GBS=8 on node 1, GBS=4 on node 0"
+    for run in nodes:
+        assert run.returncode != 0 and not _stack_in(run.output), run.output[-3000:]
+        last = run.output.strip().splitlines()[-1]  # torchrun's line the last: no rank said anything
+        assert last == f"{said} (every node runs the script with the same settings)", run.output[-3000:]
+        assert not run.records
+
+
 def test_a_node_saving_to_a_folder_of_its_own_stops_the_run_at_that_save(tmp_path):
-    """Node 1 saves to another folder, as a node-local disk at the same path would hold its shards: the
-    checkpoint is split, and every rank stops at that save in one line naming the ranks it cannot see,
-    instead of the next run failing to load."""
+    """Node 1's ranks save to a folder of their own under the path both nodes are given, as a node-local
+    disk mounted there would hold its shards (the test hook ``NODE_LOCAL_SAVE``; a CKPT_SAVE of its own
+    stops at the join): the checkpoint is split, and every rank stops at that save in one line naming
+    the ranks it cannot see, instead of the next run failing to load."""
     shared, local = tmp_path / "shared", tmp_path / "node1_local"
-    nodes = _nodes((dict(CKPT_SAVE=shared), dict(CKPT_SAVE=local)), NPROC=1)
+    nodes = _nodes(({}, dict(NODE_LOCAL_SAVE=local)), NPROC=1, CKPT_SAVE=shared)
     for run, unseen in zip(nodes, ("1", "0")):
         assert run.returncode != 0 and "Traceback" not in run.output, run.output[-3000:]
         assert f"does not see the files of rank(s) {unseen}: every node must save to one shared folder" in run.output

@@ -8,6 +8,8 @@ PYTHONPATH (``tests/launch.py`` puts it there only for a run that asks):
                             manager process, which keeps the job's output pipes open.
     KILL_NODE_AT=N          SIGKILL this node (its launcher's process group, as KILL_DURING_SAVE_AT) as
                             its ranks start iteration N's step: a node that dies mid-run.
+    NODE_LOCAL_SAVE=DIR     this node's ranks save into DIR where their --save names the run's folder:
+                            a node-local disk mounted at the path every node is given.
     FULL_DISK_AT=N          the shard files of iteration N's save fill the disk: megatron's writer
                             gets ENOSPC after 4 KiB, as from a real full disk.
     RECORD_PIPELINE=DIR     every rank writes DIR/rank<R>.json: its pipeline rank, the parameter
@@ -95,6 +97,18 @@ if os.environ.get("KILL_NODE_AT") and _RANK_PROCESS:
         return _train_step(*args, **kwargs)
 
     training.train_step = _train_step_or_die
+
+if os.environ.get("NODE_LOCAL_SAVE") and _RANK_PROCESS:
+    from megatron.training import arguments
+
+    _validate_args = arguments.validate_args
+
+    def _validate_args_saving_here(args, *more, **kwargs):
+        if args.save:
+            args.save = os.environ["NODE_LOCAL_SAVE"]
+        return _validate_args(args, *more, **kwargs)
+
+    arguments.validate_args = _validate_args_saving_here
 
 if os.environ.get("FULL_DISK_AT") and _RANK_PROCESS:
     import builtins

@@ -250,3 +250,78 @@ def test_two_nodes_given_one_node_rank_stop_every_node_naming_it():
 def test_a_node_0_away_from_master_addr_is_refused_by_name():
     (said,) = _meet((0,), nnodes=2, master_addr="192.0.2.1")  # TEST-NET-1: never this host's
     assert said.startswith("NODE_RANK=0 on ") and "MASTER_ADDR=192.0.2.1 is another host's address" in said, said
+
+
+def _settings(variables: dict, *script: str) -> str:
+    from examples.multimodal_dev.launcher import roll_call
+
+    torchrun = ["--nproc-per-node", "1", "--rdzv-conf", "rank=1", "--module", "examples.x", *script]
+    return roll_call.settings_of(variables, torchrun)
+
+
+def test_what_the_nodes_compare_leaves_out_what_is_each_nodes_own():
+    """A node's own rank, its way to node 0, its join timeout and the files one rank writes alone are
+    not compared; torchrun's own arguments are not either, and flags given in another order agree."""
+    import json
+
+    ours = dict(GBS=4, NODE_RANK=0, MASTER_ADDR="node0", MASTER_PORT=None, JOIN_TIMEOUT=600, DRY_RUN=False)
+    theirs = {**ours, "NODE_RANK": 1, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": 29500, "JOIN_TIMEOUT": 30}
+    a = _settings(ours, "--lr", "2e-3", "--log-throughput", "--metrics-file", "/n0/m.jsonl")
+    b = _settings(theirs, "--log-throughput", "--lr=2e-3", "--tensorboard-dir", "/n1/tb")
+    assert a == b and json.loads(a) == {"variables": {"GBS": 4}, "flags": {"--lr": ["2e-3"], "--log-throughput": []}}
+    assert _settings(ours, "--lr", "2e-3") != _settings({**ours, "GBS": 8}, "--lr", "2e-3")
+
+
+def test_differing_settings_are_named_with_both_values():
+    import json
+
+    from examples.multimodal_dev.launcher.roll_call import difference
+
+    def line(theirs: str, ours: str, also=()) -> str:
+        return difference(1, json.loads(theirs), json.loads(ours), also)
+
+    end = " (every node runs the script with the same settings)"
+    base = dict(GBS=4, MOE=False, CKPT_SAVE="/shared/ckpt", LR="2e-3")
+    assert line(_settings({**base, "GBS": 8}), _settings(base)) == (
+        f"node 1's settings differ from node 0's: GBS=8 on node 1, GBS=4 on node 0{end}"
+    )
+    # booleans as the variables are written, an unset one as such; the variables alone where they differ
+    changed = {**base, "MOE": True, "CKPT_SAVE": None}
+    assert line(_settings(changed, "--foo"), _settings(base), also=(3, 7)) == (
+        "node 1's settings differ from node 0's: CKPT_SAVE unset on node 1, CKPT_SAVE=/shared/ckpt on node 0; "
+        f"MOE=1 on node 1, MOE=0 on node 0; node(s) 3, 7 differ too{end}"
+    )
+    # the variables agree: the user's flags that differ, a value, a switch, a flag on one node alone
+    theirs = _settings(base, "--lr", "1e-4", "--log-throughput", "--recompute-granularity", "full")
+    ours = _settings(base, "--lr", "2e-3", "--use-flash-attn")
+    assert line(theirs, ours) == (
+        "node 1's settings differ from node 0's: --log-throughput on node 1, no --log-throughput on node 0; "
+        "--lr 1e-4 on node 1, --lr 2e-3 on node 0; --recompute-granularity full on node 1, no "
+        f"--recompute-granularity on node 0; and 1 more{end}"
+    )
+
+
+def test_node_0_names_the_first_node_whose_fingerprint_differs(monkeypatch):
+    """Each node's settings in one store, as the roll call writes them before its name: node 0's verdict
+    names node 2 (and node 3, which differs too); a node started by torchrun directly carries none and is
+    not compared, and nor is any node where node 0 carries none."""
+    from torch.distributed import HashStore
+
+    from examples.multimodal_dev.launcher import roll_call
+
+    def meet(*settings: str | None) -> str | None:
+        store, names = HashStore(), [f"run/roll_call/node{n}" for n in range(len(settings))]
+        for name, given in zip(names, settings):
+            if given is None:
+                monkeypatch.delenv(roll_call.SETTINGS_VARIABLE, raising=False)
+            else:
+                monkeypatch.setenv(roll_call.SETTINGS_VARIABLE, given)
+            roll_call._write_settings(store, name)
+        return roll_call._disagreement(store, names)
+
+    same, other = _settings(dict(GBS=4)), _settings(dict(GBS=8))
+    assert meet(same, None, other, other) == (
+        "node 2's settings differ from node 0's: GBS=8 on node 2, GBS=4 on node 0; node(s) 3 differ too "
+        "(every node runs the script with the same settings)"
+    )
+    assert meet(same, same, None) is None and meet(None, same, other) is None

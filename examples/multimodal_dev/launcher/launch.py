@@ -154,6 +154,10 @@ def main(argv: list[str] | None = None) -> None:
     if launch.config.launcher.dry_run:  # the command stays the last line
         print(shlex.join(["torchrun", *launch.torchrun]), flush=True)
         return
+    from .roll_call import SETTINGS_VARIABLE, settings_of
+
+    # what every node's roll call compares with node 0's at the join (roll_call.py)
+    os.environ[SETTINGS_VARIABLE] = settings_of(launch.config.variables(), launch.torchrun)
     # torchrun.py: torchrun without its own traceback when a rank fails (the rank has said why)
     module = "examples.multimodal_dev.launcher.torchrun"
     os.execv(sys.executable, [sys.executable, "-m", module, *launch.torchrun])

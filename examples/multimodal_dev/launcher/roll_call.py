@@ -13,6 +13,13 @@ named as such (node 0's verdict stops them all) instead of one waiting for a nod
 second node 0 finds the first one's store on its port, or, on another host, that ``MASTER_ADDR`` is not
 its own address.
 
+The nodes also agree on the run: the launcher hands each node's settings to its roll call in
+``SETTINGS_VARIABLE`` (``launch.py``: the run's variables and the training script's flags, less what is
+each node's own); each node writes them and their sha256 beside its name, and node 0 compares every
+node's fingerprint with its own before its verdict. A node whose settings differ stops every node on
+one line naming the differing settings with both values, before any rank starts. Nodes started by
+torchrun directly carry no settings and are not compared.
+
 The handler is torchrun's registered backend ``BACKEND`` (``--rdzv-backend``), its node rank and
 timeout in ``--rdzv-conf``; ranks, store and everything after the meeting are the static
 rendezvous's own.
@@ -22,6 +29,9 @@ from __future__ import annotations
 
 import datetime
 import functools
+import hashlib
+import json
+import os
 import socket
 import time
 
@@ -31,10 +41,21 @@ _POLL_S = 0.2
 # a node that joined waits for node 0's verdict this much longer than node 0 waits for the nodes: node 0's
 # wait began no later than this node's, and it writes the verdict after its wait has ended
 _VERDICT_GRACE_S = 30
+SETTINGS_VARIABLE = "ROLL_CALL_SETTINGS"  # this node's run settings as canonical JSON (launch.py sets it)
+# Not compared, each rightly a node's own: NODE_RANK; MASTER_ADDR and MASTER_PORT, how this node
+# reaches node 0 (having met there, the nodes agree where it counts, and node 0 may name itself
+# otherwise than the others name it); JOIN_TIMEOUT, how long this node waits to meet; DRY_RUN and
+# GPUS, which plan a run and never reach the join; FORK_RANKS, how this host starts its ranks (by its
+# cores and CUDA: the engine each rank runs is the same either way).
+PER_NODE = frozenset({"NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "JOIN_TIMEOUT", "DRY_RUN", "GPUS", "FORK_RANKS"})
+# ... and the training script's flags for files that one rank (megatron's last) writes alone, on its
+# node's disk: where another node would put its copy is that node's business
+PER_NODE_FLAGS = frozenset({"--metrics-file", "--tensorboard-dir", "--wandb-save-dir"})
+_NAMED = 3  # differing settings one refusal names
 
 
 class NodesMissing(RuntimeError):
-    """One line: which nodes did not join, or that node 0 did not answer."""
+    """One line: which nodes did not join, that node 0 did not answer, or whose settings differ."""
 
 
 def _keys(run_id: str, nnodes: int) -> tuple[list[str], str]:
@@ -56,6 +77,92 @@ def _claimed_twice(store, names: list[str]) -> str | None:
     )
 
 
+def _flags(argv: list[str]) -> dict[str, list[str]]:
+    """The training script's flags, each with its values in order (words before any flag under ""),
+    less ``PER_NODE_FLAGS``: the same flags given in another order are the same run."""
+    flags: dict[str, list[str]] = {}
+    name = ""
+    for word in argv:
+        if word.startswith("--"):
+            name, has_value, value = word.partition("=")
+            flags.setdefault(name, []).extend([value] if has_value else [])
+        else:
+            flags.setdefault(name, []).append(word)
+    return {k: v for k, v in flags.items() if k not in PER_NODE_FLAGS}
+
+
+def settings_of(variables: dict, torchrun_argv: list[str]) -> str:
+    """What the nodes compare at the join, as canonical JSON: the run's ``variables`` (name -> value)
+    less ``PER_NODE``, and the flags of the training script (what follows ``--module MODULE`` in
+    torchrun's ``torchrun_argv``: the launcher's flags and the user's)."""
+    script = torchrun_argv[torchrun_argv.index("--module") + 2 :] if "--module" in torchrun_argv else torchrun_argv
+    settings = {
+        "variables": {k: v for k, v in variables.items() if k not in PER_NODE},
+        "flags": _flags(list(script)),
+    }
+    return json.dumps(settings, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def _variable(name: str, value) -> str:
+    if value is None:
+        return f"{name} unset"
+    return f"{name}={int(value) if isinstance(value, bool) else value}"
+
+
+def _flag(name: str, values: list[str] | None) -> str:
+    if values is None:
+        return f"no {name}"
+    return " ".join([name or "(before any flag)", *values])
+
+
+def difference(node: int, theirs: dict, ours: dict, also: tuple[int, ...] = ()) -> str:
+    """The line that stops the run where node ``node``'s settings (``theirs``, as ``settings_of`` wrote
+    them) differ from node 0's (``ours``): the differing variables with both values, or where the
+    variables agree, the differing flags; ``also``: other nodes that differ."""
+    mine, zeros = theirs.get("variables", {}), ours.get("variables", {})
+    named = [
+        f"{_variable(k, mine.get(k))} on node {node}, {_variable(k, zeros.get(k))} on node 0"
+        for k in sorted(set(mine) | set(zeros))
+        if mine.get(k) != zeros.get(k)
+    ]
+    if not named:  # the variables write most flags: theirs alone where the variables agree
+        mine, zeros = theirs.get("flags", {}), ours.get("flags", {})
+        named = [
+            f"{_flag(k, mine.get(k))} on node {node}, {_flag(k, zeros.get(k))} on node 0"
+            for k in sorted(set(mine) | set(zeros))
+            if mine.get(k) != zeros.get(k)
+        ]
+    shown = "; ".join(named[:_NAMED]) + (f"; and {len(named) - _NAMED} more" if len(named) > _NAMED else "")
+    others = f"; node(s) {', '.join(map(str, also))} differ too" if also else ""
+    return (
+        f"node {node}'s settings differ from node 0's: {shown}{others} "
+        "(every node runs the script with the same settings)"
+    )
+
+
+def _write_settings(store, name_key: str) -> None:
+    """This node's settings and their fingerprint, before its name (node 0 reads them once it sees the
+    name); none where the launcher did not start this node."""
+    settings = os.environ.get(SETTINGS_VARIABLE)
+    if settings:
+        store.set(f"{name_key}/settings", settings)
+        store.set(f"{name_key}/fingerprint", hashlib.sha256(settings.encode()).hexdigest())
+
+
+def _disagreement(store, names: list[str]) -> str | None:
+    """The line naming the first node whose fingerprint differs from node 0's (None: every node that
+    carries settings agrees, or node 0 carries none)."""
+    prints = [f"{key}/fingerprint" for key in names]
+    if not store.check([prints[0]]):
+        return None
+    ours = store.get(prints[0])
+    differ = [n for n, key in enumerate(prints) if n and store.check([key]) and store.get(key) != ours]
+    if not differ:
+        return None
+    theirs, zeros = (json.loads(store.get(f"{names[n]}/settings")) for n in (differ[0], 0))
+    return difference(differ[0], theirs, zeros, tuple(differ[1:]))
+
+
 def _where(handler) -> str:
     return f"{handler.master_addr}:{handler.master_port} (MASTER_ADDR:MASTER_PORT)"
 
@@ -74,7 +181,11 @@ def _as_node_0(store, handler) -> None:
         raise NodesMissing(twice)
     missing = [n for n, key in enumerate(names) if not store.check([key])]
     if not missing:
-        store.set(verdict, "")
+        disagree = _disagreement(store, names)
+        store.set(verdict, disagree or "")
+        if disagree:
+            time.sleep(1.0)  # the nodes that joined read the verdict before this store goes
+            raise NodesMissing(disagree)
         return
     joined = ", ".join(f"node {n} ({store.get(key).decode()})" for n, key in enumerate(names) if n not in missing)
     line = (
@@ -196,6 +307,7 @@ def handler_class() -> type:
                         f"NODE_RANK={self.rank}: another node ({store.get(names[self.rank]).decode()}) joined with "
                         "it first; give each node its own NODE_RANK, 0 to NNODES-1"
                     )
+                _write_settings(store, names[self.rank])
                 store.set(names[self.rank], socket.gethostname())
                 (_as_node_0 if self.rank == 0 else _as_other_node)(store, self)
                 self._store = store
