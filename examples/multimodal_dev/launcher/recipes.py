@@ -1,10 +1,10 @@
 """Recipes: the runs ``run_qwen35_vl.sh`` starts from, as functions returning a ``RunConfig``. The
 script picks ``for_host(variant, gpu)`` and lays the environment's variables over it; Python callers
-take a recipe and change what they need with ``dataclasses.replace``:
+take the same recipe and change what they need with ``dataclasses.replace``:
 
-    config = recipes.proxy_gpu()
+    config = recipes.for_host("proxy", gpu=True)
     config = replace(config, layout=replace(config.layout, tp=2))
-    argv = megatron_argv.to_megatron_argv(config, host)
+    argv = launch.argv_of(config, host)  # resolved and checked as the script's variables are
 
 A CPU host gets a short run of small batches at a high LR (the tiny model learns in 30 steps); a
 GPU host a longer sequence and the LR of a fine-tune."""
@@ -20,28 +20,12 @@ GPU_BATCH = Batch(train_iters=20, mbs=1, gbs=8, seq_len=4096)
 CPU_LR, GPU_LR = "2e-3", "1e-4"
 
 
-def on_cpu(variant: str, moe: bool = False) -> RunConfig:
-    return RunConfig(model=Model(variant=variant, moe=moe), batch=CPU_BATCH, optimizer=Optimizer(lr=CPU_LR))
+def on_cpu(variant: str) -> RunConfig:
+    return RunConfig(model=Model(variant=variant), batch=CPU_BATCH, optimizer=Optimizer(lr=CPU_LR))
 
 
 def on_gpu(variant: str) -> RunConfig:
     return RunConfig(model=Model(variant=variant), batch=GPU_BATCH, optimizer=Optimizer(lr=GPU_LR))
-
-
-def tiny_cpu(moe: bool = False) -> RunConfig:
-    """The default without a GPU: the 4-layer model (``moe``: 4 experts, top-2, for EP on CPU)."""
-    return on_cpu("tiny", moe)
-
-
-def proxy_gpu() -> RunConfig:
-    """The default with a GPU: the real widths at a few layers."""
-    return on_gpu("proxy")
-
-
-def qwen35(variant: str) -> RunConfig:
-    """A released size (``0.8b`` ... ``397b_a17b``) on GPUs, one process a rank of the layout the
-    environment gives (``tools/plan_layout.py`` says which layout fits a cluster)."""
-    return on_gpu(variant)
 
 
 def for_host(variant: str, gpu: bool) -> RunConfig:
