@@ -24,6 +24,7 @@ from examples.multimodal_dev.megatron_changes.table import (
     DEVICE_LAYER_GDN,
     GROUPS,
     ON_USE,
+    OWN_CALL,
     Change,
 )
 
@@ -146,6 +147,30 @@ def test_a_target_megatron_no_longer_has_stops_in_one_line():
         r"'optimizer-formats' was written for megatron-core 0.19.2 and needs re-porting$",
     ):
         changes._apply_row(gone, None)
+
+
+def test_rows_applied_by_their_own_call_are_checked_by_a_run_not_applied(monkeypatch):
+    """A value set by its own call (Dynamo's setting, the writer's queue): ``apply`` refuses its group
+    naming the call, a run stops where its target is gone, and the call sets what its row names."""
+    own = [c for c in CHANGES if c.applies == OWN_CALL]
+    assert {c.group for c in own} == {"compile-for-any-length", "writer-queue-by-fork"}
+    with pytest.raises(
+        megatron_changes.MegatronChangeError,
+        match=r"^'writer-queue-by-fork' is applied by its own call "
+        r"\(examples.multimodal_dev.checkpoint.write_queue:install\), not here$",
+    ):
+        megatron_changes.apply("writer-queue-by-fork")
+    gone = Change(
+        "compile-for-any-length", "torch._dynamo.config:no_such_setting", own[0].replacement, "a test", OWN_CALL
+    )
+    monkeypatch.setattr(changes, "CHANGES", (gone,))
+    with pytest.raises(megatron_changes.MegatronChangeError, match=r"^torch._dynamo.config:no_such_setting: not in"):
+        megatron_changes.install(SimpleNamespace(metrics_file=None))
+    (compile_row,) = [c for c in own if c.group == "compile-for-any-length"]
+    owner, name = changes._owner(compile_row)
+    with torch._dynamo.config.patch(assume_static_by_default=True):  # undone after
+        changes.load(compile_row.replacement)()
+        assert getattr(owner, name) is False
 
 
 def test_another_megatron_core_is_warned_about_once(monkeypatch):

@@ -14,6 +14,9 @@ never touches a device.
 megatron keeps the queue for the life of the process. A process that writes several checkpoints
 (a converter called in-process) may outlive the manager (a test's clean-up, a signal), and every
 later save would then stop on "Broken pipe"; ``install()`` replaces a queue whose manager is gone.
+
+A row of ``megatron_changes`` (group ``writer-queue-by-fork``), applied by this call: it sets a value
+that the table's applier, which wraps functions once a process, does not fit.
 """
 
 from __future__ import annotations

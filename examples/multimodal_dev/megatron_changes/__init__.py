@@ -1,7 +1,9 @@
-"""Every change this project makes to megatron-core, megatron.training, megatron-energon and
-torch.distributed.checkpoint, in one table (``table.py``) applied by one function (``applier.py``).
+"""Every change this project makes to megatron-core, megatron.training, megatron-energon,
+torch.distributed.checkpoint and torch's Dynamo, in one table (``table.py``) applied by one function
+(``applier.py``), but for the values set by their own call, whose rows say where.
 
-    install(args, meter)   the training run: every row that applies to it, in the table's order
+    install(args, meter)   the training run: every row that applies to it, in the table's order (the
+                           targets of the rows applied by their own call checked to exist)
     apply(group)           one group, from the module that needs it (a tool reading a checkpoint,
                            the energon reader, a model with an MTP head under context parallelism)
 

@@ -11,15 +11,17 @@ from .table import CHANGES, GROUPS, WRITTEN_FOR
 
 INTRO = f"""# How this project changes megatron
 
-Every attribute of megatron-core, megatron.training, megatron-energon and
-torch.distributed.checkpoint this project replaces, in the order they are applied. The table is
-`examples/multimodal_dev/megatron_changes/table.py`; this page is its output
+Every attribute of megatron-core, megatron.training, megatron-energon,
+torch.distributed.checkpoint and torch's Dynamo this project replaces or sets, in the order they are
+applied. The table is `examples/multimodal_dev/megatron_changes/table.py`; this page is its output
 (`python -m examples.multimodal_dev.megatron_changes`), and a test keeps the two equal and the
 table equal to what a run installs. Written for megatron-core {WRITTEN_FOR}: another version gets a
 warning naming the groups to re-verify, and a target that no longer exists stops the run naming it.
 
 Replacements are factories `make(original, run)` in the module named; the device layer's rows
-(`megatron.cpu: ...`) name the function `megatron/cpu` puts in place on a host without CUDA.
+(`megatron.cpu: ...`) name the function `megatron/cpu` puts in place on a host without CUDA; the rows
+applied `by its own call` name the function that sets the value, called where the row says (a run
+checks that their targets exist).
 """
 
 

@@ -12,7 +12,7 @@ import importlib
 import inspect
 from types import SimpleNamespace
 
-from .table import CHANGES, EVERY_RUN, GROUPS, NO_FUSED_ADAM, ON_USE, WHEEL, WRITTEN_FOR, Change
+from .table import CHANGES, EVERY_RUN, GROUPS, NO_FUSED_ADAM, ON_USE, OWN_CALL, WHEEL, WRITTEN_FOR, Change
 
 
 class MegatronChangeError(RuntimeError):
@@ -84,6 +84,8 @@ def apply(group: str, run=None) -> None:
     rows = [c for c in CHANGES if c.group == group]
     if rows[0].by_device_layer:
         raise MegatronChangeError(f"'{group}' is applied by megatron.cpu, not here")
+    if rows[0].applies == OWN_CALL:
+        raise MegatronChangeError(f"'{group}' is applied by its own call ({rows[0].replacement}), not here")
     for change in rows:
         if change.applies == ON_USE or _applies(change):
             _apply_row(change, run)
@@ -106,12 +108,14 @@ def _applies(change: Change) -> bool:
 
 
 def install(args, meter=None) -> list[str]:
-    """Every row that applies to a training run, in the table's order; the lines to print (a
-    version warning)."""
+    """Every row that applies to a training run, in the table's order, and the targets of the rows
+    applied by their own call checked to exist; the lines to print (a version warning)."""
     lines = [line] if (line := check_version()) else []
     run = SimpleNamespace(args=args, meter=meter)
     for change in CHANGES:
-        if change.applies != ON_USE and _applies(change):
+        if change.applies == OWN_CALL:
+            _owner(change)
+        elif change.applies != ON_USE and _applies(change):
             _apply_row(change, run)
     return lines
 

@@ -1,24 +1,29 @@
-"""The table: every attribute of megatron-core, megatron.training, megatron-energon and
-torch.distributed.checkpoint this project replaces, what replaces it, why, and when.
+"""The table: every attribute of megatron-core, megatron.training, megatron-energon,
+torch.distributed.checkpoint and torch's Dynamo this project replaces or sets, what replaces it, why,
+and when.
 
 One row per replaced attribute, in the order they are applied (rows of one target wrap each other
 in that order: the later row is outermost). ``target`` and ``replacement`` are ``module:attribute``;
 a replacement is a factory ``make(original, run) -> new`` (``run``: the run's args and meter, or
 what the group's caller hands ``apply``), except in the device layer's rows, which
-``megatron.cpu`` applies itself and which name the function that is put in place.
+``megatron.cpu`` applies itself and which name the function that is put in place, and in the rows
+applied by their own call, which name the function that makes the change.
 
 ``applies`` says when:
     every run                 ``install(args, ...)`` applies it to every training run
     without Apex or TE        ... when megatron-core has no fused Adam (torch's Adam)
     megatron-core wheel       ... when the wheel's prebuilt dataset helpers import
     on use                    the module that needs it calls ``apply(group)`` (named in ``why``)
+    by its own call           the function named sets a value, not a function to wrap (a queue
+                              made again when its manager is gone, a setting read before megatron
+                              is imported), called where ``why`` says; ``install`` checks that its
+                              target exists
     megatron.cpu: ...         the device layer applies it (a CPU host; torch GDN kernels)
 
 Not in the table, because they change no behaviour of megatron: the process groups the vision
 tower's own ranks set as megatron's ``parallel_state`` globals (``vision_ranks/groups.py``: state megatron
-reads, like ``initialize_model_parallel`` sets), the checkpoint writer's results queue made early
-by megatron's own function (``checkpoint/write_queue.py``), and the device layer's stubs of
-``torch.cuda`` (``megatron/cpu/device_compat.py``).
+reads, like ``initialize_model_parallel`` sets), and the device layer's stubs of ``torch.cuda``
+(``megatron/cpu/device_compat.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 WRITTEN_FOR = "0.19.2"  # the megatron-core every row was written against and tested with
 
 EVERY_RUN, NO_FUSED_ADAM, WHEEL, ON_USE = "every run", "without Apex or TE", "megatron-core wheel", "on use"
+OWN_CALL = "by its own call"
 DEVICE_LAYER_CPU, DEVICE_LAYER_GDN = "megatron.cpu: CPU host", "megatron.cpu: no FLA kernels"
 
 
@@ -330,6 +336,29 @@ CHANGES: tuple[Change, ...] = (
         "megatron.training.training:post_training_step_callbacks",
         f"{_P}training.gen_eval:evaluated_callbacks",
         "every --gen-eval-interval iterations, validation conversations answered by generation and scored",
+    ),
+    # Values set rather than functions wrapped: applied by their own call, where each says.
+    Change(
+        "compile-for-any-length",
+        "torch._dynamo.config:assume_static_by_default",
+        f"{_P}training.compile_once:compile_for_any_length",
+        "megatron-core's torch.compile'd helpers (jit_fuser: GDN's gated norm, SwiGLU, bias-dropout-add) "
+        "compiled for the first call's shapes, then again for dynamic ones at the next packed row's length "
+        "(iterations 1 and 2 took 40 s and 21 s on an H200); False: compiled once, for any length. "
+        "Process-wide (only megatron-core's helpers compile in a training run); set by "
+        "pretrain_multimodal.py before megatron is imported",
+        OWN_CALL,
+    ),
+    Change(
+        "writer-queue-by-fork",
+        "megatron.core.dist_checkpointing.strategies.filesystem_async:_results_queue",
+        f"{_P}checkpoint.write_queue:install",
+        "the torch_dist writer's results queue was made at a rank's first save by a spawned manager, a new "
+        "interpreter importing torch, megatron-core and this example again (about 8 s of CPU a rank, all "
+        "at once); megatron's own get_write_results_queue(mp_mode='fork') makes it at the run's start, "
+        "before any thread (pretrain_multimodal.py where --save is given; checkpoint/files.py before a "
+        "model-only save), and again where its manager is gone",
+        OWN_CALL,
     ),
     Change(
         "mtp-under-cp",

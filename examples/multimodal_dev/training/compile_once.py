@@ -11,6 +11,9 @@ call, 9 in the first step and none after (tests/unit/test_compile_once.py).
 
 Inductor keeps what it compiled in ``TORCHINDUCTOR_CACHE_DIR`` (``/tmp/torchinductor_<user>`` by
 default): pointed at storage that outlives the node, later runs load instead of compiling.
+
+A row of ``megatron_changes`` (group ``compile-for-any-length``), applied by this call: a setting read
+before megatron is imported, earlier than the table's applier runs.
 """
 
 from __future__ import annotations
