@@ -141,9 +141,6 @@ def test_lora_variables_reach_their_flags_on_the_local_backend():
 
 
 # Read by the process the launch starts (launcher/torchrun.py)
-LAUNCHER_VARIABLES = {"FORK_RANKS": "torchrun.py"}
-
-
 def test_the_readme_variable_table_is_the_launchers_table():
     with open(os.path.join(ROOT, "README.md")) as f:
         assert run_variables.markdown() in f.read(), "README.md's variable table differs from launcher/variables.py"
@@ -184,16 +181,53 @@ def test_lora_on_te_experts_runs_them_as_sequential_mlp():
         assert config.backend.grouped_experts is grouped, impl
 
 
-def test_every_variable_in_the_table_sets_a_field_of_the_run_or_is_read_by_torchrun():
-    """The table, the run's typed fields and the launch's parsers name the same variables: a row
-    without a field would be read by nothing, a field without a row would be a setting no user sees."""
-    for name, module in LAUNCHER_VARIABLES.items():
-        with open(os.path.join(ROOT, "examples", "multimodal_dev", "launcher", module)) as f:
-            assert f'"{name}"' in f.read(), (name, module)
-    fields = set(run_config.variable_fields())
-    assert fields | set(LAUNCHER_VARIABLES) == run_variables.NAMES, sorted(run_variables.NAMES ^ fields)
-    assert set(from_env.READ_BY_TORCHRUN) == set(LAUNCHER_VARIABLES)
-    assert set(from_env.PARSERS) | set(from_env.CHOOSE_THE_MODEL) == fields, sorted(fields ^ set(from_env.PARSERS))
+ADDED = """
+    beta2_var: float = variable(
+        "ADAM_BETA2", 0.95, parse=p.positive_number("0.95"), doc=("0.95", "AdamW's beta2"), flag="--adam-beta2-x"
+    )
+"""
+PROBE = """
+import json, sys
+from examples.multimodal_dev.launcher import launch, variables
+from examples.multimodal_dev.launcher.from_env import Host
+from examples.multimodal_dev.launcher.run_config import LaunchError
+out = {"table": variables.markdown(), "refused": launch.VARIABLE_OF_FLAG.get("--adam-beta2-x")}
+out["argv"] = launch.prepare({"ADAM_BETA2": "0.9", "DRY_RUN": "1"}, [], Host(False), launch.Launch()).torchrun
+for environ in ({"ADAM_BETA2": "x"}, {"ADAM_BETA": "0.9"}):
+    try:
+        launch.prepare(environ, [], Host(False), launch.Launch())
+    except LaunchError as err:
+        out.setdefault("errors", []).append(str(err))
+print(json.dumps(out))
+"""
+
+
+def test_a_setting_declared_in_one_place_is_in_the_table_the_flags_and_the_refusals(tmp_path):
+    """One field added to a copy of ``run_config.py`` (nothing else edited): README's row, the parse that
+    names the variable, megatron's flag, the extra flag refused, and its near misses refused."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    package = tmp_path / "examples" / "multimodal_dev"
+    shutil.copytree(os.path.join(ROOT, "examples"), tmp_path / "examples", ignore=shutil.ignore_patterns("__pycache__"))
+    declarations = package / "launcher" / "run_config.py"
+    text = declarations.read_text()
+    anchor = "    min_lr_ratio: float = 0.1\n"
+    declarations.write_text(text.replace(anchor, ADDED.lstrip("\n") + anchor, 1))
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    assert "| `ADAM_BETA2` | 0.95 | AdamW's beta2 |" in out["table"]
+    assert out["refused"] == "ADAM_BETA2"
+    assert out["argv"][-2:] == ["--adam-beta2-x", "0.9"], out["argv"]
+    assert out["errors"] == [
+        "ADAM_BETA2=x: expected a positive number such as 0.95",
+        "ADAM_BETA is not a variable of the script's: did you mean ADAM_BETA2? (a variable of your own that "
+        "looks like one: UNCHECKED_VARIABLES=ADAM_BETA)",
+    ]
 
 
 def test_the_launch_reads_the_environment_through_the_table_only():
@@ -233,6 +267,15 @@ def test_the_video_limits_are_those_of_a_records_own_keys():
         (dict(LORA_RANK="-4"), "LORA_RANK=-4 must be 0 \\(off\\) or a positive rank"),
         (dict(LORA_ALPHA=8), "LORA_ALPHA=8 without LORA_RANK: there are no adapters \\(set LORA_RANK\\)"),
         (dict(LORA_TARGETS="in_proj"), "LORA_TARGETS=in_proj without LORA_RANK: there are no adapters"),
+        (dict(LORA_BASE="/base"), "LORA_BASE=/base without LORA_RANK: there are no adapters"),
+        (dict(DATA_PATH="/d.jsonl"), "DATA_PATH=/d.jsonl with DATASET=mock: the mock data reads no files"),
+        (dict(DATASET="mock_mix", HF_PROCESSOR_PATH="/p"), "HF_PROCESSOR_PATH=/p with DATASET=mock_mix"),
+        (dict(TRAIN_ITER=7), "TRAIN_ITER is not a variable of the script's: did you mean TRAIN_ITERS\\? \\(a var"),
+        (dict(train_iters=7), "train_iters is not a variable of the script's: did you mean TRAIN_ITERS"),
+        (dict(LORA_RANKS=4), "LORA_RANKS is not a variable of the script's: did you mean LORA_RANK\\?"),
+        (dict(CKPT_SAVED="/s"), "CKPT_SAVED is not a variable of the script's: did you mean CKPT_SAVE\\?"),
+        (dict(FSPD=1), "FSPD is not a variable .* did you mean FSDP\\? .*UNCHECKED_VARIABLES=FSPD\\)$"),
+        (dict(FSPD=1, UNCHECKED_VARIABLES="X,FSPD", TRAIN_ITER=1), "TRAIN_ITER is not a variable"),
         (dict(DATASET="jsonl"), "DATASET=jsonl needs DATA_PATH"),
         (dict(STRICT_DATA="1"), "apply to DATASET=jsonl \\(and energon\\) only \\(DATASET=mock\\)"),
         (
@@ -438,6 +481,16 @@ def test_resume_with_a_starting_checkpoint_loads_it_while_the_resume_directory_i
     flags = _flags(out)
     assert rc == 0 and flags["pretrained_checkpoint"] == str(tmp_path / "start")
     assert flags["load"] == flags["save"] == str(tmp_path / "run") and "finetune" not in flags
+
+
+def test_a_save_folder_beside_the_resume_folder_gets_the_saves_and_a_deliberate_name_passes(tmp_path):
+    """CKPT_SAVE with CKPT_RESUME: resumed from CKPT_RESUME, saved to CKPT_SAVE (it had gone into the
+    resumed folder); a variable of the user's listed in UNCHECKED_VARIABLES is not taken for a misspelling."""
+    rc, out, err = _script(
+        CKPT_RESUME=str(tmp_path / "run"), CKPT_SAVE=str(tmp_path / "next"), FSPD=1, UNCHECKED_VARIABLES="FSPD"
+    )
+    flags = _flags(out)
+    assert rc == 0 and flags["load"] == str(tmp_path / "run") and flags["save"] == str(tmp_path / "next"), err
 
 
 @pytest.mark.parametrize(

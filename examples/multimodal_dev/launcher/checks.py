@@ -6,7 +6,6 @@ the model's shape and the host, and answers None or one line naming the variable
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import fields
 
 from ..models import ModelShape, model_of
 from ..models.setting_names import FSDP_REFUSALS, VARIABLES, schedule_problem
@@ -14,7 +13,7 @@ from ..planner.pipeline_layout import stage_layers
 from ..vision_ranks.layout import env_table
 from . import megatron_argv
 from .from_env import Host, lora_on_experts
-from .run_config import Data, LaunchError, RunConfig
+from .run_config import MOCK_DATASETS, LaunchError, RunConfig
 from .variables import limit_problem
 
 Check = Callable[[RunConfig, ModelShape, Host], "str | None"]
@@ -105,13 +104,16 @@ def vision_table(config: RunConfig, shape: ModelShape) -> list[str]:
     return env_table(*args)
 
 
-# the user's-data variables: those of the Data fields megatron_argv.OWN_DATA turns into flags
-OWN_DATA = tuple(f.metadata["variable"] for f in fields(Data) if f.name in dict(megatron_argv.OWN_DATA))
+OWN_DATA = megatron_argv.OWN_DATA  # the user's-data variables
 
 
 def data(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
     """The files a dataset needs, and the user's-data variables where they apply."""
     d, given = config.data, config.variables()
+    if d.dataset in MOCK_DATASETS:  # made in the run: a path given would be dropped without a word
+        for name in ("DATA_PATH", "HF_PROCESSOR_PATH"):
+            if given[name]:
+                return f"{name}={given[name]} with DATASET={d.dataset}: the mock data reads no files (set DATASET)"
     if d.dataset in ("cord_v2", "jsonl", "energon"):
         for name in ("DATA_PATH", "HF_PROCESSOR_PATH"):
             if not given[name]:
@@ -129,8 +131,9 @@ def data(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
 
 
 def lora(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
-    """LORA_ALPHA and LORA_TARGETS would be dropped without adapters, and every weight would train."""
-    for name, value in (("LORA_ALPHA", config.lora.alpha), ("LORA_TARGETS", config.lora.targets)):
+    """LORA_ALPHA, LORA_TARGETS and LORA_BASE would be dropped without adapters, and every weight would train."""
+    lora = config.lora
+    for name, value in (("LORA_ALPHA", lora.alpha), ("LORA_TARGETS", lora.targets), ("LORA_BASE", lora.base)):
         if value and not config.lora.rank:
             return f"{name}={value} without LORA_RANK: there are no adapters (set LORA_RANK)"
     return None

@@ -8,7 +8,6 @@ The model comes first: it picks the recipe (``HF_CONFIG``, the import's ``hf_con
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -16,10 +15,9 @@ from typing import Any
 from ..lora.targets import DEFAULT_TARGETS
 from ..models import DEFAULT_ARCH, ModelShape, get_model_entry
 from . import recipes, slurm
-from .run_config import LaunchError, Model, RunConfig, variable_fields
-from .variables import NAMES
-
-DATASETS = ("mock", "mock_mix", "mock_video", "cord_v2", "jsonl", "energon")
+from .parsers import names, switch
+from .run_config import LaunchError, Model, RunConfig, settings
+from .variables import NAMES, misspelt
 
 
 @dataclass(frozen=True)
@@ -41,124 +39,8 @@ class Environment:
         return self.environ.get(name) or self.step.get(name)
 
 
-def _positive(name: str, text: str) -> int:
-    if not re.fullmatch(r"[1-9][0-9]*", text):
-        raise LaunchError(f"{name}={text} must be a positive integer")
-    return int(text)
-
-
-def _count(what: str) -> Callable[[str, str], int]:
-    def parse(name: str, text: str) -> int:
-        if not re.fullmatch(r"[0-9]+", text):
-            raise LaunchError(f"{name}={text} must be a number of {what}")
-        return int(text)
-
-    return parse
-
-
-def _non_negative(name: str, text: str) -> int:
-    if not re.fullmatch(r"0|[1-9][0-9]*", text):
-        raise LaunchError(f"{name}={text} must be a non-negative integer")
-    return int(text)
-
-
-def _lora_rank(name: str, text: str) -> int:
-    if not re.fullmatch(r"0|[1-9][0-9]*", text):
-        raise LaunchError(f"{name}={text} must be 0 (off) or a positive rank")
-    return int(text)
-
-
-def _switch(meaning: str = "") -> Callable[[str, str], bool]:
-    def parse(name: str, text: str) -> bool:
-        if text not in ("0", "1"):
-            raise LaunchError(f"{name}={text}: expected 0 or 1{meaning}")
-        return text == "1"
-
-    return parse
-
-
-def _one_of(*choices: str, message: str = "") -> Callable[[str, str], str]:
-    def parse(name: str, text: str) -> str:
-        if text not in choices:
-            raise LaunchError(f"{name}={text}{message or ': expected ' + ' or '.join(choices)}")
-        return text
-
-    return parse
-
-
-def _lr(name: str, text: str) -> str:
-    if not re.fullmatch(r"([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?", text):
-        raise LaunchError(f"{name}={text}: expected a number such as 1e-4")
-    # the pattern admits 1e999, which is inf in fp32 and in Python alike: the first step would turn every weight NaN
-    if not 0 <= float(text) < 1e38:
-        raise LaunchError(f"{name}={text}: expected a finite learning rate")
-    return text
-
-
-def _fraction(name: str, text: str) -> str:
-    if not re.fullmatch(r"0?\.[0-9]+|0", text):
-        raise LaunchError(f"{name}={text}: expected a fraction below 1, such as 0.02")
-    return text
-
-
-def _fps(name: str, text: str) -> str:
-    if not (re.fullmatch(r"([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?", text) and 0 < float(text) < 1e38):
-        raise LaunchError(f"{name}={text}: expected a positive number such as 2, 0.5 or 5e-1")
-    return text
-
-
-def _text(name: str, text: str) -> str:
-    return text
-
-
-# Each variable's parser, in the order a user meets them (the first malformed one is named)
-PARSERS: dict[str, Callable[[str, str], Any]] = {
-    **dict.fromkeys(("TP", "CP", "EP", "PP"), _positive),
-    "VISION_NPROC": _non_negative,
-    "LORA_RANK": _lora_rank,
-    "PACKING": _one_of("samples", "tokens"),
-    **dict.fromkeys(("ETP", "VP", "NPROC", "TRAIN_ITERS", "MBS", "GBS", "SEQ_LEN", "PACKED_SEQ_LENGTH"), _positive),
-    **dict.fromkeys(("VISION_TP", "SAVE_INTERVAL"), _positive),
-    **dict.fromkeys(("PP_FIRST", "PP_LAST"), _count("decoder layers")),
-    **dict.fromkeys(("LR_WARMUP_ITERS", "LR_DECAY_ITERS"), _count("iterations")),
-    "SP": _switch(),
-    "FSDP": _switch(),
-    "PACKED": lambda name, text: (
-        _one_of("0", "1", message=": expected 0 (padded BSHD) or 1 (THD packing)")(name, text) == "1"
-    ),
-    "LR": _lr,
-    "DATASET": _one_of(*DATASETS, message=f" must be {', '.join(DATASETS[:-1])} or {DATASETS[-1]}"),
-    **dict.fromkeys(("STRICT_DATA", "REMOTE_MEDIA", "MEDIA_ANYWHERE"), _switch()),
-    "VALID_FRACTION": _fraction,
-    "VIDEO_FPS": _fps,
-    **dict.fromkeys(("VIDEO_MAX_FRAMES", "VIDEO_MAX_PIXELS"), _positive),
-    "MTP": _switch(" (Qwen3.5 has one MTP layer)"),
-    "GROUPED_EXPERTS": _switch(" (1: grouped GEMM experts, 0: SequentialMLP)"),
-    "MOE_DISPATCHER": _one_of("allgather", "alltoall"),
-    "TRANSFORMER_IMPL": _one_of("transformer_engine", "local"),
-    **dict.fromkeys(("MASTER_PORT", "GPUS", "NNODES", "JOIN_TIMEOUT", "COLLECTIVE_TIMEOUT"), _positive),
-    "NODE_RANK": _non_negative,
-    "DRY_RUN": _switch(),
-    **dict.fromkeys(
-        (
-            "DATA_PATH",
-            "HF_PROCESSOR_PATH",
-            "VALID_DATA_PATH",
-            "MEDIA_ROOT",
-            "CKPT_LOAD",
-            "CKPT_SAVE",
-            "CKPT_RESUME",
-            "LORA_ALPHA",
-            "LORA_TARGETS",
-            "LORA_BASE",
-            "MASTER_ADDR",
-        ),
-        _text,
-    ),
-}
-# Read before the recipe exists (they choose it), or by the processes the launch starts
+# Read before the recipe exists: they choose it
 CHOOSE_THE_MODEL = ("MODEL_VARIANT", "HF_CONFIG", "MOE")
-READ_BY_TORCHRUN = ("FORK_RANKS",)
 
 
 def choose_model(env: Environment, host: Host, said: list[str]) -> tuple[RunConfig, ModelShape]:
@@ -175,7 +57,7 @@ def choose_model(env: Environment, host: Host, said: list[str]) -> tuple[RunConf
     elif not variant:
         variant = "proxy" if host.gpu else "tiny"
         said.append(f"MODEL_VARIANT not set; using '{variant}' ({'GPU found' if host.gpu else 'no GPU'})")
-    moe = _switch()("MOE", env.get("MOE") or "0")
+    moe = switch()("MOE", env.get("MOE") or "0")
     config = recipes.for_host(variant, host.gpu)
     what = f"HF_CONFIG={hf_config}" if hf_config else "MOE=1" if moe else f"MODEL_VARIANT={variant}"
     if hf_config:
@@ -201,13 +83,11 @@ def shape_of(model: Model) -> ModelShape:
 
 def overlay(config: RunConfig, env: Environment) -> RunConfig:
     """``config`` with every variable set in the environment, each parsed into its field's type."""
-    where = variable_fields()
     changes: dict[str, dict[str, Any]] = {}
-    for name, parse in PARSERS.items():
-        text = env.get(name)
-        if text is not None:
-            section, attribute = where[name]
-            changes.setdefault(section, {})[attribute] = parse(name, text)
+    for section, attribute, setting in settings():  # in the order declared: the first malformed one is named
+        text = env.get(setting.name)
+        if text is not None and setting.name not in CHOOSE_THE_MODEL:
+            changes.setdefault(section, {})[attribute] = setting.parse(setting.name, text)
     if env.get("PACKING") == "tokens" and env.get("MBS") is None:
         changes.setdefault("batch", {})["mbs"] = 1  # a micro-batch is one row
     return replace(config, **{s: replace(getattr(config, s), **c) for s, c in changes.items()})
@@ -246,6 +126,8 @@ def from_env(environ: Mapping[str, str], host: Host, said: list[str]) -> tuple[R
     """(the run, the model's shape, what to say once the checks pass); ``said`` gets what to say
     before them. LaunchError names the first variable that is malformed."""
     env, after = Environment(environ), []
+    if line := misspelt(environ, names("UNCHECKED_VARIABLES", env.get("UNCHECKED_VARIABLES") or "")):
+        raise LaunchError(line)
     try:
         env.step = slurm.step_nodes(environ)
     except ValueError as err:

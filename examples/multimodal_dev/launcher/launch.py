@@ -23,39 +23,13 @@ from .checks import validate, vision_table
 from .from_env import Host, from_env, resolve, shape_of
 from .megatron_argv import said_after_checks, to_megatron_argv, torchrun_argv
 from .run_config import LaunchError, RunConfig
+from .variables import SETTINGS
 
 PROG = "run_qwen35_vl.sh"
 # Extra flags come last and win in megatron's parser, but the launcher sizes the processes, the LR
 # schedule and its tables from these variables: a flag that replaced one would run a layout other
 # than the one checked and printed (--vision-nproc 1 left no rank for the language model).
-VARIABLE_OF_FLAG = {
-    "--tensor-model-parallel-size": "TP",
-    "--context-parallel-size": "CP",
-    "--expert-model-parallel-size": "EP",
-    "--expert-tensor-parallel-size": "ETP",
-    "--pipeline-model-parallel-size": "PP",
-    "--num-virtual-stages-per-pipeline-rank": "VP",
-    "--decoder-first-pipeline-num-layers": "PP_FIRST",
-    "--decoder-last-pipeline-num-layers": "PP_LAST",
-    "--sequence-parallel": "SP",
-    "--use-megatron-fsdp": "FSDP",
-    "--vision-tensor-parallel-size": "VISION_TP",
-    "--vision-nproc": "VISION_NPROC",
-    "--micro-batch-size": "MBS",
-    "--global-batch-size": "GBS",
-    "--seq-length": "SEQ_LEN",
-    "--train-iters": "TRAIN_ITERS",
-    "--lr": "LR",
-    "--packing": "PACKING",
-    "--packed-seq-length": "PACKED_SEQ_LENGTH",
-    "--dataset-provider": "DATASET",
-    "--transformer-impl": "TRANSFORMER_IMPL",
-    "--lora-rank": "LORA_RANK",
-    "--lora-alpha": "LORA_ALPHA",
-    "--lora-targets": "LORA_TARGETS",
-    "--moe-grouped-gemm": "GROUPED_EXPERTS",
-    "--moe-token-dispatcher-type": "MOE_DISPATCHER",
-}
+VARIABLE_OF_FLAG = {setting.flag: setting.name for setting in SETTINGS if setting.flag}
 
 
 @dataclass

@@ -13,21 +13,48 @@ from ..models import DEFAULT_ARCH
 from .from_env import Host, lora_on_experts
 from .roll_call import BACKEND
 from .run_config import RunConfig
+from .variables import SETTINGS
 
 MODULE = "examples.multimodal_dev.pretrain_multimodal"
 DEFAULT_PORT = 29500  # where several nodes meet unless MASTER_PORT says otherwise: every node must agree
-# the user's-data settings: (field of Data, flag); a switch adds its flag alone
-OWN_DATA = (
-    ("valid_data_path", "--eval-data-path"),
-    ("valid_fraction", "--valid-fraction"),
-    ("media_root", "--media-root"),
-    ("strict", "--strict-data"),
-    ("remote_media", "--allow-remote-media"),
-    ("media_anywhere", "--allow-media-anywhere"),
-    ("video_fps", "--video-fps"),
-    ("video_max_frames", "--video-max-frames"),
-    ("video_max_pixels", "--video-max-pixels"),
+FLAG = {setting.name: setting.flag for setting in SETTINGS if setting.flag}  # run_config.py's declarations
+# The variables whose flags are one-to-one, written where megatron's command shows them: a value as
+# it is, a switch as its flag alone, unset and off not at all
+SIZES = ("TP", "CP", "EP", "ETP", "PP", "MBS", "GBS")
+OWN_DATA = (  # the user's-data settings
+    *("VALID_DATA_PATH", "VALID_FRACTION", "MEDIA_ROOT", "STRICT_DATA", "REMOTE_MEDIA", "MEDIA_ANYWHERE"),
+    *("VIDEO_FPS", "VIDEO_MAX_FRAMES", "VIDEO_MAX_PIXELS"),
 )
+DATA = ("DATA_PATH", "HF_PROCESSOR_PATH")
+LORA = ("LORA_RANK", "LORA_ALPHA", "LORA_TARGETS", "LORA_BASE")
+# The variables whose flags the functions below write in a form of their own (a switch that is the
+# flag's absence, a flag only past its default, a value resolved from others)
+WRITTEN_BELOW = (
+    *("SEQ_LEN", "TRAIN_ITERS", "LR", "LR_WARMUP_ITERS", "LR_DECAY_ITERS", "DATASET", "PACKING", "PACKED_SEQ_LENGTH"),
+    *("VP", "PP_FIRST", "PP_LAST", "SP", "FSDP", "VISION_TP", "VISION_NPROC"),
+    *("GROUPED_EXPERTS", "MOE_DISPATCHER", "TRANSFORMER_IMPL"),
+)
+# The rest, written after them: a variable declared with a flag reaches megatron with nothing written here
+ONE_TO_ONE_REST = tuple(name for name in FLAG if name not in {*SIZES, *OWN_DATA, *DATA, *LORA, *WRITTEN_BELOW})
+
+
+def _resolved(config: RunConfig) -> dict[str, object]:
+    """Each variable's value as the run uses it: the derived ones followed."""
+    values = config.variables()
+    values["ETP"] = config.layout.expert_tp
+    return values
+
+
+def one_to_one(config: RunConfig, names: tuple[str, ...]) -> list[str]:
+    """The flags of ``names`` (variables declared with a flag), in that order."""
+    values, flags = _resolved(config), []
+    for name in names:
+        value = values[name]
+        if value is True:
+            flags.append(FLAG[name])
+        elif value not in (None, False):
+            flags += [FLAG[name], str(value)]
+    return flags
 
 
 def _pairs(*pairs: tuple[str, object]) -> list[str]:
@@ -56,17 +83,6 @@ def _schedule(config: RunConfig) -> list[str]:
     ]
 
 
-def _own_data(config: RunConfig) -> list[str]:
-    flags: list[str] = []
-    for name, flag in OWN_DATA:
-        value = getattr(config.data, name)
-        if value is True:
-            flags.append(flag)
-        elif value not in (None, False):
-            flags += [flag, str(value)]
-    return flags
-
-
 def _layout(config: RunConfig) -> list[str]:
     lay, b = config.layout, config.batch
     flags = [] if b.packed else ["--no-packed-sequence"]
@@ -89,15 +105,8 @@ def _layout(config: RunConfig) -> list[str]:
 
 
 def _data_and_lora(config: RunConfig) -> list[str]:
-    d, lora = config.data, config.lora
-    flags = _pairs(("--data-path", d.data_path)) if d.data_path else []
-    flags += _pairs(("--hf-processor-path", d.hf_processor_path)) if d.hf_processor_path else []
-    if lora.rank:  # the training script checks the values (lora/targets.py)
-        flags += _pairs(("--lora-rank", lora.rank))
-        flags += _pairs(("--lora-alpha", lora.alpha)) if lora.alpha else []
-        flags += _pairs(("--lora-targets", lora.targets)) if lora.targets else []
-        flags += _pairs(("--lora-base", lora.base)) if lora.base else []
-    return flags
+    # LORA_RANK=0 writes no flag; the checks refuse the others without it
+    return one_to_one(config, DATA) + (one_to_one(config, LORA) if config.lora.rank else [])
 
 
 def _experts(config: RunConfig) -> list[str]:
@@ -130,7 +139,7 @@ def _checkpoints(config: RunConfig) -> list[str]:
         )
     # CKPT_LOAD with CKPT_RESUME: the first run starts from CKPT_LOAD's weights (megatron loads
     # --pretrained-checkpoint, as --finetune, while the resume directory holds no checkpoint); later runs resume
-    flags = _pairs(("--load", c.resume), ("--save", c.resume), ("--save-interval", interval))
+    flags = _pairs(("--load", c.resume), ("--save", c.save or c.resume), ("--save-interval", interval))
     flags += ["--pretrained-checkpoint", c.load] if c.load else []
     if resumes_saved(config):
         # megatron refuses a schedule that differs from the checkpoint's: keep the saved one (a longer
@@ -144,30 +153,22 @@ def to_megatron_argv(config: RunConfig, host: Host) -> list[str]:
     """The training script's arguments for a checked, resolved run (``launch.argv_of`` makes one)."""
     if config.backend.transformer_impl is None:
         raise ValueError("the run is not resolved for a host (launch.argv_of resolves and checks it)")
-    lay, b = config.layout, config.batch
+    b = config.batch
     named = _pairs(
         ("--model-arch", DEFAULT_ARCH), ("--model-variant", config.model.variant), ("--seq-length", b.seq_len)
     )
-    sizes = _pairs(
-        ("--tensor-model-parallel-size", lay.tp),
-        ("--context-parallel-size", lay.cp),
-        ("--expert-model-parallel-size", lay.ep),
-        ("--expert-tensor-parallel-size", lay.expert_tp),
-        ("--pipeline-model-parallel-size", lay.pp),
-        ("--micro-batch-size", b.mbs),
-        ("--global-batch-size", b.gbs),
-    )
     return [
         *named,
-        *sizes,
+        *one_to_one(config, SIZES),
         *_schedule(config),
         *_model(config),
-        *_own_data(config),
+        *one_to_one(config, OWN_DATA),
         *_layout(config),
         *_data_and_lora(config),
         *_experts(config),
         *_backend(config, host),
         *_checkpoints(config),
+        *one_to_one(config, ONE_TO_ONE_REST),
     ]
 
 
