@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from .parsers import Written
 from .run_config import Batch, Model, Optimizer, RunConfig
 
 CPU_BATCH = Batch(train_iters=30, mbs=2, gbs=4, seq_len=1024)
 GPU_BATCH = Batch(train_iters=20, mbs=1, gbs=8, seq_len=4096)
-CPU_LR, GPU_LR = "2e-3", "1e-4"
+CPU_LR, GPU_LR = Written("2e-3"), Written("1e-4")  # printed as written
 
 
 def on_cpu(variant: str) -> RunConfig:
