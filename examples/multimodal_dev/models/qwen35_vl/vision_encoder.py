@@ -83,6 +83,7 @@ class PatchMerger(MegatronModule):
             bias=True,
             gather_output=False,
             skip_bias_add=False,
+            is_expert=False,  # a required keyword of megatron-core's TE wrappers (the local linears default it)
             tp_group=tp_group,
         )
         self.linear_fc2 = row(
@@ -93,6 +94,7 @@ class PatchMerger(MegatronModule):
             bias=True,
             input_is_parallel=True,
             skip_bias_add=False,
+            is_expert=False,
             tp_group=tp_group,
         )
 
