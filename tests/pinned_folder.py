@@ -5,7 +5,7 @@ environment: flash-linear-attention (``.fla/``, ``fla_cpu/fla_install.py``) and 
 The wheels are installed without dependencies into ``FOLDER/lib``. ``FOLDER/pins.txt``, written last,
 records what ``lib/`` holds; with the same pins nothing runs. A failed install (no package index, a
 ``WHEELHOUSE`` without these wheels) leaves one line in ``FOLDER/failed.txt``, which the tests that
-need the tool give as their skip reason.
+need the tool report: FLA's kernel tests skip with it, the lint and type checks fail with it.
 """
 
 from __future__ import annotations
@@ -119,5 +119,5 @@ class PinnedFolder:
             flush=True,
         )
         failure = self.install()
-        if failure:  # the tests that need it skip with this line; the rest of the suite runs
+        if failure:  # the tests that need it report this line (skipped or failed); the rest of the suite runs
             print(f"[{tag}] {failure}", file=sys.stderr, flush=True)

@@ -6,7 +6,8 @@ source "$REPO_ROOT/tools/bootstrap_env.sh"
 # FLA, for its kernels' check on CPU under Triton's interpreter, goes to a folder of its own (.fla/);
 # when it cannot be installed those tests skip with the reason and the rest of the suite runs.
 "$PY" "$REPO_ROOT/tests/fla_cpu/fla_install.py" || true
-# The linter (ruff) likewise goes to .lint/, for tests/unit/test_lint.py; offline, that test skips with the reason.
+# The linter and type checker (ruff, pyrefly) go to .lint/, for tests/unit/test_lint.py; where they cannot be
+# installed those tests fail with the reason (a check that cannot run has not passed).
 "$PY" "$REPO_ROOT/tests/lint_install.py" || true
 cd "$REPO_ROOT"
 # TEST_WORKERS pytest-xdist workers [2]: an engine test's launch leaves cores idle while its processes

@@ -61,7 +61,7 @@ def model_provider(
         pre_process=pre_process,
         post_process=post_process,
         vp_stage=vp_stage,
-        module=separate and separate.role,
+        module=separate.role if separate else None,
     )
     if separate:  # the tower as a stage of its own, or the language model fed its features
         model = own_ranks_module(model, separate)

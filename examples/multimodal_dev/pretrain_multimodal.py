@@ -16,6 +16,7 @@ megatron's behaviour is installed here from one table (``megatron_changes/table.
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 if __name__ == "__main__":  # a run: the imports make ~0.8M objects and little garbage; collecting as they go costs ~1 s
     gc.disable()  # main() turns collection back on, without those objects (gc.freeze)
@@ -68,7 +69,7 @@ def main() -> None:
         say(line)
     if args.save:
         write_queue.install()  # the writer's queue from a fork now, not a spawned interpreter at the first save
-    grids = {}
+    grids: dict[str, Any] = {}
     if args.vision_nproc:  # both modules' process grids, made before megatron starts (vision_ranks/groups.py)
         layout = vision_ranks.setup(args)
         grids = dict(

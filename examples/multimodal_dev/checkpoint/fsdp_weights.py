@@ -31,7 +31,7 @@ def _grouped(key: str) -> tuple[str, int] | None:
 
 def weight_sources(model, stored: dict) -> dict[str, tuple[str, int | None]]:
     """Checkpoint key of each model weight -> (the key holding it, its expert's row there or None)."""
-    out = {}
+    out: dict[str, tuple[str, int | None]] = {}
     for key in _requested(model):
         grouped = _grouped(key)
         out[key] = grouped if key not in stored and grouped and grouped[0] in stored else (key, None)
@@ -109,7 +109,7 @@ def save_weights(model, args, iteration: int, directory: str, fill=None) -> None
                 return super().resolve_data(write_item)
             if None in rows:
                 return fill(rows[None]).detach().float().contiguous()
-            return torch.stack([fill(rows[e]).detach().float() for e in sorted(rows)])
+            return torch.stack([fill(rows[e]).detach().float() for e in sorted(e for e in rows if e is not None)])
 
     model_part = {k[len("model.") :]: t for k, t in meta.items()}
     state = {"model": model_part, "args": args, "checkpoint_version": 3.0, "iteration": iteration}

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from examples.multimodal_dev.models import DEFAULT_ARCH, get_model_entry, model_of
+from examples.multimodal_dev.models import DEFAULT_ARCH, ModelShape, get_model_entry, model_of
 
 from ..megatron_changes import apply
 from . import fsdp_weights
@@ -158,7 +158,7 @@ class OpenedCheckpoint:
     """A Megatron checkpoint described and checked, its weights not read."""
 
     model: torch.nn.Module  # its shape's model (weightless, or the ``build`` given), with the run's adapters
-    shape: object
+    shape: ModelShape
     config: dict | None  # the Hugging Face config.json it was made from, if known
     stored: dict  # DCP's index: checkpoint key -> metadata (a LoRA base's keys merged in)
     stored_dtypes: dict  # model name -> the dtype the checkpoint stores the tensor in

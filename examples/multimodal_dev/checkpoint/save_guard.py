@@ -49,7 +49,9 @@ def stale_directories(save_dir: str | None) -> list[str]:
 
 def clear_incomplete_saves(save_dir: str | None) -> list[str]:
     """Remove the incomplete directories newer than the tracker; one line per directory found."""
-    lines = []
+    lines: list[str] = []
+    if not save_dir:
+        return lines
     for name in stale_directories(save_dir):
         path = os.path.join(save_dir, name)
         if os.path.exists(os.path.join(path, ".metadata")):

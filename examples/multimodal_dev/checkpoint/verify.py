@@ -204,13 +204,13 @@ def prompt_case(processor: HFSource, prompt: str, image: str | None) -> list[tup
     from PIL import Image
     from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(processor.path, **processor.load_kwargs())
+    loaded = AutoProcessor.from_pretrained(processor.path, **processor.load_kwargs())
     content = ([{"type": "image"}] if image else []) + [{"type": "text", "text": prompt}]
-    text = processor.apply_chat_template(
+    text = loaded.apply_chat_template(
         [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
     )
     images = [Image.open(image).convert("RGB")] if image else None
-    batch = processor(text=[text], images=images, return_tensors="pt")
+    batch = loaded(text=[text], images=images, return_tensors="pt")
     case = {"input_ids": batch["input_ids"]}
     if image:
         case.update(pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])

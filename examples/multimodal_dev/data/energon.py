@@ -508,7 +508,8 @@ def energon_sizes(
         if value is not None and value < 1:
             raise DataError(f"--energon-{name} {value}: must be a positive integer")
         sizes.append(default if value is None else value)
-    return tuple(sizes)
+    shuffle, per_sequence, packing = sizes
+    return shuffle, per_sequence, packing
 
 
 def build_datasets(

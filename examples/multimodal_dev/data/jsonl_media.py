@@ -24,8 +24,12 @@ import dataclasses
 import functools
 import io
 import os
+from typing import TYPE_CHECKING
 
 from .sample import BadSample, DataError
+
+if TYPE_CHECKING:  # video.py imports PyAV: read where a video is
+    from .video import VideoSettings
 
 REMOTE_SCHEMES = ("http://", "https://")
 FETCH_TIMEOUT_S = 30
@@ -220,7 +224,8 @@ class VideoOptions:
     def __init__(self, processor, **settings):
         from .video import OVERRIDE_LIMITS
 
-        self.processor, self._base = processor, None
+        self.processor = processor
+        self._base: VideoSettings | None = None
         self.settings = {k: v for k, v in settings.items() if v is not None}
         for key, value in self.settings.items():  # the --video-* flags (the run script's VIDEO_*)
             if key in OVERRIDE_LIMITS and not 0 < value <= OVERRIDE_LIMITS[key]:
@@ -236,7 +241,7 @@ class VideoOptions:
     def call_kwargs(self) -> dict:
         return processor_video_kwargs(self.processor)
 
-    def base(self):
+    def base(self) -> VideoSettings:
         if self._base is None:
             from .video import VideoSettings
 
@@ -246,7 +251,7 @@ class VideoOptions:
                 raise DataError(f"video settings {self.settings}: {err}") from None
         return self._base
 
-    def of(self, media):
+    def of(self, media) -> VideoSettings:
         return self.base().with_overrides(media.options) if media.options else self.base()
 
     def opened(self, media, location):

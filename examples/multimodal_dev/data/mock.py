@@ -37,7 +37,8 @@ class UniformProfile:
         return int(torch.randint(self.max_images + 1, (1,), generator=gen))
 
     def grid(self, gen, merge: int) -> tuple[int, int]:
-        return tuple(GRID_SIDES[int(i)] for i in torch.randint(len(GRID_SIDES), (2,), generator=gen))
+        h, w = (GRID_SIDES[int(i)] for i in torch.randint(len(GRID_SIDES), (2,), generator=gen))
+        return h, w
 
     def text_lengths(self, gen, room: int) -> tuple[int, int]:
         n_prompt = int(torch.randint(4, self.mean_text_tokens + 1, (1,), generator=gen))

@@ -115,7 +115,7 @@ def _parquet_split(path: str, split: str, flag: str):
     split_files = [f for f, s in named.items() if s == split]
     if not split_files and split == "train":
         raise DataError(
-            f"{flag} {path!r} has no train parquet files (found {sorted(set(named.values()) - {None})} "
+            f"{flag} {path!r} has no train parquet files (found {sorted({s for s in named.values() if s is not None})} "
             "splits); name them train-*.parquet"
         )
     split_files = [f for f in split_files if _parquet_rows(f)]  # datasets refuses files of no rows

@@ -50,7 +50,7 @@ def token_f1(prediction: str, reference: str) -> float:
     return f1_of(common, len(predicted), len(expected))
 
 
-def f1_of(matched: int, predicted: int, expected: int) -> float:
+def f1_of(matched: float, predicted: float, expected: float) -> float:
     """F1 from counts; nothing predicted and nothing expected is a perfect 1."""
     if predicted + expected == 0:
         return 1.0
@@ -153,8 +153,9 @@ def _update(a, b) -> int:
     ta, tb = _text(a), _text(b)
     if ta is not None and tb is not None:
         return levenshtein(ta, tb)
-    if ta is not None or tb is not None:
-        return 1 + len(ta if ta is not None else tb)
+    one = ta if ta is not None else tb
+    if one is not None:  # text on one side only
+        return 1 + len(one)
     return int(a[0] != b[0])
 
 

@@ -121,7 +121,7 @@ class LinearFacts:
     """What an adapter needs to know of the linear it sits on."""
 
     kind: str  # COLUMN or ROW: the side the weight is split on
-    tp_group: object  # the (expert-)TP group the weight is split over
+    tp_group: torch.distributed.ProcessGroup  # the (expert-)TP group the weight is split over
     sequence_parallel: bool  # its input (column) or output (row) is this rank's sequence shard
     is_expert: bool  # a routed expert's: the token dispatcher does its TP communication
     fused_norm: bool  # the linear normalises its input first (TE's LayerNorm-linear)

@@ -13,26 +13,30 @@ import megatron-core or the model code.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .entry import ModelEntry, ModelShape
 from .qwen35_vl.entry import ENTRY as QWEN35_VL
 
 DEFAULT_ARCH = "qwen35_vl"  # --model-arch's default
 
-MODEL_REGISTRY: dict[str, ModelEntry] = {entry.arch: entry for entry in (QWEN35_VL,)}
+# Each entry is checked against the contract at its own shape and FLOPs types (``qwen35_vl/entry.py``);
+# a layer reaching a model by name serves any of them.
+MODEL_REGISTRY: dict[str, ModelEntry[Any, Any, Any]] = {entry.arch: entry for entry in (QWEN35_VL,)}
 
 
-def get_model_entry(name: str) -> ModelEntry:
+def get_model_entry(name: str) -> ModelEntry[Any, Any, Any]:
     if name not in MODEL_REGISTRY:
         raise KeyError(f"unknown --model-arch {name!r}; valid: {', '.join(sorted(MODEL_REGISTRY))}")
     return MODEL_REGISTRY[name]
 
 
-def default_model() -> ModelEntry:
+def default_model() -> ModelEntry[Any, Any, Any]:
     """The entry of ``DEFAULT_ARCH``: the model of the run script and of the commands that take a
     variant name (``--model-variant``, ``MODEL_VARIANT``)."""
     return get_model_entry(DEFAULT_ARCH)
 
 
-def model_of(shape: ModelShape) -> ModelEntry:
+def model_of(shape: ModelShape) -> ModelEntry[Any, Any, Any]:
     """The entry of the architecture ``shape`` describes (each shape type names its ``arch``)."""
     return get_model_entry(type(shape).arch)

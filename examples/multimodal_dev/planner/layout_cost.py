@@ -59,7 +59,9 @@ from dataclasses import dataclass, field, replace
 
 from ..models import model_of
 from ..models.qwen35_vl.configuration import FULL
+from ..models.qwen35_vl.flops import FlopsBreakdown
 from .activation_memory import micro_batch_activations
+from .launch_layout import Layout
 from .pipeline_layout import stage_layers
 from .rank_params import StageParams, adapter_params, layer_params, stage_params, vision_params
 
@@ -91,7 +93,7 @@ HARDWARE = {
 
 @dataclass(frozen=True)
 class Candidate:
-    layout: object  # meta_builds.Layout
+    layout: Layout
     mbs: int = 1
     recompute: str | None = None
 
@@ -292,7 +294,7 @@ class _MicroBatchWork:
     """What every stage's time of one micro-batch reads: its FLOPs, its tokens, and how often each
     part of the model runs over them."""
 
-    flops: object  # the model's FlopsBreakdown (forward)
+    flops: FlopsBreakdown  # forward
     local_tokens: float  # a TP group's tokens (each TP rank 1/TP of them under SP)
     act_bytes: float  # bf16 [local_tokens, H] activations
     vision_tokens: int  # the micro-batch's patches

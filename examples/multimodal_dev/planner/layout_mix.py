@@ -29,7 +29,7 @@ TEMPLATE = 10  # chat-template tokens of a mock conversation (``mock.MockConvers
 @dataclass(frozen=True)
 class Row:
     lengths: tuple[int, ...]  # tokens of each packed conversation
-    grids: tuple[tuple[int, int, int], ...]  # (t, h, w) patches of each image / video frame group
+    grids: tuple[tuple[int, ...], ...]  # (t, h, w) patches of each image / video frame group
 
     @property
     def tokens(self) -> int:

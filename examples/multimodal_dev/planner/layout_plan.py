@@ -23,9 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
+from ..lora.targets import LoraSettings
 from ..models import model_of
+from ..models.qwen35_vl.configuration import Qwen35VLShape
 from .launch_layout import Layout
-from .layout_cost import GIB, Candidate, Hardware, stage_memory, step_time
+from .layout_cost import GIB, Candidate, Hardware, StepTime, stage_memory, step_time
+from .layout_mix import Mix
 from .pipeline_layout import stage_layers
 
 MIN_CP_TOKENS = 2048  # context parallelism is for long rows: below this a rank's GEMMs are too short to run at speed
@@ -34,17 +37,17 @@ MIN_CP_TOKENS = 2048  # context parallelism is for long rows: below this a rank'
 @dataclass(frozen=True)
 class Request:
     name: str
-    shape: object  # Qwen35VLShape
+    shape: Qwen35VLShape
     gpus: int
     hardware: Hardware
-    mix: object  # layout_mix.Mix
+    mix: Mix
     global_batch: int  # rows of ``mix.seq_len`` tokens a step
     micro_batch: int = 1  # rows a micro-batch
     efficiency: float = 0.5  # of peak FLOP/s, on the model's FLOPs
     reserve: float = 0.1  # of the GPU's memory kept back
     distributed_optimizer: bool = True
     recompute: tuple = (None, "full")
-    lora: object = None  # lora.targets.LoraSettings: a LoRA run, the base frozen
+    lora: LoraSettings | None = None  # a LoRA run, the base frozen
     vision_chunk_patches: int = 0  # --vision-chunk-patches: the tower's activations one chunk at a time
     fsdp: bool = False  # also offer Megatron-FSDP layouts (opt-in: no GPU has measured them yet)
 
@@ -63,15 +66,21 @@ class Plan:
     candidate: Candidate
     micro_batches: int
     memory: list  # StageMemory per pipeline stage
-    time: object  # StepTime, None when refused
+    time: StepTime | None  # None when refused
     refused: str = ""
 
     @property
     def busiest(self):
         return max(self.memory, key=lambda m: m.total)
 
+    @property
+    def step(self) -> StepTime:
+        """The step time of a plan that fits."""
+        assert self.time is not None, f"a refused plan has no step time: {self.refused}"
+        return self.time
+
     def tflops_per_gpu(self, request: Request) -> float:
-        return self.time.parts["flops"] / self.time.total / request.gpus / 1e12
+        return self.step.parts["flops"] / self.step.total / request.gpus / 1e12
 
 
 @dataclass
@@ -141,7 +150,7 @@ def candidates(request: Request):
                 if pp > t.num_layers:
                     break
                 for vp in [None] + [v for v in range(2, 9) if pp > 1]:
-                    splits = [(None, None)]
+                    splits: list[tuple[int | None, int | None]] = [(None, None)]
                     uneven = balanced_split(shape, pp, vp, vision_layers, head_layers)
                     if uneven:
                         splits.append(uneven)
@@ -220,6 +229,6 @@ def plan(request: Request, keep: int = 5) -> Result:
             result.refused[reason] = result.refused.get(reason, 0) + 1
         else:
             fitting.append(p)
-    fitting.sort(key=lambda p: p.time.total)
+    fitting.sort(key=lambda p: p.step.total)
     result.plans = fitting[:keep]
     return result

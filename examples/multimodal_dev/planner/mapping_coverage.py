@@ -322,7 +322,7 @@ def parameter_counts(shape: Qwen35VLShape, expected: dict[str, ExpectedKey]) -> 
     mtp = count(lambda k: k.startswith(MG_LM + "mtp."))
     routed = count(lambda k: ".mlp.experts.experts." in k and not k.startswith(MG_LM + "mtp."))
     with_mtp = count(lambda k: True)
-    unused = routed * (t.num_experts - t.moe_top_k) // t.num_experts if t.is_moe else 0
+    unused = routed * (t.num_experts - t.moe_top_k) // t.num_experts if t.num_experts is not None else 0
     return ParameterCounts(
         with_mtp, mtp, count(lambda k: k.startswith(MG_VIS)), routed, with_mtp - mtp, with_mtp - mtp - unused
     )

@@ -37,6 +37,7 @@ import contextlib
 import os
 import traceback
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -73,6 +74,7 @@ class RankBuild:
     rank: int
     coords: dict  # this rank's megatron coordinates: pp, tp, cp, dp, ep, etp, edp
     chunks: list[Chunk] = field(default_factory=list)
+    models: list[torch.nn.Module] = field(default_factory=list, repr=False, compare=False)  # kept where asked
 
     @property
     def params(self) -> list[Param]:
@@ -183,7 +185,7 @@ def rank_build(
 
     layout.check(shape)
     megatron.cpu.activate()  # megatron's CUDA calls during the build (RNG tracker, devices) answered on a CPU host
-    settings = dict(layout.settings(), use_cpu_initialization=True, perform_initialization=False)
+    settings: dict[str, Any] = dict(layout.settings(), use_cpu_initialization=True, perform_initialization=False)
     with fake_world(layout, rank) as coords:
         build = RankBuild(rank, coords)
         models = []

@@ -53,7 +53,7 @@ def _stage_counts(num_layers: int, pp: int, vp: int, first: int | None, last: in
     """Decoder layers of every pipeline stage: FIRST's and LAST's, the rest shared evenly by the
     stages they leave open."""
     name = partial(named, names)
-    counts = [None] * pp
+    counts: list[int | None] = [None] * pp
     for key, value, index in (("first", first, 0), ("last", last, pp - 1)):
         if value is not None:
             if not 1 <= value < num_layers:
@@ -65,7 +65,7 @@ def _stage_counts(num_layers: int, pp: int, vp: int, first: int | None, last: in
     rest, open_stages = num_layers - sum(c for c in counts if c), counts.count(None)
     if open_stages == 0 and rest != 0:
         raise ValueError(
-            f"{name('first', first)} + {name('last', last)} = {first + last} layers with "
+            f"{name('first', first)} + {name('last', last)} = {num_layers - rest} layers with "
             f"{name('pp', pp)}, but the model has {num_layers}"
         )
     if open_stages and (rest < open_stages or rest % open_stages):

@@ -81,7 +81,7 @@ def layer_params(shape: Qwen35VLShape, layer_type: str, tp: int, ep: int, etp: i
         )
         out.fp32 += 2 * nv // tp
     out.dense += h  # pre-MLP norm
-    if t.is_moe:
+    if t.num_experts is not None:  # MoE
         fs = t.shared_expert_ffn_hidden_size
         out.dense += t.num_experts * h + h + 3 * h * fs // tp
         out.expert += t.num_experts // ep * 3 * h * t.moe_ffn_hidden_size // etp

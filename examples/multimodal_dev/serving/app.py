@@ -15,6 +15,7 @@ import secrets
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -27,12 +28,15 @@ from ..generation.decode import Prompt, Sampling
 from .chat_request import ChatRequest, Limits, RequestError, parse_chat_request
 from .engine import Engine, Job, QueueFull, Row, Stopping
 
+if TYPE_CHECKING:
+    from ..data.jsonl import JsonlConversations
+
 
 @dataclass
 class Served:
     name: str  # the model name requests give
     engine: Engine
-    reader: object  # data/jsonl.py's prompt reader (the processor, media as training reads them)
+    reader: JsonlConversations  # the prompt reader (the processor, media as training reads them)
     limits: Limits
     max_prompt_tokens: int
 

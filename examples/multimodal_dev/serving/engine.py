@@ -50,7 +50,7 @@ class Job:
     ``{"delta": text}`` as the answer grows and ``{"done": ...}`` (or ``{"error": ...}``) once."""
 
     row: Row
-    deliver: Callable[[dict], None]
+    deliver: Callable[[dict], object]  # called for its effect (what it returns is not read)
 
 
 class QueueFull(Exception):

@@ -33,6 +33,7 @@ import logging
 import os
 import sys
 import time
+from typing import Any
 
 from examples.multimodal_dev.checkpoint.adapters_only import LORA_BASE_HELP
 from examples.multimodal_dev.generation.loading import add_layout_flags, check_layout_fits, layout_of, on_ranks
@@ -177,7 +178,7 @@ def run(args, log=print, answers_to=None) -> list[dict]:
                 f"{time.monotonic() - started:.1f} s"
             )
             for tokens, (_, reference), (_, where, _) in zip(done.tokens, encoded, batch):
-                answer = {"where": where, "answer": answer_text(reader.processor, tokens)}
+                answer: dict[str, Any] = {"where": where, "answer": answer_text(reader.processor, tokens)}
                 if args.with_token_ids:
                     answer["token_ids"] = tokens
                 if reference is not None:

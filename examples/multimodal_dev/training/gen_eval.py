@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import torch
 
@@ -142,7 +143,7 @@ def _evaluate_between_steps(model_chunks, optimizer, iteration: int, args) -> No
         if writer is not None:
             for name, value in means.items():
                 writer.add_scalar(f"gen-eval/{name}", value, iteration)
-    everyone = [None] * world
+    everyone: list[Any] = [None] * world  # all_gather_object fills in each rank's answers
     torch.distributed.all_gather_object(everyone, answers)
     if rank == 0 and args.save:
         folder = os.path.join(args.save, "gen_eval")

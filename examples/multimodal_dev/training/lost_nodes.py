@@ -32,7 +32,7 @@ _LOST_PEER = re.compile(
 _SOURCE = re.compile(r"^\[[^\]]*\]\s*")  # gloo's "[.../pair.cc:561] " before what happened
 
 
-def _causes(err: BaseException):
+def _causes(err: BaseException | None):
     while err is not None:
         yield err
         err = err.__cause__ or err.__context__

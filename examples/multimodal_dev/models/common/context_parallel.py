@@ -68,8 +68,10 @@ class ContextParallelSplit:
         so, else BSHD), or None without context parallelism."""
         if cp_group is None or cp_group.size() == 1:
             return None
-        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
-        return cls(seq_len, cp_group.size(), cp_group.rank(), packed_seq_params.cu_seqlens_q_padded if thd else None)
+        cu_padded = None
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            cu_padded = packed_seq_params.cu_seqlens_q_padded
+        return cls(seq_len, cp_group.size(), cp_group.rank(), cu_padded)
 
     def take(self, tensor: torch.Tensor | None, dim: int) -> torch.Tensor | None:
         if tensor is None:

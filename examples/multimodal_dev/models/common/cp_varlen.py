@@ -35,8 +35,8 @@ class CPSegments:
         offsets keep their host copy, ``batch_memo.on_host``)."""
         from .batch_memo import to_device
 
-        moved = (to_device(t, device) for t in (self.key_rows, self.cu_q, self.cu_k))
-        return CPSegments(*moved, self.max_q, self.max_k)
+        key_rows, cu_q, cu_k = (to_device(t, device) for t in (self.key_rows, self.cu_q, self.cu_k))
+        return CPSegments(key_rows, cu_q, cu_k, self.max_q, self.max_k)
 
 
 def cp_segments(bounds: list[int], cp: int, rank: int, causal: bool) -> CPSegments:

@@ -41,8 +41,8 @@ class GatedDeltaNetFp32Decay(GatedDeltaNet):
         cu_seqlens = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens_actual
 
         def check() -> bool:  # megatron-core's checks (which raise), on the batch's host copies
-            host = [None if t is None else on_host(t) for t in (cu_seqlens_padded, cu_seqlens_actual)]
-            super(GatedDeltaNetFp32Decay, self)._resolve_cu_seqlens(*host, total_seq_len, name, cp_size)
+            padded, actual = (None if t is None else on_host(t) for t in (cu_seqlens_padded, cu_seqlens_actual))
+            super(GatedDeltaNetFp32Decay, self)._resolve_cu_seqlens(padded, actual, total_seq_len, name, cp_size)
             return True
 
         kept_on(cu_seqlens, "_gdn_checked", (total_seq_len, cp_size), check)

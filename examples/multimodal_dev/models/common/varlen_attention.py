@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+from typing import Any
 
 import torch
 from megatron.core.transformer.enums import AttnBackend
@@ -47,7 +48,7 @@ class TorchVarlen:
     ):
         """``cu_k`` / ``max_k``: key segments of their own (context parallelism's query chunks against
         their key prefixes); causal is then aligned to each segment's last key (flash's bottom right)."""
-        kwargs = {}
+        kwargs: dict[str, Any] = {}  # what this torch's varlen_attn takes
         if k.shape[1] != q.shape[1]:
             if self.has_gqa:
                 kwargs["enable_gqa"] = True

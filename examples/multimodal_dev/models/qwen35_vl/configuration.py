@@ -12,9 +12,16 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field, replace
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .parallel import validate_parallel
+
+if TYPE_CHECKING:
+    from argparse import Namespace
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from ..entry import HFConfig
 
 # torch is imported where a config is built, not here: the run script reads this module's variant
 # table (launcher/from_env.py) on every launch and dry run, and importing torch costs ~2 s.
@@ -200,7 +207,7 @@ def get_variant(name: str, moe: bool | None = None, mtp: bool | None = None) -> 
     return replace(shape, text=text)
 
 
-def from_hf_config(config) -> Qwen35VLShape:
+def from_hf_config(config: HFConfig) -> Qwen35VLShape:
     """Shape from a ``transformers`` config object, a dict, or a directory / config.json path."""
     cfg = _hf_config_dict(config)
     model_type = cfg.get("model_type")
@@ -217,7 +224,7 @@ def from_hf_config(config) -> Qwen35VLShape:
     )
 
 
-def _hf_config_dict(config) -> dict:
+def _hf_config_dict(config: HFConfig) -> dict[str, Any]:
     """The config as a dict, read from its config.json when given a directory or a file path."""
     if isinstance(config, (str, os.PathLike)):
         path = os.path.join(config, "config.json") if os.path.isdir(config) else config
@@ -304,7 +311,7 @@ def to_hf_config_dict(shape: Qwen35VLShape) -> dict:
 
 def _hf_text_config(t: TextShape) -> dict:
     """The HF ``text_config`` dict: MoE sizes for an MoE model, ``intermediate_size`` for a dense one."""
-    text = dict(
+    text: dict[str, Any] = dict(
         hidden_size=t.hidden_size,
         num_hidden_layers=t.num_layers,
         num_attention_heads=t.num_attention_heads,
@@ -369,7 +376,7 @@ def language_architecture(text: TextShape) -> dict:
     flag may not contradict them (``models/common/config_from_args.py`` refuses it)."""
     import torch.nn.functional as F
 
-    arch = dict(
+    arch: dict[str, Any] = dict(
         num_layers=text.num_layers,
         hidden_size=text.hidden_size,
         num_attention_heads=text.num_attention_heads,
@@ -410,7 +417,7 @@ def language_architecture(text: TextShape) -> dict:
 
 def language_recipe(text: TextShape) -> dict:
     """Training settings the released models use, taken unless a megatron flag says otherwise."""
-    recipe = dict(hidden_dropout=0.0, attention_dropout=0.0)
+    recipe: dict[str, Any] = dict(hidden_dropout=0.0, attention_dropout=0.0)
     if text.is_moe:
         recipe.update(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=text.router_aux_loss_coef)
     return recipe
@@ -456,7 +463,7 @@ def vision_architecture(vision: VisionShape) -> dict:
 
 # Settings of a model built outside megatron.training (tests, conversion, benchmarks): fp32-exact
 # torch paths, no fused kernels that need Transformer Engine or Apex.
-STANDALONE_SETTINGS = dict(
+STANDALONE_SETTINGS: dict[str, Any] = dict(
     bias_activation_fusion=False,
     bias_dropout_fusion=False,
     apply_rope_fusion=False,
@@ -473,7 +480,9 @@ def _standalone_config(fields: dict, params_dtype, settings: dict):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     params_dtype = params_dtype or torch.float32
-    dtypes = dict(params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, pipeline_dtype=params_dtype)
+    dtypes: dict[str, Any] = dict(
+        params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, pipeline_dtype=params_dtype
+    )
     return TransformerConfig(**{**STANDALONE_SETTINGS, **dtypes, **settings, **fields})
 
 
@@ -492,7 +501,9 @@ def vision_transformer_config(vision: VisionShape, params_dtype=None, **settings
     return _standalone_config(vision_architecture(vision), params_dtype, vision_settings(settings))
 
 
-def configs_from_args(args, shape: Qwen35VLShape, backend: str, given: dict[str, str]):
+def configs_from_args(
+    args: Namespace, shape: Qwen35VLShape, backend: str, given: dict[str, str]
+) -> tuple[TransformerConfig, TransformerConfig]:
     """(decoder, vision) TransformerConfigs for a megatron.training run: megatron's args with
     this shape laid over them (``given``: the flags typed on the command line)."""
     from ..common.config_from_args import transformer_configs

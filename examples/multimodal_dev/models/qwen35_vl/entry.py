@@ -4,8 +4,16 @@ first call."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..entry import ModelEntry, on_first_call
 from . import configuration, flops, parallel
+
+if TYPE_CHECKING:
+    from .configuration import Qwen35VLShape
+    from .flops import FlopsBreakdown
+    from .model import Qwen35VLModel
+    from .vision_encoder import Qwen35VisionModel
 
 
 def _factory():
@@ -26,7 +34,9 @@ def _hf_mapping():
     return hf_mapping
 
 
-ENTRY = ModelEntry(
+# At this model's own types (its shape, its FLOPs, what it builds): the checker holds each function to its
+# seam's signature.
+ENTRY: ModelEntry[Qwen35VLShape, FlopsBreakdown, Qwen35VLModel | Qwen35VisionModel] = ModelEntry(
     arch="qwen35_vl",
     variants=configuration.VARIANTS,
     shape_fn=configuration.get_variant,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from .configuration import Qwen35VLShape, language_transformer_config, vision_transformer_config
@@ -9,19 +11,22 @@ from .model import Qwen35VLModel
 from .parallel import validate_parallel
 from .vision_encoder import Qwen35VisionModel
 
+if TYPE_CHECKING:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
 
 def build_model(
     shape: Qwen35VLShape,
     backend: str = "local",
-    params_dtype=torch.float32,
+    params_dtype: torch.dtype = torch.float32,
     max_sequence_length: int = 4096,
-    configs=None,
+    configs: tuple[TransformerConfig, TransformerConfig] | None = None,
     pre_process: bool = True,
     post_process: bool = True,
     vp_stage: int | None = None,
     module: str | None = None,
-    **settings,
-):
+    **settings: Any,
+) -> Qwen35VLModel | Qwen35VisionModel:
     """``configs``: (decoder, vision) TransformerConfigs made from megatron's args (training);
     without them, standalone configs from ``settings`` (TransformerConfig fields such as
     tensor_model_parallel_size) for tests, conversion and benchmarks. ``pre_process`` /

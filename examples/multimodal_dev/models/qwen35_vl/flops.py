@@ -26,7 +26,12 @@ Vision tower, per image or video of grid (t, h, w), n = h*w patches per frame, D
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, SupportsInt
+
+if TYPE_CHECKING:
+    from .configuration import Qwen35VLShape, VisionShape
 
 GDN_CHUNK = 64  # chunk length of the chunked gated delta rule (FLA's and the torch kernel's)
 
@@ -87,7 +92,7 @@ def attention_layer_flops(t, lengths) -> float:
     return projections + core
 
 
-def vision_flops(v, out_hidden: int, grids) -> float:
+def vision_flops(v: VisionShape, out_hidden: int, grids: Iterable[Sequence[int]]) -> float:
     d, m = v.hidden_size, v.spatial_merge_size**2
     total = 0.0
     for t, hh, ww in grids:
@@ -99,23 +104,25 @@ def vision_flops(v, out_hidden: int, grids) -> float:
     return total
 
 
-def micro_batch_flops(shape, lengths, grids=()) -> FlopsBreakdown:
+def micro_batch_flops(
+    shape: Qwen35VLShape, lengths: Iterable[SupportsInt], grids: Iterable[Iterable[SupportsInt]] = ()
+) -> FlopsBreakdown:
     """Forward FLOPs of a micro-batch of samples with these real token ``lengths`` (one per
     packed or padded sample) and these vision ``grids`` [(t, h, w), ...]."""
     t = shape.text
-    lengths = [int(n) for n in lengths]
-    tokens = sum(lengths)
+    real = [int(n) for n in lengths]
+    tokens = sum(real)
     n_full = sum(1 for lt in t.layer_types if lt == "full_attention")
     n_gdn = t.num_layers - n_full
     out = FlopsBreakdown()
     out.vision = vision_flops(shape.vision, t.hidden_size, [tuple(int(x) for x in g) for g in grids])
     out.gdn = n_gdn * gdn_layer_flops(t, tokens)
-    out.attention = n_full * attention_layer_flops(t, lengths)
+    out.attention = n_full * attention_layer_flops(t, real)
     out.mlp = t.num_layers * _mlp_per_token(t) * tokens
     out.output = 2.0 * t.hidden_size * t.vocab_size * tokens
     mtp_layer = (
         4.0 * t.hidden_size**2 * tokens
-        + attention_layer_flops(t, lengths)
+        + attention_layer_flops(t, real)
         + _mlp_per_token(t) * tokens
         + 2.0 * t.hidden_size * t.vocab_size * tokens
     )

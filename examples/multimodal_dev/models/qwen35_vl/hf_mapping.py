@@ -318,12 +318,14 @@ def megatron_to_hf(mg_state: dict, shape: Qwen35VLShape) -> dict:
     return out
 
 
-def model_state(model) -> dict:
+def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Parameters of the model by name, without megatron-core's ``_extra_state`` entries."""
     return {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
 
 
-def load_hf_into_model(model, hf_state: dict, shape: Qwen35VLShape, strict: bool = True) -> None:
+def load_hf_into_model(
+    model: torch.nn.Module, hf_state: dict[str, torch.Tensor], shape: Qwen35VLShape, strict: bool = True
+) -> None:
     """Copy HF tensors into a TP=1 model, keeping each parameter's dtype; any Megatron tensor
     left unfilled or shape mismatch raises, naming the tensors."""
     converted = hf_to_megatron(hf_state, shape, strict=strict)

@@ -16,6 +16,9 @@ in megatron-core's layout ``[seq, batch, 1, 2r]`` (cos/sin computed by the atten
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import overload
+
 import torch
 from torch import nn
 
@@ -64,7 +67,11 @@ def sample_position_ids(tokens_1d: torch.Tensor, grids_thw: torch.Tensor, vision
 
 
 def packed_position_ids(
-    tokens_T: torch.Tensor, grids_thw: torch.Tensor, vision_ids, spatial_merge: int, cu_seqlens: torch.Tensor
+    tokens_T: torch.Tensor,
+    grids_thw: torch.Tensor,
+    vision_ids: Iterable[int],
+    spatial_merge: int,
+    cu_seqlens: torch.Tensor,
 ) -> torch.Tensor:
     """MRoPE positions [3, T] of a packed row, restarting at 0 at every ``cu_seqlens`` boundary.
 
@@ -79,6 +86,10 @@ def packed_position_ids(
     return out - offset.unsqueeze(0)
 
 
+@overload
+def split_video_frames(video_grid_thw: torch.Tensor) -> torch.Tensor: ...
+@overload
+def split_video_frames(video_grid_thw: None) -> None: ...
 def split_video_frames(video_grid_thw: torch.Tensor | None) -> torch.Tensor | None:
     """Qwen3.5 puts a timestamp between frames: each frame is its own (1, h, w) grid."""
     if video_grid_thw is None or video_grid_thw.numel() == 0:
@@ -95,7 +106,7 @@ def run_grids(
     first_image: int = 0,
     first_frame: int = 0,
     where: str = "the row",
-):
+) -> tuple[torch.Tensor, int, int]:
     """(the grid of every vision run of ``row`` in reading order, images used, frames used): image
     runs take ``image_grids`` and video runs ``video_frames`` (``split_video_frames``), each in
     order from ``first_image`` / ``first_frame``; a run's first token says which it is."""
@@ -119,14 +130,14 @@ def run_grids(
 
 
 def padded_batch_position_ids(
-    tokens_BS,
-    attention_mask_BS,
-    image_grid_thw,
-    video_grid_thw,
+    tokens_BS: torch.Tensor,
+    attention_mask_BS: torch.Tensor | None,
+    image_grid_thw: torch.Tensor | None,
+    video_grid_thw: torch.Tensor | None,
     image_token_id: int,
     video_token_id: int,
     spatial_merge: int,
-):
+) -> torch.Tensor:
     """MRoPE positions [3, B, S] of a right- or left-padded batch; padding gets position 0
     (never attended by real tokens). Grids are consumed in order across the batch."""
     image_grids = image_grid_thw if image_grid_thw is not None else tokens_BS.new_zeros(0, 3)

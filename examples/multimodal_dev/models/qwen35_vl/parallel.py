@@ -4,17 +4,22 @@ script's launcher asks the same checks in its variables' names (``names=VARIABLE
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..setting_names import FLAGS, named
+
+if TYPE_CHECKING:  # the registry's view of a shape: configuration.py imports this module
+    from ..entry import ModelShape
 
 
 def parallel_problems(
-    shape,
+    shape: ModelShape,
     tp: int = 1,
     cp: int = 1,
     ep: int = 1,
     vtp: int | None = None,
     colocated: bool = True,
-    names: dict = FLAGS,
+    names: dict[str, str] = FLAGS,
     vision: bool = True,
 ) -> list[str]:
     """What ``shape`` (a ``Qwen35VLShape``) cannot be split by, one line each (``vtp``: the vision
@@ -52,7 +57,7 @@ def parallel_problems(
 
 
 def validate_parallel(
-    shape, tp: int = 1, cp: int = 1, ep: int = 1, vtp: int | None = None, colocated: bool = True
+    shape: ModelShape, tp: int = 1, cp: int = 1, ep: int = 1, vtp: int | None = None, colocated: bool = True
 ) -> None:
     """Refuse settings ``shape`` cannot be split by, every problem named (megatron's flags)."""
     problems = parallel_problems(shape, tp, cp, ep, vtp, colocated)
