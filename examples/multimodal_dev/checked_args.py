@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import NoReturn
 
 from examples.multimodal_dev.arguments import add_multimodal_args
 from examples.multimodal_dev.checkpoint import optimizer_format, safety
@@ -27,28 +28,32 @@ from examples.multimodal_dev.model_provider import model_configs, model_shape
 from examples.multimodal_dev.models.common.config_from_args import given_flags, megatron_parser
 from examples.multimodal_dev.models.common.varlen_attention import describe_thd_kernels
 from examples.multimodal_dev.models.megatron_args import apply_model_shape
-from examples.multimodal_dev.planner.pipeline_layout import stage_layers
 from examples.multimodal_dev.training import gen_eval, lost_nodes, run_checks
-from examples.multimodal_dev.training.backend import backend_of, check_attention_backend, check_backend, engine_defaults
+from examples.multimodal_dev.training.backend import (
+    backend_of,
+    check_attention_backend,
+    engine_defaults,
+    te_importable,
+)
 from examples.multimodal_dev.vision_ranks import groups as vision_ranks
 
 
-def check_pipeline_split(args) -> None:
-    """Refuse a pipeline split of the decoder that megatron-core cannot build, by flag name
-    (``--num-layers`` is checked against the model shape later)."""
-    if (
-        args.num_layers is None
-        or args.pipeline_model_parallel_size == 1
-        and not args.num_virtual_stages_per_pipeline_rank
-    ):
-        return
-    stage_layers(
-        args.num_layers,
-        args.pipeline_model_parallel_size,
-        args.num_virtual_stages_per_pipeline_rank,
-        args.decoder_first_pipeline_num_layers,
-        args.decoder_last_pipeline_num_layers,
-    )
+def check_as_launched(args: argparse.Namespace, shape, typed: dict[str, str]) -> None:
+    """The run script's checks (``launcher/checks.py``) on the run these flags describe, rebuilt as the
+    launcher's ``RunConfig`` (``launcher/from_args.py``): the one set of checks, whoever started the
+    script, on what it was actually given."""
+    import torch
+
+    from examples.multimodal_dev.launcher.from_args import check_as_launched as check
+    from examples.multimodal_dev.launcher.from_args import rebuilt
+    from examples.multimodal_dev.launcher.from_env import Host
+
+    parser = megatron_parser(add_multimodal_args)
+    dest_of = {option: action.dest for action in parser._actions for option in action.option_strings}
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    config = rebuilt(args, dest_of, typed, world, per_node, shape.text.is_moe)
+    check(config, shape, Host(gpu=torch.cuda.is_available(), transformer_engine=te_importable))
 
 
 def checked_args() -> argparse.Namespace:
@@ -60,12 +65,11 @@ def checked_args() -> argparse.Namespace:
         args = parse_args(add_multimodal_args)  # the one parse of the command line
         typed = given_flags(megatron_parser(add_multimodal_args))  # the flags it names, read off its words
         # the shape's numbers are the values of megatron's model flags not given (a flag given must agree)
-        apply_model_shape(args, declared_shape(args)[0], typed)
-        check_pipeline_split(args)  # before megatron asserts on these
+        shape = declared_shape(args)[0]
+        apply_model_shape(args, shape, typed)
+        check_as_launched(args, shape, typed)  # the launcher's checks, before megatron asserts on these
         check_attention_backend(args)
         run_checks.check_finite_flags(args, typed)
-        run_checks.check_lr_schedule(args)
-        run_checks.check_sequence_length(args)
         defaults = {**engine_defaults(), **run_checks.vision_defaults(args, int(os.environ.get("WORLD_SIZE", "1")))}
         with vision_ranks.language_world(args):  # megatron sizes data parallelism from the language model's ranks
             # megatron's parse read WORLD_SIZE, the whole world's, into these two
@@ -75,7 +79,6 @@ def checked_args() -> argparse.Namespace:
             validated(args, defaults)
         run_checks.stop_at_first_nan(args, typed)
         optimizer_format.default_to_reshardable(args)
-        check_backend(args)
         check_packing_args(args)
         check_patch_budget_args(args)
         check_data_args(args)
@@ -147,14 +150,14 @@ def check_data_args(args) -> None:
             args.energon_max_samples_per_sequence,
             args.energon_packing_buffer_size,
         )
-    elif args.data_path:
-        resolve_source(data_path_value(args), "--data-path")
+    elif path := data_path_value(args):
+        resolve_source(path, "--data-path")
     if args.vision_chunk_patches < 0:
         raise ValueError(f"--vision-chunk-patches {args.vision_chunk_patches}: must be 0 (off) or a patch count")
     check_video_flags(args)
 
 
-def exit_in_one_line(err: BaseException, args) -> None:
+def exit_in_one_line(err: BaseException, args) -> NoReturn:
     """One line for a checkpoint refused as code (DCP wraps it in its CheckpointException, a
     BaseException), for a NaN found during training and for a node lost during it; anything else
     propagates unchanged."""

@@ -35,33 +35,7 @@ def test_default_impl_and_engine_defaults(host, impl):
     assert backend.default_transformer_impl() == impl
     assert backend.engine_defaults() == {"dataloader_type": "external", "transformer_impl": impl}
     args = SimpleNamespace(transformer_impl=impl)
-    backend.check_backend(args)  # the default always runs where it was chosen
     assert backend.backend_of(args) == ("te" if impl == "transformer_engine" else "local")
-
-
-@pytest.mark.parametrize(
-    "host", [(c, t) for c, t, _ in HOSTS], indirect=True, ids=[f"cuda={c}-te={t}" for c, t, _ in HOSTS]
-)
-def test_check_backend(host):
-    cuda, te = host
-    backend.check_backend(SimpleNamespace(transformer_impl="local"))  # local runs on every host
-    te_args = SimpleNamespace(transformer_impl="transformer_engine")
-    if cuda and te:
-        backend.check_backend(te_args)
-    else:
-        with pytest.raises(ValueError) as err:
-            backend.check_backend(te_args)
-        message = str(err.value)
-        assert "\n" not in message
-        assert message.startswith("--transformer-impl transformer_engine: ")
-        assert ("no CUDA device" if not cuda else "transformer_engine does not import") in message
-        assert message.endswith("use --transformer-impl local")
-    with pytest.raises(
-        ValueError,
-        match=r"^--transformer-impl inference_optimized: this model has "
-        r"transformer_engine and local backends$",
-    ):
-        backend.check_backend(SimpleNamespace(transformer_impl="inference_optimized"))
 
 
 def test_backend_of():

@@ -1,9 +1,10 @@
 """The package's layers (README, "Layout"): every import of every module, including the ones inside
 functions, runs down the stack, and no two modules import each other, directly or round a circle.
 
-    launcher/     run_qwen35_vl.sh's launcher: the run as one typed RunConfig, checked, then torchrun
     entry         pretrain_multimodal.py and what it hands megatron: arguments.py, checked_args.py,
                   model_provider.py, dataset_provider.py, forward_step.py
+    launcher/     run_qwen35_vl.sh's launcher: the run as one typed RunConfig, checked, then torchrun;
+                  the training script rebuilds that RunConfig from its flags and runs the same checks
     training/     engine glue: backend, throughput, run checks
     generation/   cached decoding and generate, the model at a generating command's layout
     serving/      the chat-completions endpoint: requests, the decoding loop, the HTTP app
@@ -43,8 +44,8 @@ LAYERS = (
     f"{PACKAGE}.generation",
     f"{PACKAGE}.serving",
     f"{PACKAGE}.training",
-    f"{PACKAGE}.entry",
     f"{PACKAGE}.launcher",
+    f"{PACKAGE}.entry",
     f"{PACKAGE}.commands",
 )
 ENTRY = {

@@ -17,31 +17,6 @@ def test_non_finite_numbers_typed_are_refused():
     run_checks.check_finite_flags(args, {"min_lr": "--min-lr"})  # the flags not typed are not ours to judge
 
 
-@pytest.mark.parametrize(
-    "warmup,decay,train,message",
-    [
-        (30, None, 30, r"--lr-warmup-iters 30 must be smaller than the decay iterations \(--train-iters 30\)"),
-        (5, 5, 30, r"--lr-warmup-iters 5 must be smaller than the decay iterations \(--lr-decay-iters 5\)"),
-        (3, None, 30, None),
-        (0, None, 1, None),
-    ],
-)
-def test_warmup_must_end_before_the_decay(warmup, decay, train, message):
-    args = SimpleNamespace(lr_warmup_iters=warmup, lr_decay_iters=decay, train_iters=train)
-    if message is None:
-        run_checks.check_lr_schedule(args)
-    else:
-        with pytest.raises(ValueError, match=message):
-            run_checks.check_lr_schedule(args)
-
-
-def test_context_parallel_needs_a_sequence_of_2cp_chunks():
-    with pytest.raises(ValueError, match=r"--seq-length 335 must be a multiple of 2 x --context-parallel-size = 4"):
-        run_checks.check_sequence_length(SimpleNamespace(seq_length=335, context_parallel_size=2))
-    run_checks.check_sequence_length(SimpleNamespace(seq_length=336, context_parallel_size=2))
-    run_checks.check_sequence_length(SimpleNamespace(seq_length=335, context_parallel_size=1))
-
-
 def test_rerun_mode_stops_at_the_first_nan_unless_given():
     args = SimpleNamespace(rerun_mode="validate_results")
     run_checks.stop_at_first_nan(args, {})
@@ -247,17 +222,8 @@ def _fsdp_args(**changes):
         (dict(), None),
         (dict(use_megatron_fsdp=False, ckpt_format="torch_dist", pipeline_model_parallel_size=2), None),
         (dict(ckpt_format="torch_dist"), r"^--use-megatron-fsdp with --ckpt-format torch_dist: it saves fsdp_dtensor"),
-        (dict(pipeline_model_parallel_size=2), r"^--use-megatron-fsdp with --pipeline-model-parallel-size 2: "),
-        (dict(vision_nproc=1), r"^--use-megatron-fsdp with --vision-nproc 1: the tower's own ranks"),
-        (dict(lora_rank=4), r"^--use-megatron-fsdp with --lora-rank 4: LoRA checkpoints are torch_dist"),
         (dict(vision_chunk_patches=256), r"^--use-megatron-fsdp with --vision-chunk-patches 256: the tower's layers"),
         (dict(gen_eval_interval=5), r"^--use-megatron-fsdp with --gen-eval-interval 5: decoding reads"),
-        (dict(expert_model_parallel_size=2, save=None), None),  # grouped experts at EP=2, nothing saved
-        (dict(expert_model_parallel_size=2, moe_grouped_gemm=False), None),  # SequentialMLP names each expert
-        (
-            dict(expert_model_parallel_size=2, save=None, load="ckpt"),
-            r"^--use-megatron-fsdp with --moe-grouped-gemm at --expert-model-parallel-size 2 and a checkpoint: ",
-        ),
     ],
 )
 def test_what_megatron_fsdp_does_not_run_with_is_refused_by_flag(changes, message):

@@ -1,7 +1,8 @@
 """Every check of a run before any rank starts, once, in the order of ``CHECKS``: each takes the run,
 the model's shape and the host, and answers None or one line naming the variables and their values.
-``validate`` raises the first. The training script checks megatron's own flags again in its terms
-(``checked_args.py``): a flag given after the script's arguments is seen only there."""
+``validate`` raises the first. The training script runs the same checks (all but ``nodes``) on the
+run it rebuilds from its flags (``from_args.py``), the user's extra flags included, and names the flags
+beside the variables; what it checks beyond these concerns megatron's own flags (``checked_args.py``)."""
 
 from __future__ import annotations
 

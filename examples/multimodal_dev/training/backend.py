@@ -41,16 +41,6 @@ def backend_of(args) -> str:
     return "te" if args.transformer_impl == "transformer_engine" else "local"
 
 
-def check_backend(args) -> None:
-    if args.transformer_impl not in ("transformer_engine", "local"):
-        raise ValueError(
-            f"--transformer-impl {args.transformer_impl}: this model has transformer_engine and local backends"
-        )
-    if args.transformer_impl == "transformer_engine" and not (torch.cuda.is_available() and te_importable()):
-        why = "no CUDA device" if not torch.cuda.is_available() else "transformer_engine does not import"
-        raise ValueError(f"--transformer-impl transformer_engine: {why} here; use --transformer-impl local")
-
-
 def check_attention_backend(args) -> None:
     """Before megatron's argument checks, which assert (with a traceback) on this one."""
     from megatron.core.transformer.enums import AttnBackend

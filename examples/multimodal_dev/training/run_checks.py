@@ -13,7 +13,7 @@ import os
 import re
 
 from examples.multimodal_dev.checkpoint.files import TRACKER, checkpoint_directory, latest_iteration, stored_args
-from examples.multimodal_dev.models.setting_names import FSDP_REFUSALS, schedule_problem
+from examples.multimodal_dev.models.setting_names import FSDP_REFUSALS
 
 
 def check_finite_flags(args, given: dict[str, str]) -> None:
@@ -25,23 +25,6 @@ def check_finite_flags(args, given: dict[str, str]) -> None:
     ]
     if bad:
         raise ValueError(f"{', '.join(bad)}: not a finite number")
-
-
-def check_lr_schedule(args) -> None:
-    """megatron's scheduler asserts ``warmup < decay`` without naming either."""
-    problem = schedule_problem(args.lr_warmup_iters, args.lr_decay_iters, args.train_iters)
-    if problem:
-        raise ValueError(problem)
-
-
-def check_sequence_length(args) -> None:
-    """megatron asserts this one bare: context parallelism cuts every sample into 2 x CP chunks."""
-    cp = args.context_parallel_size
-    if cp > 1 and args.seq_length % (2 * cp):
-        raise ValueError(
-            f"--seq-length {args.seq_length} must be a multiple of 2 x --context-parallel-size = {2 * cp} "
-            "(context parallelism cuts every sample into 2 x CP chunks)"
-        )
 
 
 def device_memory_bytes() -> tuple[int, str]:
@@ -166,28 +149,16 @@ def _check_separate_ranks(args) -> None:
 
 
 def check_fsdp(args) -> None:
-    """What Megatron-FSDP (``--use-megatron-fsdp``) does not run with here, in one line naming the flag."""
+    """What Megatron-FSDP (``--use-megatron-fsdp``) does not run with here, among the training script's own
+    flags, in one line naming the flag (the run script's settings are ``launcher/checks.fsdp``'s)."""
     if not getattr(args, "use_megatron_fsdp", False):
         return
     refused = (
         (args.ckpt_format != "fsdp_dtensor", f"--ckpt-format {args.ckpt_format}", "it saves fsdp_dtensor only"),
         (
-            args.pipeline_model_parallel_size > 1,
-            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}",
-            FSDP_REFUSALS["pp"],
-        ),
-        (bool(args.vision_nproc), f"--vision-nproc {args.vision_nproc}", FSDP_REFUSALS["vision_nproc"]),
-        (bool(args.lora_rank), f"--lora-rank {args.lora_rank}", FSDP_REFUSALS["lora"]),
-        (
             bool(args.vision_chunk_patches),
             f"--vision-chunk-patches {args.vision_chunk_patches}",
             FSDP_REFUSALS["vision_chunks"],
-        ),
-        (
-            bool(getattr(args, "moe_grouped_gemm", False) and args.expert_model_parallel_size > 1)
-            and bool(args.save or args.load),
-            f"--moe-grouped-gemm at --expert-model-parallel-size {args.expert_model_parallel_size} and a checkpoint",
-            FSDP_REFUSALS["grouped_ep"],
         ),
         (
             bool(args.gen_eval_interval),
