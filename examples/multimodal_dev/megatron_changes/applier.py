@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from types import SimpleNamespace
+from typing import Any
 
 from .table import CHANGES, EVERY_RUN, GROUPS, NO_FUSED_ADAM, ON_USE, OWN_CALL, WHEEL, WRITTEN_FOR, Change
 
@@ -23,7 +24,7 @@ _applied: dict[Change, object] = {}  # row -> the object put in place
 _warned: list[str] = []
 
 
-def load(path: str):
+def load(path: str) -> Any:
     """The object at ``module:attribute.path`` (the one dotted-path loader of the project)."""
     module, _, attribute = path.partition(":")
     found = importlib.import_module(module)

@@ -5,6 +5,7 @@ that the run script's DRY_RUN and the planner's refusals start in a tenth of a s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..models import model_of
 from ..models.qwen35_vl.configuration import Qwen35VLShape
@@ -58,7 +59,7 @@ class Layout:
         """From "TP=2 PP=8 VP=2 ..." (keys of ``LAYOUT_KEYS``; unset ones 1, VP / FIRST / LAST
         none; 0 unsets those three as the run script's PP_FIRST=0 does; FSDP=1 / FSDP=0 switches
         Megatron-FSDP on / off; a key given twice is refused)."""
-        fields = {}
+        fields: dict[str, Any] = {}  # each checked against its key above
         for item in text.replace(",", " ").split():
             key, _, value = item.partition("=")
             field = LAYOUT_KEYS.get(key.upper())
