@@ -47,7 +47,10 @@ SETTINGS_VARIABLE = "ROLL_CALL_SETTINGS"  # this node's run settings as canonica
 # otherwise than the others name it); JOIN_TIMEOUT, how long this node waits to meet; DRY_RUN and
 # GPUS, which plan a run and never reach the join; FORK_RANKS, how this host starts its ranks (by its
 # cores and CUDA: the engine each rank runs is the same either way).
-PER_NODE = frozenset({"NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "JOIN_TIMEOUT", "DRY_RUN", "GPUS", "FORK_RANKS"})
+# UNCHECKED_VARIABLES, what this node's own environment holds besides the run's settings
+PER_NODE = frozenset(
+    {"NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "JOIN_TIMEOUT", "DRY_RUN", "GPUS", "FORK_RANKS", "UNCHECKED_VARIABLES"}
+)
 # ... and the training script's flags for files that one rank (megatron's last) writes alone, on its
 # node's disk: where another node would put its copy is that node's business
 PER_NODE_FLAGS = frozenset({"--metrics-file", "--tensorboard-dir", "--wandb-save-dir"})
