@@ -51,6 +51,7 @@ from megatron.core.tensor_parallel import layers, mappings
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from ..models.common.norms import normalise
+from .switch import adapters_on
 
 COLUMN, ROW = "column", "row"
 
@@ -155,6 +156,8 @@ class LoraLinear:
 
     def forward(self, input_, *args, **kwargs):
         output, bias = super().forward(input_, *args, **kwargs)
+        if not adapters_on():
+            return output, bias
         return output + self.lora_delta(self.lora_input(input_)).to(output.dtype), bias
 
     def lora_input(self, x: torch.Tensor) -> torch.Tensor:

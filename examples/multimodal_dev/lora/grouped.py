@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
 from .adapter import COLUMN, ROW, LinearFacts, _init_a
+from .switch import adapters_on
 
 
 class _GradSummed(torch.autograd.Function):
@@ -68,6 +69,8 @@ class LoraExpertWeights:
 
     def project(self, tokens_TI, offsets_E):
         output = super().project(tokens_TI, offsets_E)
+        if not adapters_on():
+            return output
         return output + self.lora_delta(tokens_TI, offsets_E).to(output.dtype)
 
     def lora_delta(self, tokens_TI, offsets_E):
