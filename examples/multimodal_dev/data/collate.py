@@ -202,7 +202,9 @@ class Collator:
         self.tokens, self.packed, self.pad_multiple, self.seq_length = tokens, packed, pad_multiple, seq_length
         self.row_length = row_length
 
-    def __call__(self, samples: list[dict]) -> PackedBatch:
+    def __call__(self, samples: list) -> PackedBatch:
+        # a preference pair (DPO, preferences.py) is its two samples, chosen first, side by side in the row
+        samples = [one for item in samples for one in (item if isinstance(item, tuple) else (item,))]
         if not self.packed:
             return pad_bshd(samples, self.tokens, self.pad_multiple, self.seq_length)
         batch = pack_thd(samples, self.tokens, self.pad_multiple)

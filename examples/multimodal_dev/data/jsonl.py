@@ -47,6 +47,7 @@ from .jsonl_media import (
 )
 from .jsonl_source import Blend, Records, check_data_path, hold_out, parse_record
 from .patch_budget import NO_BUDGET, PatchBudget
+from .preferences import PairDataset, PreferencePairs
 from .processor import VISION_TOKEN_TEXT, load_processor
 from .sample import BadSample, DataError, fit_to_budget
 from .skipping import SkippingDataset
@@ -93,12 +94,18 @@ class JsonlConversations:
         message. ``make``: ``_produce`` (the default) or ``_describe``; ``locate_media``: a ``Media``'s
         location instead of ``self.access``'s (energon: the shard sample's own members). The energon
         provider calls it too, so both providers build a conversation's sample in this one place."""
+        return self.turns_sample(lambda: self._turns(line), base_dir, where, make, locate_media)
+
+    def turns_sample(self, turns_of, base_dir: str, where: str, make=None, locate_media=None, last_only=False) -> dict:
+        """``conversation_sample`` of the turns ``turns_of()`` reads (its ``BadSample`` is a skip too);
+        ``last_only``: only the last assistant turn trained (a preference pair's answer)."""
         make = make or self._produce
         locate_media = locate_media or (lambda media: self.access.locate(media.ref, base_dir))
         try:
-            turns = self._turns(line)
+            turns = turns_of()
             media = [(m, locate_media(m)) for t in turns for m in t.media]
             text, spans = answer_char_spans(self.processor, turns)
+            spans = spans[-1:] if last_only else spans
             sample = fit_to_budget(make(text, spans, media), self.info.tokens, self.seq_length)
             return self.patch_budget.check_sample(sample)  # a cut falls after the last image: the grids stay
         except BadSample as bad:
@@ -260,13 +267,15 @@ def build_datasets(
     max_pixels: int | None = None,
     seed: int | None = None,
     no_shuffle: bool = False,
+    preference_pairs: bool = False,
     **options,
 ):
     """(train, valid, test) ``SkippingDataset``s over the JSONL records; None for a split with no
     records or no samples asked for. ``video_*``: ``VideoSettings`` fields (None: its default);
     a video part's own keys override them. ``max_vision_patches_*``: the patch budgets
     (``patch_budget.py``). The training records are shuffled by ``seed`` (``jsonl_source.Blend``)
-    unless ``no_shuffle`` or no seed is given; validation and test keep file order."""
+    unless ``no_shuffle`` or no seed is given; validation and test keep file order.
+    ``preference_pairs``: each record a DPO pair (``preferences.py``), each item (chosen, rejected)."""
     shuffle = None if no_shuffle else seed
     parts, weights = load_rows(data_path, "--data-path")
     valid_fraction = valid_fraction or 0.0  # None: a flag left unset
@@ -277,6 +286,7 @@ def build_datasets(
     _check_records_to_train_on(sources["train"][0], data_path, valid_fraction)
     sizing, videos = media_settings(processor, info, min_pixels, max_pixels, options)
     patch_budget = PatchBudget.from_options(options)
+    dataset = PairDataset if preference_pairs else SkippingDataset
     out = []
     for split, n in zip(SPLITS, num_samples):
         rows, source = sources.get(split, (None, None))
@@ -287,7 +297,9 @@ def build_datasets(
         produce = JsonlConversations(
             rows, processor, info, sizing, seq_length, source, access, strict_data, videos, patch_budget
         )
-        out.append(_split_dataset(split, n, produce, len(rows), info, seq_length, source, patch_budget))
+        if preference_pairs:
+            produce = PreferencePairs(produce)
+        out.append(_split_dataset(split, n, produce, len(rows), info, seq_length, source, patch_budget, dataset))
     return tuple(out)
 
 
@@ -340,10 +352,19 @@ def _check_records_to_train_on(train: Blend, data_path: str, valid_fraction: flo
 
 
 def _split_dataset(
-    split: str, n: int, produce: JsonlConversations, size: int, info, seq_length: int, source: str, patch_budget
+    split: str,
+    n: int,
+    produce,
+    size: int,
+    info,
+    seq_length: int,
+    source: str,
+    patch_budget,
+    dataset=SkippingDataset,
 ) -> SkippingDataset:
-    """The ``SkippingDataset`` drawing ``n`` samples of one split from its ``size`` records."""
-    return SkippingDataset(
+    """The ``SkippingDataset`` (or ``dataset``, one of its kind) drawing ``n`` samples of one split from its
+    ``size`` records."""
+    return dataset(
         produce,
         size,
         n,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from typing import Any
 
 from torch.utils.data import Dataset
 
@@ -143,8 +144,13 @@ class SkippingDataset(RunSkipTotals, Dataset):
         self._handed_over = Counter(self.skip_counts)
         return dict(delta)
 
-    def _usable(self, produce, source_index: int) -> dict:
-        sample = fit_to_budget(produce(source_index), self.tokens, self.max_length)
+    def _usable(self, produce, source_index: int) -> Any:
+        return self._checked(produce(source_index))
+
+    def _checked(self, sample: Any) -> Any:
+        """``sample`` truncated, validated and within the patch budgets (a subclass's item may be
+        several samples: ``preferences.PairDataset``'s pairs)."""
+        sample = fit_to_budget(sample, self.tokens, self.max_length)
         return self.patch_budget.check_sample(validate_sample(sample, self.tokens, self.patch_dim))
 
     def _first_usable(self, index: int, produce, count: bool) -> dict:
