@@ -18,6 +18,7 @@ import time
 from warm_engine import IMPORT_TIME
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEP_LOSS = {"lm loss", "dpo loss"}
 VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
 
 
@@ -26,7 +27,8 @@ class Run:
         self.returncode, self.output = proc.returncode, proc.stdout + proc.stderr
         self.records = {r["iteration"]: r for r in records if "iteration" in r}
         self.gen_eval = {r["gen_eval_iteration"]: r for r in records if "gen_eval_iteration" in r}
-        self.losses = {i: r["lm loss"] for i, r in self.records.items() if "lm loss" in r}
+        # the step's loss: the answers' (sft) or the pairs' (dpo)
+        self.losses = {i: r.get("lm loss", r.get("dpo loss")) for i, r in self.records.items() if STEP_LOSS & set(r)}
         self.mtp_losses = {i: r["mtp_1 loss"] for i, r in self.records.items() if "mtp_1 loss" in r}
         self.grad_norms = {i: r["grad norm"] for i, r in self.records.items() if r.get("grad norm") is not None}
         self.tokens = {i: r["real_tokens"] for i, r in self.records.items()}

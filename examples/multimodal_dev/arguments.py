@@ -177,6 +177,7 @@ def add_multimodal_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     _add_vision_args(group)
     _add_run_args(group)
     _add_lora_args(parser.add_argument_group("LoRA fine-tuning (lora/)"))
+    _add_post_training_args(parser.add_argument_group("post-training (post_training/)"))
     # No default here: backend.engine_defaults() picks transformer_engine or local by what the
     # host has, and an explicit --transformer-impl always wins.
     parser.set_defaults(transformer_impl=None)
@@ -334,6 +335,19 @@ def _add_lora_args(group):
         default=None,
         help="where the base of the adapters a checkpoint holds is now, where it moved since the save "
         "(checkpoints of a LoRA run hold the adapters, not the base: checkpoint/adapters_only.py)",
+    )
+
+
+def _add_post_training_args(group):
+    group.add_argument(
+        "--train-mode",
+        choices=("sft", "dpo"),
+        default="sft",
+        help="sft: the answers' next-token loss; dpo: the sigmoid DPO loss on preference pairs "
+        "(post_training/dpo.py, docs/post_training.md)",
+    )
+    group.add_argument(
+        "--dpo-beta", type=float, default=None, help="DPO's beta: how far the policy may move from the reference [0.1]"
     )
 
 

@@ -81,7 +81,7 @@ def datasets_provider(train_val_test_num_samples: Sequence[SupportsInt], vp_stag
     common = dict(
         micro_batch_size=args.micro_batch_size,
         dp_size=dp_size,
-        collate_fn=functools.partial(_collate_for_stage, collate, shape, stage),
+        collate_fn=functools.partial(_collate_for_stage, collate, shape, stage, args.train_mode == "dpo"),
         num_workers=args.num_workers,
     )
     train = dict(common)
@@ -128,6 +128,7 @@ def _split_builder(
         max_pixels=args.max_pixels,
         mean_text_tokens=args.mock_text_tokens,
         valid_data_path=args.eval_data_path,
+        **({"preference_pairs": True} if args.train_mode == "dpo" else {}),  # DATASET=jsonl, checked
         **{
             name: getattr(args, name)
             for name in OWN_DATA_OPTIONS + VIDEO_OPTIONS + PATCH_BUDGET_OPTIONS
@@ -225,11 +226,15 @@ def _resume_stream(split, args, dp_rank: int, dp_size: int) -> None:
     loader_state.track(split)
 
 
-def _collate_for_stage(collate, shape, stage: tuple[StageInput, bool], samples: list[dict]) -> PackedBatch:
+def _collate_for_stage(
+    collate, shape, stage: tuple[StageInput, bool], reference_forward: bool, samples: list
+) -> PackedBatch:
     """The collate, plus the micro-batch's training FLOPs on its real tokens (for the log),
     without the tensors the (first layer's input, post_process) ``stage`` never reads."""
     batch = collate(samples)
-    batch.stats.model_flops = batch_flops(shape, batch).training
+    flops = batch_flops(shape, batch)
+    # DPO runs the reference's forward too (forward_step.dpo_step): its work is the model's as well
+    batch.stats.model_flops = flops.training + (flops.forward if reference_forward else 0.0)
     return batch.for_stage(*stage)
 
 

@@ -25,8 +25,11 @@ from functools import partial
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from examples.multimodal_dev.arguments import megatron_args
 from examples.multimodal_dev.data.batch import PackedBatch, ServedBatches, from_megatron
 from examples.multimodal_dev.data.collate import pad_row_to
+from examples.multimodal_dev.lora.switch import adapters_off
+from examples.multimodal_dev.post_training import dpo
 from examples.multimodal_dev.training.host_collectives import agreed_max
 
 
@@ -85,6 +88,8 @@ def forward_step(data_iterator: Iterator[dict], model, *_args, **_kwargs):
 
     device = next(model.parameters()).device
     batch = from_megatron(next(data_iterator)).to(device)
+    if megatron_args().train_mode == "dpo":
+        return dpo_step(equalise_for_expert_dispatch(batch, model), model)
     if get_attr_wrapped_model(model, "vision_only"):  # the tower on ranks of its own: its features go on
         return {"vision": vision_features(model, batch)}, None
     batch = equalise_for_expert_dispatch(batch, model)
@@ -92,6 +97,22 @@ def forward_step(data_iterator: Iterator[dict], model, *_args, **_kwargs):
     if vision_ranks.active() and not get_attr_wrapped_model(model, "post_process"):
         output = {"language": output}  # megatron's multi-module schedule moves a dict a module
     return output, partial(loss_func, loss_mask)
+
+
+def dpo_step(batch: PackedBatch, model):
+    """DPO's step (``post_training/dpo.py``): the reference's log-probabilities from the same forward
+    with the adapters off, without a graph, then the policy's forward, whose loss function compares
+    the two. Every rank of a layout runs both forwards, so their collectives pair up."""
+    from megatron.core import parallel_state
+
+    args = megatron_args()
+    log_probs = dpo.SequenceLogProbs(batch, parallel_state.get_context_parallel_group())
+    with torch.no_grad(), adapters_off():
+        reference = log_probs(*run_model(model, batch))
+    output, loss_mask = run_model(model, batch)
+    beta = dpo.DEFAULT_BETA if args.dpo_beta is None else args.dpo_beta
+    counts = parallel_state.get_context_parallel_rank() == 0
+    return output, partial(dpo.loss_func, log_probs, reference, beta, counts, loss_mask)
 
 
 def vision_features(model, batch: PackedBatch | ServedBatches) -> torch.Tensor:

@@ -44,6 +44,7 @@ LAYERS = (
     f"{PACKAGE}.generation",
     f"{PACKAGE}.serving",
     f"{PACKAGE}.training",
+    f"{PACKAGE}.post_training",
     f"{PACKAGE}.launcher",
     f"{PACKAGE}.entry",
     f"{PACKAGE}.commands",

@@ -140,6 +140,32 @@ def lora(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
     return None
 
 
+def post_training(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
+    """What DPO reads and what it does not run with yet, by name (docs/post_training.md)."""
+    post, lay = config.post_training, config.layout
+    if post.dpo_beta is not None and post.mode != "dpo":
+        return f"DPO_BETA={post.dpo_beta} without TRAIN_MODE=dpo: there is no preference loss (set TRAIN_MODE=dpo)"
+    if post.mode != "dpo":
+        return None
+    refused = (
+        (config.data.dataset != "jsonl", f"DATASET={config.data.dataset}", "preference pairs are JSONL records"),
+        (
+            not config.lora.rank,
+            "LORA_RANK unset",
+            "the reference is the base with the adapters off (set LORA_RANK; a reference checkpoint of its own "
+            "is not supported yet)",
+        ),
+        (lay.pp > 1, f"PP={lay.pp}", "the reference pass does not go through the pipeline schedule yet"),
+        (lay.vision_nproc > 0, f"VISION_NPROC={lay.vision_nproc}", "the tower on ranks of its own is not wired yet"),
+        (config.batch.packing == "tokens", "PACKING=tokens", "a pair is packed whole, MBS pairs a micro-batch"),
+        (bool(config.model.mtp), "MTP=1", "the MTP head has no preference loss (MTP=0)"),
+    )
+    for bad, setting, why in refused:
+        if bad:
+            return f"TRAIN_MODE=dpo with {setting}: {why}"
+    return None
+
+
 def fsdp(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
     """What Megatron-FSDP does not run with here, by name (docs/parallelism.md#megatron-fsdp)."""
     lay, ckpt = config.layout, config.checkpoint
@@ -199,6 +225,7 @@ CHECKS: tuple[Check, ...] = (
     vision_layout,
     data,
     lora,
+    post_training,
     fsdp,
     experts,
     backend,

@@ -104,8 +104,9 @@ def resolve(config: RunConfig, shape: ModelShape, host: Host, said: list[str]) -
     layout, backend, model = config.layout, config.backend, config.model
     if layout.sp is None:
         layout = replace(layout, sp=layout.tp > 1 and shape.text.is_moe)
-    if model.mtp is None:  # a Hugging Face config's MTP head trains; a variant's only when asked
-        model = replace(model, mtp=bool(model.hf_config) and shape.text.mtp_num_layers > 0)
+    if model.mtp is None:  # a Hugging Face config's MTP head trains (not under DPO); a variant's only when asked
+        trains_head = config.post_training.mode != "dpo"  # the MTP head has no preference loss
+        model = replace(model, mtp=bool(model.hf_config) and shape.text.mtp_num_layers > 0 and trains_head)
     if shape.text.is_moe and backend.dispatcher is None:
         backend = replace(backend, dispatcher="alltoall" if host.gpu and layout.ep > 1 else "allgather")
     if backend.transformer_impl is None and config.lora.rank:  # the adapters' checked backend (docs/lora.md)

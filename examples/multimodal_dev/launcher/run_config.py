@@ -87,7 +87,7 @@ class Model:
         "MTP",
         parse=p.switch(" (Qwen3.5 has one MTP layer)"),
         doc=(
-            "1 if `HF_CONFIG` has an MTP head, else 0",
+            "1 if `HF_CONFIG` has an MTP head (not under `TRAIN_MODE=dpo`), else 0",
             "1 also trains the multi-token-prediction head (`--mtp-num-layers 1`); its loss is logged as `mtp_1 loss`",
         ),
     )
@@ -469,6 +469,26 @@ class Lora:
 
 
 @dataclass(frozen=True)
+class PostTraining:
+    mode: str | None = variable(  # derived: sft
+        "TRAIN_MODE",
+        parse=p.one_of("sft", "dpo"),
+        doc=(
+            "`sft`",
+            "`sft`: train on the answers; `dpo`: preference pairs of `DATASET=jsonl`, the base with the LoRA "
+            "adapters off as the reference ([docs/post_training.md](docs/post_training.md))",
+        ),
+        flag="--train-mode",
+    )
+    dpo_beta: float | None = variable(  # derived: 0.1 under dpo
+        "DPO_BETA",
+        parse=p.positive_number("0.1"),
+        doc=("0.1", "`TRAIN_MODE=dpo`: beta, how far the policy may move from the reference"),
+        flag="--dpo-beta",
+    )
+
+
+@dataclass(frozen=True)
 class Evaluation:
     interval: int | None = None  # derived: train_iters (once, at the end)
     iters: int = 2
@@ -602,6 +622,7 @@ class RunConfig:
     data: Data = field(default_factory=Data)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     lora: Lora = field(default_factory=Lora)
+    post_training: PostTraining = field(default_factory=PostTraining)
     evaluation: Evaluation = field(default_factory=Evaluation)
     backend: Backend = field(default_factory=Backend)
     launcher: Launcher = field(default_factory=Launcher)

@@ -237,6 +237,8 @@ def log_wrapper(
         if at_log:
             iterations, window = meter.window_iters, meter.take_window()
             emit(throughput_line(window, iterations, seconds, margs.world_size, peak_of(margs)))
+            if hidden := negative_values(bound.get("loss_dict") or {}):
+                emit(hidden)
             compiled = compiles.news() if compiles is not None else None
             if compiled:
                 emit(compiled)
@@ -249,6 +251,16 @@ def log_wrapper(
         return result
 
     return training_log
+
+
+def negative_values(loss_dict: dict) -> str | None:
+    """The line of the reported values below zero (DPO's reward margin), which megatron's log line
+    leaves out; None where there are none. This iteration's values (the metrics file has every one)."""
+    below = {k: value for k, v in loss_dict.items() if (value := _scalar(v)) is not None and value < 0}
+    if not below:
+        return None
+    shown = " | ".join(f"{k}: {v:.6E}" for k, v in below.items())
+    return f" {shown} | (iteration's values below 0, which megatron's line leaves out)"
 
 
 def _start_next_interval(total_loss_dict: dict | None, get_timers) -> None:

@@ -516,6 +516,7 @@ def configs_from_args(
     vision = vision_architecture(shape.vision)
     if vision_tp:
         vision["tensor_model_parallel_size"] = vision_tp
-    return transformer_configs(
-        args, language_architecture(shape.text), language_recipe(shape.text), vision, source, backend, given
-    )
+    recipe = language_recipe(shape.text)
+    if getattr(args, "train_mode", "sft") == "dpo":  # args' own value: post_training/dpo.py without_router_loss
+        recipe.pop("moe_aux_loss_coeff", None)
+    return transformer_configs(args, language_architecture(shape.text), recipe, vision, source, backend, given)
