@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from megatron.core.inference.utils import InferenceMode
 
+from ..data.batch import VISION_INPUTS
 from ..models import model_of
 from .context import DecodingContext
 
@@ -77,6 +78,10 @@ class Sampling:
 class Generated:
     tokens: list[list[int]]  # per prompt, the new tokens up to and including an end token
     logits: list[torch.Tensor] = field(default_factory=list)  # per step [B, V] fp32, when kept
+    # per prompt, log softmax(logits) of each new token, fp32 (``keep_log_probs``): the model's own
+    # probability at temperature 1 of what it drew, whatever the sampling (and its ``banned_ids``), which
+    # GRPO's training step recomputes (post_training/grpo.py)
+    log_probs: list[list[float]] = field(default_factory=list)
     # per prompt, why it ended: "end" (an end token), "stop" (``on_step`` ended it), "length" (its limit),
     # "abort" (``abort`` ended every row still running)
     ended_by: list[str] = field(default_factory=list)
@@ -154,6 +159,8 @@ def generate(
     sampling: Sampling | Sequence[Sampling] | None = None,
     pad_id: int = 0,
     keep_logits: bool = False,
+    keep_log_probs: bool = False,
+    banned_ids: Sequence[int] = (),
     row_limits: Sequence[int] | None = None,
     on_step: OnStep | None = None,
     agree_over_world: bool = False,
@@ -167,7 +174,8 @@ def generate(
     after a token). ``agree_over_world``: every rank holds the same prompts (a server's followers), and
     takes world rank 0's tokens, not only its tensor-parallel group's first rank's. ``abort()`` true on
     any rank after a token ends every row still running, on every rank at that token (a server that
-    stops); it rides on the collective that already asks whether any row goes on."""
+    stops); it rides on the collective that already asks whether any row goes on. ``keep_log_probs``:
+    ``Generated.log_probs``; ``banned_ids``: tokens never drawn (GRPO's answers hold no placeholder)."""
     from megatron.core.utils import unwrap_model
 
     vlm = unwrap_model(model)
@@ -178,26 +186,22 @@ def generate(
     prompts = list(prompts) + [Prompt([pad_id])] * (batch - asked)  # rows that only keep the shapes equal
     samplings, limits = _per_row(sampling, row_limits, asked, batch, max_new_tokens)
     ids, real = _left_padded(prompts, batch, length, pad_id, device)
-    media = {
-        name: _cat([getattr(p, name) for p in prompts])
-        for name in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
-    }
+    media = {name: _cat([getattr(p, name) for p in prompts]) for name in VISION_INPUTS}
     positions = decode_positions(vlm, ids, real, media["image_grid_thw"], media["video_grid_thw"], max_new_tokens)
-
     context = DecodingContext(real, max_new_tokens)
     generators = [torch.Generator().manual_seed(s.seed) if s.temperature else None for s in samplings]
     out = Generated(tokens=[[] for _ in range(asked)], ended_by=["length"] * asked)
+    drawn = [] if keep_log_probs else None  # per step, [B] log-probabilities of the tokens drawn
     running = torch.arange(batch, device=device) < asked
-    end = torch.tensor(sorted(set(end_ids)), dtype=torch.long, device=device)
+    end, banned = (torch.tensor(sorted(set(i)), dtype=torch.long, device=device) for i in (end_ids, banned_ids))
     with InferenceMode.active(), without_sequence_parallelism(vlm):
         decoder_input = vlm.embed(ids, **{k: _on(v, device, dtype) for k, v in media.items()})
         step_ids = ids
         for step in range(max_new_tokens):
             span = step_ids.shape[1]
             logits = _last_logits(vlm, step_ids, span, positions, decoder_input, context)
-            if keep_logits:
-                out.logits.append(logits[:asked].cpu())
-            token = _agreed(choose_rows(logits, samplings, generators), vlm, agree_over_world)
+            token = _agreed(choose_rows(_drawable(logits, banned), samplings, generators), vlm, agree_over_world)
+            _keep(out, drawn, logits, token, asked, keep_logits)
             running &= ~_record(out, token, running, torch.isin(token, end), limits, on_step)
             if not _goes_on(out, running, asked, step + 1 < max_new_tokens, abort):
                 break
@@ -205,7 +209,28 @@ def generate(
             context.enable_decode_mode()
             step_ids = token[:, None]
             decoder_input = vlm.embed_words(step_ids)
+    out.log_probs = _answer_log_probs(drawn, out.tokens)
     return out
+
+
+def _keep(out: Generated, drawn: list | None, logits, token, asked: int, keep_logits: bool) -> None:
+    """What a step keeps: its logits (``keep_logits``), the drawn tokens' log-probabilities (``drawn``)."""
+    if keep_logits:
+        out.logits.append(logits[:asked].cpu())
+    if drawn is not None:
+        drawn.append(logits.log_softmax(-1).gather(1, token[:, None])[:, 0])
+
+
+def _answer_log_probs(drawn: list | None, tokens: list[list[int]]) -> list[list[float]]:
+    """Each row's log-probabilities, as many as its tokens, read back once for the whole answer."""
+    if drawn is None:
+        return []
+    return [row[: len(t)] for row, t in zip(torch.stack(drawn, 1).cpu().tolist(), tokens)]
+
+
+def _drawable(logits_BV: torch.Tensor, banned: torch.Tensor) -> torch.Tensor:
+    """The logits the next token is drawn from: the ``banned`` ids never."""
+    return logits_BV.index_fill(1, banned, float("-inf")) if banned.numel() else logits_BV
 
 
 def _per_row(sampling, row_limits, asked: int, batch: int, max_new_tokens: int) -> tuple[list[Sampling], list[int]]:

@@ -179,6 +179,12 @@ class LoraLinear:
             use_reentrant=False,
         )
 
+    def sequence_parallel_now(self) -> bool:
+        """Whether the linear runs sequence parallel at this moment: decoding switches it off for a while
+        (``generation/decode.py``'s ``without_sequence_parallelism``, GRPO's answers drawn in training)."""
+        own = getattr(self, "sequence_parallel", None)
+        return own if isinstance(own, bool) else bool(getattr(self.config, "sequence_parallel", False))
+
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
         """``(alpha / r) * B A dropout(x)``, laid out as this linear's output on this rank."""
         x = self.lora_dropout(x)
@@ -189,15 +195,16 @@ class LoraLinear:
             if facts.kind == COLUMN:
                 return torch.nn.functional.linear(_whole_weight_linear(x, a, group), b) * self.lora_scale
             return _whole_weight_linear(torch.nn.functional.linear(x, a), b, group) * self.lora_scale
+        sequence_parallel = facts.sequence_parallel and self.sequence_parallel_now()
         if facts.kind == COLUMN:
-            if facts.sequence_parallel:  # the tokens of every TP rank
+            if sequence_parallel:  # the tokens of every TP rank
                 h = _SequenceGatheredLinear.apply(x, a, group)
             else:
                 h = torch.nn.functional.linear(x, a)
             h = mappings.copy_to_tensor_model_parallel_region(h, group=group)
             return torch.nn.functional.linear(h, b) * self.lora_scale
         h = torch.nn.functional.linear(x, a)
-        if facts.sequence_parallel:
+        if sequence_parallel:
             h = mappings.reduce_scatter_to_sequence_parallel_region(h, group=group)
         else:
             h = mappings.reduce_from_tensor_model_parallel_region(h, group=group)
