@@ -18,7 +18,7 @@ import time
 from warm_engine import IMPORT_TIME
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEP_LOSS = {"lm loss", "dpo loss"}
+STEP_LOSS = ("lm loss", "dpo loss", "grpo loss")
 VALID = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0-9.E+-]+)")
 
 
@@ -27,8 +27,10 @@ class Run:
         self.returncode, self.output = proc.returncode, proc.stdout + proc.stderr
         self.records = {r["iteration"]: r for r in records if "iteration" in r}
         self.gen_eval = {r["gen_eval_iteration"]: r for r in records if "gen_eval_iteration" in r}
-        # the step's loss: the answers' (sft) or the pairs' (dpo)
-        self.losses = {i: r.get("lm loss", r.get("dpo loss")) for i, r in self.records.items() if STEP_LOSS & set(r)}
+        # the step's loss: the answers' (sft), the pairs' (dpo) or the drawn answers' (grpo)
+        self.losses = {
+            i: next(r[k] for k in STEP_LOSS if k in r) for i, r in self.records.items() if set(STEP_LOSS) & set(r)
+        }
         self.mtp_losses = {i: r["mtp_1 loss"] for i, r in self.records.items() if "mtp_1 loss" in r}
         self.grad_norms = {i: r["grad norm"] for i, r in self.records.items() if r.get("grad norm") is not None}
         self.tokens = {i: r["real_tokens"] for i, r in self.records.items()}

@@ -1,5 +1,6 @@
 """A toy preference set, the model it trains and the DPO loss computed from transformers (and peft) on
-the same weights and pairs: shared by the DPO tests (tests/distributed/test_dpo.py, tests/unit)."""
+the same weights and pairs: shared by the DPO tests (tests/distributed/test_dpo.py, tests/unit); and
+GRPO's toy prompts (tests/distributed/test_grpo.py)."""
 
 from __future__ import annotations
 
@@ -93,3 +94,43 @@ def dpo_formula(policy: list[float], reference: list[float], beta: float) -> dic
         "reward margin": float(zt.mean()),
         "preference accuracy": float((zt > 0).double().mean()),
     }
+
+
+def grpo_records(folder: str) -> list[dict]:
+    """Eight prompts in the three formats of docs/data.md, half with an image, each asking for the digit
+    seven (the reference): a task a random model's answer solves by chance once in ~the vocabulary."""
+    from tiny_processor import png_bytes
+
+    records = []
+    for i, (name, rgb) in enumerate(COLOURS):
+        image = f"square_{name}.png"
+        with open(os.path.join(folder, image), "wb") as f:
+            f.write(png_bytes((32, 48), rgb))
+        question = f"How many sides has the {name} heptagon?"
+        records.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"<image>{question}"},
+                    {"role": "assistant", "content": "7"},
+                ],
+                "images": [image],
+            }
+        )
+        records.append({"conversations": [{"from": "human", "value": f"Say 7 ({i})."}, {"from": "gpt", "value": "7"}]})
+    records[-1] = {  # the parts format, with a system turn
+        "messages": [
+            {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+            {"role": "user", "content": [{"type": "text", "text": "Three plus four?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "7"}]},
+        ]
+    }
+    return records
+
+
+def write_grpo_prompts(folder: str) -> str:
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "prompts.jsonl")
+    with open(path, "w") as f:
+        for record in grpo_records(folder):
+            f.write(json.dumps(record) + "\n")
+    return path

@@ -341,14 +341,24 @@ def _add_lora_args(group):
 def _add_post_training_args(group):
     group.add_argument(
         "--train-mode",
-        choices=("sft", "dpo"),
+        choices=("sft", "dpo", "grpo"),
         default="sft",
         help="sft: the answers' next-token loss; dpo: the sigmoid DPO loss on preference pairs "
-        "(post_training/dpo.py, docs/post_training.md)",
+        "(post_training/dpo.py); grpo: answers drawn on the training ranks, scored, and the clipped "
+        "policy loss (post_training/grpo.py); docs/post_training.md",
     )
     group.add_argument(
         "--dpo-beta", type=float, default=None, help="DPO's beta: how far the policy may move from the reference [0.1]"
     )
+    # GRPO's defaults are post_training/grpo.py's Settings: None here is "not given"
+    for flag, kind, help_ in (
+        ("--grpo-samples", int, "answers drawn for each prompt: the group of its advantages [8]"),
+        ("--grpo-max-new-tokens", int, "the longest answer drawn, in tokens [256]"),
+        ("--grpo-reward", str, "exact_match, token_f1, anls, field_f1, tree_accuracy, or python:module.function"),
+        ("--grpo-kl-weight", float, "the KL term's weight; 0: no reference forward [0.04]"),
+        ("--grpo-clip", float, "the clip of the policy's ratio to the decoder's [0.2]"),
+    ):
+        group.add_argument(flag, type=kind, default=None, help=f"TRAIN_MODE=grpo: {help_}")
 
 
 def megatron_args() -> argparse.Namespace:

@@ -28,7 +28,7 @@ from examples.multimodal_dev.model_provider import model_configs, model_shape
 from examples.multimodal_dev.models.common.config_from_args import given_flags, megatron_parser
 from examples.multimodal_dev.models.common.varlen_attention import describe_thd_kernels
 from examples.multimodal_dev.models.megatron_args import apply_model_shape
-from examples.multimodal_dev.post_training import dpo
+from examples.multimodal_dev.post_training import dpo, grpo
 from examples.multimodal_dev.training import gen_eval, lost_nodes, run_checks
 from examples.multimodal_dev.training.backend import (
     backend_of,
@@ -70,6 +70,8 @@ def checked_args() -> argparse.Namespace:
         apply_model_shape(args, shape, typed)
         if line := dpo.without_router_loss(args, typed):
             say(line)
+        if args.train_mode == "grpo":  # a function of the user's imports here, once, as one line if it fails
+            grpo.reward_function(grpo.Settings.of(args).reward)
         check_as_launched(args, shape, typed)  # the launcher's checks, before megatron asserts on these
         check_attention_backend(args)
         run_checks.check_finite_flags(args, typed)

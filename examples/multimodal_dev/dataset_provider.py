@@ -22,7 +22,7 @@ from examples.multimodal_dev.arguments import OWN_DATA_OPTIONS, PATCH_BUDGET_OPT
 from examples.multimodal_dev.checkpoint import loader_state, plan_state
 from examples.multimodal_dev.console import say
 from examples.multimodal_dev.data import get_dataset_provider
-from examples.multimodal_dev.data.batch import PackedBatch, ServedBatches, StageInput, to_megatron
+from examples.multimodal_dev.data.batch import PackedBatch, PromptBatch, ServedBatches, StageInput, to_megatron
 from examples.multimodal_dev.data.collate import Collator, pad_multiple_for
 from examples.multimodal_dev.data.loader import build_iterator
 from examples.multimodal_dev.data.sample import DataError, VisionTokens
@@ -81,7 +81,11 @@ def datasets_provider(train_val_test_num_samples: Sequence[SupportsInt], vp_stag
     common = dict(
         micro_batch_size=args.micro_batch_size,
         dp_size=dp_size,
-        collate_fn=functools.partial(_collate_for_stage, collate, shape, stage, args.train_mode == "dpo"),
+        collate_fn=(
+            PromptBatch.collate  # GRPO's answers are drawn and packed in the training step (forward_step.py)
+            if args.train_mode == "grpo"
+            else functools.partial(_collate_for_stage, collate, shape, stage, args.train_mode == "dpo")
+        ),
         num_workers=args.num_workers,
     )
     train = dict(common)
@@ -128,7 +132,9 @@ def _split_builder(
         max_pixels=args.max_pixels,
         mean_text_tokens=args.mock_text_tokens,
         valid_data_path=args.eval_data_path,
-        **({"preference_pairs": True} if args.train_mode == "dpo" else {}),  # DATASET=jsonl, checked
+        # DATASET=jsonl, checked
+        **({"preference_pairs": True} if args.train_mode == "dpo" else {}),
+        **({"referenced_prompts": True} if args.train_mode == "grpo" else {}),
         **{
             name: getattr(args, name)
             for name in OWN_DATA_OPTIONS + VIDEO_OPTIONS + PATCH_BUDGET_OPTIONS

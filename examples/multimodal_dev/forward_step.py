@@ -26,10 +26,10 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from examples.multimodal_dev.arguments import megatron_args
-from examples.multimodal_dev.data.batch import PackedBatch, ServedBatches, from_megatron
-from examples.multimodal_dev.data.collate import pad_row_to
+from examples.multimodal_dev.data.batch import PackedBatch, PromptBatch, ServedBatches, from_megatron
+from examples.multimodal_dev.data.collate import pad_multiple_for, pad_row_to
 from examples.multimodal_dev.lora.switch import adapters_off
-from examples.multimodal_dev.post_training import dpo
+from examples.multimodal_dev.post_training import dpo, grpo, rollout
 from examples.multimodal_dev.training.host_collectives import agreed_max
 
 
@@ -87,7 +87,10 @@ def forward_step(data_iterator: Iterator[dict], model, *_args, **_kwargs):
     from examples.multimodal_dev.vision_ranks import groups as vision_ranks
 
     device = next(model.parameters()).device
-    batch = from_megatron(next(data_iterator)).to(device)
+    item = from_megatron(next(data_iterator))
+    if isinstance(item, PromptBatch):  # --train-mode grpo: the answers are drawn here
+        return grpo_step(item, model)
+    batch = item.to(device)
     if megatron_args().train_mode == "dpo":
         return dpo_step(equalise_for_expert_dispatch(batch, model), model)
     if get_attr_wrapped_model(model, "vision_only"):  # the tower on ranks of its own: its features go on
@@ -113,6 +116,26 @@ def dpo_step(batch: PackedBatch, model):
     beta = dpo.DEFAULT_BETA if args.dpo_beta is None else args.dpo_beta
     counts = parallel_state.get_context_parallel_rank() == 0
     return output, partial(dpo.loss_func, log_probs, reference, beta, counts, loss_mask)
+
+
+def grpo_step(prompts: PromptBatch, model):
+    """GRPO's step (``post_training/grpo.py``): the answers drawn and scored (``rollout.py``), the
+    reference's log-probabilities of them from a forward with the adapters off, without a graph (none
+    where the KL term is off), then the policy's forward, whose loss function reads both."""
+    from megatron.core import parallel_state
+
+    args = megatron_args()
+    settings = grpo.Settings.of(args)
+    pad_multiple = pad_multiple_for(1, args.tensor_model_parallel_size, args.sequence_parallel)
+    terms = rollout.roll_out(model, prompts, settings, args, pad_multiple)
+    batch = equalise_for_expert_dispatch(terms.batch.to(terms.positions.device), model)
+    reference = None
+    if settings.kl_weight:
+        with torch.no_grad(), adapters_off():
+            reference = -run_model(model, batch)[0].reshape(-1).float().index_select(0, terms.positions)
+    assert parallel_state.get_context_parallel_world_size() == 1, "GRPO's checks refuse CP > 1"
+    output, loss_mask = run_model(model, batch)
+    return output, partial(grpo.loss_func, terms, reference, settings, loss_mask)
 
 
 def vision_features(model, batch: PackedBatch | ServedBatches) -> torch.Tensor:

@@ -162,7 +162,26 @@ class ServedBatches:
         return ServedBatches([b.to(device) for b in self.batches])
 
 
-def to_megatron(item: PackedBatch | ServedBatches) -> dict:
+@dataclass
+class PromptBatch:
+    """One micro-batch of GRPO's prompts with their references (``prompts.py``), as the training step reads
+    it (``forward_step.grpo_step``): the answers are drawn there, so nothing is packed yet."""
+
+    prompts: list[dict]  # each: input_ids [L] and the processor's media tensors (None where absent)
+    references: list[str]
+    indices: list[int]
+    skipped: dict | None = None  # as ``BatchStats.skipped``: a worker's skip counts (loader.py)
+
+    @classmethod
+    def collate(cls, items: list[dict]) -> PromptBatch:
+        return cls([i["prompt"] for i in items], [i["reference"] for i in items], [i["index"] for i in items])
+
+    def as_dict(self) -> dict:
+        """Plain data (``batch.to_megatron``)."""
+        return {"prompts": self.prompts, "references": self.references, "indices": self.indices}
+
+
+def to_megatron(item: PackedBatch | ServedBatches | PromptBatch) -> dict:
     """A micro-batch as megatron's data iterator hands it on: plain dicts (``{"served": [...]}`` for
     ``ServedBatches``), kept plain on purpose. megatron's rerun state machine (``--rerun-mode
     validate_results``) keeps the micro-batches it drew and, after a NaN, saves them in the
@@ -171,11 +190,13 @@ def to_megatron(item: PackedBatch | ServedBatches) -> dict:
     was typed. ``from_megatron`` (forward_step) turns it back."""
     if isinstance(item, ServedBatches):
         return {"served": [b.as_dict() for b in item.batches]}
-    return item.as_dict()
+    return item.as_dict()  # a PromptBatch's (GRPO's prompts, prompts.py) is {"prompts": ..., ...}
 
 
-def from_megatron(item: dict) -> PackedBatch | ServedBatches:
+def from_megatron(item: dict) -> PackedBatch | ServedBatches | PromptBatch:
     """The micro-batch ``to_megatron`` made plain."""
+    if "prompts" in item:
+        return PromptBatch(**item)
     if "served" in item:
         return ServedBatches([PackedBatch.from_dict(b) for b in item["served"]])
     return PackedBatch.from_dict(item)

@@ -49,6 +49,7 @@ from .jsonl_source import Blend, Records, check_data_path, hold_out, parse_recor
 from .patch_budget import NO_BUDGET, PatchBudget
 from .preferences import PairDataset, PreferencePairs
 from .processor import VISION_TOKEN_TEXT, load_processor
+from .prompts import PromptDataset, ReferencedPrompts
 from .sample import BadSample, DataError, fit_to_budget
 from .skipping import SkippingDataset
 
@@ -268,6 +269,7 @@ def build_datasets(
     seed: int | None = None,
     no_shuffle: bool = False,
     preference_pairs: bool = False,
+    referenced_prompts: bool = False,
     **options,
 ):
     """(train, valid, test) ``SkippingDataset``s over the JSONL records; None for a split with no
@@ -275,7 +277,8 @@ def build_datasets(
     a video part's own keys override them. ``max_vision_patches_*``: the patch budgets
     (``patch_budget.py``). The training records are shuffled by ``seed`` (``jsonl_source.Blend``)
     unless ``no_shuffle`` or no seed is given; validation and test keep file order.
-    ``preference_pairs``: each record a DPO pair (``preferences.py``), each item (chosen, rejected)."""
+    ``preference_pairs``: each record a DPO pair (``preferences.py``), each item (chosen, rejected);
+    ``referenced_prompts``: each record a GRPO prompt and its reference answer (``prompts.py``)."""
     shuffle = None if no_shuffle else seed
     parts, weights = load_rows(data_path, "--data-path")
     valid_fraction = valid_fraction or 0.0  # None: a flag left unset
@@ -286,7 +289,7 @@ def build_datasets(
     _check_records_to_train_on(sources["train"][0], data_path, valid_fraction)
     sizing, videos = media_settings(processor, info, min_pixels, max_pixels, options)
     patch_budget = PatchBudget.from_options(options)
-    dataset = PairDataset if preference_pairs else SkippingDataset
+    dataset = PairDataset if preference_pairs else PromptDataset if referenced_prompts else SkippingDataset
     out = []
     for split, n in zip(SPLITS, num_samples):
         rows, source = sources.get(split, (None, None))
@@ -299,6 +302,8 @@ def build_datasets(
         )
         if preference_pairs:
             produce = PreferencePairs(produce)
+        elif referenced_prompts:
+            produce = ReferencedPrompts(produce)
         out.append(_split_dataset(split, n, produce, len(rows), info, seq_length, source, patch_budget, dataset))
     return tuple(out)
 

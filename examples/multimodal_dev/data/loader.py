@@ -16,7 +16,7 @@ import itertools
 import torch
 from megatron.training.datasets.data_samplers import MegatronPretrainingSampler
 
-from .batch import PackedBatch
+from .batch import PackedBatch, PromptBatch
 from .sample import DataError
 from .token_budget import TokenBudgetSampler
 
@@ -27,6 +27,9 @@ def hand_over_skips(batch, delta: dict) -> bool:
     """Put a worker's new skip counts on ``batch``'s stats: ``PackedBatch.stats.skipped``, or for a
     collate of plain dicts (the tests') its ``"stats"`` dict. False: the batch has no stats to
     carry them."""
+    if isinstance(batch, PromptBatch):
+        batch.skipped = delta
+        return True
     if isinstance(batch, PackedBatch):
         if batch.stats is None:
             return False
@@ -40,6 +43,9 @@ def hand_over_skips(batch, delta: dict) -> bool:
 
 def take_skips(batch) -> dict | None:
     """The skip counts ``hand_over_skips`` put on ``batch``, taken off it (None: there are none)."""
+    if isinstance(batch, PromptBatch):
+        delta, batch.skipped = batch.skipped, None
+        return delta
     if isinstance(batch, PackedBatch):
         delta = batch.stats.skipped if batch.stats is not None else None
         if delta is not None:

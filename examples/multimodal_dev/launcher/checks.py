@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..models import ModelShape, model_of
-from ..models.setting_names import FSDP_REFUSALS, VARIABLES, schedule_problem
+from ..models.setting_names import FSDP_REFUSALS, REWARD_NAMES, VARIABLES, schedule_problem
 from ..planner.pipeline_layout import stage_layers
 from ..vision_ranks.layout import env_table
 from . import megatron_argv
@@ -140,15 +140,24 @@ def lora(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
     return None
 
 
+GRPO_SETTINGS = ("samples", "max_new_tokens", "reward", "kl_weight", "clip")  # PostTraining's grpo_* fields
+
+
 def post_training(config: RunConfig, shape: ModelShape, host: Host) -> str | None:
-    """What DPO reads and what it does not run with yet, by name (docs/post_training.md)."""
+    """What DPO and GRPO read and what they do not run with yet, by name (docs/post_training.md)."""
     post, lay = config.post_training, config.layout
     if post.dpo_beta is not None and post.mode != "dpo":
         return f"DPO_BETA={post.dpo_beta} without TRAIN_MODE=dpo: there is no preference loss (set TRAIN_MODE=dpo)"
-    if post.mode != "dpo":
+    for name in GRPO_SETTINGS:
+        value = getattr(post, f"grpo_{name}")
+        if value is not None and post.mode != "grpo":
+            return f"GRPO_{name.upper()}={value} without TRAIN_MODE=grpo: no answers are drawn (set TRAIN_MODE=grpo)"
+    if post.mode not in ("dpo", "grpo"):
         return None
+    mode = post.mode
+    records = "preference pairs" if mode == "dpo" else "prompts with reference answers"
     refused = (
-        (config.data.dataset != "jsonl", f"DATASET={config.data.dataset}", "preference pairs are JSONL records"),
+        (config.data.dataset != "jsonl", f"DATASET={config.data.dataset}", f"{records} are JSONL records"),
         (
             not config.lora.rank,
             "LORA_RANK unset",
@@ -156,13 +165,30 @@ def post_training(config: RunConfig, shape: ModelShape, host: Host) -> str | Non
             "is not supported yet)",
         ),
         (lay.pp > 1, f"PP={lay.pp}", "the reference pass does not go through the pipeline schedule yet"),
+        (mode == "grpo" and lay.cp > 1, f"CP={lay.cp}", "the answers are drawn by the decoder, which runs at CP=1"),
         (lay.vision_nproc > 0, f"VISION_NPROC={lay.vision_nproc}", "the tower on ranks of its own is not wired yet"),
-        (config.batch.packing == "tokens", "PACKING=tokens", "a pair is packed whole, MBS pairs a micro-batch"),
-        (bool(config.model.mtp), "MTP=1", "the MTP head has no preference loss (MTP=0)"),
+        (config.batch.packing == "tokens", "PACKING=tokens", "MBS records a micro-batch, each packed whole"),
+        (bool(config.model.mtp), "MTP=1", f"the MTP head has no {mode.upper()} loss (MTP=0)"),
     )
     for bad, setting, why in refused:
         if bad:
-            return f"TRAIN_MODE=dpo with {setting}: {why}"
+            return f"TRAIN_MODE={mode} with {setting}: {why}"
+    return _grpo_settings(post, config.batch.seq_len) if mode == "grpo" else None
+
+
+def _grpo_settings(post, seq_len: int) -> str | None:
+    reward = post.grpo_reward
+    if reward is not None and reward not in REWARD_NAMES and not reward.startswith("python:"):
+        return (
+            f"GRPO_REWARD={reward}: expected one of {', '.join(REWARD_NAMES)}, or python:module.function "
+            "for a function of yours"
+        )
+    if post.grpo_samples is not None and post.grpo_samples < 2:
+        return f"GRPO_SAMPLES={post.grpo_samples}: at least 2, the advantages are taken within each prompt's group"
+    if post.grpo_max_new_tokens is not None and post.grpo_max_new_tokens >= seq_len:
+        return f"GRPO_MAX_NEW_TOKENS={post.grpo_max_new_tokens}: below SEQ_LEN={seq_len}, which holds prompt and answer"
+    if post.grpo_clip is not None and not post.grpo_clip > 0:
+        return f"GRPO_CLIP={post.grpo_clip}: above 0 (the ratio's allowed move)"
     return None
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..lora.targets import DEFAULT_TARGETS
 from ..models import DEFAULT_ARCH, ModelShape, get_model_entry
+from ..models.setting_names import ON_THE_BASE_MODES
 from . import recipes, slurm
 from .parsers import names, switch
 from .run_config import LaunchError, Model, RunConfig, settings
@@ -104,8 +105,8 @@ def resolve(config: RunConfig, shape: ModelShape, host: Host, said: list[str]) -
     layout, backend, model = config.layout, config.backend, config.model
     if layout.sp is None:
         layout = replace(layout, sp=layout.tp > 1 and shape.text.is_moe)
-    if model.mtp is None:  # a Hugging Face config's MTP head trains (not under DPO); a variant's only when asked
-        trains_head = config.post_training.mode != "dpo"  # the MTP head has no preference loss
+    if model.mtp is None:  # a Hugging Face config's MTP head trains (not under DPO, GRPO); a variant's if asked
+        trains_head = config.post_training.mode not in ON_THE_BASE_MODES  # the head has no loss of theirs
         model = replace(model, mtp=bool(model.hf_config) and shape.text.mtp_num_layers > 0 and trains_head)
     if shape.text.is_moe and backend.dispatcher is None:
         backend = replace(backend, dispatcher="alltoall" if host.gpu and layout.ep > 1 else "allgather")

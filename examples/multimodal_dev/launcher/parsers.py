@@ -99,9 +99,19 @@ def fraction(name: str, text: str) -> Written:
 
 
 def positive_number(example: str) -> Callable[[str, str], Written]:
+    return _number_from(example, zero=False)
+
+
+def non_negative_number(example: str) -> Callable[[str, str], Written]:
+    return _number_from(example, zero=True)
+
+
+def _number_from(example: str, zero: bool) -> Callable[[str, str], Written]:
+    """A finite number above 0 (``zero``: or 0), as written."""
+
     def parse(name: str, text: str) -> Written:
-        if not (_NUMBER.fullmatch(text) and 0 < float(text) < 1e38):
-            raise LaunchError(f"{name}={text}: expected a positive number such as {example}")
+        if not (_NUMBER.fullmatch(text) and (0 <= float(text) if zero else 0 < float(text)) and float(text) < 1e38):
+            raise LaunchError(f"{name}={text}: expected {'0 or ' if zero else ''}a positive number such as {example}")
         return Written(text)
 
     return parse

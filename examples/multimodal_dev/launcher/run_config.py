@@ -87,7 +87,7 @@ class Model:
         "MTP",
         parse=p.switch(" (Qwen3.5 has one MTP layer)"),
         doc=(
-            "1 if `HF_CONFIG` has an MTP head (not under `TRAIN_MODE=dpo`), else 0",
+            "1 if `HF_CONFIG` has an MTP head (not under `TRAIN_MODE=dpo` or `grpo`), else 0",
             "1 also trains the multi-token-prediction head (`--mtp-num-layers 1`); its loss is logged as `mtp_1 loss`",
         ),
     )
@@ -472,11 +472,12 @@ class Lora:
 class PostTraining:
     mode: str | None = variable(  # derived: sft
         "TRAIN_MODE",
-        parse=p.one_of("sft", "dpo"),
+        parse=p.one_of("sft", "dpo", "grpo"),
         doc=(
             "`sft`",
-            "`sft`: train on the answers; `dpo`: preference pairs of `DATASET=jsonl`, the base with the LoRA "
-            "adapters off as the reference ([docs/post_training.md](docs/post_training.md))",
+            "`sft`: train on the answers; `dpo`: preference pairs of `DATASET=jsonl`; `grpo`: answers drawn "
+            "on the training ranks for prompts of `DATASET=jsonl`, scored against their reference answers; "
+            "both with the base, LoRA adapters off, as the reference ([docs/post_training.md](docs/post_training.md))",
         ),
         flag="--train-mode",
     )
@@ -485,6 +486,40 @@ class PostTraining:
         parse=p.positive_number("0.1"),
         doc=("0.1", "`TRAIN_MODE=dpo`: beta, how far the policy may move from the reference"),
         flag="--dpo-beta",
+    )
+    grpo_samples: int | None = variable(  # derived: 8 under grpo
+        "GRPO_SAMPLES",
+        parse=p.positive,
+        doc=("8", "`TRAIN_MODE=grpo`: answers drawn for each prompt (the group its advantages are taken in)"),
+        flag="--grpo-samples",
+    )
+    grpo_max_new_tokens: int | None = variable(  # derived: 256 under grpo
+        "GRPO_MAX_NEW_TOKENS",
+        parse=p.positive,
+        doc=("256", "`TRAIN_MODE=grpo`: the longest answer drawn, in tokens (within `SEQ_LEN` with its prompt)"),
+        flag="--grpo-max-new-tokens",
+    )
+    grpo_reward: str | None = variable(  # derived: exact_match under grpo
+        "GRPO_REWARD",
+        parse=p.text,
+        doc=(
+            "`exact_match`",
+            "`TRAIN_MODE=grpo`: the answers' reward, `exact_match`, `token_f1`, `anls`, `field_f1` or "
+            "`tree_accuracy` against the reference, or `python:module.function` to run a function of yours",
+        ),
+        flag="--grpo-reward",
+    )
+    grpo_kl_weight: float | None = variable(  # derived: 0.04 under grpo
+        "GRPO_KL_WEIGHT",
+        parse=p.non_negative_number("0.04"),
+        doc=("0.04", "`TRAIN_MODE=grpo`: the KL term's weight (0: no reference forward)"),
+        flag="--grpo-kl-weight",
+    )
+    grpo_clip: float | None = variable(  # derived: 0.2 under grpo
+        "GRPO_CLIP",
+        parse=p.fraction,
+        doc=("0.2", "`TRAIN_MODE=grpo`: how far the policy's ratio to the decoder's may move before it is clipped"),
+        flag="--grpo-clip",
     )
 
 

@@ -66,3 +66,10 @@ FSDP_REFUSALS = {
     "same name; save at EP=1, or with SequentialMLP (GROUPED_EXPERTS=0)",
     "gen_eval": "decoding reads the model's weights whole, and FSDP holds each rank's shard",
 }
+
+# The post-training modes (``--train-mode``) whose reference is the base with the LoRA adapters off: the
+# routers are frozen (no load-balancing loss unless asked for) and the MTP head has no loss of theirs.
+ON_THE_BASE_MODES = ("dpo", "grpo")
+# GRPO's rewards by name (``--grpo-reward``), the keys of post_training/grpo.py's REWARDS: the launcher
+# checks a name before any rank starts
+REWARD_NAMES = ("exact_match", "token_f1", "anls", "field_f1", "tree_accuracy")

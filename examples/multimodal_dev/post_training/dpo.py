@@ -30,6 +30,7 @@ from megatron.core.tensor_parallel import mappings
 from ..data.batch import PackedBatch
 from ..models.common.batch_memo import on_host
 from ..models.common.context_parallel import ContextParallelSplit
+from ..models.setting_names import ON_THE_BASE_MODES
 
 DEFAULT_BETA = 0.1
 
@@ -95,15 +96,15 @@ def loss_func(log_probs: SequenceLogProbs, reference: torch.Tensor, beta: float,
 
 
 def without_router_loss(args, typed) -> str | None:
-    """Under DPO the routers' load-balancing loss is off unless ``--moe-aux-loss-coeff`` is given; the
+    """Under DPO (and GRPO) the routers' load-balancing loss is off unless ``--moe-aux-loss-coeff`` is given; the
     line that says so, or None. The routers are frozen under LoRA (DPO's reference needs it), and with
     ``--calculate-per-token-loss`` megatron weighs that loss by the batch's count (here pairs, not
     tokens) and computes it on each CP rank's tokens: its pull on the adapters would change with the
     batch and the layout (measured: the grad norm at CP=2 4e-3 off one process's with it, 1e-7 without)."""
-    if args.train_mode != "dpo" or not args.num_experts or "moe_aux_loss_coeff" in typed:
+    if args.train_mode not in ON_THE_BASE_MODES or not args.num_experts or "moe_aux_loss_coeff" in typed:
         return None
     args.moe_aux_loss_coeff = 0.0  # the model's recipe leaves it to args under DPO (qwen35_vl/configuration.py)
     return (
-        "TRAIN_MODE=dpo: the routers' load-balancing loss is off (--moe-aux-loss-coeff 0; give the flag to keep "
-        "it): the routers are frozen under LoRA, and per pair its weight would change with the batch and the layout"
+        f"TRAIN_MODE={args.train_mode}: the routers' load-balancing loss is off (--moe-aux-loss-coeff 0; give the "
+        "flag to keep it): the routers are frozen under LoRA, and its weight would change with the batch and layout"
     )

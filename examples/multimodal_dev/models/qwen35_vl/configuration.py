@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ..setting_names import ON_THE_BASE_MODES
 from .parallel import validate_parallel
 
 if TYPE_CHECKING:
@@ -517,6 +518,6 @@ def configs_from_args(
     if vision_tp:
         vision["tensor_model_parallel_size"] = vision_tp
     recipe = language_recipe(shape.text)
-    if getattr(args, "train_mode", "sft") == "dpo":  # args' own value: post_training/dpo.py without_router_loss
+    if getattr(args, "train_mode", "sft") in ON_THE_BASE_MODES:  # args' own value: dpo.py without_router_loss
         recipe.pop("moe_aux_loss_coeff", None)
     return transformer_configs(args, language_architecture(shape.text), recipe, vision, source, backend, given)
