@@ -28,8 +28,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from examples.multimodal_dev.arguments import megatron_args
 from examples.multimodal_dev.data.batch import PackedBatch, PromptBatch, ServedBatches, from_megatron
 from examples.multimodal_dev.data.collate import pad_multiple_for, pad_row_to
-from examples.multimodal_dev.lora.switch import adapters_off
 from examples.multimodal_dev.post_training import dpo, grpo, rollout
+from examples.multimodal_dev.post_training.reference_pass import policy_and_reference, stage_output
 from examples.multimodal_dev.training.host_collectives import agreed_max
 
 
@@ -105,17 +105,19 @@ def forward_step(data_iterator: Iterator[dict], model, *_args, **_kwargs):
 def dpo_step(batch: PackedBatch, model):
     """DPO's step (``post_training/dpo.py``): the reference's log-probabilities from the same forward
     with the adapters off, without a graph, then the policy's forward, whose loss function compares
-    the two. Every rank of a layout runs both forwards, so their collectives pair up."""
+    the two; on a pipeline, each stage runs both and sends both on (``reference_pass.py``). Every
+    rank of a layout runs both forwards, so their collectives pair up."""
     from megatron.core import parallel_state
+    from megatron.core.utils import get_attr_wrapped_model
 
+    (output, loss_mask), reference = policy_and_reference(model, partial(run_model, model, batch))
+    if not get_attr_wrapped_model(model, "post_process"):
+        return stage_output(output, reference[0]), None
     args = megatron_args()
     log_probs = dpo.SequenceLogProbs(batch, parallel_state.get_context_parallel_group())
-    with torch.no_grad(), adapters_off():
-        reference = log_probs(*run_model(model, batch))
-    output, loss_mask = run_model(model, batch)
     beta = dpo.DEFAULT_BETA if args.dpo_beta is None else args.dpo_beta
     counts = parallel_state.get_context_parallel_rank() == 0
-    return output, partial(dpo.loss_func, log_probs, reference, beta, counts, loss_mask)
+    return output, partial(dpo.loss_func, log_probs, log_probs(*reference), beta, counts, loss_mask)
 
 
 def grpo_step(prompts: PromptBatch, model):
@@ -129,12 +131,10 @@ def grpo_step(prompts: PromptBatch, model):
     pad_multiple = pad_multiple_for(1, args.tensor_model_parallel_size, args.sequence_parallel)
     terms = rollout.roll_out(model, prompts, settings, args, pad_multiple)
     batch = equalise_for_expert_dispatch(terms.batch.to(terms.positions.device), model)
-    reference = None
-    if settings.kl_weight:
-        with torch.no_grad(), adapters_off():
-            reference = -run_model(model, batch)[0].reshape(-1).float().index_select(0, terms.positions)
     assert parallel_state.get_context_parallel_world_size() == 1, "GRPO's checks refuse CP > 1"
-    output, loss_mask = run_model(model, batch)
+    run = partial(run_model, model, batch)
+    (output, loss_mask), kept = policy_and_reference(model, run, with_reference=bool(settings.kl_weight))
+    reference = None if kept is None else -kept[0].reshape(-1).float().index_select(0, terms.positions)
     return output, partial(grpo.loss_func, terms, reference, settings, loss_mask)
 
 

@@ -68,6 +68,12 @@ GRPO_ARGV = "--train-mode grpo --dataset-provider jsonl --data-path /d.jsonl --h
         (dict(GRPO_SAMPLES="4"), ["--grpo-samples", "4"], 1, "GRPO_SAMPLES=4 without TRAIN_MODE=grpo"),
         (dict(GRPO_ENV, CP="2"), [*GRPO_ARGV.split(), "--context-parallel-size", "2"], 2, "TRAIN_MODE=grpo with CP=2"),
         (
+            dict(GRPO_ENV, PP="2"),
+            [*GRPO_ARGV.split(), "--pipeline-model-parallel-size", "2"],
+            2,
+            "TRAIN_MODE=grpo with PP=2: the answers are drawn by the decoder",
+        ),
+        (
             dict(GRPO_ENV, GRPO_SAMPLES="1"),
             [*GRPO_ARGV.split(), "--grpo-samples", "1"],
             1,
@@ -75,7 +81,7 @@ GRPO_ARGV = "--train-mode grpo --dataset-provider jsonl --data-path /d.jsonl --h
         ),
         (dict(GRPO_ENV, GRPO_REWARD="bleu"), [*GRPO_ARGV.split(), "--grpo-reward", "bleu"], 1, "GRPO_REWARD=bleu"),
     ],
-    ids=["samples alone", "context parallel", "one answer", "unknown reward"],
+    ids=["samples alone", "context parallel", "pipeline", "one answer", "unknown reward"],
 )
 def test_grpo_settings_it_cannot_run_are_refused_by_name(monkeypatch, environ, argv, world, said):
     """The launcher's line, and the trainer's, which starts with it and names the flags."""

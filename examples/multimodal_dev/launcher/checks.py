@@ -164,7 +164,7 @@ def post_training(config: RunConfig, shape: ModelShape, host: Host) -> str | Non
             "the reference is the base with the adapters off (set LORA_RANK; a reference checkpoint of its own "
             "is not supported yet)",
         ),
-        (lay.pp > 1, f"PP={lay.pp}", "the reference pass does not go through the pipeline schedule yet"),
+        (mode == "grpo" and lay.pp > 1, f"PP={lay.pp}", "the answers are drawn by the decoder, which runs at PP=1"),
         (mode == "grpo" and lay.cp > 1, f"CP={lay.cp}", "the answers are drawn by the decoder, which runs at CP=1"),
         (lay.vision_nproc > 0, f"VISION_NPROC={lay.vision_nproc}", "the tower on ranks of its own is not wired yet"),
         (config.batch.packing == "tokens", "PACKING=tokens", "MBS records a micro-batch, each packed whole"),
