@@ -91,28 +91,29 @@ def forward_step(data_iterator: Iterator[dict], model, *_args, **_kwargs):
     if isinstance(item, PromptBatch):  # --train-mode grpo: the answers are drawn here
         return grpo_step(item, model)
     batch = item.to(device)
-    if megatron_args().train_mode == "dpo":
-        return dpo_step(equalise_for_expert_dispatch(batch, model), model)
     if get_attr_wrapped_model(model, "vision_only"):  # the tower on ranks of its own: its features go on
         return {"vision": vision_features(model, batch)}, None
     batch = equalise_for_expert_dispatch(batch, model)
+    if megatron_args().train_mode == "dpo":
+        return dpo_step(batch, model, multi_module=vision_ranks.active())
     output, loss_mask = run_model(model, batch)
     if vision_ranks.active() and not get_attr_wrapped_model(model, "post_process"):
         output = {"language": output}  # megatron's multi-module schedule moves a dict a module
     return output, partial(loss_func, loss_mask)
 
 
-def dpo_step(batch: PackedBatch, model):
+def dpo_step(batch: PackedBatch, model, multi_module: bool = False):
     """DPO's step (``post_training/dpo.py``): the reference's log-probabilities from the same forward
     with the adapters off, without a graph, then the policy's forward, whose loss function compares
-    the two; on a pipeline, each stage runs both and sends both on (``reference_pass.py``). Every
-    rank of a layout runs both forwards, so their collectives pair up."""
+    the two; on a pipeline, each stage runs both and sends both on (``reference_pass.py``), in
+    megatron's multi-module dict with ``multi_module`` (the tower on ranks of its own). Every rank
+    of a layout runs both forwards, so their collectives pair up."""
     from megatron.core import parallel_state
     from megatron.core.utils import get_attr_wrapped_model
 
     (output, loss_mask), reference = policy_and_reference(model, partial(run_model, model, batch))
     if not get_attr_wrapped_model(model, "post_process"):
-        return stage_output(output, reference[0]), None
+        return stage_output(output, reference[0], multi_module), None
     args = megatron_args()
     log_probs = dpo.SequenceLogProbs(batch, parallel_state.get_context_parallel_group())
     beta = dpo.DEFAULT_BETA if args.dpo_beta is None else args.dpo_beta

@@ -183,9 +183,15 @@ PAIRS_ARGV = "--train-mode dpo --dataset-provider jsonl --data-path /d.jsonl --h
             1,
             "TRAIN_MODE=dpo with LORA_RANK unset: the reference is the base with the adapters off",
         ),
+        (
+            dict(PAIRS_ENV, LORA_RANK="4", LORA_TARGETS="linear_qkv,vision.linear_qkv", VISION_NPROC="1"),
+            [*PAIRS_ARGV, "--lora-rank", "4", "--lora-targets", "linear_qkv,vision.linear_qkv", "--vision-nproc", "1"],
+            2,
+            "TRAIN_MODE=dpo with VISION_NPROC=1 and adapters in the vision tower (LORA_TARGETS)",
+        ),
         (dict(DPO_BETA="0.2"), ["--dpo-beta", "0.2"], 1, "DPO_BETA=0.2 without TRAIN_MODE=dpo"),
     ],
-    ids=["mock data", "no adapters", "beta alone"],
+    ids=["mock data", "no adapters", "adapted tower on its own ranks", "beta alone"],
 )
 def test_dpo_settings_it_cannot_run_are_refused_by_name(monkeypatch, environ, argv, world, said):
     """The launcher's line, and the trainer's, which starts with it and names the flags."""

@@ -74,6 +74,12 @@ GRPO_ARGV = "--train-mode grpo --dataset-provider jsonl --data-path /d.jsonl --h
             "TRAIN_MODE=grpo with PP=2: the answers are drawn by the decoder",
         ),
         (
+            dict(GRPO_ENV, VISION_NPROC="1"),
+            [*GRPO_ARGV.split(), "--vision-nproc", "1"],
+            2,
+            "TRAIN_MODE=grpo with VISION_NPROC=1: the answers are drawn by the decoder",
+        ),
+        (
             dict(GRPO_ENV, GRPO_SAMPLES="1"),
             [*GRPO_ARGV.split(), "--grpo-samples", "1"],
             1,
@@ -81,7 +87,7 @@ GRPO_ARGV = "--train-mode grpo --dataset-provider jsonl --data-path /d.jsonl --h
         ),
         (dict(GRPO_ENV, GRPO_REWARD="bleu"), [*GRPO_ARGV.split(), "--grpo-reward", "bleu"], 1, "GRPO_REWARD=bleu"),
     ],
-    ids=["samples alone", "context parallel", "pipeline", "one answer", "unknown reward"],
+    ids=["samples alone", "context parallel", "pipeline", "tower on its own ranks", "one answer", "unknown reward"],
 )
 def test_grpo_settings_it_cannot_run_are_refused_by_name(monkeypatch, environ, argv, world, said):
     """The launcher's line, and the trainer's, which starts with it and names the flags."""

@@ -13,7 +13,7 @@ from ..models.setting_names import FSDP_REFUSALS, REWARD_NAMES, VARIABLES, sched
 from ..planner.pipeline_layout import stage_layers
 from ..vision_ranks.layout import env_table
 from . import megatron_argv
-from .from_env import Host, lora_on_experts
+from .from_env import Host, lora_in_vision, lora_on_experts
 from .run_config import MOCK_DATASETS, LaunchError, RunConfig
 from .variables import limit_problem
 
@@ -166,7 +166,17 @@ def post_training(config: RunConfig, shape: ModelShape, host: Host) -> str | Non
         ),
         (mode == "grpo" and lay.pp > 1, f"PP={lay.pp}", "the answers are drawn by the decoder, which runs at PP=1"),
         (mode == "grpo" and lay.cp > 1, f"CP={lay.cp}", "the answers are drawn by the decoder, which runs at CP=1"),
-        (lay.vision_nproc > 0, f"VISION_NPROC={lay.vision_nproc}", "the tower on ranks of its own is not wired yet"),
+        (
+            mode == "grpo" and lay.vision_nproc > 0,
+            f"VISION_NPROC={lay.vision_nproc}",
+            "the answers are drawn by the decoder, which runs the tower on the language model's ranks",
+        ),
+        (
+            lay.vision_nproc > 0 and lora_in_vision(config),
+            f"VISION_NPROC={lay.vision_nproc} and adapters in the vision tower (LORA_TARGETS)",
+            "the tower on ranks of its own sends its features once a step, for the policy and the reference "
+            "alike, which needs them equal (leave the tower's linears out of LORA_TARGETS)",
+        ),
         (config.batch.packing == "tokens", "PACKING=tokens", "MBS records a micro-batch, each packed whole"),
         (bool(config.model.mtp), "MTP=1", f"the MTP head has no {mode.upper()} loss (MTP=0)"),
     )

@@ -100,6 +100,12 @@ def lora_on_experts(config: RunConfig) -> bool:
     return config.lora.rank > 0 and bool({"linear_fc1", "linear_fc2"} & set(targets))
 
 
+def lora_in_vision(config: RunConfig) -> bool:
+    """LoRA adapts linears of the vision tower (``vision.*`` targets)."""
+    targets = (config.lora.targets or ",".join(DEFAULT_TARGETS)).split(",")
+    return config.lora.rank > 0 and any(t.strip().startswith("vision.") for t in targets)
+
+
 def resolve(config: RunConfig, shape: ModelShape, host: Host, said: list[str]) -> RunConfig:
     """The settings the model and the host decide, where the environment left them unset."""
     layout, backend, model = config.layout, config.backend, config.model
