@@ -31,6 +31,7 @@ from examples.multimodal_dev.data.collate import pad_multiple_for, pad_row_to
 from examples.multimodal_dev.post_training import dpo, grpo, rollout
 from examples.multimodal_dev.post_training.reference_pass import policy_and_reference, stage_output
 from examples.multimodal_dev.training.host_collectives import agreed_max
+from examples.multimodal_dev.training.throughput import StepFlops
 
 
 def packed_seq_params(batch: PackedBatch) -> PackedSeqParams | None:
@@ -126,11 +127,13 @@ def grpo_step(prompts: PromptBatch, model):
     reference's log-probabilities of them from a forward with the adapters off, without a graph (none
     where the KL term is off), then the policy's forward, whose loss function reads both."""
     from megatron.core import parallel_state
+    from megatron.core.utils import unwrap_model
 
     args = megatron_args()
     settings = grpo.Settings.of(args)
     pad_multiple = pad_multiple_for(1, args.tensor_model_parallel_size, args.sequence_parallel)
     terms = rollout.roll_out(model, prompts, settings, args, pad_multiple)
+    StepFlops.count_in_step(grpo.step_work(terms.batch, unwrap_model(model).shape, settings))
     batch = equalise_for_expert_dispatch(terms.batch.to(terms.positions.device), model)
     assert parallel_state.get_context_parallel_world_size() == 1, "GRPO's checks refuse CP > 1"
     run = partial(run_model, model, batch)

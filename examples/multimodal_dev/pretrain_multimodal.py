@@ -60,7 +60,7 @@ def main() -> None:
         choose_gdn_kernels(args)  # FLA's where right on this GPU (the model's head dims decide on Hopper)
     for line in save_guard.clear_incomplete_saves(args.save):
         say(line, every_rank=True)
-    meter = StepFlops()
+    meter = StepFlops.of_run = StepFlops()
     try:
         lines = megatron_changes.install(args, meter)  # every change to megatron: megatron_changes/table.py
     except megatron_changes.MegatronChangeError as err:

@@ -9,7 +9,7 @@ fp32, LoRA on the default targets, the answers drawn on the training ranks and s
 - Stopped at step 18 and resumed, the run gives the straight run's steps 19 and 20 bitwise: the
   answers' sampling state is the seed and the sample's index.
 - From the trained checkpoint, TP=2 with SP and EP=2 track the single process (``test_parallelism.py``'s
-  bounds), the same answers drawn (equal mean reward and answer length).
+  bounds), the same answers drawn (equal mean reward and answer length) and the same work counted.
 """
 
 import os
@@ -68,6 +68,8 @@ def test_grpo_mean_reward_rises_from_chance_within_20_steps(grpo_trained):
     assert first < 0.2 and last > 0.8, (first, last)
     assert run.records[1]["kl"] == 0  # the adapters start at B = 0: the policy is its reference
     assert all(run.records[i]["answer length"] == 1 for i in reward)
+    # the step's work is counted though no collate packed its answers (grpo.step_work)
+    assert all(run.records[i]["model_flops"] > 0 and run.records[i]["real_tokens"] > 0 for i in reward)
     assert "rollout tokens/s" in run.output and "mean reward" in run.output
 
 
@@ -98,5 +100,7 @@ def test_grpo_layout_matches_single_process(name, grpo_base, grpo_trained, grpo_
     run = run_script(NO_EVAL, CKPT_LOAD=grpo_trained[1], **LONGER, **COMMON, **grpo_base[1], **LAYOUTS[name])
     assert_tracks(f"GRPO {name}", run.check(), grpo_from_trained, 2)
     for i in (1, 2):
-        for key in ("mean reward", "answer length"):
+        for key in ("mean reward", "answer length", "real_tokens"):
             assert run.records[i][key] == grpo_from_trained.records[i][key], (name, i, key)
+        flops = [r.records[i]["model_flops"] for r in (run, grpo_from_trained)]
+        assert abs(flops[0] - flops[1]) <= 1e-9 * flops[1], (name, i, flops)  # summed over DP, not TP

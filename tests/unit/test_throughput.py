@@ -95,6 +95,20 @@ def test_stats_missing_from_a_batch_count_as_zero(mcore):
     assert meter.last == {"model_flops": 5.0, "real_tokens": 0.0, "padded_tokens": 0.0, "dp_imbalance": 1.0}
 
 
+def test_work_the_step_makes_counts_in_its_iteration(mcore, monkeypatch):
+    """GRPO's drawn answers, packed inside the step, add to the run's meter as a drawn micro-batch."""
+    monkeypatch.setattr(StepFlops, "of_run", None)
+    StepFlops.count_in_step(_stats(model_flops=1.0))  # no run's meter: nothing to count into
+    meter = StepFlops()
+    monkeypatch.setattr(StepFlops, "of_run", meter)
+    next(meter.tap(_batches((2.0, 10, 16))))
+    StepFlops.count_in_step(_stats(model_flops=5.0, real=20, padded=32))
+    assert meter.end_iteration() == 7.0 and meter.last["real_tokens"] == 30.0 and meter.last["padded_tokens"] == 48.0
+    next(meter.tap(_batches((2.0, 10, 16)), counted=False))  # a rank that counts none of its batches
+    StepFlops.count_in_step(_stats(model_flops=5.0, real=20, padded=32))
+    assert meter.pending == {"model_flops": 0.0, "real_tokens": 0.0, "padded_tokens": 0.0}
+
+
 def test_throughput_line_with_and_without_peak():
     # 123.456 TFLOP/s on each of 4 GPUs for 2 s; 1500 real of 2000 padded tokens
     window = {"model_flops": 123.456e12 * 4 * 2.0, "real_tokens": 1500.0, "padded_tokens": 2000.0}

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -66,6 +66,17 @@ class Settings:
     def of(cls, args) -> Settings:
         given = {name: getattr(args, f"grpo_{name}", None) for name in cls.__dataclass_fields__}
         return cls(**{name: value for name, value in given.items() if value is not None})
+
+
+def step_work(batch, shape, settings: Settings):
+    """The stats of a micro-batch of drawn answers (a packed ``PackedBatch``) with the FLOPs of the
+    step's work on them, which no collate counted: drawing them (about one forward of every row, the
+    cached decoder running each token once), the reference's forward (with the KL term) and the
+    policy's forward and backward."""
+    from ..training.throughput import batch_flops
+
+    flops = batch_flops(shape, batch)
+    return replace(batch.stats, model_flops=flops.training + (1 + bool(settings.kl_weight)) * flops.forward)
 
 
 def reward_function(name: str) -> Callable[[str, str], float]:

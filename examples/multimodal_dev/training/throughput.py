@@ -17,6 +17,7 @@ Both read megatron.training's own interval timer, so eval and checkpoint time st
 from __future__ import annotations
 
 import inspect
+from typing import ClassVar
 
 import torch
 
@@ -68,6 +69,9 @@ class StepFlops:
     stats as the training loop draws them, summed per iteration and per log window."""
 
     _KEYS = ("model_flops", "real_tokens", "padded_tokens")
+    # The run's meter (pretrain_multimodal.main), for the work of batches the step makes itself
+    # (GRPO's drawn answers, which no collate counted): ``count_in_step``.
+    of_run: ClassVar[StepFlops | None] = None
 
     def __init__(self):
         self.pending = dict.fromkeys(self._KEYS, 0.0)  # this rank's micro-batches since the last iteration
@@ -93,6 +97,14 @@ class StepFlops:
                 self.pending[key] += getattr(stats, key, 0.0)
             self.pending_batches += 1
             yield batch
+
+    @classmethod
+    def count_in_step(cls, stats) -> None:
+        """A batch the step made counted in this iteration's sums, as a drawn micro-batch's stats are."""
+        meter = cls.of_run
+        if meter is not None and meter.counted:
+            for key in cls._KEYS:
+                meter.pending[key] += getattr(stats, key, 0.0)
 
     def end_iteration(self) -> float:
         """Global model FLOPs of the iteration that just ended: every rank's micro-batches summed
