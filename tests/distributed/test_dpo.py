@@ -7,7 +7,8 @@ default targets (the routed experts' included) and the base, adapters off, as th
   here from transformers' model of the base with the run's adapters exported to ``peft`` (policy) and
   with those adapters disabled (reference), on the same pairs (fp32, 1e-5).
 - From the same checkpoint, TP=2 with SP, EP=2, CP=2, PP=2 (interleaved, VP=2) and the tower on a
-  rank of its own (VISION_NPROC=1) track the single process (the bounds of ``test_parallelism.py``).
+  rank of its own (VISION_NPROC=1, alone and ahead of PP=2) track the single process (the bounds of
+  ``test_parallelism.py``).
 - Stopped at step 18 (its saved checkpoint) and resumed, the run gives the straight run's steps 19
   and 20 bitwise.
 """
@@ -101,9 +102,10 @@ def test_dpo_loss_equals_the_formula_on_transformers_and_peft(dpo_base, dpo_trai
 
 
 # PP=2: the reference's activations travel beside the policy's (post_training/reference_pass.py);
-# VISION_NPROC=1: the tower's features, sent once, serve both passes
+# VISION_NPROC=1: the tower's features, sent once, serve both passes (ahead of PP=2: in megatron's
+# multi-module dict)
 LAYOUTS = {"TP=2 SP": dict(TP=2), "EP=2": dict(EP=2, NPROC=2), "CP=2": dict(CP=2), "PP=2 VP=2": dict(PP=2, VP=2)}
-LAYOUTS["VISION_NPROC=1"] = dict(VISION_NPROC=1)
+LAYOUTS.update({"VISION_NPROC=1": dict(VISION_NPROC=1), "VISION_NPROC=1 PP=2": dict(VISION_NPROC=1, PP=2)})
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPU cores")
