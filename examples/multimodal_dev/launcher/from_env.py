@@ -94,16 +94,21 @@ def overlay(config: RunConfig, env: Environment) -> RunConfig:
     return replace(config, **{s: replace(getattr(config, s), **c) for s, c in changes.items()})
 
 
+def _lora_targets(config: RunConfig) -> set[str]:
+    """The linears LoRA adapts, by target name (none without ``LORA_RANK``)."""
+    if not config.lora.rank:
+        return set()
+    return {t.strip() for t in (config.lora.targets or ",".join(DEFAULT_TARGETS)).split(",")}
+
+
 def lora_on_experts(config: RunConfig) -> bool:
     """LoRA adapts the routed experts' linears (on the local backend's grouped experts, or SequentialMLP's)."""
-    targets = (config.lora.targets or ",".join(DEFAULT_TARGETS)).split(",")
-    return config.lora.rank > 0 and bool({"linear_fc1", "linear_fc2"} & set(targets))
+    return bool({"linear_fc1", "linear_fc2"} & _lora_targets(config))
 
 
 def lora_in_vision(config: RunConfig) -> bool:
     """LoRA adapts linears of the vision tower (``vision.*`` targets)."""
-    targets = (config.lora.targets or ",".join(DEFAULT_TARGETS)).split(",")
-    return config.lora.rank > 0 and any(t.strip().startswith("vision.") for t in targets)
+    return any(t.startswith("vision.") for t in _lora_targets(config))
 
 
 def resolve(config: RunConfig, shape: ModelShape, host: Host, said: list[str]) -> RunConfig:

@@ -92,9 +92,7 @@ class StepFlops:
         self.counted = counted
         for batch in iterator:
             # a micro-batch without stats (ServedBatches, a test's stand-in) counts nothing
-            stats = getattr(batch, "stats", None) if counted else None
-            for key in self._KEYS:
-                self.pending[key] += getattr(stats, key, 0.0)
+            self._add(getattr(batch, "stats", None) if counted else None)
             self.pending_batches += 1
             yield batch
 
@@ -103,8 +101,11 @@ class StepFlops:
         """A batch the step made counted in this iteration's sums, as a drawn micro-batch's stats are."""
         meter = cls.of_run
         if meter is not None and meter.counted:
-            for key in cls._KEYS:
-                meter.pending[key] += getattr(stats, key, 0.0)
+            meter._add(stats)
+
+    def _add(self, stats) -> None:
+        for key in self._KEYS:
+            self.pending[key] += getattr(stats, key, 0.0)
 
     def end_iteration(self) -> float:
         """Global model FLOPs of the iteration that just ended: every rank's micro-batches summed
